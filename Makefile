@@ -1,0 +1,36 @@
+# Two commands do all the set-up on a fresh machine:
+#   make lab    create .venv, install everything, open JupyterLab on lessons/
+#   make test   the same set-up, then the whole test suite (what CI runs)
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_VERSION ?= 2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.parcourse-installed
+
+.PHONY: lab test install doctor bench clean
+
+install: $(STAMP)
+
+# torch first, pinned: with it installed, the package's torch range is already met
+# and pip does not go looking for a newer (CUDA) build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -c "import torch; print('torch', torch.__version__, '| cuda build:', torch.version.cuda)"
+	touch $(STAMP)
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab lessons/
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+doctor: $(STAMP)
+	$(PY) -m parcourse doctor
+
+bench: $(STAMP)
+	$(PY) benchmarks/launch.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

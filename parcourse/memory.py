@@ -1,0 +1,149 @@
+"""Where a rank's bytes go: live tensor storages counted by category.
+
+Categories follow the ZeRO paper (arXiv:1910.02054, sec. 3): parameters,
+gradients, optimizer state, activations saved for backward, and everything
+else (temporary buffers). Bytes are counted from the *storages* behind tensors,
+each storage once, so views and tied weights are not counted twice. A storage
+that belongs to two categories counts in the first of CATEGORIES (a parameter
+saved for backward is a parameter, not an activation).
+
+On CPU there is no allocator to ask, so this is the measurement; psutil's RSS
+includes the Python heap, torch's code and freed-but-cached pages, and does not
+match the bytes the theory counts. On a GPU, `cuda_figures()` adds what the
+caching allocator reports.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+CATEGORIES: tuple[str, ...] = ("params", "grads", "optimizer", "activations", "other")
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    storage = t.untyped_storage()
+    return (str(t.device), storage.data_ptr())
+
+
+def _tensors(obj: Any) -> Iterable[torch.Tensor]:
+    """Every tensor inside nested lists, tuples, dicts (e.g. optimizer.state)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple, set)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors`."""
+    seen: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        seen[_storage_key(t)] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+class SavedActivations:
+    """Records the tensors autograd saves for backward inside a `with` block.
+
+    >>> acts = SavedActivations()
+    >>> with acts:
+    ...     loss = model(x).sum()
+    >>> acts.live_tensors()   # what backward will need; freed by backward
+
+    Uses torch.autograd.graph.saved_tensors_hooks; the tensors are held through
+    weak references, so a tensor freed by backward stops counting.
+    """
+
+    def __init__(self) -> None:
+        self._refs: list[weakref.ref[torch.Tensor]] = []
+        self._hooks: Any = None
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self._refs.append(weakref.ref(t))
+        return t
+
+    def __enter__(self) -> SavedActivations:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+    def live_tensors(self) -> list[torch.Tensor]:
+        alive = [r() for r in self._refs]
+        self._refs = [r for r, t in zip(self._refs, alive) if t is not None]
+        return [t for t in alive if t is not None]
+
+
+def live_bytes(
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    activations: SavedActivations | None = None,
+    other: Any = None,
+) -> dict[str, int]:
+    """Bytes of live storages by category; each storage counted once.
+
+    `other` is any tensor or nested container of tensors (e.g. communication
+    buffers) that belongs to none of the named categories.
+    """
+    groups: dict[str, list[torch.Tensor]] = {c: [] for c in CATEGORIES}
+    if model is not None:
+        groups["params"] = list(model.parameters())
+        groups["grads"] = [p.grad for p in model.parameters() if p.grad is not None]
+    if optimizer is not None:
+        opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+        if model is None:
+            groups["params"] = opt_params
+            groups["grads"] = [p.grad for p in opt_params if p.grad is not None]
+        groups["optimizer"] = list(_tensors(list(optimizer.state.values())))
+    if activations is not None:
+        groups["activations"] = activations.live_tensors()
+    groups["other"] = list(_tensors(other))
+
+    counted: set[tuple[str, int]] = set()
+    result: dict[str, int] = {}
+    for category in CATEGORIES:
+        fresh = [t for t in groups[category] if _storage_key(t) not in counted]
+        result[category] = storage_bytes(fresh)
+        counted.update(_storage_key(t) for t in fresh)
+    return result
+
+
+def cuda_figures() -> dict[str, int] | None:
+    """torch.cuda allocator figures for the current device, or None on CPU."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return {
+        "allocated": torch.cuda.memory_allocated(),
+        "max_allocated": torch.cuda.max_memory_allocated(),
+        "reserved": torch.cuda.memory_reserved(),
+    }
+
+
+def adam_bytes_per_param(param_dtype: torch.dtype = torch.float32) -> dict[str, int]:
+    """Theory: bytes per parameter for weights, gradients and Adam state.
+
+    fp32 training: 4 + 4 + 8 (two fp32 moments) = 16. Mixed precision adds an
+    fp32 master copy: 2 + 2 + (4 + 4 + 4) = 16 as well (ZeRO paper, sec. 3.1).
+    """
+    size = torch.empty((), dtype=param_dtype).element_size()
+    if param_dtype == torch.float32:
+        return {"params": 4, "grads": 4, "optimizer": 8}
+    return {"params": size, "grads": size, "optimizer": 12}
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

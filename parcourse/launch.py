@@ -23,17 +23,21 @@ How (see DESIGN.md, "Launching ranks"):
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import faulthandler
 import multiprocessing as mp
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
 import traceback
+import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_for
 from pathlib import Path
@@ -273,6 +277,23 @@ def _context() -> mp.context.BaseContext:
     return mp.get_context("spawn")
 
 
+@contextmanager
+def _main_not_reimported() -> Iterator[None]:
+    """Start processes without re-running the caller's __main__ in them.
+
+    multiprocessing re-imports the main script in every spawned or forkserver
+    child, which re-runs a script's top level unless it is guarded by
+    `if __name__ == "__main__":`. The ranks never need it (functions travel by
+    value), so the start is made with a blank __main__ in view.
+    """
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
 @dataclass
 class _Rank:
     process: Any
@@ -350,7 +371,8 @@ class Pool:
                 args=(rank, self.plan, self._store.port, prefix, child_conn, life_read, status,
                       stack_file),
             )
-            process.start()
+            with _main_not_reimported():
+                process.start()
             child_conn.close()
             life_read.close()
             self._ranks.append(_Rank(process, parent_conn, life_write, status, stack_file))
@@ -590,6 +612,14 @@ def _init_external(plan: _Plan) -> None:
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         raise ValueError("under Slurm, set MASTER_ADDR and MASTER_PORT (e.g. the first node, 29500)")
     dist.init_process_group(plan.backend, rank=rank, world_size=world_size, timeout=_PG_TIMEOUT)
+    # We created it, so we tear it down: a gloo group still alive at interpreter exit
+    # aborts the process ("terminate called without an active exception").
+    atexit.register(_destroy_external_group)
+
+
+def _destroy_external_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _external_device(plan: _Plan) -> torch.device:

@@ -1,0 +1,285 @@
+"""The launcher: real processes, real process groups, every failure mode."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+import parcourse
+from parcourse import (
+    Pool,
+    RankDied,
+    RankError,
+    RankTimeout,
+    SerializationError,
+    launch,
+)
+from rankfns import (
+    deadlock,
+    die,
+    fail_on,
+    ignore_sigint,
+    rank_and_sum,
+    slow,
+    unpicklable_result,
+)
+
+
+def rank_processes():
+    """Our rank processes among this test process's descendants."""
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+            if p.status() != psutil.STATUS_ZOMBIE and "forkserver" not in cmd \
+                    and "resource_tracker" not in cmd:
+                found.append(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def assert_all_gone(pid_dir):
+    pids = [int(p.name) for p in Path(pid_dir).iterdir()]
+    assert pids, "the rank function did not record its pid"
+    for pid in pids:
+        alive = psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        assert not alive, f"rank process {pid} outlived the failed run"
+    assert rank_processes() == []
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_results_per_rank(world_size):
+    run = launch(rank_and_sum, world_size, 10)
+    expected = sum(range(world_size)) + 10
+    assert [r["rank"] for r in run.results] == list(range(world_size))
+    assert all(r["sum"] == expected and r["world"] == world_size for r in run.results)
+    assert all(r["threads"] == 1 for r in run.results), "one thread per rank on CPU"
+    assert len({r["pid"] for r in run.results}) == world_size
+    assert run.backend == "gloo" and run.wall_s > run.startup_s > 0
+    assert len(run.trace.spans_of(name="all_reduce")) == world_size
+    assert rank_processes() == []
+
+
+def test_exception_carries_rank_and_remote_traceback(tmp_path):
+    with pytest.raises(RankError) as info:
+        launch(fail_on, 4, 2, str(tmp_path), timeout=30)
+    err = info.value
+    assert err.rank == 2 and err.exc_type == "ValueError"
+    assert "bad value on rank 2" in str(err)
+    assert "in fail_on" in err.remote_traceback and "raise ValueError" in err.remote_traceback
+    assert_all_gone(tmp_path)
+
+
+def test_deadlock_times_out_naming_ranks_and_spans(tmp_path):
+    t0 = time.perf_counter()
+    with pytest.raises(RankTimeout) as info:
+        launch(deadlock, 2, str(tmp_path), timeout=2)
+    assert time.perf_counter() - t0 < 15
+    err = info.value
+    assert sorted(err.running) == [0, 1]
+    assert "recv from 1" in err.running[0] and "recv from 0" in err.running[1]
+    assert "in deadlock" in str(err), "the message shows where each rank was stuck"
+    assert isinstance(err, TimeoutError)
+    assert_all_gone(tmp_path)
+
+
+@pytest.mark.parametrize(("how", "code"), [("kill", -signal.SIGKILL), ("exit", 3)])
+def test_killed_rank_is_reported(tmp_path, how, code):
+    with pytest.raises(RankDied) as info:
+        launch(die, 3, how, str(tmp_path), timeout=30)
+    err = info.value
+    assert err.rank == 1 and err.exitcode == code
+    assert ("SIGKILL" if how == "kill" else "exited with code 3") in str(err)
+    assert "about to die" in str(err)
+    assert_all_gone(tmp_path)
+
+
+def test_two_launches_at_once_do_not_collide():
+    out = {}
+
+    def go(key, offset):
+        out[key] = launch(rank_and_sum, 2, offset).results
+
+    threads = [threading.Thread(target=go, args=(k, k * 100)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r["sum"] for r in out[0]] == [1, 1] and [r["sum"] for r in out[1]] == [101, 101]
+
+    with Pool(2) as a, Pool(2) as b:
+        for _ in range(3):
+            assert a.run(rank_and_sum, 1).results[0]["sum"] == 2
+            assert b.run(rank_and_sum, 2).results[0]["sum"] == 3
+
+
+def test_function_defined_in_a_notebook_cell():
+    # What a notebook cell defines lives in __main__ and is not importable by name.
+    cell = textwrap.dedent(
+        """
+        import torch, torch.distributed as dist
+        scale = 3.0
+        def my_rank_fn(ctx):
+            t = torch.tensor([ctx.rank * scale])
+            dist.all_reduce(t, group=ctx.group)
+            return t.item()
+        """
+    )
+    namespace = {"__name__": "__main__"}
+    exec(cell, namespace)
+    assert launch(namespace["my_rank_fn"], 2).results == [3.0, 3.0]
+    assert launch(lambda ctx, k: ctx.rank * k, 2, 5).results == [0, 5]
+
+
+def test_pool_reuses_ranks_and_is_fast(pool4):
+    first = pool4.run(rank_and_sum).results
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        run = pool4.run(rank_and_sum, 1)
+        times.append(time.perf_counter() - t0)
+    assert [r["pid"] for r in run.results] == [r["pid"] for r in first]
+    assert all(r["sum"] == 7 for r in run.results)
+    assert run.startup_s == 0.0
+
+
+def test_pool_recovers_after_each_kind_of_failure(tmp_path):
+    with Pool(2, timeout=30) as pool:
+        pids = pool.pids
+        with pytest.raises(RankError):
+            pool.run(fail_on, 0)
+        assert not any(psutil.pid_exists(p) for p in pids)
+        assert pool.run(rank_and_sum).results[1]["sum"] == 1
+        with pytest.raises(RankTimeout):
+            pool.run(deadlock, timeout=1)
+        assert pool.run(rank_and_sum).results[1]["sum"] == 1
+        with pytest.raises(RankDied):
+            pool.run(die, "kill")
+        run = pool.run(rank_and_sum)
+        assert run.results[1]["sum"] == 1 and run.startup_s > 0
+        assert pool.startups == 4
+
+
+def test_pool_survives_a_kernel_interrupt():
+    def interrupt(statuses, elapsed):
+        if elapsed > 0.2:
+            raise KeyboardInterrupt  # what the kernel raises in the waiting caller
+
+    with Pool(2) as pool:
+        pids = pool.pids
+        progress = []
+        pool.run(slow, 0.3, on_progress=lambda s, e: progress.append(s))
+        assert any("slow step" in s for ss in progress for s in ss), progress
+        with pytest.raises(KeyboardInterrupt):
+            pool.run(slow, 30, on_progress=interrupt)
+        assert not any(psutil.pid_exists(p) for p in pids)
+        assert pool.run(rank_and_sum).results[0]["sum"] == 1
+
+
+def test_ranks_ignore_sigint(pool2):
+    assert pool2.run(ignore_sigint).results == [0, 1]
+
+
+def test_serialization_errors_are_clear(pool2):
+    lock = threading.Lock()
+    before = rank_processes()
+    with pytest.raises(SerializationError, match="cannot send the function"):
+        launch(lambda ctx: lock, 2)
+    assert rank_processes() == before, "nothing started for an unpicklable function"
+    with pytest.raises(SerializationError, match="rank 0 returned a generator"):
+        pool2.run(unpicklable_result)
+    assert pool2.run(rank_and_sum).results[0]["sum"] == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"world_size": 0}, "world_size must be an int >= 1"),
+        ({"world_size": -2}, "world_size must be an int >= 1"),
+        ({"world_size": 2.0}, "world_size must be an int >= 1"),
+        ({"world_size": 2, "backend": "mpi"}, "unknown backend 'mpi'"),
+        ({"world_size": 2, "device": "tpu"}, "unknown device 'tpu'"),
+        ({"world_size": 2, "threads": 0}, "threads must be"),
+    ],
+)
+def test_bad_arguments_fail_before_any_process_starts(kwargs, message):
+    before = rank_processes()
+    with pytest.raises(ValueError, match=message):
+        launch(rank_and_sum, **kwargs)
+    with pytest.raises(ValueError, match=message):
+        Pool(**kwargs)
+    assert rank_processes() == before
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_nccl_without_gpus_is_refused():
+    with pytest.raises(ValueError, match="nccl backend needs GPUs"):
+        launch(rank_and_sum, 2, backend="nccl")
+    with pytest.raises(ValueError, match="sees no GPU"):
+        launch(rank_and_sum, 2, device="cuda")
+
+
+def test_ranks_exit_when_the_caller_is_killed(tmp_path):
+    script = tmp_path / "owner.py"
+    script.write_text(textwrap.dedent(
+        """
+        import sys, time
+        sys.path.insert(0, sys.argv[1])
+        from parcourse import Pool
+        from rankfns import slow
+        pool = Pool(2)
+        print(*pool.pids, flush=True)
+        pool.run(slow, 60)
+        """
+    ))
+    tests_dir = str(Path(__file__).parent)
+    owner = subprocess.Popen([sys.executable, str(script), tests_dir], stdout=subprocess.PIPE,
+                             text=True)
+    pids = [int(p) for p in owner.stdout.readline().split()]
+    assert len(pids) == 2
+    time.sleep(0.5)
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and any(psutil.pid_exists(p) for p in pids):
+        time.sleep(0.1)
+    assert not any(psutil.pid_exists(p) for p in pids), "ranks outlived a killed caller"
+
+
+def test_same_function_runs_under_torchrun(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(
+        """
+        import os, sys
+        sys.path.insert(0, sys.argv[1])
+        from parcourse import launch
+        from rankfns import rank_and_sum
+        run = launch(rank_and_sum, 2, 10)
+        if os.environ["RANK"] == "0":  # every rank has every result; print once
+            print("RESULT", run.backend, [r["sum"] for r in run.results], len(run.trace.spans))
+        """
+    ))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script),
+         str(Path(__file__).parent)],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
+    assert lines == ["RESULT gloo [11.0, 11.0] 2"], out.stdout
+
+
+def test_public_api_is_exported():
+    for name in ("launch", "Pool", "RankContext", "Run", "Trace", "Tracer", "RankError"):
+        assert hasattr(parcourse, name)

@@ -1,0 +1,5 @@
+import sys
+
+from parcourse.cli import main
+
+sys.exit(main())

@@ -1,0 +1,101 @@
+"""Lesson 00: the collectives of torch.distributed, seen from every rank.
+
+Each function here is a rank function: `launch(show_collective, 4, "all_reduce")`
+runs it on four ranks. Rank r starts with the values r*numel ... r*numel+numel-1,
+so in a picture one can see which rank's numbers ended up where.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from parcourse.launch import RankContext
+
+Collective = Literal["broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter"]
+COLLECTIVES: tuple[str, ...] = ("broadcast", "reduce", "all_reduce", "all_gather",
+                                "reduce_scatter")
+
+
+def hello(ctx: RankContext) -> str:
+    """Who am I? What a rank knows about itself."""
+    return (f"rank {ctx.rank} of {ctx.world_size}, backend {ctx.backend}, device {ctx.device}, "
+            f"{torch.get_num_threads()} thread(s)")
+
+
+def starting_tensor(rank: int, numel: int) -> torch.Tensor:
+    return torch.arange(rank * numel, (rank + 1) * numel, dtype=torch.int64)
+
+
+def show_collective(ctx: RankContext, op: Collective, numel: int = 4,
+                    root: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run one collective; return (this rank's tensor before, after).
+
+    reduce_scatter needs numel divisible by world_size: each rank keeps
+    numel / world_size of the summed tensor.
+    """
+    before = starting_tensor(ctx.rank, numel).to(ctx.device)
+    with ctx.tracer.span(op, kind="comm"):
+        if op == "broadcast":
+            after = before.clone()
+            dist.broadcast(after, src=root, group=ctx.group)
+        elif op == "reduce":
+            after = before.clone()
+            dist.reduce(after, dst=root, group=ctx.group)  # only the root's result is defined
+        elif op == "all_reduce":
+            after = before.clone()
+            dist.all_reduce(after, group=ctx.group)
+        elif op == "all_gather":
+            parts = [torch.empty_like(before) for _ in range(ctx.world_size)]
+            dist.all_gather(parts, before, group=ctx.group)
+            after = torch.cat(parts)
+        elif op == "reduce_scatter":
+            after = torch.empty(numel // ctx.world_size, dtype=before.dtype, device=ctx.device)
+            dist.reduce_scatter_tensor(after, before, group=ctx.group)
+        else:
+            raise ValueError(f"unknown collective {op!r}; choose one of {', '.join(COLLECTIVES)}")
+    return before, after
+
+
+def check_collective_args(op: str, numel: int, world_size: int) -> None:
+    """Clear errors before any process starts."""
+    if op not in COLLECTIVES:
+        raise ValueError(f"unknown collective {op!r}; choose one of {', '.join(COLLECTIVES)}")
+    if numel < 1:
+        raise ValueError(f"numel must be >= 1, got {numel}")
+    if op == "reduce_scatter" and numel % world_size:
+        raise ValueError(
+            f"reduce_scatter splits the tensor into world_size parts: numel={numel} is not "
+            f"divisible by world_size={world_size}"
+        )
+
+
+def barrier_then_all_reduce(ctx: RankContext, work_ms: float = 20.0, numel: int = 1 << 20) -> float:
+    """Uneven work, a barrier, then an all_reduce: the waiting shows on the timeline.
+
+    Rank r works (r + 1) * work_ms; the fast ranks wait in the barrier for the
+    slowest. Returns the seconds this rank spent in the barrier.
+    """
+    with ctx.tracer.span("work", kind="compute", label=f"{(ctx.rank + 1) * work_ms:g} ms"):
+        _busy(seconds=(ctx.rank + 1) * work_ms / 1e3)
+    start = time.perf_counter()
+    with ctx.tracer.span("barrier", kind="idle"):
+        dist.barrier(group=ctx.group)
+    waited = time.perf_counter() - start
+    t = torch.ones(numel, device=ctx.device)
+    with ctx.tracer.span("all_reduce", kind="comm", label=f"{t.nbytes >> 20} MiB"):
+        dist.all_reduce(t, group=ctx.group)
+    with ctx.tracer.span("work", kind="compute"):
+        _busy(seconds=work_ms / 1e3)
+    return waited
+
+
+def _busy(seconds: float) -> None:
+    """Real work (a matmul loop) for about `seconds`, rather than sleeping."""
+    a = torch.randn(64, 64)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a = torch.tanh(a @ a)

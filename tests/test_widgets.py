@@ -1,0 +1,56 @@
+"""The run panel drives real ranks; errors land in the panel, not the kernel."""
+
+import ipywidgets as W
+import pytest
+
+from parcourse import basics
+from parcourse.widgets import RunPanel, close_shared_pools, shared_pool
+from rankfns import fail_on, slow
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _pools():
+    yield
+    close_shared_pools()
+
+
+def test_panel_runs_on_creation_and_on_click():
+    op = W.Dropdown(options=basics.COLLECTIVES, value="all_reduce")
+    seen = []
+
+    def render(run, op, numel):
+        seen.append(op)
+        return f"{op}: {[after.tolist() for _, after in run.results]}"
+
+    panel = RunPanel(basics.show_collective, {"op": op, "numel": W.IntSlider(2, 1, 8)},
+                     render, world_size=2, check=basics.check_collective_args)
+    assert panel.last_error is None
+    assert panel.summary == "all_reduce: [[2, 4], [2, 4]]"
+    op.value = "all_gather"
+    panel.button.click()
+    assert panel.summary == "all_gather: [[0, 1, 2, 3], [0, 1, 2, 3]]"
+    assert seen == ["all_reduce", "all_gather"]
+    assert "2 ranks" in panel.status.value and not panel.button.disabled
+
+
+def test_panel_shows_errors_and_recovers():
+    panel = RunPanel(fail_on, {"bad_rank": W.IntSlider(1, 0, 1)}, world_size=2, run_now=False)
+    assert panel.run() is None
+    assert "RankError: rank 1 raised ValueError" in panel.last_error
+    assert "failed" in panel.status.value
+    bad = RunPanel(basics.show_collective,
+                   {"op": W.Dropdown(options=["reduce_scatter"]), "numel": W.IntSlider(3, 1, 8)},
+                   world_size=2, check=basics.check_collective_args)
+    assert "not divisible by world_size=2" in bad.last_error
+    ok = RunPanel(slow, {"seconds": W.FloatSlider(0.01)}, world_size=2)
+    assert ok.last_error is None and ok.last_run.results == [0, 1]
+
+
+def test_world_size_control_picks_a_shared_pool():
+    ws = W.IntSlider(2, 1, 4)
+    panel = RunPanel(basics.hello, {"world_size": ws})
+    assert len(panel.last_run.results) == 2
+    ws.value = 3
+    panel.run()
+    assert len(panel.last_run.results) == 3
+    assert shared_pool(3) is shared_pool(3)

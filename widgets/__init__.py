@@ -1,0 +1,8 @@
+"""ipywidgets panels that launch real runs and draw what happened.
+
+Installed as `parcourse.widgets`. The library (`parcourse`) never imports this.
+"""
+
+from parcourse.widgets.panel import RunPanel, close_shared_pools, shared_pool
+
+__all__ = ["RunPanel", "close_shared_pools", "shared_pool"]

@@ -20,6 +20,10 @@ COLLECTIVES: tuple[str, ...] = ("broadcast", "reduce", "all_reduce", "all_gather
                                 "reduce_scatter")
 
 
+# torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single (same signature).
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def hello(ctx: RankContext) -> str:
     """Who am I? What a rank knows about itself."""
     return (f"rank {ctx.rank} of {ctx.world_size}, backend {ctx.backend}, device {ctx.device}, "
@@ -44,7 +48,9 @@ def show_collective(ctx: RankContext, op: Collective, numel: int = 4,
             dist.broadcast(after, src=root, group=ctx.group)
         elif op == "reduce":
             after = before.clone()
-            dist.reduce(after, dst=root, group=ctx.group)  # only the root's result is defined
+            dist.reduce(after, dst=root, group=ctx.group)
+            if ctx.rank != root:
+                after = after[:0]  # only the root's result is defined; show nothing elsewhere
         elif op == "all_reduce":
             after = before.clone()
             dist.all_reduce(after, group=ctx.group)
@@ -54,7 +60,7 @@ def show_collective(ctx: RankContext, op: Collective, numel: int = 4,
             after = torch.cat(parts)
         elif op == "reduce_scatter":
             after = torch.empty(numel // ctx.world_size, dtype=before.dtype, device=ctx.device)
-            dist.reduce_scatter_tensor(after, before, group=ctx.group)
+            _reduce_scatter(after, before, group=ctx.group)
         else:
             raise ValueError(f"unknown collective {op!r}; choose one of {', '.join(COLLECTIVES)}")
     return before, after
@@ -99,3 +105,29 @@ def _busy(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         a = torch.tanh(a @ a)
+
+
+def check_average(average_fn: object, pool: object) -> bool:
+    """Exercise check: `average_fn(ctx)` must return the mean of (rank + 1) over ranks.
+
+    Prints what it found; returns False for an unwritten stub, raises
+    AssertionError (with a hint) for a wrong answer.
+    """
+    from parcourse.launch import Pool, RankError
+
+    assert isinstance(pool, Pool)
+    try:
+        run = pool.run(average_fn)
+    except RankError as e:
+        if e.exc_type == "NotImplementedError":
+            print("Not written yet: fill in the function above, then run this cell again.")
+            return False
+        raise
+    expected = (pool.world_size + 1) / 2
+    got = [float(r) for r in run.results]
+    assert all(abs(g - expected) < 1e-6 for g in got), (
+        f"expected {expected} on every rank, got {got}. Hint: all_reduce sums in place; "
+        "divide by ctx.world_size afterwards."
+    )
+    print(f"Correct: every one of {pool.world_size} ranks got {expected:g}.")
+    return True

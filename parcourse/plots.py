@@ -74,10 +74,11 @@ def timeline(trace: Trace, ax: Axes | None = None, *, title: str | None = None,
     ax.set_xlim(0, span_width * 1.01 or 1)
     kinds = sorted({s.kind for s in trace.spans}, key=list(KIND_COLORS).index)
     ax.legend(handles=[Patch(color=KIND_COLORS[k], label=k) for k in kinds],
-              loc="upper right", fontsize=8, ncols=len(kinds) or 1)
+              loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncols=len(kinds) or 1,
+              frameon=False)
     ax.grid(axis="x", alpha=0.3)
     if title:
-        ax.set_title(title)
+        ax.set_title(title, loc="left")
     return fig
 
 

@@ -1,0 +1,72 @@
+"""Every lesson runs end to end (papermill, small parameters) and follows the cell pattern.
+
+nbval (`--nbval-lax`, configured in pyproject.toml) separately re-runs each lesson with
+its default parameters and compares the cells marked NBVAL_CHECK_OUTPUT.
+"""
+
+import json
+import re
+from pathlib import Path
+
+import papermill
+import pytest
+
+LESSONS = sorted((Path(__file__).parent.parent / "lessons").glob("[0-9][0-9]_*.ipynb"))
+# Small enough to run in seconds on a 2-core machine; the same fields as each parameters cell.
+SMALL = {
+    "00_launching_ranks": {"world_size": 2, "numel": 2, "work_ms": 5.0},
+}
+CELL_TIMEOUT_S = 300
+
+
+def code_cells(path):
+    return [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+
+
+def source(cell):
+    return "".join(cell["source"])
+
+
+def test_there_are_lessons():
+    assert LESSONS, "no lessons found"
+    assert set(SMALL) == {p.stem for p in LESSONS}, "every lesson needs small CI parameters"
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)
+def test_lesson_executes_with_small_parameters(path, tmp_path):
+    out = tmp_path / path.name
+    papermill.execute_notebook(
+        str(path), str(out), parameters=SMALL[path.stem], kernel_name="python3",
+        cwd=str(path.parent), execution_timeout=CELL_TIMEOUT_S, progress_bar=False,
+    )
+    executed = json.loads(out.read_text())
+    errors = [o for c in executed["cells"] for o in c.get("outputs", [])
+              if o.get("output_type") == "error"]
+    assert not errors
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)
+def test_lesson_hygiene(path):
+    cells = code_cells(path)
+    tagged = [c for c in cells if "parameters" in c["metadata"].get("tags", [])]
+    assert len(tagged) == 1, "exactly one cell tagged 'parameters'"
+    assert cells.index(tagged[0]) == 0, "the parameters cell comes first"
+    params = set(re.findall(r"^(\w+)\s*=", source(tagged[0]), re.M))
+    assert params >= set(SMALL[path.stem]), "CI overrides only parameters the lesson has"
+    assert any("NBVAL_CHECK_OUTPUT" in source(c) for c in cells)
+    for i, cell in enumerate(cells):
+        text = source(cell).rstrip()
+        assert "interact_manual" not in text, f"cell {i}: interact_manual never runs headless"
+        if re.search(r"\b(RunPanel|Button|Output)\(", text):
+            assert "NBVAL_IGNORE_OUTPUT" in text, f"cell {i}: a panel without NBVAL_IGNORE_OUTPUT"
+        assert not text.endswith(";"), f"cell {i}: nbval does not honour a trailing ';'"
+        if "NBVAL_CHECK_OUTPUT" not in text:
+            assert not cell.get("outputs"), f"cell {i}: commit notebooks without noisy outputs"
+        else:
+            assert cell.get("outputs"), f"cell {i}: a checked cell needs its expected output"
+    exercises = [c for c in cells if "raise NotImplementedError" in source(c)]
+    for stub in exercises:
+        after = cells[cells.index(stub) + 1:]
+        assert any("check" in source(c) for c in after), "every exercise stub has a check"
+        assert any("solution" in source(c).lower() for c in after), "…and a solution"

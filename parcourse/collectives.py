@@ -1,0 +1,432 @@
+"""All-reduce, reduce-scatter and all-gather built from point-to-point messages.
+
+Two ways to all-reduce a tensor of S bytes over N ranks:
+
+- `naive_all_reduce`, the parameter server: everyone sends to a root, the root
+  reduces and sends the result back. The root receives and sends (N-1) x S
+  bytes, one message after another, so its time grows with N.
+- `ring_all_reduce` = `ring_reduce_scatter` then `ring_all_gather`. The tensor is
+  cut into N chunks; in each of N-1 steps every rank sends one chunk to its
+  right neighbour and receives one from its left. Every rank sends
+  2(N-1)/N x S bytes whatever N is: bandwidth-optimal, which is why Horovod and
+  NCCL use it (Patarasuk & Yuan 2009; Baidu's "ring all-reduce", 2017).
+
+Only `isend`/`irecv` on the given process group are used. Every message is
+counted (`bytes_sent` on the tracer) and every round is a span with its chunk
+index, so the timeline shows the ring turning. `SimulatedLink` adds latency
+and a bandwidth limit per message, to make communication cost visible on one
+machine where loopback is nearly free.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from parcourse.trace import Tracer
+
+Op = Literal["sum", "avg", "max"]
+OPS: tuple[str, ...] = ("sum", "avg", "max")
+DTYPES: tuple[torch.dtype, ...] = (
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64,
+)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# --------------------------------------------------------------------------- checks, chunks
+
+
+def check_args(tensor: torch.Tensor, op: str) -> None:
+    """Clear errors for what these collectives do not support."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if op not in OPS:
+        raise ValueError(f"unsupported op {op!r}; choose one of {', '.join(OPS)}")
+    if tensor.dtype not in DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in DTYPES)
+        raise ValueError(f"unsupported dtype {tensor.dtype}; supported: {names}")
+    if op == "avg" and tensor.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"op 'avg' needs a floating-point tensor, got {tensor.dtype}; "
+                         "use 'sum' and divide")
+
+
+def chunk_bounds(numel: int, n: int) -> list[tuple[int, int]]:
+    """[start, end) of n chunks covering numel; the first numel % n chunks get one more.
+
+    The same split as torch.tensor_split, so shards line up with what torch does.
+    """
+    base, extra = divmod(numel, n)
+    bounds, start = [], 0
+    for i in range(n):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def _reduce_into(acc: torch.Tensor, other: torch.Tensor, op: str) -> None:
+    if op == "max":
+        torch.maximum(acc, other, out=acc)
+    else:  # sum and avg both add; avg divides once at the end
+        acc.add_(other)
+
+
+def _group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int, int]:
+    group = group or dist.group.WORLD
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def _global(group: dist.ProcessGroup, group_rank: int) -> int:
+    """torch's isend/irecv take global ranks."""
+    if group is dist.group.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+# --------------------------------------------------------------------------- the link
+
+
+@dataclass(frozen=True)
+class SimulatedLink:
+    """Latency (alpha) and bandwidth (beta) added to every message.
+
+    Each rank has one outgoing and one incoming link (full duplex). A message of
+    b bytes occupies the sender's outgoing link and the receiver's incoming link
+    for alpha + b / beta seconds; messages on the same link queue. So a root
+    receiving N-1 messages waits (N-1)(alpha + S/beta), while a ring step, where
+    every rank sends one chunk and receives one, takes alpha + chunk/beta.
+    """
+
+    latency_s: float = 0.0
+    bandwidth_Bps: float = math.inf
+
+    def __post_init__(self) -> None:
+        if self.latency_s < 0:
+            raise ValueError(f"latency_s must be >= 0, got {self.latency_s}")
+        if not self.bandwidth_Bps > 0:
+            raise ValueError(f"bandwidth_Bps must be > 0, got {self.bandwidth_Bps}")
+
+    @classmethod
+    def of(cls, latency_us: float = 0.0, bandwidth_GBps: float | None = None) -> SimulatedLink:
+        """SimulatedLink.of(latency_us=50, bandwidth_GBps=1.0): friendlier units."""
+        return cls(latency_us * 1e-6, bandwidth_GBps * 1e9 if bandwidth_GBps else math.inf)
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bandwidth_Bps
+
+
+class _Wire:
+    """One rank's view of the links for one collective: when each link is free again."""
+
+    def __init__(self, link: SimulatedLink | None) -> None:
+        self.link = link
+        self.out_free = 0.0
+        self.in_free = 0.0
+
+    def depart(self, nbytes: int) -> float:
+        """Queue a message on the outgoing link; returns when it starts."""
+        assert self.link is not None
+        start = max(time.perf_counter(), self.out_free)
+        self.out_free = start + self.link.seconds(nbytes)
+        return start
+
+    def arrive(self, departed: float, nbytes: int) -> None:
+        """A message that left its sender at `departed` occupies our incoming link."""
+        assert self.link is not None
+        start = max(departed, self.in_free)
+        self.in_free = start + self.link.seconds(nbytes)
+
+    def settle(self) -> None:
+        """Wait until both links are done: the simulated time really passes."""
+        if self.link is not None:
+            delay = max(self.in_free, self.out_free) - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+
+
+# --------------------------------------------------------------------------- messages
+
+
+class _Messenger:
+    """isend/irecv on one group, with byte counting, CPU staging and the simulated link."""
+
+    def __init__(self, group: dist.ProcessGroup, tracer: Tracer | None,
+                 link: SimulatedLink | None) -> None:
+        self.group = group
+        self.tracer = tracer
+        self.wire = _Wire(link)
+        # gloo moves CPU tensors only; ranks sharing a GPU send through host memory.
+        self.stage = dist.get_backend(group) == "gloo"
+
+    def exchange(self, sends: Sequence[tuple[torch.Tensor, int]],
+                 recvs: Sequence[tuple[torch.Tensor, int]]) -> None:
+        """Post every send and receive (group ranks), then wait for all of them.
+
+        Empty tensors (chunks of a tensor smaller than the world) are skipped on
+        both sides, which agree on the chunk sizes.
+        """
+        sends = [(self._host(t), peer) for t, peer in sends if t.numel()]
+        recvs = [(t, peer) for t, peer in recvs if t.numel()]
+        recvs_host = [(self._host_empty(t), peer) for t, peer in recvs]
+        works = []
+        stamps_in = []
+        for t, peer in sends:
+            if self.wire.link is not None:
+                stamp = torch.tensor([self.wire.depart(t.nbytes)], dtype=torch.float64)
+                works.append(dist.isend(stamp, _global(self.group, peer), self.group))
+            works.append(dist.isend(t, _global(self.group, peer), self.group))
+            if self.tracer is not None:
+                self.tracer.count("bytes_sent", t.nbytes, peer=peer)
+        for t, peer in recvs_host:
+            if self.wire.link is not None:
+                stamp = torch.empty(1, dtype=torch.float64)
+                stamps_in.append((stamp, t.nbytes))
+                works.append(dist.irecv(stamp, _global(self.group, peer), self.group))
+            works.append(dist.irecv(t, _global(self.group, peer), self.group))
+        for w in works:
+            w.wait()
+        if self.wire.link is not None:
+            for stamp, nbytes in sorted(stamps_in, key=lambda s: s[0].item()):
+                self.wire.arrive(stamp.item(), nbytes)
+            self.wire.settle()
+        for (host, _), (dest, _) in zip(recvs_host, recvs):
+            if host is not dest:
+                dest.copy_(host)
+
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous()
+        return t.cpu() if self.stage and t.is_cuda else t
+
+    def _host_empty(self, t: torch.Tensor) -> torch.Tensor:
+        if self.stage and t.is_cuda:
+            return torch.empty(t.shape, dtype=t.dtype)
+        return t
+
+
+def _span(tracer: Tracer | None, name: str, **meta: object):
+    if tracer is None:
+        from contextlib import nullcontext
+
+        return nullcontext()
+    return tracer.span(name, kind="comm", **meta)
+
+
+# --------------------------------------------------------------------------- the ring
+
+
+def _ring_reduce_scatter_(flat: torch.Tensor, bounds: list[tuple[int, int]], op: str,
+                          m: _Messenger, rank: int, n: int) -> None:
+    """In place on a flat buffer; afterwards chunk `rank` holds the reduction of all ranks.
+
+    Step s: send chunk (rank - s - 1) to the right, receive chunk (rank - s - 2)
+    from the left and reduce it in. After n - 1 steps the last chunk received,
+    (rank - n) mod n = rank, has been through every rank.
+    """
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for step in range(n - 1):
+        send_c, recv_c = (rank - step - 1) % n, (rank - step - 2) % n
+        (s0, s1), (r0, r1) = bounds[send_c], bounds[recv_c]
+        incoming = torch.empty(r1 - r0, dtype=flat.dtype, device=flat.device)
+        with _span(m.tracer, f"reduce-scatter {step}", phase="reduce-scatter", step=step,
+                   chunk=send_c):
+            m.exchange([(flat[s0:s1], right)], [(incoming, left)])
+            _reduce_into(flat[r0:r1], incoming, op)
+
+
+def _ring_all_gather_(flat: torch.Tensor, bounds: list[tuple[int, int]], m: _Messenger,
+                      rank: int, n: int) -> None:
+    """In place; chunk `rank` is this rank's, afterwards every chunk is filled.
+
+    Step s: send chunk (rank - s) to the right, receive chunk (rank - s - 1) from the left.
+    """
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for step in range(n - 1):
+        send_c, recv_c = (rank - step) % n, (rank - step - 1) % n
+        (s0, s1), (r0, r1) = bounds[send_c], bounds[recv_c]
+        with _span(m.tracer, f"all-gather {step}", phase="all-gather", step=step, chunk=send_c):
+            m.exchange([(flat[s0:s1], right)], [(flat[r0:r1], left)])
+
+
+def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
+                    op: Op = "sum", *, tracer: Tracer | None = None,
+                    link: SimulatedLink | None = None) -> torch.Tensor:
+    """Ring all-reduce, in place: reduce-scatter, then all-gather. Returns `tensor`.
+
+    Any numel (chunks may differ by one element), any world size, non-contiguous
+    tensors too. Each rank sends 2(N-1)/N x S bytes (fewer than that when the
+    chunks are uneven, by at most a few elements).
+    """
+    check_args(tensor, op)
+    group, rank, n = _group_info(group)
+    contiguous = tensor.is_contiguous()
+    flat = tensor.view(-1) if contiguous else tensor.flatten().clone()
+    if n > 1:
+        bounds = chunk_bounds(flat.numel(), n)
+        m = _Messenger(group, tracer, link)
+        _ring_reduce_scatter_(flat, bounds, op, m, rank, n)
+        _ring_all_gather_(flat, bounds, m, rank, n)
+    if op == "avg":
+        flat.div_(n)
+    if not contiguous:
+        tensor.copy_(flat.view(tensor.shape))
+    return tensor
+
+
+def ring_reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
+                        op: Op = "sum", *, tracer: Tracer | None = None,
+                        link: SimulatedLink | None = None) -> torch.Tensor:
+    """Return this rank's chunk of the reduction over ranks; `tensor` is not changed.
+
+    Rank r gets chunk r of `chunk_bounds(numel, N)`, as torch's reduce_scatter
+    does when numel divides evenly.
+    """
+    check_args(tensor, op)
+    group, rank, n = _group_info(group)
+    flat = tensor.flatten().clone()
+    bounds = chunk_bounds(flat.numel(), n)
+    if n > 1:
+        _ring_reduce_scatter_(flat, bounds, op, _Messenger(group, tracer, link), rank, n)
+    start, end = bounds[rank]
+    shard = flat[start:end].clone()
+    return shard.div_(n) if op == "avg" else shard
+
+
+def ring_all_gather(shard: torch.Tensor, group: dist.ProcessGroup | None = None, *,
+                    numel: int | None = None, tracer: Tracer | None = None,
+                    link: SimulatedLink | None = None) -> torch.Tensor:
+    """Concatenate every rank's flattened shard, in rank order, on every rank.
+
+    With equal shards, leave `numel` out. With shards cut by `chunk_bounds`
+    (uneven), pass the full `numel` so every rank knows every shard's size.
+    """
+    check_args(shard, "sum")
+    group, rank, n = _group_info(group)
+    numel = shard.numel() * n if numel is None else numel
+    bounds = chunk_bounds(numel, n)
+    start, end = bounds[rank]
+    if end - start != shard.numel():
+        raise ValueError(f"rank {rank}'s shard has {shard.numel()} elements, but chunk {rank} "
+                         f"of numel={numel} over {n} ranks has {end - start}")
+    flat = torch.empty(numel, dtype=shard.dtype, device=shard.device)
+    flat[start:end] = shard.flatten()
+    if n > 1:
+        _ring_all_gather_(flat, bounds, _Messenger(group, tracer, link), rank, n)
+    return flat
+
+
+# --------------------------------------------------------------------------- the parameter server
+
+
+def naive_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
+                     op: Op = "sum", root: int = 0, *, tracer: Tracer | None = None,
+                     link: SimulatedLink | None = None) -> torch.Tensor:
+    """Parameter-server all-reduce, in place: gather at `root`, reduce, send back.
+
+    The root receives N-1 tensors and sends N-1 results: (N-1) x S bytes each
+    way through one rank, so its time grows with N while the others wait.
+    """
+    check_args(tensor, op)
+    group, rank, n = _group_info(group)
+    if not 0 <= root < n:
+        raise ValueError(f"root must be a rank of the group (0..{n - 1}), got {root}")
+    flat = tensor.flatten().clone()
+    m = _Messenger(group, tracer, link)
+    if n > 1 and rank == root:
+        others = [r for r in range(n) if r != root]
+        parts = [torch.empty_like(flat) for _ in others]
+        with _span(tracer, "gather at root", phase="gather"):
+            m.exchange([], list(zip(parts, others)))
+        for part in parts:
+            _reduce_into(flat, part, op)
+        with _span(tracer, "send result", phase="broadcast"):
+            m.exchange([(flat, r) for r in others], [])
+    elif n > 1:
+        with _span(tracer, "send to root", phase="gather"):
+            m.exchange([(flat, root)], [])
+        with _span(tracer, "wait for result", phase="broadcast"):
+            m.exchange([], [(flat, root)])
+    if op == "avg":
+        flat.div_(n)
+    tensor.copy_(flat.view(tensor.shape))
+    return tensor
+
+
+# --------------------------------------------------------------------------- theory
+
+
+def bytes_sent_per_rank(algo: Literal["ring", "naive"], nbytes: int, world_size: int,
+                        rank: int = 0, root: int = 0) -> float:
+    """Theory: bytes one rank sends in one all-reduce of `nbytes`.
+
+    ring: 2(N-1)/N x S on every rank; naive: (N-1) x S at the root, S elsewhere.
+    """
+    n = world_size
+    if n == 1:
+        return 0.0
+    if algo == "ring":
+        return 2 * (n - 1) / n * nbytes
+    return (n - 1) * nbytes if rank == root else float(nbytes)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The alpha-beta model: a message of b bytes takes alpha + b / beta seconds."""
+
+    alpha_s: float
+    beta_Bps: float
+
+    def all_reduce_s(self, algo: Literal["ring", "naive"], nbytes: int, world_size: int) -> float:
+        """Predicted time of one all-reduce.
+
+        ring: 2(N-1) steps of one chunk (S/N bytes) each.
+        naive: the root receives N-1 tensors and then sends N-1, one after another.
+        """
+        n = world_size
+        if n == 1:
+            return 0.0
+        steps, per_message = _shape(algo, nbytes, n)
+        return steps * (self.alpha_s + per_message / self.beta_Bps)
+
+
+def _shape(algo: str, nbytes: float, n: int) -> tuple[int, float]:
+    """(messages on the critical path, bytes per message)."""
+    if algo == "ring":
+        return 2 * (n - 1), nbytes / n
+    if algo == "naive":
+        return 2 * (n - 1), float(nbytes)
+    raise ValueError(f"unknown algorithm {algo!r}; choose 'ring' or 'naive'")
+
+
+def fit_cost_model(algo: Literal["ring", "naive"], world_size: int, sizes: Sequence[int],
+                   seconds: Sequence[float]) -> CostModel:
+    """Fit alpha and beta to measured all-reduce times by least squares.
+
+    t = steps * alpha + steps * bytes_per_message * (1/beta): linear in
+    (alpha, 1/beta). Needs at least two distinct sizes; both are kept >= 0.
+    """
+    if len(sizes) != len(seconds) or len(set(sizes)) < 2:
+        raise ValueError("need times for at least two distinct sizes")
+    rows = [_shape(algo, s, world_size) for s in sizes]
+    a = torch.tensor([[steps, steps * b] for steps, b in rows], dtype=torch.float64)
+    t = torch.tensor(list(seconds), dtype=torch.float64).unsqueeze(1)
+    # Weight by 1/t so small messages (latency-bound) count as much as large ones.
+    w = 1 / t
+    alpha, inv_beta = torch.linalg.lstsq(a * w, t * w).solution.flatten().tolist()
+    alpha, inv_beta = max(alpha, 0.0), max(inv_beta, 1e-15)
+    return CostModel(alpha, 1 / inv_beta)
+
+
+def bus_bandwidth(nbytes: int, seconds: float, world_size: int) -> tuple[float, float]:
+    """(algorithm bandwidth, bus bandwidth) in bytes/s, as nccl-tests define them.
+
+    algbw = S / t. busbw = algbw x 2(N-1)/N: what each link carried, comparable
+    across world sizes and with the link's own bandwidth.
+    """
+    algbw = nbytes / seconds
+    return algbw, algbw * 2 * (world_size - 1) / world_size

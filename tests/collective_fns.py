@@ -1,0 +1,107 @@
+"""Rank functions for the collectives tests (importable by name in the ranks)."""
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from parcourse import collectives as C
+
+TORCH_OP = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def make(rank, numel, dtype, seed=0, integer_valued=True):
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    if integer_valued:  # small integers: sums are exact in any order, in every dtype
+        return torch.randint(-8, 9, (numel,), generator=g).to(dtype)
+    return torch.randn(numel, generator=g).to(dtype)
+
+
+def _torch_reference(t, op, group):
+    ref = t.clone()
+    if op == "avg":
+        dist.all_reduce(ref, op=dist.ReduceOp.SUM, group=group)
+        return ref / dist.get_world_size(group)
+    dist.all_reduce(ref, op=TORCH_OP[op], group=group)
+    return ref
+
+
+def all_reduce_vs_torch(ctx, algo, numel, dtype, op, integer_valued=True, shape=None):
+    t = make(ctx.rank, numel, dtype, integer_valued=integer_valued)
+    if shape is not None:
+        t = t.view(shape)
+    ref = _torch_reference(t, op, ctx.group)
+    fn = C.ring_all_reduce if algo == "ring" else C.naive_all_reduce
+    before_ptr = t.data_ptr()
+    out = fn(t, ctx.group, op, tracer=ctx.tracer)
+    assert out is t and t.data_ptr() == before_ptr, "in place"
+    return t, ref, ctx.tracer.total("bytes_sent")
+
+
+def non_contiguous(ctx):
+    base = make(ctx.rank, 6 * 5, torch.float32).view(6, 5)
+    view = base.t()  # (5, 6), not contiguous
+    ref = view.clone()
+    dist.all_reduce(ref, group=ctx.group)
+    C.ring_all_reduce(view, ctx.group)
+    return view.clone(), ref, base.t().clone()
+
+
+def reduce_scatter_vs_torch(ctx, numel, dtype, op):
+    t = make(ctx.rank, numel, dtype)
+    shard = C.ring_reduce_scatter(t, ctx.group, op)
+    full = _torch_reference(t, op, ctx.group)
+    start, end = C.chunk_bounds(numel, ctx.world_size)[ctx.rank]
+    expected = full[start:end]
+    if numel % ctx.world_size == 0 and op == "sum":
+        theirs = torch.empty(numel // ctx.world_size, dtype=dtype)
+        dist.reduce_scatter_single(theirs, t, group=ctx.group)
+        assert torch.equal(theirs, expected)
+    return shard, expected
+
+
+def all_gather_vs_torch(ctx, numel, dtype):
+    full = torch.arange(numel).to(dtype)
+    start, end = C.chunk_bounds(numel, ctx.world_size)[ctx.rank]
+    shard = full[start:end].clone()
+    even = numel % ctx.world_size == 0
+    ours = C.ring_all_gather(shard, ctx.group, numel=None if even else numel,
+                             tracer=ctx.tracer)
+    if even:
+        theirs = [torch.empty_like(shard) for _ in range(ctx.world_size)]
+        dist.all_gather(theirs, shard, group=ctx.group)
+        assert torch.equal(torch.cat(theirs), ours)
+    return ours, full, ctx.tracer.total("bytes_sent")
+
+
+def on_subgroup(ctx):
+    """Ranks 1..3 form a group; rank 0 is not in it."""
+    group = dist.new_group([1, 2, 3])
+    if ctx.rank == 0:
+        return None
+    t = torch.full((7,), float(ctx.rank))
+    C.ring_all_reduce(t, group)
+    return t.tolist()
+
+
+def linked(ctx, algo, nbytes, latency_s, bandwidth_Bps):
+    link = C.SimulatedLink(latency_s, bandwidth_Bps)
+    t = torch.ones(nbytes // 4)
+    fn = C.ring_all_reduce if algo == "ring" else C.naive_all_reduce
+    fn(t, ctx.group, tracer=ctx.tracer, link=link)  # warm-up
+    t.fill_(1.0)
+    dist.barrier(group=ctx.group)
+    t0 = time.perf_counter()
+    fn(t, ctx.group, link=link)
+    return time.perf_counter() - t0, t[0].item()
+
+
+def bad_args(ctx, what):
+    if what == "op":
+        C.ring_all_reduce(torch.ones(4), ctx.group, "min")
+    if what == "dtype":
+        C.ring_all_reduce(torch.ones(4, dtype=torch.bool), ctx.group)
+    if what == "avg-int":
+        C.ring_all_reduce(torch.ones(4, dtype=torch.int64), ctx.group, "avg")
+    if what == "root":
+        C.naive_all_reduce(torch.ones(4), ctx.group, root=5)

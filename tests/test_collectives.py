@@ -1,0 +1,138 @@
+"""Ring and parameter-server collectives against torch.distributed, bytes against theory."""
+
+import math
+
+import pytest
+import torch
+
+from parcourse import Pool, RankError
+from parcourse import collectives as C
+import collective_fns as F
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64]
+
+
+@pytest.fixture(scope="module")
+def pools():
+    made = {n: Pool(n, timeout=60) for n in (1, 2, 3, 4)}
+    yield made
+    for p in made.values():
+        p.close()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("algo", ["ring", "naive"])
+def test_all_reduce_equals_torch_exactly(pools, world_size, algo):
+    # Integer-valued inputs make every summation order exact, so equality is exact
+    # for every dtype; numel 1000 does not divide by 3 or 4 (uneven chunks); numel 2
+    # is smaller than the world (empty chunks).
+    for dtype in DTYPES:
+        for op in ("sum", "max") + (("avg",) if dtype.is_floating_point else ()):
+            for numel in (1000, 2):
+                run = pools[world_size].run(F.all_reduce_vs_torch, algo, numel, dtype, op)
+                for ours, ref, _ in run.results:
+                    assert ours.dtype == dtype
+                    assert torch.equal(ours, ref), (dtype, op, numel)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_random_floats_match_within_reduction_order(pools, world_size):
+    run = pools[world_size].run(F.all_reduce_vs_torch, "ring", 17 * 241, torch.float32, "sum",
+                                integer_valued=False, shape=(17, 241))
+    for ours, ref, _ in run.results:
+        assert ours.shape == (17, 241)
+        # fp32: only the order of the N additions differs from gloo's; a few ulps.
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_non_contiguous_input_is_reduced_in_place(pools):
+    for ours, ref, through_base in pools[3].run(F.non_contiguous).results:
+        assert torch.equal(ours, ref) and torch.equal(through_base, ref)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_reduce_scatter_and_all_gather_equal_torch(pools, world_size):
+    for numel in (24, 1001):
+        for dtype in DTYPES:
+            for op in ("sum", "max"):
+                for shard, expected in pools[world_size].run(
+                        F.reduce_scatter_vs_torch, numel, dtype, op).results:
+                    assert torch.equal(shard, expected)
+            for ours, full, _ in pools[world_size].run(F.all_gather_vs_torch, numel,
+                                                       dtype).results:
+                assert torch.equal(ours, full)
+
+
+def test_works_on_a_subgroup(pools):
+    results = pools[4].run(F.on_subgroup).results
+    assert results[0] is None and results[1:] == [[6.0] * 7] * 3
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_bytes_sent_equal_the_formulas_exactly(pools, world_size):
+    numel, dtype = 1200, torch.float32  # divisible by 2, 3 and 4: chunks are equal
+    size = numel * 4
+    ring = pools[world_size].run(F.all_reduce_vs_torch, "ring", numel, dtype, "sum").results
+    naive = pools[world_size].run(F.all_reduce_vs_torch, "naive", numel, dtype, "sum").results
+    for rank in range(world_size):
+        assert ring[rank][2] == C.bytes_sent_per_rank("ring", size, world_size, rank)
+        assert ring[rank][2] == 2 * (world_size - 1) / world_size * size
+        assert naive[rank][2] == C.bytes_sent_per_rank("naive", size, world_size, rank)
+    assert naive[0][2] == (world_size - 1) * size
+    gathered = pools[world_size].run(F.all_gather_vs_torch, numel, dtype).results
+    assert all(g[2] == (world_size - 1) / world_size * size for g in gathered)
+
+
+def test_trace_shows_each_ring_step_with_its_chunk(pools):
+    run = pools[4].run(F.all_reduce_vs_torch, "ring", 400, torch.float32, "sum")
+    for rank in range(4):
+        steps = run.trace.spans_of(rank=rank, kind="comm")
+        assert [s.meta["phase"] for s in steps] == ["reduce-scatter"] * 3 + ["all-gather"] * 3
+        # every rank starts from a different chunk: its left neighbour's
+        assert steps[0].meta["chunk"] == (rank - 1) % 4
+        assert [s.meta["chunk"] for s in steps[3:]] == [(rank - k) % 4 for k in range(3)]
+
+
+def test_simulated_link_makes_the_root_the_bottleneck(pools):
+    # 20 ms per 1 MB message: the cost model predicts ring 6 x (alpha + S/4/beta) and
+    # naive 6 x (alpha + S/beta) for 4 ranks.
+    nbytes, alpha, beta = 1 << 20, 1e-3, 1 << 26
+    model = C.CostModel(alpha, beta)
+    ring = pools[4].run(F.linked, "ring", nbytes, alpha, beta).results
+    naive = pools[4].run(F.linked, "naive", nbytes, alpha, beta).results
+    assert all(r[1] == 4.0 for r in ring + naive)
+    t_ring = max(r[0] for r in ring)
+    t_naive = max(r[0] for r in naive)
+    assert t_ring >= 0.95 * model.all_reduce_s("ring", nbytes, 4)
+    assert t_naive >= 0.95 * model.all_reduce_s("naive", nbytes, 4)
+    assert t_naive > 2 * t_ring
+
+
+@pytest.mark.parametrize(
+    ("what", "message"),
+    [("op", "unsupported op 'min'"), ("dtype", "unsupported dtype torch.bool"),
+     ("avg-int", "op 'avg' needs a floating-point tensor"), ("root", "root must be a rank")],
+)
+def test_unsupported_arguments_are_clear(pools, what, message):
+    with pytest.raises(RankError, match=message):
+        pools[2].run(F.bad_args, what)
+
+
+def test_cost_model_and_fit():
+    model = C.CostModel(alpha_s=50e-6, beta_Bps=2e9)
+    n, s = 4, 64 << 20
+    assert model.all_reduce_s("ring", s, n) == pytest.approx(6 * (50e-6 + s / 4 / 2e9))
+    assert model.all_reduce_s("naive", s, n) == pytest.approx(6 * (50e-6 + s / 2e9))
+    sizes = [1 << k for k in range(10, 27, 2)]
+    times = [model.all_reduce_s("ring", x, n) for x in sizes]
+    fit = C.fit_cost_model("ring", n, sizes, times)
+    assert fit.alpha_s == pytest.approx(50e-6, rel=1e-6)
+    assert fit.beta_Bps == pytest.approx(2e9, rel=1e-6)
+    algbw, busbw = C.bus_bandwidth(s, 0.1, n)
+    assert busbw == pytest.approx(algbw * 1.5)
+    assert C.chunk_bounds(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    with pytest.raises(ValueError, match="at least two distinct sizes"):
+        C.fit_cost_model("ring", n, [1, 1], [1.0, 1.0])
+    with pytest.raises(ValueError, match="latency_s must be >= 0"):
+        C.SimulatedLink(-1.0)
+    assert math.isinf(C.SimulatedLink.of(latency_us=5).bandwidth_Bps)

@@ -19,6 +19,28 @@ import torch.distributed as dist
 from parcourse.launch import Pool, RankContext, _external_env, launch
 
 
+_UNITS = {"": 1, "B": 1, "KB": 1 << 10, "KIB": 1 << 10, "MB": 1 << 20, "MIB": 1 << 20,
+          "GB": 1 << 30, "GIB": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """'64MB' -> 67108864. Sizes are binary (1 KB = 1024 B), as memory is counted."""
+    number = text.strip().upper().rstrip("B") + ("B" if text.strip().upper().endswith("B") else "")
+    for unit in sorted(_UNITS, key=len, reverse=True):
+        if unit and number.endswith(unit):
+            value = number[: -len(unit)]
+            break
+    else:
+        unit, value = "", number
+    try:
+        size = int(float(value) * _UNITS[unit])
+    except ValueError:
+        raise ValueError(f"cannot read a size from {text!r}; try 4KB, 64MB or 1GB") from None
+    if size <= 0:
+        raise ValueError(f"size must be positive, got {text!r}")
+    return size
+
+
 def _smoke_all_reduce(ctx: RankContext) -> float:
     t = torch.full((1024,), float(ctx.rank + 1), device=ctx.device)
     with ctx.tracer.span("all_reduce", kind="comm"):

@@ -21,8 +21,10 @@ machine where loopback is nearly free.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Literal
 
@@ -75,6 +77,25 @@ def _reduce_into(acc: torch.Tensor, other: torch.Tensor, op: str) -> None:
         torch.maximum(acc, other, out=acc)
     else:  # sum and avg both add; avg divides once at the end
         acc.add_(other)
+
+
+_scratch_per_thread = threading.local()
+
+
+def _scratch(numel: int, dtype: torch.dtype, device: torch.device, slot: int = 0) -> torch.Tensor:
+    """A receive buffer reused across calls (per thread, dtype, device and slot).
+
+    Allocating and first touching a fresh 32 MB buffer costs about as much as
+    sending it over loopback (page faults), so the ring keeps one around. It
+    grows to the largest chunk seen; it is the "temporary buffer" of memory
+    accounting.
+    """
+    cache = _scratch_per_thread.__dict__.setdefault("buffers", {})
+    key = (dtype, str(device), slot)
+    buf = cache.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = cache[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
 
 
 def _group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int, int]:
@@ -142,15 +163,25 @@ class _Wire:
         start = max(departed, self.in_free)
         self.in_free = start + self.link.seconds(nbytes)
 
-    def settle(self) -> None:
-        """Wait until both links are done: the simulated time really passes."""
+    def settle(self, incoming: bool) -> None:
+        """Sleep until the incoming (or outgoing) link is free: simulated time really passes."""
         if self.link is not None:
-            delay = max(self.in_free, self.out_free) - time.perf_counter()
+            delay = (self.in_free if incoming else self.out_free) - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
 
 
 # --------------------------------------------------------------------------- messages
+
+
+@dataclass
+class _Incoming:
+    """A posted receive: the buffer gloo fills, where it goes, and the link's time stamp."""
+
+    works: list[dist.Work]
+    host: torch.Tensor
+    dest: torch.Tensor
+    stamp: torch.Tensor | None
 
 
 class _Messenger:
@@ -161,96 +192,107 @@ class _Messenger:
         self.group = group
         self.tracer = tracer
         self.wire = _Wire(link)
+        self.sends: list[dist.Work] = []
         # gloo moves CPU tensors only; ranks sharing a GPU send through host memory.
         self.stage = dist.get_backend(group) == "gloo"
 
-    def exchange(self, sends: Sequence[tuple[torch.Tensor, int]],
-                 recvs: Sequence[tuple[torch.Tensor, int]]) -> None:
-        """Post every send and receive (group ranks), then wait for all of them.
+    def post_recv(self, dest: torch.Tensor, peer: int) -> _Incoming:
+        """Post a receive now; gloo moves data only once the receiver's buffer is
+        posted, so posting early takes a round trip off the critical path."""
+        host = torch.empty(dest.shape, dtype=dest.dtype) if self.stage and dest.is_cuda else dest
+        works, stamp = [], None
+        if self.wire.link is not None:
+            stamp = torch.empty(1, dtype=torch.float64)
+            works.append(dist.irecv(stamp, _global(self.group, peer), self.group))
+        if host.numel():  # empty chunks (tensor smaller than the world) are skipped by both sides
+            works.append(dist.irecv(host, _global(self.group, peer), self.group))
+        return _Incoming(works, host, dest, stamp)
 
-        Empty tensors (chunks of a tensor smaller than the world) are skipped on
-        both sides, which agree on the chunk sizes.
-        """
-        sends = [(self._host(t), peer) for t, peer in sends if t.numel()]
-        recvs = [(t, peer) for t, peer in recvs if t.numel()]
-        recvs_host = [(self._host_empty(t), peer) for t, peer in recvs]
-        works = []
-        stamps_in = []
-        for t, peer in sends:
-            if self.wire.link is not None:
-                stamp = torch.tensor([self.wire.depart(t.nbytes)], dtype=torch.float64)
-                works.append(dist.isend(stamp, _global(self.group, peer), self.group))
-            works.append(dist.isend(t, _global(self.group, peer), self.group))
+    def send(self, t: torch.Tensor, peer: int) -> None:
+        t = t.contiguous()
+        t = t.cpu() if self.stage and t.is_cuda else t
+        if self.wire.link is not None:
+            stamp = torch.tensor([self.wire.depart(t.nbytes)], dtype=torch.float64)
+            self.sends.append(dist.isend(stamp, _global(self.group, peer), self.group))
+        if t.numel():
+            self.sends.append(dist.isend(t, _global(self.group, peer), self.group))
             if self.tracer is not None:
                 self.tracer.count("bytes_sent", t.nbytes, peer=peer)
-        for t, peer in recvs_host:
-            if self.wire.link is not None:
-                stamp = torch.empty(1, dtype=torch.float64)
-                stamps_in.append((stamp, t.nbytes))
-                works.append(dist.irecv(stamp, _global(self.group, peer), self.group))
-            works.append(dist.irecv(t, _global(self.group, peer), self.group))
-        for w in works:
+
+    def wait_recv(self, incoming: _Incoming) -> None:
+        for w in incoming.works:
             w.wait()
-        if self.wire.link is not None:
-            for stamp, nbytes in sorted(stamps_in, key=lambda s: s[0].item()):
-                self.wire.arrive(stamp.item(), nbytes)
-            self.wire.settle()
-        for (host, _), (dest, _) in zip(recvs_host, recvs):
-            if host is not dest:
-                dest.copy_(host)
+        if incoming.stamp is not None:
+            self.wire.arrive(incoming.stamp.item(), incoming.host.nbytes)
+            self.wire.settle(incoming=True)
+        if incoming.host is not incoming.dest:
+            incoming.dest.copy_(incoming.host)
 
-    def _host(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.contiguous()
-        return t.cpu() if self.stage and t.is_cuda else t
-
-    def _host_empty(self, t: torch.Tensor) -> torch.Tensor:
-        if self.stage and t.is_cuda:
-            return torch.empty(t.shape, dtype=t.dtype)
-        return t
+    def finish(self) -> None:
+        """Wait until every send has left (and, with a link, until the link is free)."""
+        for w in self.sends:
+            w.wait()
+        self.sends.clear()
+        self.wire.settle(incoming=False)
 
 
-def _span(tracer: Tracer | None, name: str, **meta: object):
-    if tracer is None:
-        from contextlib import nullcontext
-
-        return nullcontext()
-    return tracer.span(name, kind="comm", **meta)
+def _span(tracer: Tracer | None, name: str, **meta: object) -> AbstractContextManager[None]:
+    return nullcontext() if tracer is None else tracer.span(name, kind="comm", **meta)
 
 
 # --------------------------------------------------------------------------- the ring
 
+RingPhase = Literal["reduce-scatter", "all-gather"]
 
-def _ring_reduce_scatter_(flat: torch.Tensor, bounds: list[tuple[int, int]], op: str,
-                          m: _Messenger, rank: int, n: int) -> None:
-    """In place on a flat buffer; afterwards chunk `rank` holds the reduction of all ranks.
 
-    Step s: send chunk (rank - s - 1) to the right, receive chunk (rank - s - 2)
-    from the left and reduce it in. After n - 1 steps the last chunk received,
-    (rank - n) mod n = rank, has been through every rank.
+def ring_steps(rank: int, n: int, phases: Sequence[RingPhase]) -> list[tuple[str, int, int]]:
+    """(phase, chunk sent to the right, chunk received from the left) for each step.
+
+    reduce-scatter step s: send chunk (rank - s - 1), receive chunk (rank - s - 2)
+    and reduce it in. After n - 1 steps the last chunk received, (rank - n) mod
+    n = rank, has been through every rank: rank r owns chunk r, as in torch.
+    all-gather step s: send chunk (rank - s), receive chunk (rank - s - 1).
+    """
+    steps = []
+    for phase in phases:
+        for s in range(n - 1):
+            if phase == "reduce-scatter":
+                steps.append((phase, (rank - s - 1) % n, (rank - s - 2) % n))
+            else:
+                steps.append((phase, (rank - s) % n, (rank - s - 1) % n))
+    return steps
+
+
+def _ring(flat: torch.Tensor, bounds: list[tuple[int, int]], phases: Sequence[RingPhase],
+          op: str, m: _Messenger, rank: int, n: int) -> None:
+    """Run ring steps in place on a flat buffer.
+
+    Each step's receive is posted one step ahead, into one of two scratch
+    buffers (reduce-scatter) or straight into place (all-gather), so the left
+    neighbour never waits for us to be ready.
     """
     right, left = (rank + 1) % n, (rank - 1) % n
-    for step in range(n - 1):
-        send_c, recv_c = (rank - step - 1) % n, (rank - step - 2) % n
-        (s0, s1), (r0, r1) = bounds[send_c], bounds[recv_c]
-        incoming = torch.empty(r1 - r0, dtype=flat.dtype, device=flat.device)
-        with _span(m.tracer, f"reduce-scatter {step}", phase="reduce-scatter", step=step,
-                   chunk=send_c):
-            m.exchange([(flat[s0:s1], right)], [(incoming, left)])
-            _reduce_into(flat[r0:r1], incoming, op)
+    steps = ring_steps(rank, n, phases)
 
+    def post(i: int) -> _Incoming:
+        phase, _, recv_c = steps[i]
+        r0, r1 = bounds[recv_c]
+        if phase == "reduce-scatter":
+            return m.post_recv(_scratch(r1 - r0, flat.dtype, flat.device, slot=i % 2), left)
+        return m.post_recv(flat[r0:r1], left)
 
-def _ring_all_gather_(flat: torch.Tensor, bounds: list[tuple[int, int]], m: _Messenger,
-                      rank: int, n: int) -> None:
-    """In place; chunk `rank` is this rank's, afterwards every chunk is filled.
-
-    Step s: send chunk (rank - s) to the right, receive chunk (rank - s - 1) from the left.
-    """
-    right, left = (rank + 1) % n, (rank - 1) % n
-    for step in range(n - 1):
-        send_c, recv_c = (rank - step) % n, (rank - step - 1) % n
-        (s0, s1), (r0, r1) = bounds[send_c], bounds[recv_c]
-        with _span(m.tracer, f"all-gather {step}", phase="all-gather", step=step, chunk=send_c):
-            m.exchange([(flat[s0:s1], right)], [(flat[r0:r1], left)])
+    incoming = post(0) if steps else None
+    for i, (phase, send_c, recv_c) in enumerate(steps):
+        s0, s1 = bounds[send_c]
+        step = i if phase == "reduce-scatter" else i - (n - 1) * (len(phases) - 1)
+        with _span(m.tracer, f"{phase} {step}", phase=phase, step=step, chunk=send_c):
+            m.send(flat[s0:s1], right)
+            current, incoming = incoming, post(i + 1) if i + 1 < len(steps) else None
+            m.wait_recv(current)
+            if phase == "reduce-scatter":
+                r0, r1 = bounds[recv_c]
+                _reduce_into(flat[r0:r1], current.dest, op)
+    m.finish()
 
 
 def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
@@ -267,10 +309,8 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     contiguous = tensor.is_contiguous()
     flat = tensor.view(-1) if contiguous else tensor.flatten().clone()
     if n > 1:
-        bounds = chunk_bounds(flat.numel(), n)
         m = _Messenger(group, tracer, link)
-        _ring_reduce_scatter_(flat, bounds, op, m, rank, n)
-        _ring_all_gather_(flat, bounds, m, rank, n)
+        _ring(flat, chunk_bounds(flat.numel(), n), ("reduce-scatter", "all-gather"), op, m, rank, n)
     if op == "avg":
         flat.div_(n)
     if not contiguous:
@@ -291,7 +331,7 @@ def ring_reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = 
     flat = tensor.flatten().clone()
     bounds = chunk_bounds(flat.numel(), n)
     if n > 1:
-        _ring_reduce_scatter_(flat, bounds, op, _Messenger(group, tracer, link), rank, n)
+        _ring(flat, bounds, ("reduce-scatter",), op, _Messenger(group, tracer, link), rank, n)
     start, end = bounds[rank]
     shard = flat[start:end].clone()
     return shard.div_(n) if op == "avg" else shard
@@ -316,7 +356,7 @@ def ring_all_gather(shard: torch.Tensor, group: dist.ProcessGroup | None = None,
     flat = torch.empty(numel, dtype=shard.dtype, device=shard.device)
     flat[start:end] = shard.flatten()
     if n > 1:
-        _ring_all_gather_(flat, bounds, _Messenger(group, tracer, link), rank, n)
+        _ring(flat, bounds, ("all-gather",), "sum", _Messenger(group, tracer, link), rank, n)
     return flat
 
 
@@ -339,18 +379,21 @@ def naive_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = Non
     m = _Messenger(group, tracer, link)
     if n > 1 and rank == root:
         others = [r for r in range(n) if r != root]
-        parts = [torch.empty_like(flat) for _ in others]
         with _span(tracer, "gather at root", phase="gather"):
-            m.exchange([], list(zip(parts, others)))
-        for part in parts:
-            _reduce_into(flat, part, op)
+            incoming = [m.post_recv(torch.empty_like(flat), r) for r in others]
+            for part in incoming:
+                m.wait_recv(part)
+                _reduce_into(flat, part.dest, op)
         with _span(tracer, "send result", phase="broadcast"):
-            m.exchange([(flat, r) for r in others], [])
+            for r in others:
+                m.send(flat, r)
+            m.finish()
     elif n > 1:
         with _span(tracer, "send to root", phase="gather"):
-            m.exchange([(flat, root)], [])
+            m.send(flat, root)
+            m.finish()
         with _span(tracer, "wait for result", phase="broadcast"):
-            m.exchange([], [(flat, root)])
+            m.wait_recv(m.post_recv(flat, root))
     if op == "avg":
         flat.div_(n)
     tensor.copy_(flat.view(tensor.shape))

@@ -1,0 +1,116 @@
+"""Bus bandwidth of ring_all_reduce (and the parameter server) vs torch.distributed.all_reduce.
+
+    python benchmarks/collectives.py [--world-sizes 2 4] [--max-size 256MB] [--repeats 5]
+
+gloo on CPU, one thread per rank. For each size, ours and torch's alternate in
+the same run (so machine noise hits both alike); each repetition's time is the
+slowest rank's, and the table shows medians. busbw = S/t x 2(N-1)/N
+(nccl-tests' definition). The ceiling is the loopback point-to-point bandwidth
+measured in the same run. Target: ring / torch >= 0.9 at every size >= 1 MB
+for world size 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from parcourse import Pool
+from parcourse.cli import parse_size
+from parcourse.collectives import bus_bandwidth, naive_all_reduce, ring_all_reduce
+
+ALGOS = {
+    "ring": lambda t, g: ring_all_reduce(t, g),
+    "naive": lambda t, g: naive_all_reduce(t, g),
+    "torch": lambda t, g: dist.all_reduce(t, group=g),
+}
+
+
+def repeats_for(size: int, base: int) -> int:
+    """More repetitions for short runs, whose medians are noisier: base at 64 MB, up to 100."""
+    return min(100, max(base, round(base * ((64 << 20) / size) ** 0.5)))
+
+
+def timed_sizes(ctx, sizes, repeats, algos):
+    """{(algo, size): [seconds per repetition on this rank]}, algorithms alternating."""
+    out = {}
+    for size in sizes:
+        t = torch.ones(size // 4)
+        for algo in algos:  # warm-up: first touch of buffers, connection set-up
+            ALGOS[algo](t, ctx.group)
+        for i in range(repeats_for(size, repeats)):
+            # Alternate who goes first, so neither always runs right after the barrier.
+            for algo in algos if i % 2 == 0 else algos[::-1]:
+                dist.barrier(group=ctx.group)
+                t0 = time.perf_counter()
+                ALGOS[algo](t, ctx.group)
+                out.setdefault((algo, size), []).append(time.perf_counter() - t0)
+    return out
+
+
+def p2p_bandwidth(ctx, nbytes, repeats):
+    """Rank 0 sends to rank 1 and back: one direction's bytes/s over loopback."""
+    t = torch.ones(nbytes // 4)
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier(group=ctx.group)
+        t0 = time.perf_counter()
+        if ctx.rank == 0:
+            dist.send(t, 1)
+            dist.recv(t, 1)
+        elif ctx.rank == 1:
+            dist.recv(t, 0)
+            dist.send(t, 0)
+        times.append((time.perf_counter() - t0) / 2)
+    return nbytes / statistics.median(times[1:])
+
+
+def fmt_size(n: int) -> str:
+    for unit, div in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if n >= div:
+            return f"{n // div} {unit}"
+    return f"{n} B"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--min-size", default="4KB")
+    parser.add_argument("--max-size", default="256MB")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--naive", action="store_true", help="also time the parameter server")
+    args = parser.parse_args()
+    sizes, size = [], parse_size(args.min_size)
+    while size <= parse_size(args.max_size):
+        sizes.append(size)
+        size *= 4
+    algos = ["ring", "torch"] + (["naive"] if args.naive else [])
+    print(f"torch {torch.__version__}, gloo on CPU, one thread per rank, median of {args.repeats}-100 repetitions")
+    for world_size in args.world_sizes:
+        with Pool(world_size, timeout=3600) as pool:
+            ceiling = pool.run(p2p_bandwidth, 64 << 20, 5).results[0] if world_size > 1 else 0
+            per_rank = pool.run(timed_sizes, sizes, args.repeats, algos).results
+        print(f"\nworld size {world_size}; loopback p2p ceiling {ceiling / 1e9:.2f} GB/s per direction")
+        head = "".join(f"{a + ' busbw':>14}" for a in algos)
+        print(f"{'size':>8}{head}{'ring / torch':>14}{'target':>10}")
+        for size in sizes:
+            row, slowest = "", {}
+            for algo in algos:
+                # One repetition lasts as long as its slowest rank.
+                slowest[algo] = [max(ts) for ts in zip(*(r[(algo, size)] for r in per_rank))]
+                busbw = bus_bandwidth(size, statistics.median(slowest[algo]), world_size)[1]
+                row += f"{busbw / 1e9:>10.2f} GB/s"
+            # Ratio of bandwidths = inverse ratio of times, taken pair by pair (each pair
+            # ran back to back) so drift in the machine's load cancels.
+            ratio = statistics.median(t / r for r, t in zip(slowest["ring"], slowest["torch"]))
+            judged = world_size == 2 and size >= 1 << 20
+            target = ("met" if ratio >= 0.9 else "MISSED") if judged else ""
+            print(f"{fmt_size(size):>8}{row}{ratio:>14.2f}{target:>10}")
+
+
+if __name__ == "__main__":
+    main()

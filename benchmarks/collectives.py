@@ -21,14 +21,8 @@ import torch.distributed as dist
 
 from parcourse import Pool
 from parcourse.cli import parse_size
-from parcourse.collectives import bus_bandwidth, naive_all_reduce, ring_all_reduce
-
-ALGOS = {
-    "ring": lambda t, g: ring_all_reduce(t, g),
-    "naive": lambda t, g: naive_all_reduce(t, g),
-    "torch": lambda t, g: dist.all_reduce(t, group=g),
-}
-
+from parcourse.collectives import bus_bandwidth
+from parcourse.demos import slowest_rank, time_all_reduce
 
 def repeats_for(size: int, base: int) -> int:
     """More repetitions for short runs, whose medians are noisier: base at 64 MB, up to 100."""
@@ -36,19 +30,9 @@ def repeats_for(size: int, base: int) -> int:
 
 
 def timed_sizes(ctx, sizes, repeats, algos):
-    """{(algo, size): [seconds per repetition on this rank]}, algorithms alternating."""
     out = {}
     for size in sizes:
-        t = torch.ones(size // 4)
-        for algo in algos:  # warm-up: first touch of buffers, connection set-up
-            ALGOS[algo](t, ctx.group)
-        for i in range(repeats_for(size, repeats)):
-            # Alternate who goes first, so neither always runs right after the barrier.
-            for algo in algos if i % 2 == 0 else algos[::-1]:
-                dist.barrier(group=ctx.group)
-                t0 = time.perf_counter()
-                ALGOS[algo](t, ctx.group)
-                out.setdefault((algo, size), []).append(time.perf_counter() - t0)
+        out.update(time_all_reduce(ctx, algos, [size], repeats_for(size, repeats)))
     return out
 
 
@@ -100,8 +84,7 @@ def main() -> None:
         for size in sizes:
             row, slowest = "", {}
             for algo in algos:
-                # One repetition lasts as long as its slowest rank.
-                slowest[algo] = [max(ts) for ts in zip(*(r[(algo, size)] for r in per_rank))]
+                slowest[algo] = slowest_rank(per_rank, (algo, size))
                 busbw = bus_bandwidth(size, statistics.median(slowest[algo]), world_size)[1]
                 row += f"{busbw / 1e9:>10.2f} GB/s"
             # Ratio of bandwidths = inverse ratio of times, taken pair by pair (each pair

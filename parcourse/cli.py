@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -16,26 +18,23 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from parcourse.collectives import SimulatedLink, bus_bandwidth, bytes_sent_per_rank
+from parcourse.demos import all_reduce_with, slowest_rank, time_all_reduce
 from parcourse.launch import Pool, RankContext, _external_env, launch
 
 
-_UNITS = {"": 1, "B": 1, "KB": 1 << 10, "KIB": 1 << 10, "MB": 1 << 20, "MIB": 1 << 20,
+_UNITS = {"B": 1, "KB": 1 << 10, "KIB": 1 << 10, "MB": 1 << 20, "MIB": 1 << 20,
           "GB": 1 << 30, "GIB": 1 << 30}
 
 
 def parse_size(text: str) -> int:
-    """'64MB' -> 67108864. Sizes are binary (1 KB = 1024 B), as memory is counted."""
-    number = text.strip().upper().rstrip("B") + ("B" if text.strip().upper().endswith("B") else "")
-    for unit in sorted(_UNITS, key=len, reverse=True):
-        if unit and number.endswith(unit):
-            value = number[: -len(unit)]
-            break
-    else:
-        unit, value = "", number
-    try:
-        size = int(float(value) * _UNITS[unit])
-    except ValueError:
-        raise ValueError(f"cannot read a size from {text!r}; try 4KB, 64MB or 1GB") from None
+    """'64MB' -> 67108864. Binary units (1 KB = 1024 B), as memory is counted; a bare
+    number is bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else ""
+    if match is None or (unit and unit not in _UNITS):
+        raise ValueError(f"cannot read a size from {text!r}; try 4KB, 64MB or 1GB")
+    size = int(float(match.group(1)) * _UNITS.get(unit, 1))
     if size <= 0:
         raise ValueError(f"size must be positive, got {text!r}")
     return size
@@ -50,18 +49,24 @@ def _smoke_all_reduce(ctx: RankContext) -> float:
 
 def doctor(args: argparse.Namespace) -> int:
     """Print versions, backends, cores and GPUs; run a 2-rank all_reduce."""
-    print(f"python      {platform.python_version()} ({sys.executable})")
-    print(f"torch       {torch.__version__} (CUDA build: {torch.version.cuda or 'no'})")
-    print(f"platform    {platform.platform()}")
-    print(f"cpu cores   {os.cpu_count()} (usable: {len(os.sched_getaffinity(0))})")
+    external = _external_env()
+    quiet = external is not None and external[0] != 0  # under torchrun, rank 0 reports
+
+    def say(line: str) -> None:
+        if not quiet:
+            print(line)
+
+    say(f"python      {platform.python_version()} ({sys.executable})")
+    say(f"torch       {torch.__version__} (CUDA build: {torch.version.cuda or 'no'})")
+    say(f"platform    {platform.platform()}")
+    say(f"cpu cores   {os.cpu_count()} (usable: {len(os.sched_getaffinity(0))})")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     names = [torch.cuda.get_device_name(i) for i in range(gpus)]
-    print(f"gpus        {gpus}{' - ' + ', '.join(names) if names else ''}")
+    say(f"gpus        {gpus}{' - ' + ', '.join(names) if names else ''}")
     backends = [b for b, ok in (("gloo", dist.is_gloo_available()),
                                 ("nccl", dist.is_nccl_available()),
                                 ("mpi", dist.is_mpi_available())) if ok]
-    print(f"backends    {', '.join(backends) or 'none'}")
-    external = _external_env()
+    say(f"backends    {', '.join(backends) or 'none'}")
     world_size = external[1] if external else args.world_size
     expected = world_size * (world_size + 1) / 2
     t0 = time.perf_counter()
@@ -69,8 +74,8 @@ def doctor(args: argparse.Namespace) -> int:
     cold = time.perf_counter() - t0
     ok = all(r == expected for r in run.results)
     where = "under an external launcher" if external else "launched here"
-    print(f"all_reduce  {world_size} ranks {where}, backend {run.backend}: "
-          f"{'OK' if ok else 'WRONG ' + str(run.results)} in {cold * 1e3:.0f} ms (with start-up)")
+    say(f"all_reduce  {world_size} ranks {where}, backend {run.backend}: "
+        f"{'OK' if ok else 'WRONG ' + str(run.results)} in {cold * 1e3:.0f} ms (with start-up)")
     if not external:
         with Pool(world_size) as pool:
             pool.run(_smoke_all_reduce)
@@ -79,9 +84,51 @@ def doctor(args: argparse.Namespace) -> int:
                 t0 = time.perf_counter()
                 pool.run(_smoke_all_reduce)
                 times.append(time.perf_counter() - t0)
-        print(f"warm pool   re-run {sorted(times)[2] * 1e3:.1f} ms (median of 5)")
-    print("doctor      " + ("all good" if ok else "FAILED"))
+        say(f"warm pool   re-run {statistics.median(times) * 1e3:.1f} ms (median of 5)")
+    say("doctor      " + ("all good" if ok else "FAILED"))
     return 0 if ok else 1
+
+
+def _traced_then_timed(ctx: RankContext, algo: str, nbytes: int, dtype: str, repeats: int,
+                       link: SimulatedLink | None) -> dict[str, object]:
+    """One traced all-reduce (its bytes), then `repeats` timed ones."""
+    t = torch.ones(nbytes // getattr(torch, dtype).itemsize, dtype=getattr(torch, dtype),
+                   device=ctx.device)
+    all_reduce_with(algo, t, ctx, link=link, traced=True)  # type: ignore[arg-type]
+    return {"bytes_sent": ctx.tracer.total("bytes_sent"),
+            "times": time_all_reduce(ctx, [algo], [nbytes], repeats, dtype, link)}
+
+
+def allreduce(args: argparse.Namespace) -> int:
+    """Time one all-reduce algorithm; print time, algbw, busbw and bytes against theory."""
+    external = _external_env()
+    world_size = external[1] if external else args.world_size
+    dtype = getattr(torch, args.dtype)
+    nbytes = parse_size(args.size)
+    numel = max(1, nbytes // dtype.itemsize)
+    nbytes = numel * dtype.itemsize
+    link = None
+    if args.latency_us or args.bandwidth_gbps:
+        link = SimulatedLink.of(latency_us=args.latency_us, bandwidth_GBps=args.bandwidth_gbps)
+    run = launch(_traced_then_timed, world_size, args.algo, nbytes, args.dtype, args.repeats,
+                 link, timeout=args.timeout)
+    if external and external[0] != 0:
+        return 0  # every rank has the results; rank 0 prints them
+    t = statistics.median(slowest_rank([r["times"] for r in run.results], (args.algo, nbytes)))
+    algbw, busbw = bus_bandwidth(nbytes, t, world_size)
+    print(f"all-reduce  {args.algo}, {world_size} ranks, backend {run.backend}, "
+          f"{nbytes / 2**20:g} MiB of {args.dtype}, median of {args.repeats}")
+    where = ""
+    if link is not None:
+        where = f" (simulated link: {link.latency_s * 1e6:g} us, {link.bandwidth_Bps / 1e9:g} GB/s)"
+    print(f"time        {t * 1e3:.3f} ms{where}")
+    print(f"algbw       {algbw / 1e9:.3f} GB/s   (size / time)")
+    print(f"busbw       {busbw / 1e9:.3f} GB/s   (algbw x 2(N-1)/N)")
+    if args.algo != "torch":
+        for rank, r in enumerate(run.results):
+            theory = bytes_sent_per_rank(args.algo, nbytes, world_size, rank)
+            print(f"rank {rank}      sent {r['bytes_sent']:.0f} B (theory {theory:.0f} B)")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,6 +140,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("doctor", help="check this machine: versions, backends, a 2-rank run")
     p.add_argument("--world-size", type=int, default=2, help="ranks for the smoke run (2)")
     p.set_defaults(func=doctor)
+
+    p = commands.add_parser("allreduce", help="time ring, naive or torch all-reduce")
+    p.add_argument("--world-size", type=int, default=2, help="ranks (ignored under torchrun)")
+    p.add_argument("--size", default="64MB", help="tensor size, e.g. 4KB, 64MB (64MB)")
+    p.add_argument("--algo", choices=("ring", "naive", "torch"), default="ring")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16", "int64"),
+                   default="float32")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--latency-us", type=float, default=0.0, help="simulated link latency")
+    p.add_argument("--bandwidth-gbps", type=float, default=None,
+                   help="simulated link bandwidth in GB/s")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.set_defaults(func=allreduce)
     return parser
 
 
@@ -101,4 +161,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "world_size", 1) < 1:
         parser.error("--world-size must be >= 1")
+    if getattr(args, "repeats", 1) < 1:
+        parser.error("--repeats must be >= 1")
+    if hasattr(args, "size"):
+        try:
+            parse_size(args.size)
+        except ValueError as e:
+            parser.error(str(e))
     return args.func(args)

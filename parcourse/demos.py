@@ -1,0 +1,89 @@
+"""Rank functions that lessons, the CLI and the benchmarks run to measure collectives."""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from parcourse.collectives import SimulatedLink, naive_all_reduce, ring_all_reduce
+from parcourse.launch import RankContext
+
+Algo = Literal["ring", "naive", "torch"]
+ALGOS: tuple[str, ...] = ("ring", "naive", "torch")
+
+
+def all_reduce_with(algo: Algo, t: torch.Tensor, ctx: RankContext, *,
+                    link: SimulatedLink | None = None, traced: bool = False) -> None:
+    """One all-reduce of `t` with the chosen algorithm (torch's ignores the link)."""
+    tracer = ctx.tracer if traced else None
+    if algo == "ring":
+        ring_all_reduce(t, ctx.group, tracer=tracer, link=link)
+    elif algo == "naive":
+        naive_all_reduce(t, ctx.group, tracer=tracer, link=link)
+    elif algo == "torch":
+        with ctx.tracer.span("torch all_reduce", kind="comm") if traced else _nothing():
+            dist.all_reduce(t, group=ctx.group)
+    else:
+        raise ValueError(f"unknown algorithm {algo!r}; choose one of {', '.join(ALGOS)}")
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def time_all_reduce(ctx: RankContext, algos: list[str], sizes: list[int], repeats: int,
+                    dtype: str = "float32", link: SimulatedLink | None = None,
+                    ) -> dict[tuple[str, int], list[float]]:
+    """Seconds per all-reduce on this rank, for each (algorithm, size in bytes).
+
+    Algorithms alternate (and swap order every repetition) so that a change in
+    the machine's load hits all of them alike. One warm-up each, untimed.
+    """
+    out: dict[tuple[str, int], list[float]] = {}
+    for size in sizes:
+        t = torch.ones(max(1, size // getattr(torch, dtype).itemsize),
+                       dtype=getattr(torch, dtype), device=ctx.device)
+        for algo in algos:
+            all_reduce_with(algo, t, ctx, link=link)  # type: ignore[arg-type]
+        for i in range(repeats):
+            for algo in algos if i % 2 == 0 else algos[::-1]:
+                dist.barrier(group=ctx.group)
+                t0 = time.perf_counter()
+                all_reduce_with(algo, t, ctx, link=link)  # type: ignore[arg-type]
+                if t.is_cuda:
+                    torch.cuda.synchronize()
+                out.setdefault((algo, size), []).append(time.perf_counter() - t0)
+    return out
+
+
+def slowest_rank(per_rank: list[dict[tuple[str, int], list[float]]],
+                 key: tuple[str, int]) -> list[float]:
+    """Each repetition lasts as long as its slowest rank."""
+    return [max(ts) for ts in zip(*(r[key] for r in per_rank))]
+
+
+def traced_all_reduce(ctx: RankContext, algo: Algo, numel: int, latency_us: float = 0.0,
+                      bandwidth_gbps: float | None = None) -> float:
+    """One traced all-reduce of `numel` floats (rank r holds r + 1); returns bytes sent.
+
+    The spans (one per ring step, coloured by chunk) and the bytes_sent counter
+    land in the run's trace.
+    """
+    link = None
+    if latency_us or bandwidth_gbps:
+        link = SimulatedLink.of(latency_us=latency_us, bandwidth_GBps=bandwidth_gbps)
+    t = torch.full((numel,), float(ctx.rank + 1), device=ctx.device)
+    dist.barrier(group=ctx.group)
+    all_reduce_with(algo, t, ctx, link=link, traced=True)
+    expected = ctx.world_size * (ctx.world_size + 1) / 2
+    if not torch.all(t == expected):
+        raise AssertionError(f"rank {ctx.rank}: all-reduce gave {t[:4].tolist()}…, "
+                             f"expected {expected}")
+    return ctx.tracer.total("bytes_sent")

@@ -1,0 +1,50 @@
+"""`python -m parcourse`: doctor and allreduce, run for real."""
+
+import subprocess
+import sys
+
+import pytest
+
+from parcourse.cli import main, parse_size
+
+
+def test_doctor_checks_the_machine(capsys):
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "backends    gloo" in out and "all_reduce  2 ranks launched here" in out
+    assert "OK in" in out and "doctor      all good" in out
+
+
+@pytest.mark.parametrize(("algo", "world_size"), [("ring", 3), ("naive", 3), ("torch", 2)])
+def test_allreduce_prints_bandwidth_and_bytes_against_theory(capsys, algo, world_size):
+    assert main(["allreduce", "--world-size", str(world_size), "--size", "96KB",
+                 "--algo", algo, "--repeats", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"all-reduce  {algo}, {world_size} ranks" in out
+    assert "algbw" in out and "busbw" in out
+    if algo == "ring":  # 2(N-1)/N x S = 4/3 x 96 KiB
+        assert out.count("sent 131072 B (theory 131072 B)") == 3
+    if algo == "naive":
+        assert "rank 0      sent 196608 B (theory 196608 B)" in out
+
+
+def test_help_and_bad_input():
+    out = subprocess.run([sys.executable, "-m", "parcourse", "--help"], capture_output=True,
+                         text=True, check=True).stdout
+    assert "doctor" in out and "allreduce" in out
+    bad = subprocess.run([sys.executable, "-m", "parcourse", "allreduce", "--size", "12XB"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "cannot read a size from '12XB'" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "parcourse", "allreduce", "--algo", "tree"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "invalid choice: 'tree'" in bad.stderr
+
+
+def test_parse_size():
+    assert parse_size("4KB") == 4096
+    assert parse_size("64MB") == 64 << 20
+    assert parse_size("1.5 GiB") == 3 << 29
+    assert parse_size("100") == 100
+    for bad in ("", "MB", "-1MB", "12XB", "0"):
+        with pytest.raises(ValueError):
+            parse_size(bad)

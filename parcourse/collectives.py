@@ -176,16 +176,20 @@ class _Wire:
 
 @dataclass
 class _Incoming:
-    """A posted receive: the buffer gloo fills, where it goes, and the link's time stamp."""
+    """A posted receive: the buffer gloo fills and where its contents go."""
 
-    works: list[dist.Work]
+    work: dist.Work | None
     host: torch.Tensor
     dest: torch.Tensor
-    stamp: torch.Tensor | None
 
 
 class _Messenger:
-    """isend/irecv on one group, with byte counting, CPU staging and the simulated link."""
+    """isend/irecv on one group, with byte counting, CPU staging and the simulated link.
+
+    With a simulated link, each message carries its departure time in 8 extra
+    bytes at its end (not counted as bytes sent), so the receiver can queue it
+    on its incoming link.
+    """
 
     def __init__(self, group: dist.ProcessGroup, tracer: Tracer | None,
                  link: SimulatedLink | None) -> None:
@@ -197,36 +201,43 @@ class _Messenger:
         self.stage = dist.get_backend(group) == "gloo"
 
     def post_recv(self, dest: torch.Tensor, peer: int) -> _Incoming:
-        """Post a receive now; gloo moves data only once the receiver's buffer is
+        """Post a receive now. gloo moves data only once the receiver's buffer is
         posted, so posting early takes a round trip off the critical path."""
-        host = torch.empty(dest.shape, dtype=dest.dtype) if self.stage and dest.is_cuda else dest
-        works, stamp = [], None
         if self.wire.link is not None:
-            stamp = torch.empty(1, dtype=torch.float64)
-            works.append(dist.irecv(stamp, _global(self.group, peer), self.group))
-        if host.numel():  # empty chunks (tensor smaller than the world) are skipped by both sides
-            works.append(dist.irecv(host, _global(self.group, peer), self.group))
-        return _Incoming(works, host, dest, stamp)
+            host = torch.empty(dest.nbytes + 8, dtype=torch.uint8)
+        elif self.stage and dest.is_cuda:
+            host = torch.empty(dest.shape, dtype=dest.dtype)
+        else:
+            host = dest
+        # Empty chunks (a tensor smaller than the world) are skipped by both sides.
+        work = dist.irecv(host, _global(self.group, peer), self.group) if dest.numel() else None
+        return _Incoming(work, host, dest)
 
     def send(self, t: torch.Tensor, peer: int) -> None:
+        if not t.numel():
+            return
         t = t.contiguous()
-        t = t.cpu() if self.stage and t.is_cuda else t
         if self.wire.link is not None:
             stamp = torch.tensor([self.wire.depart(t.nbytes)], dtype=torch.float64)
-            self.sends.append(dist.isend(stamp, _global(self.group, peer), self.group))
-        if t.numel():
-            self.sends.append(dist.isend(t, _global(self.group, peer), self.group))
-            if self.tracer is not None:
-                self.tracer.count("bytes_sent", t.nbytes, peer=peer)
+            payload = torch.cat([t.cpu().view(-1).view(torch.uint8), stamp.view(torch.uint8)])
+        else:
+            payload = t.cpu() if self.stage and t.is_cuda else t
+        self.sends.append(dist.isend(payload, _global(self.group, peer), self.group))
+        if self.tracer is not None:
+            self.tracer.count("bytes_sent", t.nbytes, peer=peer)
 
     def wait_recv(self, incoming: _Incoming) -> None:
-        for w in incoming.works:
-            w.wait()
-        if incoming.stamp is not None:
-            self.wire.arrive(incoming.stamp.item(), incoming.host.nbytes)
+        if incoming.work is None:
+            return
+        incoming.work.wait()
+        host, dest = incoming.host, incoming.dest
+        if self.wire.link is not None:
+            n = dest.nbytes
+            self.wire.arrive(host[n:].view(torch.float64).item(), n)
             self.wire.settle(incoming=True)
-        if incoming.host is not incoming.dest:
-            incoming.dest.copy_(incoming.host)
+            dest.view(-1).view(torch.uint8).copy_(host[:n])
+        elif host is not dest:
+            dest.copy_(host)
 
     def finish(self) -> None:
         """Wait until every send has left (and, with a link, until the link is free)."""
@@ -379,20 +390,20 @@ def naive_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = Non
     m = _Messenger(group, tracer, link)
     if n > 1 and rank == root:
         others = [r for r in range(n) if r != root]
-        with _span(tracer, "gather at root", phase="gather"):
+        with _span(tracer, "gather at root", phase="gather", label=f"recv {n - 1} + reduce"):
             incoming = [m.post_recv(torch.empty_like(flat), r) for r in others]
             for part in incoming:
                 m.wait_recv(part)
                 _reduce_into(flat, part.dest, op)
-        with _span(tracer, "send result", phase="broadcast"):
+        with _span(tracer, "send result", phase="broadcast", label=f"send {n - 1}"):
             for r in others:
                 m.send(flat, r)
             m.finish()
     elif n > 1:
-        with _span(tracer, "send to root", phase="gather"):
+        with _span(tracer, "send to root", phase="gather", label="send"):
             m.send(flat, root)
             m.finish()
-        with _span(tracer, "wait for result", phase="broadcast"):
+        with _span(tracer, "wait for result", phase="broadcast", label="wait for result"):
             m.wait_recv(m.post_recv(flat, root))
     if op == "avg":
         flat.div_(n)

@@ -6,7 +6,7 @@ put several pictures side by side.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -47,22 +47,31 @@ def _span_label(meta: Mapping[str, object], label_key: str | None) -> str | None
 
 
 def timeline(trace: Trace, ax: Axes | None = None, *, title: str | None = None,
-             label_key: str | None = None, unit: str = "ms") -> Figure:
+             label_key: str | None = None, color_by: str | None = None,
+             unit: str = "ms") -> Figure:
     """One row per rank, one bar per span, coloured by kind (compute, comm, idle).
 
-    Nested spans are drawn thinner on top of their parents. A span whose
-    metadata has a `label`, `microbatch`, `chunk`, `bucket`, `stage` or `step`
-    (or `label_key`) gets it written on the bar when there is room.
+    `color_by="chunk"` (or any metadata key with integer values) colours spans
+    by that value instead, e.g. to follow one chunk around a ring. Nested spans
+    are drawn thinner on top of their parents. A span whose metadata has a
+    `label`, `microbatch`, `chunk`, `bucket`, `stage` or `step` (or
+    `label_key`) gets it written on the bar when there is room.
     """
     scale = {"s": 1e9, "ms": 1e6, "us": 1e3}[unit]
     fig, ax = _axes(ax, (10, 0.6 + 0.5 * trace.world_size))
     t0 = trace.t0_ns
     end = max((s.end_ns for s in trace.spans), default=t0 + 1)
     span_width = (end - t0) / scale
+    values = sorted({s.meta[color_by] for s in trace.spans if color_by in s.meta}) \
+        if color_by else []
+    palette = plt.get_cmap("tab10" if len(values) <= 10 else "tab20")
+    color_of = {v: palette(i % palette.N) for i, v in enumerate(values)}
     for s in sorted(trace.spans, key=lambda s: s.depth):
         height = 0.8 * 0.75**s.depth
         left, width = (s.start_ns - t0) / scale, (s.end_ns - s.start_ns) / scale
-        ax.barh(s.rank, width, left=left, height=height, color=KIND_COLORS.get(s.kind, "#999"),
+        color = color_of.get(s.meta.get(color_by)) if color_by else None
+        ax.barh(s.rank, width, left=left, height=height,
+                color=color or KIND_COLORS.get(s.kind, "#999"),
                 edgecolor="white", linewidth=0.5, zorder=2 + s.depth)
         text = _span_label(s.meta, label_key)
         if text and width > 0.03 * span_width:
@@ -72,10 +81,13 @@ def timeline(trace: Trace, ax: Axes | None = None, *, title: str | None = None,
     ax.set_ylim(trace.world_size - 0.5, -0.5)
     ax.set_xlabel(f"time ({unit})")
     ax.set_xlim(0, span_width * 1.01 or 1)
-    kinds = sorted({s.kind for s in trace.spans}, key=list(KIND_COLORS).index)
-    ax.legend(handles=[Patch(color=KIND_COLORS[k], label=k) for k in kinds],
-              loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncols=len(kinds) or 1,
-              frameon=False)
+    if values:
+        handles = [Patch(color=color_of[v], label=f"{color_by} {v}") for v in values]
+    else:
+        kinds = sorted({s.kind for s in trace.spans}, key=list(KIND_COLORS).index)
+        handles = [Patch(color=KIND_COLORS[k], label=k) for k in kinds]
+    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8,
+              ncols=min(len(handles), 6) or 1, frameon=False)
     ax.grid(axis="x", alpha=0.3)
     if title:
         ax.set_title(title, loc="left")
@@ -170,3 +182,42 @@ def tensors_before_after(before: Sequence[torch.Tensor], after: Sequence[torch.T
 
 def _width(tensors: Sequence[torch.Tensor]) -> int:
     return max((t.numel() for t in tensors), default=1)
+
+
+def bandwidth(sizes: Sequence[int], measured: Mapping[str, Sequence[float]],
+              models: Mapping[str, Callable[[int], float]] | None = None,
+              ax: Axes | None = None, *, ceiling: float | None = None,
+              title: str | None = None) -> Figure:
+    """Bus bandwidth against message size, measured (dots) beside a model (lines).
+
+    `measured` maps an algorithm to its busbw in bytes/s at each size; `models`
+    maps an algorithm to a function size -> predicted busbw (e.g. from an
+    alpha-beta fit); `ceiling` draws the link's own bandwidth.
+    """
+    fig, ax = _axes(ax, (7, 4))
+    dense = np.geomspace(min(sizes), max(sizes), 100)
+    for i, (algo, values) in enumerate(measured.items()):
+        color = f"C{i}"
+        ax.plot(sizes, np.asarray(values) / 1e9, "o", color=color, label=f"{algo} (measured)")
+        if models and algo in models:
+            ax.plot(dense, [models[algo](int(s)) / 1e9 for s in dense], "-", color=color,
+                    alpha=0.7, label=f"{algo} (alpha-beta model)")
+    if ceiling:
+        ax.axhline(ceiling / 1e9, color="black", linestyle=":", label="link (p2p) bandwidth")
+    ax.set_xscale("log", base=2)
+    ticks = [s for s in sizes]
+    ax.set_xticks(ticks, [_size_label(s) for s in ticks], rotation=45)
+    ax.set_xlabel("message size")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title)
+    return fig
+
+
+def _size_label(n: int) -> str:
+    for unit, div in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if n >= div:
+            return f"{n / div:g}{unit}"
+    return f"{n}B"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Literal
 
 import torch
@@ -24,18 +25,10 @@ def all_reduce_with(algo: Algo, t: torch.Tensor, ctx: RankContext, *,
     elif algo == "naive":
         naive_all_reduce(t, ctx.group, tracer=tracer, link=link)
     elif algo == "torch":
-        with ctx.tracer.span("torch all_reduce", kind="comm") if traced else _nothing():
+        with ctx.tracer.span("torch all_reduce", kind="comm") if traced else nullcontext():
             dist.all_reduce(t, group=ctx.group)
     else:
         raise ValueError(f"unknown algorithm {algo!r}; choose one of {', '.join(ALGOS)}")
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def time_all_reduce(ctx: RankContext, algos: list[str], sizes: list[int], repeats: int,

@@ -1,0 +1,84 @@
+"""The rank functions lessons use, and the exercise checks (which must be able to fail)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parcourse import Pool, basics, demos
+
+
+@pytest.fixture(scope="module")
+def pool3():
+    with Pool(3) as pool:
+        yield pool
+
+
+def stub_step(flat, bounds, step, rank, n, group):
+    raise NotImplementedError
+
+
+def wrong_step(flat, bounds, step, rank, n, group):
+    # sends and receives the right chunks, but forgets to add what it received
+    send = bounds[(rank - step - 1) % n]
+    recv = bounds[(rank - step - 2) % n]
+    incoming = torch.empty(recv[1] - recv[0])
+    works = [dist.irecv(incoming, (rank - 1) % n, group),
+             dist.isend(flat[send[0]:send[1]], (rank + 1) % n, group)]
+    for w in works:
+        w.wait()
+
+
+def right_step(flat, bounds, step, rank, n, group):
+    send = bounds[(rank - step - 1) % n]
+    recv = bounds[(rank - step - 2) % n]
+    incoming = torch.empty(recv[1] - recv[0])
+    works = [dist.irecv(incoming, (rank - 1) % n, group),
+             dist.isend(flat[send[0]:send[1]], (rank + 1) % n, group)]
+    for w in works:
+        w.wait()
+    flat[recv[0]:recv[1]] += incoming
+
+
+def test_ring_step_check_tells_stub_wrong_and_right(pool3, capsys):
+    assert demos.check_ring_step(stub_step, pool3) is False
+    assert "Not written yet" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="rank 0 ended with chunk"):
+        demos.check_ring_step(wrong_step, pool3)
+    assert demos.check_ring_step(right_step, pool3, numel=11)  # uneven chunks
+
+
+def test_average_check_tells_stub_wrong_and_right(pool3, capsys):
+    def stub(ctx):
+        raise NotImplementedError
+
+    def wrong(ctx):
+        t = torch.tensor([ctx.rank + 1.0])
+        dist.all_reduce(t, group=ctx.group)
+        return t.item()  # forgot to divide
+
+    def right(ctx):
+        t = torch.tensor([ctx.rank + 1.0])
+        dist.all_reduce(t, group=ctx.group)
+        return t.item() / ctx.world_size
+
+    assert basics.check_average(stub, pool3) is False
+    with pytest.raises(AssertionError, match="expected 2.0 on every rank"):
+        basics.check_average(wrong, pool3)
+    assert basics.check_average(right, pool3)
+
+
+def test_time_all_reduce_alternates_and_times_every_algorithm(pool3):
+    per_rank = pool3.run(demos.time_all_reduce, ["ring", "naive", "torch"], [4096, 65536], 3)
+    for result in per_rank.results:
+        assert set(result) == {(a, s) for a in ("ring", "naive", "torch") for s in (4096, 65536)}
+        assert all(len(ts) == 3 and all(t > 0 for t in ts) for ts in result.values())
+    slowest = demos.slowest_rank(per_rank.results, ("ring", 4096))
+    assert slowest == [max(r[("ring", 4096)][i] for r in per_rank.results) for i in range(3)]
+
+
+def test_traced_all_reduce_counts_bytes_and_checks_its_result(pool3):
+    run = pool3.run(demos.traced_all_reduce, "ring", 300)
+    assert run.results == [2 * 2 / 3 * 1200] * 3
+    assert {s.meta["chunk"] for s in run.trace.spans_of(rank=0)} == {0, 1, 2}
+    with pytest.raises(Exception, match="unknown algorithm 'tree'"):
+        pool3.run(demos.traced_all_reduce, "tree", 300)

@@ -85,6 +85,7 @@ def barrier_then_all_reduce(ctx: RankContext, work_ms: float = 20.0, numel: int 
     Rank r works (r + 1) * work_ms; the fast ranks wait in the barrier for the
     slowest. Returns the seconds this rank spent in the barrier.
     """
+    dist.barrier(group=ctx.group)  # a common start, as the theory assumes
     with ctx.tracer.span("work", kind="compute", label=f"{(ctx.rank + 1) * work_ms:g} ms"):
         _busy(seconds=(ctx.rank + 1) * work_ms / 1e3)
     start = time.perf_counter()

@@ -233,7 +233,8 @@ class _Messenger:
         host, dest = incoming.host, incoming.dest
         if self.wire.link is not None:
             n = dest.nbytes
-            self.wire.arrive(host[n:].view(torch.float64).item(), n)
+            # .clone(): the stamp starts at byte n, which a float64 view needs aligned
+            self.wire.arrive(host[n:].clone().view(torch.float64).item(), n)
             self.wire.settle(incoming=True)
             dest.view(-1).view(torch.uint8).copy_(host[:n])
         elif host is not dest:

@@ -57,6 +57,7 @@ def ignore_sigint(ctx):
 
 
 def sleep_then_barrier(ctx, seconds):
+    dist.barrier(group=ctx.group)  # a common start
     with ctx.tracer.span("before", kind="compute"):
         time.sleep(seconds * (ctx.rank + 1))
     with ctx.tracer.span("barrier", kind="comm"):

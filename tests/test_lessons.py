@@ -14,7 +14,7 @@ import pytest
 LESSONS = sorted((Path(__file__).parent.parent / "lessons").glob("[0-9][0-9]_*.ipynb"))
 # Small enough to run in seconds on a 2-core machine; the same fields as each parameters cell.
 SMALL = {
-    "00_launching_ranks": {"world_size": 2, "numel": 2, "work_ms": 5.0},
+    "00_launching_ranks": {"world_size": 2, "numel": 2, "work_ms": 20.0},
     "01_ring_all_reduce": {"world_size": 2, "numel": 1 << 12, "latency_us": 50.0,
                            "bandwidth_gbps": 1.0, "max_size_kb": 256, "repeats": 2},
 }

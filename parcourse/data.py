@@ -1,0 +1,26 @@
+"""Synthetic data, made on the spot (no downloads), and how ranks split a batch."""
+
+from __future__ import annotations
+
+import torch
+
+
+def regression(n: int, d_in: int, d_out: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y) with y a fixed random linear map of x plus a little noise."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d_in, generator=g)
+    w = torch.randn(d_in, d_out, generator=g) / d_in**0.5
+    return x, x @ w + 0.01 * torch.randn(n, d_out, generator=g)
+
+
+def shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
+    """[start, end) of this rank's rows: contiguous, the first n % world_size ranks get one more."""
+    base, extra = divmod(n, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def shard(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's rows of a batch (data parallelism: same model, different data)."""
+    start, end = shard_bounds(batch.shape[0], rank, world_size)
+    return batch[start:end]

@@ -1,0 +1,123 @@
+"""What every data-parallel wrapper here shares with torch's DistributedDataParallel.
+
+- The same weights everywhere: parameters and buffers are broadcast from the
+  group's first rank when the wrapper is made.
+- `forward` passes through to `.module`.
+- Gradients are synchronized when `loss.backward()` returns. A hook on each
+  parameter (`register_post_accumulate_grad_hook`) tells the wrapper when that
+  parameter's gradient is ready; the first one in a backward queues a callback
+  that autograd runs when the whole backward pass is done (DDP does the same).
+- `no_sync()` skips synchronization, for gradient accumulation: gradients add
+  up locally and the next backward outside `no_sync` averages the sum.
+- `finish_gradient_sync()` waits for what is still in flight; it is a no-op
+  when the backward callback has already done it.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parcourse.trace import Tracer
+
+
+def group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int, int]:
+    group = group or dist.group.WORLD
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def global_rank(group: dist.ProcessGroup, group_rank: int) -> int:
+    return group_rank if group is dist.group.WORLD else dist.get_global_rank(group, group_rank)
+
+
+def broadcast_module(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Make every rank's parameters and buffers equal to the group's first rank's."""
+    src = global_rank(group, 0)
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(t.data, src=src, group=group)
+
+
+class GradSyncModule(nn.Module, ABC):
+    """Base of the data-parallel wrappers: hooks, no_sync, the end-of-backward callback."""
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None,
+                 tracer: Tracer | None) -> None:
+        super().__init__()
+        self.module = module
+        self.group, self.rank, self.world_size = group_info(group)
+        self.tracer = tracer
+        self.sync_enabled = True
+        self._callback_queued = False
+        self._backward_start: int | None = None
+        broadcast_module(module, self.group)
+        # Frozen parameters never get gradients; they take no part in synchronization.
+        self.sync_params = [p for p in module.parameters() if p.requires_grad]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook)
+                       for p in self.sync_params]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.module(*args, **kwargs)
+        if self.tracer is not None and torch.is_grad_enabled():
+            first = next((t for t in _tensors(out) if t.requires_grad), None)
+            if first is not None:  # fires at the very start of backward
+                first.register_hook(self._mark_backward_start)
+        return out
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside this block accumulate gradients locally only."""
+        previous, self.sync_enabled = self.sync_enabled, False
+        try:
+            yield
+        finally:
+            self.sync_enabled = previous
+
+    def _mark_backward_start(self, grad: torch.Tensor) -> None:
+        self._backward_start = time.perf_counter_ns()
+
+    def _hook(self, param: torch.Tensor) -> None:
+        if not self.sync_enabled:
+            return
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self.grad_ready(param)
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        if self.tracer is not None and self._backward_start is not None:
+            self.tracer.add_span("backward", self._backward_start, time.perf_counter_ns(),
+                                 kind="compute")
+            self._backward_start = None
+        self.finish_gradient_sync()
+
+    def grad_ready(self, param: torch.Tensor) -> None:
+        """Called when `param.grad` holds this backward's gradient."""
+
+    @abstractmethod
+    def finish_gradient_sync(self) -> None:
+        """Make every synchronized gradient the average over ranks; no-op when done."""
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+def _tensors(out: Any) -> Iterator[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (list, tuple)):
+        for o in out:
+            yield from _tensors(o)
+    elif isinstance(out, dict):
+        for o in out.values():
+            yield from _tensors(o)

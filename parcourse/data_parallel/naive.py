@@ -1,0 +1,56 @@
+"""Naive data parallelism: after backward, all-reduce every gradient, one by one.
+
+The simplest thing that is correct, and the baseline for what bucketing and
+overlap improve: one collective per parameter tensor (many small messages, each
+paying the latency alpha), and none of them starts before backward has ended.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parcourse.data_parallel.base import GradSyncModule
+from parcourse.trace import Tracer
+
+
+class NaiveDataParallel(GradSyncModule):
+    """`NaiveDataParallel(model, group)`: same weights everywhere, gradients averaged.
+
+    A parameter that got no gradient on any rank this step keeps `grad = None`
+    (as in one process, so the optimizer skips it); one that got a gradient on
+    some ranks only is averaged with zeros from the others.
+    """
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, *,
+                 tracer: Tracer | None = None) -> None:
+        super().__init__(module, group, tracer)
+        self._pending = False
+
+    def grad_ready(self, param: torch.Tensor) -> None:
+        self._pending = True
+
+    def finish_gradient_sync(self) -> None:
+        if not self._pending:
+            return
+        self._pending = False
+        params = self.sync_params
+        # Which parameters got a gradient anywhere? (Every rank must call the same
+        # collectives in the same order, so this is agreed on first.)
+        used = torch.tensor([p.grad is not None for p in params], dtype=torch.float32,
+                            device=params[0].device)
+        dist.all_reduce(used, group=self.group)
+        for i, p in enumerate(params):
+            if used[i] == 0:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            start = time.perf_counter_ns()
+            dist.all_reduce(p.grad, group=self.group)
+            p.grad.div_(self.world_size)
+            if self.tracer is not None:
+                self.tracer.add_span("all_reduce", start, time.perf_counter_ns(), kind="comm",
+                                     param=i, bytes=p.grad.nbytes)

@@ -1,0 +1,25 @@
+"""Small models for the lessons. Nothing here knows about distribution."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def mlp(d_in: int, d_hidden: int, d_out: int, depth: int = 2, seed: int | None = 0) -> nn.Sequential:
+    """Linear -> ReLU -> ... -> Linear with `depth` linear layers; seeded for equal starts."""
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}")
+    if seed is not None:
+        torch.manual_seed(seed)
+    dims = [d_in] + [d_hidden] * (depth - 1) + [d_out]
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])):
+        layers.append(nn.Linear(a, b))
+        if i < depth - 1:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def param_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -131,6 +131,34 @@ def allreduce(args: argparse.Namespace) -> int:
     return 0
 
 
+def ddp(args: argparse.Namespace) -> int:
+    """Time training steps under one data-parallel implementation."""
+    from parcourse.data_parallel.training import train_steps
+
+    external = _external_env()
+    world_size = external[1] if external else args.world_size
+    run = launch(train_steps, world_size, args.impl, args.steps + 1, width=args.width,
+                 depth=args.depth, batch=args.batch, bucket_mb=args.bucket_mb,
+                 overlap=not args.no_overlap, latency_us=args.latency_us,
+                 bandwidth_gbps=args.bandwidth_gbps, traced=False, timeout=args.timeout)
+    if external and external[0] != 0:
+        return 0
+    # Each step lasts as long as its slowest rank; the first step warms up.
+    steps = [max(ts) for ts in zip(*(r["step_s"] for r in run.results))][1:]
+    first = run.results[0]
+    print(f"ddp         {args.impl}, {world_size} ranks, backend {run.backend}, "
+          f"MLP {args.depth} x {args.width} ({first['params'] / 1e6:.2f} M parameters, "
+          f"{first['params'] * 4 / 2**20:.1f} MiB of gradients)")
+    overlap = "off" if args.no_overlap else "on"
+    print(f"buckets     {args.bucket_mb:g} MB, overlap {overlap}" if args.impl != "naive"
+          else "buckets     none: one all-reduce per parameter, after backward")
+    if args.latency_us or args.bandwidth_gbps:
+        print(f"link        simulated: {args.latency_us:g} us, {args.bandwidth_gbps or 'inf'} GB/s")
+    print(f"step time   {statistics.median(steps) * 1e3:.1f} ms (median of {len(steps)})")
+    print(f"loss        {first['loss'][0]:.4f} -> {first['loss'][-1]:.4f}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m parcourse",
@@ -153,6 +181,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="simulated link bandwidth in GB/s")
     p.add_argument("--timeout", type=float, default=600.0)
     p.set_defaults(func=allreduce)
+
+    p = commands.add_parser("ddp", help="time data-parallel training: naive, bucketed, torch")
+    p.add_argument("--world-size", type=int, default=2, help="ranks (ignored under torchrun)")
+    p.add_argument("--impl", choices=("naive", "bucketed", "torch"), default="bucketed")
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--no-overlap", action="store_true", help="start buckets after backward")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--depth", type=int, default=6)
+    p.add_argument("--batch", type=int, default=256, help="global batch, split over ranks")
+    p.add_argument("--latency-us", type=float, default=0.0, help="simulated link latency")
+    p.add_argument("--bandwidth-gbps", type=float, default=None,
+                   help="simulated link bandwidth in GB/s")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.set_defaults(func=ddp)
     return parser
 
 
@@ -161,8 +204,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "world_size", 1) < 1:
         parser.error("--world-size must be >= 1")
-    if getattr(args, "repeats", 1) < 1:
-        parser.error("--repeats must be >= 1")
+    for name in ("repeats", "steps", "width", "depth", "batch"):
+        if getattr(args, name, 1) < 1:
+            parser.error(f"--{name} must be >= 1")
+    if getattr(args, "bucket_mb", 1.0) <= 0:
+        parser.error("--bucket-mb must be > 0")
+    if getattr(args, "impl", None) == "torch" and (args.latency_us or args.bandwidth_gbps):
+        parser.error("torch's DDP cannot use the simulated link; use --impl naive or bucketed")
     if hasattr(args, "size"):
         try:
             parse_size(args.size)

@@ -48,7 +48,7 @@ def _span_label(meta: Mapping[str, object], label_key: str | None) -> str | None
 
 def timeline(trace: Trace, ax: Axes | None = None, *, title: str | None = None,
              label_key: str | None = None, color_by: str | None = None,
-             unit: str = "ms") -> Figure:
+             comm_lane: bool = False, unit: str = "ms") -> Figure:
     """One row per rank, one bar per span, coloured by kind (compute, comm, idle).
 
     `color_by="chunk"` (or any metadata key with integer values) colours spans
@@ -56,6 +56,8 @@ def timeline(trace: Trace, ax: Axes | None = None, *, title: str | None = None,
     are drawn thinner on top of their parents. A span whose metadata has a
     `label`, `microbatch`, `chunk`, `bucket`, `stage` or `step` (or
     `label_key`) gets it written on the bar when there is room.
+    `comm_lane=True` draws communication in a lane of its own under each rank's
+    compute, so that overlap (comm during backward) shows.
     """
     scale = {"s": 1e9, "ms": 1e6, "us": 1e3}[unit]
     fig, ax = _axes(ax, (10, 0.6 + 0.5 * trace.world_size))
@@ -68,14 +70,18 @@ def timeline(trace: Trace, ax: Axes | None = None, *, title: str | None = None,
     color_of = {v: palette(i % palette.N) for i, v in enumerate(values)}
     for s in sorted(trace.spans, key=lambda s: s.depth):
         height = 0.8 * 0.75**s.depth
+        y = s.rank
+        if comm_lane:
+            height /= 2
+            y += 0.2 if s.kind == "comm" else -0.2
         left, width = (s.start_ns - t0) / scale, (s.end_ns - s.start_ns) / scale
         color = color_of.get(s.meta.get(color_by)) if color_by else None
-        ax.barh(s.rank, width, left=left, height=height,
+        ax.barh(y, width, left=left, height=height,
                 color=color or KIND_COLORS.get(s.kind, "#999"),
                 edgecolor="white", linewidth=0.5, zorder=2 + s.depth)
         text = _span_label(s.meta, label_key)
         if text and width > 0.03 * span_width:
-            ax.text(left + width / 2, s.rank, text, ha="center", va="center", fontsize=7,
+            ax.text(left + width / 2, y, text, ha="center", va="center", fontsize=7,
                     color="white", zorder=10)
     ax.set_yticks(range(trace.world_size), [f"rank {r}" for r in range(trace.world_size)])
     ax.set_ylim(trace.world_size - 0.5, -0.5)

@@ -19,13 +19,25 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from parcourse.trace import Tracer
+
+
+Algorithm = Literal["torch", "ring"]
+
+
+def check_algorithm(algorithm: str, link: object) -> None:
+    """torch: torch.distributed.all_reduce; ring: this course's, which can take a link."""
+    if algorithm not in ("torch", "ring"):
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose 'torch' or 'ring'")
+    if link is not None and algorithm != "ring":
+        raise ValueError("a simulated link needs algorithm='ring' (torch's all_reduce "
+                         "cannot be slowed down)")
 
 
 def group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int, int]:

@@ -24,17 +24,13 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from parcourse.collectives import SimulatedLink, ring_all_reduce
-from parcourse.data_parallel.base import GradSyncModule
+from parcourse.data_parallel.base import Algorithm, GradSyncModule, check_algorithm
 from parcourse.trace import Tracer
-
-Algorithm = Literal["torch", "ring"]
 
 
 @dataclass
@@ -84,6 +80,18 @@ def make_buckets(params: list[nn.Parameter], bucket_mb: float) -> list[Bucket]:
     return buckets
 
 
+class _WorkFuture(Future):  # type: ignore[type-arg]
+    """A torch Work seen as a Future whose result is the time `result()` returned."""
+
+    def __init__(self, work: dist.Work) -> None:
+        super().__init__()
+        self.work = work
+
+    def result(self, timeout: float | None = None) -> int:
+        self.work.wait()
+        return time.perf_counter_ns()
+
+
 class BucketedDataParallel(GradSyncModule):
     """`BucketedDataParallel(model, group, bucket_mb=25.0, overlap=True)`.
 
@@ -97,11 +105,7 @@ class BucketedDataParallel(GradSyncModule):
                  tracer: Tracer | None = None) -> None:
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
-        if algorithm not in ("torch", "ring"):
-            raise ValueError(f"unknown algorithm {algorithm!r}; choose 'torch' or 'ring'")
-        if link is not None and algorithm != "ring":
-            raise ValueError("a simulated link needs algorithm='ring' (torch's all_reduce "
-                             "cannot be slowed down)")
+        check_algorithm(algorithm, link)
         super().__init__(module, group, tracer)
         self.bucket_mb, self.overlap, self.algorithm, self.link = bucket_mb, overlap, algorithm, link
         self.buckets = make_buckets(self.sync_params, bucket_mb)
@@ -143,8 +147,11 @@ class BucketedDataParallel(GradSyncModule):
                 return time.perf_counter_ns()
 
             return self._comm.submit(run)
-        done: Future[int] = Future()
         work = dist.all_reduce(buffer, group=self.group, async_op=True)
+        if self.tracer is None:
+            return _WorkFuture(work)  # no callback: nothing to time, nothing to wake up
+        done: Future[int] = Future()
+        # Runs on the backend's thread the moment the all-reduce completes: its end time.
         work.get_future().add_done_callback(lambda _: done.set_result(time.perf_counter_ns()))
         return done
 

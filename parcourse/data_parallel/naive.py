@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parcourse.data_parallel.base import GradSyncModule
+from parcourse.collectives import SimulatedLink, ring_all_reduce
+from parcourse.data_parallel.base import Algorithm, GradSyncModule, check_algorithm
 from parcourse.trace import Tracer
 
 
@@ -26,8 +27,11 @@ class NaiveDataParallel(GradSyncModule):
     """
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, *,
+                 algorithm: Algorithm = "torch", link: SimulatedLink | None = None,
                  tracer: Tracer | None = None) -> None:
+        check_algorithm(algorithm, link)
         super().__init__(module, group, tracer)
+        self.algorithm, self.link = algorithm, link
         self._pending = False
 
     def grad_ready(self, param: torch.Tensor) -> None:
@@ -49,7 +53,10 @@ class NaiveDataParallel(GradSyncModule):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             start = time.perf_counter_ns()
-            dist.all_reduce(p.grad, group=self.group)
+            if self.algorithm == "ring":
+                ring_all_reduce(p.grad, self.group, link=self.link)
+            else:
+                dist.all_reduce(p.grad, group=self.group)
             p.grad.div_(self.world_size)
             if self.tracer is not None:
                 self.tracer.add_span("all_reduce", start, time.perf_counter_ns(), kind="comm",

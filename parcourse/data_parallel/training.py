@@ -121,3 +121,49 @@ def compare_step_times(ctx: RankContext, configs: dict[str, dict[str, Any]], ste
             if step:
                 times[name].append(time.perf_counter() - t0)
     return times
+
+
+def final_weights(ctx: RankContext, impl: str, steps: int = 5, *, width: int = 32,
+                  depth: int = 3, batch: int = 64, bucket_mb: float = 0.01
+                  ) -> dict[str, torch.Tensor]:
+    """Weights after `steps` Adam steps under data parallelism (to compare with one process)."""
+    model = mlp(width, width, width, depth=depth)
+    ddp = wrap(model, impl, ctx, bucket_mb=bucket_mb)
+    opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
+    x, y = regression(batch, width, width)
+    x, y = shard(x, ctx.rank, ctx.world_size), shard(y, ctx.rank, ctx.world_size)
+    for _ in range(steps):
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def one_process_weights(steps: int = 5, *, width: int = 32, depth: int = 3,
+                        batch: int = 64) -> dict[str, torch.Tensor]:
+    """The same training in one process on the whole batch."""
+    model = mlp(width, width, width, depth=depth)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    x, y = regression(batch, width, width)
+    for _ in range(steps):
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def accumulated_gradients(ctx: RankContext, impl: str, microsteps: int, *, width: int = 32,
+                          batch: int = 64) -> list[torch.Tensor]:
+    """Gradients after `microsteps` backward passes, all but the last under no_sync()."""
+    model = mlp(width, width, width, depth=3)
+    ddp = wrap(model, impl, ctx, bucket_mb=0.01)
+    x, y = regression(batch, width, width)
+    x, y = shard(x, ctx.rank, ctx.world_size), shard(y, ctx.rank, ctx.world_size)
+    for i, (xm, ym) in enumerate(zip(x.chunk(microsteps), y.chunk(microsteps))):
+        loss = nn.functional.mse_loss(ddp(xm), ym) / microsteps
+        if i < microsteps - 1:
+            with ddp.no_sync():
+                loss.backward()
+        else:
+            loss.backward()
+    return [p.grad.clone() for p in model.parameters()]

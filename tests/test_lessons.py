@@ -17,6 +17,9 @@ SMALL = {
     "00_launching_ranks": {"world_size": 2, "numel": 2, "work_ms": 20.0},
     "01_ring_all_reduce": {"world_size": 2, "numel": 1 << 12, "latency_us": 50.0,
                            "bandwidth_gbps": 1.0, "max_size_kb": 256, "repeats": 2},
+    "02_data_parallel": {"world_size": 2, "steps": 2, "width": 64, "depth": 4, "batch": 128,
+                         "latency_us": 100.0, "bandwidth_gbps": 1.0, "ps_updates": 4,
+                         "ps_ranks": 4},
 }
 CELL_TIMEOUT_S = 300
 

@@ -48,3 +48,17 @@ def test_parse_size():
     for bad in ("", "MB", "-1MB", "12XB", "0"):
         with pytest.raises(ValueError):
             parse_size(bad)
+
+
+@pytest.mark.parametrize("impl", ["naive", "bucketed", "torch"])
+def test_ddp_prints_step_time_and_loss(capsys, impl):
+    assert main(["ddp", "--impl", impl, "--steps", "2", "--width", "32", "--depth", "3",
+                 "--batch", "16", "--bucket-mb", "0.01"]) == 0
+    out = capsys.readouterr().out
+    assert f"ddp         {impl}, 2 ranks" in out and "step time" in out and "loss" in out
+
+
+def test_ddp_refuses_a_link_for_torch():
+    bad = subprocess.run([sys.executable, "-m", "parcourse", "ddp", "--impl", "torch",
+                          "--latency-us", "100"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "cannot use the simulated link" in bad.stderr

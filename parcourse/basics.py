@@ -13,15 +13,12 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from parcourse._compat import reduce_scatter_single
 from parcourse.launch import RankContext
 
 Collective = Literal["broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter"]
 COLLECTIVES: tuple[str, ...] = ("broadcast", "reduce", "all_reduce", "all_gather",
                                 "reduce_scatter")
-
-
-# torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single (same signature).
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def hello(ctx: RankContext) -> str:
@@ -60,7 +57,7 @@ def show_collective(ctx: RankContext, op: Collective, numel: int = 4,
             after = torch.cat(parts)
         elif op == "reduce_scatter":
             after = torch.empty(numel // ctx.world_size, dtype=before.dtype, device=ctx.device)
-            _reduce_scatter(after, before, group=ctx.group)
+            reduce_scatter_single(after, before, group=ctx.group)
         else:
             raise ValueError(f"unknown collective {op!r}; choose one of {', '.join(COLLECTIVES)}")
     return before, after

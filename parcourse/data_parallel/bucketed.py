@@ -54,10 +54,10 @@ class Bucket:
         return self.numel * self.buffer.element_size()
 
 
-def make_buckets(params: list[nn.Parameter], bucket_mb: float) -> list[Bucket]:
-    """Greedy: walk parameters in reverse order, close a bucket when it reaches
+def group_by_size(params: list[nn.Parameter], bucket_mb: float) -> list[list[nn.Parameter]]:
+    """Greedy: walk parameters in reverse order, close a group when it reaches
     bucket_mb (or the dtype or device changes). A parameter larger than a bucket
-    gets a bucket of its own."""
+    gets a group of its own."""
     limit = bucket_mb * 2**20
     groups: list[list[nn.Parameter]] = []
     size = 0.0
@@ -69,8 +69,13 @@ def make_buckets(params: list[nn.Parameter], bucket_mb: float) -> list[Bucket]:
             size = 0.0
         groups[-1].append(p)
         size += p.numel() * p.element_size()
+    return groups
+
+
+def make_buckets(params: list[nn.Parameter], bucket_mb: float) -> list[Bucket]:
+    """Buckets of about bucket_mb in reverse registration order (see group_by_size)."""
     buckets = []
-    for i, group in enumerate(groups):
+    for i, group in enumerate(group_by_size(params, bucket_mb)):
         offsets, total = [], 0
         for p in group:
             offsets.append(total)

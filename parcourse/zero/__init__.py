@@ -1,0 +1,5 @@
+"""ZeRO: shard optimizer state (stage 1), gradients (2) and parameters (3) over ranks."""
+
+from parcourse.zero.sharded import FlatUnit, ShardedOptimizer, ZeroModel, shard
+
+__all__ = ["FlatUnit", "ShardedOptimizer", "ZeroModel", "shard"]

@@ -1,0 +1,63 @@
+"""Rank functions for the ZeRO tests."""
+
+import io
+
+import torch
+from torch import nn
+
+from parcourse import zero
+from parcourse.data import shard as shard_rows
+
+from dp_fns import Net, data, make_optimizer
+
+
+def factory(opt_name):
+    return lambda params: make_optimizer(opt_name, params)
+
+
+def train(ctx, stage, opt_name, steps, batch, bucket_mb=0.0005):
+    model = Net()
+    if ctx.rank != 0:  # ZeRO must broadcast rank 0's weights first
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    zmodel, opt = zero.shard(model, factory(opt_name), stage=stage, group=ctx.group,
+                             bucket_mb=bucket_mb)
+    x, y = data(batch)
+    x, y = shard_rows(x, ctx.rank, ctx.world_size), shard_rows(y, ctx.rank, ctx.world_size)
+    for _ in range(steps):
+        nn.functional.mse_loss(zmodel(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    state_numel = sum(t.numel() for s in opt.state.values() for t in s.values()
+                      if torch.is_tensor(t) and t.dim() > 0)
+    return zmodel.full_state_dict(), state_numel
+
+
+def resume(ctx, stage, steps_before, steps_after, batch):
+    """Train, save model + sharded optimizer, rebuild from the checkpoint, go on."""
+    x, y = data(batch)
+    x, y = shard_rows(x, ctx.rank, ctx.world_size), shard_rows(y, ctx.rank, ctx.world_size)
+
+    def run(zmodel, opt, steps):
+        for _ in range(steps):
+            nn.functional.mse_loss(zmodel(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    zmodel, opt = zero.shard(Net(), factory("adam"), stage=stage, group=ctx.group, bucket_mb=0.0005)
+    run(zmodel, opt, steps_before)
+    checkpoint = io.BytesIO()
+    torch.save({"model": zmodel.full_state_dict(), "opt": opt.state_dict()}, checkpoint)
+    run(zmodel, opt, steps_after)
+    uninterrupted = zmodel.full_state_dict()
+
+    checkpoint.seek(0)
+    saved = torch.load(checkpoint)
+    fresh = Net()
+    fresh.load_state_dict(saved["model"])
+    zmodel2, opt2 = zero.shard(fresh, factory("adam"), stage=stage, group=ctx.group,
+                               bucket_mb=0.0005)
+    opt2.load_state_dict(saved["opt"])
+    run(zmodel2, opt2, steps_after)
+    return uninterrupted, zmodel2.full_state_dict()

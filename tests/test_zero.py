@@ -66,3 +66,27 @@ def test_bad_arguments(pools):
         pools[2].run(make, stage=3, net={"kind": "tied"})
     with pytest.raises(RankError, match="bucket_mb must be > 0"):
         pools[2].run(make, stage=2, bucket_mb=0)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("opt_name", ["adam", "sgd"])
+def test_drop_in_zero_optimizer_matches_one_process(pools, world_size, opt_name):
+    results = pools[world_size].run(Z.drop_in, opt_name, 5, 18).results
+    expected = F.reference("plain", opt_name, 5, 18, world_size)
+    for weights, _ in results:
+        for name in expected:
+            torch.testing.assert_close(weights[name], expected[name], **TOL)
+    if opt_name == "adam":
+        # Together the ranks hold Adam's two fp32 states once (not N times): for every
+        # parameter but the unused branch's 70, plus a 4-byte step per tensor with state.
+        held = [b for _, b in results]
+        assert sum(held) == 2 * 4 * (N_PARAMS - 70) + 6 * 4
+        assert max(held) < sum(held), "spread over ranks"
+
+
+def test_owner_assignment_balances_sizes():
+    from parcourse.zero.optimizer import assign_owners
+
+    # 100 -> rank 0; 90 -> rank 1; 10 -> rank 1 (90 < 100); 10 -> rank 0 (tie: lower rank)
+    assert assign_owners([100, 10, 90, 10], 2) == [0, 1, 1, 0]
+    assert assign_owners([5], 3) == [0]

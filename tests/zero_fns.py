@@ -61,3 +61,22 @@ def resume(ctx, stage, steps_before, steps_after, batch):
     opt2.load_state_dict(saved["opt"])
     run(zmodel2, opt2, steps_after)
     return uninterrupted, zmodel2.full_state_dict()
+
+
+def drop_in(ctx, opt_name, steps, batch):
+    """ZeroOptimizer under our NaiveDataParallel, like ZeroRedundancyOptimizer under DDP."""
+    from parcourse.data_parallel import NaiveDataParallel
+    from parcourse.zero import ZeroOptimizer
+
+    model = Net()
+    ddp = NaiveDataParallel(model, ctx.group)
+    cls, kw = (torch.optim.Adam, {"lr": 0.01}) if opt_name == "adam" else \
+        (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9})
+    opt = ZeroOptimizer(ddp.parameters(), cls, group=ctx.group, **kw)
+    x, y = data(batch)
+    x, y = shard_rows(x, ctx.rank, ctx.world_size), shard_rows(y, ctx.rank, ctx.world_size)
+    for _ in range(steps):
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.clone() for k, v in model.state_dict().items()}, opt.local_state_bytes()

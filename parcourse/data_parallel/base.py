@@ -78,7 +78,7 @@ class GradSyncModule(nn.Module, ABC):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self.module(*args, **kwargs)
         if self.tracer is not None and torch.is_grad_enabled():
-            first = next((t for t in _tensors(out) if t.requires_grad), None)
+            first = next((t for t in output_tensors(out) if t.requires_grad), None)
             if first is not None:  # fires at the very start of backward
                 first.register_hook(self._mark_backward_start)
         return out
@@ -124,12 +124,12 @@ class GradSyncModule(nn.Module, ABC):
         self._hooks.clear()
 
 
-def _tensors(out: Any) -> Iterator[torch.Tensor]:
+def output_tensors(out: Any) -> Iterator[torch.Tensor]:
     if isinstance(out, torch.Tensor):
         yield out
     elif isinstance(out, (list, tuple)):
         for o in out:
-            yield from _tensors(o)
+            yield from output_tensors(o)
     elif isinstance(out, dict):
         for o in out.values():
-            yield from _tensors(o)
+            yield from output_tensors(o)

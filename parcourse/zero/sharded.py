@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parcourse._compat import all_gather_single, reduce_scatter_single
-from parcourse.data_parallel.base import _tensors, broadcast_module, group_info
+from parcourse.data_parallel.base import broadcast_module, group_info, output_tensors
 from parcourse.data_parallel.bucketed import group_by_size
 from parcourse.trace import Tracer
 
@@ -177,7 +177,7 @@ class ZeroModel(nn.Module):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             unit.free()  # backward gathers again:
             if torch.is_grad_enabled():  # when the gradient of the output arrives
-                for t in _tensors(output):
+                for t in output_tensors(output):
                     if t.requires_grad:
                         t.register_hook(self._before_backward(unit))
         return hook

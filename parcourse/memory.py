@@ -95,7 +95,11 @@ def live_bytes(
     buffers) that belongs to none of the named categories.
     """
     groups: dict[str, list[torch.Tensor]] = {c: [] for c in CATEGORIES}
-    if model is not None:
+    if model is not None and hasattr(model, "memory_tensors"):
+        # A sharded model knows better than .parameters() what this rank holds.
+        for category, tensors in model.memory_tensors().items():
+            groups[category] = list(tensors)
+    elif model is not None:
         groups["params"] = list(model.parameters())
         groups["grads"] = [p.grad for p in model.parameters() if p.grad is not None]
     if optimizer is not None:
@@ -106,7 +110,7 @@ def live_bytes(
         groups["optimizer"] = list(_tensors(list(optimizer.state.values())))
     if activations is not None:
         groups["activations"] = activations.live_tensors()
-    groups["other"] = list(_tensors(other))
+    groups["other"] = groups["other"] + list(_tensors(other))
 
     counted: set[tuple[str, int]] = set()
     result: dict[str, int] = {}
@@ -131,13 +135,33 @@ def cuda_figures() -> dict[str, int] | None:
 def adam_bytes_per_param(param_dtype: torch.dtype = torch.float32) -> dict[str, int]:
     """Theory: bytes per parameter for weights, gradients and Adam state.
 
-    fp32 training: 4 + 4 + 8 (two fp32 moments) = 16. Mixed precision adds an
-    fp32 master copy: 2 + 2 + (4 + 4 + 4) = 16 as well (ZeRO paper, sec. 3.1).
+    fp32 training: 4 + 4 + 8 (two fp32 moments) = 16. Mixed precision keeps
+    16-bit weights and gradients plus fp32 master weights, momentum and
+    variance: 2 + 2 + 12 = 16 as well (ZeRO paper, sec. 3.1: K = 12).
     """
     size = torch.empty((), dtype=param_dtype).element_size()
     if param_dtype == torch.float32:
         return {"params": 4, "grads": 4, "optimizer": 8}
     return {"params": size, "grads": size, "optimizer": 12}
+
+
+def zero_bytes(num_params: int, world_size: int, stage: int,
+               param_dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """Theory: bytes per rank for parameters, gradients and Adam state under ZeRO.
+
+    stage 0 is plain data parallelism (everything replicated); stage 1 divides
+    the optimizer state by N, stage 2 also the gradients, stage 3 also the
+    parameters (ZeRO paper, Figure 1).
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
+    per = adam_bytes_per_param(param_dtype)
+    n = world_size
+    return {
+        "params": num_params * per["params"] / (n if stage >= 3 else 1),
+        "grads": num_params * per["grads"] / (n if stage >= 2 else 1),
+        "optimizer": num_params * per["optimizer"] / (n if stage >= 1 else 1),
+    }
 
 
 def format_bytes(n: float) -> str:

@@ -37,6 +37,7 @@ from parcourse.data_parallel.bucketed import group_by_size
 from parcourse.trace import Tracer
 
 Stage = Literal[1, 2, 3]
+_MAX_IN_FLIGHT = 2
 
 
 @dataclass(eq=False)
@@ -217,34 +218,44 @@ class ZeroModel(nn.Module):
             work = reduce_scatter_single(out, buffer, group=self.group, async_op=True)
             unit.pending = (work, out, buffer, started)
         self._next = self._backward_order.index(unit) + 1
+        # At most two buckets in flight: each is as big as its unit's full gradient,
+        # and stages 2-3 exist to not hold all of those at once.
+        in_flight = [u for u in self._backward_order if u.pending is not None]
+        for older in in_flight[:-_MAX_IN_FLIGHT]:
+            self._finish(older)
 
     def finish_gradient_sync(self) -> None:
         """Wait for every unit's reduction; afterwards each rank holds its shards' gradients."""
         self._callback_queued = False
-        if not any(u.ready for u in self.units):
+        if not any(u.ready or u.pending for u in self.units):
             return
         for unit in self._backward_order[self._next:]:  # units some parameter never reached
             self._launch(unit)
         for unit in self._backward_order:
-            work, result, _, started = unit.pending
-            work.wait()
-            if self.tracer is not None:
-                name = "all_reduce" if self.stage == 1 else "reduce_scatter"
-                self.tracer.add_span(name, started, time.perf_counter_ns(), kind="comm",
-                                     unit=unit.index, bytes=unit.nbytes)
-            result.div_(self.world_size)
-            if self.stage == 1:  # full averaged gradients, as DDP leaves them
-                unit.grad_full = result
-                shard = result[unit.start:unit.start + unit.shard_numel]
-                for p, offset, n in zip(unit.params, unit.offsets, unit.numels):
-                    p.grad = result[offset:offset + n].view(p.shape)
-            else:
-                shard = result
-            # Accumulate across backward passes until zero_grad, like .grad does.
-            unit.grad_shard = shard if unit.grad_shard is None else unit.grad_shard + shard
-            unit.pending = None
+            if unit.pending is not None:
+                self._finish(unit)
             unit.ready.clear()
         self._next = 0
+
+    def _finish(self, unit: FlatUnit) -> None:
+        """Wait for one unit's reduction and keep what this rank needs of it."""
+        work, result, _, started = unit.pending
+        work.wait()
+        if self.tracer is not None:
+            name = "all_reduce" if self.stage == 1 else "reduce_scatter"
+            self.tracer.add_span(name, started, time.perf_counter_ns(), kind="comm",
+                                 unit=unit.index, bytes=unit.nbytes)
+        result.div_(self.world_size)
+        if self.stage == 1:  # full averaged gradients, as DDP leaves them
+            unit.grad_full = result
+            shard = result[unit.start:unit.start + unit.shard_numel]
+            for p, offset, n in zip(unit.params, unit.offsets, unit.numels):
+                p.grad = result[offset:offset + n].view(p.shape)
+        else:
+            shard = result
+        # Accumulate across backward passes until zero_grad, like .grad does.
+        unit.grad_shard = shard if unit.grad_shard is None else unit.grad_shard + shard
+        unit.pending = None  # stages 2-3: the full-size bucket is freed here
 
     # -- after the optimizer step
 
@@ -274,13 +285,18 @@ class ZeroModel(nn.Module):
         return state
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """What this rank holds, by category, for memory accounting."""
+        """What this rank holds, by category, for memory accounting.
+
+        Buckets still being reduced count as "other" (temporary buffers).
+        """
         params = [u.full for u in self.units if u.gathered()]
         if self.stage == 3:
             params += [u.shard for u in self.units]
         frozen = [p for p in self.module.parameters() if not p.requires_grad]
         grads = [g for u in self.units for g in (u.grad_full, u.grad_shard) if g is not None]
-        return {"params": params + frozen, "grads": grads}
+        grads += [p.grad for u in self.units for p in u.params if p.grad is not None]
+        other = [t for u in self.units if u.pending is not None for t in u.pending[1:3]]
+        return {"params": params + frozen, "grads": grads, "other": other}
 
 
 class ShardedOptimizer:

@@ -1,0 +1,132 @@
+"""Rank functions that measure ZeRO: bytes per rank by category, step times."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from parcourse.data import regression, shard
+from parcourse.launch import RankContext
+from parcourse.memory import SavedActivations, zero_bytes
+from parcourse.models import mlp
+from parcourse.zero.sharded import shard as zero_shard
+
+
+def mlp_for(params: int, depth: int = 4) -> tuple[int, int]:
+    """(width, depth) of a square MLP with about `params` parameters."""
+    width = max(8, round((params / depth) ** 0.5))
+    return width, depth
+
+
+def memory_by_stage(ctx: RankContext, stage: int, params: int = 1_000_000, depth: int = 4,
+                    batch: int = 32, bucket_mb: float = 1.0) -> dict[str, Any]:
+    """Two Adam steps under ZeRO `stage` (0 = plain data parallel); memory samples
+    ("after forward", "peak in backward", "after step") go into the trace.
+
+    Returns the parameter count and the theory for this rank.
+    """
+    width, depth = mlp_for(params, depth)
+    model = mlp(width, width, width, depth=depth)
+    n_params = sum(p.numel() for p in model.parameters())
+    adam = lambda ps: torch.optim.Adam(ps, lr=1e-3)  # noqa: E731
+    if stage == 0:
+        from parcourse.data_parallel import BucketedDataParallel
+
+        zmodel: nn.Module = BucketedDataParallel(model, ctx.group, bucket_mb=bucket_mb)
+        opt: Any = adam(zmodel.parameters())
+    else:
+        zmodel, opt = zero_shard(model, adam, stage=stage, group=ctx.group, bucket_mb=bucket_mb,
+                                 tracer=ctx.tracer)
+    x, y = regression(batch, width, width)
+    x, y = shard(x, ctx.rank, ctx.world_size), shard(y, ctx.rank, ctx.world_size)
+    tracer = ctx.tracer
+    peak: dict[str, Any] = {}
+
+    def sample_in_backward(_: torch.Tensor) -> None:
+        s = tracer.memory("in backward", zmodel, opt, acts)
+        if not peak or s.total > peak["sample"].total:
+            peak["sample"] = s
+
+    for step in range(2):  # the first step creates Adam's state
+        acts = SavedActivations()
+        with acts:
+            loss = nn.functional.mse_loss(zmodel(x), y)
+        if step == 1:
+            tracer.memory("after forward", zmodel, opt, acts)
+            hooks = [p.register_post_accumulate_grad_hook(sample_in_backward)
+                     for p in model.parameters()]
+        loss.backward()
+        opt.step()
+        if step == 1:
+            for h in hooks:
+                h.remove()
+            tracer.memory("after step", zmodel, opt)
+        opt.zero_grad()
+    # Keep only the largest backward sample, relabelled.
+    data = tracer.data()
+    data.memory = [m for m in data.memory if m.label != "in backward"]
+    if peak:
+        s = peak["sample"]
+        data.memory.insert(1, type(s)(s.rank, "peak in backward", s.t_ns, s.bytes, s.cuda))
+    return {"params": n_params, "theory": zero_bytes(n_params, ctx.world_size, stage)}
+
+
+def step_times(ctx: RankContext, configs: dict[str, dict[str, Any]], steps: int = 10, *,
+               params: int = 4_000_000, depth: int = 4, batch: int = 64) -> dict[str, list[float]]:
+    """Step times of ZeRO stages and torch's ZeroRedundancyOptimizer / FSDP2, alternating.
+
+    configs: name -> {"kind": "zero", "stage": s} | {"kind": "zero_redundancy"} |
+    {"kind": "fsdp2"} | {"kind": "ddp"}.
+    """
+    import torch.distributed as dist
+
+    width, depth = mlp_for(params, depth)
+    x, y = regression(batch, width, width)
+    x, y = shard(x, ctx.rank, ctx.world_size), shard(y, ctx.rank, ctx.world_size)
+    runs = {}
+    for name, cfg in configs.items():
+        model = mlp(width, width, width, depth=depth)
+        runs[name] = _build(cfg, model, ctx)
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    names = list(configs)
+    for step in range(steps + 1):
+        for name in names if step % 2 == 0 else names[::-1]:
+            m, opt = runs[name]
+            dist.barrier(group=ctx.group)
+            t0 = time.perf_counter()
+            nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if step:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def _build(cfg: dict[str, Any], model: nn.Module, ctx: RankContext) -> tuple[Any, Any]:
+    kind = cfg["kind"]
+    if kind == "zero":
+        return zero_shard(model, lambda ps: torch.optim.Adam(ps, lr=1e-3), stage=cfg["stage"],
+                          group=ctx.group, bucket_mb=cfg.get("bucket_mb", 25.0))
+    if kind == "ddp":
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=ctx.group)
+        return ddp, torch.optim.Adam(ddp.parameters(), lr=1e-3)
+    if kind == "zero_redundancy":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=ctx.group)
+        return ddp, ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam,
+                                            process_group=ctx.group, lr=1e-3)
+    if kind == "fsdp2":
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = DeviceMesh.from_group(ctx.group, ctx.device.type)
+        for layer in model:
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+    raise ValueError(f"unknown kind {kind!r}")

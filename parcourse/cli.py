@@ -40,6 +40,18 @@ def parse_size(text: str) -> int:
     return size
 
 
+def parse_count(text: str) -> int:
+    """'10M' -> 10_000_000, '500k' -> 500_000: decimal, as parameter counts are given."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMbBgG]?)\s*", text)
+    if match is None:
+        raise ValueError(f"cannot read a count from {text!r}; try 500k, 10M or 1B")
+    scale = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9}[match.group(2).upper()]
+    count = int(float(match.group(1)) * scale)
+    if count <= 0:
+        raise ValueError(f"count must be positive, got {text!r}")
+    return count
+
+
 def _smoke_all_reduce(ctx: RankContext) -> float:
     t = torch.full((1024,), float(ctx.rank + 1), device=ctx.device)
     with ctx.tracer.span("all_reduce", kind="comm"):
@@ -159,6 +171,38 @@ def ddp(args: argparse.Namespace) -> int:
     return 0
 
 
+def zero(args: argparse.Namespace) -> int:
+    """Bytes per rank by category under a ZeRO stage, measured against the formula."""
+    from parcourse.memory import format_bytes
+    from parcourse.zero.measure import memory_by_stage
+
+    external = _external_env()
+    world_size = external[1] if external else args.world_size
+    run = launch(memory_by_stage, world_size, args.stage, parse_count(args.params),
+                 depth=args.depth, batch=args.batch, bucket_mb=args.bucket_mb,
+                 timeout=args.timeout)
+    if external and external[0] != 0:
+        return 0
+    result = run.results[0]
+    print(f"zero        stage {args.stage}, {world_size} ranks, backend {run.backend}, "
+          f"{result['params'] / 1e6:.2f} M parameters, Adam, fp32")
+    theory = result["theory"]
+    header = "".join(f"{c:>12}" for c in ("params", "grads", "optimizer", "activations", "other"))
+    for label in ("after forward", "peak in backward", "after step"):
+        print(f"\n{label}, per rank:{header}")
+        for rank, sample in sorted(run.trace.memory_at(label).items()):
+            cells = "".join(f"{format_bytes(sample.bytes[c]):>12}"
+                            for c in ("params", "grads", "optimizer", "activations", "other"))
+            print(f"  rank {rank:<13}{cells}")
+    print(f"\ntheory, per rank:{''.join(f'{format_bytes(theory[c]):>12}' for c in theory)}"
+          "   (params, grads, optimizer)")
+    after = run.trace.memory_at("after step")[0].bytes
+    for c in theory:
+        off = after[c] / theory[c] - 1 if theory[c] else 0.0
+        print(f"  {c:<10} measured / formula after step: {1 + off:.3f}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m parcourse",
@@ -196,6 +240,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="simulated link bandwidth in GB/s")
     p.add_argument("--timeout", type=float, default=600.0)
     p.set_defaults(func=ddp)
+
+    p = commands.add_parser("zero", help="memory per rank under ZeRO stages 0-3 vs the formula")
+    p.add_argument("--world-size", type=int, default=4, help="ranks (ignored under torchrun)")
+    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=3,
+                   help="0: plain data parallel; 1: optimizer state, 2: + gradients, "
+                        "3: + parameters sharded")
+    p.add_argument("--params", default="10M", help="model size, e.g. 500k, 10M (10M)")
+    p.add_argument("--depth", type=int, default=4, help="layers of the MLP")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.set_defaults(func=zero)
     return parser
 
 
@@ -211,9 +267,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--bucket-mb must be > 0")
     if getattr(args, "impl", None) == "torch" and (args.latency_us or args.bandwidth_gbps):
         parser.error("torch's DDP cannot use the simulated link; use --impl naive or bucketed")
-    if hasattr(args, "size"):
-        try:
+    try:
+        if hasattr(args, "size"):
             parse_size(args.size)
-        except ValueError as e:
-            parser.error(str(e))
+        if hasattr(args, "params"):
+            parse_count(args.params)
+    except ValueError as e:
+        parser.error(str(e))
     return args.func(args)

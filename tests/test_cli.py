@@ -62,3 +62,10 @@ def test_ddp_refuses_a_link_for_torch():
     bad = subprocess.run([sys.executable, "-m", "parcourse", "ddp", "--impl", "torch",
                           "--latency-us", "100"], capture_output=True, text=True)
     assert bad.returncode == 2 and "cannot use the simulated link" in bad.stderr
+
+
+def test_zero_prints_bytes_per_rank_against_the_formula(capsys):
+    assert main(["zero", "--stage", "2", "--world-size", "2", "--params", "50k"]) == 0
+    out = capsys.readouterr().out
+    assert "zero        stage 2, 2 ranks" in out and "peak in backward" in out
+    assert out.count("measured / formula after step: 1.0") == 3

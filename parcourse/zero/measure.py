@@ -130,3 +130,31 @@ def _build(cfg: dict[str, Any], model: nn.Module, ctx: RankContext) -> tuple[Any
         fully_shard(model, mesh=mesh)
         return model, torch.optim.Adam(model.parameters(), lr=1e-3)
     raise ValueError(f"unknown kind {kind!r}")
+
+
+def peak_memory(ctx: RankContext, cfg: dict[str, Any], params: int = 4_000_000, depth: int = 4,
+                batch: int = 64) -> dict[str, int]:
+    """Peak bytes by category in one training step, measured by torch's own MemTracker
+    (so that ours and torch's implementations are measured by the same tool)."""
+    import warnings
+
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    width, depth = mlp_for(params, depth)
+    x, y = regression(batch, width, width)
+    x, y = shard(x, ctx.rank, ctx.world_size), shard(y, ctx.rank, ctx.world_size)
+    model, opt = _build(cfg, mlp(width, width, width, depth=depth), ctx)
+    nn.functional.mse_loss(model(x), y).backward()  # a first step creates the optimizer state
+    opt.step()
+    opt.zero_grad()
+    tracker = MemTracker()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # it warns about parameters without gradients
+        tracker.track_external(model, getattr(opt, "optimizer", opt))
+        with tracker:
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    peak = tracker.get_tracker_snapshot("peak")
+    device = next(iter(peak))
+    return {str(k).split(".")[-1].lower(): int(v) for k, v in peak[device].items()}

@@ -107,7 +107,7 @@ def live_bytes(
         if model is None:
             groups["params"] = opt_params
             groups["grads"] = [p.grad for p in opt_params if p.grad is not None]
-        groups["optimizer"] = list(_tensors(list(optimizer.state.values())))
+        groups["optimizer"] += list(_tensors(list(optimizer.state.values())))
     if activations is not None:
         groups["activations"] = activations.live_tensors()
     groups["other"] = groups["other"] + list(_tensors(other))

@@ -119,3 +119,30 @@ def test_measured_bytes_per_rank_equal_the_formula(pools, stage):
             assert sample.bytes[category] == pytest.approx(theory[category], rel=0.01), \
                 (rank, category)
     assert set(run.trace.memory_at("peak in backward")) == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_mixed_precision_computes_in_16_bits_with_fp32_masters(pools, stage, dtype):
+    results = pools[2].run(Z.mixed, stage, 5, 16, dtype).results
+    expected = F.reference("plain", "sgd", 5, 16, 2)
+    for weights, losses, seen, masters in results:
+        assert seen == [f"torch.{dtype}"], "forward ran on 16-bit weights"
+        assert masters == {"torch.float32"}
+        assert losses[-1] < losses[0]
+        for name in expected:
+            assert weights[name].dtype == torch.float32
+            # 16-bit forward and backward: bf16 keeps 8 bits of mantissa (fp16 11), so
+            # five steps land within about a percent of fp32 training.
+            torch.testing.assert_close(weights[name], expected[name], rtol=0.05, atol=0.02)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_mixed_precision_bytes_follow_2_2_12(pools, stage):
+    from parcourse.zero.measure import memory_by_stage
+
+    run = pools[4].run(memory_by_stage, stage, 20_000, bucket_mb=0.01, mixed_precision="bfloat16")
+    theory = run.results[0]["theory"]
+    for sample in run.trace.memory_at("after step").values():
+        for category in ("params", "grads", "optimizer"):
+            assert sample.bytes[category] == pytest.approx(theory[category], rel=0.01), category

@@ -80,3 +80,23 @@ def drop_in(ctx, opt_name, steps, batch):
         opt.step()
         opt.zero_grad()
     return {k: v.clone() for k, v in model.state_dict().items()}, opt.local_state_bytes()
+
+
+def mixed(ctx, stage, steps, batch, dtype):
+    """SGD under ZeRO with 16-bit compute; returns fp32 masters and what forward saw."""
+    seen = []
+    model = Net()
+    model.inp.register_forward_hook(lambda m, a, out: seen.append((m.weight.dtype, out.dtype)))
+    zmodel, opt = zero.shard(model, factory("sgd"), stage=stage, group=ctx.group,
+                             mixed_precision=getattr(torch, dtype), bucket_mb=0.0005)
+    x, y = data(batch)
+    x, y = shard_rows(x, ctx.rank, ctx.world_size), shard_rows(y, ctx.rank, ctx.world_size)
+    losses = []
+    for _ in range(steps):
+        loss = nn.functional.mse_loss(zmodel(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    masters = {str(p.dtype) for p in opt.shard_params}
+    return zmodel.full_state_dict(), losses, sorted({str(d) for pair in seen for d in pair}), masters

@@ -22,12 +22,17 @@ def mlp_for(params: int, depth: int = 4) -> tuple[int, int]:
 
 
 def memory_by_stage(ctx: RankContext, stage: int, params: int = 1_000_000, depth: int = 4,
-                    batch: int = 32, bucket_mb: float = 1.0) -> dict[str, Any]:
+                    batch: int = 32, bucket_mb: float = 1.0,
+                    mixed_precision: str | None = None) -> dict[str, Any]:
     """Two Adam steps under ZeRO `stage` (0 = plain data parallel); memory samples
     ("after forward", "peak in backward", "after step") go into the trace.
+    `mixed_precision`: "bfloat16" or "float16" (stages 1-3).
 
     Returns the parameter count and the theory for this rank.
     """
+    dtype = getattr(torch, mixed_precision) if mixed_precision else None
+    if dtype is not None and stage == 0:
+        raise ValueError("mixed precision is measured here for ZeRO stages 1-3 only")
     width, depth = mlp_for(params, depth)
     model = mlp(width, width, width, depth=depth)
     n_params = sum(p.numel() for p in model.parameters())
@@ -39,7 +44,7 @@ def memory_by_stage(ctx: RankContext, stage: int, params: int = 1_000_000, depth
         opt: Any = adam(zmodel.parameters())
     else:
         zmodel, opt = zero_shard(model, adam, stage=stage, group=ctx.group, bucket_mb=bucket_mb,
-                                 tracer=ctx.tracer)
+                                 mixed_precision=dtype, tracer=ctx.tracer)
     x, y = regression(batch, width, width)
     x, y = shard(x, ctx.rank, ctx.world_size), shard(y, ctx.rank, ctx.world_size)
     tracer = ctx.tracer
@@ -71,7 +76,8 @@ def memory_by_stage(ctx: RankContext, stage: int, params: int = 1_000_000, depth
     if peak:
         s = peak["sample"]
         data.memory.insert(1, type(s)(s.rank, "peak in backward", s.t_ns, s.bytes, s.cuda))
-    return {"params": n_params, "theory": zero_bytes(n_params, ctx.world_size, stage)}
+    theory = zero_bytes(n_params, ctx.world_size, stage, dtype or torch.float32)
+    return {"params": n_params, "theory": theory}
 
 
 def step_times(ctx: RankContext, configs: dict[str, dict[str, Any]], steps: int = 10, *,

@@ -30,6 +30,7 @@ from typing import Any, Callable, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from parcourse._compat import all_gather_single, reduce_scatter_single
 from parcourse.data_parallel.base import broadcast_module, group_info, output_tensors
@@ -49,8 +50,9 @@ class FlatUnit:
     rank: int
     world_size: int
     module: nn.Module | None = None  # stage 3: the module whose forward needs these
+    compute_dtype: torch.dtype | None = None  # e.g. bf16: params, grads and messages
     full: torch.Tensor = field(init=False)  # the gathered flat parameters (padded)
-    shard: torch.Tensor = field(init=False)  # this rank's slice: the master copy
+    shard: torch.Tensor = field(init=False)  # this rank's slice: the master copy (fp32)
     grad_full: torch.Tensor | None = None  # stage 1: all-reduced gradients
     grad_shard: torch.Tensor | None = None  # the gradient of `shard`
     ready: set[int] = field(default_factory=set)
@@ -65,13 +67,18 @@ class FlatUnit:
         self.shard_numel = self.padded // self.world_size
         self.start = self.rank * self.shard_numel
         p0 = self.params[0]
-        full = torch.zeros(self.padded, dtype=p0.dtype, device=p0.device)
+        master = torch.zeros(self.padded, dtype=p0.dtype, device=p0.device)
         for p, offset, n in zip(self.params, self.offsets, self.numels):
-            full[offset:offset + n] = p.detach().reshape(-1)
-        self.full = full
+            master[offset:offset + n] = p.detach().reshape(-1)
+        # This rank's slice of the weights, in the parameters' own dtype (fp32): what
+        # the optimizer updates. Without mixed precision it is a view into `full`.
+        self.full = master if self.compute_dtype is None else master.to(self.compute_dtype)
+        self.shard = master[self.start:self.start + self.shard_numel]
+        if self.compute_dtype is not None:
+            self.shard = self.shard.clone()
         with torch.no_grad():  # the module's parameters become views into `full`
             for p, offset, n in zip(self.params, self.offsets, self.numels):
-                p.data = full[offset:offset + n].view(p.shape)
+                p.data = self.full[offset:offset + n].view(p.shape)
 
     @property
     def nbytes(self) -> int:
@@ -92,7 +99,8 @@ class FlatUnit:
         if self.gathered() or self.gathering is not None:
             return
         self.full.untyped_storage().resize_(self.nbytes)
-        work = all_gather_single(self.full, self.shard, group=group, async_op=True)
+        work = all_gather_single(self.full, self.shard.to(self.full.dtype), group=group,
+                                 async_op=True)
         self.gathering = (work, time.perf_counter_ns())
 
 
@@ -101,13 +109,17 @@ class ZeroModel(nn.Module):
 
     def __init__(self, module: nn.Module, stage: Stage, group: dist.ProcessGroup | None = None,
                  *, bucket_mb: float = 25.0, prefetch: bool = True,
-                 tracer: Tracer | None = None) -> None:
+                 compute_dtype: torch.dtype | None = None, tracer: Tracer | None = None) -> None:
+        if compute_dtype not in (None, torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"compute_dtype must be torch.bfloat16, torch.float16 or None, "
+                             f"got {compute_dtype}")
         if stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
         super().__init__()
         self.module, self.stage, self.prefetch, self.tracer = module, stage, prefetch, tracer
+        self.compute_dtype = None if compute_dtype == torch.float32 else compute_dtype
         self.group, self.rank, self.world_size = group_info(group)
         broadcast_module(module, self.group)
         trainable = [p for p in module.parameters() if p.requires_grad]
@@ -123,14 +135,12 @@ class ZeroModel(nn.Module):
             p.register_post_accumulate_grad_hook(self._grad_hook)
         if stage == 3:
             for unit in self.units:
-                unit.shard = unit.full[unit.start:unit.start + unit.shard_numel].clone()
+                if unit.compute_dtype is None:  # the master must outlive `full`
+                    unit.shard = unit.shard.clone()
                 unit.free()
                 assert unit.module is not None
                 unit.module.register_forward_pre_hook(self._before_forward(unit))
                 unit.module.register_forward_hook(self._after_forward(unit))
-        else:
-            for unit in self.units:
-                unit.shard = unit.full[unit.start:unit.start + unit.shard_numel]
 
     def _make_units(self, module: nn.Module, trainable: list[nn.Parameter],
                     bucket_mb: float) -> list[FlatUnit]:
@@ -149,11 +159,18 @@ class ZeroModel(nn.Module):
                     owner[id(p)] = m
                 if own:
                     groups.append((own, m))
-        return [FlatUnit(i, params, self.rank, self.world_size, m)
+        return [FlatUnit(i, params, self.rank, self.world_size, m, self.compute_dtype)
                 for i, (params, m) in enumerate(groups)]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        if self.compute_dtype is None:
+            return self.module(*args, **kwargs)
+        # Mixed precision: inputs in, outputs out of the compute dtype; the loss stays fp32.
+        cast = lambda t, d: t.to(d) if torch.is_floating_point(t) else t  # noqa: E731
+        args, kwargs = tree_map_only(torch.Tensor, lambda t: cast(t, self.compute_dtype),
+                                     (args, kwargs))
+        out = self.module(*args, **kwargs)
+        return tree_map_only(torch.Tensor, lambda t: cast(t, torch.float32), out)
 
     # -- stage 3: gather before use, free after
 
@@ -263,8 +280,8 @@ class ZeroModel(nn.Module):
         """Stages 1-2: every rank updated its shard; put the full parameters back together."""
         if self.stage == 3:
             return  # gathered when next needed
-        works = [all_gather_single(u.full, u.shard.clone(), group=self.group, async_op=True)
-                 for u in self.units]
+        works = [all_gather_single(u.full, u.shard.to(u.full.dtype, copy=True), group=self.group,
+                                   async_op=True) for u in self.units]
         for w in works:
             w.wait()
 
@@ -275,14 +292,16 @@ class ZeroModel(nn.Module):
                 p.grad = None
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The unsharded parameters and buffers, on every rank (gathered, then freed)."""
+        """The unsharded weights (gathered fp32 masters) and buffers, on every rank."""
+        state = {k: v.detach().clone() for k, v in self.module.state_dict(keep_vars=True).items()
+                 if not isinstance(v, nn.Parameter) or not v.requires_grad}
+        names = {id(p): n for n, p in self.module.named_parameters(remove_duplicate=False)}
         for unit in self.units:
-            self._wait_gather(unit)
-        state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-        if self.stage == 3:
-            for unit in self.units:
-                unit.free()
-        return state
+            full = torch.empty(unit.padded, dtype=unit.shard.dtype, device=unit.shard.device)
+            all_gather_single(full, unit.shard, group=self.group)
+            for p, offset, n in zip(unit.params, unit.offsets, unit.numels):
+                state[names[id(p)]] = full[offset:offset + n].view(p.shape).clone()
+        return {k: state[k] for k in self.module.state_dict()}
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What this rank holds, by category, for memory accounting.
@@ -290,13 +309,17 @@ class ZeroModel(nn.Module):
         Buckets still being reduced count as "other" (temporary buffers).
         """
         params = [u.full for u in self.units if u.gathered()]
-        if self.stage == 3:
-            params += [u.shard for u in self.units]
+        masters = [u.shard for u in self.units]
+        if self.compute_dtype is None and self.stage == 3:
+            params += masters  # the shard is the parameter
         frozen = [p for p in self.module.parameters() if not p.requires_grad]
         grads = [g for u in self.units for g in (u.grad_full, u.grad_shard) if g is not None]
         grads += [p.grad for u in self.units for p in u.params if p.grad is not None]
         other = [t for u in self.units if u.pending is not None for t in u.pending[1:3]]
-        return {"params": params + frozen, "grads": grads, "other": other}
+        memory = {"params": params + frozen, "grads": grads, "other": other}
+        if self.compute_dtype is not None:  # fp32 masters: optimizer state in ZeRO's count
+            memory["optimizer"] = masters
+        return memory
 
 
 class ShardedOptimizer:
@@ -321,8 +344,11 @@ class ShardedOptimizer:
         loss = closure() if closure is not None else None
         self.model.finish_gradient_sync()
         for unit, param in zip(self.model.units, self.shard_params):
-            param.grad = unit.grad_shard
+            grad = unit.grad_shard
+            param.grad = grad.to(param.dtype) if grad is not None else None  # 16-bit -> fp32
         self.optimizer.step()
+        for param in self.shard_params:
+            param.grad = None  # the fp32 copies were only for this step
         self.model.gather_parameters()
         return loss
 
@@ -348,13 +374,18 @@ class ShardedOptimizer:
 def shard(model: nn.Module,
           optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
           stage: Stage = 1, group: dist.ProcessGroup | None = None, *,
-          bucket_mb: float = 25.0, prefetch: bool = True,
-          tracer: Tracer | None = None) -> tuple[ZeroModel, ShardedOptimizer]:
+          mixed_precision: torch.dtype | None = None, bucket_mb: float = 25.0,
+          prefetch: bool = True, tracer: Tracer | None = None
+          ) -> tuple[ZeroModel, ShardedOptimizer]:
     """Shard a model and its optimizer with ZeRO `stage`; use the pair as before.
 
     >>> model, opt = zero.shard(net, lambda ps: torch.optim.Adam(ps, lr=1e-3), stage=2)
     >>> loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
+
+    `mixed_precision=torch.bfloat16` (or float16): parameters, gradients and
+    communication in 16 bits, fp32 master weights in the optimizer (2 + 2 + 12
+    bytes per parameter before sharding, as in the ZeRO paper).
     """
     zero_model = ZeroModel(model, stage, group, bucket_mb=bucket_mb, prefetch=prefetch,
-                           tracer=tracer)
+                           compute_dtype=mixed_precision, tracer=tracer)
     return zero_model, ShardedOptimizer(zero_model, optimizer_factory)

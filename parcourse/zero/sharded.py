@@ -74,8 +74,11 @@ class FlatUnit:
         # the optimizer updates. Without mixed precision it is a view into `full`.
         self.full = master if self.compute_dtype is None else master.to(self.compute_dtype)
         self.shard = master[self.start:self.start + self.shard_numel]
+        # What is gathered: the shard itself, or (mixed precision) a 16-bit copy of it.
+        self.compute_shard = self.shard
         if self.compute_dtype is not None:
             self.shard = self.shard.clone()
+            self.compute_shard = self.shard.to(self.compute_dtype)
         with torch.no_grad():  # the module's parameters become views into `full`
             for p, offset, n in zip(self.params, self.offsets, self.numels):
                 p.data = self.full[offset:offset + n].view(p.shape)
@@ -99,8 +102,7 @@ class FlatUnit:
         if self.gathered() or self.gathering is not None:
             return
         self.full.untyped_storage().resize_(self.nbytes)
-        work = all_gather_single(self.full, self.shard.to(self.full.dtype), group=group,
-                                 async_op=True)
+        work = all_gather_single(self.full, self.compute_shard, group=group, async_op=True)
         self.gathering = (work, time.perf_counter_ns())
 
 
@@ -136,7 +138,7 @@ class ZeroModel(nn.Module):
         if stage == 3:
             for unit in self.units:
                 if unit.compute_dtype is None:  # the master must outlive `full`
-                    unit.shard = unit.shard.clone()
+                    unit.shard = unit.compute_shard = unit.shard.clone()
                 unit.free()
                 assert unit.module is not None
                 unit.module.register_forward_pre_hook(self._before_forward(unit))
@@ -278,8 +280,11 @@ class ZeroModel(nn.Module):
 
     def gather_parameters(self) -> None:
         """Stages 1-2: every rank updated its shard; put the full parameters back together."""
-        if self.stage == 3:
-            return  # gathered when next needed
+        if self.stage == 3:  # gathered when next needed, from the (refreshed) 16-bit shard
+            for u in self.units:
+                if u.compute_shard is not u.shard:
+                    u.compute_shard.copy_(u.shard)
+            return
         works = [all_gather_single(u.full, u.shard.to(u.full.dtype, copy=True), group=self.group,
                                    async_op=True) for u in self.units]
         for w in works:
@@ -310,8 +315,8 @@ class ZeroModel(nn.Module):
         """
         params = [u.full for u in self.units if u.gathered()]
         masters = [u.shard for u in self.units]
-        if self.compute_dtype is None and self.stage == 3:
-            params += masters  # the shard is the parameter
+        if self.stage == 3:
+            params += [u.compute_shard for u in self.units]  # the master itself, in fp32
         frozen = [p for p in self.module.parameters() if not p.requires_grad]
         grads = [g for u in self.units for g in (u.grad_full, u.grad_shard) if g is not None]
         grads += [p.grad for u in self.units for p in u.params if p.grad is not None]

@@ -20,6 +20,7 @@ SMALL = {
     "02_data_parallel": {"world_size": 2, "steps": 2, "width": 64, "depth": 4, "batch": 128,
                          "latency_us": 100.0, "bandwidth_gbps": 1.0, "ps_updates": 4,
                          "ps_ranks": 4},
+    "03_memory_and_zero": {"world_size": 2, "params": 100_000, "bucket_mb": 0.1},
 }
 CELL_TIMEOUT_S = 300
 

@@ -54,3 +54,15 @@ def test_world_size_control_picks_a_shared_pool():
     panel.run()
     assert len(panel.last_run.results) == 3
     assert shared_pool(3) is shared_pool(3)
+
+
+def test_memory_calculator_follows_the_formula():
+    from parcourse.widgets import MemoryCalculator
+
+    calc = MemoryCalculator(params_billions=7.0, world_size=8, stage=0)
+    # 7B parameters, bf16 + fp32 master: 16 bytes each = 104.3 GiB before sharding
+    assert "104.3 GiB" in calc.out.value
+    calc.stage.value = 3
+    assert "13.0 GiB" in calc.out.value  # 16 bytes x 7e9 / 8
+    calc.dtype.value = "fp32"
+    assert calc.bytes_per_rank()["optimizer"] == pytest.approx(8 * 7e9 / 8)

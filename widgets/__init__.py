@@ -3,6 +3,7 @@
 Installed as `parcourse.widgets`. The library (`parcourse`) never imports this.
 """
 
+from parcourse.widgets.calculator import MemoryCalculator
 from parcourse.widgets.panel import RunPanel, close_shared_pools, shared_pool
 
-__all__ = ["RunPanel", "close_shared_pools", "shared_pool"]
+__all__ = ["MemoryCalculator", "RunPanel", "close_shared_pools", "shared_pool"]

@@ -269,15 +269,22 @@ def test_same_function_runs_under_torchrun(tmp_path):
         """
     ))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    out = subprocess.run(
+    # Its own session, so that a hang kills torchrun *and* its workers, not torchrun alone.
+    job = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(script),
-         str(Path(__file__).parent)],
-        capture_output=True, text=True, timeout=120, env=env,
+         str(script), str(Path(__file__).parent)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
-    assert lines == ["RESULT gloo [11.0, 11.0] 2"], out.stdout
+    try:
+        stdout, stderr = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert job.returncode == 0, stderr[-3000:]
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT")]
+    assert lines == ["RESULT gloo [11.0, 11.0] 2"], stdout
 
 
 def test_public_api_is_exported():

@@ -21,6 +21,7 @@ SMALL = {
                          "latency_us": 100.0, "bandwidth_gbps": 1.0, "ps_updates": 4,
                          "ps_ranks": 4},
     "03_memory_and_zero": {"world_size": 2, "params": 100_000, "bucket_mb": 0.1},
+    "04_zero3": {"world_size": 2, "params": 100_000, "depth": 3, "steps": 2},
 }
 CELL_TIMEOUT_S = 300
 

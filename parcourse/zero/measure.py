@@ -164,3 +164,53 @@ def peak_memory(ctx: RankContext, cfg: dict[str, Any], params: int = 4_000_000, 
     peak = tracker.get_tracker_snapshot("peak")
     device = next(iter(peak))
     return {str(k).split(".")[-1].lower(): int(v) for k, v in peak[device].items()}
+
+
+def communication_bytes(stage: int, nbytes: float, world_size: int) -> float:
+    """Theory: bytes each rank sends per step for S = nbytes of parameters (= of gradients).
+
+    A ring all-reduce sends 2(N-1)/N S (lesson 01); reduce-scatter and all-gather
+    half of that each. DDP (stage 0): one all-reduce. Stage 1 as built here:
+    all-reduce + all-gather of the parameters. Stage 2: reduce-scatter +
+    all-gather = DDP's volume. Stage 3: all-gather in forward, again in
+    backward, reduce-scatter: 1.5x DDP (ZeRO paper, sec. 7).
+    """
+    half = (world_size - 1) / world_size * nbytes
+    return {0: 2 * half, 1: 3 * half, 2: 2 * half, 3: 3 * half}[stage]
+
+
+def zero3_step(ctx: RankContext, prefetch: bool = True, params: int = 2_000_000,
+               depth: int = 6, batch: int = 64, stage: int = 3) -> dict[str, Any]:
+    """Two traced training steps under ZeRO (stage 3 by default): forward, backward and
+    optimizer spans, plus one span per all-gather and reduce-scatter of each layer.
+
+    Returns the parameter bytes and the collective volume this rank issued in the
+    second step (sum of the collectives' sizes, by kind).
+    """
+    width, depth = mlp_for(params, depth)
+    model = mlp(width, width, width, depth=depth)
+    zmodel, opt = zero_shard(model, lambda ps: torch.optim.Adam(ps, lr=1e-3), stage=stage,
+                             group=ctx.group, prefetch=prefetch, bucket_mb=1.0,
+                             tracer=ctx.tracer)
+    x, y = regression(batch, width, width)
+    x, y = shard(x, ctx.rank, ctx.world_size), shard(y, ctx.rank, ctx.world_size)
+    tracer = ctx.tracer
+    import torch.distributed as dist
+
+    for step in range(2):
+        dist.barrier(group=ctx.group)  # a common start, for the timeline
+        if step == 1:
+            first = len(tracer.data().spans)
+        with tracer.span("forward", step=step):
+            loss = nn.functional.mse_loss(zmodel(x), y)
+        with tracer.span("backward", step=step):
+            loss.backward()
+        with tracer.span("optimizer", step=step):
+            opt.step()
+            opt.zero_grad()
+    volume: dict[str, int] = {}
+    for s in tracer.data().spans[first:]:
+        if s.kind == "comm":
+            volume[s.name] = volume.get(s.name, 0) + s.meta["bytes"]
+    n_params = sum(u.numel for u in zmodel.units)
+    return {"param_bytes": n_params * 4, "volume": volume, "params": n_params}

@@ -73,12 +73,14 @@ def main() -> None:
         sizes.append(size)
         size *= 4
     algos = ["ring", "torch"] + (["naive"] if args.naive else [])
-    print(f"torch {torch.__version__}, gloo on CPU, one thread per rank, median of {args.repeats}-100 repetitions")
+    print(f"torch {torch.__version__}, gloo on CPU, one thread per rank, "
+          f"median of {args.repeats}-100 repetitions")
     for world_size in args.world_sizes:
         with Pool(world_size, timeout=3600) as pool:
             ceiling = pool.run(p2p_bandwidth, 64 << 20, 5).results[0] if world_size > 1 else 0
             per_rank = pool.run(timed_sizes, sizes, args.repeats, algos).results
-        print(f"\nworld size {world_size}; loopback p2p ceiling {ceiling / 1e9:.2f} GB/s per direction")
+        print(f"\nworld size {world_size}; loopback p2p ceiling "
+              f"{ceiling / 1e9:.2f} GB/s per direction")
         head = "".join(f"{a + ' busbw':>14}" for a in algos)
         print(f"{'size':>8}{head}{'ring / torch':>14}{'target':>10}")
         for size in sizes:

@@ -82,7 +82,8 @@ def traced_all_reduce(ctx: RankContext, algo: Algo, numel: int, latency_us: floa
     return ctx.tracer.total("bytes_sent")
 
 
-def _ring_steps_with(ctx: RankContext, step_fn: object, numel: int) -> tuple[list[float], list[float]]:
+def _ring_steps_with(ctx: RankContext, step_fn: object,
+                     numel: int) -> tuple[list[float], list[float]]:
     """Run a learner's reduce-scatter step n - 1 times; return (my chunk, expected)."""
     from parcourse.collectives import chunk_bounds
 

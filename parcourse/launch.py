@@ -79,7 +79,8 @@ class RankError(LaunchError):
         text = f"rank {rank} raised {exc_type}: {message}\n\n--- traceback from rank {rank} ---\n"
         text += remote_traceback.rstrip()
         if self.others:
-            text += "\n\nother ranks: " + "; ".join(f"rank {r}: {m}" for r, m in self.others.items())
+            others_text = "; ".join(f"rank {r}: {m}" for r, m in self.others.items())
+            text += "\n\nother ranks: " + others_text
         super().__init__(text)
 
 
@@ -104,7 +105,8 @@ class RankTimeout(LaunchError, TimeoutError):
     def __init__(self, timeout: float, running: dict[int, str], stacks: dict[int, str]) -> None:
         self.timeout, self.running, self.stacks = timeout, running, stacks
         ranks = ", ".join(str(r) for r in running)
-        text = f"timed out after {timeout:g} s; still running: rank{'s' * (len(running) > 1)} {ranks}"
+        plural = "s" if len(running) > 1 else ""
+        text = f"timed out after {timeout:g} s; still running: rank{plural} {ranks}"
         for r, where in running.items():
             text += f"\n  rank {r}: {where or 'no span entered'}"
         for r, stack in stacks.items():
@@ -535,8 +537,8 @@ class Pool:
         self._kill()
         return RankTimeout(limit, running, stacks)
 
-    def _failure(self, failures: dict[int, tuple[Any, ...]], died: dict[int, tuple[int | None, str]],
-                 pending: set[int]) -> LaunchError:
+    def _failure(self, failures: dict[int, tuple[Any, ...]],
+                 died: dict[int, tuple[int | None, str]], pending: set[int]) -> LaunchError:
         others = {r: f"stopped while {_status(self._ranks[r])}" for r in sorted(pending)}
         self._kill()
         if died:
@@ -610,7 +612,8 @@ def _init_external(plan: _Plan) -> None:
         return
     rank, world_size, _ = _external_env() or (0, 1, 0)
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        raise ValueError("under Slurm, set MASTER_ADDR and MASTER_PORT (e.g. the first node, 29500)")
+        raise ValueError("under Slurm, set MASTER_ADDR and MASTER_PORT "
+                         "(e.g. the first node's name and 29500)")
     dist.init_process_group(plan.backend, rank=rank, world_size=world_size, timeout=_PG_TIMEOUT)
     # We created it, so we tear it down: a gloo group still alive at interpreter exit
     # aborts the process ("terminate called without an active exception").

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 
-def mlp(d_in: int, d_hidden: int, d_out: int, depth: int = 2, seed: int | None = 0) -> nn.Sequential:
+def mlp(d_in: int, d_hidden: int, d_out: int, depth: int = 2,
+        seed: int | None = 0) -> nn.Sequential:
     """Linear -> ReLU -> ... -> Linear with `depth` linear layers; seeded for equal starts."""
     if depth < 1:
         raise ValueError(f"depth must be >= 1, got {depth}")

@@ -15,7 +15,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from parcourse.memory import CATEGORIES, format_bytes
+from parcourse.memory import CATEGORIES
 from parcourse.trace import Trace
 
 KIND_COLORS = {"compute": "#4C72B0", "comm": "#DD8452", "idle": "#BBBBBB", "other": "#55A868"}

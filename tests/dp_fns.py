@@ -1,9 +1,7 @@
 """Models and rank functions for the data-parallel tests."""
 
-import copy
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from parcourse.data import shard

@@ -9,20 +9,12 @@ rtol=1e-5, atol=1e-6 after five steps.
 import pytest
 import torch
 
-from parcourse import Pool, RankError
+from parcourse import RankError
 from parcourse.data_parallel import make_buckets
 import dp_fns as F
 
 IMPLS = ["naive", "bucketed", "bucketed-no-overlap", "bucketed-ring"]
 TOL = {"rtol": 1e-5, "atol": 1e-6}
-
-
-@pytest.fixture(scope="module")
-def pools():
-    made = {n: Pool(n, timeout=60) for n in (2, 4)}
-    yield made
-    for p in made.values():
-        p.close()
 
 
 def assert_same_weights(results, expected):

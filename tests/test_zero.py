@@ -7,20 +7,12 @@ order than autograd's in one process (rtol=1e-5, atol=1e-6 after five steps).
 import pytest
 import torch
 
-from parcourse import Pool, RankError
+from parcourse import RankError
 import dp_fns as F
 import zero_fns as Z
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 N_PARAMS = 7 * 13 + 13 + 13 * 13 + 13 + 13 * 5 + 5 + 13 * 5 + 5  # Net: 426, odd on purpose
-
-
-@pytest.fixture(scope="module")
-def pools():
-    made = {n: Pool(n, timeout=60) for n in (2, 4)}
-    yield made
-    for p in made.values():
-        p.close()
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -99,4 +99,5 @@ def mixed(ctx, stage, steps, batch, dtype):
         opt.zero_grad()
         losses.append(loss.item())
     masters = {str(p.dtype) for p in opt.shard_params}
-    return zmodel.full_state_dict(), losses, sorted({str(d) for pair in seen for d in pair}), masters
+    dtypes = sorted({str(d) for pair in seen for d in pair})
+    return zmodel.full_state_dict(), losses, dtypes, masters

@@ -112,7 +112,8 @@ class BucketedDataParallel(GradSyncModule):
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
         check_algorithm(algorithm, link)
         super().__init__(module, group, tracer)
-        self.bucket_mb, self.overlap, self.algorithm, self.link = bucket_mb, overlap, algorithm, link
+        self.bucket_mb, self.overlap = bucket_mb, overlap
+        self.algorithm, self.link = algorithm, link
         self.buckets = make_buckets(self.sync_params, bucket_mb)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0  # the next bucket to launch: buckets start in order

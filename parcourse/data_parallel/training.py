@@ -92,8 +92,7 @@ def compare_step_times(ctx: RankContext, configs: dict[str, dict[str, Any]], ste
 
     `configs` maps a name to `wrap` arguments, e.g. {"ours": {"impl": "bucketed",
     "bucket_mb": 25}, "torch": {"impl": "torch", "bucket_mb": 25}}. Each gets its
-    own copy of the same model and optimizer; the order swaps every step so that
-    neither always runs first. The first step of each is a warm-up, not returned.
+    own copy of the same model and optimizer (see `alternate_steps`).
     """
     link = None
     if latency_us or bandwidth_gbps:
@@ -106,14 +105,24 @@ def compare_step_times(ctx: RankContext, configs: dict[str, dict[str, Any]], ste
         model = mlp(width, width, width, depth=depth).to(ctx.device)
         ddp = wrap(model, ctx=ctx, link=link if cfg["impl"] != "torch" else None, **cfg)
         runs[name] = (ddp, torch.optim.Adam(ddp.parameters(), lr=0.01))
-    times: dict[str, list[float]] = {name: [] for name in configs}
-    names = list(configs)
+    return alternate_steps(ctx, runs, x, y, steps)
+
+
+def alternate_steps(ctx: RankContext, runs: dict[str, tuple[Any, Any]], x: torch.Tensor,
+                    y: torch.Tensor, steps: int) -> dict[str, list[float]]:
+    """Seconds per training step of each (model, optimizer), alternating step by step.
+
+    The order swaps every step, so that no configuration always runs right after
+    the barrier; the first step of each is a warm-up and is not returned.
+    """
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
     for step in range(steps + 1):
         for name in names if step % 2 == 0 else names[::-1]:
-            ddp, opt = runs[name]
+            model, opt = runs[name]
             dist.barrier(group=ctx.group)
             t0 = time.perf_counter()
-            nn.functional.mse_loss(ddp(x), y).backward()
+            nn.functional.mse_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             if x.is_cuda:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 from torch import nn
 
 from parcourse.data import regression, shard
+from parcourse.data_parallel.training import alternate_steps
 from parcourse.launch import RankContext
 from parcourse.memory import SavedActivations, zero_bytes
 from parcourse.models import mlp
@@ -87,8 +87,6 @@ def step_times(ctx: RankContext, configs: dict[str, dict[str, Any]], steps: int 
     configs: name -> {"kind": "zero", "stage": s} | {"kind": "zero_redundancy"} |
     {"kind": "fsdp2"} | {"kind": "ddp"}.
     """
-    import torch.distributed as dist
-
     width, depth = mlp_for(params, depth)
     x, y = regression(batch, width, width)
     x, y = shard(x, ctx.rank, ctx.world_size), shard(y, ctx.rank, ctx.world_size)
@@ -96,19 +94,7 @@ def step_times(ctx: RankContext, configs: dict[str, dict[str, Any]], steps: int 
     for name, cfg in configs.items():
         model = mlp(width, width, width, depth=depth)
         runs[name] = _build(cfg, model, ctx)
-    times: dict[str, list[float]] = {name: [] for name in configs}
-    names = list(configs)
-    for step in range(steps + 1):
-        for name in names if step % 2 == 0 else names[::-1]:
-            m, opt = runs[name]
-            dist.barrier(group=ctx.group)
-            t0 = time.perf_counter()
-            nn.functional.mse_loss(m(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-            if step:
-                times[name].append(time.perf_counter() - t0)
-    return times
+    return alternate_steps(ctx, runs, x, y, steps)
 
 
 def _build(cfg: dict[str, Any], model: nn.Module, ctx: RankContext) -> tuple[Any, Any]:

@@ -13,7 +13,8 @@ the balance is only as even as the tensor sizes allow.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

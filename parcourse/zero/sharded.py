@@ -25,7 +25,8 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Literal
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -86,6 +87,10 @@ class FlatUnit:
     @property
     def nbytes(self) -> int:
         return self.padded * self.full.element_size()
+
+    def complete(self) -> bool:
+        """Every parameter's gradient of this backward is in."""
+        return len(self.ready) == len(self.params)
 
     def gathered(self) -> bool:
         return self.full.untyped_storage().nbytes() > 0
@@ -217,7 +222,7 @@ class ZeroModel(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_sync)
         self._unit_of[id(param)].ready.add(id(param))
         order = self._backward_order
-        while self._next < len(order) and len(order[self._next].ready) == len(order[self._next].params):
+        while self._next < len(order) and order[self._next].complete():
             self._launch(order[self._next])
 
     def _launch(self, unit: FlatUnit) -> None:

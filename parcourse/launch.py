@@ -24,10 +24,12 @@ How (see DESIGN.md, "Launching ranks"):
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import faulthandler
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -223,19 +225,24 @@ def _run_one(ctx: RankContext, payload: bytes) -> tuple[Any, ...]:
     return ("ok", ctx.rank, blob, ctx.tracer.data(), time.perf_counter() - t0)
 
 
-def _exit_when_parent_dies(lifeline: Any) -> None:
-    """The parent holds the other end; EOF means it is gone, so this rank goes too."""
+def _exit_when_parent_dies(lifeline: Any, stack_file: str) -> None:
+    """The parent holds the other end; EOF means it is gone, so this rank goes too
+    (tidying up what the parent no longer can)."""
     try:
         lifeline.recv()
     except (EOFError, OSError):
         pass
+    with contextlib.suppress(OSError):
+        os.remove(stack_file)
+        os.rmdir(os.path.dirname(stack_file))  # the last rank out removes the folder
     os._exit(1)
 
 
 def _worker(rank: int, plan: _Plan, port: int, prefix: str, conn: Any, lifeline: Any,
             status: Any, stack_file: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_exit_when_parent_dies, args=(lifeline,), daemon=True).start()
+    threading.Thread(target=_exit_when_parent_dies, args=(lifeline, stack_file),
+                     daemon=True).start()
     # On SIGUSR1 (sent at a timeout) write this rank's Python stack for the error message.
     faulthandler.register(signal.SIGUSR1, file=open(stack_file, "w"), all_threads=False)  # noqa: SIM115
     torch.set_num_threads(plan.threads)
@@ -567,6 +574,8 @@ def _kill_all(ranks: list[_Rank]) -> None:
         rank.process.join(timeout=5)
         for c in (rank.conn, rank.lifeline):
             c.close()
+    for folder in {os.path.dirname(rank.stack_file) for rank in ranks}:
+        shutil.rmtree(folder, ignore_errors=True)
     ranks.clear()
 
 

@@ -20,8 +20,13 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch; print('torch', torch.__version__, '| cuda build:', torch.version.cuda)"
 	touch $(STAMP)
 
+# As root (workshop containers often are), JupyterLab needs --allow-root.
+# Extra options: make lab LAB_ARGS="--no-browser --port 8890"
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
+LAB_ARGS ?=
+
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab lessons/
+	$(VENV)/bin/jupyter lab lessons/ $(ROOT_FLAG) $(LAB_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest

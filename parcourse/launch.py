@@ -361,6 +361,13 @@ class Pool:
         if self._external is not None:
             _init_external(self.plan)
             return 0.0
+        try:
+            return self._start_ranks()
+        except BaseException:  # an interrupt while starting, too: no half-started ranks
+            self._kill()
+            raise
+
+    def _start_ranks(self) -> float:
         t0 = time.perf_counter()
         ctx = _context()
         if self._store is None:
@@ -555,8 +562,8 @@ class Pool:
             others.update({q: f"exit code {c[0]}" for q, c in died.items() if q != r})
             return RankDied(r, died[r][0], died[r][1], dict(sorted(others.items())))
         unpicklable = [m for m in failures.values() if m[0] == "unpicklable"]
-        if unpicklable:
-            return SerializationError(unpicklable[0][2])
+        if unpicklable:  # the lowest rank: the same message whichever rank answered first
+            return SerializationError(min(unpicklable, key=lambda m: m[1])[2])
         # The earliest error on the shared clock is the cause; later ones are usually
         # other ranks noticing that a peer has gone.
         first = min(failures.values(), key=lambda m: m[2])

@@ -203,6 +203,18 @@ def zero(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ranks_option(p: argparse.ArgumentParser, default: int) -> None:
+    p.add_argument("--world-size", type=int, default=default,
+                   help=f"ranks ({default}; under torchrun, the launcher's)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
+
+
+def _link_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--latency-us", type=float, default=0.0, help="simulated link latency")
+    p.add_argument("--bandwidth-gbps", type=float, default=None,
+                   help="simulated link bandwidth in GB/s")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m parcourse",
@@ -214,20 +226,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=doctor)
 
     p = commands.add_parser("allreduce", help="time ring, naive or torch all-reduce")
-    p.add_argument("--world-size", type=int, default=2, help="ranks (ignored under torchrun)")
+    _ranks_option(p, 2)
+    _link_options(p)
     p.add_argument("--size", default="64MB", help="tensor size, e.g. 4KB, 64MB (64MB)")
     p.add_argument("--algo", choices=("ring", "naive", "torch"), default="ring")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16", "int64"),
                    default="float32")
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--latency-us", type=float, default=0.0, help="simulated link latency")
-    p.add_argument("--bandwidth-gbps", type=float, default=None,
-                   help="simulated link bandwidth in GB/s")
-    p.add_argument("--timeout", type=float, default=600.0)
     p.set_defaults(func=allreduce)
 
     p = commands.add_parser("ddp", help="time data-parallel training: naive, bucketed, torch")
-    p.add_argument("--world-size", type=int, default=2, help="ranks (ignored under torchrun)")
+    _ranks_option(p, 2)
+    _link_options(p)
     p.add_argument("--impl", choices=("naive", "bucketed", "torch"), default="bucketed")
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--no-overlap", action="store_true", help="start buckets after backward")
@@ -235,14 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--batch", type=int, default=256, help="global batch, split over ranks")
-    p.add_argument("--latency-us", type=float, default=0.0, help="simulated link latency")
-    p.add_argument("--bandwidth-gbps", type=float, default=None,
-                   help="simulated link bandwidth in GB/s")
-    p.add_argument("--timeout", type=float, default=600.0)
     p.set_defaults(func=ddp)
 
     p = commands.add_parser("zero", help="memory per rank under ZeRO stages 0-3 vs the formula")
-    p.add_argument("--world-size", type=int, default=4, help="ranks (ignored under torchrun)")
+    _ranks_option(p, 4)
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=3,
                    help="0: plain data parallel; 1: optimizer state, 2: + gradients, "
                         "3: + parameters sharded")
@@ -250,7 +256,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, default=4, help="layers of the MLP")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--bucket-mb", type=float, default=25.0)
-    p.add_argument("--timeout", type=float, default=600.0)
     p.set_defaults(func=zero)
     return parser
 

@@ -17,8 +17,8 @@ def stub_step(flat, bounds, step, rank, n, group):
     raise NotImplementedError
 
 
-def wrong_step(flat, bounds, step, rank, n, group):
-    # sends and receives the right chunks, but forgets to add what it received
+def exchange(flat, bounds, step, rank, n, group):
+    """Send and receive the right chunks; return (received, where it belongs)."""
     send = bounds[(rank - step - 1) % n]
     recv = bounds[(rank - step - 2) % n]
     incoming = torch.empty(recv[1] - recv[0])
@@ -26,17 +26,16 @@ def wrong_step(flat, bounds, step, rank, n, group):
              dist.isend(flat[send[0]:send[1]], (rank + 1) % n, group)]
     for w in works:
         w.wait()
+    return incoming, recv
+
+
+def wrong_step(flat, bounds, step, rank, n, group):
+    exchange(flat, bounds, step, rank, n, group)  # forgets to add what it received
 
 
 def right_step(flat, bounds, step, rank, n, group):
-    send = bounds[(rank - step - 1) % n]
-    recv = bounds[(rank - step - 2) % n]
-    incoming = torch.empty(recv[1] - recv[0])
-    works = [dist.irecv(incoming, (rank - 1) % n, group),
-             dist.isend(flat[send[0]:send[1]], (rank + 1) % n, group)]
-    for w in works:
-        w.wait()
-    flat[recv[0]:recv[1]] += incoming
+    incoming, (start, end) = exchange(flat, bounds, step, rank, n, group)
+    flat[start:end] += incoming
 
 
 def test_ring_step_check_tells_stub_wrong_and_right(pool3, capsys):

@@ -40,7 +40,8 @@ def test_panel_shows_errors_and_recovers():
     assert "failed" in panel.status.value
     bad = RunPanel(basics.show_collective,
                    {"op": W.Dropdown(options=["reduce_scatter"]), "numel": W.IntSlider(3, 1, 8)},
-                   world_size=2, check=basics.check_collective_args)
+                   world_size=2, check=basics.check_collective_args, run_now=False)
+    bad.button.click()  # a learner's click: the error goes into the panel
     assert "not divisible by world_size=2" in bad.last_error
     ok = RunPanel(slow, {"seconds": W.FloatSlider(0.01)}, world_size=2)
     assert ok.last_error is None and ok.last_run.results == [0, 1]
@@ -66,3 +67,14 @@ def test_memory_calculator_follows_the_formula():
     assert "13.0 GiB" in calc.out.value  # 16 bytes x 7e9 / 8
     calc.dtype.value = "fp32"
     assert calc.bytes_per_rank()["optimizer"] == pytest.approx(8 * 7e9 / 8)
+
+
+def test_a_panel_that_fails_when_made_raises():
+    # Made (and run) by a lesson cell: a broken panel must fail the notebook in CI.
+    def render(run, missing):  # the controls do not match
+        return "never"
+
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        RunPanel(basics.show_collective,
+                 {"op": W.Dropdown(options=["all_reduce"]), "numel": W.IntSlider(2, 1, 8)},
+                 render, world_size=2)

@@ -11,7 +11,9 @@
 Each control's value is passed to the rank function and to `render` under the
 control's name; a control named `world_size` picks the pool. The first run
 happens when the panel is made, so a notebook executed headless (CI) runs the
-same path a learner's click does.
+same path a learner's click does; a failure of that first run raises, so that a
+broken panel fails the notebook instead of hiding in its output. Failures after
+a click are shown in the panel.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ class RunPanel:
             [*header, *self.controls.values(), W.HBox([self.button, self.status]), self.output]
         )
         if run_now:
-            self.run()
+            self.run(raise_errors=True)
 
     def _ipython_display_(self) -> None:
         display(self.widget)
@@ -109,7 +111,7 @@ class RunPanel:
         )
         self.status.value = f"<span>running… {elapsed:.1f} s{rows}</span>"
 
-    def run(self) -> Run | None:
+    def run(self, raise_errors: bool = False) -> Run | None:
         """What the button does: run on real ranks, then show results or the error."""
         params = self.params()
         rank_kwargs = {k: v for k, v in params.items() if k != "world_size"}
@@ -133,8 +135,12 @@ class RunPanel:
             return run
         except (LaunchError, ValueError) as e:
             self._fail(f"{type(e).__name__}: {e}")
+            if raise_errors:
+                raise
         except Exception:  # noqa: BLE001 - a bug in render must not kill the panel
             self._fail(traceback.format_exc())
+            if raise_errors:
+                raise
         finally:
             self.button.disabled = False
         return None

@@ -98,12 +98,13 @@ def _scratch(numel: int, dtype: torch.dtype, device: torch.device, slot: int = 0
     return buf[:numel]
 
 
-def _group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int, int]:
+def group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int, int]:
+    """(group, this rank in it, its size); None means all ranks (WORLD)."""
     group = group or dist.group.WORLD
     return group, dist.get_rank(group), dist.get_world_size(group)
 
 
-def _global(group: dist.ProcessGroup, group_rank: int) -> int:
+def global_rank(group: dist.ProcessGroup, group_rank: int) -> int:
     """torch's isend/irecv take global ranks."""
     if group is dist.group.WORLD:
         return group_rank
@@ -210,7 +211,7 @@ class _Messenger:
         else:
             host = dest
         # Empty chunks (a tensor smaller than the world) are skipped by both sides.
-        work = dist.irecv(host, _global(self.group, peer), self.group) if dest.numel() else None
+        work = dist.irecv(host, global_rank(self.group, peer), self.group) if dest.numel() else None
         return _Incoming(work, host, dest)
 
     def send(self, t: torch.Tensor, peer: int) -> None:
@@ -222,7 +223,7 @@ class _Messenger:
             payload = torch.cat([t.cpu().view(-1).view(torch.uint8), stamp.view(torch.uint8)])
         else:
             payload = t.cpu() if self.stage and t.is_cuda else t
-        self.sends.append(dist.isend(payload, _global(self.group, peer), self.group))
+        self.sends.append(dist.isend(payload, global_rank(self.group, peer), self.group))
         if self.tracer is not None:
             self.tracer.count("bytes_sent", t.nbytes, peer=peer)
 
@@ -317,7 +318,7 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     chunks are uneven, by at most a few elements).
     """
     check_args(tensor, op)
-    group, rank, n = _group_info(group)
+    group, rank, n = group_info(group)
     contiguous = tensor.is_contiguous()
     flat = tensor.view(-1) if contiguous else tensor.flatten().clone()
     if n > 1:
@@ -339,7 +340,7 @@ def ring_reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = 
     does when numel divides evenly.
     """
     check_args(tensor, op)
-    group, rank, n = _group_info(group)
+    group, rank, n = group_info(group)
     flat = tensor.flatten().clone()
     bounds = chunk_bounds(flat.numel(), n)
     if n > 1:
@@ -358,7 +359,7 @@ def ring_all_gather(shard: torch.Tensor, group: dist.ProcessGroup | None = None,
     (uneven), pass the full `numel` so every rank knows every shard's size.
     """
     check_args(shard, "sum")
-    group, rank, n = _group_info(group)
+    group, rank, n = group_info(group)
     numel = shard.numel() * n if numel is None else numel
     bounds = chunk_bounds(numel, n)
     start, end = bounds[rank]
@@ -384,7 +385,7 @@ def naive_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = Non
     way through one rank, so its time grows with N while the others wait.
     """
     check_args(tensor, op)
-    group, rank, n = _group_info(group)
+    group, rank, n = group_info(group)
     if not 0 <= root < n:
         raise ValueError(f"root must be a rank of the group (0..{n - 1}), got {root}")
     flat = tensor.flatten().clone()

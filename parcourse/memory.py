@@ -16,7 +16,7 @@ caching allocator reports.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -29,16 +29,16 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int]:
     return (str(t.device), storage.data_ptr())
 
 
-def _tensors(obj: Any) -> Iterable[torch.Tensor]:
-    """Every tensor inside nested lists, tuples, dicts (e.g. optimizer.state)."""
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside nested lists, tuples, sets and dicts (e.g. optimizer.state)."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, dict):
         for v in obj.values():
-            yield from _tensors(v)
+            yield from tensors_in(v)
     elif isinstance(obj, (list, tuple, set)):
         for v in obj:
-            yield from _tensors(v)
+            yield from tensors_in(v)
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -107,10 +107,10 @@ def live_bytes(
         if model is None:
             groups["params"] = opt_params
             groups["grads"] = [p.grad for p in opt_params if p.grad is not None]
-        groups["optimizer"] += list(_tensors(list(optimizer.state.values())))
+        groups["optimizer"] += list(tensors_in(list(optimizer.state.values())))
     if activations is not None:
         groups["activations"] = activations.live_tensors()
-    groups["other"] = groups["other"] + list(_tensors(other))
+    groups["other"] = groups["other"] + list(tensors_in(other))
 
     counted: set[tuple[str, int]] = set()
     result: dict[str, int] = {}

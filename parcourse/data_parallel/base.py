@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parcourse.collectives import global_rank, group_info
+from parcourse.memory import tensors_in
 from parcourse.trace import Tracer
 
 
@@ -38,15 +40,6 @@ def check_algorithm(algorithm: str, link: object) -> None:
     if link is not None and algorithm != "ring":
         raise ValueError("a simulated link needs algorithm='ring' (torch's all_reduce "
                          "cannot be slowed down)")
-
-
-def group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int, int]:
-    group = group or dist.group.WORLD
-    return group, dist.get_rank(group), dist.get_world_size(group)
-
-
-def global_rank(group: dist.ProcessGroup, group_rank: int) -> int:
-    return group_rank if group is dist.group.WORLD else dist.get_global_rank(group, group_rank)
 
 
 def broadcast_module(module: nn.Module, group: dist.ProcessGroup) -> None:
@@ -78,7 +71,7 @@ class GradSyncModule(nn.Module, ABC):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self.module(*args, **kwargs)
         if self.tracer is not None and torch.is_grad_enabled():
-            first = next((t for t in output_tensors(out) if t.requires_grad), None)
+            first = next((t for t in tensors_in(out) if t.requires_grad), None)
             if first is not None:  # fires at the very start of backward
                 first.register_hook(self._mark_backward_start)
         return out
@@ -123,13 +116,3 @@ class GradSyncModule(nn.Module, ABC):
             h.remove()
         self._hooks.clear()
 
-
-def output_tensors(out: Any) -> Iterator[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        yield out
-    elif isinstance(out, (list, tuple)):
-        for o in out:
-            yield from output_tensors(o)
-    elif isinstance(out, dict):
-        for o in out.values():
-            yield from output_tensors(o)

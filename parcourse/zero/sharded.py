@@ -34,7 +34,9 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from parcourse._compat import all_gather_single, reduce_scatter_single
-from parcourse.data_parallel.base import broadcast_module, group_info, output_tensors
+from parcourse.collectives import group_info
+from parcourse.data_parallel.base import broadcast_module
+from parcourse.memory import tensors_in
 from parcourse.data_parallel.bucketed import group_by_size
 from parcourse.trace import Tracer
 
@@ -202,7 +204,7 @@ class ZeroModel(nn.Module):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             unit.free()  # backward gathers again:
             if torch.is_grad_enabled():  # when the gradient of the output arrives
-                for t in output_tensors(output):
+                for t in tensors_in(output):
                     if t.requires_grad:
                         t.register_hook(self._before_backward(unit))
         return hook

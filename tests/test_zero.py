@@ -138,3 +138,12 @@ def test_mixed_precision_bytes_follow_2_2_12(pools, stage):
     for sample in run.trace.memory_at("after step").values():
         for category in ("params", "grads", "optimizer"):
             assert sample.bytes[category] == pytest.approx(theory[category], rel=0.01), category
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_accumulation_with_no_sync_equals_one_big_batch(pools, stage):
+    four = pools[2].run(Z.accumulate, stage, 4, 32).results
+    one = pools[2].run(Z.accumulate, stage, 1, 32).results
+    for a, b in zip(four, one):
+        for ga, gb in zip(a, b):
+            torch.testing.assert_close(ga, gb, **TOL)

@@ -101,3 +101,18 @@ def mixed(ctx, stage, steps, batch, dtype):
     masters = {str(p.dtype) for p in opt.shard_params}
     dtypes = sorted({str(d) for pair in seen for d in pair})
     return zmodel.full_state_dict(), losses, dtypes, masters
+
+
+def accumulate(ctx, stage, microsteps, batch):
+    """Gradient shards after `microsteps` backward passes, all but the last under no_sync()."""
+    zmodel, _ = zero.shard(Net(), factory("sgd"), stage=stage, group=ctx.group, bucket_mb=0.0005)
+    x, y = data(batch)
+    x, y = shard_rows(x, ctx.rank, ctx.world_size), shard_rows(y, ctx.rank, ctx.world_size)
+    for i, (xm, ym) in enumerate(zip(x.chunk(microsteps), y.chunk(microsteps))):
+        loss = nn.functional.mse_loss(zmodel(xm), ym) / microsteps
+        if i < microsteps - 1:
+            with zmodel.no_sync():
+                loss.backward()
+        else:
+            loss.backward()
+    return [u.grad_shard.clone() for u in zmodel.units]

@@ -167,8 +167,9 @@ def communication_bytes(stage: int, nbytes: float, world_size: int) -> float:
 
 def zero3_step(ctx: RankContext, prefetch: bool = True, params: int = 2_000_000,
                depth: int = 6, batch: int = 64, stage: int = 3) -> dict[str, Any]:
-    """Two traced training steps under ZeRO (stage 3 by default): forward, backward and
-    optimizer spans, plus one span per all-gather and reduce-scatter of each layer.
+    """Two traced training steps under ZeRO (stage 3 by default): forward and optimizer
+    spans here; backward and one span per all-gather and reduce-scatter of each layer
+    from the model.
 
     Returns the parameter bytes and the collective volume this rank issued in the
     second step (sum of the collectives' sizes, by kind).
@@ -189,8 +190,7 @@ def zero3_step(ctx: RankContext, prefetch: bool = True, params: int = 2_000_000,
             first = len(tracer.data().spans)
         with tracer.span("forward", step=step):
             loss = nn.functional.mse_loss(zmodel(x), y)
-        with tracer.span("backward", step=step):
-            loss.backward()
+        loss.backward()  # the model traces backward and each layer's collectives
         with tracer.span("optimizer", step=step):
             opt.step()
             opt.zero_grad()

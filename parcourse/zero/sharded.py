@@ -34,8 +34,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from parcourse._compat import all_gather_single, reduce_scatter_single
-from parcourse.collectives import group_info
-from parcourse.data_parallel.base import broadcast_module
+from parcourse.data_parallel.base import GradSyncModule
 from parcourse.memory import tensors_in
 from parcourse.data_parallel.bucketed import group_by_size
 from parcourse.trace import Tracer
@@ -113,7 +112,7 @@ class FlatUnit:
         self.gathering = (work, time.perf_counter_ns())
 
 
-class ZeroModel(nn.Module):
+class ZeroModel(GradSyncModule):
     """The model half of `parcourse.zero.shard(...)`; use it like the model."""
 
     def __init__(self, module: nn.Module, stage: Stage, group: dist.ProcessGroup | None = None,
@@ -126,22 +125,17 @@ class ZeroModel(nn.Module):
             raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
-        super().__init__()
-        self.module, self.stage, self.prefetch, self.tracer = module, stage, prefetch, tracer
-        self.compute_dtype = None if compute_dtype == torch.float32 else compute_dtype
-        self.group, self.rank, self.world_size = group_info(group)
-        broadcast_module(module, self.group)
-        trainable = [p for p in module.parameters() if p.requires_grad]
-        if not trainable:
+        if not any(p.requires_grad for p in module.parameters()):
             raise ValueError("the model has no parameter that requires a gradient")
-        self.units = self._make_units(module, trainable, bucket_mb)
+        # Broadcast from the first rank, gradient hooks, no_sync, the end-of-backward call.
+        super().__init__(module, group, tracer)
+        self.stage, self.prefetch = stage, prefetch
+        self.compute_dtype = None if compute_dtype == torch.float32 else compute_dtype
+        self.units = self._make_units(module, self.sync_params, bucket_mb)
         self._unit_of = {id(p): u for u in self.units for p in u.params}
         # Gradients arrive last layer first; units are launched strictly in that order.
         self._backward_order = self.units if stage < 3 else self.units[::-1]
         self._next = 0
-        self._callback_queued = False
-        for p in trainable:
-            p.register_post_accumulate_grad_hook(self._grad_hook)
         if stage == 3:
             for unit in self.units:
                 if unit.compute_dtype is None:  # the master must outlive `full`
@@ -173,12 +167,12 @@ class ZeroModel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.compute_dtype is None:
-            return self.module(*args, **kwargs)
+            return super().forward(*args, **kwargs)
         # Mixed precision: inputs in, outputs out of the compute dtype; the loss stays fp32.
         cast = lambda t, d: t.to(d) if torch.is_floating_point(t) else t  # noqa: E731
         args, kwargs = tree_map_only(torch.Tensor, lambda t: cast(t, self.compute_dtype),
                                      (args, kwargs))
-        out = self.module(*args, **kwargs)
+        out = super().forward(*args, **kwargs)
         return tree_map_only(torch.Tensor, lambda t: cast(t, torch.float32), out)
 
     # -- stage 3: gather before use, free after
@@ -218,10 +212,7 @@ class ZeroModel(nn.Module):
 
     # -- gradients: reduce (stage 1) or reduce-scatter (stages 2, 3) unit by unit
 
-    def _grad_hook(self, param: torch.Tensor) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_sync)
+    def grad_ready(self, param: torch.Tensor) -> None:
         self._unit_of[id(param)].ready.add(id(param))
         order = self._backward_order
         while self._next < len(order) and order[self._next].complete():
@@ -252,7 +243,6 @@ class ZeroModel(nn.Module):
 
     def finish_gradient_sync(self) -> None:
         """Wait for every unit's reduction; afterwards each rank holds its shards' gradients."""
-        self._callback_queued = False
         if not any(u.ready or u.pending for u in self.units):
             return
         for unit in self._backward_order[self._next:]:  # units some parameter never reached

@@ -21,11 +21,11 @@ import torch
 
 from parcourse import Pool
 from parcourse.data_parallel.training import compare_step_times
+from parcourse.demos import slowest_rank
 
 
 def medians(per_rank: list[dict[str, list[float]]]) -> dict[str, float]:
-    return {name: statistics.median(max(ts) for ts in zip(*(r[name] for r in per_rank)))
-            for name in per_rank[0]}
+    return {name: statistics.median(slowest_rank(per_rank, name)) for name in per_rank[0]}
 
 
 def table(title: str, med: dict[str, float], baseline: str) -> None:

@@ -20,6 +20,7 @@ import torch
 
 from parcourse import Pool
 from parcourse.cli import parse_count
+from parcourse.demos import slowest_rank
 from parcourse.memory import format_bytes
 from parcourse.zero.measure import memory_by_stage, peak_memory, step_times
 
@@ -56,8 +57,7 @@ def main() -> None:
     }
     with Pool(2, timeout=3600) as pool:
         per_rank = pool.run(step_times, configs, args.steps, params=params).results
-        med = {n: statistics.median(max(ts) for ts in zip(*(r[n] for r in per_rank)))
-               for n in configs}
+        med = {n: statistics.median(slowest_rank(per_rank, n)) for n in configs}
         print("\n2. step time, world size 2 (median, slowest rank)")
         for name, t in med.items():
             print(f"{name:>26}: {t * 1e3:7.1f} ms")

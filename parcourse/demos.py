@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -56,8 +56,7 @@ def time_all_reduce(ctx: RankContext, algos: list[str], sizes: list[int], repeat
     return out
 
 
-def slowest_rank(per_rank: list[dict[tuple[str, int], list[float]]],
-                 key: tuple[str, int]) -> list[float]:
+def slowest_rank(per_rank: list[dict[Any, list[float]]], key: Any) -> list[float]:
     """Each repetition lasts as long as its slowest rank."""
     return [max(ts) for ts in zip(*(r[key] for r in per_rank))]
 

@@ -93,27 +93,6 @@ def train(ctx, impl, kind, opt_name, steps, batch, bucket_mb=0.0005):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def accumulate(ctx, impl, microsteps, batch):
-    """Each rank: `microsteps` backward passes (no_sync on all but the last) = one big one."""
-    model = Net()
-    ddp = NaiveDataParallel(model, ctx.group) if impl == "naive" else \
-        BucketedDataParallel(model, ctx.group, bucket_mb=0.0005)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    x, y = data(batch)
-    x, y = shard(x, ctx.rank, ctx.world_size), shard(y, ctx.rank, ctx.world_size)
-    xs, ys = x.chunk(microsteps), y.chunk(microsteps)
-    for i, (xm, ym) in enumerate(zip(xs, ys)):
-        loss = nn.functional.mse_loss(ddp(xm), ym) / microsteps
-        if i < microsteps - 1:
-            with ddp.no_sync():
-                loss.backward()
-        else:
-            loss.backward()
-    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-    opt.step()
-    return grads
-
-
 def grads_vs_torch_ddp(ctx, impl, batch):
     """The same model and data through torch DDP and through ours: same gradients."""
     ours_model, theirs_model = Net(), Net()

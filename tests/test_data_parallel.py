@@ -63,8 +63,10 @@ def test_frozen_unused_and_tied_parameters(pools, world_size, impl, kind):
 
 @pytest.mark.parametrize("impl", ["naive", "bucketed"])
 def test_accumulation_over_four_microsteps_equals_one_big_batch(pools, impl):
-    accumulated = pools[2].run(F.accumulate, impl, 4, 32).results
-    big = pools[2].run(F.accumulate, impl, 1, 32).results
+    from parcourse.data_parallel.training import accumulated_gradients
+
+    accumulated = pools[2].run(accumulated_gradients, impl, 4, batch=32).results
+    big = pools[2].run(accumulated_gradients, impl, 1, batch=32).results
     for a, b in zip(accumulated, big):
         for ga, gb in zip(a, b):
             torch.testing.assert_close(ga, gb, **TOL)

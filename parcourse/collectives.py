@@ -20,6 +20,7 @@ machine where loopback is nearly free.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -91,7 +92,7 @@ def _scratch(numel: int, dtype: torch.dtype, device: torch.device, slot: int = 0
     accounting.
     """
     cache = _scratch_per_thread.__dict__.setdefault("buffers", {})
-    key = (dtype, str(device), slot)
+    key = (dtype, device, slot)
     buf = cache.get(key)
     if buf is None or buf.numel() < numel:
         buf = cache[key] = torch.empty(numel, dtype=dtype, device=device)
@@ -196,34 +197,42 @@ class _Messenger:
                  link: SimulatedLink | None) -> None:
         self.group = group
         self.tracer = tracer
+        self.link = link
         self.wire = _Wire(link)
         self.sends: list[dist.Work] = []
-        # gloo moves CPU tensors only; ranks sharing a GPU send through host memory.
-        self.stage = dist.get_backend(group) == "gloo"
 
-    def post_recv(self, dest: torch.Tensor, peer: int) -> _Incoming:
+    def _staged(self, t: torch.Tensor) -> bool:
+        """gloo moves CPU tensors only; ranks sharing a GPU send through host memory."""
+        return t.is_cuda and dist.get_backend(self.group) == "gloo"
+
+    # Every step of a collective goes through the two calls below, so they are
+    # kept short: with two ranks on two cores, each microsecond spent here lands
+    # on the critical path of both ranks.
+
+    def post_recv(self, dest: torch.Tensor, peer: int, tag: int = 0) -> _Incoming:
         """Post a receive now. gloo moves data only once the receiver's buffer is
         posted, so posting early takes a round trip off the critical path."""
-        if self.wire.link is not None:
+        if self.link is not None:
             host = torch.empty(dest.nbytes + 8, dtype=torch.uint8)
-        elif self.stage and dest.is_cuda:
+        elif self._staged(dest):
             host = torch.empty(dest.shape, dtype=dest.dtype)
         else:
             host = dest
         # Empty chunks (a tensor smaller than the world) are skipped by both sides.
-        work = dist.irecv(host, global_rank(self.group, peer), self.group) if dest.numel() else None
+        work = (dist.irecv(host, global_rank(self.group, peer), self.group, tag)
+                if dest.numel() else None)
         return _Incoming(work, host, dest)
 
-    def send(self, t: torch.Tensor, peer: int) -> None:
+    def send(self, t: torch.Tensor, peer: int, tag: int = 0) -> None:
         if not t.numel():
             return
         t = t.contiguous()
-        if self.wire.link is not None:
+        if self.link is not None:
             stamp = torch.tensor([self.wire.depart(t.nbytes)], dtype=torch.float64)
             payload = torch.cat([t.cpu().view(-1).view(torch.uint8), stamp.view(torch.uint8)])
         else:
-            payload = t.cpu() if self.stage and t.is_cuda else t
-        self.sends.append(dist.isend(payload, global_rank(self.group, peer), self.group))
+            payload = t.cpu() if self._staged(t) else t
+        self.sends.append(dist.isend(payload, global_rank(self.group, peer), self.group, tag))
         if self.tracer is not None:
             self.tracer.count("bytes_sent", t.nbytes, peer=peer)
 
@@ -232,7 +241,7 @@ class _Messenger:
             return
         incoming.work.wait()
         host, dest = incoming.host, incoming.dest
-        if self.wire.link is not None:
+        if self.link is not None:
             n = dest.nbytes
             # .clone(): the stamp starts at byte n, which a float64 view needs aligned
             self.wire.arrive(host[n:].clone().view(torch.float64).item(), n)
@@ -276,35 +285,51 @@ def ring_steps(rank: int, n: int, phases: Sequence[RingPhase]) -> list[tuple[str
     return steps
 
 
-def _ring(flat: torch.Tensor, bounds: list[tuple[int, int]], phases: Sequence[RingPhase],
+@functools.lru_cache(maxsize=64)
+def _schedule(rank: int, n: int, phases: tuple[RingPhase, ...]) -> tuple[tuple[str, int, int], ...]:
+    return tuple(ring_steps(rank, n, phases))
+
+
+_NO_SPAN = nullcontext()
+
+
+def _ring(flat: torch.Tensor, bounds: list[tuple[int, int]], phases: tuple[RingPhase, ...],
           op: str, m: _Messenger, rank: int, n: int) -> None:
     """Run ring steps in place on a flat buffer.
 
-    Each step's receive is posted one step ahead, into one of two scratch
-    buffers (reduce-scatter) or straight into place (all-gather), so the left
-    neighbour never waits for us to be ready.
+    Receives are posted two steps ahead, into one of two scratch buffers
+    (reduce-scatter) or straight into place (all-gather), so a neighbour's
+    message never waits for us to be ready. With two ranks that means both
+    receives are posted before anything is sent. Each step has its own tag, so
+    a message can only land in the buffer meant for its step.
     """
     right, left = (rank + 1) % n, (rank - 1) % n
-    steps = ring_steps(rank, n, phases)
+    steps = _schedule(rank, n, phases)
+    chunks = [flat[a:b] for a, b in bounds]
 
     def post(i: int) -> _Incoming:
         phase, _, recv_c = steps[i]
-        r0, r1 = bounds[recv_c]
-        if phase == "reduce-scatter":
-            return m.post_recv(_scratch(r1 - r0, flat.dtype, flat.device, slot=i % 2), left)
-        return m.post_recv(flat[r0:r1], left)
+        if phase == "all-gather":
+            return m.post_recv(chunks[recv_c], left, i)
+        size = bounds[recv_c][1] - bounds[recv_c][0]
+        return m.post_recv(_scratch(size, flat.dtype, flat.device, i % 2), left, i)
 
-    incoming = post(0) if steps else None
+    ahead = [post(i) for i in range(min(2, len(steps)))]
+    tracer, rs_steps = m.tracer, (n - 1) if phases[0] == "reduce-scatter" else 0
     for i, (phase, send_c, recv_c) in enumerate(steps):
-        s0, s1 = bounds[send_c]
-        step = i if phase == "reduce-scatter" else i - (n - 1) * (len(phases) - 1)
-        with _span(m.tracer, f"{phase} {step}", phase=phase, step=step, chunk=send_c):
-            m.send(flat[s0:s1], right)
-            current, incoming = incoming, post(i + 1) if i + 1 < len(steps) else None
+        if tracer is None:
+            span = _NO_SPAN
+        else:
+            step = i if i < rs_steps else i - rs_steps
+            span = tracer.span(f"{phase} {step}", kind="comm", phase=phase, step=step, chunk=send_c)
+        with span:
+            m.send(chunks[send_c], right, i)
+            current = ahead[i]
             m.wait_recv(current)
             if phase == "reduce-scatter":
-                r0, r1 = bounds[recv_c]
-                _reduce_into(flat[r0:r1], current.dest, op)
+                _reduce_into(chunks[recv_c], current.dest, op)
+            if i + 2 < len(steps):  # the scratch buffer just reduced is free again
+                ahead.append(post(i + 2))
     m.finish()
 
 

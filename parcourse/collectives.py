@@ -197,7 +197,6 @@ class _Messenger:
                  link: SimulatedLink | None) -> None:
         self.group = group
         self.tracer = tracer
-        self.link = link
         self.wire = _Wire(link)
         self.sends: list[dist.Work] = []
 
@@ -212,7 +211,7 @@ class _Messenger:
     def post_recv(self, dest: torch.Tensor, peer: int, tag: int = 0) -> _Incoming:
         """Post a receive now. gloo moves data only once the receiver's buffer is
         posted, so posting early takes a round trip off the critical path."""
-        if self.link is not None:
+        if self.wire.link is not None:
             host = torch.empty(dest.nbytes + 8, dtype=torch.uint8)
         elif self._staged(dest):
             host = torch.empty(dest.shape, dtype=dest.dtype)
@@ -227,7 +226,7 @@ class _Messenger:
         if not t.numel():
             return
         t = t.contiguous()
-        if self.link is not None:
+        if self.wire.link is not None:
             stamp = torch.tensor([self.wire.depart(t.nbytes)], dtype=torch.float64)
             payload = torch.cat([t.cpu().view(-1).view(torch.uint8), stamp.view(torch.uint8)])
         else:
@@ -241,7 +240,7 @@ class _Messenger:
             return
         incoming.work.wait()
         host, dest = incoming.host, incoming.dest
-        if self.link is not None:
+        if self.wire.link is not None:
             n = dest.nbytes
             # .clone(): the stamp starts at byte n, which a float64 view needs aligned
             self.wire.arrive(host[n:].clone().view(torch.float64).item(), n)

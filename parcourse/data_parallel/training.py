@@ -161,18 +161,22 @@ def one_process_weights(steps: int = 5, *, width: int = 32, depth: int = 3,
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def backward_in_microsteps(module: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                           microsteps: int) -> None:
+    """Accumulate the gradient of one batch over `microsteps` backward passes; all
+    but the last run under the module's no_sync(), so gradients are synchronised once."""
+    for i, (xm, ym) in enumerate(zip(x.chunk(microsteps), y.chunk(microsteps))):
+        loss = nn.functional.mse_loss(module(xm), ym) / microsteps
+        with module.no_sync() if i < microsteps - 1 else nullcontext():
+            loss.backward()
+
+
 def accumulated_gradients(ctx: RankContext, impl: str, microsteps: int, *, width: int = 32,
                           batch: int = 64) -> list[torch.Tensor]:
     """Gradients after `microsteps` backward passes, all but the last under no_sync()."""
     model = mlp(width, width, width, depth=3)
     ddp = wrap(model, impl, ctx, bucket_mb=0.01)
     x, y = regression(batch, width, width)
-    x, y = shard(x, ctx.rank, ctx.world_size), shard(y, ctx.rank, ctx.world_size)
-    for i, (xm, ym) in enumerate(zip(x.chunk(microsteps), y.chunk(microsteps))):
-        loss = nn.functional.mse_loss(ddp(xm), ym) / microsteps
-        if i < microsteps - 1:
-            with ddp.no_sync():
-                loss.backward()
-        else:
-            loss.backward()
+    backward_in_microsteps(ddp, shard(x, ctx.rank, ctx.world_size),
+                           shard(y, ctx.rank, ctx.world_size), microsteps)
     return [p.grad.clone() for p in model.parameters()]

@@ -21,6 +21,7 @@ machine.
 
 from __future__ import annotations
 
+import itertools
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -76,10 +77,7 @@ def make_buckets(params: list[nn.Parameter], bucket_mb: float) -> list[Bucket]:
     """Buckets of about bucket_mb in reverse registration order (see group_by_size)."""
     buckets = []
     for i, group in enumerate(group_by_size(params, bucket_mb)):
-        offsets, total = [], 0
-        for p in group:
-            offsets.append(total)
-            total += p.numel()
+        *offsets, total = itertools.accumulate((p.numel() for p in group), initial=0)
         buffer = torch.zeros(total + len(group), dtype=group[0].dtype, device=group[0].device)
         buckets.append(Bucket(i, group, offsets, total, buffer))
     return buckets
@@ -132,15 +130,14 @@ class BucketedDataParallel(GradSyncModule):
         return len(bucket.ready) == len(bucket.params)
 
     def _launch(self, bucket: Bucket) -> None:
-        flags = bucket.buffer[bucket.numel:]
-        for i, (p, offset) in enumerate(zip(bucket.params, bucket.offsets)):
+        for p, offset in zip(bucket.params, bucket.offsets):
             view = bucket.buffer[offset:offset + p.numel()]
             if p.grad is None:
                 view.zero_()
-                flags[i] = 0
             else:
                 view.copy_(p.grad.reshape(-1))
-                flags[i] = 1
+        used = [float(p.grad is not None) for p in bucket.params]  # one copy, not one per flag
+        bucket.buffer[bucket.numel:].copy_(torch.tensor(used, dtype=bucket.buffer.dtype))
         bucket.launched_ns = time.perf_counter_ns()
         bucket.done = self._start_all_reduce(bucket.buffer)
         self._next = bucket.index + 1
@@ -185,9 +182,9 @@ class BucketedDataParallel(GradSyncModule):
 
     def _unpack(self, bucket: Bucket) -> None:
         grads = bucket.buffer[:bucket.numel].div_(self.world_size)
-        counts = bucket.buffer[bucket.numel:]
-        for i, (p, offset) in enumerate(zip(bucket.params, bucket.offsets)):
-            if counts[i] == 0:
+        counts = bucket.buffer[bucket.numel:].tolist()  # one read (one GPU sync), not one per flag
+        for count, p, offset in zip(counts, bucket.params, bucket.offsets):
+            if count == 0:
                 p.grad = None  # no rank used it: as in one process
                 continue
             if p.grad is None:

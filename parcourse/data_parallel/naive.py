@@ -47,8 +47,8 @@ class NaiveDataParallel(GradSyncModule):
         used = torch.tensor([p.grad is not None for p in params], dtype=torch.float32,
                             device=params[0].device)
         dist.all_reduce(used, group=self.group)
-        for i, p in enumerate(params):
-            if used[i] == 0:
+        for i, (p, count) in enumerate(zip(params, used.tolist())):
+            if count == 0:
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

@@ -22,6 +22,7 @@ sees this rank's shards.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -63,8 +64,7 @@ class FlatUnit:
 
     def __post_init__(self) -> None:
         self.numels = [p.numel() for p in self.params]
-        self.offsets = [sum(self.numels[:i]) for i in range(len(self.params))]
-        self.numel = sum(self.numels)
+        *self.offsets, self.numel = itertools.accumulate(self.numels, initial=0)
         self.padded = math.ceil(self.numel / self.world_size) * self.world_size
         self.shard_numel = self.padded // self.world_size
         self.start = self.rank * self.shard_numel

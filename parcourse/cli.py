@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from parcourse.collectives import SimulatedLink, bus_bandwidth, bytes_sent_per_rank
+from parcourse.collectives import SimulatedLink, bus_bandwidth, bytes_sent_per_rank, simulated_link
 from parcourse.demos import all_reduce_with, slowest_rank, time_all_reduce
 from parcourse.launch import Pool, RankContext, _external_env, launch
 
@@ -119,9 +119,7 @@ def allreduce(args: argparse.Namespace) -> int:
     nbytes = parse_size(args.size)
     numel = max(1, nbytes // dtype.itemsize)
     nbytes = numel * dtype.itemsize
-    link = None
-    if args.latency_us or args.bandwidth_gbps:
-        link = SimulatedLink.of(latency_us=args.latency_us, bandwidth_GBps=args.bandwidth_gbps)
+    link = simulated_link(args.latency_us, args.bandwidth_gbps)
     run = launch(_traced_then_timed, world_size, args.algo, nbytes, args.dtype, args.repeats,
                  link, timeout=args.timeout)
     if external and external[0] != 0:

@@ -144,6 +144,14 @@ class SimulatedLink:
         return self.latency_s + nbytes / self.bandwidth_Bps
 
 
+def simulated_link(latency_us: float = 0.0,
+                   bandwidth_gbps: float | None = None) -> SimulatedLink | None:
+    """The link for these settings (as panels and the CLI take them), or None when both are off."""
+    if not (latency_us or bandwidth_gbps):
+        return None
+    return SimulatedLink.of(latency_us=latency_us, bandwidth_GBps=bandwidth_gbps)
+
+
 class _Wire:
     """One rank's view of the links for one collective: when each link is free again."""
 

@@ -24,3 +24,10 @@ def shard(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """This rank's rows of a batch (data parallelism: same model, different data)."""
     start, end = shard_bounds(batch.shape[0], rank, world_size)
     return batch[start:end]
+
+
+def local_regression(n: int, d_in: int, d_out: int, rank: int, world_size: int,
+                     device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows, on `device`, of the batch `regression(n, d_in, d_out)` all ranks share."""
+    x, y = regression(n, d_in, d_out)
+    return shard(x, rank, world_size).to(device), shard(y, rank, world_size).to(device)

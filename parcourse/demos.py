@@ -9,7 +9,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from parcourse.collectives import SimulatedLink, naive_all_reduce, ring_all_reduce
+from parcourse.collectives import (SimulatedLink, naive_all_reduce, ring_all_reduce,
+                                   simulated_link)
 from parcourse.launch import RankContext
 
 Algo = Literal["ring", "naive", "torch"]
@@ -68,9 +69,7 @@ def traced_all_reduce(ctx: RankContext, algo: Algo, numel: int, latency_us: floa
     The spans (one per ring step, coloured by chunk) and the bytes_sent counter
     land in the run's trace.
     """
-    link = None
-    if latency_us or bandwidth_gbps:
-        link = SimulatedLink.of(latency_us=latency_us, bandwidth_GBps=bandwidth_gbps)
+    link = simulated_link(latency_us, bandwidth_gbps)
     t = torch.full((numel,), float(ctx.rank + 1), device=ctx.device)
     dist.barrier(group=ctx.group)
     all_reduce_with(algo, t, ctx, link=link, traced=True)

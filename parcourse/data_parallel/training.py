@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parcourse.collectives import SimulatedLink
-from parcourse.data import regression, shard
+from parcourse.collectives import SimulatedLink, simulated_link
+from parcourse.data import local_regression, regression
 from parcourse.data_parallel.bucketed import BucketedDataParallel
 from parcourse.data_parallel.naive import NaiveDataParallel
 from parcourse.launch import RankContext
@@ -52,15 +52,11 @@ def train_steps(ctx: RankContext, impl: str, steps: int = 5, *, width: int = 256
     and the model size. With `traced`, forward / backward / optimizer spans and
     each bucket's all-reduce land in the run's trace.
     """
-    link = None
-    if latency_us or bandwidth_gbps:
-        link = SimulatedLink.of(latency_us=latency_us, bandwidth_GBps=bandwidth_gbps)
+    link = simulated_link(latency_us, bandwidth_gbps)
     model = mlp(width, width, width, depth=depth).to(ctx.device)
     ddp = wrap(model, impl, ctx, bucket_mb=bucket_mb, overlap=overlap, link=link, traced=traced)
     opt = torch.optim.Adam(ddp.parameters(), lr=lr)
-    x, y = regression(batch, width, width)
-    x = shard(x, ctx.rank, ctx.world_size).to(ctx.device)
-    y = shard(y, ctx.rank, ctx.world_size).to(ctx.device)
+    x, y = local_regression(batch, width, width, ctx.rank, ctx.world_size, ctx.device)
     tracer = ctx.tracer
     times, losses = [], []
     for step in range(steps):
@@ -94,12 +90,8 @@ def compare_step_times(ctx: RankContext, configs: dict[str, dict[str, Any]], ste
     "bucket_mb": 25}, "torch": {"impl": "torch", "bucket_mb": 25}}. Each gets its
     own copy of the same model and optimizer (see `alternate_steps`).
     """
-    link = None
-    if latency_us or bandwidth_gbps:
-        link = SimulatedLink.of(latency_us=latency_us, bandwidth_GBps=bandwidth_gbps)
-    x, y = regression(batch, width, width)
-    x = shard(x, ctx.rank, ctx.world_size).to(ctx.device)
-    y = shard(y, ctx.rank, ctx.world_size).to(ctx.device)
+    link = simulated_link(latency_us, bandwidth_gbps)
+    x, y = local_regression(batch, width, width, ctx.rank, ctx.world_size, ctx.device)
     runs = {}
     for name, cfg in configs.items():
         model = mlp(width, width, width, depth=depth).to(ctx.device)
@@ -139,8 +131,7 @@ def final_weights(ctx: RankContext, impl: str, steps: int = 5, *, width: int = 3
     model = mlp(width, width, width, depth=depth)
     ddp = wrap(model, impl, ctx, bucket_mb=bucket_mb)
     opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
-    x, y = regression(batch, width, width)
-    x, y = shard(x, ctx.rank, ctx.world_size), shard(y, ctx.rank, ctx.world_size)
+    x, y = local_regression(batch, width, width, ctx.rank, ctx.world_size)
     for _ in range(steps):
         nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
@@ -176,7 +167,6 @@ def accumulated_gradients(ctx: RankContext, impl: str, microsteps: int, *, width
     """Gradients after `microsteps` backward passes, all but the last under no_sync()."""
     model = mlp(width, width, width, depth=3)
     ddp = wrap(model, impl, ctx, bucket_mb=0.01)
-    x, y = regression(batch, width, width)
-    backward_in_microsteps(ddp, shard(x, ctx.rank, ctx.world_size),
-                           shard(y, ctx.rank, ctx.world_size), microsteps)
+    x, y = local_regression(batch, width, width, ctx.rank, ctx.world_size)
+    backward_in_microsteps(ddp, x, y, microsteps)
     return [p.grad.clone() for p in model.parameters()]

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from parcourse.data import regression, shard
+from parcourse.data import local_regression
 from parcourse.data_parallel.training import alternate_steps
 from parcourse.launch import RankContext
 from parcourse.memory import SavedActivations, zero_bytes
@@ -45,8 +45,7 @@ def memory_by_stage(ctx: RankContext, stage: int, params: int = 1_000_000, depth
     else:
         zmodel, opt = zero_shard(model, adam, stage=stage, group=ctx.group, bucket_mb=bucket_mb,
                                  mixed_precision=dtype, tracer=ctx.tracer)
-    x, y = regression(batch, width, width)
-    x, y = shard(x, ctx.rank, ctx.world_size), shard(y, ctx.rank, ctx.world_size)
+    x, y = local_regression(batch, width, width, ctx.rank, ctx.world_size)
     tracer = ctx.tracer
     peak: dict[str, Any] = {}
 
@@ -88,8 +87,7 @@ def step_times(ctx: RankContext, configs: dict[str, dict[str, Any]], steps: int 
     {"kind": "fsdp2"} | {"kind": "ddp"}.
     """
     width, depth = mlp_for(params, depth)
-    x, y = regression(batch, width, width)
-    x, y = shard(x, ctx.rank, ctx.world_size), shard(y, ctx.rank, ctx.world_size)
+    x, y = local_regression(batch, width, width, ctx.rank, ctx.world_size)
     runs = {}
     for name, cfg in configs.items():
         model = mlp(width, width, width, depth=depth)
@@ -133,8 +131,7 @@ def peak_memory(ctx: RankContext, cfg: dict[str, Any], params: int = 4_000_000, 
     from torch.distributed._tools.mem_tracker import MemTracker
 
     width, depth = mlp_for(params, depth)
-    x, y = regression(batch, width, width)
-    x, y = shard(x, ctx.rank, ctx.world_size), shard(y, ctx.rank, ctx.world_size)
+    x, y = local_regression(batch, width, width, ctx.rank, ctx.world_size)
     model, opt = _build(cfg, mlp(width, width, width, depth=depth), ctx)
     nn.functional.mse_loss(model(x), y).backward()  # a first step creates the optimizer state
     opt.step()
@@ -179,8 +176,7 @@ def zero3_step(ctx: RankContext, prefetch: bool = True, params: int = 2_000_000,
     zmodel, opt = zero_shard(model, lambda ps: torch.optim.Adam(ps, lr=1e-3), stage=stage,
                              group=ctx.group, prefetch=prefetch, bucket_mb=1.0,
                              tracer=ctx.tracer)
-    x, y = regression(batch, width, width)
-    x, y = shard(x, ctx.rank, ctx.world_size), shard(y, ctx.rank, ctx.world_size)
+    x, y = local_regression(batch, width, width, ctx.rank, ctx.world_size)
     tracer = ctx.tracer
     import torch.distributed as dist
 

@@ -26,14 +26,14 @@ def _torch_reference(t, op, group):
     return ref
 
 
-def all_reduce_vs_torch(ctx, algo, numel, dtype, op, integer_valued=True, shape=None):
+def all_reduce_vs_torch(ctx, algo, numel, dtype, op, integer_valued=True, shape=None, **kw):
     t = make(ctx.rank, numel, dtype, integer_valued=integer_valued)
     if shape is not None:
         t = t.view(shape)
     ref = _torch_reference(t, op, ctx.group)
     fn = C.ring_all_reduce if algo == "ring" else C.naive_all_reduce
     before_ptr = t.data_ptr()
-    out = fn(t, ctx.group, op, tracer=ctx.tracer)
+    out = fn(t, ctx.group, op, tracer=ctx.tracer, **kw)
     assert out is t and t.data_ptr() == before_ptr, "in place"
     return t, ref, ctx.tracer.total("bytes_sent")
 
@@ -47,9 +47,9 @@ def non_contiguous(ctx):
     return view.clone(), ref, base.t().clone()
 
 
-def reduce_scatter_vs_torch(ctx, numel, dtype, op):
+def reduce_scatter_vs_torch(ctx, numel, dtype, op, **kw):
     t = make(ctx.rank, numel, dtype)
-    shard = C.ring_reduce_scatter(t, ctx.group, op)
+    shard = C.ring_reduce_scatter(t, ctx.group, op, **kw)
     full = _torch_reference(t, op, ctx.group)
     start, end = C.chunk_bounds(numel, ctx.world_size)[ctx.rank]
     expected = full[start:end]
@@ -60,13 +60,13 @@ def reduce_scatter_vs_torch(ctx, numel, dtype, op):
     return shard, expected
 
 
-def all_gather_vs_torch(ctx, numel, dtype):
+def all_gather_vs_torch(ctx, numel, dtype, **kw):
     full = torch.arange(numel).to(dtype)
     start, end = C.chunk_bounds(numel, ctx.world_size)[ctx.rank]
     shard = full[start:end].clone()
     even = numel % ctx.world_size == 0
     ours = C.ring_all_gather(shard, ctx.group, numel=None if even else numel,
-                             tracer=ctx.tracer)
+                             tracer=ctx.tracer, **kw)
     if even:
         theirs = [torch.empty_like(shard) for _ in range(ctx.world_size)]
         dist.all_gather(theirs, shard, group=ctx.group)

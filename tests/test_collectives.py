@@ -45,6 +45,37 @@ def test_random_floats_match_within_reduction_order(pools, world_size):
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_segmented_chunks_equal_torch_exactly(pools, world_size):
+    # Segments of 12 bytes: 3 float32 or 6 fp16 elements, so chunks of 1000 / N elements
+    # go as many segments of unequal sizes (and numel 2 has empty chunks).
+    for dtype in (torch.float32, torch.float16, torch.int64):
+        for numel in (1000, 2):
+            for op in ("sum", "max"):
+                for ours, ref, sent in pools[world_size].run(
+                        F.all_reduce_vs_torch, "ring", numel, dtype, op, segment_bytes=12).results:
+                    assert torch.equal(ours, ref), (dtype, numel, op)
+            for shard, expected in pools[world_size].run(
+                    F.reduce_scatter_vs_torch, numel, dtype, "sum", segment_bytes=12).results:
+                assert torch.equal(shard, expected)
+            for ours, full, _ in pools[world_size].run(F.all_gather_vs_torch, numel, dtype,
+                                                       segment_bytes=12).results:
+                assert torch.equal(ours, full)
+
+
+def test_segments_are_traced_and_send_the_same_bytes(pools):
+    # 1200 float32 over 4 ranks: chunks of 1200 bytes, in segments of at most 500: 3 each.
+    run = pools[4].run(F.all_reduce_vs_torch, "ring", 1200, torch.float32, "sum",
+                       segment_bytes=500)
+    for rank in range(4):
+        spans = run.trace.spans_of(rank=rank, kind="comm")
+        assert [(s.meta["step"], s.meta["segment"]) for s in spans] == \
+            [(step, j) for _ in range(2) for step in range(3) for j in range(3)]
+        assert run.results[rank][2] == C.bytes_sent_per_rank("ring", 4800, 4, rank)
+    with pytest.raises(RankError, match="segment_bytes must be >= 1"):
+        pools[2].run(F.all_reduce_vs_torch, "ring", 10, torch.float32, "sum", segment_bytes=0)
+
+
 def test_non_contiguous_input_is_reduced_in_place(pools):
     for ours, ref, through_base in pools[3].run(F.non_contiguous).results:
         assert torch.equal(ours, ref) and torch.equal(through_base, ref)

@@ -316,9 +316,9 @@ def _ring(flat: torch.Tensor, bounds: list[tuple[int, int]], phases: tuple[RingP
     as gloo and NCCL do: a segment is sent on as soon as it has been received
     (and reduced), so reducing one segment overlaps receiving the next, and the
     all-gather starts before the reduce-scatter's last chunk is complete. With
-    two ranks that took 16-64 MB from 0.92-0.97 of torch's all_reduce to
-    0.99-1.09. With a simulated link there is one message per chunk, as the
-    cost model counts.
+    two ranks, 16-64 MB went from 0.92-1.00 of torch's all_reduce to 0.94-1.10
+    (paired runs); segments of 1 MB or less were slower at 4 MB. With a
+    simulated link there is one message per chunk, as the cost model counts.
 
     Each message is sent before its receive is posted. Then our neighbour's
     message usually finds no receive posted yet: gloo queues it, and the

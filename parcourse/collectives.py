@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -307,6 +307,18 @@ SEGMENT_BYTES = 2 << 20
 """Chunks larger than this travel as several messages (segments) of at most this size."""
 
 
+class _Message(NamedTuple):
+    """One message of a ring: what this rank sends, and where what it receives goes."""
+
+    phase: str
+    step: int
+    chunk: int  # the chunk sent
+    segment: int
+    out: torch.Tensor
+    into: torch.Tensor
+    acc: torch.Tensor | None  # reduce-scatter: where `into` is reduced to
+
+
 def _ring(flat: torch.Tensor, bounds: list[tuple[int, int]], phases: tuple[RingPhase, ...],
           op: str, m: _Messenger, rank: int, n: int, segment_bytes: int = SEGMENT_BYTES) -> None:
     """Run ring steps in place on a flat buffer: each step sends one chunk to the
@@ -334,7 +346,8 @@ def _ring(flat: torch.Tensor, bounds: list[tuple[int, int]], phases: tuple[RingP
         raise ValueError(f"segment_bytes must be >= 1, got {segment_bytes}")
     right, left = (rank + 1) % n, (rank - 1) % n
     largest = bounds[0][1] - bounds[0][0]  # chunk 0 is the largest
-    k = 1 if m.wire.link is not None else max(1, -(-largest * flat.element_size() // segment_bytes))
+    k = 1 if m.wire.link is not None else max(1, math.ceil(largest * flat.element_size()
+                                                           / segment_bytes))
     pieces = chunk_bounds(largest, k)  # where segment j sits in the scratch buffer
     segments = [[flat[a + x:a + y] for x, y in chunk_bounds(b - a, k)] for a, b in bounds]
     # Every buffer is worked out before the first message: between a send and
@@ -342,7 +355,7 @@ def _ring(flat: torch.Tensor, bounds: list[tuple[int, int]], phases: tuple[RingP
     # there measurably slowed two ranks at 1 MB).
     if "reduce-scatter" in phases:
         scratch = _scratch(largest, flat.dtype, flat.device)
-    plan = []  # one entry per message
+    plan: list[_Message] = []
     rs_steps = (n - 1) if phases[0] == "reduce-scatter" else 0
     for i, (phase, send_c, recv_c) in enumerate(_schedule(rank, n, phases)):
         step = i if i < rs_steps else i - rs_steps
@@ -352,24 +365,24 @@ def _ring(flat: torch.Tensor, bounds: list[tuple[int, int]], phases: tuple[RingP
                 into, acc = scratch[pieces[j][0]:pieces[j][0] + recv.numel()], recv
             else:  # straight into place
                 into, acc = recv, None
-            plan.append((phase, step, send_c, j, segments[send_c][j], into, acc))
+            plan.append(_Message(phase, step, send_c, j, segments[send_c][j], into, acc))
     tracer, incoming, sent = m.tracer, [], 0
-    for i, (phase, step, send_c, j, _, into, acc) in enumerate(plan):
+    for i, msg in enumerate(plan):
         if tracer is None:
             span = _NO_SPAN
         else:
-            span = tracer.span(f"{phase} {step}", kind="comm", phase=phase, step=step,
-                               chunk=send_c, segment=j)
+            span = tracer.span(f"{msg.phase} {msg.step}", kind="comm", phase=msg.phase,
+                               step=msg.step, chunk=msg.chunk, segment=msg.segment)
         with span:
             # Message q carries what message q - k brought in: send every message
             # whose segment has arrived (all of the first step's at once).
             while sent < len(plan) and sent < i + k:
-                m.send(plan[sent][4], right, sent)
-                incoming.append(m.post_recv(plan[sent][5], left, sent))
+                m.send(plan[sent].out, right, sent)
+                incoming.append(m.post_recv(plan[sent].into, left, sent))
                 sent += 1
             m.wait_recv(incoming[i])
-            if acc is not None:
-                _reduce_into(acc, into, op)
+            if msg.acc is not None:
+                _reduce_into(msg.acc, msg.into, op)
     m.finish()
 
 

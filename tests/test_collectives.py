@@ -52,7 +52,7 @@ def test_segmented_chunks_equal_torch_exactly(pools, world_size):
     for dtype in (torch.float32, torch.float16, torch.int64):
         for numel in (1000, 2):
             for op in ("sum", "max"):
-                for ours, ref, sent in pools[world_size].run(
+                for ours, ref, _ in pools[world_size].run(
                         F.all_reduce_vs_torch, "ring", numel, dtype, op, segment_bytes=12).results:
                     assert torch.equal(ours, ref), (dtype, numel, op)
             for shard, expected in pools[world_size].run(

@@ -102,7 +102,14 @@ def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
 def group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int, int]:
     """(group, this rank in it, its size); None means all ranks (WORLD)."""
     group = group or dist.group.WORLD
-    return group, dist.get_rank(group), dist.get_world_size(group)
+    if group is None:
+        raise RuntimeError("torch.distributed is not initialized: run this inside a Pool, "
+                           "under torchrun, or after init_process_group")
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"this rank is not a member of the group (got {group!r})")
+    # The group's own rank()/size(): dist.get_rank/get_world_size check and map
+    # ranks on every call, and every microsecond counts in a collective's prologue.
+    return group, group.rank(), group.size()
 
 
 def global_rank(group: dist.ProcessGroup, group_rank: int) -> int:
@@ -184,73 +191,16 @@ class _Wire:
 # --------------------------------------------------------------------------- messages
 
 
-@dataclass
-class _Incoming:
-    """A posted receive: the buffer gloo fills and where its contents go."""
+class _Arrival:
+    """A posted receive that the messenger has to finish: unstage, unstamp, count."""
 
-    work: dist.Work | None
-    host: torch.Tensor
-    dest: torch.Tensor
+    def __init__(self, work: dist.Work, host: torch.Tensor, dest: torch.Tensor,
+                 wire: _Wire) -> None:
+        self.work, self.host, self.dest, self.wire = work, host, dest, wire
 
-
-class _Messenger:
-    """isend/irecv on one group, with byte counting, CPU staging and the simulated link.
-
-    Messages go through the process group's own `send`/`recv` (what
-    `dist.isend`/`dist.irecv` call after checking their arguments and mapping
-    global ranks to the group's, about 10 us a call here); peers are ranks in
-    the group.
-
-    With a simulated link, each message carries its departure time in 8 extra
-    bytes at its end (not counted as bytes sent), so the receiver can queue it
-    on its incoming link.
-    """
-
-    def __init__(self, group: dist.ProcessGroup, tracer: Tracer | None,
-                 link: SimulatedLink | None) -> None:
-        self.group = group
-        self.tracer = tracer
-        self.wire = _Wire(link)
-        self.sends: list[dist.Work] = []
-
-    def _staged(self, t: torch.Tensor) -> bool:
-        """gloo moves CPU tensors only; ranks sharing a GPU send through host memory."""
-        return t.is_cuda and dist.get_backend(self.group) == "gloo"
-
-    # Every step of a collective goes through the two calls below, so they are
-    # kept short: with two ranks on two cores, each microsecond spent here lands
-    # on the critical path of both ranks.
-
-    def post_recv(self, dest: torch.Tensor, peer: int, tag: int = 0) -> _Incoming:
-        """Post a receive; the data lands in `dest` by the time `wait_recv` returns."""
-        if self.wire.link is not None:
-            host = torch.empty(dest.nbytes + 8, dtype=torch.uint8)
-        elif self._staged(dest):
-            host = torch.empty(dest.shape, dtype=dest.dtype)
-        else:
-            host = dest
-        # Empty chunks (a tensor smaller than the world) are skipped by both sides.
-        work = self.group.recv([host], peer, tag) if dest.numel() else None
-        return _Incoming(work, host, dest)
-
-    def send(self, t: torch.Tensor, peer: int, tag: int = 0) -> None:
-        if not t.numel():
-            return
-        t = t.contiguous()
-        if self.wire.link is not None:
-            stamp = torch.tensor([self.wire.depart(t.nbytes)], dtype=torch.float64)
-            payload = torch.cat([t.cpu().view(-1).view(torch.uint8), stamp.view(torch.uint8)])
-        else:
-            payload = t.cpu() if self._staged(t) else t
-        self.sends.append(self.group.send([payload], peer, tag))
-        if self.tracer is not None:
-            self.tracer.count("bytes_sent", t.nbytes, peer=peer)
-
-    def wait_recv(self, incoming: _Incoming) -> None:
-        if incoming.work is None:
-            return
-        incoming.work.wait()
-        host, dest = incoming.host, incoming.dest
+    def wait(self) -> bool:
+        self.work.wait()
+        host, dest = self.host, self.dest
         if self.wire.link is not None:
             n = dest.nbytes
             # .clone(): the stamp starts at byte n, which a float64 view needs aligned
@@ -259,13 +209,78 @@ class _Messenger:
             dest.view(-1).view(torch.uint8).copy_(host[:n])
         elif host is not dest:
             dest.copy_(host)
+        return True
 
-    def finish(self) -> None:
-        """Wait until every send has left (and, with a link, until the link is free)."""
-        for w in self.sends:
-            w.wait()
-        self.sends.clear()
+
+class _Messenger:
+    """A stand-in for the process group that counts bytes, stages GPU tensors
+    through host memory and simulates the link.
+
+    It has the process group's own `send(tensors, peer, tag)` and
+    `recv(tensors, peer, tag)` (peers are ranks in the group; both return
+    something to `wait()` on), so a collective runs the same code whether it
+    talks to the group directly or through a messenger. `messenger()` hands
+    out the group itself when there is nothing to count, stage or slow down:
+    with two ranks on two cores every microsecond between one message and the
+    next lands on both ranks' critical path.
+
+    With a simulated link, each message carries its departure time in 8 extra
+    bytes at its end (not counted as bytes sent), so the receiver can queue it
+    on its incoming link.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, tracer: Tracer | None,
+                 link: SimulatedLink | None, staged: bool) -> None:
+        self.group = group
+        self.tracer = tracer
+        self.wire = _Wire(link)
+        self.staged = staged
+
+    def send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> dist.Work:
+        (t,) = tensors
+        t = t.contiguous()
+        if self.wire.link is not None:
+            stamp = torch.tensor([self.wire.depart(t.nbytes)], dtype=torch.float64)
+            payload = torch.cat([t.cpu().view(-1).view(torch.uint8), stamp.view(torch.uint8)])
+        else:
+            payload = t.cpu() if self.staged else t
+        work = self.group.send([payload], peer, tag)
+        if self.tracer is not None:
+            self.tracer.count("bytes_sent", t.nbytes, peer=peer)
+        return work
+
+    def recv(self, tensors: list[torch.Tensor], peer: int, tag: int) -> _Arrival:
+        (dest,) = tensors
+        if self.wire.link is not None:
+            host = torch.empty(dest.nbytes + 8, dtype=torch.uint8)
+        elif self.staged:
+            host = torch.empty(dest.shape, dtype=dest.dtype)
+        else:
+            host = dest
+        return _Arrival(self.group.recv([host], peer, tag), host, dest, self.wire)
+
+    def settle(self) -> None:
+        """With a link: wait until our outgoing link is free (simulated time really passes)."""
         self.wire.settle(incoming=False)
+
+
+def messenger(group: dist.ProcessGroup, like: torch.Tensor, tracer: Tracer | None = None,
+              link: SimulatedLink | None = None) -> dist.ProcessGroup | _Messenger:
+    """What a collective sends through: the group itself, or a messenger when
+    bytes are counted (tracer), a link is simulated, or CUDA tensors go over
+    gloo (which moves CPU tensors only, so they are staged through host memory)."""
+    staged = like.is_cuda and dist.get_backend(group) == "gloo"
+    if tracer is None and link is None and not staged:
+        return group
+    return _Messenger(group, tracer, link, staged)
+
+
+def _settle(wire: dist.ProcessGroup | _Messenger, sends: list[dist.Work]) -> None:
+    """Wait until every send has left (and, with a link, until the link is free)."""
+    for w in sends:
+        w.wait()
+    if isinstance(wire, _Messenger):
+        wire.settle()
 
 
 def _span(tracer: Tracer | None, name: str, **meta: object) -> AbstractContextManager[None]:
@@ -295,34 +310,61 @@ def ring_steps(rank: int, n: int, phases: Sequence[RingPhase]) -> list[tuple[str
     return steps
 
 
-@functools.lru_cache(maxsize=64)
-def _schedule(rank: int, n: int, phases: tuple[RingPhase, ...]) -> tuple[tuple[str, int, int], ...]:
-    return tuple(ring_steps(rank, n, phases))
-
-
-_NO_SPAN = nullcontext()
-
-
 SEGMENT_BYTES = 2 << 20
 """Chunks larger than this travel as several messages (segments) of at most this size."""
 
 
-class _Message(NamedTuple):
-    """One message of a ring: what this rank sends, and where what it receives goes."""
+class _Step(NamedTuple):
+    """What the trace says of one message of a ring."""
 
     phase: str
     step: int
     chunk: int  # the chunk sent
     segment: int
-    out: torch.Tensor
-    into: torch.Tensor
-    acc: torch.Tensor | None  # reduce-scatter: where `into` is reduced to
 
 
-def _ring(flat: torch.Tensor, bounds: list[tuple[int, int]], phases: tuple[RingPhase, ...],
-          op: str, m: _Messenger, rank: int, n: int, segment_bytes: int = SEGMENT_BYTES) -> None:
-    """Run ring steps in place on a flat buffer: each step sends one chunk to the
-    right, receives one from the left and, in reduce-scatter, reduces it in.
+_Planned = tuple[int, int, "tuple[int, int] | None"]  # segment sent, received, where it lands
+
+
+@functools.lru_cache(maxsize=256)
+def _ring_plan(numel: int, rank: int, n: int, phases: tuple[RingPhase, ...], k: int,
+               ) -> tuple[tuple[tuple[int, int], ...], tuple[_Planned, ...], tuple[_Step, ...]]:
+    """Every message of a ring, worked out once per shape: (segments, messages, steps).
+
+    segments: [start, end) in the flat buffer of segment j of chunk c, at index
+    c * k + j. messages: (segment sent, segment received, where it lands in
+    the scratch buffer), one per message in order; in all-gather a message
+    lands in place (None), in reduce-scatter it lands in scratch and is then
+    reduced into its segment. steps: what the trace says of each message.
+    """
+    bounds = chunk_bounds(numel, n)
+    segments = tuple((a + x, a + y) for a, b in bounds for x, y in chunk_bounds(b - a, k))
+    # Segment j lands at the same place in scratch whichever chunk it is from (cut
+    # as the largest chunk is), so the k segments in flight never overlap there.
+    pieces = chunk_bounds(bounds[0][1] - bounds[0][0], k)
+    messages, steps = [], []
+    rs_steps = (n - 1) if phases[0] == "reduce-scatter" else 0
+    for i, (phase, send_c, recv_c) in enumerate(ring_steps(rank, n, phases)):
+        for j in range(k):
+            sent, received = send_c * k + j, recv_c * k + j
+            land = None
+            if phase == "reduce-scatter":
+                a, b = segments[received]
+                land = (pieces[j][0], pieces[j][0] + b - a)
+            messages.append((sent, received, land))
+            steps.append(_Step(phase, i if i < rs_steps else i - rs_steps, send_c, j))
+    return segments, tuple(messages), tuple(steps)
+
+
+_NO_SPAN = nullcontext()
+
+
+def _ring(flat: torch.Tensor, phases: tuple[RingPhase, ...], op: str, group: dist.ProcessGroup,
+          rank: int, n: int, tracer: Tracer | None, link: SimulatedLink | None,
+          segment_bytes: int = SEGMENT_BYTES) -> None:
+    """Run ring steps in place on a flat buffer cut by `chunk_bounds`: each step
+    sends one chunk to the right, receives one from the left and, in
+    reduce-scatter, reduces it in.
 
     A chunk larger than `segment_bytes` goes as k segments, one message each,
     as gloo and NCCL do: a segment is sent on as soon as it has been received
@@ -341,49 +383,56 @@ def _ring(flat: torch.Tensor, bounds: list[tuple[int, int]], phases: tuple[RingP
     two ranks on two cores that order was 5-10% slower at 1-4 MB (12 paired
     runs each); with four ranks the two orders measured the same. Each message
     has its own tag, so it can only land in the buffer meant for it.
+
+    What does not depend on the data (which range goes where) is worked out
+    once per shape and cached, and without a tracer, link or staging the
+    messages go straight to the process group: what runs per call is slicing,
+    messages and reductions. A few microseconds of Python per message cost
+    two ranks on two cores about 5% at 1 MB (see `messenger`).
     """
     if segment_bytes < 1:
         raise ValueError(f"segment_bytes must be >= 1, got {segment_bytes}")
+    numel = flat.numel()
+    largest = -(-numel // n)  # chunk 0, the largest
+    k = 1 if link is not None else max(1, -(-largest * flat.element_size() // segment_bytes))
+    segments, plan, steps = _ring_plan(numel, rank, n, phases, k)
+    wire = messenger(group, flat, tracer, link)
+    scratch = _scratch(largest, flat.dtype, flat.device) if "reduce-scatter" in phases else flat
     right, left = (rank + 1) % n, (rank - 1) % n
-    largest = bounds[0][1] - bounds[0][0]  # chunk 0 is the largest
-    k = 1 if m.wire.link is not None else max(1, math.ceil(largest * flat.element_size()
-                                                           / segment_bytes))
-    pieces = chunk_bounds(largest, k)  # where segment j sits in the scratch buffer
-    segments = [[flat[a + x:a + y] for x, y in chunk_bounds(b - a, k)] for a, b in bounds]
-    # Every buffer is worked out before the first message: between a send and
-    # its receive being posted, nothing else runs (even a few microseconds
-    # there measurably slowed two ranks at 1 MB).
-    if "reduce-scatter" in phases:
-        scratch = _scratch(largest, flat.dtype, flat.device)
-    plan: list[_Message] = []
-    rs_steps = (n - 1) if phases[0] == "reduce-scatter" else 0
-    for i, (phase, send_c, recv_c) in enumerate(_schedule(rank, n, phases)):
-        step = i if i < rs_steps else i - rs_steps
-        for j in range(k):
-            recv = segments[recv_c][j]
-            if phase == "reduce-scatter":  # into scratch, then reduced into place
-                into, acc = scratch[pieces[j][0]:pieces[j][0] + recv.numel()], recv
-            else:  # straight into place
-                into, acc = recv, None
-            plan.append(_Message(phase, step, send_c, j, segments[send_c][j], into, acc))
-    tracer, incoming, sent = m.tracer, [], 0
-    for i, msg in enumerate(plan):
+    # Every message's tensors, made before the first message: (what goes to the
+    # right, where the message from the left lands, what that is reduced into).
+    # Empty segments (a tensor smaller than the world) are None: both sides skip them.
+    views = [flat[a:b] if b > a else None for a, b in segments]
+    messages = []
+    for sent, received, land in plan:
+        segment = views[received]
+        if land is None:  # all-gather: lands in place
+            messages.append((views[sent], segment, None))
+        else:  # reduce-scatter: lands in scratch, then is reduced into its segment
+            into = None if segment is None else scratch[land[0]:land[1]]
+            messages.append((views[sent], into, segment))
+    send, recv = wire.send, wire.recv
+    sends, arrivals, posted, last = [], [], 0, len(messages)
+    for i, (_, into, acc) in enumerate(messages):
         if tracer is None:
             span = _NO_SPAN
         else:
-            span = tracer.span(f"{msg.phase} {msg.step}", kind="comm", phase=msg.phase,
-                               step=msg.step, chunk=msg.chunk, segment=msg.segment)
+            span = tracer.span(f"{steps[i].phase} {steps[i].step}", kind="comm",
+                               **steps[i]._asdict())
         with span:
             # Message q carries what message q - k brought in: send every message
             # whose segment has arrived (all of the first step's at once).
-            while sent < len(plan) and sent < i + k:
-                m.send(plan[sent].out, right, sent)
-                incoming.append(m.post_recv(plan[sent].into, left, sent))
-                sent += 1
-            m.wait_recv(incoming[i])
-            if msg.acc is not None:
-                _reduce_into(msg.acc, msg.into, op)
-    m.finish()
+            while posted < i + k and posted < last:
+                out, land, _ = messages[posted]
+                if out is not None:
+                    sends.append(send([out], right, posted))
+                arrivals.append(None if land is None else recv([land], left, posted))
+                posted += 1
+            if into is not None:
+                arrivals[i].wait()
+                if acc is not None:
+                    _reduce_into(acc, into, op)
+    _settle(wire, sends)
 
 
 def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
@@ -403,8 +452,7 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     contiguous = tensor.is_contiguous()
     flat = tensor.view(-1) if contiguous else tensor.flatten().clone()
     if n > 1:
-        m = _Messenger(group, tracer, link)
-        _ring(flat, chunk_bounds(flat.numel(), n), ("reduce-scatter", "all-gather"), op, m, rank, n,
+        _ring(flat, ("reduce-scatter", "all-gather"), op, group, rank, n, tracer, link,
               segment_bytes)
     if op == "avg":
         flat.div_(n)
@@ -427,8 +475,7 @@ def ring_reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = 
     flat = tensor.flatten().clone()
     bounds = chunk_bounds(flat.numel(), n)
     if n > 1:
-        _ring(flat, bounds, ("reduce-scatter",), op, _Messenger(group, tracer, link), rank, n,
-              segment_bytes)
+        _ring(flat, ("reduce-scatter",), op, group, rank, n, tracer, link, segment_bytes)
     start, end = bounds[rank]
     shard = flat[start:end].clone()
     return shard.div_(n) if op == "avg" else shard
@@ -454,8 +501,7 @@ def ring_all_gather(shard: torch.Tensor, group: dist.ProcessGroup | None = None,
     flat = torch.empty(numel, dtype=shard.dtype, device=shard.device)
     flat[start:end] = shard.flatten()
     if n > 1:
-        _ring(flat, bounds, ("all-gather",), "sum", _Messenger(group, tracer, link), rank, n,
-              segment_bytes)
+        _ring(flat, ("all-gather",), "sum", group, rank, n, tracer, link, segment_bytes)
     return flat
 
 
@@ -475,24 +521,22 @@ def naive_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = Non
     if not 0 <= root < n:
         raise ValueError(f"root must be a rank of the group (0..{n - 1}), got {root}")
     flat = tensor.flatten().clone()
-    m = _Messenger(group, tracer, link)
-    if n > 1 and rank == root:
+    wire = messenger(group, flat, tracer, link)
+    if n > 1 and flat.numel() and rank == root:
         others = [r for r in range(n) if r != root]
         with _span(tracer, "gather at root", phase="gather", label=f"recv {n - 1} + reduce"):
-            incoming = [m.post_recv(torch.empty_like(flat), r) for r in others]
-            for part in incoming:
-                m.wait_recv(part)
-                _reduce_into(flat, part.dest, op)
+            parts = [torch.empty_like(flat) for _ in others]
+            arrivals = [wire.recv([part], r, 0) for part, r in zip(parts, others)]
+            for part, arrival in zip(parts, arrivals):
+                arrival.wait()
+                _reduce_into(flat, part, op)
         with _span(tracer, "send result", phase="broadcast", label=f"send {n - 1}"):
-            for r in others:
-                m.send(flat, r)
-            m.finish()
-    elif n > 1:
+            _settle(wire, [wire.send([flat], r, 0) for r in others])
+    elif n > 1 and flat.numel():
         with _span(tracer, "send to root", phase="gather", label="send"):
-            m.send(flat, root)
-            m.finish()
+            _settle(wire, [wire.send([flat], root, 0)])
         with _span(tracer, "wait for result", phase="broadcast", label="wait for result"):
-            m.wait_recv(m.post_recv(flat, root))
+            wire.recv([flat], root, 0).wait()
     if op == "avg":
         flat.div_(n)
     tensor.copy_(flat.view(tensor.shape))

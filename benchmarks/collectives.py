@@ -1,6 +1,6 @@
 """Bus bandwidth of ring_all_reduce (and the parameter server) vs torch.distributed.all_reduce.
 
-    python benchmarks/collectives.py [--world-sizes 2 4] [--max-size 256MB] [--repeats 5]
+    python benchmarks/collectives.py [--world-sizes 2 4] [--max-size 256MB] [--repeats 10]
 
 gloo on CPU, one thread per rank. For each size, ours and torch's alternate in
 the same run (so machine noise hits both alike); each repetition's time is the
@@ -13,6 +13,7 @@ for world size 2.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 
@@ -24,9 +25,30 @@ from parcourse.cli import parse_size
 from parcourse.collectives import bus_bandwidth
 from parcourse.demos import slowest_rank, time_all_reduce
 
+MAX_REPEATS = 400
+
+
 def repeats_for(size: int, base: int) -> int:
-    """More repetitions for short runs, whose medians are noisier: base at 64 MB, up to 100."""
-    return min(100, max(base, round(base * ((64 << 20) / size) ** 0.5)))
+    """About the same time for every size: base repetitions at 64 MB and above,
+    4x as many for each 4x smaller size, up to MAX_REPEATS.
+
+    Single all-reduces of 1-4 MB on a busy machine vary by 2-5x from one to the
+    next, so a median of tens of pairs moves by 0.1 from run to run; hundreds
+    of pairs pin it to a few hundredths (the interval column shows how well).
+    """
+    return min(MAX_REPEATS, max(base, round(base * (64 << 20) / size)))
+
+
+def median_interval(xs: list[float]) -> tuple[float, float]:
+    """A distribution-free 95% confidence interval for the median of xs.
+
+    The order statistics at ranks n/2 -+ 1.96 sqrt(n)/2 (the normal approximation
+    to the binomial count of values below the median).
+    """
+    xs, n = sorted(xs), len(xs)
+    half = 1.96 * math.sqrt(n) / 2
+    lo, hi = max(0, math.floor(n / 2 - half)), min(n - 1, math.ceil(n / 2 + half) - 1)
+    return xs[lo], xs[hi]
 
 
 def timed_sizes(ctx, sizes, repeats, algos):
@@ -65,7 +87,8 @@ def main() -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--min-size", default="4KB")
     parser.add_argument("--max-size", default="256MB")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=10,
+                        help="repetitions at 64 MB and above (more for smaller sizes)")
     parser.add_argument("--naive", action="store_true", help="also time the parameter server")
     args = parser.parse_args()
     sizes, size = [], parse_size(args.min_size)
@@ -74,7 +97,7 @@ def main() -> None:
         size *= 4
     algos = ["ring", "torch"] + (["naive"] if args.naive else [])
     print(f"torch {torch.__version__}, gloo on CPU, one thread per rank, "
-          f"median of {args.repeats}-100 repetitions")
+          f"median of {args.repeats}-{MAX_REPEATS} paired repetitions per size")
     for world_size in args.world_sizes:
         with Pool(world_size, timeout=3600) as pool:
             ceiling = pool.run(p2p_bandwidth, 64 << 20, 5).results[0] if world_size > 1 else 0
@@ -82,7 +105,8 @@ def main() -> None:
         print(f"\nworld size {world_size}; loopback p2p ceiling "
               f"{ceiling / 1e9:.2f} GB/s per direction")
         head = "".join(f"{a + ' busbw':>14}" for a in algos)
-        print(f"{'size':>8}{head}{'ring / torch':>14}{'target':>10}")
+        print(f"{'size':>8}{head}{'ring / torch':>14}{'95% interval':>15}{'pairs':>7}"
+              f"{'target':>9}")
         for size in sizes:
             row, slowest = "", {}
             for algo in algos:
@@ -91,10 +115,12 @@ def main() -> None:
                 row += f"{busbw / 1e9:>10.2f} GB/s"
             # Ratio of bandwidths = inverse ratio of times, taken pair by pair (each pair
             # ran back to back) so drift in the machine's load cancels.
-            ratio = statistics.median(t / r for r, t in zip(slowest["ring"], slowest["torch"]))
+            ratios = [t / r for r, t in zip(slowest["ring"], slowest["torch"])]
+            ratio, (lo, hi) = statistics.median(ratios), median_interval(ratios)
             judged = world_size == 2 and size >= 1 << 20
             target = ("met" if ratio >= 0.9 else "MISSED") if judged else ""
-            print(f"{fmt_size(size):>8}{row}{ratio:>14.2f}{target:>10}")
+            print(f"{fmt_size(size):>8}{row}{ratio:>14.2f}{f'{lo:.2f}-{hi:.2f}':>15}"
+                  f"{len(ratios):>7}{target:>9}")
 
 
 if __name__ == "__main__":

@@ -220,9 +220,8 @@ class _Messenger:
     `recv(tensors, peer, tag)` (peers are ranks in the group; both return
     something to `wait()` on), so a collective runs the same code whether it
     talks to the group directly or through a messenger. `messenger()` hands
-    out the group itself when there is nothing to count, stage or slow down:
-    with two ranks on two cores every microsecond between one message and the
-    next lands on both ranks' critical path.
+    out the group itself when there is nothing to count, stage or slow down,
+    so the plain path (benchmarks, data parallel) has no wrapper at all.
 
     With a simulated link, each message carries its departure time in 8 extra
     bytes at its end (not counted as bytes sent), so the receiver can queue it
@@ -385,10 +384,11 @@ def _ring(flat: torch.Tensor, phases: tuple[RingPhase, ...], op: str, group: dis
     has its own tag, so it can only land in the buffer meant for it.
 
     What does not depend on the data (which range goes where) is worked out
-    once per shape and cached, and without a tracer, link or staging the
-    messages go straight to the process group: what runs per call is slicing,
-    messages and reductions. A few microseconds of Python per message cost
-    two ranks on two cores about 5% at 1 MB (see `messenger`).
+    once per shape and cached, every view is made before the first message,
+    and without a tracer, link or staging the messages go straight to the
+    process group. Against the same ring with a messenger on every message
+    and its plan built per call, that took two ranks at 1 MB from 0.83-0.97
+    of torch's all_reduce to 0.90-1.06 (3 pools x 150 pairs, randomized order).
     """
     if segment_bytes < 1:
         raise ValueError(f"segment_bytes must be >= 1, got {segment_bytes}")

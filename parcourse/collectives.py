@@ -107,8 +107,8 @@ def group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int,
                            "under torchrun, or after init_process_group")
     if not isinstance(group, dist.ProcessGroup):
         raise ValueError(f"this rank is not a member of the group (got {group!r})")
-    # The group's own rank()/size(): dist.get_rank/get_world_size check and map
-    # ranks on every call, and every microsecond counts in a collective's prologue.
+    # The group's own rank()/size(): dist.get_rank/get_world_size look the group
+    # up and map ranks on every call (about 2 us here, against 0.4 us).
     return group, group.rank(), group.size()
 
 
@@ -192,13 +192,14 @@ class _Wire:
 
 
 class _Arrival:
-    """A posted receive that the messenger has to finish: unstage, unstamp, count."""
+    """A receive posted through a messenger; `wait()` also moves what arrived from
+    the host buffer into place (GPU staging) and, with a link, queues it there."""
 
     def __init__(self, work: dist.Work, host: torch.Tensor, dest: torch.Tensor,
                  wire: _Wire) -> None:
         self.work, self.host, self.dest, self.wire = work, host, dest, wire
 
-    def wait(self) -> bool:
+    def wait(self) -> None:
         self.work.wait()
         host, dest = self.host, self.dest
         if self.wire.link is not None:
@@ -209,7 +210,6 @@ class _Arrival:
             dest.view(-1).view(torch.uint8).copy_(host[:n])
         elif host is not dest:
             dest.copy_(host)
-        return True
 
 
 class _Messenger:
@@ -379,9 +379,10 @@ def _ring(flat: torch.Tensor, phases: tuple[RingPhase, ...], op: str, group: dis
     the socket anyway) write it. Posting receives ahead instead makes the later
     send find the peer ready, and gloo then writes the whole message from this
     Python thread, which on a busy CPU has to wait for a core to do it. With
-    two ranks on two cores that order was 5-10% slower at 1-4 MB (12 paired
-    runs each); with four ranks the two orders measured the same. Each message
-    has its own tag, so it can only land in the buffer meant for it.
+    two ranks on two cores, in a hand-written exchange at 4 MB, receive-first
+    reached 0.77-0.86 of torch's all_reduce and send-first 0.85-0.92 (2 pools
+    x 100 pairs); with four ranks the two orders measured the same. Each
+    message has its own tag, so it can only land in the buffer meant for it.
 
     What does not depend on the data (which range goes where) is worked out
     once per shape and cached, every view is made before the first message,
@@ -422,11 +423,11 @@ def _ring(flat: torch.Tensor, phases: tuple[RingPhase, ...], op: str, group: dis
         with span:
             # Message q carries what message q - k brought in: send every message
             # whose segment has arrived (all of the first step's at once).
-            while posted < i + k and posted < last:
-                out, land, _ = messages[posted]
+            while posted < min(i + k, last):
+                out, dest, _ = messages[posted]
                 if out is not None:
                     sends.append(send([out], right, posted))
-                arrivals.append(None if land is None else recv([land], left, posted))
+                arrivals.append(None if dest is None else recv([dest], left, posted))
                 posted += 1
             if into is not None:
                 arrivals[i].wait()

@@ -150,6 +150,13 @@ def test_unsupported_arguments_are_clear(pools, what, message):
         pools[2].run(F.bad_args, what)
 
 
+def test_without_a_process_group_the_error_says_so():
+    # pytest's own process never joins a group; the ranks live in the pools.
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+        C.ring_all_reduce(torch.ones(3))
+
+
 def test_cost_model_and_fit():
     model = C.CostModel(alpha_s=50e-6, beta_Bps=2e9)
     n, s = 4, 64 << 20

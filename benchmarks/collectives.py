@@ -1,10 +1,14 @@
 """Bus bandwidth of ring_all_reduce (and the parameter server) vs torch.distributed.all_reduce.
 
     python benchmarks/collectives.py [--world-sizes 2 4] [--max-size 256MB] [--repeats 10]
+                                     [--pools 3]
 
 gloo on CPU, one thread per rank. For each size, ours and torch's alternate in
 the same run (so machine noise hits both alike); each repetition's time is the
-slowest rank's, and the table shows medians. busbw = S/t x 2(N-1)/N
+slowest rank's, and the table shows medians. The repetitions are shared among
+a few pools (fresh sets of rank processes), because one set of processes can
+sit 0.1 above or below another for its whole life; the table shows each
+pool's ratio too. busbw = S/t x 2(N-1)/N
 (nccl-tests' definition). The ceiling is the loopback point-to-point bandwidth
 measured in the same run. Target: ring / torch >= 0.9 at every size >= 1 MB
 for world size 2.
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 import time
 
 import torch
@@ -51,10 +56,11 @@ def median_interval(xs: list[float]) -> tuple[float, float]:
     return xs[lo], xs[hi]
 
 
-def timed_sizes(ctx, sizes, repeats, algos):
+def timed_sizes(ctx, sizes, repeats, algos, pools):
     out = {}
     for size in sizes:
-        out.update(time_all_reduce(ctx, algos, [size], repeats_for(size, repeats)))
+        share = -(-repeats_for(size, repeats) // pools)  # this pool's share, rounded up
+        out.update(time_all_reduce(ctx, algos, [size], share))
     return out
 
 
@@ -89,8 +95,12 @@ def main() -> None:
     parser.add_argument("--max-size", default="256MB")
     parser.add_argument("--repeats", type=int, default=10,
                         help="repetitions at 64 MB and above (more for smaller sizes)")
+    parser.add_argument("--pools", type=int, default=3,
+                        help="fresh sets of rank processes per world size, sharing the repetitions")
     parser.add_argument("--naive", action="store_true", help="also time the parameter server")
     args = parser.parse_args()
+    if args.pools < 1:
+        parser.error(f"--pools must be >= 1, got {args.pools}")
     sizes, size = [], parse_size(args.min_size)
     while size <= parse_size(args.max_size):
         sizes.append(size)
@@ -99,29 +109,38 @@ def main() -> None:
     print(f"torch {torch.__version__}, gloo on CPU, one thread per rank, "
           f"median of {args.repeats}-{MAX_REPEATS} paired repetitions per size")
     for world_size in args.world_sizes:
-        with Pool(world_size, timeout=3600) as pool:
-            ceiling = pool.run(p2p_bandwidth, 64 << 20, 5).results[0] if world_size > 1 else 0
-            per_rank = pool.run(timed_sizes, sizes, args.repeats, algos).results
+        ceilings, pooled = [], []  # pooled[p][algo, size]: slowest rank's times in pool p
+        for p in range(args.pools):
+            print(f"world size {world_size}: pool {p + 1}/{args.pools}...", end="\r",
+                  file=sys.stderr, flush=True)
+            with Pool(world_size, timeout=3600) as pool:
+                if world_size > 1:
+                    ceilings.append(pool.run(p2p_bandwidth, 64 << 20, 5).results[0])
+                per_rank = pool.run(timed_sizes, sizes, args.repeats, algos, args.pools).results
+            pooled.append({(a, s): slowest_rank(per_rank, (a, s)) for a in algos for s in sizes})
+        ceiling = statistics.median(ceilings) if ceilings else 0.0
         print(f"\nworld size {world_size}; loopback p2p ceiling "
               f"{ceiling / 1e9:.2f} GB/s per direction")
         head = "".join(f"{a + ' busbw':>14}" for a in algos)
         print(f"{'size':>8}{head}{'ring / torch':>14}{'95% interval':>15}{'pairs':>7}"
-              f"{'target':>9}")
+              f"  {'each pool':<{5 * args.pools}}{'target':>7}")
         for size in sizes:
-            row, slowest = "", {}
+            row = ""
             for algo in algos:
-                slowest[algo] = slowest_rank(per_rank, (algo, size))
-                busbw = bus_bandwidth(size, statistics.median(slowest[algo]), world_size)[1]
+                times = [t for one in pooled for t in one[algo, size]]
+                busbw = bus_bandwidth(size, statistics.median(times), world_size)[1]
                 row += f"{busbw / 1e9:>10.2f} GB/s"
             # Ratio of bandwidths = inverse ratio of times, taken pair by pair (each pair
             # ran back to back) so drift in the machine's load cancels.
-            ratios = [t / r for r, t in zip(slowest["ring"], slowest["torch"])]
+            each = [[t / r for r, t in zip(one["ring", size], one["torch", size])]
+                    for one in pooled]
+            ratios = [x for one in each for x in one]
             ratio, (lo, hi) = statistics.median(ratios), median_interval(ratios)
+            per_pool = " ".join(f"{statistics.median(one):.2f}" for one in each)
             judged = world_size == 2 and size >= 1 << 20
             target = ("met" if ratio >= 0.9 else "MISSED") if judged else ""
             print(f"{fmt_size(size):>8}{row}{ratio:>14.2f}{f'{lo:.2f}-{hi:.2f}':>15}"
-                  f"{len(ratios):>7}{target:>9}")
-
+                  f"{len(ratios):>7}  {per_pool:<{5 * args.pools}}{target:>7}")
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,34 @@
+"""The collectives benchmark runs end to end on tiny sizes and prints its table."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "collectives.py"
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_collectives_benchmark_prints_a_ratio_per_size_and_per_pool():
+    done = run("--world-sizes", "2", "--min-size", "4KB", "--max-size", "16KB",
+               "--repeats", "1", "--pools", "2")
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines()
+            if re.match(r"\s+(4|16) KB\s", line)]
+    assert [r[:2] for r in rows] == [["4", "KB"], ["16", "KB"]]
+    for r in rows:
+        # size, 2 x (busbw, GB/s), ratio, interval, pairs, one ratio per pool
+        ratio, (lo, hi), pairs, pools = float(r[6]), r[7].split("-"), int(r[8]), r[9:]
+        assert float(lo) <= ratio <= float(hi)
+        assert pairs == 400  # repeats_for gives 400 below 1 MB, shared by the 2 pools
+        assert len(pools) == 2 and all(float(p) > 0 for p in pools)
+    assert "loopback p2p ceiling" in done.stdout
+
+
+def test_collectives_benchmark_refuses_zero_pools():
+    done = run("--pools", "0")
+    assert done.returncode == 2 and "--pools must be >= 1, got 0" in done.stderr

@@ -370,8 +370,13 @@ def _ring(flat: torch.Tensor, phases: tuple[RingPhase, ...], op: str, group: dis
     (and reduced), so reducing one segment overlaps receiving the next, and the
     all-gather starts before the reduce-scatter's last chunk is complete. With
     two ranks, 16-64 MB went from 0.92-1.00 of torch's all_reduce to 0.94-1.10
-    (paired runs); segments of 1 MB or less were slower at 4 MB. With a
-    simulated link there is one message per chunk, as the cost model counts.
+    (paired runs); segments of 1 MB or less were slower at 4 MB. Even gloo's
+    own schedule at 4 MB (two 1 MB segments per rank, receives posted first,
+    each reduced as it lands), replayed through the process group's send/recv,
+    reached 0.80-0.83 of torch's all_reduce where one message per step reached
+    0.88-0.91 (same pools): each message from Python costs more than the
+    overlap saves. With a simulated link there is one message per chunk, as the
+    cost model counts.
 
     Each message is sent before its receive is posted. Then our neighbour's
     message usually finds no receive posted yet: gloo queues it, and the

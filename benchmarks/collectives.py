@@ -107,7 +107,8 @@ def main() -> None:
         size *= 4
     algos = ["ring", "torch"] + (["naive"] if args.naive else [])
     print(f"torch {torch.__version__}, gloo on CPU, one thread per rank, "
-          f"median of {args.repeats}-{MAX_REPEATS} paired repetitions per size")
+          f"median of {args.repeats}-{MAX_REPEATS} paired repetitions per size, "
+          f"shared among {args.pools} pools")
     for world_size in args.world_sizes:
         ceilings, pooled = [], []  # pooled[p][algo, size]: slowest rank's times in pool p
         for p in range(args.pools):
@@ -141,6 +142,7 @@ def main() -> None:
             target = ("met" if ratio >= 0.9 else "MISSED") if judged else ""
             print(f"{fmt_size(size):>8}{row}{ratio:>14.2f}{f'{lo:.2f}-{hi:.2f}':>15}"
                   f"{len(ratios):>7}  {per_pool:<{5 * args.pools}}{target:>7}")
+
 
 if __name__ == "__main__":
     main()

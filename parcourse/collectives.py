@@ -113,7 +113,8 @@ def group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int,
 
 
 def global_rank(group: dist.ProcessGroup, group_rank: int) -> int:
-    """torch's isend/irecv take global ranks."""
+    """The global rank of a rank in `group`: what torch.distributed's functions take
+    (broadcast's src, isend/irecv's peer); the group's own send/recv take group ranks."""
     if group is dist.group.WORLD:
         return group_rank
     return dist.get_global_rank(group, group_rank)
@@ -420,11 +421,9 @@ def _ring(flat: torch.Tensor, phases: tuple[RingPhase, ...], op: str, group: dis
     send, recv = wire.send, wire.recv
     sends, arrivals, posted, last = [], [], 0, len(messages)
     for i, (_, into, acc) in enumerate(messages):
-        if tracer is None:
-            span = _NO_SPAN
-        else:
-            span = tracer.span(f"{steps[i].phase} {steps[i].step}", kind="comm",
-                               **steps[i]._asdict())
+        # Without a tracer, not even the span's name is made.
+        span = _NO_SPAN if tracer is None else _span(
+            tracer, f"{steps[i].phase} {steps[i].step}", **steps[i]._asdict())
         with span:
             # Message q carries what message q - k brought in: send every message
             # whose segment has arrived (all of the first step's at once).

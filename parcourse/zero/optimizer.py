@@ -12,9 +12,8 @@ the balance is only as even as the tensor sizes allow.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

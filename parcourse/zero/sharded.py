@@ -25,9 +25,9 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -36,8 +36,8 @@ from torch.utils._pytree import tree_map_only
 
 from parcourse._compat import all_gather_single, reduce_scatter_single
 from parcourse.data_parallel.base import GradSyncModule
-from parcourse.memory import tensors_in
 from parcourse.data_parallel.bucketed import group_by_size
+from parcourse.memory import tensors_in
 from parcourse.trace import Tracer
 
 Stage = Literal[1, 2, 3]

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from parcourse.data import local_regression
+from parcourse.data_parallel import BucketedDataParallel
 from parcourse.data_parallel.training import alternate_steps
 from parcourse.launch import RankContext
 from parcourse.memory import SavedActivations, zero_bytes
@@ -38,8 +41,6 @@ def memory_by_stage(ctx: RankContext, stage: int, params: int = 1_000_000, depth
     n_params = sum(p.numel() for p in model.parameters())
     adam = lambda ps: torch.optim.Adam(ps, lr=1e-3)  # noqa: E731
     if stage == 0:
-        from parcourse.data_parallel import BucketedDataParallel
-
         zmodel: nn.Module = BucketedDataParallel(model, ctx.group, bucket_mb=bucket_mb)
         opt: Any = adam(zmodel.parameters())
     else:
@@ -126,8 +127,6 @@ def peak_memory(ctx: RankContext, cfg: dict[str, Any], params: int = 4_000_000, 
                 batch: int = 64) -> dict[str, int]:
     """Peak bytes by category in one training step, measured by torch's own MemTracker
     (so that ours and torch's implementations are measured by the same tool)."""
-    import warnings
-
     from torch.distributed._tools.mem_tracker import MemTracker
 
     width, depth = mlp_for(params, depth)
@@ -178,8 +177,6 @@ def zero3_step(ctx: RankContext, prefetch: bool = True, params: int = 2_000_000,
                              tracer=ctx.tracer)
     x, y = local_regression(batch, width, width, ctx.rank, ctx.world_size)
     tracer = ctx.tracer
-    import torch.distributed as dist
-
     for step in range(2):
         dist.barrier(group=ctx.group)  # a common start, for the timeline
         if step == 1:

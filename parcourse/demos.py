@@ -39,21 +39,34 @@ def time_all_reduce(ctx: RankContext, algos: list[str], sizes: list[int], repeat
 
     Algorithms alternate (and swap order every repetition) so that a change in
     the machine's load hits all of them alike. One warm-up each, untimed.
+    Every all-reduce starts from ones and its result (world size everywhere)
+    is checked, untimed: summing the same tensor again and again would reach
+    inf after 128 rounds with two ranks (64 with four).
     """
     out: dict[tuple[str, int], list[float]] = {}
     for size in sizes:
         t = torch.ones(max(1, size // getattr(torch, dtype).itemsize),
                        dtype=getattr(torch, dtype), device=ctx.device)
-        for algo in algos:
+        expected = torch.full_like(t, ctx.world_size)
+
+        def run(algo: str, timed: bool) -> None:
+            t.fill_(1)
+            dist.barrier(group=ctx.group)
+            t0 = time.perf_counter()
             all_reduce_with(algo, t, ctx, link=link)  # type: ignore[arg-type]
+            if t.is_cuda:
+                torch.cuda.synchronize()
+            if timed:
+                out.setdefault((algo, size), []).append(time.perf_counter() - t0)
+            if not torch.equal(t, expected):
+                raise AssertionError(f"rank {ctx.rank}: {algo} all-reduce of {size} bytes gave "
+                                     f"{t.view(-1)[:4].tolist()}…, expected {ctx.world_size}")
+
+        for algo in algos:
+            run(algo, timed=False)
         for i in range(repeats):
             for algo in algos if i % 2 == 0 else algos[::-1]:
-                dist.barrier(group=ctx.group)
-                t0 = time.perf_counter()
-                all_reduce_with(algo, t, ctx, link=link)  # type: ignore[arg-type]
-                if t.is_cuda:
-                    torch.cuda.synchronize()
-                out.setdefault((algo, size), []).append(time.perf_counter() - t0)
+                run(algo, timed=True)
     return out
 
 

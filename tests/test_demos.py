@@ -75,6 +75,31 @@ def test_time_all_reduce_alternates_and_times_every_algorithm(pool3):
     assert slowest == [max(r[("ring", 4096)][i] for r in per_rank.results) for i in range(3)]
 
 
+def _time_with_a_broken_ring(ctx):
+    """time_all_reduce with a ring that adds one too many on rank 1."""
+    real = demos.ring_all_reduce
+
+    def broken(t, group=None, **kw):
+        real(t, group, **kw)
+        if ctx.rank == 1:
+            t.add_(1)
+
+    demos.ring_all_reduce = broken
+    try:
+        return demos.time_all_reduce(ctx, ["ring"], [4096], 1)
+    finally:
+        demos.ring_all_reduce = real
+
+
+def test_time_all_reduce_starts_from_ones_and_checks_every_result(pool3):
+    # 3 ranks, 90 rounds: summing the same tensor over and over would pass
+    # 3**81 (float32's limit) and reach inf; every round starts from ones instead.
+    per_rank = pool3.run(demos.time_all_reduce, ["ring", "torch"], [4096], 45)
+    assert all(len(ts) == 45 for r in per_rank.results for ts in r.values())
+    with pytest.raises(Exception, match=r"rank 1: ring all-reduce of 4096 bytes gave \[4.0"):
+        pool3.run(_time_with_a_broken_ring)
+
+
 def test_traced_all_reduce_counts_bytes_and_checks_its_result(pool3):
     run = pool3.run(demos.traced_all_reduce, "ring", 300)
     assert run.results == [2 * 2 / 3 * 1200] * 3

@@ -32,6 +32,13 @@ def all_reduce_with(algo: Algo, t: torch.Tensor, ctx: RankContext, *,
         raise ValueError(f"unknown algorithm {algo!r}; choose one of {', '.join(ALGOS)}")
 
 
+def check_all_reduced(ctx: RankContext, algo: str, t: torch.Tensor, expected: float) -> None:
+    """Raise, naming this rank, unless every element of `t` equals `expected`."""
+    if not bool(t.eq(expected).all()):
+        raise AssertionError(f"rank {ctx.rank}: {algo} all-reduce of {t.nbytes} bytes gave "
+                             f"{t.view(-1)[:4].tolist()}…, expected {expected}")
+
+
 def time_all_reduce(ctx: RankContext, algos: list[str], sizes: list[int], repeats: int,
                     dtype: str = "float32", link: SimulatedLink | None = None,
                     ) -> dict[tuple[str, int], list[float]]:
@@ -47,7 +54,6 @@ def time_all_reduce(ctx: RankContext, algos: list[str], sizes: list[int], repeat
     for size in sizes:
         t = torch.ones(max(1, size // getattr(torch, dtype).itemsize),
                        dtype=getattr(torch, dtype), device=ctx.device)
-        expected = torch.full_like(t, ctx.world_size)
 
         def run(algo: str, timed: bool) -> None:
             t.fill_(1)
@@ -58,9 +64,7 @@ def time_all_reduce(ctx: RankContext, algos: list[str], sizes: list[int], repeat
                 torch.cuda.synchronize()
             if timed:
                 out.setdefault((algo, size), []).append(time.perf_counter() - t0)
-            if not torch.equal(t, expected):
-                raise AssertionError(f"rank {ctx.rank}: {algo} all-reduce of {size} bytes gave "
-                                     f"{t.view(-1)[:4].tolist()}…, expected {ctx.world_size}")
+            check_all_reduced(ctx, algo, t, ctx.world_size)
 
         for algo in algos:
             run(algo, timed=False)
@@ -86,10 +90,7 @@ def traced_all_reduce(ctx: RankContext, algo: Algo, numel: int, latency_us: floa
     t = torch.full((numel,), float(ctx.rank + 1), device=ctx.device)
     dist.barrier(group=ctx.group)
     all_reduce_with(algo, t, ctx, link=link, traced=True)
-    expected = ctx.world_size * (ctx.world_size + 1) / 2
-    if not torch.all(t == expected):
-        raise AssertionError(f"rank {ctx.rank}: all-reduce gave {t[:4].tolist()}…, "
-                             f"expected {expected}")
+    check_all_reduced(ctx, algo, t, ctx.world_size * (ctx.world_size + 1) / 2)
     return ctx.tracer.total("bytes_sent")
 
 

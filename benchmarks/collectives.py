@@ -1,17 +1,20 @@
 """Bus bandwidth of ring_all_reduce (and the parameter server) vs torch.distributed.all_reduce.
 
     python benchmarks/collectives.py [--world-sizes 2 4] [--max-size 256MB] [--repeats 10]
-                                     [--pools 3]
+                                     [--pools 3] [--batch 8]
 
-gloo on CPU, one thread per rank. For each size, ours and torch's alternate in
-the same run (so machine noise hits both alike); each repetition's time is the
-slowest rank's, and the table shows medians. The repetitions are shared among
-a few pools (fresh sets of rank processes), because one set of processes can
+gloo on CPU, one thread per rank. As in nccl-tests, a sample times
+all-reduces run back to back (8 after one barrier) and divides by their
+number: the steady state of one all-reduce after another, as a stream of
+gradient buckets runs. `--batch 1` times single all-reduces instead, each
+started on every rank at the same moment. For each size, ours and torch's alternate in
+the same run (so machine noise hits both alike); each sample's time is the
+slowest rank's, and the table shows medians. The samples are shared among a
+few pools (fresh sets of rank processes), because one set of processes can
 sit 0.1 above or below another for its whole life; the table shows each
-pool's ratio too. busbw = S/t x 2(N-1)/N
-(nccl-tests' definition). The ceiling is the loopback point-to-point bandwidth
-measured in the same run. Target: ring / torch >= 0.9 at every size >= 1 MB
-for world size 2.
+pool's ratio too. busbw = S/t x 2(N-1)/N (nccl-tests' definition). The
+ceiling is the loopback point-to-point bandwidth measured in the same run.
+Target: ring / torch >= 0.9 at every size >= 1 MB for world size 2.
 """
 
 from __future__ import annotations
@@ -34,12 +37,12 @@ MAX_REPEATS = 400
 
 
 def repeats_for(size: int, base: int) -> int:
-    """About the same time for every size: base repetitions at 64 MB and above,
+    """About the same time for every size: base all-reduces at 64 MB and above,
     4x as many for each 4x smaller size, up to MAX_REPEATS.
 
     Single all-reduces of 1-4 MB on a busy machine vary by 2-5x from one to the
-    next, so a median of tens of pairs moves by 0.1 from run to run; hundreds
-    of pairs pin it to a few hundredths (the interval column shows how well).
+    next, so a median of tens of them moves by 0.1 from run to run; hundreds
+    pin it to a few hundredths (the interval column shows how well).
     """
     return min(MAX_REPEATS, max(base, round(base * (64 << 20) / size)))
 
@@ -56,11 +59,15 @@ def median_interval(xs: list[float]) -> tuple[float, float]:
     return xs[lo], xs[hi]
 
 
-def timed_sizes(ctx, sizes, repeats, algos, pools):
+def timed_sizes(ctx, sizes, repeats, algos, pools, batch):
+    """This pool's share of the all-reduces of every size, in samples of `batch`
+    (fewer where the share is smaller than a batch)."""
     out = {}
     for size in sizes:
-        share = -(-repeats_for(size, repeats) // pools)  # this pool's share, rounded up
-        out.update(time_all_reduce(ctx, algos, [size], share))
+        share = -(-repeats_for(size, repeats) // pools)  # rounded up
+        per_sample = min(batch, share)
+        out.update(time_all_reduce(ctx, algos, [size], -(-share // per_sample),
+                                   batch=per_sample))
     return out
 
 
@@ -94,21 +101,29 @@ def main() -> None:
     parser.add_argument("--min-size", default="4KB")
     parser.add_argument("--max-size", default="256MB")
     parser.add_argument("--repeats", type=int, default=10,
-                        help="repetitions at 64 MB and above (more for smaller sizes)")
+                        help="all-reduces at 64 MB and above (more for smaller sizes)")
     parser.add_argument("--pools", type=int, default=3,
-                        help="fresh sets of rank processes per world size, sharing the repetitions")
+                        help="fresh sets of rank processes per world size, sharing the samples")
+    parser.add_argument("--batch", type=int, default=8,
+                        help="all-reduces back to back per timed sample (1: one at a time)")
     parser.add_argument("--naive", action="store_true", help="also time the parameter server")
     args = parser.parse_args()
     if args.pools < 1:
         parser.error(f"--pools must be >= 1, got {args.pools}")
+    if args.batch < 1 or max(args.world_sizes) ** args.batch > 1 << 24:
+        # Each sample sums ones `batch` times over: world_size ** batch must stay exact in fp32.
+        parser.error(f"--batch must be >= 1 and world_size ** batch <= 2**24 (exact in float32), "
+                     f"got {args.batch} with world size {max(args.world_sizes)}")
     sizes, size = [], parse_size(args.min_size)
     while size <= parse_size(args.max_size):
         sizes.append(size)
         size *= 4
     algos = ["ring", "torch"] + (["naive"] if args.naive else [])
-    print(f"torch {torch.__version__}, gloo on CPU, one thread per rank, "
-          f"median of {args.repeats}-{MAX_REPEATS} paired repetitions per size, "
-          f"shared among {args.pools} pools")
+    how = ("one all-reduce per sample" if args.batch == 1
+           else f"up to {args.batch} all-reduces back to back per sample")
+    print(f"torch {torch.__version__}, gloo on CPU, one thread per rank; "
+          f"{args.repeats}-{MAX_REPEATS} all-reduces per size and algorithm, {how}, "
+          f"shared among {args.pools} pools; medians of paired samples")
     for world_size in args.world_sizes:
         ceilings, pooled = [], []  # pooled[p][algo, size]: slowest rank's times in pool p
         for p in range(args.pools):
@@ -117,7 +132,8 @@ def main() -> None:
             with Pool(world_size, timeout=3600) as pool:
                 if world_size > 1:
                     ceilings.append(pool.run(p2p_bandwidth, 64 << 20, 5).results[0])
-                per_rank = pool.run(timed_sizes, sizes, args.repeats, algos, args.pools).results
+                per_rank = pool.run(timed_sizes, sizes, args.repeats, algos, args.pools,
+                                    args.batch).results
             pooled.append({(a, s): slowest_rank(per_rank, (a, s)) for a in algos for s in sizes})
         ceiling = statistics.median(ceilings) if ceilings else 0.0
         print(f"\nworld size {world_size}; loopback p2p ceiling "

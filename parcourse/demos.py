@@ -39,38 +39,55 @@ def check_all_reduced(ctx: RankContext, algo: str, t: torch.Tensor, expected: fl
                              f"{t.view(-1)[:4].tolist()}…, expected {expected}")
 
 
+# Every integer up to this is exact in the dtype: as far as back-to-back sums of ones may go.
+_EXACT_UP_TO = {torch.float16: 1 << 11, torch.bfloat16: 1 << 8, torch.float32: 1 << 24,
+                torch.float64: 1 << 53, torch.int32: (1 << 31) - 1, torch.int64: (1 << 63) - 1}
+
+
 def time_all_reduce(ctx: RankContext, algos: list[str], sizes: list[int], repeats: int,
                     dtype: str = "float32", link: SimulatedLink | None = None,
-                    ) -> dict[tuple[str, int], list[float]]:
+                    batch: int = 1) -> dict[tuple[str, int], list[float]]:
     """Seconds per all-reduce on this rank, for each (algorithm, size in bytes).
 
-    Algorithms alternate (and swap order every repetition) so that a change in
-    the machine's load hits all of them alike. One warm-up each, untimed.
-    Every all-reduce starts from ones and its result (world size everywhere)
-    is checked, untimed: summing the same tensor again and again would reach
-    inf after 128 rounds with two ranks (64 with four).
+    Each of the `repeats` samples times `batch` all-reduces run back to back
+    after a barrier and divides by `batch`. batch=1 times one all-reduce that
+    starts on every rank at the same moment; a larger batch times the steady
+    state of one all-reduce after another, as nccl-tests does (and as a
+    stream of gradient buckets runs). Algorithms alternate (and swap order
+    every sample) so that a change in the machine's load hits all of them
+    alike. One warm-up each, untimed.
+
+    Every sample starts from ones and its result is checked, untimed: world
+    size ** batch everywhere. (Summing the same tensor without refilling it
+    would reach inf after 128 rounds with two ranks.)
     """
+    torch_dtype = getattr(torch, dtype)
+    if batch < 1 or ctx.world_size ** batch > _EXACT_UP_TO[torch_dtype]:
+        raise ValueError(f"batch={batch} with {ctx.world_size} ranks sums to "
+                         f"{ctx.world_size}**{batch}, more than {dtype} holds exactly; "
+                         "use a smaller batch")
     out: dict[tuple[str, int], list[float]] = {}
     for size in sizes:
-        t = torch.ones(max(1, size // getattr(torch, dtype).itemsize),
-                       dtype=getattr(torch, dtype), device=ctx.device)
+        t = torch.ones(max(1, size // torch_dtype.itemsize), dtype=torch_dtype,
+                       device=ctx.device)
 
-        def run(algo: str, timed: bool) -> None:
+        def run(algo: str, ops: int) -> float:
             t.fill_(1)
             dist.barrier(group=ctx.group)
             t0 = time.perf_counter()
-            all_reduce_with(algo, t, ctx, link=link)  # type: ignore[arg-type]
+            for _ in range(ops):
+                all_reduce_with(algo, t, ctx, link=link)  # type: ignore[arg-type]
             if t.is_cuda:
                 torch.cuda.synchronize()
-            if timed:
-                out.setdefault((algo, size), []).append(time.perf_counter() - t0)
-            check_all_reduced(ctx, algo, t, ctx.world_size)
+            seconds = (time.perf_counter() - t0) / ops
+            check_all_reduced(ctx, algo, t, ctx.world_size ** ops)
+            return seconds
 
         for algo in algos:
-            run(algo, timed=False)
+            run(algo, 1)  # warm-up
         for i in range(repeats):
             for algo in algos if i % 2 == 0 else algos[::-1]:
-                run(algo, timed=True)
+                out.setdefault((algo, size), []).append(run(algo, batch))
     return out
 
 

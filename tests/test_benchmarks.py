@@ -24,7 +24,8 @@ def test_collectives_benchmark_prints_a_ratio_per_size_and_per_pool():
         # size, 2 x (busbw, GB/s), ratio, interval, pairs, one ratio per pool
         ratio, (lo, hi), pairs, pools = float(r[6]), r[7].split("-"), int(r[8]), r[9:]
         assert float(lo) <= ratio <= float(hi)
-        assert pairs == 400  # repeats_for gives 400 below 1 MB, shared by the 2 pools
+        # repeats_for gives 400 all-reduces below 1 MB: 200 per pool, 25 samples of 8
+        assert pairs == 50
         assert len(pools) == 2 and all(float(p) > 0 for p in pools)
     assert "loopback p2p ceiling" in done.stdout
 
@@ -32,3 +33,11 @@ def test_collectives_benchmark_prints_a_ratio_per_size_and_per_pool():
 def test_collectives_benchmark_refuses_zero_pools():
     done = run("--pools", "0")
     assert done.returncode == 2 and "--pools must be >= 1, got 0" in done.stderr
+
+
+def test_collectives_benchmark_refuses_a_batch_float32_cannot_sum_exactly():
+    # A sample of 13 all-reduces on 4 ranks sums ones to 4**13 = 2**26, past float32's 2**24.
+    done = run("--world-sizes", "2", "4", "--batch", "13")
+    assert done.returncode == 2 and "got 13 with world size 4" in done.stderr
+    done = run("--batch", "0")
+    assert done.returncode == 2 and "--batch must be >= 1" in done.stderr

@@ -75,18 +75,19 @@ def test_time_all_reduce_alternates_and_times_every_algorithm(pool3):
     assert slowest == [max(r[("ring", 4096)][i] for r in per_rank.results) for i in range(3)]
 
 
-def _time_with_a_broken_ring(ctx):
-    """time_all_reduce with a ring that adds one too many on rank 1."""
-    real = demos.ring_all_reduce
+def _time_with_a_broken_ring(ctx, batch=1, broken_call=1):
+    """time_all_reduce with a ring whose call number `broken_call` adds one too many on rank 1."""
+    real, calls = demos.ring_all_reduce, []
 
     def broken(t, group=None, **kw):
         real(t, group, **kw)
-        if ctx.rank == 1:
+        calls.append(1)
+        if ctx.rank == 1 and len(calls) == broken_call:
             t.add_(1)
 
     demos.ring_all_reduce = broken
     try:
-        return demos.time_all_reduce(ctx, ["ring"], [4096], 1)
+        return demos.time_all_reduce(ctx, ["ring"], [4096], 1, batch=batch)
     finally:
         demos.ring_all_reduce = real
 
@@ -106,3 +107,22 @@ def test_traced_all_reduce_counts_bytes_and_checks_its_result(pool3):
     assert {s.meta["chunk"] for s in run.trace.spans_of(rank=0)} == {0, 1, 2}
     with pytest.raises(Exception, match="unknown algorithm 'tree'"):
         pool3.run(demos.traced_all_reduce, "tree", 300)
+
+
+def test_time_all_reduce_runs_a_batch_back_to_back_and_checks_its_result(pool3):
+    # A sample of 5 sums ones 5 times over: 3**5 = 243 everywhere, checked after each sample.
+    per_rank = pool3.run(demos.time_all_reduce, ["ring", "torch"], [4096], 4, batch=5)
+    assert all(len(ts) == 4 and all(t > 0 for t in ts) for r in per_rank.results
+               for ts in r.values())
+    # One wrong sum in the middle of a sample (call 3: the warm-up, then the sample's
+    # second) carries through the rest of it: 9 + 10 + 9 = 28 where 27 was due.
+    with pytest.raises(Exception, match=r"ring all-reduce of 4096 bytes gave \[28.0.*expected 27"):
+        pool3.run(_time_with_a_broken_ring, 3, 3)
+
+
+def test_time_all_reduce_refuses_a_batch_its_dtype_cannot_sum_exactly(pool3):
+    # float16 holds every integer up to 2048 exactly; 3**7 = 2187 is past it.
+    with pytest.raises(Exception, match=r"batch=7 with 3 ranks .* more than float16 holds exactly"):
+        pool3.run(demos.time_all_reduce, ["ring"], [4096], 1, "float16", batch=7)
+    per_rank = pool3.run(demos.time_all_reduce, ["ring"], [4096], 1, "float16", batch=6)
+    assert len(per_rank.results[0]["ring", 4096]) == 1

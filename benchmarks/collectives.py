@@ -33,7 +33,7 @@ from parcourse.cli import parse_size
 from parcourse.collectives import bus_bandwidth
 from parcourse.demos import slowest_rank, time_all_reduce
 
-MAX_REPEATS = 400
+MAX_REPEATS = 1600  # all-reduces per size (200 samples of 8) up to 256 KB
 
 
 def repeats_for(size: int, base: int) -> int:

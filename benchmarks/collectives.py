@@ -123,7 +123,7 @@ def main() -> None:
            else f"up to {args.batch} all-reduces back to back per sample")
     print(f"torch {torch.__version__}, gloo on CPU, one thread per rank; "
           f"{args.repeats}-{MAX_REPEATS} all-reduces per size and algorithm, {how}, "
-          f"shared among {args.pools} pools; medians of paired samples")
+          f"shared among {args.pools} pool{'s' * (args.pools > 1)}; medians of paired samples")
     for world_size in args.world_sizes:
         ceilings, pooled = [], []  # pooled[p][algo, size]: slowest rank's times in pool p
         for p in range(args.pools):

@@ -7,14 +7,14 @@ gloo on CPU, one thread per rank. As in nccl-tests, a sample times
 all-reduces run back to back (8 after one barrier) and divides by their
 number: the steady state of one all-reduce after another, as a stream of
 gradient buckets runs. `--batch 1` times single all-reduces instead, each
-started on every rank at the same moment. For each size, ours and torch's alternate in
-the same run (so machine noise hits both alike); each sample's time is the
-slowest rank's, and the table shows medians. The samples are shared among a
-few pools (fresh sets of rank processes), because one set of processes can
-sit 0.1 above or below another for its whole life; the table shows each
-pool's ratio too. busbw = S/t x 2(N-1)/N (nccl-tests' definition). The
-ceiling is the loopback point-to-point bandwidth measured in the same run.
-Target: ring / torch >= 0.9 at every size >= 1 MB for world size 2.
+started on every rank at the same moment. For each size, ours and torch's
+alternate in the same run (so machine noise hits both alike); each sample's
+time is the slowest rank's, and the table shows medians. The samples are
+shared among a few pools (fresh sets of rank processes), because one set of
+processes can sit 0.1 above or below another for its whole life; the table
+shows each pool's ratio too. busbw = S/t x 2(N-1)/N (nccl-tests'
+definition). The ceiling is the loopback point-to-point bandwidth measured
+in the same run. Target: ring / torch >= 0.9 at every size >= 1 MB for world size 2.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ def test_collectives_benchmark_prints_a_ratio_per_size_and_per_pool():
         # size, 2 x (busbw, GB/s), ratio, interval, pairs, one ratio per pool
         ratio, (lo, hi), pairs, pools = float(r[6]), r[7].split("-"), int(r[8]), r[9:]
         assert float(lo) <= ratio <= float(hi)
-        # repeats_for gives 1600 all-reduces below 1 MB: 800 per pool, 100 samples of 8
+        # repeats_for gives 1600 all-reduces at 4 and 16 KB: 800 per pool, 100 samples of 8
         assert pairs == 200
         assert len(pools) == 2 and all(float(p) > 0 for p in pools)
     assert "loopback p2p ceiling" in done.stdout

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from parcourse import Pool
 from parcourse.cli import parse_size
 from parcourse.collectives import bus_bandwidth
-from parcourse.demos import slowest_rank, time_all_reduce
+from parcourse.demos import max_batch, slowest_rank, time_all_reduce
 
 MAX_REPEATS = 1600  # all-reduces per size (200 samples of 8) up to 256 KB
 
@@ -110,8 +110,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.pools < 1:
         parser.error(f"--pools must be >= 1, got {args.pools}")
-    if args.batch < 1 or max(args.world_sizes) ** args.batch > 1 << 24:
-        # Each sample sums ones `batch` times over: world_size ** batch must stay exact in fp32.
+    if not 1 <= args.batch <= max_batch(max(args.world_sizes)):
         parser.error(f"--batch must be >= 1 and world_size ** batch <= 2**24 (exact in float32), "
                      f"got {args.batch} with world size {max(args.world_sizes)}")
     sizes, size = [], parse_size(args.min_size)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from contextlib import nullcontext
 from typing import Any, Literal
@@ -40,8 +41,19 @@ def check_all_reduced(ctx: RankContext, algo: str, t: torch.Tensor, expected: fl
 
 
 # Every integer up to this is exact in the dtype: as far as back-to-back sums of ones may go.
-_EXACT_UP_TO = {torch.float16: 1 << 11, torch.bfloat16: 1 << 8, torch.float32: 1 << 24,
-                torch.float64: 1 << 53, torch.int32: (1 << 31) - 1, torch.int64: (1 << 63) - 1}
+_EXACT_UP_TO = {"float16": 1 << 11, "bfloat16": 1 << 8, "float32": 1 << 24,
+                "float64": 1 << 53, "int32": (1 << 31) - 1, "int64": (1 << 63) - 1}
+
+
+def max_batch(world_size: int, dtype: str = "float32") -> int:
+    """The most all-reduces `time_all_reduce` may run back to back from ones:
+    world_size ** batch must stay exact in the dtype (any number with one rank)."""
+    if world_size == 1:
+        return sys.maxsize
+    batch = 0
+    while world_size ** (batch + 1) <= _EXACT_UP_TO[dtype]:
+        batch += 1
+    return batch
 
 
 def time_all_reduce(ctx: RankContext, algos: list[str], sizes: list[int], repeats: int,
@@ -62,7 +74,7 @@ def time_all_reduce(ctx: RankContext, algos: list[str], sizes: list[int], repeat
     would reach inf after 128 rounds with two ranks.)
     """
     torch_dtype = getattr(torch, dtype)
-    if batch < 1 or ctx.world_size ** batch > _EXACT_UP_TO[torch_dtype]:
+    if not 1 <= batch <= max_batch(ctx.world_size, dtype):
         raise ValueError(f"batch={batch} with {ctx.world_size} ranks sums to "
                          f"{ctx.world_size}**{batch}, more than {dtype} holds exactly; "
                          "use a smaller batch")

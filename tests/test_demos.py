@@ -126,3 +126,10 @@ def test_time_all_reduce_refuses_a_batch_its_dtype_cannot_sum_exactly(pool3):
         pool3.run(demos.time_all_reduce, ["ring"], [4096], 1, "float16", batch=7)
     per_rank = pool3.run(demos.time_all_reduce, ["ring"], [4096], 1, "float16", batch=6)
     assert len(per_rank.results[0]["ring", 4096]) == 1
+
+
+def test_max_batch_keeps_sums_of_ones_exact():
+    assert demos.max_batch(2) == 24 and demos.max_batch(4) == 12  # float32: up to 2**24
+    assert demos.max_batch(3, "float16") == 6  # 3**6 = 729 <= 2048 < 3**7
+    assert demos.max_batch(2, "bfloat16") == 8
+    assert demos.max_batch(1) > 1000  # one rank sums nothing

@@ -4,18 +4,23 @@ Two ways to all-reduce a tensor of S bytes over N ranks:
 
 - `naive_all_reduce`, the parameter server: everyone sends to a root, the root
   reduces and sends the result back. The root receives and sends (N-1) x S
-  bytes, one message after another, so its time grows with N.
+  bytes through its own links, so its time grows with N; its messages travel
+  together, so it waits for latency only twice (gather, then send back).
 - `ring_all_reduce` = `ring_reduce_scatter` then `ring_all_gather`. The tensor is
   cut into N chunks; in each of N-1 steps every rank sends one chunk to its
   right neighbour and receives one from its left. Every rank sends
   2(N-1)/N x S bytes whatever N is: bandwidth-optimal, which is why Horovod and
-  NCCL use it (Patarasuk & Yuan 2009; Baidu's "ring all-reduce", 2017).
+  NCCL use it (Patarasuk & Yuan 2009; Baidu's "ring all-reduce", 2017). Its
+  2(N-1) steps run one after another, so its latency, 2(N-1) alpha, does grow
+  with N.
 
-Only `isend`/`irecv` on the given process group are used. Every message is
-counted (`bytes_sent` on the tracer) and every round is a span with its chunk
-index, so the timeline shows the ring turning. `SimulatedLink` adds latency
-and a bandwidth limit per message, to make communication cost visible on one
-machine where loopback is nearly free.
+Messages go through the process group's own `send` and `recv` (peers are
+ranks in the group; each call returns a Work to wait on, as `dist.isend` and
+`dist.irecv` do), nothing else. Every message is counted (`bytes_sent` on the
+tracer) and every round is a span with its chunk index, so the timeline shows
+the ring turning. `SimulatedLink` adds latency and a bandwidth limit to every
+message, to make communication cost visible on one machine where loopback is
+nearly free; `CostModel` predicts what it adds.
 """
 
 from __future__ import annotations
@@ -86,10 +91,9 @@ _scratch_per_thread = threading.local()
 def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A receive buffer reused across calls (per thread, dtype and device).
 
-    Allocating and first touching a fresh 32 MB buffer costs about as much as
-    sending it over loopback (page faults), so the ring keeps one around. It
-    grows to the largest chunk seen; it is the "temporary buffer" of memory
-    accounting.
+    A fresh buffer costs a page fault per page the first time it is touched,
+    on every call, so the ring keeps one around. It grows to the largest chunk
+    seen; it is the "temporary buffer" of memory accounting.
     """
     cache = _scratch_per_thread.__dict__.setdefault("buffers", {})
     key = (dtype, device)
@@ -108,7 +112,7 @@ def group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int,
     if not isinstance(group, dist.ProcessGroup):
         raise ValueError(f"this rank is not a member of the group (got {group!r})")
     # The group's own rank()/size(): dist.get_rank/get_world_size look the group
-    # up and map ranks on every call (about 2 us here, against 0.4 us).
+    # up and map ranks on every call.
     return group, group.rank(), group.size()
 
 
@@ -125,13 +129,27 @@ def global_rank(group: dist.ProcessGroup, group_rank: int) -> int:
 
 @dataclass(frozen=True)
 class SimulatedLink:
-    """Latency (alpha) and bandwidth (beta) added to every message.
+    """Latency (alpha) and bandwidth (beta) for every message, as between machines.
 
     Each rank has one outgoing and one incoming link (full duplex). A message of
     b bytes occupies the sender's outgoing link and the receiver's incoming link
-    for alpha + b / beta seconds; messages on the same link queue. So a root
-    receiving N-1 messages waits (N-1)(alpha + S/beta), while a ring step, where
-    every rank sends one chunk and receives one, takes alpha + chunk/beta.
+    for b / beta seconds each; messages on the same link queue. Latency is a
+    delay, not busy time: the message arrives alpha after its last byte has
+    left. So k messages sent together from one rank to another take
+    alpha + k x b / beta, not k x (alpha + b / beta).
+
+    What that gives the two all-reduces of S bytes over N ranks:
+
+    - the parameter server: the N-1 messages to the root travel together and
+      queue on its incoming link, alpha + (N-1) x S / beta; the N-1 results
+      queue on its outgoing link, the same again: 2 alpha + 2(N-1) x S / beta;
+    - the ring: each step sends a chunk (S/N) only once the previous step's
+      chunk has arrived, so each of its 2(N-1) steps pays
+      alpha + S / (N beta): 2(N-1) alpha + 2(N-1)/N x S / beta.
+
+    `CostModel.all_reduce_s` predicts exactly these. The link only adds time
+    (it sleeps until a message would have arrived); what this machine itself
+    takes to move the bytes comes on top.
     """
 
     latency_s: float = 0.0
@@ -148,8 +166,14 @@ class SimulatedLink:
         """SimulatedLink.of(latency_us=50, bandwidth_GBps=1.0): friendlier units."""
         return cls(latency_us * 1e-6, bandwidth_GBps * 1e9 if bandwidth_GBps else math.inf)
 
+    def busy_s(self, nbytes: int) -> float:
+        """Seconds a message of `nbytes` occupies a link: nbytes / beta (no latency)."""
+        return nbytes / self.bandwidth_Bps
+
     def seconds(self, nbytes: int) -> float:
-        return self.latency_s + nbytes / self.bandwidth_Bps
+        """One message alone on free links, from its first byte leaving to its arrival:
+        alpha + nbytes / beta."""
+        return self.latency_s + self.busy_s(nbytes)
 
 
 def simulated_link(latency_us: float = 0.0,
@@ -161,7 +185,12 @@ def simulated_link(latency_us: float = 0.0,
 
 
 class _Wire:
-    """One rank's view of the links for one collective: when each link is free again."""
+    """One rank's two links during one collective: when each is free again.
+
+    Times are `time.perf_counter()`, one clock for every process on this machine.
+    A collective returns only once its messages have left and arrived, so the
+    links are free when the next one starts.
+    """
 
     def __init__(self, link: SimulatedLink | None) -> None:
         self.link = link
@@ -169,17 +198,20 @@ class _Wire:
         self.in_free = 0.0
 
     def depart(self, nbytes: int) -> float:
-        """Queue a message on the outgoing link; returns when it starts."""
+        """Queue a message on the outgoing link; returns when its first byte leaves."""
         assert self.link is not None
         start = max(time.perf_counter(), self.out_free)
-        self.out_free = start + self.link.seconds(nbytes)
+        self.out_free = start + self.link.busy_s(nbytes)
         return start
 
-    def arrive(self, departed: float, nbytes: int) -> None:
-        """A message that left its sender at `departed` occupies our incoming link."""
+    def arrive(self, departed: float, nbytes: int) -> float:
+        """A message whose first byte left its sender at `departed`: its first byte
+        reaches us alpha later, and it then occupies our incoming link for
+        nbytes / beta (after whatever is queued there). Returns when it has arrived."""
         assert self.link is not None
-        start = max(departed, self.in_free)
-        self.in_free = start + self.link.seconds(nbytes)
+        start = max(departed + self.link.latency_s, self.in_free)
+        self.in_free = start + self.link.busy_s(nbytes)
+        return self.in_free
 
     def settle(self, incoming: bool) -> None:
         """Sleep until the incoming (or outgoing) link is free: simulated time really passes."""
@@ -194,7 +226,8 @@ class _Wire:
 
 class _Arrival:
     """A receive posted through a messenger; `wait()` also moves what arrived from
-    the host buffer into place (GPU staging) and, with a link, queues it there."""
+    the host buffer into place (GPU staging) and, with a link, returns only when
+    the message would have arrived over it."""
 
     def __init__(self, work: dist.Work, host: torch.Tensor, dest: torch.Tensor,
                  wire: _Wire) -> None:
@@ -224,9 +257,9 @@ class _Messenger:
     out the group itself when there is nothing to count, stage or slow down,
     so the plain path (benchmarks, data parallel) has no wrapper at all.
 
-    With a simulated link, each message carries its departure time in 8 extra
-    bytes at its end (not counted as bytes sent), so the receiver can queue it
-    on its incoming link.
+    With a simulated link, each message carries the time its first byte left
+    in 8 extra bytes at its end (not counted as bytes sent), so the receiver
+    can add the latency and queue it on its incoming link.
     """
 
     def __init__(self, group: dist.ProcessGroup, tracer: Tracer | None,
@@ -370,32 +403,21 @@ def _ring(flat: torch.Tensor, phases: tuple[RingPhase, ...], op: str, group: dis
     as gloo and NCCL do: a segment is sent on as soon as it has been received
     (and reduced), so reducing one segment overlaps receiving the next, and the
     all-gather starts before the reduce-scatter's last chunk is complete. With
-    two ranks, 16-64 MB went from 0.92-1.00 of torch's all_reduce to 0.94-1.10
-    (paired runs); segments of 1 MB or less were slower at 4 MB. Even gloo's
-    own schedule at 4 MB (two 1 MB segments per rank, receives posted first,
-    each reduced as it lands), replayed through the process group's send/recv,
-    reached 0.80-0.83 of torch's all_reduce where one message per step reached
-    0.88-0.91 (same pools): each message from Python costs more than the
-    overlap saves. With a simulated link there is one message per chunk, as the
-    cost model counts.
+    a simulated link there is one message per chunk, as the cost model counts.
 
     Each message is sent before its receive is posted. Then our neighbour's
     message usually finds no receive posted yet: gloo queues it, and the
     "ready" notice we send when we post makes gloo's I/O thread (which polls
     the socket anyway) write it. Posting receives ahead instead makes the later
     send find the peer ready, and gloo then writes the whole message from this
-    Python thread, which on a busy CPU has to wait for a core to do it. With
-    two ranks on two cores, in a hand-written exchange at 4 MB, receive-first
-    reached 0.77-0.86 of torch's all_reduce and send-first 0.85-0.92 (2 pools
-    x 100 pairs); with four ranks the two orders measured the same. Each
+    Python thread, which on a busy CPU has to wait for a core to do it. Each
     message has its own tag, so it can only land in the buffer meant for it.
 
     What does not depend on the data (which range goes where) is worked out
     once per shape and cached, every view is made before the first message,
     and without a tracer, link or staging the messages go straight to the
-    process group. Against the same ring with a messenger on every message
-    and its plan built per call, that took two ranks at 1 MB from 0.83-0.97
-    of torch's all_reduce to 0.90-1.06 (3 pools x 150 pairs, randomized order).
+    process group. `python benchmarks/collectives.py` measures the result
+    against torch's all_reduce.
     """
     if segment_bytes < 1:
         raise ValueError(f"segment_bytes must be >= 1, got {segment_bytes}")
@@ -519,7 +541,9 @@ def naive_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = Non
     """Parameter-server all-reduce, in place: gather at `root`, reduce, send back.
 
     The root receives N-1 tensors and sends N-1 results: (N-1) x S bytes each
-    way through one rank, so its time grows with N while the others wait.
+    way through one rank, so its time grows with N while the others wait. All
+    N-1 receives are posted at once, and all N-1 sends: latency is waited for
+    twice, not 2(N-1) times (see `CostModel.all_reduce_s`).
     """
     check_args(tensor, op)
     group, rank, n = group_info(group)
@@ -567,44 +591,50 @@ def bytes_sent_per_rank(algo: Literal["ring", "naive"], nbytes: int, world_size:
 
 @dataclass(frozen=True)
 class CostModel:
-    """The alpha-beta model: a message of b bytes takes alpha + b / beta seconds."""
+    """The alpha-beta model: a message of b bytes arrives alpha + b / beta seconds
+    after it starts to leave; messages sent together pay alpha once (as on a
+    `SimulatedLink`)."""
 
     alpha_s: float
     beta_Bps: float
 
     def all_reduce_s(self, algo: Literal["ring", "naive"], nbytes: int, world_size: int) -> float:
-        """Predicted time of one all-reduce.
+        """Predicted time of one all-reduce of `nbytes` over `world_size` ranks.
 
-        ring: 2(N-1) steps of one chunk (S/N bytes) each.
-        naive: the root receives N-1 tensors and then sends N-1, one after another.
+        ring: 2(N-1) steps, one after another, each alpha + (S/N) / beta:
+        2(N-1) alpha + 2(N-1)/N x S / beta.
+        naive: the N-1 tensors reach the root together and queue on its incoming
+        link, then the N-1 results queue on its outgoing link:
+        2 alpha + 2(N-1) x S / beta.
         """
-        n = world_size
-        if n == 1:
-            return 0.0
-        steps, per_message = _shape(algo, nbytes, n)
-        return steps * (self.alpha_s + per_message / self.beta_Bps)
+        latencies, nbytes_in_turn = _shape(algo, nbytes, world_size)
+        return latencies * self.alpha_s + nbytes_in_turn / self.beta_Bps
 
 
 def _shape(algo: str, nbytes: float, n: int) -> tuple[int, float]:
-    """(messages on the critical path, bytes per message)."""
+    """(latencies paid one after another, bytes through one link one after another)."""
+    if algo not in ("ring", "naive"):
+        raise ValueError(f"unknown algorithm {algo!r}; choose 'ring' or 'naive'")
+    if n == 1:
+        return 0, 0.0
     if algo == "ring":
-        return 2 * (n - 1), nbytes / n
-    if algo == "naive":
-        return 2 * (n - 1), float(nbytes)
-    raise ValueError(f"unknown algorithm {algo!r}; choose 'ring' or 'naive'")
+        return 2 * (n - 1), 2 * (n - 1) * nbytes / n
+    return 2, 2 * (n - 1) * float(nbytes)
 
 
 def fit_cost_model(algo: Literal["ring", "naive"], world_size: int, sizes: Sequence[int],
                    seconds: Sequence[float]) -> CostModel:
-    """Fit alpha and beta to measured all-reduce times by least squares.
+    """Fit alpha and beta of `CostModel.all_reduce_s` to measured times by least squares.
 
-    t = steps * alpha + steps * bytes_per_message * (1/beta): linear in
-    (alpha, 1/beta). Needs at least two distinct sizes; both are kept >= 0.
+    t = latencies x alpha + bytes x (1/beta) is linear in (alpha, 1/beta). Needs
+    at least two ranks and two distinct sizes; both are kept >= 0.
     """
     if len(sizes) != len(seconds) or len(set(sizes)) < 2:
         raise ValueError("need times for at least two distinct sizes")
+    if world_size < 2:
+        raise ValueError("one rank sends nothing: there is no alpha or beta to fit")
     rows = [_shape(algo, s, world_size) for s in sizes]
-    a = torch.tensor([[steps, steps * b] for steps, b in rows], dtype=torch.float64)
+    a = torch.tensor(rows, dtype=torch.float64)
     t = torch.tensor(list(seconds), dtype=torch.float64).unsqueeze(1)
     # Weight by 1/t so small messages (latency-bound) count as much as large ones.
     w = 1 / t

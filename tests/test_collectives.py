@@ -126,9 +126,10 @@ def test_trace_shows_each_ring_step_with_its_chunk(pools):
 
 
 def test_simulated_link_time_is_at_least_the_model(pools):
-    # 16 ms per 1 MB message: the cost model predicts ring 6 x (alpha + S/4/beta) and
-    # naive 6 x (alpha + S/beta) for 4 ranks. Simulated time really passes, so it is a
-    # lower bound; how much more the real transfers add depends on the machine's load.
+    # 16 ms per 1 MB message on a link: the cost model predicts ring
+    # 6 x (alpha + S/4/beta) and naive 2 x alpha + 6 x S/beta for 4 ranks. Simulated
+    # time really passes, so it is a lower bound; how much more the real transfers
+    # add depends on the machine's load.
     nbytes, alpha, beta = 1 << 20, 1e-3, 1 << 26
     model = C.CostModel(alpha, beta)
     ring = pools[4].run(F.linked, "ring", nbytes, alpha, beta).results
@@ -138,6 +139,41 @@ def test_simulated_link_time_is_at_least_the_model(pools):
     t_naive = max(r[0] for r in naive)
     assert t_ring >= 0.95 * model.all_reduce_s("ring", nbytes, 4)
     assert t_naive >= 0.95 * model.all_reduce_s("naive", nbytes, 4)
+
+
+def test_latency_is_a_delay_paid_once_by_messages_sent_together(pools):
+    # 50 ms of latency, 8 small messages sent at once from rank 0 to rank 1: they arrive
+    # about 50 ms later, not 8 x 50 ms (latency is not time the link is busy).
+    alpha = 0.05
+    took = pools[2].run(F.burst, 8, 64, alpha, 1e9).results[1]
+    assert alpha <= took < 3 * alpha
+    # The parameter server waits for latency twice (gather, send back), the ring
+    # once per step: 2 x 50 ms against 6 x 50 ms with 4 ranks and a tiny tensor.
+    model = C.CostModel(alpha, 1e9)
+    naive = max(r[0] for r in pools[4].run(F.linked, "naive", 64, alpha, 1e9).results)
+    ring = max(r[0] for r in pools[4].run(F.linked, "ring", 64, alpha, 1e9).results)
+    assert model.all_reduce_s("naive", 64, 4) == pytest.approx(2 * alpha, rel=1e-3)
+    assert 2 * alpha <= naive < 4 * alpha
+    assert 6 * alpha <= ring < 8 * alpha
+
+
+def test_messages_queue_on_the_links_for_their_bytes_only():
+    # No processes: the wire's own arithmetic. Three messages of 1 MB leave together on
+    # a 1 GB/s link with 10 ms of latency: each occupies the outgoing link 1 ms, and
+    # the last one arrives alpha after its last byte left: 10 + 3 x 1 ms.
+    link = C.SimulatedLink(0.01, 1e9)
+    sender, receiver = C._Wire(link), C._Wire(link)
+    departed = [sender.depart(10**6) for _ in range(3)]
+    assert [d - departed[0] for d in departed] == pytest.approx([0, 1e-3, 2e-3], abs=1e-4)
+    arrived = [receiver.arrive(d, 10**6) for d in departed]
+    assert [a - departed[0] for a in arrived] == pytest.approx([0.011, 0.012, 0.013],
+                                                               abs=1e-4)
+    # Two senders, one receiver: both messages reach it together and queue on its
+    # incoming link (the parameter server's root).
+    root = C._Wire(link)
+    assert root.arrive(0.0, 10**6) == pytest.approx(0.011)
+    assert root.arrive(0.0, 10**6) == pytest.approx(0.012)
+    assert link.seconds(10**6) == pytest.approx(0.011) and link.busy_s(10**6) == 1e-3
 
 
 @pytest.mark.parametrize(
@@ -161,17 +197,23 @@ def test_cost_model_and_fit():
     model = C.CostModel(alpha_s=50e-6, beta_Bps=2e9)
     n, s = 4, 64 << 20
     assert model.all_reduce_s("ring", s, n) == pytest.approx(6 * (50e-6 + s / 4 / 2e9))
-    assert model.all_reduce_s("naive", s, n) == pytest.approx(6 * (50e-6 + s / 2e9))
+    assert model.all_reduce_s("naive", s, n) == pytest.approx(2 * 50e-6 + 6 * s / 2e9)
+    assert model.all_reduce_s("ring", s, 1) == model.all_reduce_s("naive", s, 1) == 0.0
     sizes = [1 << k for k in range(10, 27, 2)]
-    times = [model.all_reduce_s("ring", x, n) for x in sizes]
-    fit = C.fit_cost_model("ring", n, sizes, times)
-    assert fit.alpha_s == pytest.approx(50e-6, rel=1e-6)
-    assert fit.beta_Bps == pytest.approx(2e9, rel=1e-6)
+    for algo in ("ring", "naive"):
+        times = [model.all_reduce_s(algo, x, n) for x in sizes]
+        fit = C.fit_cost_model(algo, n, sizes, times)
+        assert fit.alpha_s == pytest.approx(50e-6, rel=1e-6)
+        assert fit.beta_Bps == pytest.approx(2e9, rel=1e-6)
     algbw, busbw = C.bus_bandwidth(s, 0.1, n)
     assert busbw == pytest.approx(algbw * 1.5)
     assert C.chunk_bounds(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
     with pytest.raises(ValueError, match="at least two distinct sizes"):
         C.fit_cost_model("ring", n, [1, 1], [1.0, 1.0])
+    with pytest.raises(ValueError, match="one rank sends nothing"):
+        C.fit_cost_model("ring", 1, [1, 2], [1.0, 1.0])
+    with pytest.raises(ValueError, match="unknown algorithm 'tree'"):
+        model.all_reduce_s("tree", s, n)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="latency_s must be >= 0"):
         C.SimulatedLink(-1.0)
     assert math.isinf(C.SimulatedLink.of(latency_us=5).bandwidth_Bps)

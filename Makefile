@@ -38,4 +38,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/launch.py
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache build dist

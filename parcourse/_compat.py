@@ -1,4 +1,8 @@
-"""torch renamed two collectives in 2.13 (same signatures); use whichever exists."""
+"""Names that differ across the torch versions parcourse accepts (pyproject: >=2.6,<2.14).
+
+Import these from here rather than from torch. torch 2.13 renamed two collectives (same
+signatures, old names deprecated); use whichever exists.
+"""
 
 import torch.distributed as dist
 

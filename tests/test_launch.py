@@ -140,16 +140,17 @@ def test_function_defined_in_a_notebook_cell():
     assert launch(lambda ctx, k: ctx.rank * k, 2, 5).results == [0, 5]
 
 
-def test_pool_reuses_ranks_and_is_fast(pool4):
-    first = pool4.run(rank_and_sum).results
-    times = []
+def test_pool_reuses_its_ranks_across_runs(pool4):
+    # What makes a warm run fast: no process is started. How fast is measured by
+    # benchmarks/launch.py, not asserted here (a time bound fails on a loaded machine).
+    pids = [r["pid"] for r in pool4.run(rank_and_sum).results]
+    startups = pool4.startups
     for _ in range(10):
-        t0 = time.perf_counter()
         run = pool4.run(rank_and_sum, 1)
-        times.append(time.perf_counter() - t0)
-    assert [r["pid"] for r in run.results] == [r["pid"] for r in first]
-    assert all(r["sum"] == 7 for r in run.results)
-    assert run.startup_s == 0.0
+        assert [r["pid"] for r in run.results] == pids
+        assert all(r["sum"] == 7 for r in run.results)
+        assert run.startup_s == 0.0
+    assert pool4.startups == startups and pool4.pids == pids
 
 
 def test_pool_recovers_after_each_kind_of_failure(tmp_path):

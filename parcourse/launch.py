@@ -4,7 +4,8 @@
     with Pool(4) as pool:         # ranks stay up between calls: milliseconds per run
         run = pool.run(fn, x)
 
-How (see DESIGN.md, "Launching ranks"):
+How it works (lessons/00_launching_ranks.ipynb uses it step by step; the README's
+section "Where it runs" covers torchrun and Slurm):
 - Processes come from a forkserver with torch and parcourse preloaded (spawn
   where forkserver is missing), never from fork: a parent that already ran a
   matmul deadlocks forked children in OpenMP, and CUDA cannot be used after fork.

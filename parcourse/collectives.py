@@ -238,12 +238,29 @@ class _Arrival:
         host, dest = self.host, self.dest
         if self.wire.link is not None:
             n = dest.nbytes
-            # .clone(): the stamp starts at byte n, which a float64 view needs aligned
-            self.wire.arrive(host[n:].clone().view(torch.float64).item(), n)
+            self.wire.arrive(host[:_STAMP].view(torch.float64).item(), n)
             self.wire.settle(incoming=True)
-            dest.view(-1).view(torch.uint8).copy_(host[:n])
+            dest.view(-1).view(torch.uint8).copy_(host[_STAMP:])
         elif host is not dest:
             dest.copy_(host)
+
+
+_STAMP = 8  # bytes of the departure time at the head of a message over a simulated link
+_stamped_per_thread = threading.local()
+
+
+def _stamped(way: str, peer: int, tag: int, nbytes: int) -> torch.Tensor:
+    """A host buffer for one message over a simulated link: the departure time,
+    then `nbytes` of payload. Reused by the next collective on this thread
+    (each message of a collective has its own (peer, tag), and a collective
+    returns only when its messages are done): fresh memory for every message
+    costs a page fault per page, which would add to the time measured."""
+    cache = _stamped_per_thread.__dict__.setdefault("buffers", {})
+    key = (way, peer, tag)
+    buf = cache.get(key)
+    if buf is None or buf.numel() < _STAMP + nbytes:
+        buf = cache[key] = torch.empty(_STAMP + nbytes, dtype=torch.uint8)
+    return buf[:_STAMP + nbytes]
 
 
 class _Messenger:
@@ -258,7 +275,7 @@ class _Messenger:
     so the plain path (benchmarks, data parallel) has no wrapper at all.
 
     With a simulated link, each message carries the time its first byte left
-    in 8 extra bytes at its end (not counted as bytes sent), so the receiver
+    in 8 extra bytes at its head (not counted as bytes sent), so the receiver
     can add the latency and queue it on its incoming link.
     """
 
@@ -273,8 +290,9 @@ class _Messenger:
         (t,) = tensors
         t = t.contiguous()
         if self.wire.link is not None:
-            stamp = torch.tensor([self.wire.depart(t.nbytes)], dtype=torch.float64)
-            payload = torch.cat([t.cpu().view(-1).view(torch.uint8), stamp.view(torch.uint8)])
+            payload = _stamped("out", peer, tag, t.nbytes)
+            payload[_STAMP:].copy_(t.view(-1).view(torch.uint8))
+            payload[:_STAMP].view(torch.float64)[0] = self.wire.depart(t.nbytes)
         else:
             payload = t.cpu() if self.staged else t
         work = self.group.send([payload], peer, tag)
@@ -285,7 +303,7 @@ class _Messenger:
     def recv(self, tensors: list[torch.Tensor], peer: int, tag: int) -> _Arrival:
         (dest,) = tensors
         if self.wire.link is not None:
-            host = torch.empty(dest.nbytes + 8, dtype=torch.uint8)
+            host = _stamped("in", peer, tag, dest.nbytes)
         elif self.staged:
             host = torch.empty(dest.shape, dtype=dest.dtype)
         else:

@@ -157,6 +157,18 @@ def test_latency_is_a_delay_paid_once_by_messages_sent_together(pools):
     assert 6 * alpha <= ring < 8 * alpha
 
 
+def test_a_link_changes_the_time_only(pools):
+    # A free link (no latency, no bandwidth limit) still stamps and stages every message:
+    # odd byte counts (fp16, 1001 elements), both algorithms, twice (buffers reused).
+    link = C.SimulatedLink()
+    for algo in ("ring", "naive"):
+        for dtype in (torch.float16, torch.int64):
+            for _ in range(2):
+                for ours, ref, _ in pools[3].run(F.all_reduce_vs_torch, algo, 1001, dtype,
+                                                    "sum", link=link).results:
+                    assert torch.equal(ours, ref), (algo, dtype)
+
+
 def test_messages_queue_on_the_links_for_their_bytes_only():
     # No processes: the wire's own arithmetic. Three messages of 1 MB leave together on
     # a 1 GB/s link with 10 ms of latency: each occupies the outgoing link 1 ms, and

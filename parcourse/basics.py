@@ -8,13 +8,14 @@ so in a picture one can see which rank's numbers ended up where.
 from __future__ import annotations
 
 import time
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
 from parcourse._compat import reduce_scatter_single
-from parcourse.launch import RankContext
+from parcourse.launch import Pool, RankContext, RankError, RankTimeout, Run
 
 Collective = Literal["broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter"]
 COLLECTIVES: tuple[str, ...] = ("broadcast", "reduce", "all_reduce", "all_gather",
@@ -105,27 +106,48 @@ def _busy(seconds: float) -> None:
         a = torch.tanh(a @ a)
 
 
-def check_average(average_fn: object, pool: object) -> bool:
-    """Exercise check: `average_fn(ctx)` must return the mean of (rank + 1) over ranks.
+def run_exercise(pool: Pool, fn: Callable[..., Any], *args: Any,
+                 timeout: float = 30.0) -> Run | None:
+    """Run a learner's rank function for an exercise check.
 
-    Prints what it found; returns False for an unwritten stub, raises
-    AssertionError (with a hint) for a wrong answer.
+    Returns the run, or None after printing one line that says why there is
+    none: the function is still a stub, a rank raised (which rank, what), or
+    the ranks were still waiting at `timeout` (a message nobody sends, a
+    collective not every rank calls). A check prints, it does not raise: a
+    wrong answer should read as a hint, not as a traceback.
     """
-    from parcourse.launch import Pool, RankError
-
-    assert isinstance(pool, Pool)
     try:
-        run = pool.run(average_fn)
+        return pool.run(fn, *args, timeout=timeout)
     except RankError as e:
         if e.exc_type == "NotImplementedError":
             print("Not written yet: fill in the function above, then run this cell again.")
-            return False
-        raise
+        else:
+            print(f"Not yet: {str(e).splitlines()[0]}")
+        return None
+    except RankTimeout as e:
+        print(f"Not yet: ranks {', '.join(map(str, e.running))} were still waiting after "
+              f"{timeout:g} s. Hint: every send needs a matching receive on the other rank, "
+              "and every rank must call each collective.")
+        return None
+
+
+def check_average(average_fn: Callable[..., Any], pool: Pool, timeout: float = 30.0) -> bool:
+    """Exercise check: `average_fn(ctx)` must return the mean of (rank + 1) over ranks.
+
+    Prints what it found (expected, got and a hint when wrong); True only when
+    every rank returned the mean.
+    """
+    run = run_exercise(pool, average_fn, timeout=timeout)
+    if run is None:
+        return False
     expected = (pool.world_size + 1) / 2
-    got = [float(r) for r in run.results]
-    assert all(abs(g - expected) < 1e-6 for g in got), (
-        f"expected {expected} on every rank, got {got}. Hint: all_reduce sums in place; "
-        "divide by ctx.world_size afterwards."
-    )
+    try:
+        got = [float(r) for r in run.results]  # a one-element tensor is fine too
+    except (TypeError, ValueError, RuntimeError):
+        got = run.results
+    if not all(isinstance(g, float) and abs(g - expected) < 1e-6 for g in got):
+        print(f"Not quite: expected {expected:g} on every rank, got {got}. Hint: all_reduce "
+              "sums in place; divide by ctx.world_size afterwards, and return a number.")
+        return False
     print(f"Correct: every one of {pool.world_size} ranks got {expected:g}.")
     return True

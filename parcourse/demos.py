@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from parcourse.collectives import (SimulatedLink, naive_all_reduce, ring_all_reduce,
-                                   simulated_link)
-from parcourse.launch import RankContext
+from parcourse.basics import run_exercise
+from parcourse.collectives import (SimulatedLink, chunk_bounds, naive_all_reduce,
+                                   ring_all_reduce, simulated_link)
+from parcourse.launch import Pool, RankContext
 
 Algo = Literal["ring", "naive", "torch"]
 ALGOS: tuple[str, ...] = ("ring", "naive", "torch")
@@ -123,38 +125,35 @@ def traced_all_reduce(ctx: RankContext, algo: Algo, numel: int, latency_us: floa
     return ctx.tracer.total("bytes_sent")
 
 
-def _ring_steps_with(ctx: RankContext, step_fn: object,
+def _ring_steps_with(ctx: RankContext, step_fn: Callable[..., Any],
                      numel: int) -> tuple[list[float], list[float]]:
     """Run a learner's reduce-scatter step n - 1 times; return (my chunk, expected)."""
-    from parcourse.collectives import chunk_bounds
-
     n, rank = ctx.world_size, ctx.rank
     flat = torch.arange(numel, dtype=torch.float32) * (rank + 1)
     expected = torch.arange(numel, dtype=torch.float32) * (n * (n + 1) / 2)
     bounds = chunk_bounds(numel, n)
     for step in range(n - 1):
-        step_fn(flat, bounds, step, rank, n, ctx.group)  # type: ignore[operator]
+        step_fn(flat, bounds, step, rank, n, ctx.group)
     start, end = bounds[rank]
     return flat[start:end].tolist(), expected[start:end].tolist()
 
 
-def check_ring_step(step_fn: object, pool: object, numel: int = 10) -> bool:
+def check_ring_step(step_fn: Callable[..., Any], pool: Pool, numel: int = 10,
+                    timeout: float = 30.0) -> bool:
     """Exercise check for lesson 01: n - 1 of your steps must leave chunk r fully summed
-    on rank r. Prints what it found; False for an unwritten stub."""
-    from parcourse.launch import Pool, RankError
-
-    assert isinstance(pool, Pool)
-    try:
-        results = pool.run(_ring_steps_with, step_fn, numel, timeout=30).results
-    except RankError as e:
-        if e.exc_type == "NotImplementedError":
-            print("Not written yet: fill in the step above, then run this cell again.")
+    on rank r. Prints what it found (expected, got and a hint when wrong); True only
+    when every rank owns its reduced chunk. Needs at least 2 ranks."""
+    if pool.world_size < 2:
+        print("One rank has no ring: run this check on a pool of 2 ranks or more.")
+        return False
+    run = run_exercise(pool, _ring_steps_with, step_fn, numel, timeout=timeout)
+    if run is None:
+        return False
+    for rank, (got, expected) in enumerate(run.results):
+        if got != expected:
+            print(f"Not quite: rank {rank} ended with chunk {got}, expected {expected}. "
+                  "Hint: step s sends chunk (rank - s - 1) % n to the right and adds chunk "
+                  "(rank - s - 2) % n, received from the left, into its own copy.")
             return False
-        raise
-    for rank, (got, expected) in enumerate(results):
-        assert got == expected, (
-            f"rank {rank} ended with chunk {got}, expected {expected}. Hint: step s sends "
-            "chunk (rank - s - 1) % n to the right and adds chunk (rank - s - 2) % n from the left."
-        )
     print(f"Correct: after {pool.world_size - 1} steps every rank owns its fully reduced chunk.")
     return True

@@ -38,12 +38,39 @@ def right_step(flat, bounds, step, rank, n, group):
     flat[start:end] += incoming
 
 
+def step_that_raises(flat, bounds, step, rank, n, group):
+    raise ValueError("a typo")
+
+
+def step_that_never_sends(flat, bounds, step, rank, n, group):
+    dist.recv(torch.empty(1), (rank - 1) % n, group)  # waits for a message nobody sends
+
+
 def test_ring_step_check_tells_stub_wrong_and_right(pool3, capsys):
     assert demos.check_ring_step(stub_step, pool3) is False
     assert "Not written yet" in capsys.readouterr().out
-    with pytest.raises(AssertionError, match="rank 0 ended with chunk"):
-        demos.check_ring_step(wrong_step, pool3)
+    # A wrong answer gets one short message (expected, got, hint), not a traceback.
+    assert demos.check_ring_step(wrong_step, pool3) is False
+    out = capsys.readouterr().out
+    assert out.startswith("Not quite: rank 0 ended with chunk") and "expected" in out
+    assert "Hint:" in out and "Traceback" not in out and out.count("\n") == 1
+    assert demos.check_ring_step(step_that_raises, pool3) is False
+    assert capsys.readouterr().out == "Not yet: rank 0 raised ValueError: a typo\n"
     assert demos.check_ring_step(right_step, pool3, numel=11)  # uneven chunks
+    assert "Correct" in capsys.readouterr().out
+
+
+def test_ring_step_check_stops_a_step_that_waits_forever(pool2, capsys):
+    assert demos.check_ring_step(step_that_never_sends, pool2, timeout=3) is False
+    out = capsys.readouterr().out
+    assert out.startswith("Not yet: ranks 0, 1 were still waiting after 3 s. Hint:")
+    assert demos.check_ring_step(right_step, pool2)  # the pool starts fresh ranks
+
+
+def test_ring_step_check_needs_two_ranks(capsys):
+    with Pool(1) as pool:
+        assert demos.check_ring_step(right_step, pool) is False
+    assert "One rank has no ring" in capsys.readouterr().out
 
 
 def test_average_check_tells_stub_wrong_and_right(pool3, capsys):
@@ -61,8 +88,13 @@ def test_average_check_tells_stub_wrong_and_right(pool3, capsys):
         return t.item() / ctx.world_size
 
     assert basics.check_average(stub, pool3) is False
-    with pytest.raises(AssertionError, match="expected 2.0 on every rank"):
-        basics.check_average(wrong, pool3)
+    assert "Not written yet" in capsys.readouterr().out
+    assert basics.check_average(wrong, pool3) is False
+    assert capsys.readouterr().out == (
+        "Not quite: expected 2 on every rank, got [6.0, 6.0, 6.0]. Hint: all_reduce sums in "
+        "place; divide by ctx.world_size afterwards, and return a number.\n")
+    assert basics.check_average(lambda ctx: None, pool3) is False
+    assert "got [None, None, None]" in capsys.readouterr().out
     assert basics.check_average(right, pool3)
 
 

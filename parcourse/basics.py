@@ -149,5 +149,6 @@ def check_average(average_fn: Callable[..., Any], pool: Pool, timeout: float = 3
         print(f"Not quite: expected {expected:g} on every rank, got {got}. Hint: all_reduce "
               "sums in place; divide by ctx.world_size afterwards, and return a number.")
         return False
-    print(f"Correct: every one of {pool.world_size} ranks got {expected:g}.")
+    who = "the only rank" if pool.world_size == 1 else f"every one of {pool.world_size} ranks"
+    print(f"Correct: {who} got {expected:g}.")
     return True

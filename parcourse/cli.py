@@ -170,9 +170,10 @@ def ddp(args: argparse.Namespace) -> int:
 
 
 def zero(args: argparse.Namespace) -> int:
-    """Bytes per rank by category under a ZeRO stage, measured against the formula."""
+    """Bytes per rank by category under a ZeRO stage, measured against the formula,
+    and the bytes each rank sent in a step against data parallelism's."""
     from parcourse.memory import format_bytes
-    from parcourse.zero.measure import memory_by_stage
+    from parcourse.zero.measure import measured_over_formula, memory_by_stage
 
     external = _external_env()
     world_size = external[1] if external else args.world_size
@@ -185,19 +186,25 @@ def zero(args: argparse.Namespace) -> int:
     print(f"zero        stage {args.stage}, {world_size} ranks, backend {run.backend}, "
           f"{result['params'] / 1e6:.2f} M parameters, Adam, fp32")
     theory = result["theory"]
-    header = "".join(f"{c:>12}" for c in ("params", "grads", "optimizer", "activations", "other"))
+    columns = ("params", "grads", "optimizer", "activations", "other")
+    header = "".join(f"{c:>12}" for c in columns)
     for label in ("after forward", "peak in backward", "after step"):
         print(f"\n{label}, per rank:{header}")
         for rank, sample in sorted(run.trace.memory_at(label).items()):
-            cells = "".join(f"{format_bytes(sample.bytes[c]):>12}"
-                            for c in ("params", "grads", "optimizer", "activations", "other"))
+            cells = "".join(f"{format_bytes(sample.bytes[c]):>12}" for c in columns)
             print(f"  rank {rank:<13}{cells}")
     print(f"\ntheory, per rank:{''.join(f'{format_bytes(theory[c]):>12}' for c in theory)}"
           "   (params, grads, optimizer)")
-    after = run.trace.memory_at("after step")[0].bytes
-    for c in theory:
-        off = after[c] / theory[c] - 1 if theory[c] else 0.0
-        print(f"  {c:<10} measured / formula after step: {1 + off:.3f}")
+    for c, (mean, largest) in measured_over_formula(run).items():
+        print(f"  {c:<10} measured / formula {result['checked_at'][c]}: {mean:.3f} "
+              f"(largest rank {largest:.3f})")
+    if result["bytes_sent"] is not None:
+        ddp = bytes_sent_per_rank("ring", result["params"] * 4, world_size)
+        print("\nsent in one step (counted message by message), per rank, against data "
+              "parallelism's ring all-reduce of the gradients, 2(N-1)/N x S:")
+        for rank, r in enumerate(run.results):
+            print(f"  rank {rank:<4}{r['bytes_sent']:>14,.0f} B   / DDP's {ddp:,.0f} B = "
+                  f"{r['bytes_sent'] / ddp:.3f}")
     return 0
 
 

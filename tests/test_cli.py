@@ -69,3 +69,5 @@ def test_zero_prints_bytes_per_rank_against_the_formula(capsys):
     out = capsys.readouterr().out
     assert "zero        stage 2, 2 ranks" in out and "peak in backward" in out
     assert out.count("measured / formula after step: 1.0") == 3
+    # 2 ranks split the MLP's 112 rows evenly: the buffers carry only the used-flags.
+    assert "/ DDP's" in out and out.count("= 1.000") == 2

@@ -1,5 +1,6 @@
 """Rank functions for the ZeRO tests."""
 
+import contextlib
 import io
 
 import torch
@@ -102,4 +103,135 @@ def accumulate(ctx, stage, microsteps, batch):
     """Gradient shards after `microsteps` backward passes, all but the last under no_sync()."""
     zmodel, _ = zero.shard(Net(), factory("sgd"), stage=stage, group=ctx.group, bucket_mb=0.0005)
     backward_in_microsteps(zmodel, *local_batch(ctx, batch), microsteps)
-    return [u.grad_shard.clone() for u in zmodel.units]
+    return [p.grad.clone() for p in zmodel.parameters() if p.grad is not None]
+
+
+# --- real training loops (param groups, accumulation, a plain optimizer, tied weights)
+
+
+class TinyGPT(nn.Module):
+    """Token embedding tied to the LM head (as GPT-2), a LayerNorm and an MLP: the
+    shapes a GPT gives ZeRO, with rows (vocab 11, width 6) that no world size divides."""
+
+    def __init__(self, vocab=11, width=6):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.emb = nn.Embedding(vocab, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                 nn.Linear(4 * width, width))
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.emb.weight
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+    def forward(self, tokens, targets):
+        h = self.emb(tokens)
+        h = h + self.mlp(h)
+        logits = self.head(self.ln(h))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def tokens(batch, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, 11, (batch, 5), generator=g)
+    return t, t.roll(-1, dims=1)
+
+
+def adamw_groups(named):
+    """nanoGPT's split: decay matrices, not biases or norms; each group its own lr."""
+    named = list(named)
+    return [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.1, "lr": 0.02},
+            {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0, "lr": 0.005}]
+
+
+def step_loss(model, kind, x, y):
+    if kind == "gpt":
+        return model(x, y)
+    return nn.functional.mse_loss(model(x), y)
+
+
+def make_model(kind):
+    return TinyGPT() if kind == "gpt" else Net()
+
+
+def make_batch(kind, batch):
+    return tokens(batch) if kind == "gpt" else data(batch)
+
+
+def one_process(kind, steps, batch, world_size, microsteps=1):
+    """One process, the same loss as the ranks together: per step, the mean over
+    ranks of their microsteps' losses (each scaled by 1/microsteps)."""
+    model = make_model(kind)
+    opt = torch.optim.AdamW(adamw_groups(model.named_parameters()))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x, y = make_batch(kind, batch)
+    for _ in range(steps):
+        total = 0.0
+        for r in range(world_size):
+            xs, ys = shard_rows(x, r, world_size), shard_rows(y, r, world_size)
+            for xm, ym in zip(xs.chunk(microsteps), ys.chunk(microsteps)):
+                total = total + step_loss(model, kind, xm, ym) / microsteps
+        (total / world_size).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def fsdp2_loop(ctx, kind, stage, steps, batch, microsteps=1, no_sync=False, keep_ln=False,
+               mixed_precision=None):
+    """As a loop written for FSDP2 would drive it: shard, then an ordinary AdamW with
+    param groups over model.named_parameters(), an LR scheduler, accumulation."""
+    net = make_model(kind)
+    keep = [net.ln] if keep_ln else []
+    model = zero.ZeroModel(net, stage, ctx.group, bucket_mb=0.0005, keep_modules=keep,
+                           compute_dtype=mixed_precision and getattr(torch, mixed_precision))
+    opt = torch.optim.AdamW(adamw_groups(model.named_parameters()))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x, y = make_batch(kind, batch)
+    x, y = shard_rows(x, ctx.rank, ctx.world_size), shard_rows(y, ctx.rank, ctx.world_size)
+    for _ in range(steps):
+        for i, (xm, ym) in enumerate(zip(x.chunk(microsteps), y.chunk(microsteps))):
+            skip = no_sync and i < microsteps - 1
+            with model.no_sync() if skip else contextlib.nullcontext():
+                (step_loss(model, kind, xm, ym) / microsteps).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    ln_dtype = str(net.ln.weight.dtype) if kind == "gpt" else None
+    return model.full_state_dict(), ln_dtype
+
+
+def groups_drop_in(ctx, steps, batch):
+    """ZeroOptimizer with two param groups and an LR scheduler, under our DDP."""
+    from parcourse.data_parallel import NaiveDataParallel
+    from parcourse.zero import ZeroOptimizer
+
+    net = Net()
+    ddp = NaiveDataParallel(net, ctx.group)
+    opt = ZeroOptimizer(adamw_groups(net.named_parameters()), torch.optim.AdamW, group=ctx.group)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x, y = data(batch)
+    x, y = shard_rows(x, ctx.rank, ctx.world_size), shard_rows(y, ctx.rank, ctx.world_size)
+    for _ in range(steps):
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    saved = opt.state_dict()
+    fresh = ZeroOptimizer(adamw_groups(net.named_parameters()), torch.optim.AdamW,
+                          group=ctx.group)
+    fresh.load_state_dict(saved)
+    hyper = [(g["lr"], g["weight_decay"]) for g in fresh.param_groups]
+    return {k: v.clone() for k, v in net.state_dict().items()}, hyper
+
+
+def optimizer_before_sharding(ctx, stage):
+    """The FSDP mistake: an optimizer over the module's parameters, built before sharding."""
+    net = Net()
+    opt = torch.optim.AdamW(net.parameters())
+    model = zero.ZeroModel(net, stage, ctx.group)
+    nn.functional.mse_loss(model(data(8)[0]), data(8)[1]).backward()
+    opt.step()

@@ -13,7 +13,7 @@ from parcourse.data import local_regression
 from parcourse.data_parallel import BucketedDataParallel
 from parcourse.data_parallel.training import alternate_steps
 from parcourse.launch import RankContext
-from parcourse.memory import SavedActivations, zero_bytes
+from parcourse.memory import SavedActivations, zero_bytes, zero_checked_at
 from parcourse.models import mlp
 from parcourse.zero.sharded import shard as zero_shard
 
@@ -31,7 +31,9 @@ def memory_by_stage(ctx: RankContext, stage: int, params: int = 1_000_000, depth
     ("after forward", "peak in backward", "after step") go into the trace.
     `mixed_precision`: "bfloat16" or "float16" (stages 1-3).
 
-    Returns the parameter count and the theory for this rank.
+    Returns the parameter count, the theory for this rank, the sample at which each
+    category is checked against it, and the bytes this rank sent in the second step,
+    counted message by message (stages 1-3, whose collectives are the ring's).
     """
     dtype = getattr(torch, mixed_precision) if mixed_precision else None
     if dtype is not None and stage == 0:
@@ -56,6 +58,8 @@ def memory_by_stage(ctx: RankContext, stage: int, params: int = 1_000_000, depth
             peak["sample"] = s
 
     for step in range(2):  # the first step creates Adam's state
+        if step == 1:
+            sent_before = tracer.total("bytes_sent")
         acts = SavedActivations()
         with acts:
             loss = nn.functional.mse_loss(zmodel(x), y)
@@ -69,6 +73,7 @@ def memory_by_stage(ctx: RankContext, stage: int, params: int = 1_000_000, depth
             for h in hooks:
                 h.remove()
             tracer.memory("after step", zmodel, opt)
+            sent = tracer.total("bytes_sent") - sent_before
         opt.zero_grad()
     # Keep only the largest backward sample, relabelled.
     data = tracer.data()
@@ -77,7 +82,22 @@ def memory_by_stage(ctx: RankContext, stage: int, params: int = 1_000_000, depth
         s = peak["sample"]
         data.memory.insert(1, type(s)(s.rank, "peak in backward", s.t_ns, s.bytes, s.cuda))
     theory = zero_bytes(n_params, ctx.world_size, stage, dtype or torch.float32)
-    return {"params": n_params, "theory": theory}
+    return {"params": n_params, "theory": theory, "checked_at": zero_checked_at(stage),
+            "bytes_sent": sent if stage else None}
+
+
+def measured_over_formula(run: Any) -> dict[str, tuple[float, float]]:
+    """For a `memory_by_stage` run: per category, (mean over ranks, largest rank) of
+    measured bytes / formula, each at the sample where the formula holds. Ranks differ
+    a little: each parameter's rows split as evenly as they can (the first ranks get
+    one row more)."""
+    result = run.results[0]
+    ratios = {}
+    for category, label in result["checked_at"].items():
+        measured = [s.bytes[category] for s in run.trace.memory_at(label).values()]
+        theory = result["theory"][category]
+        ratios[category] = (sum(measured) / len(measured) / theory, max(measured) / theory)
+    return ratios
 
 
 def step_times(ctx: RankContext, configs: dict[str, dict[str, Any]], steps: int = 10, *,
@@ -152,13 +172,13 @@ def communication_bytes(stage: int, nbytes: float, world_size: int) -> float:
     """Theory: bytes each rank sends per step for S = nbytes of parameters (= of gradients).
 
     A ring all-reduce sends 2(N-1)/N S (lesson 01); reduce-scatter and all-gather
-    half of that each. DDP (stage 0): one all-reduce. Stage 1 as built here:
-    all-reduce + all-gather of the parameters. Stage 2: reduce-scatter +
-    all-gather = DDP's volume. Stage 3: all-gather in forward, again in
-    backward, reduce-scatter: 1.5x DDP (ZeRO paper, sec. 7).
+    half of that each. DDP (stage 0): one all-reduce. Stages 1 and 2:
+    reduce-scatter the gradients, all-gather the updated parameters: DDP's
+    volume, since an all-reduce is exactly those two. Stage 3: all-gather in
+    forward, again in backward, reduce-scatter: 1.5x DDP (ZeRO paper, sec. 7).
     """
     half = (world_size - 1) / world_size * nbytes
-    return {0: 2 * half, 1: 3 * half, 2: 2 * half, 3: 3 * half}[stage]
+    return {0: 2 * half, 1: 2 * half, 2: 2 * half, 3: 3 * half}[stage]
 
 
 def zero3_step(ctx: RankContext, prefetch: bool = True, params: int = 2_000_000,
@@ -167,8 +187,9 @@ def zero3_step(ctx: RankContext, prefetch: bool = True, params: int = 2_000_000,
     spans here; backward and one span per all-gather and reduce-scatter of each layer
     from the model.
 
-    Returns the parameter bytes and the collective volume this rank issued in the
-    second step (sum of the collectives' sizes, by kind).
+    Returns the parameter bytes, the collectives' sizes this rank issued in the
+    second step (by kind), and the bytes it sent in that step, counted message by
+    message.
     """
     width, depth = mlp_for(params, depth)
     model = mlp(width, width, width, depth=depth)
@@ -181,6 +202,7 @@ def zero3_step(ctx: RankContext, prefetch: bool = True, params: int = 2_000_000,
         dist.barrier(group=ctx.group)  # a common start, for the timeline
         if step == 1:
             first = len(tracer.data().spans)
+            sent_before = tracer.total("bytes_sent")
         with tracer.span("forward", step=step):
             loss = nn.functional.mse_loss(zmodel(x), y)
         loss.backward()  # the model traces backward and each layer's collectives
@@ -189,7 +211,8 @@ def zero3_step(ctx: RankContext, prefetch: bool = True, params: int = 2_000_000,
             opt.zero_grad()
     volume: dict[str, int] = {}
     for s in tracer.data().spans[first:]:
-        if s.kind == "comm":
-            volume[s.name] = volume.get(s.name, 0) + s.meta["bytes"]
+        if s.kind == "comm" and "size" in s.meta:
+            volume[s.name] = volume.get(s.name, 0) + s.meta["size"]
     n_params = sum(u.numel for u in zmodel.units)
-    return {"param_bytes": n_params * 4, "volume": volume, "params": n_params}
+    return {"param_bytes": n_params * 4, "volume": volume, "params": n_params,
+            "bytes_sent": tracer.total("bytes_sent") - sent_before}

@@ -42,16 +42,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._all = [p for g in self.param_groups for p in g["params"]]
         self.owners = assign_owners([p.numel() for p in self._all], self.world_size)
-        mine = [p for p, r in zip(self._all, self.owners) if r == self.rank]
-        # A rank may own nothing (more ranks than tensors); it keeps an empty optimizer.
-        self.local = optimizer_class(mine, **defaults) if mine else None
+        owner = {id(p): r for p, r in zip(self._all, self.owners)}
+        # The same param groups with their own hyperparameters, holding only what this
+        # rank owns (a group may be empty here). A rank may own nothing at all (more
+        # ranks than tensors); it keeps no optimizer.
+        local_groups = [{**g, "params": [p for p in g["params"] if owner[id(p)] == self.rank]}
+                        for g in self.param_groups]
+        owns_any = any(g["params"] for g in local_groups)
+        self.local = optimizer_class(local_groups, **defaults) if owns_any else None
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = closure() if closure is not None else None
         if self.local is not None:
-            for key, value in self.param_groups[0].items():  # e.g. an LR scheduler's lr
-                if key != "params":
-                    self.local.param_groups[0][key] = value
+            # Every group's hyperparameters, as an LR scheduler (or the user) left them.
+            for local, group in zip(self.local.param_groups, self.param_groups):
+                local.update((k, v) for k, v in group.items() if k != "params")
             self.local.step()
         works = [dist.broadcast(p.data, src=global_rank(self.group, owner), group=self.group,
                                 async_op=True) for p, owner in zip(self._all, self.owners)]

@@ -509,15 +509,20 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
 def ring_reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
                         op: Op = "sum", *, tracer: Tracer | None = None,
                         link: SimulatedLink | None = None,
-                        segment_bytes: int = SEGMENT_BYTES) -> torch.Tensor:
-    """Return this rank's chunk of the reduction over ranks; `tensor` is not changed.
+                        segment_bytes: int = SEGMENT_BYTES,
+                        scratch: bool = False) -> torch.Tensor:
+    """Return this rank's chunk of the reduction over ranks.
 
     Rank r gets chunk r of `chunk_bounds(numel, N)`, as torch's reduce_scatter
-    does when numel divides evenly.
+    does when numel divides evenly. `tensor` is not changed, unless
+    `scratch=True`: then the ring works in it (a contiguous buffer the caller
+    throws away afterwards), which saves copying it.
     """
     check_args(tensor, op)
     group, rank, n = group_info(group)
-    flat = tensor.flatten().clone()
+    if scratch and not tensor.is_contiguous():
+        raise ValueError("scratch=True needs a contiguous tensor")
+    flat = tensor.view(-1) if scratch else tensor.flatten().clone()
     bounds = chunk_bounds(flat.numel(), n)
     if n > 1:
         _ring(flat, ("reduce-scatter",), op, group, rank, n, tracer, link, segment_bytes)
@@ -529,11 +534,14 @@ def ring_reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = 
 def ring_all_gather(shard: torch.Tensor, group: dist.ProcessGroup | None = None, *,
                     numel: int | None = None, tracer: Tracer | None = None,
                     link: SimulatedLink | None = None,
-                    segment_bytes: int = SEGMENT_BYTES) -> torch.Tensor:
+                    segment_bytes: int = SEGMENT_BYTES,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Concatenate every rank's flattened shard, in rank order, on every rank.
 
     With equal shards, leave `numel` out. With shards cut by `chunk_bounds`
     (uneven), pass the full `numel` so every rank knows every shard's size.
+    `out`: a contiguous 1-D tensor to gather into (returned); `shard` may be its
+    own chunk of it, which then is not copied.
     """
     check_args(shard, "sum")
     group, rank, n = group_info(group)
@@ -543,8 +551,13 @@ def ring_all_gather(shard: torch.Tensor, group: dist.ProcessGroup | None = None,
     if end - start != shard.numel():
         raise ValueError(f"rank {rank}'s shard has {shard.numel()} elements, but chunk {rank} "
                          f"of numel={numel} over {n} ranks has {end - start}")
-    flat = torch.empty(numel, dtype=shard.dtype, device=shard.device)
-    flat[start:end] = shard.flatten()
+    if out is not None and (out.shape != (numel,) or not out.is_contiguous()
+                            or out.dtype != shard.dtype):
+        raise ValueError(f"out must be a contiguous 1-D {shard.dtype} tensor of {numel} "
+                         f"elements, got {out.dtype} {tuple(out.shape)}")
+    flat = torch.empty(numel, dtype=shard.dtype, device=shard.device) if out is None else out
+    if flat[start:end].data_ptr() != shard.data_ptr() or not shard.is_contiguous():
+        flat[start:end] = shard.flatten()
     if n > 1:
         _ring(flat, ("all-gather",), "sum", group, rank, n, tracer, link, segment_bytes)
     return flat

@@ -120,7 +120,8 @@ def _build(cfg: dict[str, Any], model: nn.Module, ctx: RankContext) -> tuple[Any
     kind = cfg["kind"]
     if kind == "zero":
         return zero_shard(model, lambda ps: torch.optim.Adam(ps, lr=1e-3), stage=cfg["stage"],
-                          group=ctx.group, bucket_mb=cfg.get("bucket_mb", 25.0))
+                          group=ctx.group, bucket_mb=cfg.get("bucket_mb", 25.0),
+                          algorithm=cfg.get("algorithm", "auto"))
     if kind == "ddp":
         ddp = nn.parallel.DistributedDataParallel(model, process_group=ctx.group)
         return ddp, torch.optim.Adam(ddp.parameters(), lr=1e-3)

@@ -197,14 +197,21 @@ class FlatUnit:
             mine = rows[self.rank * c:self.rank * c + self.local_rows[i]]
             part[self.part_offsets[i]:self.part_offsets[i] + mine.numel()] = mine.reshape(-1)
 
-    def master_part(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """This rank's part of the masters, contiguous, in `dtype` (default: theirs)."""
+    def master_part(self, dtype: torch.dtype | None = None,
+                    into: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's part of the masters, contiguous, in `dtype` (default: theirs),
+        written into `into` when given."""
         dtype = dtype or self.dtype
+        if into is None:
+            into = torch.empty(self.part_numel, dtype=dtype, device=self.full.device)
         if self.master is not self.full:
-            return self.master.to(dtype)
-        part = torch.zeros(self.part_numel, dtype=dtype, device=self.full.device)
-        self.pack_part(self.full, part)
-        return part
+            return into.copy_(self.master)
+        self.pack_part(self.full, into)
+        for i, (c, rn) in enumerate(zip(self.chunk_rows, self.row_numels)):
+            if self.local_rows[i] < c:  # padding rows: zeros
+                into[self.part_offsets[i] + self.local_rows[i] * rn:
+                     self.part_offsets[i] + c * rn].zero_()
+        return into
 
     # -- what is gathered
 
@@ -217,13 +224,16 @@ class FlatUnit:
         """An optimizer changed the master since the last gather."""
         return self.master._version != self.gathered_version
 
-    def gather_input(self) -> torch.Tensor:
-        """This rank's part as the next all-gather sends it (compute dtype)."""
+    def gather_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's part as the next all-gather sends it, the whole buffer to gather
+        into), in the compute dtype; stages 1-2 write the part straight into the whole."""
+        whole = torch.empty(self.padded, dtype=self.full.dtype, device=self.full.device)
         if self.compute_shard is None:
-            return self.master_part(self.full.dtype)
+            mine = whole[self.rank * self.part_numel:(self.rank + 1) * self.part_numel]
+            return self.master_part(self.full.dtype, into=mine), whole
         if self.compute_shard is not self.master and self.stepped():
             self.compute_shard.copy_(self.master)
-        return self.compute_shard
+        return self.compute_shard, whole
 
     def complete(self) -> bool:
         """Every parameter's gradient of this backward is in."""
@@ -266,20 +276,20 @@ class _Comm:
     def reduce_scatter(self, buffer: torch.Tensor) -> Future[torch.Tensor]:
         """Sum `buffer` over ranks; the future gives this rank's part."""
         if self._thread is not None:
-            return self._run(lambda: ring_reduce_scatter(buffer, self.group, tracer=self.tracer))
+            return self._run(lambda: ring_reduce_scatter(buffer, self.group, tracer=self.tracer,
+                                                         scratch=True))
         out = torch.empty(buffer.numel() // dist.get_world_size(self.group), dtype=buffer.dtype,
                           device=buffer.device)
         work = reduce_scatter_single(out, buffer, group=self.group, async_op=True)
         return _after(work, out)
 
-    def all_gather(self, part: torch.Tensor) -> Future[torch.Tensor]:
-        """Every rank's part, in rank order."""
+    def all_gather(self, part: torch.Tensor, whole: torch.Tensor) -> Future[torch.Tensor]:
+        """Every rank's part, in rank order, into `whole` (`part` may be its own chunk)."""
         if self._thread is not None:
-            return self._run(lambda: ring_all_gather(part, self.group, tracer=self.tracer))
-        out = torch.empty(part.numel() * dist.get_world_size(self.group), dtype=part.dtype,
-                          device=part.device)
-        work = all_gather_single(out, part, group=self.group, async_op=True)
-        return _after(work, out)
+            return self._run(lambda: ring_all_gather(part, self.group, tracer=self.tracer,
+                                                     out=whole))
+        work = all_gather_single(whole, part, group=self.group, async_op=True)
+        return _after(work, whole)
 
     def all_reduce(self, buffer: torch.Tensor) -> Future[torch.Tensor]:
         if self._thread is not None:
@@ -433,7 +443,7 @@ class ZeroModel(GradSyncModule):
 
     def _gather_if_stepped(self, module: nn.Module, args: Any) -> None:
         """Stages 1-2: before a forward, gather the units whose master an optimizer changed."""
-        futures = [(u, self.comm.all_gather(u.gather_input()), time.perf_counter_ns())
+        futures = [(u, self.comm.all_gather(*u.gather_buffers()), time.perf_counter_ns())
                    for u in self.units if u.stepped()]
         for unit, future, started in futures:
             unit.unpack(future.result().view(self.world_size, unit.part_numel))
@@ -460,7 +470,7 @@ class ZeroModel(GradSyncModule):
     def _start_gather(self, unit: FlatUnit) -> None:
         if unit.gathered() or unit.gathering is not None:
             return
-        unit.gathering = (self.comm.all_gather(unit.gather_input()), time.perf_counter_ns())
+        unit.gathering = (self.comm.all_gather(*unit.gather_buffers()), time.perf_counter_ns())
 
     def _wait_gather(self, unit: FlatUnit) -> None:
         self._start_gather(unit)

@@ -136,7 +136,8 @@ def allreduce(args: argparse.Namespace) -> int:
     print(f"busbw       {busbw / 1e9:.3f} GB/s   (algbw x 2(N-1)/N)")
     if args.algo != "torch":
         for rank, r in enumerate(run.results):
-            theory = bytes_sent_per_rank(args.algo, nbytes, world_size, rank)
+            theory = bytes_sent_per_rank(args.algo, nbytes, world_size, rank,
+                                         itemsize=dtype.itemsize)
             print(f"rank {rank}      sent {r['bytes_sent']:.0f} B (theory {theory:.0f} B)")
     return 0
 
@@ -173,7 +174,7 @@ def zero(args: argparse.Namespace) -> int:
     """Bytes per rank by category under a ZeRO stage, measured against the formula,
     and the bytes each rank sent in a step against data parallelism's."""
     from parcourse.memory import format_bytes
-    from parcourse.zero.measure import measured_over_formula, memory_by_stage
+    from parcourse.experiments.zero import measured_over_formula, memory_by_stage
 
     external = _external_env()
     world_size = external[1] if external else args.world_size

@@ -113,6 +113,10 @@ def test_bytes_sent_equal_the_formulas_exactly(pools, world_size):
     assert naive[0][2] == (world_size - 1) * size
     gathered = pools[world_size].run(F.all_gather_vs_torch, numel, dtype).results
     assert all(g[2] == (world_size - 1) / world_size * size for g in gathered)
+    # Uneven chunks (1001 float16 over 3 or 4 ranks): the chunks each rank sends, exactly.
+    ring = pools[world_size].run(F.all_reduce_vs_torch, "ring", 1001, torch.float16, "sum").results
+    for rank in range(world_size):
+        assert ring[rank][2] == C.bytes_sent_per_rank("ring", 2002, world_size, rank, itemsize=2)
 
 
 def test_trace_shows_each_ring_step_with_its_chunk(pools):

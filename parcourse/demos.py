@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from typing import Any, Literal
 
@@ -58,6 +58,22 @@ def max_batch(world_size: int, dtype: str = "float32") -> int:
     return batch
 
 
+def _timed(ctx: RankContext, algo: str, t: torch.Tensor, ops: int,
+           link: SimulatedLink | None) -> float:
+    """Seconds per all-reduce of `ops` run back to back from ones after a barrier;
+    the result is checked afterwards (untimed)."""
+    t.fill_(1)
+    dist.barrier(group=ctx.group)
+    t0 = time.perf_counter()
+    for _ in range(ops):
+        all_reduce_with(algo, t, ctx, link=link)  # type: ignore[arg-type]
+    if t.is_cuda:
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - t0) / ops
+    check_all_reduced(ctx, algo, t, ctx.world_size ** ops)
+    return seconds
+
+
 def time_all_reduce(ctx: RankContext, algos: list[str], sizes: list[int], repeats: int,
                     dtype: str = "float32", link: SimulatedLink | None = None,
                     batch: int = 1) -> dict[tuple[str, int], list[float]]:
@@ -84,24 +100,29 @@ def time_all_reduce(ctx: RankContext, algos: list[str], sizes: list[int], repeat
     for size in sizes:
         t = torch.ones(max(1, size // torch_dtype.itemsize), dtype=torch_dtype,
                        device=ctx.device)
-
-        def run(algo: str, ops: int) -> float:
-            t.fill_(1)
-            dist.barrier(group=ctx.group)
-            t0 = time.perf_counter()
-            for _ in range(ops):
-                all_reduce_with(algo, t, ctx, link=link)  # type: ignore[arg-type]
-            if t.is_cuda:
-                torch.cuda.synchronize()
-            seconds = (time.perf_counter() - t0) / ops
-            check_all_reduced(ctx, algo, t, ctx.world_size ** ops)
-            return seconds
-
         for algo in algos:
-            run(algo, 1)  # warm-up
+            _timed(ctx, algo, t, 1, link)  # warm-up
         for i in range(repeats):
             for algo in algos if i % 2 == 0 else algos[::-1]:
-                out.setdefault((algo, size), []).append(run(algo, batch))
+                out.setdefault((algo, size), []).append(_timed(ctx, algo, t, batch, link))
+    return out
+
+
+def time_over_links(ctx: RankContext, algos: list[str], nbytes: int,
+                    links: Mapping[str, SimulatedLink | None],
+                    repeats: int) -> dict[tuple[str, str], list[float]]:
+    """Seconds per all-reduce of `nbytes` floats' bytes on this rank, for each
+    (algorithm, name of a link in `links`), every combination alternating (and
+    swapping order every sample) as in `time_all_reduce`, so that they can be
+    compared with each other. One warm-up each, untimed; results checked."""
+    t = torch.ones(max(1, nbytes // 4), device=ctx.device)
+    combos = [(algo, name) for algo in algos for name in links]
+    for algo, name in combos:
+        _timed(ctx, algo, t, 1, links[name])  # warm-up
+    out: dict[tuple[str, str], list[float]] = {}
+    for i in range(repeats):
+        for algo, name in combos if i % 2 == 0 else combos[::-1]:
+            out.setdefault((algo, name), []).append(_timed(ctx, algo, t, 1, links[name]))
     return out
 
 
@@ -155,5 +176,7 @@ def check_ring_step(step_fn: Callable[..., Any], pool: Pool, numel: int = 10,
                   "Hint: step s sends chunk (rank - s - 1) % n to the right and adds chunk "
                   "(rank - s - 2) % n, received from the left, into its own copy.")
             return False
-    print(f"Correct: after {pool.world_size - 1} steps every rank owns its fully reduced chunk.")
+    steps = pool.world_size - 1
+    print(f"Correct: after {steps} step{'s' * (steps > 1)} every rank owns its fully reduced "
+          "chunk.")
     return True

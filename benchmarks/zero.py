@@ -26,8 +26,9 @@ from parcourse.cli import parse_count
 from parcourse.demos import slowest_rank
 from parcourse.memory import format_bytes
 from parcourse.collectives import bytes_sent_per_rank
-from parcourse.zero.measure import (communication_bytes, measured_over_formula,
-                                    memory_by_stage, peak_memory, step_times)
+from parcourse.experiments.zero import (measured_over_formula, memory_by_stage, peak_memory,
+                                        step_times)
+from parcourse.theory import zero_communication_bytes
 
 
 def main() -> None:
@@ -53,7 +54,7 @@ def main() -> None:
                 cells += f"{format_bytes(largest * result['theory'][c]):>11} ({largest:.3f})"
             ddp = bytes_sent_per_rank("ring", result["params"] * 4, 4)
             sent = "-" if stage == 0 else f"{max(r['bytes_sent'] for r in run.results) / ddp:.3f}"
-            theory = communication_bytes(stage, 1.0, 4) / communication_bytes(0, 1.0, 4)
+            theory = zero_communication_bytes(stage, 1.0, 4) / zero_communication_bytes(0, 1.0, 4)
             print(f"{stage:>5}{cells}  {'met' if worst <= 0.02 else 'MISSED':>9}{sent:>12}"
                   f"{theory:>8.2f}")
 

@@ -199,7 +199,9 @@ def zero(args: argparse.Namespace) -> int:
     for c, (mean, largest) in measured_over_formula(run).items():
         print(f"  {c:<10} measured / formula {result['checked_at'][c]}: {mean:.3f} "
               f"(largest rank {largest:.3f})")
-    if result["bytes_sent"] is not None:
+    if world_size == 1:
+        print("\none rank: nothing to communicate, nothing to shard")
+    elif result["bytes_sent"] is not None:
         ddp = bytes_sent_per_rank("ring", result["params"] * 4, world_size)
         print("\nsent in one step (counted message by message), per rank, against data "
               "parallelism's ring all-reduce of the gradients, 2(N-1)/N x S:")

@@ -91,7 +91,7 @@ def test_owner_assignment_balances_sizes():
 
 
 def test_zero_bytes_formula():
-    from parcourse.memory import zero_bytes
+    from parcourse.theory import zero_bytes
 
     n, p = 4, 1000
     assert zero_bytes(p, n, 0) == {"params": 4000, "grads": 4000, "optimizer": 8000}
@@ -108,7 +108,7 @@ def test_zero_bytes_formula():
 
 
 def check_against_formula(run):
-    from parcourse.zero.measure import measured_over_formula
+    from parcourse.experiments.zero import measured_over_formula
 
     for category, (mean, largest) in measured_over_formula(run).items():
         # Mean over ranks within 2%: Adam keeps a 4-byte step per tensor, and gradient
@@ -121,7 +121,7 @@ def check_against_formula(run):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_measured_bytes_per_rank_equal_the_formula(pools, stage):
-    from parcourse.zero.measure import memory_by_stage
+    from parcourse.experiments.zero import memory_by_stage
 
     run = pools[4].run(memory_by_stage, stage, 20_000, bucket_mb=0.01)
     check_against_formula(run)
@@ -132,7 +132,7 @@ def test_measured_bytes_per_rank_equal_the_formula(pools, stage):
 def test_bytes_sent_counted_from_messages(pools, stage):
     """Stages 1 and 2 send what DDP's ring all-reduce sends, 2(N-1)/N x S; stage 3 1.5x."""
     from parcourse.collectives import bytes_sent_per_rank
-    from parcourse.zero.measure import memory_by_stage
+    from parcourse.experiments.zero import memory_by_stage
 
     run = pools[4].run(memory_by_stage, stage, 20_000, bucket_mb=1.0)
     ddp = bytes_sent_per_rank("ring", run.results[0]["params"] * 4, 4)
@@ -160,7 +160,7 @@ def test_mixed_precision_computes_in_16_bits_with_fp32_masters(pools, stage, dty
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_mixed_precision_bytes_follow_2_2_12(pools, stage):
-    from parcourse.zero.measure import memory_by_stage
+    from parcourse.experiments.zero import memory_by_stage
 
     run = pools[4].run(memory_by_stage, stage, 20_000, bucket_mb=0.01, mixed_precision="bfloat16")
     check_against_formula(run)
@@ -248,3 +248,52 @@ def test_kept_modules_stay_whole_and_fp32(pools, world_size):
 def test_optimizer_over_the_unsharded_module_raises(pools, stage):
     with pytest.raises(RankError, match="Build the optimizer from the sharded model"):
         pools[2].run(Z.optimizer_before_sharding, stage)
+
+
+# --- the lessons' exercises: their checks reject wrong answers
+
+
+def test_rows_exercise_check(capsys):
+    from parcourse.experiments.zero import check_rows
+
+    def right(param, rank, n):
+        c = math.ceil(param.shape[0] / n)
+        return param[rank * c:(rank + 1) * c]
+
+    def floor_division(param, rank, n):  # loses the last rows when N does not divide them
+        c = param.shape[0] // n
+        return param[rank * c:(rank + 1) * c]
+
+    def stub(param, rank, n):
+        raise NotImplementedError
+
+    assert check_rows(right)
+    assert not check_rows(floor_division)
+    assert "should keep rows 0..6" in capsys.readouterr().out
+    assert not check_rows(stub)
+    assert "Not written yet" in capsys.readouterr().out
+
+
+def test_unpack_exercise_check(capsys):
+    from parcourse.experiments.zero import check_unpack
+
+    def right(parts, shapes, n):
+        params, offset = [], 0
+        for shape in shapes:
+            rows, rest = shape[0], math.prod(shape[1:])
+            c = math.ceil(rows / n)
+            params.append(parts[:, offset:offset + c * rest].reshape(n * c, *shape[1:])[:rows])
+            offset += c * rest
+        return params
+
+    def ignores_padding(parts, shapes, n):  # reads the parts as if nothing were padded
+        flat, out, offset = parts.reshape(-1), [], 0
+        for shape in shapes:
+            out.append(flat[offset:offset + math.prod(shape)].view(shape))
+            offset += math.prod(shape)
+        return out
+
+    assert check_unpack(right)
+    assert not check_unpack(ignores_padding)
+    out = capsys.readouterr().out
+    assert "Not quite" in out and "Hint" in out and "Traceback" not in out

@@ -1,6 +1,6 @@
 """A ZeRO memory calculator: parameters, world size, stage, dtype -> bytes per rank.
 
-Pure arithmetic (parcourse.memory.zero_bytes), recomputed as the sliders move;
+Pure arithmetic (parcourse.theory.zero_bytes), recomputed as the sliders move;
 computed once when made, so a headless run exercises the same path.
 """
 
@@ -12,7 +12,8 @@ import ipywidgets as W
 import torch
 from IPython.display import display
 
-from parcourse.memory import format_bytes, zero_bytes
+from parcourse.memory import format_bytes
+from parcourse.theory import zero_bytes
 
 
 class MemoryCalculator:

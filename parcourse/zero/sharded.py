@@ -70,6 +70,14 @@ _MAX_IN_FLIGHT = 2
 # --------------------------------------------------------------------------- a unit
 
 
+def row_chunk(rows: int, rank: int, world_size: int) -> tuple[int, int]:
+    """[start, end) of the rows `rank` keeps: chunks of ceil(rows / N) rows, so the last
+    ranks get fewer, or none (as torch.chunk and FSDP2 cut them)."""
+    chunk = math.ceil(rows / world_size)
+    start = min(rank * chunk, rows)
+    return start, min(start + chunk, rows)
+
+
 @dataclass(eq=False)
 class FlatUnit:
     """Parameters whose row chunks are sharded, gathered and reduced together.
@@ -106,8 +114,8 @@ class FlatUnit:
         *self.part_offsets, self.part_numel = itertools.accumulate(chunk_numels, initial=0)
         *self.full_offsets, self.numel = itertools.accumulate(self.numels, initial=0)
         self.padded = self.part_numel * n
-        self.local_rows = [min(max(r - self.rank * c, 0), c)
-                           for r, c in zip(self.rows, self.chunk_rows)]
+        self.local_rows = [end - start for start, end in
+                           (row_chunk(r, self.rank, n) for r in self.rows)]
         p0 = self.params[0]
         self.dtype = p0.dtype  # the masters' (and the optimizer's) dtype
         self.full = torch.empty(self.numel, dtype=self.compute_dtype or self.dtype,

@@ -1,8 +1,12 @@
-"""Rank functions that measure ZeRO: bytes per rank by category, step times."""
+"""ZeRO runs that lessons 03-04, the CLI and benchmarks/zero.py launch: bytes per rank by
+category, bytes sent, step times against torch's own, a traced stage-3 step."""
 
 from __future__ import annotations
 
+import statistics
+import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -13,9 +17,11 @@ from parcourse.data import local_regression
 from parcourse.data_parallel import BucketedDataParallel
 from parcourse.data_parallel.training import alternate_steps
 from parcourse.launch import RankContext
-from parcourse.memory import SavedActivations, zero_bytes, zero_checked_at
+from parcourse.memory import SavedActivations
+from parcourse.theory import zero_bytes, zero_checked_at
 from parcourse.models import mlp
-from parcourse.zero.sharded import shard as zero_shard
+from parcourse.zero import shard as zero_shard
+from parcourse.zero.sharded import FlatUnit, row_chunk
 
 
 def mlp_for(params: int, depth: int = 4) -> tuple[int, int]:
@@ -82,8 +88,12 @@ def memory_by_stage(ctx: RankContext, stage: int, params: int = 1_000_000, depth
         s = peak["sample"]
         data.memory.insert(1, type(s)(s.rank, "peak in backward", s.t_ns, s.bytes, s.cuda))
     theory = zero_bytes(n_params, ctx.world_size, stage, dtype or torch.float32)
+    # After the step, stage 1 has reduce-scattered its full gradient and keeps its
+    # shard, as stage 2 does: W + G + O at that point.
+    kept = zero_bytes(n_params, ctx.world_size, 2 if stage == 1 else stage,
+                      dtype or torch.float32)
     return {"params": n_params, "theory": theory, "checked_at": zero_checked_at(stage),
-            "bytes_sent": sent if stage else None}
+            "after_step_total": sum(kept.values()), "bytes_sent": sent if stage else None}
 
 
 def measured_over_formula(run: Any) -> dict[str, tuple[float, float]]:
@@ -169,19 +179,6 @@ def peak_memory(ctx: RankContext, cfg: dict[str, Any], params: int = 4_000_000, 
     return {str(k).split(".")[-1].lower(): int(v) for k, v in peak[device].items()}
 
 
-def communication_bytes(stage: int, nbytes: float, world_size: int) -> float:
-    """Theory: bytes each rank sends per step for S = nbytes of parameters (= of gradients).
-
-    A ring all-reduce sends 2(N-1)/N S (lesson 01); reduce-scatter and all-gather
-    half of that each. DDP (stage 0): one all-reduce. Stages 1 and 2:
-    reduce-scatter the gradients, all-gather the updated parameters: DDP's
-    volume, since an all-reduce is exactly those two. Stage 3: all-gather in
-    forward, again in backward, reduce-scatter: 1.5x DDP (ZeRO paper, sec. 7).
-    """
-    half = (world_size - 1) / world_size * nbytes
-    return {0: 2 * half, 1: 2 * half, 2: 2 * half, 3: 3 * half}[stage]
-
-
 def zero3_step(ctx: RankContext, prefetch: bool = True, params: int = 2_000_000,
                depth: int = 6, batch: int = 64, stage: int = 3) -> dict[str, Any]:
     """Two traced training steps under ZeRO (stage 3 by default): forward and optimizer
@@ -217,3 +214,91 @@ def zero3_step(ctx: RankContext, prefetch: bool = True, params: int = 2_000_000,
     n_params = sum(u.numel for u in zmodel.units)
     return {"param_bytes": n_params * 4, "volume": volume, "params": n_params,
             "bytes_sent": tracer.total("bytes_sent") - sent_before}
+
+
+def gather_scatter_times(ctx: RankContext, nbytes: int, repeats: int = 5) -> dict[str, float]:
+    """Median seconds of one all-gather and one reduce-scatter of `nbytes` (the whole
+    buffer), by torch.distributed (what FSDP2 calls) and by this course's ring (what
+    ZeroModel runs on gloo), beside torch's all-reduce of the same buffer."""
+    from parcourse._compat import all_gather_single, reduce_scatter_single
+    from parcourse.collectives import ring_all_gather, ring_reduce_scatter
+
+    n = ctx.world_size
+    numel = max(n, nbytes // 4 // n * n)
+    whole = torch.ones(numel, device=ctx.device)
+    part = torch.ones(numel // n, device=ctx.device)
+    ops = {
+        "torch all_reduce": lambda: dist.all_reduce(whole, group=ctx.group),
+        "torch all_gather": lambda: all_gather_single(whole, part, group=ctx.group),
+        "torch reduce_scatter": lambda: reduce_scatter_single(part, whole, group=ctx.group),
+        "ring all_gather": lambda: ring_all_gather(part, ctx.group, out=whole),
+        "ring reduce_scatter": lambda: ring_reduce_scatter(whole, ctx.group),
+    }
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    for _ in range(repeats):
+        for name, op in ops.items():  # alternating, so that load hits all alike
+            dist.barrier(group=ctx.group)
+            start = time.perf_counter()
+            op()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+# --------------------------------------------------------------------------- exercises
+
+
+def check_rows(fn: Callable[[torch.Tensor, int, int], torch.Tensor]) -> bool:
+    """Lesson 03's exercise: `fn(param, rank, world_size)` returns the rows of `param`
+    that `rank` keeps, as `ZeroModel` cuts them. Prints one short verdict."""
+    g = torch.Generator().manual_seed(0)
+    for shape in [(13, 7), (8, 2), (5,), (2, 3)]:
+        param = torch.randn(shape, generator=g)
+        for world_size in range(1, 6):
+            for rank in range(world_size):
+                start, end = row_chunk(shape[0], rank, world_size)
+                expected = param[start:end]
+                try:
+                    got = fn(param, rank, world_size)
+                except NotImplementedError:
+                    print("Not written yet: fill in the function above, then run this cell again.")
+                    return False
+                if not (torch.is_tensor(got) and got.shape == expected.shape
+                        and torch.equal(got, expected)):
+                    seen = tuple(got.shape) if torch.is_tensor(got) else type(got).__name__
+                    print(f"Not quite: a parameter of shape {shape} on rank {rank} of "
+                          f"{world_size} should keep rows {start}..{end - 1} (shape "
+                          f"{tuple(expected.shape)}), got {seen}. Hint: every rank but the "
+                          "last ones gets ceil(rows / world_size) rows.")
+                    return False
+    print("Correct: every rank keeps ceil(rows / N) rows; the last ones fewer, or none.")
+    return True
+
+
+def check_unpack(fn: Callable[[torch.Tensor, list[tuple[int, ...]], int], list[torch.Tensor]]
+                 ) -> bool:
+    """Lesson 04's exercise: `fn(parts, shapes, world_size)` rebuilds the parameters from
+    what an all-gather returned (one row of `parts` per rank), as `ZeroModel` does before
+    a layer runs. Checked against the library's own packing. Prints one short verdict."""
+    g = torch.Generator().manual_seed(0)
+    for shapes in [[(6, 4)], [(13, 7), (13,), (5, 13), (5,)], [(3, 2), (1, 4)]]:
+        for world_size in (1, 2, 3, 4):
+            params = [nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+            expected = [p.detach().clone() for p in params]
+            unit = FlatUnit(0, params, 0, world_size)
+            parts = torch.zeros(world_size, unit.part_numel)
+            unit.pack(expected, parts)
+            try:
+                got = fn(parts, [tuple(s) for s in shapes], world_size)
+            except NotImplementedError:
+                print("Not written yet: fill in the function above, then run this cell again.")
+                return False
+            for shape, e, o in zip(shapes, expected, list(got) + [None] * len(shapes)):
+                if not (torch.is_tensor(o) and o.shape == e.shape and torch.equal(o, e)):
+                    seen = tuple(o.shape) if torch.is_tensor(o) else type(o).__name__
+                    print(f"Not quite: with {world_size} ranks, the parameter of shape {shape} "
+                          f"came back as {seen}, or with other values. Hint: each rank's row "
+                          "holds ceil(rows / N) rows of every parameter, padding included; "
+                          "stack the ranks' chunks, then drop the padding rows.")
+                    return False
+    print("Correct: gathered, unpadded and reshaped, every parameter is whole again.")
+    return True

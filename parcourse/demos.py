@@ -1,4 +1,5 @@
-"""Rank functions that lessons, the CLI and the benchmarks run to measure collectives."""
+"""Rank functions that lessons, the CLI and the benchmarks run to measure collectives and
+data parallelism, and the exercise checks of lessons 01 and 02."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from parcourse.basics import run_exercise
 from parcourse.collectives import (SimulatedLink, chunk_bounds, naive_all_reduce,
                                    ring_all_reduce, simulated_link)
+from parcourse.data_parallel import BucketedDataParallel
 from parcourse.launch import Pool, RankContext
 
 Algo = Literal["ring", "naive", "torch"]
@@ -126,6 +128,31 @@ def time_over_links(ctx: RankContext, algos: list[str], nbytes: int,
     return out
 
 
+def data_parallel_steps(ctx: RankContext, configs: Mapping[str, Mapping[str, Any]],
+                        links: Mapping[str, SimulatedLink | None], steps: int = 4, *,
+                        width: int = 256, depth: int = 6,
+                        batch: int = 256) -> dict[tuple[str, str], list[float]]:
+    """Seconds per training step of each (configuration, link), all alternating step by
+    step (`training.alternate_steps`), so that they can be compared with each other.
+
+    `configs` maps a name to `training.wrap` arguments ("torch" takes no link);
+    `links` maps a name to a link, e.g. {"link": SimulatedLink.of(500, 0.2),
+    "free": SimulatedLink()}: a free link runs the same code and adds no time.
+    """
+    from parcourse.data import local_regression
+    from parcourse.data_parallel.training import alternate_steps, wrap
+    from parcourse.models import mlp
+
+    x, y = local_regression(batch, width, width, ctx.rank, ctx.world_size, ctx.device)
+    runs = {}
+    for name, cfg in configs.items():
+        for link_name, link in links.items():
+            model = mlp(width, width, width, depth=depth).to(ctx.device)
+            ddp = wrap(model, ctx=ctx, link=link, **cfg)
+            runs[name, link_name] = (ddp, torch.optim.Adam(ddp.parameters(), lr=0.01))
+    return alternate_steps(ctx, runs, x, y, steps)
+
+
 def slowest_rank(per_rank: list[dict[Any, list[float]]], key: Any) -> list[float]:
     """Each repetition lasts as long as its slowest rank."""
     return [max(ts) for ts in zip(*(r[key] for r in per_rank))]
@@ -180,3 +207,151 @@ def check_ring_step(step_fn: Callable[..., Any], pool: Pool, numel: int = 10,
     print(f"Correct: after {steps} step{'s' * (steps > 1)} every rank owns its fully reduced "
           "chunk.")
     return True
+
+
+# --------------------------------------------------------------------------- lesson 02
+
+LaunchRule = Callable[[set[int], list[list[int]], int, Callable[[int], None]], int]
+
+
+def _launches(rule: LaunchRule, buckets: list[list[int]],
+              order: list[int]) -> list[tuple[int, int]]:
+    """Feed gradients to `rule` in `order`; return (gradients arrived, bucket) per launch."""
+    launched: list[tuple[int, int]] = []
+    ready: set[int] = set()
+    next_bucket = 0
+    for param in order:
+        ready.add(param)
+        next_bucket = rule(ready, buckets, next_bucket,
+                           lambda k: launched.append((len(ready), k)))
+    return launched
+
+
+def launch_ready_buckets(ready: set[int], buckets: list[list[int]], next_bucket: int,
+                         launch: Callable[[int], None]) -> int:
+    """The rule BucketedDataParallel follows when a gradient arrives: start every bucket
+    from `next_bucket` on whose gradients have all arrived, in order, stopping at the
+    first that is not complete (every rank must start the same buckets in the same
+    order); return the first bucket not started."""
+    while next_bucket < len(buckets) and all(i in ready for i in buckets[next_bucket]):
+        launch(next_bucket)
+        next_bucket += 1
+    return next_bucket
+
+
+# (buckets of parameter indices, in launch order; the order gradients arrive in; why)
+_LAUNCH_CASES = [
+    ([[5, 4], [3, 2], [1, 0]], [5, 4, 3, 2, 1, 0], "backward, last layer first"),
+    ([[5, 4, 3], [2, 1, 0]], [5, 3, 4, 1, 2, 0], "arrivals out of order inside buckets"),
+    ([[5, 4], [3, 2], [1, 0]], [3, 2, 1, 0, 5, 4], "the first bucket's gradients arrive last"),
+    ([[3], [2], [1], [0]], [3, 2, 1, 0], "one parameter per bucket"),
+]
+
+
+def check_launch_rule(rule: LaunchRule) -> bool:
+    """Exercise check for lesson 02: does `rule(ready, buckets, next_bucket, launch)`
+    start each bucket as soon as it may, in order, once? Prints what it found
+    (expected, got and a hint when wrong); True only when every case matches."""
+    for buckets, order, why in _LAUNCH_CASES:
+        expected = _launches(launch_ready_buckets, buckets, order)
+        try:
+            got = _launches(rule, buckets, order)
+        except NotImplementedError:
+            print("Not written yet: fill in the function above, then run this cell again.")
+            return False
+        except Exception as e:  # the learner's code: say what, not a traceback
+            print(f"Not yet: your function raised {type(e).__name__}: {e}")
+            return False
+        if got != expected:
+            show = "; ".join(f"bucket {k} after {n}" for n, k in expected)
+            mine = "; ".join(f"bucket {k} after {n}" for n, k in got) or "nothing"
+            print(f"Not quite ({why}: buckets {buckets}, gradients arriving {order}): "
+                  f"expected {show}; got {mine}. Hint: start buckets strictly in order, each "
+                  "as soon as all its gradients are in, and keep going while the next one "
+                  "is complete too.")
+            return False
+    print(f"Correct: every bucket starts as soon as it may, in order ({len(_LAUNCH_CASES)} "
+          "cases).")
+    return True
+
+
+def check_buckets(fn: Callable[[list[int], int], list[list[int]]]) -> bool:
+    """Exercise check for lesson 02: `fn(sizes, limit)` must group parameter indices as
+    BucketedDataParallel does (reverse order, at most `limit` bytes, a larger
+    parameter alone). Prints what it found; True only when every case matches."""
+    from parcourse.data_parallel import make_buckets
+
+    cases = [([400, 40, 4000, 40], 1000), ([10] * 7, 25), ([5000, 10, 10], 1000), ([1], 1)]
+    for sizes, limit in cases:
+        params = [torch.nn.Parameter(torch.empty(max(1, s // 4))) for s in sizes]
+        index = {id(p): i for i, p in enumerate(params)}
+        expected = [[index[id(p)] for p in b.params] for b in make_buckets(params, limit / 2**20)]
+        try:
+            got = fn([p.numel() * 4 for p in params], limit)
+        except NotImplementedError:
+            print("Not written yet: fill in the function above, then run this cell again.")
+            return False
+        except Exception as e:  # the learner's code: say what, not a traceback
+            print(f"Not yet: your function raised {type(e).__name__}: {e}")
+            return False
+        if got != expected:
+            print(f"Not quite (sizes {[p.numel() * 4 for p in params]}, limit {limit}): "
+                  f"expected {expected}, got {got}. Hint: walk the parameters from the last "
+                  "to the first, and start a new bucket when the next one would not fit.")
+            return False
+    print("Correct: same buckets as BucketedDataParallel.")
+    return True
+
+
+class RuledDataParallel(BucketedDataParallel):
+    """BucketedDataParallel whose buckets start by a rule given as a function (lesson
+    02's exercise): `rule(ready, buckets, next_bucket, launch)` as
+    `launch_ready_buckets`, with parameters and buckets as indices."""
+
+    def __init__(self, module: torch.nn.Module, group: dist.ProcessGroup | None, rule: LaunchRule,
+                 **kwargs: Any) -> None:
+        super().__init__(module, group, **kwargs)
+        self.rule = rule
+        self._index = {id(p): i for i, p in enumerate(self.sync_params)}
+        self._indices = [[self._index[id(p)] for p in b.params] for b in self.buckets]
+        self._ready: set[int] = set()
+
+    def grad_ready(self, param: torch.Tensor) -> None:
+        self._bucket_of[id(param)].ready.add(id(param))
+        self._ready.add(self._index[id(param)])
+        self._next = self.rule(self._ready, self._indices, self._next,
+                               lambda k: self._launch(self.buckets[k]))
+
+    def finish_gradient_sync(self) -> None:
+        super().finish_gradient_sync()
+        self._ready.clear()
+
+
+def train_with_rule(ctx: RankContext, rule: LaunchRule | None, steps: int = 3, *,
+                    width: int = 256, depth: int = 6, batch: int = 256, bucket_mb: float = 1.0,
+                    latency_us: float = 0.0, bandwidth_gbps: float | None = None) -> list[float]:
+    """Traced training steps with buckets started by `rule` (None: only after backward,
+    no overlap); returns seconds per step, the first one (warm-up) left out."""
+    from parcourse.data import local_regression
+    from parcourse.models import mlp
+
+    link = simulated_link(latency_us, bandwidth_gbps)
+    algorithm = "ring" if link is not None else "torch"
+    model = mlp(width, width, width, depth=depth).to(ctx.device)
+    kwargs = {"bucket_mb": bucket_mb, "algorithm": algorithm, "link": link, "tracer": ctx.tracer}
+    ddp = (BucketedDataParallel(model, ctx.group, overlap=False, **kwargs) if rule is None
+           else RuledDataParallel(model, ctx.group, rule, **kwargs))
+    opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
+    x, y = local_regression(batch, width, width, ctx.rank, ctx.world_size, ctx.device)
+    times = []
+    for step in range(steps + 1):
+        dist.barrier(group=ctx.group)
+        t0 = time.perf_counter()
+        with ctx.tracer.span("forward", step=step):
+            loss = torch.nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        with ctx.tracer.span("optimizer", step=step):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    return times[1:]

@@ -179,3 +179,92 @@ def test_max_batch_keeps_sums_of_ones_exact():
     assert demos.max_batch(3, "float16") == 6  # 3**6 = 729 <= 2048 < 3**7
     assert demos.max_batch(2, "bfloat16") == 8
     assert demos.max_batch(1) > 1000  # one rank sums nothing
+
+
+# Lesson 02's exercises: the rule that starts buckets during backward, and bucket assignment.
+
+def rule_stub(ready, buckets, next_bucket, launch):
+    raise NotImplementedError
+
+
+def rule_after_backward(ready, buckets, next_bucket, launch):
+    return next_bucket  # starts nothing: the wrapper starts every bucket after backward
+
+
+def rule_one_at_a_time(ready, buckets, next_bucket, launch):
+    if next_bucket < len(buckets) and all(i in ready for i in buckets[next_bucket]):
+        launch(next_bucket)
+        return next_bucket + 1
+    return next_bucket
+
+
+def rule_out_of_order(ready, buckets, next_bucket, launch):
+    for k, bucket in enumerate(buckets):
+        if k >= next_bucket and all(i in ready for i in bucket):
+            launch(k)
+            next_bucket = k + 1
+    return next_bucket
+
+
+def rule_too_early(ready, buckets, next_bucket, launch):
+    while next_bucket < len(buckets) and any(i in ready for i in buckets[next_bucket]):
+        launch(next_bucket)
+        next_bucket += 1
+    return next_bucket
+
+
+def test_launch_rule_check_tells_stub_wrong_and_right(capsys):
+    assert demos.check_launch_rule(rule_stub) is False
+    assert "Not written yet" in capsys.readouterr().out
+    for wrong in (rule_after_backward, rule_one_at_a_time, rule_out_of_order, rule_too_early):
+        assert demos.check_launch_rule(wrong) is False, wrong.__name__
+        out = capsys.readouterr().out
+        assert out.startswith("Not quite (") and "expected bucket 0 after" in out
+        assert "; got " in out and "Hint:" in out and out.count("\n") == 1
+    assert demos.check_launch_rule(lambda *a: 1 / 0) is False
+    assert capsys.readouterr().out == "Not yet: your function raised ZeroDivisionError: " \
+                                      "division by zero\n"
+    assert demos.check_launch_rule(demos.launch_ready_buckets)
+
+
+def test_bucket_check_tells_stub_wrong_and_right(capsys):
+    def stub(sizes, limit):
+        raise NotImplementedError
+
+    def forward_order(sizes, limit):  # forgets that backward produces the last layer first
+        buckets, filled = [], 0
+        for i, size in enumerate(sizes):
+            if not buckets or filled + size > limit:
+                buckets.append([])
+                filled = 0
+            buckets[-1].append(i)
+            filled += size
+        return buckets
+
+    def right(sizes, limit):
+        return [[len(sizes) - 1 - i for i in b] for b in forward_order(sizes[::-1], limit)]
+
+    assert demos.check_buckets(stub) is False
+    assert "Not written yet" in capsys.readouterr().out
+    assert demos.check_buckets(forward_order) is False
+    assert capsys.readouterr().out == (
+        "Not quite (sizes [400, 40, 4000, 40], limit 1000): expected [[3], [2], [1, 0]], "
+        "got [[0, 1], [2], [3]]. Hint: walk the parameters from the last to the first, and "
+        "start a new bucket when the next one would not fit.\n")
+    assert demos.check_buckets(right)
+
+
+def test_a_launch_rule_drives_real_buckets(pool2):
+    # The rule decides when buckets start: during backward (the library's rule) or,
+    # with no rule, only after it. A slow link makes every all-reduce last 4 ms or more.
+    for rule in (demos.launch_ready_buckets, None):
+        run = pool2.run(demos.train_with_rule, rule, 1, width=64, depth=6, batch=64,
+                        bucket_mb=0.02, latency_us=2000.0)
+        assert len(run.results[0]) == 1
+        for rank in range(2):
+            backward = run.trace.spans_of(rank=rank, name="backward")[-1]
+            comm = [s for s in run.trace.spans_of(rank=rank, kind="comm")
+                    if s.start_ns >= run.trace.spans_of(rank=rank, name="forward")[-1].start_ns]
+            early = [s for s in comm if s.start_ns < backward.end_ns]
+            assert len(comm) == 6  # 64 x 64 + 64 floats: one bucket per layer
+            assert (len(early) >= len(comm) - 1) if rule else not early

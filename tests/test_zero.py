@@ -244,6 +244,16 @@ def test_kept_modules_stay_whole_and_fp32(pools, world_size):
             assert diff.max() <= 3 * 2 * 0.02 and diff.mean() <= 0.005, name
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_clip_grad_norm_over_every_rank(pools, world_size, stage):
+    """model.clip_grad_norm_ clips by the norm over the whole model, as torch's over one
+    process (tied embedding counted once, the kept LayerNorm's replicated grads once)."""
+    results = pools[world_size].run(Z.fsdp2_loop, "gpt", stage, 3, 24, keep_ln=True,
+                                    clip=0.05).results
+    assert_same_weights(results, Z.one_process("gpt", 3, 24, world_size, clip=0.05))
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_optimizer_over_the_unsharded_module_raises(pools, stage):
     with pytest.raises(RankError, match="Build the optimizer from the sharded model"):

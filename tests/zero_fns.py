@@ -160,7 +160,7 @@ def make_batch(kind, batch):
     return tokens(batch) if kind == "gpt" else data(batch)
 
 
-def one_process(kind, steps, batch, world_size, microsteps=1):
+def one_process(kind, steps, batch, world_size, microsteps=1, clip=None):
     """One process, the same loss as the ranks together: per step, the mean over
     ranks of their microsteps' losses (each scaled by 1/microsteps)."""
     model = make_model(kind)
@@ -174,6 +174,8 @@ def one_process(kind, steps, batch, world_size, microsteps=1):
             for xm, ym in zip(xs.chunk(microsteps), ys.chunk(microsteps)):
                 total = total + step_loss(model, kind, xm, ym) / microsteps
         (total / world_size).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         sched.step()
         opt.zero_grad()
@@ -181,7 +183,7 @@ def one_process(kind, steps, batch, world_size, microsteps=1):
 
 
 def fsdp2_loop(ctx, kind, stage, steps, batch, microsteps=1, no_sync=False, keep_ln=False,
-               mixed_precision=None):
+               mixed_precision=None, clip=None):
     """As a loop written for FSDP2 would drive it: shard, then an ordinary AdamW with
     param groups over model.named_parameters(), an LR scheduler, accumulation."""
     net = make_model(kind)
@@ -197,6 +199,8 @@ def fsdp2_loop(ctx, kind, stage, steps, batch, microsteps=1, no_sync=False, keep
             skip = no_sync and i < microsteps - 1
             with model.no_sync() if skip else contextlib.nullcontext():
                 (step_loss(model, kind, xm, ym) / microsteps).backward()
+        if clip is not None:
+            model.clip_grad_norm_(clip)
         opt.step()
         sched.step()
         opt.zero_grad()

@@ -254,6 +254,14 @@ def test_clip_grad_norm_over_every_rank(pools, world_size, stage):
     assert_same_weights(results, Z.one_process("gpt", 3, 24, world_size, clip=0.05))
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_state_dict_points_to_full_state_dict(pools, stage):
+    # The module's own tensors are gathered copies (freed at stage 3): saving them would
+    # save the wrong weights, or read freed memory.
+    with pytest.raises(RankError, match="full_state_dict"):
+        pools[2].run(Z.state_dict_refused, stage)
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_optimizer_over_the_unsharded_module_raises(pools, stage):
     with pytest.raises(RankError, match="Build the optimizer from the sharded model"):

@@ -57,9 +57,12 @@ def resume(ctx, stage, steps_before, steps_after, batch):
     checkpoint.seek(0)
     saved = torch.load(checkpoint)
     fresh = Net()
-    fresh.load_state_dict(saved["model"])
+    with torch.no_grad():  # other weights than saved: the load must replace them all
+        for p in fresh.parameters():
+            p.add_(1.0)
     zmodel2, opt2 = zero.shard(fresh, factory("adam"), stage=stage, group=ctx.group,
                                bucket_mb=0.0005)
+    zmodel2.load_full_state_dict(saved["model"])
     opt2.load_state_dict(saved["opt"])
     fit(zmodel2, opt2, x, y, steps_after)
     return uninterrupted, zmodel2.full_state_dict()
@@ -239,3 +242,8 @@ def optimizer_before_sharding(ctx, stage):
     model = zero.ZeroModel(net, stage, ctx.group)
     nn.functional.mse_loss(model(data(8)[0]), data(8)[1]).backward()
     opt.step()
+
+
+def state_dict_refused(ctx, stage):
+    model = zero.ZeroModel(Net(), stage, ctx.group)
+    model.state_dict()

@@ -229,7 +229,7 @@ class FlatUnit:
         return self.padded * self.full.element_size()
 
     def stepped(self) -> bool:
-        """An optimizer changed the master since the last gather."""
+        """An optimizer (or a load) changed the master since the last gather."""
         return self.master._version != self.gathered_version
 
     def gather_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -656,6 +656,36 @@ class ZeroModel(GradSyncModule):
             if name not in state:  # the second name of a tied parameter
                 state[name] = state[self._names[id(p)]]
         return {k: state[k] for k in self.module.state_dict()}
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        raise RuntimeError(
+            "a ZeroModel's own parameters are gathered copies (freed at stage 3, refreshed "
+            "only by the next forward at stages 1-2), so state_dict() would save the wrong "
+            "weights. Call model.full_state_dict() on every rank (it gathers the shards), and "
+            "model.load_full_state_dict(state) to load one.")
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("use model.load_full_state_dict(state), with the keys of "
+                           "model.full_state_dict(): it loads each rank's rows")
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load unsharded weights (as `full_state_dict` returns them): every rank takes its
+        own rows, so no rank waits for another. The next forward gathers them."""
+        missing = set(self.module.state_dict()) - set(state)
+        if missing:
+            raise KeyError(f"the state lacks {sorted(missing)}")
+        for name, value in self.module.state_dict(keep_vars=True).items():
+            if id(value) not in self._unit_of:  # buffers, kept and frozen parameters
+                value.copy_(state[name])
+        for unit in self.units:
+            full = torch.cat([state[self._names[id(p)]].reshape(-1).to(unit.dtype)
+                              for p in unit.params])
+            if unit.master is unit.full and unit.gathered():
+                unit.full.copy_(full)
+            elif unit.master is not unit.full:
+                unit.pack_part(full, unit.master)
+            unit.gathered_version = -1  # gather again before the next forward
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What this rank holds, by category, for memory accounting.

@@ -83,6 +83,70 @@ class SavedActivations:
         return [t for t in alive if t is not None]
 
 
+class _Held:
+    """What autograd keeps for one saved tensor while a `PeakSavedBytes` is watching:
+    the tensor, and a note to the watcher when autograd lets go of it."""
+
+    __slots__ = ("tensor", "watcher", "key")
+
+    def __init__(self, tensor: torch.Tensor, watcher: PeakSavedBytes, key: tuple[str, int]) -> None:
+        self.tensor, self.watcher, self.key = tensor, watcher, key
+
+    def __del__(self) -> None:
+        self.watcher._release(self.key)
+
+
+class PeakSavedBytes:
+    """Live bytes of the activations autograd holds for backward, and their peak, over
+    a forward and its backward (tensors saved while backward recomputes included).
+
+    >>> with PeakSavedBytes(exclude=model.parameters()) as saved:
+    ...     model(x).sum().backward()
+    >>> saved.peak
+
+    Each storage counts once however often it is saved; tensors sharing storage with
+    `exclude` (the parameters, which autograd saves too) do not count.
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self._excluded = {_storage_key(t) for t in exclude}
+        self._refs: dict[tuple[str, int], int] = {}
+        self._sizes: dict[tuple[str, int], int] = {}
+        self.live = 0
+        self.peak = 0
+        self._hooks: Any = None
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        key = _storage_key(t)
+        if key in self._excluded:
+            return t
+        if key not in self._refs:
+            self._refs[key] = 0
+            self._sizes[key] = t.untyped_storage().nbytes()
+            self.live += self._sizes[key]
+            self.peak = max(self.peak, self.live)
+        self._refs[key] += 1
+        return _Held(t, self, key)
+
+    @staticmethod
+    def _unpack(held: Any) -> torch.Tensor:
+        return held.tensor if isinstance(held, _Held) else held
+
+    def _release(self, key: tuple[str, int]) -> None:
+        self._refs[key] -= 1
+        if self._refs[key] == 0:
+            del self._refs[key]
+            self.live -= self._sizes.pop(key)
+
+    def __enter__(self) -> PeakSavedBytes:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+
 def live_bytes(
     model: torch.nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,

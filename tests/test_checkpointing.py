@@ -1,0 +1,126 @@
+"""Activation checkpointing: same gradients as without it, and the memory the theory says.
+
+Gradients are compared bitwise: checkpointing recomputes the same operations on the same
+inputs in the same order (and replays the same random numbers), so nothing may differ.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from parcourse.checkpointing import (checkpoint, checkpoint_sequential, recompute_from_input,
+                                     run_with_policy)
+
+POLICIES = ["none", "sqrt", "every", "nothing"]
+
+
+def dropout_chain(n=9, width=8):
+    g = torch.Generator().manual_seed(1)
+    layers = [nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Dropout(0.3))
+              for _ in range(n)]
+    with torch.no_grad():
+        for p in (p for layer in layers for p in layer.parameters()):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return layers
+
+
+def run(policy, segments="sqrt"):
+    layers = dropout_chain()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    torch.manual_seed(5)
+    y = run_with_policy(layers, x, policy, segments)
+    y.square().sum().backward()
+    after = torch.rand(3)  # the caller's random stream, as it is after the step
+    return y.detach(), x.grad, [p.grad for layer in layers for p in layer.parameters()], after
+
+
+@pytest.mark.parametrize("policy", POLICIES[1:])
+def test_policies_give_the_same_gradients_with_dropout(policy):
+    reference = run("none")
+    got = run(policy)
+    assert torch.equal(got[0], reference[0]), "output"
+    assert torch.equal(got[1], reference[1]), "input gradient"
+    assert all(torch.equal(a, b) for a, b in zip(got[2], reference[2])), "weight gradients"
+    assert torch.equal(got[3], reference[3]), "recomputing drew from the caller's stream"
+
+
+def test_without_the_saved_random_state_dropout_differs():
+    """The RNG subtlety: recomputing without replaying the state draws new masks."""
+    layers = dropout_chain()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    torch.manual_seed(5)
+    checkpoint_sequential(layers, 3, x, preserve_rng_state=False).square().sum().backward()
+    assert not torch.equal(x.grad, run("none")[1])
+
+
+@pytest.mark.parametrize("segments", [1, 2, 4, 9])
+def test_any_segment_count(segments):
+    assert torch.equal(run("sqrt", segments)[1], run("none")[1])
+
+
+def test_keywords_constants_several_outputs_and_inputs_without_grad():
+    lin = nn.Linear(3, 3)
+
+    def f(a, scale, *, b, tag="x"):
+        return {"sum": (lin(a) * scale + b).sum(), "proj": lin(b), "tag": tag}
+
+    a = torch.randn(2, 3)  # requires no grad: lin's parameters still get theirs
+    b = torch.randn(2, 3, requires_grad=True)
+    results = []
+    for fn in (lambda: checkpoint(f, a, 2.0, b=b, tag="y"), lambda: f(a, 2.0, b=b, tag="y")):
+        lin.zero_grad()
+        b.grad = None
+        out = fn()
+        (out["sum"] + out["proj"].sum()).backward()
+        results.append((out["tag"], lin.weight.grad.clone(), lin.bias.grad.clone(), b.grad))
+    (tag1, *grads1), (tag2, *grads2) = results
+    assert tag1 == tag2 == "y"
+    assert all(torch.equal(g1, g2) for g1, g2 in zip(grads1, grads2))
+
+
+def test_only_the_inputs_are_saved():
+    from parcourse.memory import PeakSavedBytes
+
+    layers = [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(6)]
+    params = [p for layer in layers for p in layer.parameters()]
+    x = torch.randn(8, 16, requires_grad=True)
+    with PeakSavedBytes(exclude=params) as saved:
+        y = checkpoint(lambda t: nn.Sequential(*layers)(t), x)
+        after_forward = saved.live
+        y.sum().backward()
+    assert after_forward == x.nbytes  # the input, nothing else, until backward
+    assert saved.peak == 7 * x.nbytes  # recomputed: the input and six outputs
+    assert saved.live == 0
+
+
+def test_misuse_raises_clearly():
+    lin = nn.Linear(3, 3)
+    x = torch.randn(2, 3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="torch.autograd.grad"):
+        torch.autograd.grad(checkpoint(lin, x).sum(), x)
+    with pytest.raises(ValueError, match="returned no tensor"):
+        checkpoint(lambda t: "nothing", x)
+    with pytest.raises(TypeError, match="needs a callable"):
+        checkpoint(3, x)
+    with pytest.raises(ValueError, match="between 1 and the 2 layers"):
+        checkpoint_sequential([lin, lin], 3, x)
+    with pytest.raises(ValueError, match="unknown policy"):
+        run_with_policy([lin], x, "half")
+    with pytest.raises(TypeError, match="one tensor in"):
+        recompute_from_input([lin], (x,))
+
+
+@pytest.mark.parametrize("n", [16, 64, 256])
+def test_peak_saved_activations_follow_the_theory(n):
+    from parcourse.experiments.checkpointing import measure_policy
+
+    policies = ["none", "sqrt", "nothing"] if n < 256 else ["none", "sqrt"]  # n^2/2 forwards
+    peaks = {}
+    for policy in policies:
+        r = measure_policy(n, policy, width=32, batch=8, repeats=1)
+        # sqrt: the issue's 10%; the chain's layers save exactly what the formula counts.
+        assert r["peak_bytes"] == pytest.approx(r["theory_bytes"], rel=0.10), policy
+        peaks[policy] = r["peak_bytes"] // r["activation_bytes"]
+    assert peaks["none"] == n + 1  # linear in n
+    if "nothing" in peaks:
+        assert peaks["nothing"] == 3  # constant in n

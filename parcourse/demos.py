@@ -135,9 +135,11 @@ def data_parallel_steps(ctx: RankContext, configs: Mapping[str, Mapping[str, Any
     """Seconds per training step of each (configuration, link), all alternating step by
     step (`training.alternate_steps`), so that they can be compared with each other.
 
-    `configs` maps a name to `training.wrap` arguments ("torch" takes no link);
-    `links` maps a name to a link, e.g. {"link": SimulatedLink.of(500, 0.2),
-    "free": SimulatedLink()}: a free link runs the same code and adds no time.
+    `configs` maps a name to `training.wrap` arguments ("torch" takes no link), or to
+    {"impl": "none"}: the model alone, each rank training on its slice without any
+    communication (what the compute costs, timed alongside). `links` maps a name to
+    a link, e.g. {"link": SimulatedLink.of(500, 0.2), "free": SimulatedLink()}: a
+    free link runs the same code and adds no time.
     """
     from parcourse.data import local_regression
     from parcourse.data_parallel.training import alternate_steps, wrap
@@ -148,7 +150,7 @@ def data_parallel_steps(ctx: RankContext, configs: Mapping[str, Mapping[str, Any
     for name, cfg in configs.items():
         for link_name, link in links.items():
             model = mlp(width, width, width, depth=depth).to(ctx.device)
-            ddp = wrap(model, ctx=ctx, link=link, **cfg)
+            ddp = model if cfg["impl"] == "none" else wrap(model, ctx=ctx, link=link, **cfg)
             runs[name, link_name] = (ddp, torch.optim.Adam(ddp.parameters(), lr=0.01))
     return alternate_steps(ctx, runs, x, y, steps)
 

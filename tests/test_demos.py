@@ -254,6 +254,22 @@ def test_bucket_check_tells_stub_wrong_and_right(capsys):
     assert demos.check_buckets(right)
 
 
+def test_data_parallel_steps_times_every_configuration_over_every_link(pool2):
+    from parcourse.collectives import SimulatedLink
+
+    configs = {"alone": {"impl": "none"}, "naive": {"impl": "naive"},
+               "buckets": {"impl": "bucketed", "bucket_mb": 0.01, "overlap": False}}
+    links = {"slow": SimulatedLink(0.002), "free": SimulatedLink()}
+    per_rank = pool2.run(demos.data_parallel_steps, configs, links, 2, width=32, depth=3,
+                         batch=16).results
+    med = {k: min(demos.slowest_rank(per_rank, k)) for k in per_rank[0]}
+    assert set(med) == {(c, n) for c in configs for n in links}
+    # Two ranks: 2 ring steps per all-reduce, 2 ms each. naive: 6 parameters; buckets of
+    # 10 KB: 2 (layers of 4.2 KB, two to a bucket).
+    assert med["naive", "slow"] >= 6 * 2 * 0.002 > med["alone", "slow"]
+    assert med["buckets", "slow"] >= 2 * 2 * 0.002
+
+
 def test_a_launch_rule_drives_real_buckets(pool2):
     # The rule decides when buckets start: during backward (the library's rule) or,
     # with no rule, only after it. A slow link makes every all-reduce last 4 ms or more.

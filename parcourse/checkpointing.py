@@ -176,7 +176,8 @@ def segment_count(n_layers: int, segments: int | Literal["sqrt"]) -> int:
     return segments
 
 
-def _run_layers(layers: Sequence[nn.Module], x: Any) -> Any:
+def run_layers(layers: Sequence[nn.Module], x: Any) -> Any:
+    """x through each layer in turn."""
     for layer in layers:
         x = layer(x)
     return x
@@ -196,7 +197,7 @@ def checkpoint_sequential(layers: Sequence[nn.Module] | nn.Sequential,
     bounds = [round(i * len(layers) / k) for i in range(k + 1)]
     x = input
     for start, end in zip(bounds, bounds[1:]):
-        x = checkpoint(_run_layers, layers[start:end], x, preserve_rng_state=preserve_rng_state)
+        x = checkpoint(run_layers, layers[start:end], x, preserve_rng_state=preserve_rng_state)
     return x
 
 
@@ -209,7 +210,7 @@ class _FromInput(torch.autograd.Function):
         ctx.layers, ctx.rng = layers, rng
         ctx.save_for_backward(x)
         with torch.no_grad():
-            return _run_layers(layers, x)
+            return run_layers(layers, x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -220,7 +221,7 @@ class _FromInput(torch.autograd.Function):
             # with the random numbers the first run drew up to layer i.
             with _replay(ctx.rng):
                 with torch.no_grad():
-                    inp = _run_layers(layers[:i], x)
+                    inp = run_layers(layers[:i], x)
                 inp = inp.detach().requires_grad_(True)
                 with torch.enable_grad():
                     out = layers[i](inp)
@@ -240,7 +241,7 @@ def recompute_from_input(layers: Sequence[nn.Module] | nn.Sequential, input: tor
     if not isinstance(input, torch.Tensor):
         raise TypeError("recompute_from_input takes one tensor in and one out, layer to layer")
     if not torch.is_grad_enabled():
-        return _run_layers(layers, input)
+        return run_layers(layers, input)
     rng = _RngState([input]) if preserve_rng_state else None
     return _FromInput.apply(layers, rng, input, torch.empty(0, requires_grad=True))
 
@@ -253,7 +254,7 @@ def run_with_policy(layers: Sequence[nn.Module], x: torch.Tensor, policy: Policy
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     if policy == "none":
-        return _run_layers(layers, x)
+        return run_layers(layers, x)
     if policy == "every":
         return checkpoint_sequential(layers, len(layers), x)
     if policy == "nothing":

@@ -31,3 +31,22 @@ def local_regression(n: int, d_in: int, d_out: int, rank: int, world_size: int,
     """This rank's rows, on `device`, of the batch `regression(n, d_in, d_out)` all ranks share."""
     x, y = regression(n, d_in, d_out)
     return shard(x, rank, world_size).to(device), shard(y, rank, world_size).to(device)
+
+
+def progressions(batch: int, block_size: int, vocab: int,
+                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token sequences for a language model: (x, y), each (batch, block_size), y = x
+    shifted left by one.
+
+    Each row counts modulo `vocab` from a random start with a random stride
+    (1 to 7): once it has seen two tokens, a model that attends to them can predict
+    every next one, so the loss falls from ln(vocab) towards 0 within a few hundred
+    steps of a tiny GPT.
+    """
+    if vocab < 8:
+        raise ValueError(f"vocab must be >= 8 (strides go up to 7), got {vocab}")
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(vocab, (batch, 1), generator=g)
+    stride = torch.randint(1, 8, (batch, 1), generator=g)
+    tokens = (start + stride * torch.arange(block_size + 1)) % vocab  # (batch, block_size + 1)
+    return tokens[:, :-1], tokens[:, 1:]

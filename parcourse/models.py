@@ -1,6 +1,9 @@
-"""Small models for the lessons. Nothing here knows about distribution."""
+"""Small models for the lessons: an MLP and a small GPT. Nothing here knows about
+distribution."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -37,3 +40,156 @@ def _layers(d_in: int, d_hidden: int, d_out: int, depth: int) -> nn.Sequential:
 
 def param_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+# --------------------------------------------------------------------------- a small GPT
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """The shape of a GPT-2-style decoder (Radford et al. 2019; nanoGPT's layout).
+
+    `dropout` applies to the embeddings, the attention probabilities and each
+    residual branch; `tie_weights` shares the token embedding with the LM head,
+    as GPT-2 does.
+    """
+
+    vocab: int = 64
+    block_size: int = 32
+    n_layers: int = 2
+    n_heads: int = 4
+    d_model: int = 64
+    dropout: float = 0.0
+    tie_weights: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "block_size", "n_layers", "n_heads", "d_model"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads "
+                             f"({self.n_heads})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+# Trains in a few seconds on one laptop core: 0.1 M parameters.
+TINY = GPTConfig()
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention, written out (no fused kernel) so that each
+    tensor autograd keeps for backward can be counted.
+
+    `qkv` is one Linear whose output rows go head by head, [q k v] of head 0, then of
+    head 1, ... (Megatron's layout, arXiv:1909.08053 sec. 3): a contiguous block of
+    its rows is whole heads, so splitting them by rows splits the heads. The forward
+    counts heads from the tensor (`-1`), not from the config, so it runs unchanged
+    on a rank's share of them (torchtitan's attention does the same).
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = config.n_heads, config.head_dim
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.attn_drop = nn.Dropout(config.dropout)
+        self.proj = nn.Linear(config.d_model, config.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        hd = self.head_dim
+        q, k, v = self.qkv(x).view(B, T, -1, 3 * hd).split(hd, dim=-1)  # each (B, T, h, hd)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, h, T, hd)
+        att = (q @ k.transpose(-2, -1)) * hd**-0.5  # (B, h, T, T)
+        # Adding -inf above the diagonal saves nothing for backward (masked_fill keeps its mask).
+        causal = torch.full((T, T), float("-inf"), device=x.device, dtype=x.dtype).triu(1)
+        att = self.attn_drop((att + causal).softmax(dim=-1))
+        y = (att @ v).transpose(1, 2).reshape(B, T, -1)  # (B, T, h * hd)
+        return self.proj(y)
+
+
+class MLP(nn.Module):
+    """Linear up to 4 x d_model, GELU, Linear down."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.up = nn.Linear(config.d_model, 4 * config.d_model)
+        self.down = nn.Linear(4 * config.d_model, config.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(nn.functional.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block. The residual branches' dropout lives here, not
+    inside attention or the MLP, so that everything inside those two runs between
+    their first and last Linear (what tensor parallelism splits)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.d_model)
+        self.attn = CausalSelfAttention(config)
+        self.ln2 = nn.LayerNorm(config.d_model)
+        self.mlp = MLP(config)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    """Token + position embedding, `n_layers` blocks, final LayerNorm, LM head.
+
+    `model(idx)` maps token ids (B, T) to logits (B, T, vocab).
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab, config.d_model)
+        self.pos_emb = nn.Embedding(config.block_size, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.ln_f = nn.LayerNorm(config.d_model)
+        self.head = nn.Linear(config.d_model, config.vocab, bias=False)
+        if config.tie_weights:
+            self.head.weight = self.tok_emb.weight
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        # GPT-2: N(0, 0.02) everywhere, the residual projections scaled by 1/sqrt(2 L)
+        # so that the residual stream's variance does not grow with depth.
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.dim() >= 2:
+                std = 0.02 / (2 * self.config.n_layers) ** 0.5 if name.endswith(
+                    ("attn.proj.weight", "mlp.down.weight")) else 0.02
+                nn.init.normal_(p, std=std)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        length = idx.shape[1]
+        if length > self.config.block_size:
+            raise ValueError(f"sequence of {length} tokens, longer than block_size "
+                             f"{self.config.block_size}")
+        positions = torch.arange(length, device=idx.device)  # (T,)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))  # (B, T, vocab)
+
+
+def gpt(config: GPTConfig = TINY, seed: int | None = 0) -> GPT:
+    """A GPT with GPT-2's initialisation; `seed` as for `mlp` (the caller's RNG is left
+    as it was)."""
+    if seed is None:
+        return GPT(config)
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        return GPT(config)

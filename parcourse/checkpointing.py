@@ -108,8 +108,10 @@ class _Run:
         leaves, self.spec = tree_flatten((args, kwargs))
         self.is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
         self.constants = [None if t else x for x, t in zip(leaves, self.is_tensor)]
-        self.tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        self.rng = _RngState(self.tensors) if preserve_rng_state else None
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        self.n_tensors = len(tensors)  # the tensors themselves: autograd saves them, and
+        # frees them once this segment's backward is done; a reference here would not
+        self.rng = _RngState(tensors) if preserve_rng_state else None
         self.out_spec: Any = None
         self.out_constants: list[Any] = []
         self.out_is_tensor: list[bool] = []
@@ -122,7 +124,7 @@ class _Run:
         return out_leaves
 
     def forward(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        leaves = self._call(tensors[:len(self.tensors)])
+        leaves = self._call(tensors[:self.n_tensors])
         if not any(isinstance(x, torch.Tensor) for x in leaves):
             raise ValueError("checkpoint: fn returned no tensor, so there is nothing to "
                              "backpropagate through")
@@ -132,7 +134,7 @@ class _Run:
 
     def recompute(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         with _replay(self.rng):
-            leaves = self._call(tensors[:len(self.tensors)])
+            leaves = self._call(tensors[:self.n_tensors])
         return [x for x in leaves if isinstance(x, torch.Tensor)]
 
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> Any:
@@ -153,13 +155,14 @@ def checkpoint(fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = Tr
     """
     if not callable(fn):
         raise TypeError(f"checkpoint needs a callable, got {type(fn).__name__}")
-    run = _Run(fn, args, kwargs, preserve_rng_state)
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)  # nothing will be saved anyway
     # An input that requires grad makes autograd call our backward even when fn's own
     # inputs do not (e.g. the first layer's data): its parameters still need gradients.
     anchor = torch.empty(0, requires_grad=True)
-    return run.rebuild(_Checkpoint.apply(run, *run.tensors, anchor))
+    run = _Run(fn, args, kwargs, preserve_rng_state)
+    tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+    return run.rebuild(_Checkpoint.apply(run, *tensors, anchor))
 
 
 # --------------------------------------------------------------------------- chains of layers

@@ -211,6 +211,24 @@ def zero(args: argparse.Namespace) -> int:
     return 0
 
 
+def checkpoint(args: argparse.Namespace) -> int:
+    """Peak saved activations and step time of a chain of layers under a policy, vs theory."""
+    from parcourse.experiments.checkpointing import measure_policy
+    from parcourse.memory import format_bytes
+
+    torch.set_num_threads(1)
+    r = measure_policy(args.layers, args.policy, width=args.width, batch=args.batch,
+                       segments=args.segments, repeats=args.repeats)
+    one = r["activation_bytes"]
+    print(f"checkpoint  {args.layers} layers Linear({args.width}) + Tanh, batch {args.batch}, "
+          f"policy {args.policy}")
+    print(f"peak saved  {format_bytes(r['peak_bytes'])} = {r['peak_bytes'] / one:.0f} layer "
+          f"outputs (theory {r['theory_bytes'] / one:.0f})")
+    print(f"step time   {r['step_s'] * 1e3:.1f} ms (median of {args.repeats}); backward "
+          f"recomputes {r['extra_forwards']} layer forwards (theory)")
+    return 0
+
+
 def _ranks_option(p: argparse.ArgumentParser, default: int) -> None:
     p.add_argument("--world-size", type=int, default=default,
                    help=f"ranks ({default}; under torchrun, the launcher's)")
@@ -265,6 +283,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.set_defaults(func=zero)
+
+    p = commands.add_parser("checkpoint", help="activation checkpointing: memory and time "
+                                               "of a chain of layers under a policy")
+    p.add_argument("--layers", type=int, default=64)
+    p.add_argument("--policy", choices=("none", "sqrt", "every", "nothing"), default="sqrt",
+                   help="keep everything, sqrt(n) segments, every layer, or only the input")
+    p.add_argument("--segments", type=int, default=None, help="segments for --policy sqrt")
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.set_defaults(func=checkpoint)
     return parser
 
 
@@ -278,6 +307,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--{name} must be >= 1")
     if getattr(args, "bucket_mb", 1.0) <= 0:
         parser.error("--bucket-mb must be > 0")
+    if getattr(args, "layers", 1) < 1:
+        parser.error("--layers must be >= 1")
+    if getattr(args, "segments", None) is not None and not 1 <= args.segments <= args.layers:
+        parser.error(f"--segments must be between 1 and --layers ({args.layers})")
     if getattr(args, "impl", None) == "torch" and (args.latency_us or args.bandwidth_gbps):
         parser.error("torch's DDP cannot use the simulated link; use --impl naive or bucketed")
     try:

@@ -124,3 +124,14 @@ def test_peak_saved_activations_follow_the_theory(n):
     assert peaks["none"] == n + 1  # linear in n
     if "nothing" in peaks:
         assert peaks["nothing"] == 3  # constant in n
+
+
+def test_cli_prints_peak_and_theory(capsys):
+    from parcourse.cli import main
+
+    assert main(["checkpoint", "--layers", "16", "--policy", "sqrt", "--width", "16",
+                 "--batch", "4", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "= 8 layer outputs (theory 8)" in out and "recomputes 16 layer forwards" in out
+    with pytest.raises(SystemExit):
+        main(["checkpoint", "--layers", "4", "--segments", "5"])

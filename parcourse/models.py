@@ -101,13 +101,14 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.d_model, config.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
+        qkv = self.qkv(x)  # (B, T, 3 C)
+        B, T, _ = qkv.shape  # the shapes of what attention works on: the projection's output
         hd = self.head_dim
-        q, k, v = self.qkv(x).view(B, T, -1, 3 * hd).split(hd, dim=-1)  # each (B, T, h, hd)
+        q, k, v = qkv.view(B, T, -1, 3 * hd).split(hd, dim=-1)  # each (B, T, h, hd)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, h, T, hd)
         att = (q @ k.transpose(-2, -1)) * hd**-0.5  # (B, h, T, T)
         # Adding -inf above the diagonal saves nothing for backward (masked_fill keeps its mask).
-        causal = torch.full((T, T), float("-inf"), device=x.device, dtype=x.dtype).triu(1)
+        causal = torch.full((T, T), float("-inf"), device=qkv.device, dtype=qkv.dtype).triu(1)
         att = self.attn_drop((att + causal).softmax(dim=-1))
         y = (att @ v).transpose(1, 2).reshape(B, T, -1)  # (B, T, h * hd)
         return self.proj(y)

@@ -5,8 +5,12 @@ measurement with, in one place. Pure arithmetic: no processes, no torch.distribu
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from parcourse.models import GPTConfig
 
 
 # --------------------------------------------------------------------------- ZeRO (lessons 03-04)
@@ -107,3 +111,142 @@ def checkpoint_extra_forwards(n_layers: int, policy: str) -> int:
     if policy == "nothing":
         return n_layers * (n_layers - 1) // 2
     return n_layers
+
+
+# --------------------------------------------------------------------------- TP (lesson 05)
+#
+# For the GPT of parcourse.models split by parcourse.tensor_parallel.GPT_PLAN over N
+# ranks (fp32). `config` is a parcourse.models.GPTConfig.
+
+TPCollective = tuple[str, str, str, int]  # (op, phase, where, bytes of the whole tensor)
+
+
+def tp_parameter_bytes(config: GPTConfig, world_size: int) -> dict[str, int]:
+    """Theory: parameter bytes on each rank, split ("sharded": 1/N each) or whole
+    ("replicated": LayerNorms, position embedding, the biases row-parallel layers add
+    after their sum).
+
+    The vocabulary is cut in ceil(vocab / N) rows per rank, padded (`vocab_range`);
+    a head tied to the embedding adds nothing.
+    """
+    c, n, layers = config.d_model, world_size, config.n_layers
+    per_block = (3 * c * c + 3 * c) + c * c + (4 * c * c + 4 * c) + 4 * c * c
+    vocab_rows = math.ceil(config.vocab / n) * c * (1 if config.tie_weights else 2)
+    sharded = layers * per_block // n + vocab_rows
+    replicated = layers * (2 * 2 * c + c + c) + config.block_size * c + 2 * c
+    return {"sharded": 4 * sharded, "replicated": 4 * replicated,
+            "total": 4 * (sharded + replicated)}
+
+
+def tp_activation_bytes(config: GPTConfig, batch: int, seq: int, world_size: int,
+                        sequence_parallel: bool = False) -> dict[str, int]:
+    """Theory: bytes autograd keeps for backward on each rank, the forward of the split
+    GPT to its logits in training mode (the loss not included), by where they are kept.
+
+    Korthikanti et al. (arXiv:2205.05198, sec. 4) count the same tensors for one
+    block in 16 bits: 34 s b h bytes + 5 a s^2 b (without parallelism), of which
+    tensor parallelism divides all but 10 s b h by N (LayerNorm inputs, the inputs
+    of the first Linear of attention and of the MLP, dropout masks). Here (fp32,
+    so every tensor counts twice, masks once, and LayerNorm keeps its mean and
+    1/std): "replicated" is what stays whole on every rank; sequence parallelism
+    cuts it along the sequence, except the two Linear inputs, which are gathered
+    whole and kept (Megatron keeps this rank's chunk and gathers it again in
+    backward: one more all-gather per layer, which this course does not do).
+    """
+    b, t, c, n = batch, seq, config.d_model, world_size
+    heads = config.n_heads // n
+    cut = n if sequence_parallel else 1  # the residual stream's share of the sequence
+    drop = config.dropout > 0
+    stream = b * (t // cut) * c  # elements of one residual-stream tensor on this rank
+    layer_norm = 4 * stream + 2 * 4 * b * (t // cut)  # input, mean and 1/std
+    per_block = {
+        "layer norms, dropout masks": 2 * layer_norm + (2 * stream if drop else 0),
+        "inputs of qkv and mlp.up (whole)": 2 * 4 * b * t * c,
+        "split over ranks": 4 * b * t * (c // n) * (3 + 1 + 4 + 4)  # q, k, v; proj; up, down
+        + 4 * b * heads * t * t * (1 + (1 + 1 / 4 if drop else 0)),  # softmax; its dropout
+    }
+    per_block["split over ranks"] = int(per_block["split over ranks"])
+    result = {k: config.n_layers * v for k, v in per_block.items()}
+    result["embeddings, ln_f, head"] = (
+        b * t * (8 + 1) + 8 * t  # vocab-parallel lookup: local ids and mask; positions
+        + (stream if drop else 0) + layer_norm + 4 * b * t * c)  # dropout; ln_f; head input
+    result["total"] = sum(result.values())
+    return result
+
+
+def tp_collectives(config: GPTConfig, batch: int, seq: int, world_size: int,
+                   sequence_parallel: bool = False, loss: bool = True) -> list[TPCollective]:
+    """Theory: every collective of one training step on each rank, as the tracer records
+    them (op, phase, where, bytes of the whole tensor).
+
+    Without sequence parallelism, per block: two all-reduces forward (after attention's
+    and the MLP's row-parallel layer: g) and two backward (before their column-parallel
+    layer: f); plus the embedding's g and the head's f; and the loss's three all-reduces
+    of B x T numbers. With sequence parallelism each all-reduce of the activations
+    becomes a reduce-scatter and an all-gather (one forward, one backward), the same
+    bytes on a ring, and each replicated parameter's gradient is all-reduced.
+    """
+    if world_size == 1:
+        return []
+    act = 4 * batch * seq * config.d_model  # bytes of a (B, T, C) activation
+    column = ["head"] + [f"blocks.{i}.{m}" for i in range(config.n_layers)
+                         for m in ("attn.qkv", "mlp.up")]
+    row = ["tok_emb"] + [f"blocks.{i}.{m}" for i in range(config.n_layers)
+                         for m in ("attn.proj", "mlp.down")]
+    out: list[TPCollective] = []
+    if sequence_parallel:
+        out += [(op, phase, w, act) for w in column
+                for op, phase in (("all_gather", "forward"), ("reduce_scatter", "backward"))]
+        out += [(op, phase, w, act) for w in row
+                for op, phase in (("reduce_scatter", "forward"), ("all_gather", "backward"))]
+        c = 4 * config.d_model
+        for i in range(config.n_layers):
+            out += [("all_reduce", "backward", f"blocks.{i}.{p}", c) for p in (
+                "ln1.weight", "ln1.bias", "attn.proj.bias", "ln2.weight", "ln2.bias",
+                "mlp.down.bias")]
+        out += [("all_reduce", "backward", p, c) for p in ("ln_f.weight", "ln_f.bias")]
+        out.append(("all_reduce", "backward", "pos_emb.weight", config.block_size * c))
+    else:
+        out += [("all_reduce", "backward", w, act) for w in column]
+        out += [("all_reduce", "forward", w, act) for w in row]
+    if loss:  # the largest logit, the target's logit, the sum of exp: B x T floats each
+        out += [("all_reduce", "forward", "cross entropy", 4 * batch * seq)] * 3
+    return sorted(out)
+
+
+def tp_collective_counts(collectives: list[TPCollective]) -> dict[tuple[str, str],
+                                                                  tuple[int, int]]:
+    """(op, phase) -> (how many, bytes of their tensors), as `count_collectives` gives them."""
+    result: dict[tuple[str, str], tuple[int, int]] = {}
+    for op, phase, _, size in collectives:
+        count, total = result.get((op, phase), (0, 0))
+        result[(op, phase)] = (count + 1, total + size)
+    return dict(sorted(result.items()))
+
+
+def tp_ring_bytes_sent(collectives: list[TPCollective], world_size: int) -> float:
+    """Theory: bytes each rank sends on a ring for these collectives: 2(N-1)/N x S per
+    all-reduce, (N-1)/N x S per all-gather or reduce-scatter (lesson 01). Exact when N
+    divides every tensor's number of elements."""
+    share = (world_size - 1) / world_size
+    return sum((2 if op == "all_reduce" else 1) * share * size for op, _, _, size in collectives)
+
+
+# --------------------------------------------------------------------------- pipelines (06-07)
+
+
+def gpipe_bubble(stages: int, microbatches: int) -> float:
+    """Idle fraction of a GPipe or 1F1B step with equal stages and free messages:
+    (p - 1) / (m + p - 1) (Huang et al., arXiv:1811.06965). Each rank works m (F + B)
+    of the (m + p - 1)(F + B) the step lasts."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def gpipe_peak_in_flight(stages: int, microbatches: int, stage: int) -> int:
+    """Microbatches whose activations `stage` holds at once under GPipe: all m."""
+    return microbatches
+
+
+def one_f_one_b_peak_in_flight(stages: int, microbatches: int, stage: int) -> int:
+    """Under 1F1B: the warm-up's p - s - 1 forwards plus one, at most m: min(p - s, m)."""
+    return min(stages - stage, microbatches)

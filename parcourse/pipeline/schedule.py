@@ -1,0 +1,203 @@
+"""Pipeline schedules as values: for every rank, the ordered list of its compute actions.
+
+An action is forward F, backward B, or backward split into input gradient I and
+weight gradient W, of one stage on one microbatch, printed as PyTorch's
+torch.distributed.pipelining prints them: `1F3` is stage 1's forward of
+microbatch 3. A schedule is pure data: pure functions build it, `check` and
+`happens_before` reason about it without processes, `simulate` predicts its
+timeline, and one runtime executes any of them on real ranks.
+
+    >>> print(gpipe(stages=2, microbatches=3))
+    step  rank 0  rank 1
+       0     0F0
+       1     0F1     1F0
+    ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+Kind = Literal["F", "B", "I", "W"]
+
+
+@dataclass(frozen=True)
+class Action:
+    """One compute step of one stage on one microbatch."""
+
+    stage: int
+    kind: Kind
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+    __repr__ = __str__
+
+
+def F(stage: int, microbatch: int) -> Action:  # noqa: N802 (the papers' letters)
+    return Action(stage, "F", microbatch)
+
+
+def B(stage: int, microbatch: int) -> Action:  # noqa: N802
+    return Action(stage, "B", microbatch)
+
+
+def I(stage: int, microbatch: int) -> Action:  # noqa: N802, E741, E743
+    return Action(stage, "I", microbatch)
+
+
+def W(stage: int, microbatch: int) -> Action:  # noqa: N802
+    return Action(stage, "W", microbatch)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Who runs what, in which order.
+
+    `stage_rank[s]` is the rank that holds stage s (several stages per rank for
+    interleaved schedules); `actions[r]` is rank r's actions in order.
+    """
+
+    name: str
+    microbatches: int
+    stage_rank: tuple[int, ...]
+    actions: tuple[tuple[Action, ...], ...]
+
+    @property
+    def stages(self) -> int:
+        return len(self.stage_rank)
+
+    @property
+    def ranks(self) -> int:
+        return len(self.actions)
+
+    def __getitem__(self, rank: int) -> tuple[Action, ...]:
+        return self.actions[rank]
+
+    def __str__(self) -> str:
+        """A step x rank grid: row k holds each rank's k-th action."""
+        width = max(6, *(len(str(a)) + 2 for acts in self.actions for a in acts))
+        lines = ["step" + "".join(f"rank {r}".rjust(width + 2) for r in range(self.ranks))]
+        for k in range(max(len(acts) for acts in self.actions)):
+            cells = [str(acts[k]) if k < len(acts) else "" for acts in self.actions]
+            lines.append(f"{k:>4}" + "".join(c.rjust(width + 2) for c in cells))
+        return "\n".join(lines)
+
+
+def _check_sizes(stages: int, microbatches: int) -> None:
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"stages must be an integer >= 1, got {stages!r}")
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
+
+
+def _one_stage_per_rank(name: str, microbatches: int,
+                        per_rank: Iterable[Iterable[Action]]) -> Schedule:
+    actions = tuple(tuple(acts) for acts in per_rank)
+    return Schedule(name, microbatches, tuple(range(len(actions))), actions)
+
+
+# --------------------------------------------------------------------------- schedules
+
+
+def gpipe(stages: int, microbatches: int) -> Schedule:
+    """GPipe (Huang et al., arXiv:1811.06965): every forward, then every backward in
+    reverse order. The first stage holds all m microbatches' activations at once."""
+    _check_sizes(stages, microbatches)
+    m = microbatches
+    return _one_stage_per_rank(
+        "gpipe", m,
+        ([F(s, i) for i in range(m)] + [B(s, i) for i in reversed(range(m))]
+         for s in range(stages)))
+
+
+def naive(stages: int) -> Schedule:
+    """Model parallelism without microbatches: the whole batch goes through the stages
+    one after another, then back; one rank works at a time."""
+    _check_sizes(stages, 1)
+    schedule = gpipe(stages, 1)
+    return Schedule("naive", 1, schedule.stage_rank, schedule.actions)
+
+
+def one_f_one_b(stages: int, microbatches: int) -> Schedule:
+    """1F1B (PipeDream-Flush, Narayanan et al., arXiv:2006.09503): stage s runs
+    p - s - 1 forwards (warm-up), then alternates one forward and one backward
+    (steady state), then the remaining backwards (cool-down). Same bubble as GPipe,
+    but at most p - s microbatches in flight on stage s instead of m."""
+    _check_sizes(stages, microbatches)
+    p, m = stages, microbatches
+    per_rank = []
+    for s in range(p):
+        warmup = min(p - s - 1, m)
+        acts = [F(s, i) for i in range(warmup)]
+        for i in range(m - warmup):  # steady state: the next forward, the oldest backward
+            acts += [F(s, warmup + i), B(s, i)]
+        acts += [B(s, i) for i in range(m - warmup, m)]  # cool-down
+        per_rank.append(acts)
+    return _one_stage_per_rank("1f1b", m, per_rank)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check(schedule: Schedule) -> None:
+    """Raise ValueError unless every stage runs every microbatch's forward once and its
+    backward once (B, or I then W), on the rank that holds the stage, and the actions
+    can all run: each waits only for what comes before it (F(s, m) after F(s-1, m);
+    B(s, m) after F(s, m) and B(s+1, m); W after I), never for a later action of its
+    own rank or a cycle between ranks."""
+    from parcourse.pipeline.simulate import Costs, simulate
+
+    p, m = schedule.stages, schedule.microbatches
+    seen: dict[tuple[int, str, int], int] = {}
+    for rank, acts in enumerate(schedule.actions):
+        for a in acts:
+            if not (0 <= a.stage < p and 0 <= a.microbatch < m and a.kind in "FBIW"):
+                raise ValueError(f"rank {rank}: {a} is outside {p} stages x {m} microbatches")
+            if schedule.stage_rank[a.stage] != rank:
+                raise ValueError(f"rank {rank} runs {a}, but stage {a.stage} is on rank "
+                                 f"{schedule.stage_rank[a.stage]}")
+            key = (a.stage, a.kind, a.microbatch)
+            if key in seen:
+                raise ValueError(f"rank {rank}: {a} runs twice")
+            seen[key] = rank
+    for s in range(p):
+        for i in range(m):
+            if (s, "F", i) not in seen:
+                raise ValueError(f"{F(s, i)} never runs")
+            split = (s, "I", i) in seen or (s, "W", i) in seen
+            if split and not ((s, "I", i) in seen and (s, "W", i) in seen):
+                raise ValueError(f"stage {s}, microbatch {i}: I and W come in pairs")
+            if not split and (s, "B", i) not in seen:
+                raise ValueError(f"{B(s, i)} never runs")
+            if split and (s, "B", i) in seen:
+                raise ValueError(f"stage {s}, microbatch {i}: both B and I/W")
+    simulate(schedule, Costs())  # raises if some action could never start
+
+
+class Op(NamedTuple):
+    """An action named without its stage: `Op("F", 3)` is the forward of microbatch 3."""
+
+    kind: Kind
+    microbatch: int
+
+
+def happens_before(schedule: Schedule, stage: int, first: Op | Action,
+                   then: Op | Action) -> bool:
+    """Does `first` finish before `then` starts, whatever the costs? Both run on the rank
+    that holds `stage`: it runs its actions in order, so this is their order there.
+
+    >>> happens_before(gpipe(4, 8), stage=0, first=Op("F", 3), then=Op("B", 0))
+    True
+    """
+    rank = schedule.stage_rank[stage]
+    order = list(schedule.actions[rank])
+    first, then = (a if isinstance(a, Action) else Action(stage, a.kind, a.microbatch)
+                   for a in (first, then))
+    for a in (first, then):
+        if a not in order:
+            raise ValueError(f"rank {rank} (stage {stage}) does not run {a}")
+    return order.index(first) < order.index(then)

@@ -40,9 +40,9 @@ def repeats_for(size: int, base: int) -> int:
     """About the same time for every size: base all-reduces at 64 MB and above,
     4x as many for each 4x smaller size, up to MAX_REPEATS.
 
-    Single all-reduces of 1-4 MB on a busy machine vary by 2-5x from one to the
-    next, so a median of tens of them moves by 0.1 from run to run; hundreds
-    pin it to a few hundredths (the interval column shows how well).
+    Single all-reduces on a busy machine vary a lot from one to the next, so a
+    median of tens of them moves from run to run; hundreds pin it down (the
+    table's 95% interval column shows how well, for every size).
     """
     return min(MAX_REPEATS, max(base, round(base * (64 << 20) / size)))
 

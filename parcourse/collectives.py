@@ -607,23 +607,23 @@ def naive_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = Non
 
 
 def bytes_sent_per_rank(algo: Literal["ring", "naive"], nbytes: int, world_size: int,
-                        rank: int = 0, root: int = 0, itemsize: int = 1) -> float:
+                        rank: int = 0, root: int = 0, itemsize: int | None = None) -> float:
     """Theory: bytes one rank sends in one all-reduce of `nbytes`.
 
     ring: 2(N-1)/N x S on every rank; naive: (N-1) x S at the root, S elsewhere.
-    The ring cuts chunks between elements of `itemsize` bytes; when they cannot
-    be equal, each rank sends exactly the chunks `ring_steps` names, a few
-    elements more or less than 2(N-1)/N x S.
+    The ring cuts chunks between elements; given their `itemsize`, the count is
+    exact also when N does not divide the elements (chunks then differ by one,
+    and each rank sends the chunks `ring_steps` names: a few elements more or
+    less than 2(N-1)/N x S).
     """
     n = world_size
     if n == 1:
         return 0.0
     if algo == "naive":
         return (n - 1) * nbytes if rank == root else float(nbytes)
-    numel = nbytes // itemsize
-    if numel % n == 0:
+    if itemsize is None or (nbytes // itemsize) % n == 0:
         return 2 * (n - 1) / n * nbytes
-    bounds = chunk_bounds(numel, n)
+    bounds = chunk_bounds(nbytes // itemsize, n)
     sent = [c for _, c, _ in ring_steps(rank, n, ("reduce-scatter", "all-gather"))]
     return float(sum(bounds[c][1] - bounds[c][0] for c in sent) * itemsize)
 

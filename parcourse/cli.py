@@ -18,9 +18,11 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from parcourse.collectives import SimulatedLink, bus_bandwidth, bytes_sent_per_rank, simulated_link
+from parcourse.collectives import (CostModel, SimulatedLink, bus_bandwidth,
+                                   bytes_sent_per_rank, simulated_link)
 from parcourse.demos import all_reduce_with, slowest_rank, time_all_reduce
 from parcourse.launch import Pool, RankContext, _external_env, launch
+from parcourse.models import GPTConfig
 
 
 _UNITS = {"B": 1, "KB": 1 << 10, "KIB": 1 << 10, "MB": 1 << 20, "MIB": 1 << 20,
@@ -132,6 +134,11 @@ def allreduce(args: argparse.Namespace) -> int:
     if link is not None:
         where = f" (simulated link: {link.latency_s * 1e6:g} us, {link.bandwidth_Bps / 1e9:g} GB/s)"
     print(f"time        {t * 1e3:.3f} ms{where}")
+    if link is not None and args.algo != "torch":
+        model = CostModel(link.latency_s, link.bandwidth_Bps).all_reduce_s(args.algo, nbytes,
+                                                                           world_size)
+        print(f"model       {model * 1e3:.3f} ms   (alpha-beta: the link's time; the time above "
+              "also holds this machine's own)")
     print(f"algbw       {algbw / 1e9:.3f} GB/s   (size / time)")
     print(f"busbw       {busbw / 1e9:.3f} GB/s   (algbw x 2(N-1)/N)")
     if args.algo != "torch":

@@ -236,6 +236,75 @@ def checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tp_config(args: argparse.Namespace) -> GPTConfig:
+    return GPTConfig(vocab=args.vocab, block_size=args.block_size, n_layers=args.layers,
+                     n_heads=args.heads, d_model=args.width)
+
+
+def _tp_problem(args: argparse.Namespace) -> str | None:
+    """Why these options cannot run, before any rank starts (None: they can)."""
+    external = _external_env()
+    world_size = external[1] if external else args.world_size
+    try:
+        config = _tp_config(args)
+    except ValueError as e:
+        return str(e)
+    if config.n_heads % world_size:
+        return f"--heads ({config.n_heads}) must be divisible by --world-size ({world_size})"
+    if args.sequence_parallel and config.block_size % world_size:
+        return (f"--block-size ({config.block_size}) must be divisible by --world-size "
+                f"({world_size}) under --sequence-parallel")
+    return None
+
+
+def tp(args: argparse.Namespace) -> int:
+    """Train the GPT split over ranks; per-rank bytes and collectives against the
+    formulas, the loss beside one process's."""
+    from parcourse.experiments.tensor_parallel import one_process_losses, train
+    from parcourse.memory import format_bytes
+    from parcourse.models import gpt, param_count
+    from parcourse.theory import tp_collective_counts, tp_ring_bytes_sent
+
+    external = _external_env()
+    world_size = external[1] if external else args.world_size
+    config = _tp_config(args)
+    run = launch(train, world_size, config, args.steps, args.batch,
+                 sequence_parallel=args.sequence_parallel, timeout=args.timeout)
+    if external and external[0] != 0:
+        return 0
+    first = run.results[0]
+    how = "sequence parallel" if args.sequence_parallel else "tensor parallel"
+    print(f"tp          {world_size} ranks, {how}, backend {run.backend}, collectives: "
+          f"{first['algorithm']}")
+    print(f"model       GPT, {config.n_layers} layers, d_model {config.d_model}, "
+          f"{config.n_heads} heads, vocab {config.vocab}, {config.block_size} tokens "
+          f"({param_count(gpt(config)):,} parameters); batch {args.batch}, Adam, fp32")
+    print("\nper rank, measured / formula (activations: what one forward keeps for backward)")
+    for rank, r in enumerate(run.results):
+        for what, label in (("param_bytes", "parameters "), ("activation_bytes", "activations")):
+            got, want = r[what], r["theory"][what]
+            print(f"  rank {rank:<3} {label} {format_bytes(got):>10}   formula "
+                  f"{format_bytes(want):>10}   measured / formula {got / want:.3f}")
+    counts = tp_collective_counts(first["collectives"])
+    theory = tp_collective_counts(first["theory"]["collectives"])
+    same = all(r["collectives"] == r["theory"]["collectives"] for r in run.results)
+    print(f"\ncollectives per step: {'as the formula' if same else 'NOT as the formula'} "
+          "(each rank; bytes of the whole tensors)")
+    for (op, phase), (n, size) in counts.items():
+        n_theory, size_theory = theory.get((op, phase), (0, 0))
+        print(f"  {op:<15}{phase:<9}{n:>4} x  {format_bytes(size):>10}   formula {n_theory:>3} x "
+              f"{format_bytes(size_theory):>10}")
+    if first["algorithm"] == "ring":
+        sent = tp_ring_bytes_sent(first["theory"]["collectives"], world_size)
+        print(f"  sent per rank (ring, counted message by message): {first['bytes_sent']:,.0f} B;"
+              f" formula {sent:,.0f} B")
+    reference = one_process_losses(config, args.steps, args.batch)
+    print(f"\nloss        step   {world_size} ranks    one process")
+    for step, (ours, one) in enumerate(zip(first["losses"], reference)):
+        print(f"            {step:>4}   {ours:>8.4f}    {one:>8.4f}")
+    return 0
+
+
 def _ranks_option(p: argparse.ArgumentParser, default: int) -> None:
     p.add_argument("--world-size", type=int, default=default,
                    help=f"ranks ({default}; under torchrun, the launcher's)")
@@ -301,6 +370,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.set_defaults(func=checkpoint)
+
+    p = commands.add_parser("tp", help="tensor parallelism: train a tiny GPT split over ranks; "
+                                       "bytes and collectives vs the formulas")
+    _ranks_option(p, 2)
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="also split LayerNorm, dropout and residual along the sequence")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--width", type=int, default=64, help="d_model")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=32, help="tokens per sequence")
+    p.set_defaults(func=tp)
     return parser
 
 
@@ -318,6 +401,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--layers must be >= 1")
     if getattr(args, "segments", None) is not None and not 1 <= args.segments <= args.layers:
         parser.error(f"--segments must be between 1 and --layers ({args.layers})")
+    if args.func is tp and (problem := _tp_problem(args)):
+        parser.error(problem)
     if getattr(args, "impl", None) == "torch" and (args.latency_us or args.bandwidth_gbps):
         parser.error("torch's DDP cannot use the simulated link; use --impl naive or bucketed")
     try:

@@ -36,7 +36,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                 vocab_size: int, ignore_index: int) -> torch.Tensor:
         start, end = vocab_range(vocab_size, comm.rank, comm.size)
         real = end - start  # this rank's columns that are tokens; the rest pad its shard
-        logits = logits.float()
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # 16-bit: in fp32
         if real < logits.shape[-1]:
             logits = logits.clone()
             logits[..., real:] = float("-inf")  # padding is never a token: exp(-inf) = 0

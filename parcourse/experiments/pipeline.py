@@ -1,0 +1,92 @@
+"""Pipeline runs that lessons 06-07, the CLI and benchmarks/pipeline.py launch: a deep MLP
+cut into stages, trained under a schedule, with its measured bubble and in-flight memory."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from parcourse.launch import RankContext
+from parcourse.pipeline.partition import By, partition
+from parcourse.pipeline.runtime import PipelineRuntime, SimulatedCompute, measured_bubble
+from parcourse.pipeline.schedule import Schedule, gpipe, naive, one_f_one_b
+
+ScheduleName = Literal["naive", "gpipe", "1f1b"]
+SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
+    "naive": lambda stages, microbatches: naive(stages),
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+}
+
+
+def make_schedule(name: str, stages: int, microbatches: int) -> Schedule:
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    return SCHEDULES[name](stages, microbatches)
+
+
+def deep_mlp(depth: int, width: int, seed: int = 0) -> list[nn.Module]:
+    """`depth` layers Linear + Tanh of equal width: equal stages for any cut."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth)]
+
+
+def regression_batch(batch: int, width: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
+
+
+def train(ctx: RankContext, schedule: str, microbatches: int, steps: int = 2, *,
+          depth: int = 8, width: int = 16, batch: int = 16, by: By = "layers",
+          lr: float = 0.05, compute: SimulatedCompute | None = None) -> dict[str, Any]:
+    """`steps` SGD steps of a deep MLP cut into one stage per rank, under `schedule`.
+
+    Returns this rank's stage weights (named as in the whole model), the losses (last
+    stage), and the bubble measured from the last step's compute spans.
+    """
+    stages = ctx.world_size
+    plan = make_schedule(schedule, stages, microbatches)
+    layers = deep_mlp(depth, width)
+    cut = partition(layers, stages, by)
+    module = cut[ctx.rank].to(ctx.device)
+    first = sum(len(c) for c in cut[:ctx.rank])  # index of this stage's first layer
+    runtime = PipelineRuntime(plan, {ctx.rank: module}, ctx.group, nn.functional.mse_loss,
+                              tracer=ctx.tracer, compute=compute)
+    opt = torch.optim.SGD(module.parameters(), lr=lr)
+    x, y = regression_batch(batch, width)
+    losses = []
+    for _ in range(steps):
+        torch.distributed.barrier(group=ctx.group)
+        spans_before = len(ctx.tracer.data().spans)
+        loss = runtime.step(x if ctx.rank == 0 else None, y if ctx.rank == stages - 1 else None)
+        opt.step()
+        opt.zero_grad()
+        if loss is not None:
+            losses.append(loss)
+    weights = {f"{first + int(k.split('.')[0])}.{k.split('.', 1)[1]}": v.detach().clone()
+               for k, v in module.state_dict().items()}
+    last_step = ctx.tracer.data().spans[spans_before:]
+    return {"weights": weights, "losses": losses, "spans": last_step}
+
+
+def one_process(steps: int = 2, *, depth: int = 8, width: int = 16, batch: int = 16,
+                lr: float = 0.05) -> dict[str, torch.Tensor]:
+    """The same training in one process, on the whole batch."""
+    model = nn.Sequential(*deep_mlp(depth, width))
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    x, y = regression_batch(batch, width)
+    for _ in range(steps):
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def bubble_of(run: Any) -> float:
+    """The measured bubble of a `train` run's last step, over all ranks."""
+    spans = [s for r in run.results for s in r["spans"]]
+    return measured_bubble(spans, len(run.results))

@@ -1,0 +1,248 @@
+"""One runtime that executes any schedule on real ranks.
+
+Each rank holds the stages the schedule puts on it and runs its actions in
+order. A forward receives its input from the previous stage (point to point),
+runs the stage and sends the output on; a backward receives the gradient of
+that output, backpropagates through the saved graph, sends the gradient of the
+input back and frees the microbatch's activations. The loss of each microbatch
+is divided by the number of microbatches, so the gradients add up to those of
+one process on the whole batch; the caller steps the optimizer afterwards.
+
+Messages go through `parcourse.collectives.messenger`: bytes counted on the
+tracer, a simulated link when one is given, CUDA tensors staged through host
+memory when the backend (gloo) cannot send them. `SimulatedCompute` makes every
+action last a fixed time per stage (the real math runs, then the rank waits out
+the rest), so that ranks sharing a few cores behave as separate devices would.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.func import functional_call
+
+from parcourse.collectives import SimulatedLink, group_info, messenger
+from parcourse.memory import SavedActivations, live_bytes
+from parcourse.pipeline.schedule import Action, Schedule, check
+from parcourse.trace import Tracer
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+@dataclass(frozen=True)
+class SimulatedCompute:
+    """Seconds each action lasts, whatever the real math took (a number for every stage,
+    or one per stage). `weight` is the part of `backward` that W takes when split."""
+
+    forward: float | Sequence[float]
+    backward: float | Sequence[float]
+    weight: float | Sequence[float] = 0.0
+
+    def seconds(self, action: Action) -> float:
+        def of(value: float | Sequence[float]) -> float:
+            return float(value) if isinstance(value, (int, float)) else float(value[action.stage])
+
+        b, w = of(self.backward), of(self.weight)
+        return {"F": of(self.forward), "B": b, "I": b - w, "W": w}[action.kind]
+
+
+def _tag(kind: str, stage: int, microbatch: int, microbatches: int, stages: int) -> int:
+    """A tag per message: what it carries (F: activations, B: gradients, S: a shape)."""
+    return (("FBS".index(kind) * stages + stage) * microbatches + microbatch) + 1
+
+
+class PipelineRuntime:
+    """`PipelineRuntime(schedule, stages, group, loss_fn)`: `stages` maps each stage this
+    rank holds (as `schedule.stage_rank` says) to its module.
+
+    `step(inputs, targets)` runs one schedule: rank of stage 0 passes the batch, rank
+    of the last stage the targets; it returns the mean loss there (None elsewhere).
+    """
+
+    def __init__(self, schedule: Schedule, stages: dict[int, nn.Module],
+                 group: dist.ProcessGroup | None, loss_fn: Callable[[Any, Any], torch.Tensor], *,
+                 tracer: Tracer | None = None, link: SimulatedLink | None = None,
+                 compute: SimulatedCompute | None = None) -> None:
+        self.group, self.rank, self.world_size = group_info(group)
+        if schedule.ranks != self.world_size:
+            raise ValueError(f"the schedule is for {schedule.ranks} ranks, the group has "
+                             f"{self.world_size}")
+        mine = {s for s, r in enumerate(schedule.stage_rank) if r == self.rank}
+        if set(stages) != mine:
+            raise ValueError(f"rank {self.rank} holds stages {sorted(mine)} in this schedule, "
+                             f"got modules for {sorted(stages)}")
+        check(schedule)
+        self.schedule, self.stages, self.loss_fn = schedule, stages, loss_fn
+        self.tracer, self.link, self.compute = tracer, link, compute
+        self.last = schedule.stages - 1
+        self._shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}  # each stage's input
+
+    # -- point to point
+
+    def _peer(self, stage: int) -> int:
+        return self.schedule.stage_rank[stage]
+
+    def _wire(self, like: torch.Tensor) -> Any:
+        return messenger(self.group, like, self.tracer, self.link)
+
+    def _send(self, kind: str, stage: int, microbatch: int, t: torch.Tensor, to: int) -> None:
+        """Activations of `stage` (kind F) or the gradient of its input (kind B)."""
+        target = stage + 1 if kind == "F" else stage - 1
+        if self._peer(target) == self.rank:
+            self._local[(kind, stage, microbatch)] = t
+            return
+        tag = _tag(kind, stage, microbatch, self.schedule.microbatches, self.schedule.stages)
+        t = t.detach().contiguous()
+        self._sends.append((self._wire(t).send([t], to, tag), t))
+
+    def _receive(self, kind: str, stage: int, microbatch: int, like: tuple[torch.Size, torch.dtype]
+                 ) -> torch.Tensor:
+        """What `stage` sent (its activations, F; the gradient of its input, B)."""
+        if self._peer(stage) == self.rank:
+            return self._local.pop((kind, stage, microbatch))
+        tag = _tag(kind, stage, microbatch, self.schedule.microbatches, self.schedule.stages)
+        buffer = torch.empty(like[0], dtype=like[1], device=self._device)
+        start = time.perf_counter_ns()
+        self._wire(buffer).recv([buffer], self._peer(stage), tag).wait()
+        if self.tracer is not None:
+            self.tracer.add_span(f"recv {kind}", start, time.perf_counter_ns(), kind="comm",
+                                 stage=stage, microbatch=microbatch, bytes=buffer.nbytes)
+        return buffer
+
+    def _agree_on_shapes(self, example: torch.Tensor | None) -> None:
+        """Before the first step: each stage learns its input's shape from the previous one
+        (shapes found on the meta device, no math), so receives can be posted."""
+        for s in sorted(self.stages):
+            if s == 0:
+                assert example is not None
+                shape, dtype = example.shape, example.dtype
+            elif self._peer(s - 1) == self.rank:
+                shape, dtype = self._out_shape(s - 1)
+            else:
+                header = torch.zeros(10, dtype=torch.int64)
+                self.group.recv([header], self._peer(s - 1), _tag("S", s - 1, 0, 1,
+                                                                   self.schedule.stages)).wait()
+                ndim = int(header[0])
+                shape, dtype = torch.Size(header[2:2 + ndim].tolist()), _DTYPES[int(header[1])]
+            self._shapes[s] = (shape, dtype)
+            if s < self.last and self._peer(s + 1) != self.rank:
+                out, out_dtype = self._out_shape(s)
+                header = torch.zeros(10, dtype=torch.int64)
+                header[0], header[1] = len(out), _DTYPES.index(out_dtype)
+                header[2:2 + len(out)] = torch.tensor(list(out))
+                self.group.send([header], self._peer(s + 1),
+                                _tag("S", s, 0, 1, self.schedule.stages)).wait()
+
+    def _out_shape(self, stage: int) -> tuple[torch.Size, torch.dtype]:
+        shape, dtype = self._shapes[stage]
+        module = self.stages[stage]
+        meta = {n: torch.empty_like(t, device="meta")
+                for n, t in [*module.named_parameters(), *module.named_buffers()]}
+        out = functional_call(module, meta, (torch.empty(shape, dtype=dtype, device="meta"),))
+        return out.shape, out.dtype
+
+    # -- the step
+
+    def step(self, inputs: torch.Tensor | None = None, targets: Any = None) -> float | None:
+        """Run the schedule once over `inputs` (on stage 0's rank) cut into microbatches."""
+        m = self.schedule.microbatches
+        has_first, has_last = 0 in self.stages, self.last in self.stages
+        if has_first and inputs is None:
+            raise ValueError(f"rank {self.rank} holds stage 0: pass the batch's inputs")
+        if has_last and targets is None:
+            raise ValueError(f"rank {self.rank} holds the last stage: pass the targets")
+        for name, batch in (("inputs", inputs if has_first else None),
+                            ("targets", targets if has_last else None)):
+            if batch is not None and batch.shape[0] % m:
+                raise ValueError(f"{m} microbatches do not divide the batch of "
+                                 f"{batch.shape[0]} {name}")
+        self._device = next(next(iter(self.stages.values())).parameters()).device
+        self._inputs = list(inputs.chunk(m)) if has_first else []
+        self._targets = list(targets.chunk(m)) if has_last else []
+        self._agree_on_shapes(self._inputs[0] if has_first else None)  # a few bytes a stage
+        self._local: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self._sends: list[tuple[Any, torch.Tensor]] = []
+        self._in_flight_bytes = 0
+        self._losses: list[float] = []
+        for action in self.schedule.actions[self.rank]:
+            try:
+                self._run(action)
+            except Exception as e:
+                raise RuntimeError(f"rank {self.rank} failed at {action}: "
+                                   f"{type(e).__name__}: {e}") from e
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
+        return sum(self._losses) if has_last else None
+
+    def _run(self, a: Action) -> None:
+        """Receive what the action needs (a comm span), compute (a compute span, padded
+        to its simulated time), send what it made."""
+        s, i = a.stage, a.microbatch
+        if a.kind == "F" and s > 0:
+            received = self._receive("F", s - 1, i, self._shapes[s])
+        elif a.kind == "B" and s < self.last:
+            held_y = self._saved[(s, i)][1]
+            received = self._receive("B", s + 1, i, (held_y.shape, held_y.dtype))
+        else:
+            received = None
+        start = time.perf_counter()
+        with (self.tracer.span(str(a), kind="compute", stage=s, microbatch=i, action=a.kind)
+              if self.tracer is not None else nullcontext()):
+            out = self._forward(a, received) if a.kind == "F" else self._backward(a, received)
+            if self.compute is not None:  # the rest of this action's simulated time
+                rest = self.compute.seconds(a) - (time.perf_counter() - start)
+                if rest > 0:
+                    time.sleep(rest)
+        if a.kind == "F" and s < self.last:
+            self._send("F", s, i, out, self._peer(s + 1))
+        elif a.kind == "B" and s > 0:
+            self._send("B", s, i, out, self._peer(s - 1))
+
+    def _forward(self, a: Action, received: torch.Tensor | None) -> torch.Tensor:
+        """Run the stage; keep its input, output and graph until the backward."""
+        s, i = a.stage, a.microbatch
+        x = self._inputs[i] if received is None else received.detach().requires_grad_(True)
+        acts = SavedActivations()
+        with acts:
+            y = self.stages[s](x)
+            if s == self.last:  # scaled, so that microbatches add up to the whole batch's mean
+                y = self.loss_fn(y, self._targets[i]) / self.schedule.microbatches
+                self._losses.append(float(y.detach()))
+        held = live_bytes(self.stages[s], activations=acts)["activations"]
+        self._saved[(s, i)] = (x, y, held)
+        self._count_in_flight(held)
+        return y
+
+    def _backward(self, a: Action, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """Backpropagate through the saved graph and free it; the input's gradient."""
+        x, y, held = self._saved.pop((a.stage, a.microbatch))
+        torch.autograd.backward(y, grad)  # grad None: y is the last stage's loss
+        del y  # the graph, and the activations it saved, go here
+        self._count_in_flight(-held)
+        return x.grad
+
+    def _count_in_flight(self, delta: int) -> None:
+        self._in_flight_bytes += delta
+        if self.tracer is not None:
+            self.tracer.count("in_flight_bytes", delta, now=self._in_flight_bytes)
+
+
+def measured_bubble(spans: Sequence[Any], ranks: int) -> float:
+    """1 - busy / (ranks x step time), from the compute spans of one step (all ranks)."""
+    compute = [s for s in spans if s.kind == "compute"]
+    if not compute:
+        return math.nan
+    start = min(s.start_ns for s in compute)
+    end = max(s.end_ns for s in compute)
+    busy = sum(s.end_ns - s.start_ns for s in compute)
+    return 1 - busy / (ranks * (end - start))

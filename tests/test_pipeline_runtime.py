@@ -1,0 +1,101 @@
+"""The pipeline runtime on real ranks: same weights as one process, the bubble and the
+in-flight activations the theory predicts, failures that end the run with their action.
+
+Tolerance for weights: fp32; a pipeline adds the microbatches' gradients one by one,
+one process computes the whole batch's at once (rtol=1e-5, atol=1e-6 after two steps).
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from parcourse import RankError
+from parcourse.experiments.pipeline import bubble_of, one_process, train
+from parcourse.pipeline.partition import partition
+from parcourse.pipeline.runtime import SimulatedCompute
+from parcourse.theory import gpipe_bubble
+
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def gathered(run):
+    weights = {}
+    for r in run.results:
+        weights.update(r["weights"])
+    return weights
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("schedule,microbatches", [("naive", 1), ("gpipe", 1), ("gpipe", 2),
+                                                   ("gpipe", 8), ("1f1b", 2), ("1f1b", 8)])
+def test_same_weights_as_one_process(pools, world_size, schedule, microbatches):
+    run = pools[world_size].run(train, schedule, microbatches, 2)
+    expected = one_process(2)
+    got = gathered(run)
+    assert set(got) == set(expected)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], **TOL, msg=name)
+    assert run.results[-1]["losses"][1] < run.results[-1]["losses"][0]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("microbatches", [1, 4, 8])
+def test_measured_bubble_with_simulated_compute(pools, world_size, microbatches):
+    # F 50 ms, B 100 ms per stage: the real math (a tiny MLP) takes far less, so every
+    # rank behaves like a device of its own. Each hop between ranks adds a millisecond or
+    # two (a message, Python), about 2 percentage points over the 2(m + p - 1) hops.
+    compute = SimulatedCompute(forward=0.05, backward=0.1)
+    run = pools[world_size].run(train, "gpipe", microbatches, 1, compute=compute)
+    assert bubble_of(run) == pytest.approx(gpipe_bubble(world_size, microbatches), abs=0.03)
+
+
+@pytest.mark.parametrize("schedule,expected", [("gpipe", 8), ("1f1b", 4)])
+def test_in_flight_activations_on_the_first_stage(pools, schedule, expected):
+    """GPipe holds all m microbatches' activations on stage 0; 1F1B at most p."""
+    run = pools[4].run(train, schedule, 8, 1)
+    counters = [c for c in run.trace.counters if c.rank == 0 and c.name == "in_flight_bytes"]
+    one = counters[0].value  # bytes one microbatch holds on stage 0
+    assert max(c.meta["now"] for c in counters) == expected * one
+
+
+def _fails_at_microbatch_2(ctx):
+    from parcourse.pipeline.runtime import PipelineRuntime
+    from parcourse.pipeline.schedule import gpipe
+
+    class Flaky(nn.Linear):
+        calls = 0
+
+        def forward(self, x):
+            Flaky.calls += 1
+            if ctx.rank == 1 and Flaky.calls == 3:
+                raise ValueError("a bad microbatch")
+            return super().forward(x)
+
+    runtime = PipelineRuntime(gpipe(2, 4), {ctx.rank: Flaky(4, 4)}, ctx.group,
+                              nn.functional.mse_loss)
+    x = torch.randn(8, 4)
+    runtime.step(x if ctx.rank == 0 else None, x if ctx.rank == 1 else None)
+
+
+def test_a_failing_rank_ends_the_run_naming_its_action(pool2):
+    with pytest.raises(RankError, match="rank 1 failed at 1F2: ValueError: a bad microbatch"):
+        pool2.run(_fails_at_microbatch_2)
+    assert pool2.run(lambda ctx: ctx.rank).results == [0, 1]  # fresh ranks afterwards
+
+
+def test_partition():
+    layers = [nn.Linear(4, 4) for _ in range(5)] + [nn.Linear(4, 64)]
+    assert [len(s) for s in partition(layers, 3)] == [2, 2, 2]
+    by_params = partition(layers, 2, by="params")  # the last layer weighs 320 of 420
+    assert [len(s) for s in by_params] == [5, 1]
+    with pytest.raises(ValueError, match="7 stages need at least 7 layers"):
+        partition(layers, 7)
+    with pytest.raises(ValueError, match="by must be"):
+        partition(layers, 2, by="flops")
+
+
+def test_bad_batches_and_schedules_are_refused():
+    from parcourse.experiments.pipeline import make_schedule
+
+    with pytest.raises(ValueError, match="unknown schedule"):
+        make_schedule("zigzag", 2, 4)

@@ -176,16 +176,20 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, impl: Impl, x: torch.Ten
 
 
 def step_times(ctx: RankContext, steps: int = 10, config: GPTConfig = TINY, batch: int = 8, *,
-               sequence_parallel: bool = False) -> dict[str, Any]:
+               sequence_parallel: bool = False,
+               impls: tuple[Impl, ...] = ("ours", "torch")) -> dict[str, Any]:
     """Seconds per training step (Adam) of ours and of torch's tensor parallelism on the
     same GPT and plan, alternating step by step (the order swaps every step; the first
     step of each is a warm-up). Also each one's losses, which should agree."""
     runs: dict[str, tuple[nn.Module, torch.optim.Optimizer, TPComm | None]] = {}
-    model = apply_tensor_parallel(gpt(config), GPT_PLAN, ctx.group,
-                                  sequence_parallel=sequence_parallel)
-    runs["ours"] = (model, torch.optim.Adam(model.parameters(), lr=3e-3), model.head.comm)
-    model = torch_tensor_parallel(gpt(config), ctx.group, sequence_parallel)
-    runs["torch"] = (model, torch.optim.Adam(model.parameters(), lr=3e-3), None)
+    for impl in impls:
+        if impl == "ours":
+            model = apply_tensor_parallel(gpt(config), GPT_PLAN, ctx.group,
+                                          sequence_parallel=sequence_parallel)
+            comm = model.head.comm
+        else:
+            model, comm = torch_tensor_parallel(gpt(config), ctx.group, sequence_parallel), None
+        runs[impl] = (model, torch.optim.Adam(model.parameters(), lr=3e-3), comm)
     times: dict[str, list[float]] = {name: [] for name in runs}
     losses: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)

@@ -305,6 +305,36 @@ def tp(args: argparse.Namespace) -> int:
     return 0
 
 
+def pipeline(args: argparse.Namespace) -> int:
+    """A schedule's grid, its simulated and measured bubble beside the formula, and the
+    peak in-flight microbatches, from a real run of a deep MLP cut into stages."""
+    from parcourse.experiments.pipeline import bubble_of, make_schedule, train
+    from parcourse.pipeline import Costs, simulate
+    from parcourse.pipeline.runtime import SimulatedCompute
+    from parcourse.theory import gpipe_bubble
+
+    p, m = args.stages, args.microbatches
+    schedule = make_schedule(args.schedule, p, m)
+    m = schedule.microbatches  # naive runs one
+    f, b = args.forward_ms / 1e3, args.backward_ms / 1e3
+    predicted = simulate(schedule, Costs(forward=f, backward=b))
+    compute = SimulatedCompute(f, b) if f or b else None
+    run = launch(train, p, args.schedule, m, 1, depth=args.layers, batch=args.batch,
+                 compute=compute, latency_us=args.latency_us,
+                 bandwidth_gbps=args.bandwidth_gbps, timeout=args.timeout)
+    print(f"pipeline    {args.schedule}, {p} stages, {m} microbatches, backend {run.backend}")
+    print(schedule)
+    print(f"\nbubble      formula (p-1)/(m+p-1) {gpipe_bubble(p, m):.3f}   simulated "
+          f"{predicted.bubble:.3f}   measured {bubble_of(run):.3f}"
+          + ("" if compute else "   (real compute: ranks share cores)"))
+    print(f"in flight   peak microbatches per rank (simulated): {predicted.peak_in_flight}")
+    for rank in range(p):
+        counts = [c.meta["now"] for c in run.trace.counters
+                  if c.rank == rank and c.name == "in_flight_bytes"]
+        print(f"  rank {rank}    peak in-flight activations {max(counts, default=0):,.0f} B")
+    return 0
+
+
 def _ranks_option(p: argparse.ArgumentParser, default: int) -> None:
     p.add_argument("--world-size", type=int, default=default,
                    help=f"ranks ({default}; under torchrun, the launcher's)")
@@ -371,6 +401,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.set_defaults(func=checkpoint)
 
+    p = commands.add_parser("pipeline", help="a pipeline schedule: grid, bubble vs formula, "
+                                             "in-flight microbatches, measured")
+    p.add_argument("--schedule", choices=("naive", "gpipe", "1f1b"), default="gpipe")
+    p.add_argument("--stages", type=int, default=4, help="stages, one rank each")
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--layers", type=int, default=8, help="layers of the MLP, cut into stages")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--forward-ms", type=float, default=20.0,
+                   help="simulated forward time per stage (0 with --backward-ms 0: real compute)")
+    p.add_argument("--backward-ms", type=float, default=40.0)
+    p.add_argument("--timeout", type=float, default=600.0)
+    _link_options(p)
+    p.set_defaults(func=pipeline)
+
     p = commands.add_parser("tp", help="tensor parallelism: train a tiny GPT split over ranks; "
                                        "bytes and collectives vs the formulas")
     _ranks_option(p, 2)
@@ -399,6 +443,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--bucket-mb must be > 0")
     if getattr(args, "layers", 1) < 1:
         parser.error("--layers must be >= 1")
+    if hasattr(args, "stages"):
+        if args.stages < 1 or args.microbatches < 1:
+            parser.error("--stages and --microbatches must be >= 1")
+        if args.stages > args.layers:
+            parser.error(f"{args.stages} stages need at least {args.stages} layers (--layers)")
+        if args.batch % (1 if args.schedule == "naive" else args.microbatches):
+            parser.error(f"{args.microbatches} microbatches do not divide --batch {args.batch}")
     if getattr(args, "segments", None) is not None and not 1 <= args.segments <= args.layers:
         parser.error(f"--segments must be between 1 and --layers ({args.layers})")
     if args.func is tp and (problem := _tp_problem(args)):

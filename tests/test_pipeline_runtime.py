@@ -99,3 +99,15 @@ def test_bad_batches_and_schedules_are_refused():
 
     with pytest.raises(ValueError, match="unknown schedule"):
         make_schedule("zigzag", 2, 4)
+
+
+def test_cli_prints_grid_bubbles_and_in_flight(capsys):
+    from parcourse.cli import main
+
+    assert main(["pipeline", "--schedule", "gpipe", "--stages", "2", "--microbatches", "4",
+                 "--forward-ms", "5", "--backward-ms", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "formula (p-1)/(m+p-1) 0.200   simulated 0.200   measured" in out
+    assert "peak microbatches per rank (simulated): [4, 4]" in out and "0F3" in out
+    with pytest.raises(SystemExit):
+        main(["pipeline", "--stages", "4", "--microbatches", "3", "--batch", "32"])

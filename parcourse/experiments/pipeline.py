@@ -9,6 +9,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from parcourse.collectives import simulated_link
 from parcourse.launch import RankContext
 from parcourse.pipeline.partition import By, partition
 from parcourse.pipeline.runtime import PipelineRuntime, SimulatedCompute, measured_bubble
@@ -42,7 +43,8 @@ def regression_batch(batch: int, width: int, seed: int = 1) -> tuple[torch.Tenso
 
 def train(ctx: RankContext, schedule: str, microbatches: int, steps: int = 2, *,
           depth: int = 8, width: int = 16, batch: int = 16, by: By = "layers",
-          lr: float = 0.05, compute: SimulatedCompute | None = None) -> dict[str, Any]:
+          lr: float = 0.05, compute: SimulatedCompute | None = None,
+          latency_us: float = 0.0, bandwidth_gbps: float | None = None) -> dict[str, Any]:
     """`steps` SGD steps of a deep MLP cut into one stage per rank, under `schedule`.
 
     Returns this rank's stage weights (named as in the whole model), the losses (last
@@ -55,7 +57,8 @@ def train(ctx: RankContext, schedule: str, microbatches: int, steps: int = 2, *,
     module = cut[ctx.rank].to(ctx.device)
     first = sum(len(c) for c in cut[:ctx.rank])  # index of this stage's first layer
     runtime = PipelineRuntime(plan, {ctx.rank: module}, ctx.group, nn.functional.mse_loss,
-                              tracer=ctx.tracer, compute=compute)
+                              tracer=ctx.tracer, compute=compute,
+                              link=simulated_link(latency_us, bandwidth_gbps))
     opt = torch.optim.SGD(module.parameters(), lr=lr)
     x, y = regression_batch(batch, width)
     losses = []

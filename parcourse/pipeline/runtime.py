@@ -165,7 +165,8 @@ class PipelineRuntime:
                 raise ValueError(f"{m} microbatches do not divide the batch of "
                                  f"{batch.shape[0]} {name}")
         self._device = next(next(iter(self.stages.values())).parameters()).device
-        self._inputs = list(inputs.chunk(m)) if has_first else []
+        # Each microbatch its own storage: saved for backward, it counts as what it is.
+        self._inputs = [c.clone() for c in inputs.chunk(m)] if has_first else []
         self._targets = list(targets.chunk(m)) if has_last else []
         self._agree_on_shapes(self._inputs[0] if has_first else None)  # a few bytes a stage
         self._local: dict[tuple[str, int, int], torch.Tensor] = {}

@@ -78,13 +78,29 @@ class Schedule:
         return self.actions[rank]
 
     def __str__(self) -> str:
-        """A step x rank grid: row k holds each rank's k-th action."""
-        width = max(6, *(len(str(a)) + 2 for acts in self.actions for a in acts))
-        lines = ["step" + "".join(f"rank {r}".rjust(width + 2) for r in range(self.ranks))]
-        for k in range(max(len(acts) for acts in self.actions)):
-            cells = [str(acts[k]) if k < len(acts) else "" for acts in self.actions]
-            lines.append(f"{k:>4}" + "".join(c.rjust(width + 2) for c in cells))
+        """A step x rank grid: every action takes one step (I and W half a step each) and
+        starts as soon as its rank and its inputs are ready; blank cells are the bubble."""
+        from parcourse.pipeline.simulate import Costs, Deadlock, simulate
+
+        try:
+            spans = simulate(self, Costs(forward=1, backward=1, weight=0.5)).spans
+        except Deadlock:  # not runnable: show each rank's order instead
+            spans = [_Slot(r, a, k) for r, acts in enumerate(self.actions)
+                     for k, a in enumerate(acts)]
+        starts = sorted({s.start for s in spans})
+        grid = {(s.rank, s.start): str(s.action) for s in spans}
+        width = max(6, *(len(str(a)) for acts in self.actions for a in acts)) + 2
+        lines = ["step" + "".join(f"rank {r}".rjust(width) for r in range(self.ranks))]
+        for t in starts:
+            cells = [grid.get((r, t), "") for r in range(self.ranks)]
+            lines.append(f"{t:>4g}" + "".join(c.rjust(width) for c in cells))
         return "\n".join(lines)
+
+
+class _Slot(NamedTuple):
+    rank: int
+    action: Action
+    start: float
 
 
 def _check_sizes(stages: int, microbatches: int) -> None:

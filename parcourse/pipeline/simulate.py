@@ -37,12 +37,12 @@ class Costs:
     """Seconds per action, per stage (a number applies to every stage), and the link.
 
     `backward` is a whole backward B; split, it is I (input gradient) taking
-    backward - weight and W (weight gradient) taking `weight`.
+    backward - weight and W (weight gradient) taking `weight` (default: half of B).
     """
 
     forward: float | Sequence[float] = 1.0
     backward: float | Sequence[float] = 2.0
-    weight: float | Sequence[float] = 1.0
+    weight: float | Sequence[float] | None = None
     latency: float = 0.0  # seconds per message
     bandwidth: float = math.inf  # bytes per second
     message_bytes: float = 0.0  # one microbatch's activations (= its gradient)
@@ -50,7 +50,8 @@ class Costs:
     def of(self, stages: int) -> dict[str, list[float]]:
         f = _per_stage(self.forward, stages, "forward")
         b = _per_stage(self.backward, stages, "backward")
-        w = _per_stage(self.weight, stages, "weight")
+        w = ([bi / 2 for bi in b] if self.weight is None
+             else _per_stage(self.weight, stages, "weight"))
         if any(wi > bi for wi, bi in zip(w, b)):
             raise ValueError("the weight-gradient part of backward cannot exceed backward")
         return {"F": f, "B": b, "W": w, "I": [bi - wi for bi, wi in zip(b, w)]}

@@ -184,7 +184,7 @@ def tp_collectives(config: GPTConfig, batch: int, seq: int, world_size: int,
     layer: f); plus the embedding's g and the head's f; and the loss's three all-reduces
     of B x T numbers. With sequence parallelism each all-reduce of the activations
     becomes a reduce-scatter and an all-gather (one forward, one backward), the same
-    bytes on a ring, and each replicated parameter's gradient is all-reduced.
+    bytes on a ring, and the replicated parameters' gradients are all-reduced together.
     """
     if world_size == 1:
         return []
@@ -199,13 +199,10 @@ def tp_collectives(config: GPTConfig, batch: int, seq: int, world_size: int,
                 for op, phase in (("all_gather", "forward"), ("reduce_scatter", "backward"))]
         out += [(op, phase, w, act) for w in row
                 for op, phase in (("reduce_scatter", "forward"), ("all_gather", "backward"))]
-        c = 4 * config.d_model
-        for i in range(config.n_layers):
-            out += [("all_reduce", "backward", f"blocks.{i}.{p}", c) for p in (
-                "ln1.weight", "ln1.bias", "attn.proj.bias", "ln2.weight", "ln2.bias",
-                "mlp.down.bias")]
-        out += [("all_reduce", "backward", p, c) for p in ("ln_f.weight", "ln_f.bias")]
-        out.append(("all_reduce", "backward", "pos_emb.weight", config.block_size * c))
+        # Per block two LayerNorms (weight, bias) and the biases of attn.proj and mlp.down;
+        # ln_f; the position embedding: one all-reduce of them all.
+        replicated = (6 * config.n_layers + 2 + config.block_size) * config.d_model
+        out.append(("all_reduce", "backward", "replicated grads", 4 * replicated))
     else:
         out += [("all_reduce", "backward", w, act) for w in column]
         out += [("all_reduce", "forward", w, act) for w in row]

@@ -62,6 +62,11 @@ def test_whole_gpt_to_its_loss(pools, world_size, sequence_parallel, tie_weights
     pools[world_size].run(TP.whole_gpt, sequence_parallel, tie_weights)
 
 
+@SP
+def test_gradients_accumulated_over_microbatches(pools, sequence_parallel):
+    pools[2].run(TP.accumulated, sequence_parallel)
+
+
 @SIZES
 @SP
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])

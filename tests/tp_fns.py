@@ -203,6 +203,21 @@ def whole_gpt(ctx, sequence_parallel, tie_weights=True):
     assert (split.head.weight is split.tok_emb.weight) == tie_weights
 
 
+def accumulated(ctx, sequence_parallel, microbatches=3):
+    """Gradients accumulated over microbatches (loss / m each) equal one process's on the
+    whole batch: the replicated gradients of sequence parallelism are summed over ranks
+    once per backward, only what that backward added."""
+    reference = gpt(CONFIG)
+    split = apply_tensor_parallel(gpt(CONFIG), GPT_PLAN, ctx.group,
+                                  sequence_parallel=sequence_parallel)
+    x, y = progressions(B * microbatches, T, CONFIG.vocab)
+    F.cross_entropy(reference(x).flatten(0, 1), y.flatten()).backward()
+    for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches)):
+        loss = vocab_parallel_cross_entropy(split(xm), ym, ctx.group, CONFIG.vocab)
+        (loss / microbatches).backward()
+    check_params(ctx, split, reference)
+
+
 def adam_steps(ctx, sequence_parallel, dtype, steps=3):
     """`steps` Adam steps of the split GPT and of one process: the losses, and (when
     `dtype` is float64) the same weights.

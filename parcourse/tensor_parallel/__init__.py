@@ -29,6 +29,7 @@ from parcourse.tensor_parallel.plan import (
     sharded_parameters,
 )
 from parcourse.tensor_parallel.random import RNGTracker, TrackedDropout
+from parcourse.tensor_parallel.replicated import ReplicatedGradSync
 
 __all__ = [
     "ATTENTION_PLAN",
@@ -37,6 +38,7 @@ __all__ = [
     "GPT_PLAN",
     "MLP_PLAN",
     "RNGTracker",
+    "ReplicatedGradSync",
     "RowParallelLinear",
     "SequenceChunkEmbedding",
     "TPComm",

@@ -26,8 +26,8 @@ the activations outside the column/row pairs (LayerNorm, dropout, residual) are
 cut along the sequence: (B, T / N, C) on each rank. Column layers all-gather the
 sequence instead of f, row layers and the vocab-parallel embedding
 reduce-scatter it instead of g, a replicated embedding looks up this rank's
-positions only, and every replicated parameter, having seen only this rank's
-tokens, has its gradient summed over the group.
+positions only, and the gradients of the replicated parameters, each rank's
+from its own tokens only, are summed over the group (`ReplicatedGradSync`).
 
 Dropout: every nn.Dropout is replaced by a `TrackedDropout` drawing from the
 "sharded" generator where its input differs across ranks (inside a module that
@@ -38,7 +38,6 @@ from the "replicated" one elsewhere (the same mask on every rank).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
 from typing import Literal
@@ -55,6 +54,7 @@ from parcourse.tensor_parallel.layers import (
     VocabParallelEmbedding,
 )
 from parcourse.tensor_parallel.random import RNGTracker, TrackedDropout
+from parcourse.tensor_parallel.replicated import ReplicatedGradSync
 from parcourse.trace import Tracer
 
 Style = Literal["column", "row", "vocab", "replicate"]
@@ -237,15 +237,7 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 def _sum_replicated_grads(model: nn.Module, comm: TPComm) -> None:
     """Under sequence parallelism each rank's replicated parameters (LayerNorm, biases
     added after a reduce-scatter, position embedding) see only its tokens: their
-    gradients are partial sums. Each contribution is all-reduced as autograd produces
-    it (a tensor hook), which stays right under gradient accumulation and for a
-    parameter used twice. Megatron sums them once per step instead, after backward
-    (finalize_model_grads)."""
+    gradients are summed over the group, in one all-reduce per backward."""
     split = {id(p) for p in sharded_parameters(model)}
-    for name, p in model.named_parameters():
-        if id(p) not in split and p.requires_grad:
-            p.register_hook(functools.partial(_all_reduce_grad, comm, name))
-
-
-def _all_reduce_grad(comm: TPComm, name: str, grad: torch.Tensor) -> torch.Tensor:
-    return comm.all_reduce(grad, "backward", name)
+    ReplicatedGradSync([p for p in model.parameters() if id(p) not in split and p.requires_grad],
+                       comm)

@@ -1,0 +1,64 @@
+"""Gradients of replicated parameters under sequence parallelism, summed once per backward.
+
+Under sequence parallelism (Korthikanti et al., arXiv:2205.05198, sec. 4.2.2) a
+LayerNorm, the bias a row-parallel layer adds after its reduce-scatter, and the
+position embedding are whole on every rank but see only this rank's chunk of the
+sequence: each rank's gradient is a partial sum over its tokens, and the ranks'
+parts must be added. Megatron does it once per step, after backward, in one
+all-reduce of all of them (finalize_model_grads); this does it at the end of each
+backward (autograd's queue_callback, as DDP does), in one all-reduce too.
+
+Only what this backward added is summed, so it stays right under gradient
+accumulation: each parameter's gradient from before the backward is put aside
+when its first contribution arrives, and afterwards the gradient is that plus the
+sum over ranks of this backward's contributions.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from parcourse.tensor_parallel.comm import TPComm
+
+
+class ReplicatedGradSync:
+    """Hooks on `params` that sum this backward's gradients over the group, in one
+    all-reduce (where "replicated grads") when backward ends."""
+
+    def __init__(self, params: list[nn.Parameter], comm: TPComm) -> None:
+        self.params, self.comm = params, comm
+        self._new: dict[int, torch.Tensor] = {}  # this backward's contribution, by param
+        self._before: dict[int, torch.Tensor | None] = {}  # .grad before this backward
+        self.handles = [p.register_hook(functools.partial(self._arrived, p)) for p in params]
+
+    def _arrived(self, p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+        if not self._new and not self._before:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if id(p) not in self._before:
+            self._before[id(p)] = None if p.grad is None else p.grad.clone()
+            self._new[id(p)] = grad
+        else:  # a parameter used twice: its contributions add up
+            self._new[id(p)] = self._new[id(p)] + grad
+        return grad
+
+    def _end_of_backward(self) -> None:
+        # Every rank sends every parameter, in the same order (zeros for one without a
+        # gradient this time), so that the buffers match whatever the ranks computed.
+        parts = [self._new.get(id(p), torch.zeros_like(p)).reshape(-1) for p in self.params]
+        total = self.comm.all_reduce(torch.cat(parts), "backward", "replicated grads")
+        offset = 0
+        for p in self.params:
+            summed = total[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if id(p) not in self._before:
+                continue
+            before = self._before[id(p)]
+            grad = summed if before is None else before + summed
+            if p.grad is None:
+                p.grad = grad.clone()
+            else:
+                p.grad.copy_(grad)
+        self._new, self._before = {}, {}

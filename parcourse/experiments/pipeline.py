@@ -93,3 +93,53 @@ def bubble_of(run: Any) -> float:
     """The measured bubble of a `train` run's last step, over all ranks."""
     spans = [s for r in run.results for s in r["spans"]]
     return measured_bubble(spans, len(run.results))
+
+
+def step_times(ctx: RankContext, microbatches: int, steps: int = 10, *, depth: int = 8,
+               width: int = 256, batch: int = 256) -> dict[str, list[float]]:
+    """Step times (forward, backward and SGD step) of our GPipe and of
+    torch.distributed.pipelining's ScheduleGPipe on the same stages, alternating."""
+    import time
+
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    stages, rank = ctx.world_size, ctx.rank
+    x, y = regression_batch(batch, width)
+    runs: dict[str, Callable[[], None]] = {}
+
+    ours_module = partition(deep_mlp(depth, width), stages)[rank]
+    ours = PipelineRuntime(gpipe(stages, microbatches), {rank: ours_module}, ctx.group,
+                           nn.functional.mse_loss)
+    ours_opt = torch.optim.SGD(ours_module.parameters(), lr=0.01)
+
+    def ours_step() -> None:
+        ours.step(x if rank == 0 else None, y if rank == stages - 1 else None)
+        ours_opt.step()
+        ours_opt.zero_grad()
+
+    theirs_module = partition(deep_mlp(depth, width), stages)[rank]
+    stage = PipelineStage(theirs_module, rank, stages, ctx.device, group=ctx.group)
+    theirs = ScheduleGPipe(stage, microbatches, loss_fn=nn.functional.mse_loss)
+    theirs_opt = torch.optim.SGD(theirs_module.parameters(), lr=0.01)
+
+    def theirs_step() -> None:
+        if rank == 0:
+            theirs.step(x)
+        elif rank == stages - 1:
+            theirs.step(target=y)
+        else:
+            theirs.step()
+        theirs_opt.step()
+        theirs_opt.zero_grad()
+
+    runs = {"ours": ours_step, "torch ScheduleGPipe": theirs_step}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for name, fn in runs.items():
+        fn()  # warm-up
+    for _ in range(steps):
+        for name, fn in runs.items():
+            torch.distributed.barrier(group=ctx.group)
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times

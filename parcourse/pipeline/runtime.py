@@ -168,7 +168,12 @@ class PipelineRuntime:
         # Each microbatch its own storage: saved for backward, it counts as what it is.
         self._inputs = [c.clone() for c in inputs.chunk(m)] if has_first else []
         self._targets = list(targets.chunk(m)) if has_last else []
-        self._agree_on_shapes(self._inputs[0] if has_first else None)  # a few bytes a stage
+        if not self._shapes:  # once: like torch's PipelineStage, shapes stay fixed after
+            self._agree_on_shapes(self._inputs[0] if has_first else None)
+        elif has_first and self._inputs[0].shape != self._shapes[0][0]:
+            raise ValueError(f"microbatches of shape {tuple(self._inputs[0].shape)}, but this "
+                             f"pipeline agreed on {tuple(self._shapes[0][0])} at its first "
+                             "step: build a new PipelineRuntime for another shape")
         self._local: dict[tuple[str, int, int], torch.Tensor] = {}
         self._saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, int]] = {}
         self._sends: list[tuple[Any, torch.Tensor]] = []
@@ -213,13 +218,13 @@ class PipelineRuntime:
         """Run the stage; keep its input, output and graph until the backward."""
         s, i = a.stage, a.microbatch
         x = self._inputs[i] if received is None else received.detach().requires_grad_(True)
-        acts = SavedActivations()
-        with acts:
+        acts = SavedActivations() if self.tracer is not None else None  # measuring only
+        with acts if acts is not None else nullcontext():
             y = self.stages[s](x)
             if s == self.last:  # scaled, so that microbatches add up to the whole batch's mean
                 y = self.loss_fn(y, self._targets[i]) / self.schedule.microbatches
                 self._losses.append(float(y.detach()))
-        held = live_bytes(self.stages[s], activations=acts)["activations"]
+        held = live_bytes(self.stages[s], activations=acts)["activations"] if acts else 0
         self._saved[(s, i)] = (x, y, held)
         self._count_in_flight(held)
         return y

@@ -12,8 +12,8 @@
    DTensor tensor parallelism (`parallelize_module` with ColwiseParallel /
    RowwiseParallel, plus SequenceParallel and `loss_parallel`) on the same model and
    plan, alternating step by step in one run; median of the slowest rank per step.
-   Target: ours / torch <= 1.0. Both start from the same weights; their losses are
-   printed side by side.
+   Target: ours / torch <= 1.0 (ours on gloo's collectives, `TPComm`'s default). Both
+   start from the same weights; their losses are printed side by side.
 
 torch's DTensor tensor parallelism runs on gloo CPU in torch 2.13 (DESIGN.md lists it as
 a baseline). Were it to fail here, the benchmark prints torch's exception (type and
@@ -48,7 +48,8 @@ def main() -> None:
           f"layers, d_model {config.d_model}, {config.n_heads} heads, vocab {config.vocab}, "
           f"{config.block_size} tokens, batch {args.batch}, Adam, fp32")
 
-    print("\n1. bytes per rank (largest rank), measured / formula; collectives of one step")
+    print("\n1. bytes per rank (largest rank), measured / formula; collectives of one step "
+          "(on the course's ring, which counts them)")
     print(f"{'ranks':>5} {'sequence':>9}{'parameters':>24}{'activations':>24}  within 2%"
           f"{'collectives':>14}")
     for world_size in (2, 4):

@@ -18,7 +18,7 @@ from parcourse.launch import RankContext
 from parcourse.memory import SavedActivations, live_bytes
 from parcourse.models import TINY, GPTConfig, gpt
 from parcourse.tensor_parallel import GPT_PLAN, apply_tensor_parallel, vocab_parallel_cross_entropy
-from parcourse.tensor_parallel.comm import TPComm
+from parcourse.tensor_parallel.comm import Algorithm, TPComm
 from parcourse.theory import (
     TPCollective,
     tp_activation_bytes,
@@ -43,18 +43,19 @@ def collectives_in(events: Iterable[CounterEvent]) -> list[TPCollective]:
 
 
 def train(ctx: RankContext, config: GPTConfig = TINY, steps: int = 5, batch: int = 8, *,
-          sequence_parallel: bool = False, lr: float = 3e-3, seed: int = 0) -> dict[str, Any]:
+          sequence_parallel: bool = False, lr: float = 3e-3, seed: int = 0,
+          algorithm: Algorithm = "ring") -> dict[str, Any]:
     """`steps` Adam steps of the GPT split over the group by GPT_PLAN.
 
     Returns the losses; the parameter bytes of this rank; the bytes kept for backward
     in the first step's forward; the collectives of the last step and the bytes this
-    rank sent in it (counted message by message on the ring); and the formulas for
-    each.
+    rank sent in it (counted message by message: on the ring, the default here); and
+    the formulas for each.
     """
     n = ctx.world_size
     model = gpt(config, seed=seed)
     apply_tensor_parallel(model, GPT_PLAN, ctx.group, sequence_parallel=sequence_parallel,
-                          tracer=ctx.tracer, seed=seed)
+                          tracer=ctx.tracer, algorithm=algorithm, seed=seed)
     comm = model.head.comm
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     losses, tracer = [], ctx.tracer

@@ -27,8 +27,8 @@ Every collective goes through a `TPComm`: the group, and the tracer on which eac
 collective is a span (kind "comm") and one event of the counter
 "tp_collective" (meta: op, phase, where, size in bytes of the whole tensor), so
 a step's collectives can be counted and checked against
-`parcourse.theory.tp_collectives`. With the course's ring (the default on gloo)
-the bytes each message carries are counted too ("bytes_sent").
+`parcourse.theory.tp_collectives`. With the course's ring (algorithm="ring") the
+bytes each message carries are counted too ("bytes_sent").
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from parcourse._compat import all_gather_single, reduce_scatter_single
 from parcourse.collectives import group_info, ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from parcourse.trace import CounterEvent, Tracer
 
-Algorithm = Literal["auto", "torch", "ring"]
+Algorithm = Literal["torch", "ring"]
 Phase = Literal["forward", "backward"]
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter"]
 SEQUENCE_DIM = 1  # activations are (B, T, C)
@@ -56,24 +56,24 @@ SEQUENCE_DIM = 1  # activations are (B, T, C)
 class TPComm:
     """The collectives of one tensor-parallel group, traced and counted.
 
-    `algorithm`: "ring" (this course's, built from send/recv; counts the bytes it
-    sends), "torch" (torch.distributed's), or "auto": the ring on gloo, whose own
-    reduce-scatter and all-gather are slow (README), torch's otherwise.
+    `algorithm`: "torch" (torch.distributed's collectives) or "ring" (this course's,
+    built from send/recv, which counts the bytes it sends). Tensor parallelism moves
+    activations, small next to ZeRO's buffers, many times per step; at those sizes
+    the ring's per-message cost in Python dominates: the tiny GPT's step on 2 ranks
+    took about twice as long on the ring as on gloo's own collectives (60 vs 26 ms,
+    while other jobs shared the machine). So "torch" by default, "ring" to count bytes.
     """
 
     group: dist.ProcessGroup
     tracer: Tracer | None = None
-    algorithm: Algorithm = "auto"
+    algorithm: Algorithm = "torch"
     rank: int = field(init=False)
     size: int = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.algorithm not in ("auto", "torch", "ring"):
-            raise ValueError(f"unknown algorithm {self.algorithm!r}; choose 'auto', 'torch' "
-                             "or 'ring'")
+        if self.algorithm not in ("torch", "ring"):
+            raise ValueError(f"unknown algorithm {self.algorithm!r}; choose 'torch' or 'ring'")
         self.group, self.rank, self.size = group_info(self.group)
-        if self.algorithm == "auto":
-            self.algorithm = "ring" if dist.get_backend(self.group) == "gloo" else "torch"
 
     def _traced(self, op: CollectiveOp, phase: Phase, where: str,
                 nbytes: int) -> AbstractContextManager[None]:

@@ -81,7 +81,7 @@ GPT_PLAN: dict[str, Style] = {"tok_emb": "vocab", "pos_emb": "replicate",
 
 def apply_tensor_parallel(model: nn.Module, plan: Plan, group: dist.ProcessGroup, *,
                           sequence_parallel: bool = False, tracer: Tracer | None = None,
-                          algorithm: Algorithm = "auto", seed: int = 0) -> nn.Module:
+                          algorithm: Algorithm = "torch", seed: int = 0) -> nn.Module:
     """Split `model` in place over `group` as `plan` says; returns `model`.
 
     Raises ValueError, before changing anything, for a plan that names no module,

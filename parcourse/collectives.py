@@ -185,40 +185,57 @@ def simulated_link(latency_us: float = 0.0,
 
 
 class _Wire:
-    """One rank's two links during one collective: when each is free again.
+    """One rank's two links: when each is free again.
 
-    Times are `time.perf_counter()`, one clock for every process on this machine.
-    A collective returns only once its messages have left and arrived, so the
-    links are free when the next one starts.
+    There is one per process and link (`_wire_for`), shared by every collective
+    and thread, so that messages sent by separate calls (a pipeline's, a
+    bucket's on the communication thread) queue on the same links. Times are
+    `time.perf_counter()`, one clock for every process on this machine.
     """
 
     def __init__(self, link: SimulatedLink | None) -> None:
         self.link = link
         self.out_free = 0.0
         self.in_free = 0.0
+        self._lock = threading.Lock()
 
-    def depart(self, nbytes: int) -> float:
-        """Queue a message on the outgoing link; returns when its first byte leaves."""
+    def depart(self, nbytes: int) -> tuple[float, float]:
+        """Queue a message on the outgoing link; returns when its first byte leaves
+        and when its last byte has left."""
         assert self.link is not None
-        start = max(time.perf_counter(), self.out_free)
-        self.out_free = start + self.link.busy_s(nbytes)
-        return start
+        with self._lock:
+            start = max(time.perf_counter(), self.out_free)
+            self.out_free = start + self.link.busy_s(nbytes)
+            return start, self.out_free
 
     def arrive(self, departed: float, nbytes: int) -> float:
         """A message whose first byte left its sender at `departed`: its first byte
         reaches us alpha later, and it then occupies our incoming link for
         nbytes / beta (after whatever is queued there). Returns when it has arrived."""
         assert self.link is not None
-        start = max(departed + self.link.latency_s, self.in_free)
-        self.in_free = start + self.link.busy_s(nbytes)
-        return self.in_free
+        with self._lock:
+            start = max(departed + self.link.latency_s, self.in_free)
+            self.in_free = start + self.link.busy_s(nbytes)
+            return self.in_free
 
-    def settle(self, incoming: bool) -> None:
-        """Sleep until the incoming (or outgoing) link is free: simulated time really passes."""
-        if self.link is not None:
-            delay = (self.in_free if incoming else self.out_free) - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
+
+_wires: dict[SimulatedLink, _Wire] = {}
+_wires_lock = threading.Lock()
+
+
+def _wire_for(link: SimulatedLink | None) -> _Wire:
+    """This process's wire for `link` (a fresh, unused one for no link)."""
+    if link is None:
+        return _Wire(None)
+    with _wires_lock:
+        return _wires.setdefault(link, _Wire(link))
+
+
+def _sleep_until(moment: float) -> None:
+    """Let simulated time really pass: sleep (freeing the core) until `moment`."""
+    delay = moment - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
 
 
 # --------------------------------------------------------------------------- messages
@@ -238,8 +255,7 @@ class _Arrival:
         host, dest = self.host, self.dest
         if self.wire.link is not None:
             n = dest.nbytes
-            self.wire.arrive(host[:_STAMP].view(torch.float64).item(), n)
-            self.wire.settle(incoming=True)
+            _sleep_until(self.wire.arrive(host[:_STAMP].view(torch.float64).item(), n))
             dest.view(-1).view(torch.uint8).copy_(host[_STAMP:])
         elif host is not dest:
             dest.copy_(host)
@@ -251,10 +267,11 @@ _stamped_per_thread = threading.local()
 
 def _stamped(way: str, peer: int, tag: int, nbytes: int) -> torch.Tensor:
     """A host buffer for one message over a simulated link: the departure time,
-    then `nbytes` of payload. Reused by the next collective on this thread
-    (each message of a collective has its own (peer, tag), and a collective
-    returns only when its messages are done): fresh memory for every message
-    costs a page fault per page, which would add to the time measured."""
+    then `nbytes` of payload. Reused by the next message with the same (peer,
+    tag) on this thread, so the message before it must be done by then: each
+    message of a collective has its own (peer, tag), and a collective returns
+    only when its messages are done. (Fresh memory for every message costs a
+    page fault per page, which would add to the time measured.)"""
     cache = _stamped_per_thread.__dict__.setdefault("buffers", {})
     key = (way, peer, tag)
     buf = cache.get(key)
@@ -283,8 +300,9 @@ class _Messenger:
                  link: SimulatedLink | None, staged: bool) -> None:
         self.group = group
         self.tracer = tracer
-        self.wire = _Wire(link)
+        self.wire = _wire_for(link)
         self.staged = staged
+        self.sent_until = 0.0  # when the last byte of our last message has left
 
     def send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> dist.Work:
         (t,) = tensors
@@ -292,7 +310,8 @@ class _Messenger:
         if self.wire.link is not None:
             payload = _stamped("out", peer, tag, t.nbytes)
             payload[_STAMP:].copy_(t.view(-1).view(torch.uint8))
-            payload[:_STAMP].view(torch.float64)[0] = self.wire.depart(t.nbytes)
+            departed, self.sent_until = self.wire.depart(t.nbytes)
+            payload[:_STAMP].view(torch.float64)[0] = departed
         else:
             payload = t.cpu() if self.staged else t
         work = self.group.send([payload], peer, tag)
@@ -311,8 +330,9 @@ class _Messenger:
         return _Arrival(self.group.recv([host], peer, tag), host, dest, self.wire)
 
     def settle(self) -> None:
-        """With a link: wait until our outgoing link is free (simulated time really passes)."""
-        self.wire.settle(incoming=False)
+        """With a link: wait until the last byte of our last message has left."""
+        if self.wire.link is not None:
+            _sleep_until(self.sent_until)
 
 
 def messenger(group: dist.ProcessGroup, like: torch.Tensor, tracer: Tracer | None = None,

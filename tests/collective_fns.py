@@ -100,21 +100,24 @@ def linked(ctx, algo, nbytes, latency_s, bandwidth_Bps):
     return time.perf_counter() - t0, t[0].item()
 
 
-def burst(ctx, k, nbytes, latency_s, bandwidth_Bps):
-    """Rank 0 sends k messages of nbytes to rank 1 at once, through a link; returns the
-    seconds from the barrier until rank 1 has all of them (on rank 1)."""
+def burst(ctx, k, nbytes, latency_s, bandwidth_Bps, separate=False):
+    """Rank 0 sends k messages of nbytes to rank 1 at once, through a link (one
+    messenger, or with `separate` one per message, as separate calls would); returns
+    the seconds from the barrier until rank 1 has all of them (on rank 1)."""
     link = C.SimulatedLink(latency_s, bandwidth_Bps)
     t = torch.ones(nbytes // 4)
-    wire = C.messenger(ctx.group, t, link=link)
+    one = C.messenger(ctx.group, t, link=link)
+    wires = [C.messenger(ctx.group, t, link=link) if separate else one for _ in range(k)]
     dist.barrier(group=ctx.group)
     t0 = time.perf_counter()
     if ctx.rank == 0:
-        sends = [wire.send([t], 1, tag) for tag in range(k)]
+        sends = [wire.send([t], 1, tag) for tag, wire in enumerate(wires)]
         for w in sends:
             w.wait()
-        wire.settle()
+        for wire in wires:
+            wire.settle()
     elif ctx.rank == 1:
-        arrivals = [wire.recv([torch.empty_like(t)], 0, tag) for tag in range(k)]
+        arrivals = [wire.recv([torch.empty_like(t)], 0, tag) for tag, wire in enumerate(wires)]
         for a in arrivals:
             a.wait()
     return time.perf_counter() - t0

@@ -151,6 +151,11 @@ def test_latency_is_a_delay_paid_once_by_messages_sent_together(pools):
     alpha = 0.05
     took = pools[2].run(F.burst, 8, 64, alpha, 1e9).results[1]
     assert alpha <= took < 3 * alpha
+    # Sent by separate calls (as a pipeline sends), messages still share the links: 4
+    # messages of 1 MB at 50 MB/s queue on the outgoing link, 20 ms each, and the last
+    # arrives 50 ms after it left: about 130 ms, not 70.
+    took = pools[2].run(F.burst, 4, 1 << 20, alpha, 50e6, separate=True).results[1]
+    assert alpha + 4 * (1 << 20) / 50e6 <= took < alpha + 6 * (1 << 20) / 50e6
     # The parameter server waits for latency twice (gather, send back), the ring
     # once per step: 2 x 50 ms against 6 x 50 ms with 4 ranks and a tiny tensor.
     model = C.CostModel(alpha, 1e9)
@@ -179,8 +184,9 @@ def test_messages_queue_on_the_links_for_their_bytes_only():
     # the last one arrives alpha after its last byte left: 10 + 3 x 1 ms.
     link = C.SimulatedLink(0.01, 1e9)
     sender, receiver = C._Wire(link), C._Wire(link)
-    departed = [sender.depart(10**6) for _ in range(3)]
+    departed, left = zip(*(sender.depart(10**6) for _ in range(3)))
     assert [d - departed[0] for d in departed] == pytest.approx([0, 1e-3, 2e-3], abs=1e-4)
+    assert [t - departed[0] for t in left] == pytest.approx([1e-3, 2e-3, 3e-3], abs=1e-4)
     arrived = [receiver.arrive(d, 10**6) for d in departed]
     assert [a - departed[0] for a in arrived] == pytest.approx([0.011, 0.012, 0.013],
                                                                abs=1e-4)

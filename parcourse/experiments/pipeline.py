@@ -134,7 +134,7 @@ def step_times(ctx: RankContext, microbatches: int, steps: int = 10, *, depth: i
 
     runs = {"ours": ours_step, "torch ScheduleGPipe": theirs_step}
     times: dict[str, list[float]] = {name: [] for name in runs}
-    for name, fn in runs.items():
+    for fn in runs.values():
         fn()  # warm-up
     for _ in range(steps):
         for name, fn in runs.items():

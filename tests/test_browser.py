@@ -239,7 +239,9 @@ def with_small_parameters(src: Path, dst: Path) -> list[str]:
 # JavaScript run in the page; each function starts by finding the lesson's notebook panel.
 FIND = """const w = [...window.jupyterapp.shell.widgets('main')]
         .find(w => w.context && w.context.path === name);"""
-KERNEL_IDLE = """(name) => {""" + FIND + """
+KERNEL_IDLE = """(name) => {
+    if (!window.jupyterapp || !window.jupyterapp.shell) return false;  // still loading
+    """ + FIND + """
     const kernel = w && w.context.isReady && w.sessionContext.session
         && w.sessionContext.session.kernel;
     return !!kernel && kernel.status === 'idle';
@@ -269,6 +271,13 @@ VISIBLE_ERRORS = """() => [...document.querySelectorAll(
         + '.widget-output pre, .jp-Dialog')]
     .map(e => e.innerText.trim()).filter(t => t)"""
 SCROLLER = ".jp-NotebookPanel .jp-WindowedPanel-outer"
+# Down to the last cell's bottom (the notebook's scroll area goes on past it).
+CONTENT_HEIGHT = f"""() => {{
+    const scroller = document.querySelector('{SCROLLER}');
+    const cells = scroller.querySelectorAll('.jp-Cell');
+    const bottom = cells[cells.length - 1].getBoundingClientRect().bottom;
+    return Math.ceil(bottom - scroller.getBoundingClientRect().top + scroller.scrollTop + 24);
+}}"""
 # A RunPanel: a VBox whose row of button and status holds a button (Run).
 PANEL = ".jp-OutputArea .widget-vbox:has(> .widget-hbox > button.widget-button)"
 # The panel's run is over when its output has changed and the kernel has gone idle (the
@@ -357,7 +366,7 @@ def screenshot_notebook(page, lesson: str) -> list[Path]:
     """The whole notebook: a viewport as tall as its content (in parts if very tall)."""
     page.evaluate("() => window.jupyterapp.commands.execute('application:toggle-left-area')")
     page.wait_for_timeout(300)
-    height = page.evaluate(f"() => document.querySelector('{SCROLLER}').scrollHeight")
+    height = page.evaluate(CONTENT_HEIGHT)
     chrome = VIEWPORT["height"] - page.evaluate(
         f"() => document.querySelector('{SCROLLER}').clientHeight")
     part_h = min(height, SHOT_MAX_H)
@@ -365,6 +374,9 @@ def screenshot_notebook(page, lesson: str) -> list[Path]:
     paths = []
     parts = -(-height // part_h)
     for k in range(parts):
+        if k == parts - 1 and k:  # the last part only as tall as what is left
+            page.set_viewport_size({"width": VIEWPORT["width"],
+                                    "height": height - k * part_h + chrome})
         page.evaluate(f"(y) => document.querySelector('{SCROLLER}').scrollTop = y", k * part_h)
         page.wait_for_timeout(300)
         path = SHOTS / (f"{lesson}.png" if parts == 1 else f"{lesson}-part{k + 1}.png")

@@ -169,8 +169,6 @@ def _check_fits(name: str, m: nn.Module, style: Style, modules: dict[str, nn.Mod
     if style == "vocab" and not isinstance(m, (nn.Linear, nn.Embedding)):
         raise ValueError(f"{name}: 'vocab' splits an nn.Embedding or an LM head (nn.Linear), "
                          f"this is a {kind}")
-    if style == "vocab" and isinstance(m, nn.Linear) and m.bias is not None:
-        raise ValueError(f"{name}: a vocab-parallel head has no bias here")
     if style not in ("column", "row"):
         return
     assert isinstance(m, nn.Linear)

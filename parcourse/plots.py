@@ -6,19 +6,43 @@ put several pictures side by side.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
 
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
+from matplotlib.artist import Artist
 from matplotlib.axes import Axes
+from matplotlib.backend_bases import RendererBase
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
+from matplotlib.text import Text
+from matplotlib.transforms import Bbox
 
 from parcourse.memory import CATEGORIES
-from parcourse.trace import Trace
+from parcourse.trace import Span, Trace
 
-KIND_COLORS = {"compute": "#4C72B0", "comm": "#DD8452", "idle": "#BBBBBB", "other": "#55A868"}
+# A timeline bar's colour says what the span was: the phase of compute, the collective of
+# communication, else its kind. Legends list them in this order.
+SPAN_COLORS = {
+    "forward": "#64B5CD",
+    "backward": "#2A3F6F",
+    "optimizer": "#8172B3",
+    "compute": "#4C72B0",
+    "all-reduce": "#DD8452",
+    "reduce-scatter": "#C44E52",
+    "all-gather": "#55A868",
+    "comm": "#937860",
+    "idle": "#BBBBBB",
+    "other": "#8C8C8C",
+}
+# Pipeline actions (parcourse.pipeline.schedule): I and W split backward in two.
+ACTION_PHASES = {"F": "forward", "B": "backward", "I": "backward", "W": "backward"}
+COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
+# Legends go right of the plotted area, never over the data.
+LEGEND_OUTSIDE = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "borderaxespad": 0.0,
+                  "fontsize": 8}
 CATEGORY_COLORS = {
     "params": "#4C72B0",
     "grads": "#DD8452",
@@ -46,21 +70,113 @@ def _span_label(meta: Mapping[str, object], label_key: str | None) -> str | None
     return None
 
 
+def span_color_key(span: Span) -> str:
+    """The entry of SPAN_COLORS a span is drawn in: forward, backward or optimizer for
+    compute, the collective for communication (from its `op`, its ring `phase` or its
+    name), else its kind."""
+    if span.kind == "compute":
+        action = span.meta.get("action")
+        if action in ACTION_PHASES:
+            return ACTION_PHASES[str(action)]
+        name = span.name.lower()
+        for phase in ("forward", "backward", "optimizer"):
+            if name.startswith(phase):
+                return phase
+        return "compute"
+    if span.kind == "comm":
+        for said in (span.meta.get("op"), span.meta.get("phase"), span.name):
+            words = str(said or "").lower().replace("_", "-")
+            for collective in COLLECTIVES:
+                if collective in words:
+                    return collective
+        return "comm"
+    return span.kind if span.kind in SPAN_COLORS else "other"
+
+
+class BarLabels(Artist):
+    """The labels written on a timeline's bars. Each is drawn only where it fits, which is
+    known only at draw time, after layout: inside its bar and clear of the labels drawn
+    before it (two overlapping bars would otherwise print "b0b1"). `shown` lists the
+    labels of the last draw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.set_zorder(10)
+        self.set_in_layout(False)
+        self._bars: list[tuple[float, float, float, Text]] = []
+        self.shown: list[str] = []
+
+    def add(self, left: float, width: float, y: float, height: float, text: str) -> None:
+        label = Text(left + width / 2, y, text, ha="center", va="center", fontsize=7,
+                     color="white")
+        self._bars.append((left, width, height, label))
+
+    def draw(self, renderer: RendererBase) -> None:
+        self.shown = []
+        taken: list[Bbox] = []
+        to_pixels = self.axes.transData
+        for left, width, height, label in self._bars:
+            label.set_figure(self.figure)
+            label.set_transform(to_pixels)
+            (x0, y0), (x1, y1) = to_pixels.transform([(left, 0), (left + width, height)])
+            box = label.get_window_extent(renderer)
+            fits = box.width + 4 <= abs(x1 - x0) and box.height <= 1.15 * abs(y1 - y0)
+            if fits and not any(box.overlaps(other) for other in taken):
+                label.draw(renderer)
+                taken.append(box)
+                self.shown.append(label.get_text())
+        self.stale = False
+
+
+def _visible_parts(bars: list[tuple[float, float, float, float, str | None]]
+                   ) -> list[tuple[float, float, float, float, str]]:
+    """(y, left, width, height, text) of the longest stretch of each labelled bar that no
+    later bar in its lane covers: concurrent spans (all-reduces in flight together, a
+    collective's steps nested in it) are drawn over each other, and a label belongs where
+    its own bar shows."""
+    by_lane: dict[float, list[int]] = {}
+    for i, bar in enumerate(bars):
+        by_lane.setdefault(bar[0], []).append(i)
+    parts = []
+    for indices in by_lane.values():
+        lefts = np.array([bars[i][1] for i in indices])
+        rights = np.array([bars[i][2] for i in indices])
+        for k, i in enumerate(indices):
+            y, left, right, height, text = bars[i]
+            if not text:
+                continue
+            later = np.arange(len(indices)) > k
+            over = later & (lefts < right) & (rights > left)
+            best, start = (left, left), left
+            for a, b in sorted(zip(lefts[over], rights[over])):
+                if a > start and a - start > best[1] - best[0]:
+                    best = (start, min(a, right))
+                start = max(start, b)
+            if right > start and right - start > best[1] - best[0]:
+                best = (start, right)
+            if best[1] > best[0]:
+                parts.append((y, best[0], best[1] - best[0], height, text))
+    return parts
+
+
 def timeline(trace: Trace, ax: Axes | None = None, *, title: str | None = None,
              label_key: str | None = None, color_by: str | None = None,
              comm_lane: bool = False, unit: str = "ms") -> Figure:
-    """One row per rank, one bar per span, coloured by kind (compute, comm, idle).
+    """One row per rank, one bar per span, coloured by what it was (span_color_key):
+    forward, backward, optimizer or other compute; all-reduce, reduce-scatter, all-gather
+    or other communication; idle.
 
     `color_by="chunk"` (or any metadata key with integer values) colours spans
     by that value instead, e.g. to follow one chunk around a ring. Nested spans
     are drawn thinner on top of their parents. A span whose metadata has a
     `label`, `microbatch`, `chunk`, `bucket`, `stage` or `step` (or
-    `label_key`) gets it written on the bar when there is room.
+    `label_key`) gets it written on the bar where it fits (BarLabels).
     `comm_lane=True` draws communication in a lane of its own under each rank's
-    compute, so that overlap (comm during backward) shows.
+    compute, so that overlap (comm during backward) shows. The legend sits right of
+    the bars.
     """
     scale = {"s": 1e9, "ms": 1e6, "us": 1e3}[unit]
-    fig, ax = _axes(ax, (10, 0.6 + 0.5 * trace.world_size))
+    fig, ax = _axes(ax, (11, 0.6 + 0.5 * trace.world_size))
     t0 = trace.t0_ns
     end = max((s.end_ns for s in trace.spans), default=t0 + 1)
     span_width = (end - t0) / scale
@@ -68,6 +184,9 @@ def timeline(trace: Trace, ax: Axes | None = None, *, title: str | None = None,
         if color_by else []
     palette = plt.get_cmap("tab10" if len(values) <= 10 else "tab20")
     color_of = {v: palette(i % palette.N) for i, v in enumerate(values)}
+    labels = BarLabels()
+    used: set[str] = set()
+    bars: list[tuple[float, float, float, float, str | None]] = []  # in drawing order
     for s in sorted(trace.spans, key=lambda s: s.depth):
         height = 0.8 * 0.75**s.depth
         y = s.rank
@@ -76,24 +195,25 @@ def timeline(trace: Trace, ax: Axes | None = None, *, title: str | None = None,
             y += 0.2 if s.kind == "comm" else -0.2
         left, width = (s.start_ns - t0) / scale, (s.end_ns - s.start_ns) / scale
         color = color_of.get(s.meta.get(color_by)) if color_by else None
-        ax.barh(y, width, left=left, height=height,
-                color=color or KIND_COLORS.get(s.kind, "#999"),
+        if color is None:
+            key = span_color_key(s)
+            used.add(key)
+            color = SPAN_COLORS[key]
+        ax.barh(y, width, left=left, height=height, color=color,
                 edgecolor="white", linewidth=0.5, zorder=2 + s.depth)
-        text = _span_label(s.meta, label_key)
-        if text and width > 0.03 * span_width:
-            ax.text(left + width / 2, y, text, ha="center", va="center", fontsize=7,
-                    color="white", zorder=10)
+        bars.append((y, left, left + width, height, _span_label(s.meta, label_key)))
+    for y, left, width, height, text in _visible_parts(bars):
+        labels.add(left, width, y, height, text)
+    ax.add_artist(labels)
     ax.set_yticks(range(trace.world_size), [f"rank {r}" for r in range(trace.world_size)])
     ax.set_ylim(trace.world_size - 0.5, -0.5)
     ax.set_xlabel(f"time ({unit})")
     ax.set_xlim(0, span_width * 1.01 or 1)
-    if values:
-        handles = [Patch(color=color_of[v], label=f"{color_by} {v}") for v in values]
-    else:
-        kinds = sorted({s.kind for s in trace.spans}, key=list(KIND_COLORS).index)
-        handles = [Patch(color=KIND_COLORS[k], label=k) for k in kinds]
-    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8,
-              ncols=min(len(handles), 6) or 1, frameon=False)
+    handles = [Patch(color=color_of[v], label=f"{color_by} {v}") for v in values]
+    handles += [Patch(color=c, label=k) for k, c in SPAN_COLORS.items() if k in used]
+    rows = max(1, (trace.world_size * 3) // 2 + 2)  # entries that fit beside the bars
+    ax.legend(handles=handles, frameon=False, ncols=-(-len(handles) // rows) or 1,
+              **LEGEND_OUTSIDE)
     ax.grid(axis="x", alpha=0.3)
     if title:
         ax.set_title(title, loc="left")
@@ -109,7 +229,7 @@ def memory(trace: Trace, ax: Axes | None = None, *, labels: Sequence[str] | None
     drawn as a black line across that group.
     """
     labels = list(labels) if labels else list(dict.fromkeys(m.label for m in trace.memory))
-    fig, ax = _axes(ax, (max(5, 1.6 * len(labels) * max(1, trace.world_size) ** 0.5), 4))
+    fig, ax = _axes(ax, (1.3 + max(5, 1.6 * len(labels) * max(1, trace.world_size) ** 0.5), 4))
     n = trace.world_size
     width = 0.8 / n
     peak = max((m.total for m in trace.memory), default=1)
@@ -132,13 +252,14 @@ def memory(trace: Trace, ax: Axes | None = None, *, labels: Sequence[str] | None
         if theory and label in theory:
             ax.hlines(theory[label] / div, g - 0.42, g + 0.42, colors="black", linestyles="--",
                       zorder=5, label="theory" if g == 0 else None)
-    ax.set_xticks(range(len(labels)), labels)
+    # Two short lines rather than one long one: side-by-side plots leave little room.
+    ax.set_xticks(range(len(labels)), [textwrap.fill(label, 12) for label in labels])
     ax.tick_params(axis="x", pad=14)
     ax.set_ylabel(f"bytes per rank ({unit})")
     handles = [Patch(color=CATEGORY_COLORS[c], label=c) for c in CATEGORIES if c in used]
     if theory:
         handles.append(plt.Line2D([], [], color="black", linestyle="--", label="theory"))
-    ax.legend(handles=handles, fontsize=8)
+    ax.legend(handles=handles, **LEGEND_OUTSIDE)
     ax.grid(axis="y", alpha=0.3)
     if title:
         ax.set_title(title)
@@ -200,7 +321,7 @@ def bandwidth(sizes: Sequence[int], measured: Mapping[str, Sequence[float]],
     maps an algorithm to a function size -> predicted busbw (e.g. from an
     alpha-beta fit); `ceiling` draws the link's own bandwidth.
     """
-    fig, ax = _axes(ax, (7, 4))
+    fig, ax = _axes(ax, (9, 4))
     dense = np.geomspace(min(sizes), max(sizes), 100)
     for i, (algo, values) in enumerate(measured.items()):
         color = f"C{i}"
@@ -216,7 +337,7 @@ def bandwidth(sizes: Sequence[int], measured: Mapping[str, Sequence[float]],
     ax.set_xlabel("message size")
     ax.set_ylabel("bus bandwidth (GB/s)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(**LEGEND_OUTSIDE)
     if title:
         ax.set_title(title)
     return fig

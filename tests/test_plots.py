@@ -6,7 +6,7 @@ from matplotlib.figure import Figure
 from torch import nn
 
 from parcourse import Tracer, plots
-from parcourse.trace import Trace
+from parcourse.trace import Span, Trace
 
 
 def two_rank_trace():
@@ -46,4 +46,70 @@ def test_tensors_before_after_shows_every_value():
     fig = plots.tensors_before_after(before, after, "all_reduce")
     texts = [t.get_text() for ax in fig.axes for t in ax.texts]
     assert texts.count("3") == 6 and texts.count("0") == 2
+    plt.close("all")
+
+
+def spans_trace(world_size, *spans):
+    """A trace from (rank, name, kind, start_ms, end_ms, depth, meta) tuples."""
+    ms = 1_000_000
+    return Trace(world_size, [Span(r, n, k, int(a * ms), int(b * ms), d, m)
+                              for r, n, k, a, b, d, m in spans])
+
+
+def shown_labels(fig):
+    fig.canvas.draw()  # labels are placed at draw time, after layout
+    (labels,) = [a for a in fig.axes[0].get_children() if isinstance(a, plots.BarLabels)]
+    return sorted(labels.shown)
+
+
+def test_timeline_labels_only_where_they_fit():
+    trace = spans_trace(
+        2,
+        (0, "work", "compute", 0, 100, 0, {"label": "wide"}),
+        # four bars far too narrow for their labels: nothing, rather than "b0b1b2b3"
+        *[(0, "all_reduce", "comm", 100 + i * 0.2, 100.2 + i * 0.2, 0, {"bucket": i})
+          for i in range(4)],
+        # in flight together: b1 is drawn over all of b0 but its first millisecond
+        (1, "all_reduce", "comm", 0, 50, 0, {"bucket": 0}),
+        (1, "all_reduce", "comm", 1, 60, 0, {"bucket": 1}),
+        # a collective's steps cover its own label
+        (1, "all_gather", "comm", 60, 100, 0, {"label": "hidden"}),
+        (1, "all-gather 0", "comm", 60, 100, 1, {"chunk": 1}),
+    )
+    assert shown_labels(plots.timeline(trace)) == ["b1", "c1", "wide"]
+    plt.close("all")
+
+
+def test_timeline_colours_phases_and_collectives_apart_with_a_legend():
+    kinds = [("forward", "compute", {}), ("backward (DDP inside)", "compute", {}),
+             ("optimizer", "compute", {}), ("0F1", "compute", {"action": "F"}),
+             ("all_reduce", "comm", {}), ("reduce_scatter", "comm", {}),
+             ("all-gather 2", "comm", {"phase": "all-gather"}),
+             ("row (forward)", "comm", {"op": "all_reduce"}), ("send", "comm", {}),
+             ("barrier", "idle", {})]
+    trace = spans_trace(1, *[(0, n, k, i, i + 1, 0, m) for i, (n, k, m) in enumerate(kinds)])
+    assert [plots.span_color_key(s) for s in trace.spans] == [
+        "forward", "backward", "optimizer", "forward", "all-reduce", "reduce-scatter",
+        "all-gather", "all-reduce", "comm", "idle"]
+    ax = plots.timeline(trace).axes[0]
+    colours = {tuple(p.get_facecolor()) for p in ax.patches}
+    assert len(colours) == 8  # forward, backward, optimizer, 3 collectives, comm, idle
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "forward", "backward", "optimizer", "all-reduce", "reduce-scatter", "all-gather",
+        "comm", "idle"]
+    plt.close("all")
+
+
+def test_legends_sit_outside_the_plotted_area():
+    trace = two_rank_trace()
+    figures = [plots.timeline(trace), plots.timeline(trace, comm_lane=True),
+               plots.memory(trace, theory={"after forward": 300}),
+               plots.bandwidth([1024, 4096], {"ring": [1e6, 2e6]}, {"ring": lambda s: 500 * s})]
+    for fig in figures:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        ax = fig.axes[0]
+        legend = ax.get_legend().get_window_extent(renderer)
+        assert legend.x0 >= ax.get_window_extent(renderer).x1, "legend over the data"
+        assert legend.x1 <= fig.bbox.x1, "legend cut off by the figure's edge"
     plt.close("all")

@@ -247,7 +247,8 @@ KERNEL_IDLE = """(name) => {
     return !!kernel && kernel.status === 'idle';
 }"""
 PROMPTS = """(name) => {""" + FIND + """
-    const status = w.sessionContext.session.kernel.status;
+    const session = w.sessionContext.session;
+    const status = session && session.kernel ? session.kernel.status : 'no kernel';
     const prompts = [...w.content.node.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')]
         .map(p => p.textContent.trim());
     return {status, prompts};
@@ -296,10 +297,14 @@ class Failure(AssertionError):
     pass
 
 
-def fail(page, lesson: str, message: str) -> None:
-    """Fail with the page's visible error text, saving a screenshot of it."""
+def fail(page, lesson: str, message: str, cell: int | None = None) -> None:
+    """Fail with the page's visible error text, saving a screenshot of it (scrolled to
+    code cell `cell` when given)."""
     shot = SHOTS / f"{lesson}-failure.png"
     try:
+        if cell is not None:
+            page.locator(".jp-Notebook .jp-CodeCell").nth(cell).scroll_into_view_if_needed(
+                timeout=5000)
         page.screenshot(path=str(shot))
         errors = page.evaluate(VISIBLE_ERRORS)
     except Exception as e:  # noqa: BLE001 - the page itself may be what failed
@@ -308,7 +313,8 @@ def fail(page, lesson: str, message: str) -> None:
     raise Failure(f"{lesson}: {message}\nscreenshot: {shot}\nvisible error text:\n{visible}")
 
 
-def run_all_cells(page, name: str, lesson: str, log: Progress) -> None:
+def run_all_cells(page, name: str, lesson: str, log: Progress) -> list[str]:
+    """Run All, as from the Run menu; returns the code cells' prompts once it is over."""
     # Not awaited: the command's promise resolves only when every cell has run.
     page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
     start = time.monotonic()
@@ -322,7 +328,9 @@ def run_all_cells(page, name: str, lesson: str, log: Progress) -> None:
         if not busy and done and state["status"] == "idle":
             log(f"all cells ran ({len(done)} of {len(prompts)} code cells numbered) "
                 f"in {time.monotonic() - start:.1f} s")
-            return
+            return prompts
+        if state["status"] in ("dead", "no kernel", "autorestarting", "restarting"):
+            fail(page, lesson, f"the kernel died (status {state['status']!r}, prompts {prompts})")
         now = time.monotonic()
         if busy and busy[0] != running:
             if running is not None:
@@ -336,27 +344,32 @@ def run_all_cells(page, name: str, lesson: str, log: Progress) -> None:
                                f"(prompts: {prompts})")
 
 
-def check_cells(page, name: str, lesson: str, sources: list[str], log: Progress) -> None:
+def check_cells(page, name: str, lesson: str, sources: list[str], prompts: list[str],
+                log: Progress) -> None:
     cells = page.evaluate(CELLS, name)
     assert len(cells) == len(sources), f"{lesson}: {len(cells)} code cells in the page"
-    errors = [f"code cell {i}: {o['error']}" for i, c in enumerate(cells)
-              for o in c["outputs"] if o["error"]]
+    errors = {i: o["error"] for i, c in enumerate(cells) for o in c["outputs"] if o["error"]}
     if errors:
-        fail(page, lesson, "cells show errors:\n" + ANSI.sub("", "\n".join(errors))[-4000:])
+        text = "\n".join(f"code cell {i}: {e}" for i, e in errors.items())
+        fail(page, lesson, "cells show errors:\n" + ANSI.sub("", text)[-4000:], min(errors))
+    skipped = [i for i, p in enumerate(prompts) if not re.fullmatch(r"\[\d+\]:", p)]
+    if skipped:
+        fail(page, lesson, f"code cells {skipped} did not run (prompts {prompts})", skipped[0])
     stderr = [i for i, c in enumerate(cells) if any(o["stream"] == "stderr" for o in c["outputs"])]
-    missing = []
+    missing: dict[int, str] = {}
     for i, (cell, src) in enumerate(zip(cells, sources)):
         if "plt.show()" not in src:
             continue
         pngs = sum("image/png" in o["mimes"] for o in cell["outputs"])
         if not pngs or not cell["images"] or not all(cell["images"]):
-            missing.append(f"code cell {i}: {pngs} image outputs, images loaded in the page: "
-                           f"{cell['images']}")
+            missing[i] = (f"code cell {i}: {pngs} image outputs, images loaded in the page: "
+                          f"{cell['images']}")
     if missing:
-        fail(page, lesson, "figures not rendered:\n" + "\n".join(missing))
+        fail(page, lesson, "figures not rendered:\n" + "\n".join(missing.values()),
+             min(missing))
     broken = [i for i, c in enumerate(cells) if not all(c["images"])]
     if broken:
-        fail(page, lesson, f"images that did not load in code cells {broken}")
+        fail(page, lesson, f"images that did not load in code cells {broken}", broken[0])
     figures = sum(len(c["images"]) for c in cells)
     log(f"no errors; {figures} images in {sum(bool(c['images']) for c in cells)} cells"
         + (f"; stderr shown in code cells {stderr}" if stderr else ""))
@@ -479,6 +492,8 @@ def open_lesson(page, lab: Lab, name: str, lesson: str, log: Progress) -> None:
 def test_lesson_in_the_browser(path, lab, browser):
     SHOTS.mkdir(parents=True, exist_ok=True)
     lesson, name = path.stem, path.name
+    if lesson not in SMALL:
+        pytest.fail(f"{lesson}: no small parameters in tests/test_lessons.py (SMALL)")
     for old in SHOTS.glob(f"{lesson}*"):
         old.unlink()
     log = Progress(lesson)
@@ -487,8 +502,8 @@ def test_lesson_in_the_browser(path, lab, browser):
     page = browser.new_page(viewport=VIEWPORT)
     try:
         open_lesson(page, lab, name, lesson, log)
-        run_all_cells(page, name, lesson, log)
-        check_cells(page, name, lesson, sources, log)
+        prompts = run_all_cells(page, name, lesson, log)
+        check_cells(page, name, lesson, sources, prompts, log)
         shots = screenshot_notebook(page, lesson)
         log(f"screenshot {', '.join(p.name for p in shots)}")
         run_panels(page, name, lesson, panels, log)

@@ -114,3 +114,24 @@ def test_cli_prints_grid_bubbles_and_in_flight(capsys):
     assert "peak microbatches per rank (simulated): [4, 4]" in out and "0F3" in out
     with pytest.raises(SystemExit):
         main(["pipeline", "--stages", "4", "--microbatches", "3", "--batch", "32"])
+
+
+def test_gpipe_exercise_check(capsys):
+    from parcourse.experiments.pipeline import check_schedule_exercise
+    from parcourse.pipeline.schedule import B, F
+
+    def right(p, m):
+        return [[F(s, i) for i in range(m)] + [B(s, i) for i in reversed(range(m))]
+                for s in range(p)]
+
+    def backward_first(p, m):  # can never run
+        return [[B(s, i) for i in range(m)] + [F(s, i) for i in range(m)] for s in range(p)]
+
+    def backwards_in_order(p, m):  # runs, but is not GPipe
+        return [[F(s, i) for i in range(m)] + [B(s, i) for i in range(m)] for s in range(p)]
+
+    assert check_schedule_exercise(right)
+    assert not check_schedule_exercise(backward_first)
+    assert "can never finish" in capsys.readouterr().out
+    assert not check_schedule_exercise(backwards_in_order)
+    assert "not GPipe's" in capsys.readouterr().out

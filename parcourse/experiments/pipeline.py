@@ -14,6 +14,8 @@ from parcourse.launch import RankContext
 from parcourse.pipeline.partition import By, partition
 from parcourse.pipeline.runtime import PipelineRuntime, SimulatedCompute, measured_bubble
 from parcourse.pipeline.schedule import Schedule, gpipe, naive, one_f_one_b
+from parcourse.pipeline.simulate import Timeline
+from parcourse.trace import Span, Trace
 
 ScheduleName = Literal["naive", "gpipe", "1f1b"]
 SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
@@ -44,12 +46,16 @@ def regression_batch(batch: int, width: int, seed: int = 1) -> tuple[torch.Tenso
 def train(ctx: RankContext, schedule: str, microbatches: int, steps: int = 2, *,
           depth: int = 8, width: int = 16, batch: int = 16, by: By = "layers",
           lr: float = 0.05, compute: SimulatedCompute | None = None,
+          forward_ms: float = 0.0, backward_ms: float = 0.0,
           latency_us: float = 0.0, bandwidth_gbps: float | None = None) -> dict[str, Any]:
     """`steps` SGD steps of a deep MLP cut into one stage per rank, under `schedule`.
 
-    Returns this rank's stage weights (named as in the whole model), the losses (last
-    stage), and the bubble measured from the last step's compute spans.
+    Simulated compute: `compute`, or `forward_ms` / `backward_ms` per stage (what panels
+    pass). Returns this rank's stage weights (named as in the whole model), the losses
+    (last stage), and the last step's spans.
     """
+    if compute is None and (forward_ms or backward_ms):
+        compute = SimulatedCompute(forward_ms / 1e3, backward_ms / 1e3)
     stages = ctx.world_size
     plan = make_schedule(schedule, stages, microbatches)
     layers = deep_mlp(depth, width)
@@ -143,3 +149,42 @@ def step_times(ctx: RankContext, microbatches: int, steps: int = 10, *, depth: i
             fn()
             times[name].append(time.perf_counter() - start)
     return times
+
+
+def as_trace(timeline: Timeline) -> Trace:
+    """A simulated timeline as a trace, so that plots.timeline draws it as a measured one."""
+    spans = [Span(s.rank, str(s.action), "compute", round(s.start * 1e9), round(s.end * 1e9), 0,
+                  {"microbatch": s.action.microbatch, "stage": s.action.stage})
+             for s in timeline.spans]
+    return Trace(timeline.schedule.ranks, spans=spans)
+
+
+def check_schedule_exercise(fn: Callable[[int, int], Any]) -> bool:
+    """Lesson 06's exercise: `fn(stages, microbatches)` returns GPipe's actions, a list per
+    rank. Checked by the dependency checker and against `gpipe`; one short verdict."""
+    from parcourse.pipeline.schedule import check
+
+    for p in range(1, 5):
+        for m in range(1, 9):
+            try:
+                got = fn(p, m)
+            except NotImplementedError:
+                print("Not written yet: fill in the function above, then run this cell again.")
+                return False
+            per_rank = got.actions if isinstance(got, Schedule) else got
+            try:
+                schedule = Schedule("yours", m, tuple(range(p)),
+                                    tuple(tuple(acts) for acts in per_rank))
+                check(schedule)
+            except (TypeError, ValueError) as e:
+                print(f"Not quite: with {p} stages and {m} microbatches, {e}. Hint: every "
+                      "stage runs each microbatch's forward, then backward, once.")
+                return False
+            if schedule.actions != gpipe(p, m).actions:
+                print(f"Not quite: with {p} stages and {m} microbatches the schedule runs, "
+                      f"but is not GPipe's: rank 0 runs {' '.join(map(str, schedule[0]))}. "
+                      "Hint: all forwards first, then all backwards, the last microbatch's "
+                      "first.")
+                return False
+    print("Correct: every forward, then every backward in reverse, on every stage.")
+    return True

@@ -31,7 +31,8 @@ import torch.distributed as dist
 from parcourse import Pool
 from parcourse.cli import parse_size
 from parcourse.collectives import bus_bandwidth
-from parcourse.demos import max_batch, slowest_rank, time_all_reduce
+from parcourse.experiments.all_reduce import max_batch, time_all_reduce
+from parcourse.experiments.common import slowest_rank
 
 MAX_REPEATS = 1600  # all-reduces per size (200 samples of 8) up to 256 KB
 

@@ -20,8 +20,8 @@ import statistics
 import torch
 
 from parcourse import Pool
-from parcourse.data_parallel.training import compare_step_times
-from parcourse.demos import slowest_rank
+from parcourse.experiments.common import slowest_rank
+from parcourse.experiments.data_parallel import compare_step_times
 
 
 def medians(per_rank: list[dict[str, list[float]]]) -> dict[str, float]:

@@ -19,7 +19,7 @@ import statistics
 import torch
 
 from parcourse import Pool
-from parcourse.demos import slowest_rank
+from parcourse.experiments.common import slowest_rank
 from parcourse.experiments.pipeline import bubble_of, step_times, train
 from parcourse.pipeline import Costs, gpipe, simulate
 from parcourse.pipeline.runtime import SimulatedCompute

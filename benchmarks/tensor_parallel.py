@@ -28,7 +28,7 @@ import statistics
 import torch
 
 from parcourse import Pool, RankError
-from parcourse.demos import slowest_rank
+from parcourse.experiments.common import slowest_rank
 from parcourse.experiments.tensor_parallel import step_times, train
 from parcourse.memory import format_bytes
 from parcourse.models import GPTConfig

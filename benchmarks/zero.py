@@ -23,7 +23,7 @@ import torch
 
 from parcourse import Pool
 from parcourse.cli import parse_count
-from parcourse.demos import slowest_rank
+from parcourse.experiments.common import slowest_rank
 from parcourse.memory import format_bytes
 from parcourse.collectives import bytes_sent_per_rank
 from parcourse.experiments.zero import (measured_over_formula, memory_by_stage, peak_memory,

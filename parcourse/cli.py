@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from parcourse.collectives import (CostModel, SimulatedLink, bus_bandwidth,
                                    bytes_sent_per_rank, simulated_link)
-from parcourse.demos import all_reduce_with, slowest_rank, time_all_reduce
+from parcourse.experiments.all_reduce import all_reduce_with, time_all_reduce
+from parcourse.experiments.common import slowest_rank
 from parcourse.launch import Pool, RankContext, _external_env, launch
 from parcourse.models import GPTConfig
 
@@ -151,7 +152,7 @@ def allreduce(args: argparse.Namespace) -> int:
 
 def ddp(args: argparse.Namespace) -> int:
     """Time training steps under one data-parallel implementation."""
-    from parcourse.data_parallel.training import train_steps
+    from parcourse.experiments.data_parallel import train_steps
 
     external = _external_env()
     world_size = external[1] if external else args.world_size

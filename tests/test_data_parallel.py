@@ -63,7 +63,7 @@ def test_frozen_unused_and_tied_parameters(pools, world_size, impl, kind):
 
 @pytest.mark.parametrize("impl", ["naive", "bucketed"])
 def test_accumulation_over_four_microsteps_equals_one_big_batch(pools, impl):
-    from parcourse.data_parallel.training import accumulated_gradients
+    from parcourse.experiments.data_parallel import accumulated_gradients
 
     accumulated = pools[2].run(accumulated_gradients, impl, 4, batch=32).results
     big = pools[2].run(accumulated_gradients, impl, 1, batch=32).results

@@ -3,7 +3,7 @@
 import ipywidgets as W
 import pytest
 
-from parcourse import basics
+from parcourse.experiments import launching
 from parcourse.widgets import RunPanel, close_shared_pools, shared_pool
 from rankfns import fail_on, slow
 
@@ -15,15 +15,15 @@ def _pools():
 
 
 def test_panel_runs_on_creation_and_on_click():
-    op = W.Dropdown(options=basics.COLLECTIVES, value="all_reduce")
+    op = W.Dropdown(options=launching.COLLECTIVES, value="all_reduce")
     seen = []
 
     def render(run, op, numel):
         seen.append(op)
         return f"{op}: {[after.tolist() for _, after in run.results]}"
 
-    panel = RunPanel(basics.show_collective, {"op": op, "numel": W.IntSlider(2, 1, 8)},
-                     render, world_size=2, check=basics.check_collective_args)
+    panel = RunPanel(launching.show_collective, {"op": op, "numel": W.IntSlider(2, 1, 8)},
+                     render, world_size=2, check=launching.check_collective_args)
     assert panel.last_error is None
     assert panel.summary == "all_reduce: [[2, 4], [2, 4]]"
     op.value = "all_gather"
@@ -38,9 +38,9 @@ def test_panel_shows_errors_and_recovers():
     assert panel.run() is None
     assert "RankError: rank 1 raised ValueError" in panel.last_error
     assert "failed" in panel.status.value
-    bad = RunPanel(basics.show_collective,
+    bad = RunPanel(launching.show_collective,
                    {"op": W.Dropdown(options=["reduce_scatter"]), "numel": W.IntSlider(3, 1, 8)},
-                   world_size=2, check=basics.check_collective_args, run_now=False)
+                   world_size=2, check=launching.check_collective_args, run_now=False)
     bad.button.click()  # a learner's click: the error goes into the panel
     assert "not divisible by world_size=2" in bad.last_error
     ok = RunPanel(slow, {"seconds": W.FloatSlider(0.01)}, world_size=2)
@@ -49,7 +49,7 @@ def test_panel_shows_errors_and_recovers():
 
 def test_world_size_control_picks_a_shared_pool():
     ws = W.IntSlider(2, 1, 4)
-    panel = RunPanel(basics.hello, {"world_size": ws})
+    panel = RunPanel(launching.hello, {"world_size": ws})
     assert len(panel.last_run.results) == 2
     ws.value = 3
     panel.run()
@@ -76,6 +76,6 @@ def test_a_panel_that_fails_when_made_raises():
         return "never"
 
     with pytest.raises(TypeError, match="unexpected keyword argument"):
-        RunPanel(basics.show_collective,
+        RunPanel(launching.show_collective,
                  {"op": W.Dropdown(options=["all_reduce"]), "numel": W.IntSlider(2, 1, 8)},
                  render, world_size=2)

@@ -8,7 +8,7 @@ from torch import nn
 
 from parcourse import zero
 from parcourse.data import shard as shard_rows
-from parcourse.data_parallel.training import backward_in_microsteps
+from parcourse.experiments.data_parallel import backward_in_microsteps
 
 from dp_fns import Net, data, make_optimizer
 

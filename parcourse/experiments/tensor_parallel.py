@@ -13,12 +13,23 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from parcourse.experiments.common import run_exercise
+from parcourse.collectives import (SimulatedLink, ring_all_gather, ring_all_reduce,
+                                   ring_reduce_scatter)
 from parcourse.data import progressions
-from parcourse.launch import RankContext
+from parcourse.launch import Pool, RankContext
 from parcourse.memory import SavedActivations, live_bytes
-from parcourse.models import TINY, GPTConfig, gpt
-from parcourse.tensor_parallel import GPT_PLAN, apply_tensor_parallel, vocab_parallel_cross_entropy
-from parcourse.tensor_parallel.comm import Algorithm, TPComm
+from parcourse.models import MLP, TINY, GPTConfig, gpt
+from parcourse.tensor_parallel import (
+    GPT_PLAN,
+    MLP_PLAN,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    apply_tensor_parallel,
+    vocab_parallel_cross_entropy,
+)
+from parcourse.tensor_parallel.comm import Algorithm, Phase, TPComm
 from parcourse.theory import (
     TPCollective,
     tp_activation_bytes,

@@ -15,7 +15,7 @@ from torch import nn
 
 from parcourse.data import local_regression
 from parcourse.data_parallel import BucketedDataParallel
-from parcourse.data_parallel.training import alternate_steps
+from parcourse.experiments.data_parallel import alternate_steps
 from parcourse.launch import RankContext
 from parcourse.memory import SavedActivations
 from parcourse.theory import zero_bytes, zero_checked_at

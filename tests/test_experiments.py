@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parcourse import Pool, basics, demos
+from parcourse import Pool
+from parcourse.experiments import all_reduce, common, data_parallel, launching
 
 
 @pytest.fixture(scope="module")
@@ -49,29 +50,29 @@ def step_that_never_sends(flat, bounds, step, rank, n, group):
 
 
 def test_ring_step_check_tells_stub_wrong_and_right(pool3, capsys):
-    assert demos.check_ring_step(stub_step, pool3) is False
+    assert all_reduce.check_ring_step(stub_step, pool3) is False
     assert "Not written yet" in capsys.readouterr().out
     # A wrong answer gets one short message (expected, got, hint), not a traceback.
-    assert demos.check_ring_step(wrong_step, pool3) is False
+    assert all_reduce.check_ring_step(wrong_step, pool3) is False
     out = capsys.readouterr().out
     assert out.startswith("Not quite: rank 0 ended with chunk") and "expected" in out
     assert "Hint:" in out and "Traceback" not in out and out.count("\n") == 1
-    assert demos.check_ring_step(step_that_raises, pool3) is False
+    assert all_reduce.check_ring_step(step_that_raises, pool3) is False
     assert re.fullmatch(r"Not yet: rank \d raised ValueError: a typo\n", capsys.readouterr().out)
-    assert demos.check_ring_step(right_step, pool3, numel=11)  # uneven chunks
+    assert all_reduce.check_ring_step(right_step, pool3, numel=11)  # uneven chunks
     assert "Correct" in capsys.readouterr().out
 
 
 def test_ring_step_check_stops_a_step_that_waits_forever(pool2, capsys):
-    assert demos.check_ring_step(step_that_never_sends, pool2, timeout=3) is False
+    assert all_reduce.check_ring_step(step_that_never_sends, pool2, timeout=3) is False
     out = capsys.readouterr().out
     assert out.startswith("Not yet: ranks 0, 1 were still waiting after 3 s. Hint:")
-    assert demos.check_ring_step(right_step, pool2)  # the pool starts fresh ranks
+    assert all_reduce.check_ring_step(right_step, pool2)  # the pool starts fresh ranks
 
 
 def test_ring_step_check_needs_two_ranks(capsys):
     with Pool(1) as pool:
-        assert demos.check_ring_step(right_step, pool) is False
+        assert all_reduce.check_ring_step(right_step, pool) is False
     assert "One rank has no ring" in capsys.readouterr().out
 
 
@@ -89,23 +90,23 @@ def test_average_check_tells_stub_wrong_and_right(pool3, capsys):
         dist.all_reduce(t, group=ctx.group)
         return t.item() / ctx.world_size
 
-    assert basics.check_average(stub, pool3) is False
+    assert launching.check_average(stub, pool3) is False
     assert "Not written yet" in capsys.readouterr().out
-    assert basics.check_average(wrong, pool3) is False
+    assert launching.check_average(wrong, pool3) is False
     assert capsys.readouterr().out == (
         "Not quite: expected 2 on every rank, got [6.0, 6.0, 6.0]. Hint: all_reduce sums in "
         "place; divide by ctx.world_size afterwards, and return a number.\n")
-    assert basics.check_average(lambda ctx: None, pool3) is False
+    assert launching.check_average(lambda ctx: None, pool3) is False
     assert "got [None, None, None]" in capsys.readouterr().out
-    assert basics.check_average(right, pool3)
+    assert launching.check_average(right, pool3)
 
 
 def test_time_all_reduce_alternates_and_times_every_algorithm(pool3):
-    per_rank = pool3.run(demos.time_all_reduce, ["ring", "naive", "torch"], [4096, 65536], 3)
+    per_rank = pool3.run(all_reduce.time_all_reduce, ["ring", "naive", "torch"], [4096, 65536], 3)
     for result in per_rank.results:
         assert set(result) == {(a, s) for a in ("ring", "naive", "torch") for s in (4096, 65536)}
         assert all(len(ts) == 3 and all(t > 0 for t in ts) for ts in result.values())
-    slowest = demos.slowest_rank(per_rank.results, ("ring", 4096))
+    slowest = common.slowest_rank(per_rank.results, ("ring", 4096))
     assert slowest == [max(r[("ring", 4096)][i] for r in per_rank.results) for i in range(3)]
 
 
@@ -113,17 +114,17 @@ def test_time_over_links_alternates_every_algorithm_and_link(pool3):
     from parcourse.collectives import CostModel, SimulatedLink
 
     links = {"free": SimulatedLink(), "slow": SimulatedLink(0.01)}
-    per_rank = pool3.run(demos.time_over_links, ["ring", "naive"], 4096, links, 2).results
+    per_rank = pool3.run(all_reduce.time_over_links, ["ring", "naive"], 4096, links, 2).results
     assert set(per_rank[0]) == {(a, n) for a in ("ring", "naive") for n in links}
     model = CostModel(0.01, float("inf"))
     for algo in ("ring", "naive"):
-        slow = demos.slowest_rank(per_rank, (algo, "slow"))
+        slow = common.slowest_rank(per_rank, (algo, "slow"))
         assert len(slow) == 2 and min(slow) >= 0.95 * model.all_reduce_s(algo, 4096, 3)
 
 
 def _time_with_a_broken_ring(ctx, batch=1, broken_call=1):
     """time_all_reduce with a ring whose call number `broken_call` adds one too many on rank 1."""
-    real, calls = demos.ring_all_reduce, []
+    real, calls = all_reduce.ring_all_reduce, []
 
     def broken(t, group=None, **kw):
         real(t, group, **kw)
@@ -131,33 +132,33 @@ def _time_with_a_broken_ring(ctx, batch=1, broken_call=1):
         if ctx.rank == 1 and len(calls) == broken_call:
             t.add_(1)
 
-    demos.ring_all_reduce = broken
+    all_reduce.ring_all_reduce = broken
     try:
-        return demos.time_all_reduce(ctx, ["ring"], [4096], 1, batch=batch)
+        return all_reduce.time_all_reduce(ctx, ["ring"], [4096], 1, batch=batch)
     finally:
-        demos.ring_all_reduce = real
+        all_reduce.ring_all_reduce = real
 
 
 def test_time_all_reduce_starts_from_ones_and_checks_every_result(pool3):
     # 3 ranks, 90 rounds: summing the same tensor over and over would pass
     # 3**81 (float32's limit) and reach inf; every round starts from ones instead.
-    per_rank = pool3.run(demos.time_all_reduce, ["ring", "torch"], [4096], 45)
+    per_rank = pool3.run(all_reduce.time_all_reduce, ["ring", "torch"], [4096], 45)
     assert all(len(ts) == 45 for r in per_rank.results for ts in r.values())
     with pytest.raises(Exception, match=r"rank 1: ring all-reduce of 4096 bytes gave \[4.0"):
         pool3.run(_time_with_a_broken_ring)
 
 
 def test_traced_all_reduce_counts_bytes_and_checks_its_result(pool3):
-    run = pool3.run(demos.traced_all_reduce, "ring", 300)
+    run = pool3.run(all_reduce.traced_all_reduce, "ring", 300)
     assert run.results == [2 * 2 / 3 * 1200] * 3
     assert {s.meta["chunk"] for s in run.trace.spans_of(rank=0)} == {0, 1, 2}
     with pytest.raises(Exception, match="unknown algorithm 'tree'"):
-        pool3.run(demos.traced_all_reduce, "tree", 300)
+        pool3.run(all_reduce.traced_all_reduce, "tree", 300)
 
 
 def test_time_all_reduce_runs_a_batch_back_to_back_and_checks_its_result(pool3):
     # A sample of 5 sums ones 5 times over: 3**5 = 243 everywhere, checked after each sample.
-    per_rank = pool3.run(demos.time_all_reduce, ["ring", "torch"], [4096], 4, batch=5)
+    per_rank = pool3.run(all_reduce.time_all_reduce, ["ring", "torch"], [4096], 4, batch=5)
     assert all(len(ts) == 4 and all(t > 0 for t in ts) for r in per_rank.results
                for ts in r.values())
     # One wrong sum in the middle of a sample (call 3: the warm-up, then the sample's
@@ -169,16 +170,16 @@ def test_time_all_reduce_runs_a_batch_back_to_back_and_checks_its_result(pool3):
 def test_time_all_reduce_refuses_a_batch_its_dtype_cannot_sum_exactly(pool3):
     # float16 holds every integer up to 2048 exactly; 3**7 = 2187 is past it.
     with pytest.raises(Exception, match=r"batch=7 with 3 ranks .* more than float16 holds exactly"):
-        pool3.run(demos.time_all_reduce, ["ring"], [4096], 1, "float16", batch=7)
-    per_rank = pool3.run(demos.time_all_reduce, ["ring"], [4096], 1, "float16", batch=6)
+        pool3.run(all_reduce.time_all_reduce, ["ring"], [4096], 1, "float16", batch=7)
+    per_rank = pool3.run(all_reduce.time_all_reduce, ["ring"], [4096], 1, "float16", batch=6)
     assert len(per_rank.results[0]["ring", 4096]) == 1
 
 
 def test_max_batch_keeps_sums_of_ones_exact():
-    assert demos.max_batch(2) == 24 and demos.max_batch(4) == 12  # float32: up to 2**24
-    assert demos.max_batch(3, "float16") == 6  # 3**6 = 729 <= 2048 < 3**7
-    assert demos.max_batch(2, "bfloat16") == 8
-    assert demos.max_batch(1) > 1000  # one rank sums nothing
+    assert all_reduce.max_batch(2) == 24 and all_reduce.max_batch(4) == 12  # float32: up to 2**24
+    assert all_reduce.max_batch(3, "float16") == 6  # 3**6 = 729 <= 2048 < 3**7
+    assert all_reduce.max_batch(2, "bfloat16") == 8
+    assert all_reduce.max_batch(1) > 1000  # one rank sums nothing
 
 
 # Lesson 02's exercises: the rule that starts buckets during backward, and bucket assignment.
@@ -214,17 +215,17 @@ def rule_too_early(ready, buckets, next_bucket, launch):
 
 
 def test_launch_rule_check_tells_stub_wrong_and_right(capsys):
-    assert demos.check_launch_rule(rule_stub) is False
+    assert data_parallel.check_launch_rule(rule_stub) is False
     assert "Not written yet" in capsys.readouterr().out
     for wrong in (rule_after_backward, rule_one_at_a_time, rule_out_of_order, rule_too_early):
-        assert demos.check_launch_rule(wrong) is False, wrong.__name__
+        assert data_parallel.check_launch_rule(wrong) is False, wrong.__name__
         out = capsys.readouterr().out
         assert out.startswith("Not quite (") and "expected bucket 0 after" in out
         assert "; got " in out and "Hint:" in out and out.count("\n") == 1
-    assert demos.check_launch_rule(lambda *a: 1 / 0) is False
+    assert data_parallel.check_launch_rule(lambda *a: 1 / 0) is False
     assert capsys.readouterr().out == "Not yet: your function raised ZeroDivisionError: " \
                                       "division by zero\n"
-    assert demos.check_launch_rule(demos.launch_ready_buckets)
+    assert data_parallel.check_launch_rule(data_parallel.launch_ready_buckets)
 
 
 def test_bucket_check_tells_stub_wrong_and_right(capsys):
@@ -244,14 +245,14 @@ def test_bucket_check_tells_stub_wrong_and_right(capsys):
     def right(sizes, limit):
         return [[len(sizes) - 1 - i for i in b] for b in forward_order(sizes[::-1], limit)]
 
-    assert demos.check_buckets(stub) is False
+    assert data_parallel.check_buckets(stub) is False
     assert "Not written yet" in capsys.readouterr().out
-    assert demos.check_buckets(forward_order) is False
+    assert data_parallel.check_buckets(forward_order) is False
     assert capsys.readouterr().out == (
         "Not quite (sizes [400, 40, 4000, 40], limit 1000): expected [[3], [2], [1, 0]], "
         "got [[0, 1], [2], [3]]. Hint: walk the parameters from the last to the first, and "
         "start a new bucket when the next one would not fit.\n")
-    assert demos.check_buckets(right)
+    assert data_parallel.check_buckets(right)
 
 
 def test_data_parallel_steps_times_every_configuration_over_every_link(pool2):
@@ -260,9 +261,9 @@ def test_data_parallel_steps_times_every_configuration_over_every_link(pool2):
     configs = {"alone": {"impl": "none"}, "naive": {"impl": "naive"},
                "buckets": {"impl": "bucketed", "bucket_mb": 0.01, "overlap": False}}
     links = {"slow": SimulatedLink(0.002), "free": SimulatedLink()}
-    per_rank = pool2.run(demos.data_parallel_steps, configs, links, 2, width=32, depth=3,
+    per_rank = pool2.run(data_parallel.data_parallel_steps, configs, links, 2, width=32, depth=3,
                          batch=16).results
-    med = {k: min(demos.slowest_rank(per_rank, k)) for k in per_rank[0]}
+    med = {k: min(common.slowest_rank(per_rank, k)) for k in per_rank[0]}
     assert set(med) == {(c, n) for c in configs for n in links}
     # Two ranks: 2 ring steps per all-reduce, 2 ms each. naive: 6 parameters; buckets of
     # 10 KB: 2 (layers of 4.2 KB, two to a bucket).
@@ -273,8 +274,8 @@ def test_data_parallel_steps_times_every_configuration_over_every_link(pool2):
 def test_a_launch_rule_drives_real_buckets(pool2):
     # The rule decides when buckets start: during backward (the library's rule) or,
     # with no rule, only after it. A slow link makes every all-reduce last 4 ms or more.
-    for rule in (demos.launch_ready_buckets, None):
-        run = pool2.run(demos.train_with_rule, rule, 1, width=64, depth=6, batch=64,
+    for rule in (data_parallel.launch_ready_buckets, None):
+        run = pool2.run(data_parallel.train_with_rule, rule, 1, width=64, depth=6, batch=64,
                         bucket_mb=0.02, latency_us=2000.0)
         assert len(run.results[0]) == 1
         for rank in range(2):

@@ -1,4 +1,4 @@
-"""Lesson 00: the collectives of torch.distributed, seen from every rank.
+"""Lesson 00's runs: the collectives of torch.distributed, seen from every rank.
 
 Each function here is a rank function: `launch(show_collective, 4, "all_reduce")`
 runs it on four ranks. Rank r starts with the values r*numel ... r*numel+numel-1,
@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from parcourse._compat import reduce_scatter_single
-from parcourse.launch import Pool, RankContext, RankError, RankTimeout, Run
+from parcourse.experiments.common import run_exercise
+from parcourse.launch import Pool, RankContext
 
 Collective = Literal["broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter"]
 COLLECTIVES: tuple[str, ...] = ("broadcast", "reduce", "all_reduce", "all_gather",
@@ -104,31 +105,6 @@ def _busy(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         a = torch.tanh(a @ a)
-
-
-def run_exercise(pool: Pool, fn: Callable[..., Any], *args: Any,
-                 timeout: float = 30.0) -> Run | None:
-    """Run a learner's rank function for an exercise check.
-
-    Returns the run, or None after printing one line that says why there is
-    none: the function is still a stub, a rank raised (which rank, what), or
-    the ranks were still waiting at `timeout` (a message nobody sends, a
-    collective not every rank calls). A check prints, it does not raise: a
-    wrong answer should read as a hint, not as a traceback.
-    """
-    try:
-        return pool.run(fn, *args, timeout=timeout)
-    except RankError as e:
-        if e.exc_type == "NotImplementedError":
-            print("Not written yet: fill in the function above, then run this cell again.")
-        else:
-            print(f"Not yet: {str(e).splitlines()[0]}")
-        return None
-    except RankTimeout as e:
-        print(f"Not yet: ranks {', '.join(map(str, e.running))} were still waiting after "
-              f"{timeout:g} s. Hint: every send needs a matching receive on the other rank, "
-              "and every rank must call each collective.")
-        return None
 
 
 def check_average(average_fn: Callable[..., Any], pool: Pool, timeout: float = 30.0) -> bool:

@@ -1,0 +1,38 @@
+"""What every experiment shares: timing over ranks, and running a learner's code."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from parcourse.launch import Pool, RankError, RankTimeout, Run
+
+
+def slowest_rank(per_rank: list[dict[Any, list[float]]], key: Any) -> list[float]:
+    """Each repetition lasts as long as its slowest rank."""
+    return [max(ts) for ts in zip(*(r[key] for r in per_rank))]
+
+
+def run_exercise(pool: Pool, fn: Callable[..., Any], *args: Any,
+                 timeout: float = 30.0) -> Run | None:
+    """Run a learner's rank function for an exercise check.
+
+    Returns the run, or None after printing one line that says why there is
+    none: the function is still a stub, a rank raised (which rank, what), or
+    the ranks were still waiting at `timeout` (a message nobody sends, a
+    collective not every rank calls). A check prints, it does not raise: a
+    wrong answer should read as a hint, not as a traceback.
+    """
+    try:
+        return pool.run(fn, *args, timeout=timeout)
+    except RankError as e:
+        if e.exc_type == "NotImplementedError":
+            print("Not written yet: fill in the function above, then run this cell again.")
+        else:
+            print(f"Not yet: {str(e).splitlines()[0]}")
+        return None
+    except RankTimeout as e:
+        print(f"Not yet: ranks {', '.join(map(str, e.running))} were still waiting after "
+              f"{timeout:g} s. Hint: every send needs a matching receive on the other rank, "
+              "and every rank must call each collective.")
+        return None

@@ -229,6 +229,21 @@ def tp_ring_bytes_sent(collectives: list[TPCollective], world_size: int) -> floa
     return sum((2 if op == "all_reduce" else 1) * share * size for op, _, _, size in collectives)
 
 
+def tp_link_seconds(collectives: list[TPCollective], world_size: int, latency_s: float,
+                    bandwidth_Bps: float) -> float:
+    """Theory: seconds these collectives spend on a simulated link (alpha = latency_s,
+    beta = bandwidth_Bps), run one after another on the ring with one message per
+    chunk, each step waiting for the chunk before it: alpha + S / (N beta) per step,
+    2(N-1) steps per all-reduce, N-1 per all-gather or reduce-scatter (lesson 01's
+    `CostModel`). Tensor parallelism's collectives are on the critical path (the next
+    layer needs what they return), so this adds to the step whole."""
+    n = world_size
+    if n == 1:
+        return 0.0
+    return sum((2 * (n - 1) if op == "all_reduce" else n - 1)
+               * (latency_s + size / n / bandwidth_Bps) for op, _, _, size in collectives)
+
+
 # --------------------------------------------------------------------------- pipelines (06-07)
 
 

@@ -13,12 +13,20 @@ import pytest
 import torch
 
 import tp_fns as TP
-from parcourse.experiments.tensor_parallel import train
+from parcourse.collectives import SimulatedLink
+from parcourse.experiments.tensor_parallel import (
+    check_g,
+    memory_by_tp_size,
+    split_matmul,
+    tp_step,
+    train,
+)
 from parcourse.models import gpt
 from parcourse.theory import (
     tp_activation_bytes,
     tp_collective_counts,
     tp_collectives,
+    tp_link_seconds,
     tp_parameter_bytes,
     tp_ring_bytes_sent,
 )
@@ -172,3 +180,80 @@ def test_cli_tp_trains_and_prints_against_the_formulas(capsys):
     assert out.count("measured / formula 1.000") == 4  # params and activations, 2 ranks
     assert "collectives per step: as the formula" in out
     assert "loss" in out and "one process" in out
+
+
+# --------------------------------------------------------------------------- lesson 05
+
+
+@pytest.mark.parametrize(("g", "verdict"), [
+    ("GoodG", "Correct: g sums the partial sums forward"),
+    ("AllReduceBothWaysG", "the gradient of the MLP's input is 2 x one process's"),
+    ("IdentityG", "g's output differs from one process's"),
+    ("StubG", "Not written yet"),
+])
+def test_exercise_check_accepts_g_and_rejects_wrong_answers(pools, capsys, g, verdict):
+    passed = check_g(getattr(TP, g), pools[2])
+    out = capsys.readouterr().out
+    assert passed == (g == "GoodG")
+    assert verdict in out
+    assert out.count("\n") == 1, "one short verdict"
+
+
+@SIZES
+@pytest.mark.parametrize("how", ["column", "row"])
+def test_split_matmul_is_exact_and_shows_each_rank_its_shard(pools, world_size, how):
+    results = pools[world_size].run(split_matmul, how).results
+    k = 12 // world_size
+    for r in results:
+        assert torch.equal(r["y"], r["expected"])
+        assert r["a"].shape == ((12, k) if how == "column" else (k, 12))
+        assert r["mine"].shape == ((4, k) if how == "column" else (4, 12))
+    if how == "row":  # the partial sums add up to Y
+        assert torch.equal(sum(r["mine"] for r in results), results[0]["expected"])
+
+
+def test_memory_by_tp_size_equals_the_formulas_at_every_size(pools):
+    # TP.CONFIG's 4 heads do not split over 3 ranks.
+    results = pools[4].run(memory_by_tp_size, TP.CONFIG, TP.B, (1, 2, 4)).results
+    assert sorted(results[0]) == [(k, sp) for k in (1, 2, 4) for sp in (False, True)]
+    assert sorted(results[3]) == [(4, False), (4, True)]  # rank 3 sits out sizes 1 and 2
+    for r in results:
+        for got in r.values():
+            assert got["param_bytes"] == got["theory"]["param_bytes"]
+            assert got["activation_bytes"] == got["theory"]["activation_bytes"]
+
+
+@SP
+def test_traced_step_labels_f_and_g_and_pays_the_link(pools, sequence_parallel):
+    link = SimulatedLink.of(latency_us=300)
+    run = pools[2].run(tp_step, TP.CONFIG, TP.B, 1, sequence_parallel=sequence_parallel,
+                       link=link)
+    r = run.results[0]
+    assert r["collectives"] == r["theory"]["collectives"]
+    assert r["param_bytes"] == r["theory"]["param_bytes"]
+    assert r["activation_bytes"] == r["theory"]["activation_bytes"]
+    comm = [s for s in run.trace.spans if s.kind == "comm"]
+    assert comm and all("segment" not in s.meta for s in comm), "the ring's steps left out"
+    labels = {(s.meta["op"], s.meta["phase"], s.meta["label"]) for s in comm if s.rank == 0}
+    if sequence_parallel:
+        assert ("all_gather", "forward", "f") in labels
+        assert ("reduce_scatter", "forward", "g") in labels
+        assert ("all_reduce", "backward", "grads") in labels
+    else:
+        assert labels == {("all_reduce", "forward", "g"), ("all_reduce", "backward", "f"),
+                          ("all_reduce", "forward", "loss")}
+    # Every message waits out the link after the one before it: a lower bound.
+    model = tp_link_seconds(r["theory"]["collectives"], 2, link.latency_s, link.bandwidth_Bps)
+    assert min(x["comm_s"][0] for x in run.results) >= 0.99 * model
+    # The timeline starts at the traced step (the warm-up and the memory forward are gone).
+    forward = min(s.start_ns for s in run.trace.spans if s.name == "forward")
+    assert run.trace.t0_ns >= forward - 5_000_000
+
+
+def test_link_seconds_formula():
+    act, n = 4 * 3 * 8 * TP.CONFIG.d_model, 4
+    one = [("all_reduce", "forward", "x", act)]
+    assert tp_link_seconds(one, 1, 1e-3, 1e9) == 0.0
+    assert tp_link_seconds(one, n, 1e-3, 1e9) == pytest.approx(2 * (n - 1) * (1e-3 + act / n / 1e9))
+    half = [("all_gather", "forward", "x", act), ("reduce_scatter", "forward", "x", act)]
+    assert tp_link_seconds(half, n, 1e-3, 1e9) == pytest.approx(tp_link_seconds(one, n, 1e-3, 1e9))

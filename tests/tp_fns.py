@@ -354,3 +354,56 @@ def uneven_sequence(ctx):
     except ValueError as e:
         return str(e)
     return None
+
+
+# Lesson 05's exercise, g as an autograd Function: the right answer and wrong ones that the
+# check must reject (it pickles them by name, so they live here).
+class GoodG(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        total = x.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class AllReduceBothWaysG(torch.autograd.Function):
+    """Sums the gradient too: N times one process's."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        total = x.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class IdentityG(torch.autograd.Function):
+    """f, not g: forward leaves the partial sums apart."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class StubG(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        raise NotImplementedError
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError

@@ -1,11 +1,15 @@
 """Tensor-parallel runs that lesson 05, the CLI and benchmarks/tensor_parallel.py launch:
 the tiny GPT trained split over ranks, its bytes per rank and its collectives against
-the formulas, and step times against PyTorch's own tensor parallelism (DTensor)."""
+the formulas, and step times against PyTorch's own tensor parallelism (DTensor); for
+the lesson, a matrix multiply split both ways, Megatron's MLP, memory by TP size,
+traced steps over a simulated link, and the exercise's check (Megatron's g)."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -13,10 +17,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from parcourse.experiments.common import run_exercise
 from parcourse.collectives import (SimulatedLink, ring_all_gather, ring_all_reduce,
                                    ring_reduce_scatter)
 from parcourse.data import progressions
+from parcourse.experiments.common import run_exercise
 from parcourse.launch import Pool, RankContext
 from parcourse.memory import SavedActivations, live_bytes
 from parcourse.models import MLP, TINY, GPTConfig, gpt
@@ -46,9 +50,12 @@ def batch_for(step: int, batch: int, config: GPTConfig) -> tuple[torch.Tensor, t
     return progressions(batch, config.block_size, config.vocab, seed=step)
 
 
-def collectives_in(events: Iterable[CounterEvent]) -> list[TPCollective]:
+def collectives_in(events: Iterable[CounterEvent], world_size: int) -> list[TPCollective]:
     """The tracer's "tp_collective" events as (op, phase, where, bytes), sorted, to compare
-    with `parcourse.theory.tp_collectives`."""
+    with `parcourse.theory.tp_collectives`. None on one rank: f and g skip theirs there,
+    and the loss's three all-reduces on a group of one move nothing."""
+    if world_size == 1:
+        return []
     return sorted((e.meta["op"], e.meta["phase"], e.meta["where"], e.meta["size"])
                   for e in events if e.name == "tp_collective")
 
@@ -86,7 +93,7 @@ def train(ctx: RankContext, config: GPTConfig = TINY, steps: int = 5, batch: int
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    collectives = collectives_in(tracer.data().counters[first_event:])
+    collectives = collectives_in(tracer.data().counters[first_event:], n)
     return {
         "losses": losses,
         "param_bytes": live_bytes(model)["params"],
@@ -216,3 +223,383 @@ def step_times(ctx: RankContext, steps: int = 10, config: GPTConfig = TINY, batc
                 times[name].append(time.perf_counter() - t0)
             losses[name].append(loss)
     return {"times": times, "losses": losses}
+
+
+# --------------------------------------------------------------------------- lesson 05
+
+
+@dataclass
+class LinkedTPComm(TPComm):
+    """A `TPComm` whose collectives run on the course's ring over a simulated link
+    (lesson 01's `SimulatedLink`): every message pays the link's latency and
+    bandwidth, so the cost of tensor parallelism between machines shows on one.
+
+    `TPComm` has no link of its own; `over_link` turns the one a split model shares
+    into this class, in place.
+    """
+
+    link: SimulatedLink | None = None
+
+    def all_reduce(self, x: torch.Tensor, phase: Phase, where: str,
+                   op: Literal["sum", "max"] = "sum") -> torch.Tensor:
+        out = x.clone(memory_format=torch.contiguous_format)
+        with self._traced("all_reduce", phase, where, out.nbytes):
+            ring_all_reduce(out, self.group, op, tracer=self.tracer, link=self.link)
+        return out
+
+    def all_gather(self, x: torch.Tensor, dim: int, phase: Phase, where: str) -> torch.Tensor:
+        d = dim % x.dim()
+        flat = torch.empty(x.numel() * self.size, dtype=x.dtype, device=x.device)
+        with self._traced("all_gather", phase, where, flat.nbytes):
+            ring_all_gather(x.contiguous().view(-1), self.group, tracer=self.tracer,
+                            link=self.link, out=flat)
+        return flat.view(self.size, *x.shape).movedim(0, d).flatten(d, d + 1)
+
+    def reduce_scatter(self, x: torch.Tensor, dim: int, phase: Phase, where: str) -> torch.Tensor:
+        d = dim % x.dim()
+        parts = x.unflatten(d, (self.size, x.shape[d] // self.size)).movedim(d, 0).contiguous()
+        with self._traced("reduce_scatter", phase, where, parts.nbytes):
+            mine = ring_reduce_scatter(parts.view(-1), self.group, tracer=self.tracer,
+                                       link=self.link, scratch=True)
+        return mine.view(parts.shape[1:])
+
+
+def shared_comm(model: nn.Module) -> TPComm:
+    """The one `TPComm` that `apply_tensor_parallel` gave every split layer of `model`."""
+    comms = {id(c): c for m in model.modules() if isinstance(c := getattr(m, "comm", None),
+                                                                  TPComm)}
+    if len(comms) != 1:
+        raise ValueError(f"expected one TPComm shared by the split layers, found {len(comms)}")
+    return next(iter(comms.values()))
+
+
+def over_link(model: nn.Module, link: SimulatedLink | None) -> nn.Module:
+    """Make the split `model`'s collectives run on the ring over `link` (None: no link,
+    but still the ring, which counts bytes). In place; returns `model`.
+
+    The layers and the gradient sync of sequence parallelism hold one TPComm between
+    them (the sync only through its hooks), so that object itself changes class:
+    every collective of the model then goes over the link.
+    """
+    comm = shared_comm(model)
+    comm.__class__ = LinkedTPComm
+    comm.algorithm = "ring"
+    comm.link = link  # type: ignore[attr-defined]
+    return model
+
+
+def split_matmul(ctx: RankContext, how: Literal["column", "row"], tokens: int = 4,
+                 features: int | None = None, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Y = X A on the ranks, with A (features x features) split by columns or by rows
+    as `ColumnParallelLinear` and `RowParallelLinear` split it (nn.Linear keeps A
+    transposed, as its weight). `features`: 12 when the ranks divide it, else 3 per rank.
+
+    Returns what this rank holds and computes, in X A's orientation: "x" (its input: all
+    of X by columns; its columns of X by rows), "a" (its shard of A), "mine" (X_r A_r:
+    some columns of Y by columns; a partial sum of all of Y by rows), "y" (after the
+    layer's collective: all-gather by columns, all-reduce by rows) and "expected" (X A
+    in one process).
+    """
+    n = ctx.world_size
+    features = features or (12 if 12 % n == 0 else 3 * n)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-2, 3, (tokens, features), generator=g).float()  # small integers
+    linear = nn.Linear(features, features, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randint(-2, 3, (features, features), generator=g))
+    comm = TPComm(ctx.group, ctx.tracer)
+    layer: nn.Module
+    if how == "column":
+        layer = ColumnParallelLinear(linear, comm, gather_output=True)
+        mine_x = x
+    elif how == "row":
+        layer = RowParallelLinear(linear, comm, input_is_parallel=False)
+        mine_x = x.chunk(n, dim=-1)[ctx.rank]
+    else:
+        raise ValueError(f"unknown split {how!r}; choose 'column' or 'row'")
+    a = layer.weight.detach().T  # (in, out / N) by columns, (in / N, out) by rows
+    with torch.no_grad():
+        return {"x": mine_x, "a": a, "mine": mine_x @ a, "y": layer(x),
+                "expected": linear(x)}
+
+
+def split_mlp(ctx: RankContext, d_model: int = 24, tokens: int = 6,
+              seed: int = 0) -> dict[str, Any]:
+    """Megatron's MLP (up column-parallel, GELU, down row-parallel) on the ranks against
+    one process: its collectives, forward and backward, in order, and the largest
+    difference of the output and of the input's gradient."""
+    config = GPTConfig(d_model=d_model, n_heads=1)
+    reference = _seeded(lambda: MLP(config), seed)
+    split = apply_tensor_parallel(_seeded(lambda: MLP(config), seed), MLP_PLAN, ctx.group,
+                                  tracer=ctx.tracer)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(1, tokens, d_model, generator=g)
+    upstream = torch.randn(1, tokens, d_model, generator=g)  # d loss / d output
+    outputs, grads = [], []
+    for model in (reference, split):
+        leaf = x.clone().requires_grad_()
+        y = model(leaf)
+        (y * upstream).sum().backward()
+        outputs.append(y.detach())
+        grads.append(leaf.grad)
+    events = [e for e in ctx.tracer.data().counters if e.name == "tp_collective"]
+    return {"collectives": [(e.meta["op"], e.meta["phase"], e.meta["where"]) for e in events],
+            "output_error": float((outputs[0] - outputs[1]).abs().max()),
+            "grad_error": float((grads[0] - grads[1]).abs().max())}
+
+
+def _seeded(make: Any, seed: int) -> Any:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return make()
+
+
+def split_shapes(ctx: RankContext, config: GPTConfig = TINY,
+                 sequence_parallel: bool = False) -> list[tuple[str, tuple[int, ...],
+                                                               tuple[int, ...], str]]:
+    """Every parameter of the GPT once split by GPT_PLAN: (name, whole shape, shape on
+    this rank, style: column, row, vocab or replicate)."""
+    whole = {name: tuple(p.shape) for name, p in gpt(config).named_parameters()}
+    model = apply_tensor_parallel(gpt(config), GPT_PLAN, ctx.group,
+                                  sequence_parallel=sequence_parallel)
+    styles = {ColumnParallelLinear: "column", RowParallelLinear: "row",
+              VocabParallelEmbedding: "vocab"}
+    out = []
+    for module_name, module in model.named_modules():
+        for p_name, p in module.named_parameters(recurse=False, prefix=module_name):
+            if p_name not in whole:
+                continue
+            style = styles.get(type(module), "replicate")
+            if isinstance(module, ColumnParallelLinear) and module.vocab:
+                style = "vocab"
+            if isinstance(module, RowParallelLinear) and p_name.endswith("bias"):
+                style = "replicate"  # added once, after the sum
+            out.append((p_name, whole.pop(p_name), tuple(p.shape), style))
+    return out
+
+
+def memory_by_tp_size(ctx: RankContext, config: GPTConfig = TINY, batch: int = 8,
+                      sizes: Iterable[int] | None = None) -> dict[tuple[int, bool], Any]:
+    """Parameter bytes and bytes kept for backward (one forward to the logits) on this rank
+    for each tensor-parallel size in `sizes` (default 1 .. world size), without and with
+    sequence parallelism, beside the formulas. TP size k runs on ranks 0 .. k-1 (a group
+    of their own); the other ranks sit it out.
+
+    Returns {(k, sequence_parallel): {"param_bytes", "activation_bytes", "theory": {...}}}
+    on the ranks that took part in each.
+    """
+    sizes = list(sizes or range(1, ctx.world_size + 1))
+    out: dict[tuple[int, bool], Any] = {}
+    x, _ = batch_for(0, batch, config)
+    for k in sizes:
+        # Every rank creates every group (torch.distributed asks it), members or not.
+        group = ctx.group if k == ctx.world_size else dist.new_group(list(range(k)))
+        if ctx.rank >= k:
+            continue
+        for sp in (False, True):
+            model = apply_tensor_parallel(gpt(config), GPT_PLAN, group, sequence_parallel=sp)
+            acts = SavedActivations()
+            with acts:
+                logits = model(x)  # noqa: F841 - alive while its saved tensors are counted
+            measured = live_bytes(model, activations=acts)
+            out[k, sp] = {
+                "param_bytes": measured["params"],
+                "activation_bytes": measured["activations"],
+                "theory": {
+                    "param_bytes": tp_parameter_bytes(config, k)["total"],
+                    "activation_bytes": tp_activation_bytes(config, batch, config.block_size,
+                                                            k, sp)["total"],
+                },
+            }
+    return out
+
+
+def label_of(where: str, model: nn.Module) -> str:
+    """What a collective is, from where it ran: "f" before a column-parallel layer (and
+    the head), "g" after a row-parallel one (and the vocab-parallel embedding), "loss"
+    (the vocab-parallel cross-entropy), "grads" (replicated gradients summed under
+    sequence parallelism)."""
+    module = dict(model.named_modules()).get(where)
+    if isinstance(module, ColumnParallelLinear):
+        return "f"
+    if isinstance(module, (RowParallelLinear, VocabParallelEmbedding)):
+        return "g"
+    return {"cross entropy": "loss", "replicated grads": "grads"}.get(where, where)
+
+
+def tp_step(ctx: RankContext, config: GPTConfig = TINY, batch: int = 8, steps: int = 2, *,
+            sequence_parallel: bool = False, link: SimulatedLink | None = None,
+            ring: bool = False, lr: float = 3e-3) -> dict[str, Any]:
+    """`steps` traced training steps (Adam) of the GPT split over the group, after an
+    untraced warm-up step; then one more forward whose bytes are sampled.
+
+    The trace has spans forward, loss, backward and optimizer, one communication span
+    per collective, labelled f, g, loss or grads (`label_of`; the ring's own steps
+    inside them are left out), and the memory sample "after forward" (for
+    plots.memory). With `link` (or `ring=True`) the collectives run on the course's
+    ring over that link (`over_link`), else on torch.distributed's.
+
+    Returns per traced step the seconds it took ("step_s", after a barrier) and those
+    spent in collectives ("comm_s"); the last step's collectives (as `collectives_in`);
+    this rank's parameter bytes and bytes kept for backward, each with its formula;
+    and the losses.
+    """
+    n, tracer = ctx.world_size, ctx.tracer
+    model = apply_tensor_parallel(gpt(config), GPT_PLAN, ctx.group,
+                                  sequence_parallel=sequence_parallel, tracer=tracer)
+    if n > 1 and (link is not None or ring):
+        over_link(model, link)
+    comm = shared_comm(model)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    spans, counters = tracer.data().spans, tracer.data().counters
+    step_s, comm_s, losses, collectives = [], [], [], []
+    for step in range(steps + 1):
+        x, y = batch_for(step, batch, config)
+        dist.barrier(group=ctx.group)
+        first_span, first_event = len(spans), len(counters)
+        t0 = time.perf_counter()
+        with tracer.span("forward"):
+            logits = model(x)  # (B, T, vocab / N)
+        with tracer.span("loss", label="loss"):
+            loss = vocab_parallel_cross_entropy(logits, y, ctx.group, config.vocab, comm=comm)
+        with tracer.span("backward"):
+            loss.backward()
+        with tracer.span("optimizer"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        step_s.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+        if step == 0:  # the warm-up: not part of the trace
+            del spans[first_span:], counters[first_event:]
+            continue
+        kept = [s for s in spans[first_span:] if "segment" not in s.meta]  # not the ring's
+        for s in kept:
+            if "where" in s.meta:
+                s.meta["label"] = label_of(s.meta["where"], model)
+        spans[first_span:] = kept
+        comm_s.append(sum(s.duration_s for s in kept if "where" in s.meta))
+        collectives = collectives_in(counters[first_event:], n)
+    # Bytes per rank: one more forward, sampled, its collectives left out of the trace.
+    first_span, first_event = len(spans), len(counters)
+    acts = SavedActivations()
+    with acts:
+        logits = model(x)  # noqa: F841 - alive while its saved tensors are counted
+    memory = tracer.memory("after forward", model, activations=acts).bytes
+    del spans[first_span:], counters[first_event:]
+    return {
+        "step_s": step_s[1:],
+        "comm_s": comm_s,
+        "losses": losses,
+        "collectives": collectives,
+        "param_bytes": memory["params"],
+        "activation_bytes": memory["activations"],
+        "theory": {
+            "param_bytes": tp_parameter_bytes(config, n)["total"],
+            "activation_bytes": tp_activation_bytes(config, batch, config.block_size, n,
+                                                    sequence_parallel)["total"],
+            "collectives": tp_collectives(config, batch, config.block_size, n,
+                                          sequence_parallel),
+        },
+    }
+
+
+# --------------------------------------------------------------------------- the exercise
+
+
+def _g_in_an_mlp(ctx: RankContext, g: type[torch.autograd.Function], d_model: int = 24,
+                 seed: int = 0) -> dict[str, float]:
+    """Megatron's MLP with the learner's `g` after the row-parallel layer (the library's
+    f before the column-parallel one), against one process: the largest difference of
+    the output and the norm of each gradient over one process's."""
+    n = ctx.world_size
+    config = GPTConfig(d_model=d_model, n_heads=1)
+    reference = _seeded(lambda: MLP(config), seed)
+    comm = TPComm(ctx.group)
+    up = ColumnParallelLinear(reference.up, comm)  # f, then this rank's hidden features
+    down = nn.Parameter(reference.down.weight.detach().chunk(n, dim=1)[ctx.rank].clone())
+    g_rand = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(2, 5, d_model, generator=g_rand)
+    upstream = torch.randn(2, 5, d_model, generator=g_rand)  # d loss / d output
+    x_ref, x_split = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_ref = reference(x_ref)
+    (y_ref * upstream).sum().backward()
+    partial = F.linear(F.gelu(up(x_split)), down)  # (B, T, C): this rank's partial sum
+    y = g.apply(partial, ctx.group)
+    if not isinstance(y, torch.Tensor) or y.shape != y_ref.shape:
+        shape = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
+        return {"shape": shape}  # type: ignore[dict-item]
+    y = y + reference.down.bias
+    (y * upstream).sum().backward()
+    ref_down = reference.down.weight.grad.chunk(n, dim=1)[ctx.rank]
+    ref_up = reference.up.weight.grad.chunk(n, dim=0)[ctx.rank]
+    ratio: dict[str, float] = {}
+    for name, got, want in (("input", x_split.grad, x_ref.grad), ("mlp.up", up.weight.grad, ref_up),
+                            ("mlp.down", down.grad, ref_down)):
+        ratio[name] = math.nan if got is None else float(got.norm() / want.norm())
+        if got is not None and torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+            ratio[name] = 1.0
+    return {"output_error": float((y.detach() - y_ref.detach()).abs().max()), **ratio}
+
+
+def check_g(g: type[torch.autograd.Function], pool: Pool) -> bool:
+    """Lesson 05's exercise: `g`, an autograd Function called as `g.apply(x, group)`, is
+    Megatron's g: given each rank's partial sum it returns the whole sum on every rank,
+    and its backward passes the gradient through. It is run in Megatron's MLP on the
+    ranks of `pool` (on 2 when the pool has 1: one rank cannot tell a wrong backward),
+    against one process: the output, then every gradient. Prints one short verdict."""
+    if pool.world_size > 1:
+        run = run_exercise(pool, _g_in_an_mlp, g)
+        n = pool.world_size
+    else:
+        with Pool(2) as two:
+            run = run_exercise(two, _g_in_an_mlp, g)
+        n = 2
+    if run is None:
+        return False
+    for r in run.results:
+        if "shape" in r:
+            print(f"Not quite: g returned {r['shape']}, expected a tensor the shape of its input. "
+                  "Hint: forward returns the sum over ranks of its input.")
+            return False
+        if not r["output_error"] <= 1e-4:
+            print(f"Not quite: with {n} ranks g's output differs from one process's by up to "
+                  f"{r['output_error']:.3g}. Hint: in forward each rank holds a partial sum of "
+                  "the output; g adds them up, on every rank (all-reduce).")
+            return False
+        wrong = {k: v for k, v in r.items() if k != "output_error" and v != 1.0}
+        if wrong:
+            name, ratio = next(iter(wrong.items()))
+            what = {"input": "the MLP's input", "mlp.up": "mlp.up's weight",
+                    "mlp.down": "mlp.down's weight"}[name]
+            got = "is missing" if math.isnan(ratio) else f"is {ratio:.3g} x one process's"
+            print(f"Not quite: the output is right, but the gradient of {what} {got} "
+                  "(expected 1 x). Hint: g's output is the same on every rank, and so is its "
+                  "gradient: backward hands it on unchanged (one gradient per input of "
+                  "forward, None for the group).")
+            return False
+    print(f"Correct: g sums the partial sums forward and passes the gradient through "
+          f"backward; Megatron's MLP on {n} ranks equals one process.")
+    return True
+
+
+def link_step_times(ctx: RankContext, links: dict[str, SimulatedLink], config: GPTConfig = TINY,
+                    batch: int = 8, steps: int = 5) -> dict[str, list[float]]:
+    """Seconds per training step (Adam) of the GPT split over the group, its collectives
+    on the course's ring over each of `links` (`over_link`), the links taking turns
+    step by step (the order swaps every step; the first step of each is a warm-up)."""
+    models = {}
+    for name, link in links.items():
+        model = over_link(apply_tensor_parallel(gpt(config), GPT_PLAN, ctx.group), link)
+        models[name] = (model, torch.optim.Adam(model.parameters(), lr=3e-3), shared_comm(model))
+    times: dict[str, list[float]] = {name: [] for name in links}
+    names = list(links)
+    for step in range(steps + 1):
+        x, y = batch_for(step, batch, config)
+        for name in names if step % 2 == 0 else names[::-1]:
+            model, opt, comm = models[name]
+            dist.barrier(group=ctx.group)
+            t0 = time.perf_counter()
+            _step(model, opt, "ours", x, y, config, comm)
+            if step:
+                times[name].append(time.perf_counter() - t0)
+    return times

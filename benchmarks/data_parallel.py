@@ -15,17 +15,16 @@ than naive.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 from parcourse import Pool
-from parcourse.experiments.common import slowest_rank
+from parcourse.experiments.common import median_of_slowest
 from parcourse.experiments.data_parallel import compare_step_times
 
 
 def medians(per_rank: list[dict[str, list[float]]]) -> dict[str, float]:
-    return {name: statistics.median(slowest_rank(per_rank, name)) for name in per_rank[0]}
+    return {name: median_of_slowest(per_rank, name) for name in per_rank[0]}
 
 
 def table(title: str, med: dict[str, float], baseline: str) -> None:

@@ -14,12 +14,11 @@
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 from parcourse import Pool
-from parcourse.experiments.common import slowest_rank
+from parcourse.experiments.common import median_of_slowest
 from parcourse.experiments.pipeline import bubble_of, step_times, train
 from parcourse.pipeline import Costs, gpipe, simulate
 from parcourse.pipeline.runtime import SimulatedCompute
@@ -36,7 +35,7 @@ def main() -> None:
 
     with Pool(2, timeout=3600) as pool:
         per_rank = pool.run(step_times, args.microbatches, args.steps, width=args.width).results
-    med = {name: statistics.median(slowest_rank(per_rank, name)) for name in per_rank[0]}
+    med = {name: median_of_slowest(per_rank, name) for name in per_rank[0]}
     print(f"\n1. step time, 2 stages, {args.microbatches} microbatches, MLP 8 x {args.width}, "
           f"batch 256 (median of {args.steps}, slowest rank)")
     for name, t in med.items():

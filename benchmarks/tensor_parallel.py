@@ -23,12 +23,11 @@ message) in place of its times and times ours alone.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 from parcourse import Pool, RankError
-from parcourse.experiments.common import slowest_rank
+from parcourse.experiments.common import median_of_slowest
 from parcourse.experiments.tensor_parallel import step_times, train
 from parcourse.memory import format_bytes
 from parcourse.models import GPTConfig
@@ -82,11 +81,11 @@ def main() -> None:
                       f"{e.exc_type}: {str(e).splitlines()[0]}")
                 per_rank = pool.run(step_times, args.steps, config, args.batch,
                                     sequence_parallel=sp, impls=("ours",)).results
-                ours = statistics.median(slowest_rank([r["times"] for r in per_rank], "ours"))
+                ours = median_of_slowest([r["times"] for r in per_rank], "ours")
                 print(f"{'':>22}{ours * 1e3:>8.1f}ms (ours alone)")
                 continue
             times = [r["times"] for r in per_rank]
-            med = {impl: statistics.median(slowest_rank(times, impl)) for impl in ("ours",
+            med = {impl: median_of_slowest(times, impl) for impl in ("ours",
                                                                                    "torch")}
             ratio = med["ours"] / med["torch"]
             print(f"{label:>22}{med['ours'] * 1e3:>8.1f}ms{med['torch'] * 1e3:>8.1f}ms"

@@ -17,13 +17,12 @@
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 from parcourse import Pool
 from parcourse.cli import parse_count
-from parcourse.experiments.common import slowest_rank
+from parcourse.experiments.common import median_of_slowest
 from parcourse.memory import format_bytes
 from parcourse.collectives import bytes_sent_per_rank
 from parcourse.experiments.zero import (measured_over_formula, memory_by_stage, peak_memory,
@@ -67,7 +66,7 @@ def main() -> None:
     }
     with Pool(2, timeout=3600) as pool:
         per_rank = pool.run(step_times, configs, args.steps, params=params).results
-        med = {n: statistics.median(slowest_rank(per_rank, n)) for n in configs}
+        med = {n: median_of_slowest(per_rank, n) for n in configs}
         print("\n2. step time, world size 2 (median, slowest rank)")
         for name, t in med.items():
             print(f"{name:>26}: {t * 1e3:7.1f} ms")

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from parcourse.collectives import (CostModel, SimulatedLink, bus_bandwidth,
                                    bytes_sent_per_rank, simulated_link)
 from parcourse.experiments.all_reduce import all_reduce_with, time_all_reduce
-from parcourse.experiments.common import slowest_rank
+from parcourse.experiments.common import median_of_slowest
 from parcourse.launch import Pool, RankContext, _external_env, launch
 from parcourse.models import GPTConfig
 
@@ -127,7 +127,7 @@ def allreduce(args: argparse.Namespace) -> int:
                  link, timeout=args.timeout)
     if external and external[0] != 0:
         return 0  # every rank has the results; rank 0 prints them
-    t = statistics.median(slowest_rank([r["times"] for r in run.results], (args.algo, nbytes)))
+    t = median_of_slowest([r["times"] for r in run.results], (args.algo, nbytes))
     algbw, busbw = bus_bandwidth(nbytes, t, world_size)
     print(f"all-reduce  {args.algo}, {world_size} ranks, backend {run.backend}, "
           f"{nbytes / 2**20:g} MiB of {args.dtype}, median of {args.repeats}")

@@ -196,10 +196,15 @@ def cuda_figures() -> dict[str, int] | None:
     }
 
 
+def byte_unit(n: float) -> tuple[str, int]:
+    """The unit to write `n` bytes in, and its size: 1536 -> ("KiB", 1024)."""
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return unit, size
+    return "B", 1
+
+
 def format_bytes(n: float) -> str:
     """1536 -> '1.5 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+    unit, size = byte_unit(n)
+    return f"{n:.0f} B" if unit == "B" else f"{n / size:.1f} {unit}"

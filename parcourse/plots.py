@@ -20,7 +20,7 @@ from matplotlib.patches import Patch
 from matplotlib.text import Text
 from matplotlib.transforms import Bbox
 
-from parcourse.memory import CATEGORIES
+from parcourse.memory import CATEGORIES, byte_unit
 from parcourse.trace import Span, Trace
 
 # A timeline bar's colour says what the span was: the phase of compute, the collective of
@@ -233,7 +233,7 @@ def memory(trace: Trace, ax: Axes | None = None, *, labels: Sequence[str] | None
     n = trace.world_size
     width = 0.8 / n
     peak = max((m.total for m in trace.memory), default=1)
-    unit, div = _unit(peak)
+    unit, div = byte_unit(peak)
     used: set[str] = set()
     for g, label in enumerate(labels):
         samples = trace.memory_at(label)
@@ -264,13 +264,6 @@ def memory(trace: Trace, ax: Axes | None = None, *, labels: Sequence[str] | None
     if title:
         ax.set_title(title)
     return fig
-
-
-def _unit(peak: float) -> tuple[str, float]:
-    for unit, div in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if peak >= div:
-            return unit, div
-    return "B", 1
 
 
 def tensors_before_after(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +12,11 @@ from parcourse.launch import Pool, RankError, RankTimeout, Run
 def slowest_rank(per_rank: list[dict[Any, list[float]]], key: Any) -> list[float]:
     """Each repetition lasts as long as its slowest rank."""
     return [max(ts) for ts in zip(*(r[key] for r in per_rank))]
+
+
+def median_of_slowest(per_rank: list[dict[Any, list[float]]], key: Any) -> float:
+    """The median over repetitions of the slowest rank's time: what a step costs."""
+    return statistics.median(slowest_rank(per_rank, key))
 
 
 def run_exercise(pool: Pool, fn: Callable[..., Any], *args: Any,

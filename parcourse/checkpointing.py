@@ -24,6 +24,7 @@ tensor hooks instead, which also supports torch.autograd.grad.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal
@@ -43,23 +44,43 @@ def _devices(tensors: Sequence[torch.Tensor]) -> list[torch.device]:
     return sorted({t.device for t in tensors if t.is_cuda}, key=str)
 
 
+# Generators of their own that code run under checkpoint may draw from (tensor
+# parallelism's dropout keeps two: parcourse.tensor_parallel.random.RNGTracker).
+# Recomputation replays them as well, as Megatron's checkpoint replays its RNG tracker.
+_EXTRA_GENERATORS: weakref.WeakSet[torch.Generator] = weakref.WeakSet()
+
+
+def replay_generator(generator: torch.Generator) -> None:
+    """Have every later `checkpoint` replay this generator too when it recomputes."""
+    _EXTRA_GENERATORS.add(generator)
+
+
 class _RngState:
-    """The CPU generator's state and that of every CUDA device the inputs live on."""
+    """The CPU generator's state, that of every CUDA device the inputs live on, and that of
+    every generator registered with `replay_generator`."""
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self.devices = _devices(tensors)
         self.cpu = torch.get_rng_state()
         self.cuda = [torch.cuda.get_rng_state(d) for d in self.devices]
+        self.extra = [(g, g.get_state()) for g in list(_EXTRA_GENERATORS)]
 
     @contextmanager
     def replay(self) -> Iterator[None]:
         """Inside, the generators start again from this state; afterwards they are as
         they were before, so recomputing draws nothing from the caller's stream."""
+        after = [(g, g.get_state()) for g, _ in self.extra]
         with torch.random.fork_rng(devices=self.devices):
             torch.set_rng_state(self.cpu)
             for device, state in zip(self.devices, self.cuda):
                 torch.cuda.set_rng_state(state, device)
-            yield
+            for g, state in self.extra:
+                g.set_state(state)
+            try:
+                yield
+            finally:
+                for g, state in after:
+                    g.set_state(state)
 
 
 def _replay(rng: _RngState | None) -> AbstractContextManager[None]:

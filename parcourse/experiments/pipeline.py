@@ -46,7 +46,7 @@ def regression_batch(batch: int, width: int, seed: int = 1) -> tuple[torch.Tenso
 def train(ctx: RankContext, schedule: str, microbatches: int, steps: int = 2, *,
           depth: int = 8, width: int = 16, batch: int = 16, by: By = "layers",
           lr: float = 0.05, compute: SimulatedCompute | None = None,
-          forward_ms: float = 0.0, backward_ms: float = 0.0,
+          forward_ms: float = 0.0, backward_ms: float = 0.0, recompute: bool = False,
           latency_us: float = 0.0, bandwidth_gbps: float | None = None) -> dict[str, Any]:
     """`steps` SGD steps of a deep MLP cut into one stage per rank, under `schedule`.
 
@@ -64,7 +64,8 @@ def train(ctx: RankContext, schedule: str, microbatches: int, steps: int = 2, *,
     first = sum(len(c) for c in cut[:ctx.rank])  # index of this stage's first layer
     runtime = PipelineRuntime(plan, {ctx.rank: module}, ctx.group, nn.functional.mse_loss,
                               tracer=ctx.tracer, compute=compute,
-                              link=simulated_link(latency_us, bandwidth_gbps))
+                              link=simulated_link(latency_us, bandwidth_gbps),
+                              recompute=recompute)
     opt = torch.optim.SGD(module.parameters(), lr=lr)
     x, y = regression_batch(batch, width)
     losses = []

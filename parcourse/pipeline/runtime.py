@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
+from parcourse.checkpointing import checkpoint
 from parcourse.collectives import SimulatedLink, group_info, messenger
 from parcourse.memory import SavedActivations, live_bytes
 from parcourse.pipeline.schedule import Action, Schedule, check
@@ -61,7 +62,9 @@ def _tag(kind: str, stage: int, microbatch: int, microbatches: int, stages: int)
 
 class PipelineRuntime:
     """`PipelineRuntime(schedule, stages, group, loss_fn)`: `stages` maps each stage this
-    rank holds (as `schedule.stage_rank` says) to its module.
+    rank holds (as `schedule.stage_rank` says) to its module. `recompute=True` checkpoints
+    each stage's forward (GPipe with re-materialization): a microbatch in flight holds
+    only its input, and backward runs the stage's forward again.
 
     `step(inputs, targets)` runs one schedule: rank of stage 0 passes the batch, rank
     of the last stage the targets; it returns the mean loss there (None elsewhere).
@@ -70,7 +73,7 @@ class PipelineRuntime:
     def __init__(self, schedule: Schedule, stages: dict[int, nn.Module],
                  group: dist.ProcessGroup | None, loss_fn: Callable[[Any, Any], torch.Tensor], *,
                  tracer: Tracer | None = None, link: SimulatedLink | None = None,
-                 compute: SimulatedCompute | None = None) -> None:
+                 compute: SimulatedCompute | None = None, recompute: bool = False) -> None:
         self.group, self.rank, self.world_size = group_info(group)
         if schedule.ranks != self.world_size:
             raise ValueError(f"the schedule is for {schedule.ranks} ranks, the group has "
@@ -82,6 +85,7 @@ class PipelineRuntime:
         check(schedule)
         self.schedule, self.stages, self.loss_fn = schedule, stages, loss_fn
         self.tracer, self.link, self.compute = tracer, link, compute
+        self.recompute = recompute  # GPipe's own trick: keep a stage's input, not its insides
         self.last = schedule.stages - 1
         self._shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}  # each stage's input
 
@@ -222,7 +226,7 @@ class PipelineRuntime:
         x = self._inputs[i] if received is None else received.detach().requires_grad_(True)
         acts = SavedActivations() if self.tracer is not None else None  # measuring only
         with acts if acts is not None else nullcontext():
-            y = self.stages[s](x)
+            y = checkpoint(self.stages[s], x) if self.recompute else self.stages[s](x)
             if s == self.last:  # scaled, so that microbatches add up to the whole batch's mean
                 y = self.loss_fn(y, self._targets[i]) / self.schedule.microbatches
                 self._losses.append(float(y.detach()))

@@ -22,6 +22,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from parcourse.checkpointing import replay_generator
+
 Region = Literal["replicated", "sharded"]
 _SHARDED_OFFSET = 2718  # Megatron's offset between the two seeds
 
@@ -40,6 +42,8 @@ class RNGTracker:
             "replicated": torch.Generator(device).manual_seed(seed),
             "sharded": torch.Generator(device).manual_seed(seed + _SHARDED_OFFSET + rank),
         }
+        for g in self.generators.values():  # recomputed dropout draws the same masks
+            replay_generator(g)
 
     def generator(self, region: Region) -> torch.Generator:
         if region not in self.generators:

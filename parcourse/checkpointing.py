@@ -23,6 +23,7 @@ tensor hooks instead, which also supports torch.autograd.grad.
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -284,3 +285,22 @@ def run_with_policy(layers: Sequence[nn.Module], x: torch.Tensor, policy: Policy
     if policy == "nothing":
         return recompute_from_input(layers, x)
     return checkpoint_sequential(layers, segments, x)
+
+
+def recompute_attention(model: nn.Module) -> int:
+    """Selective recomputation (Korthikanti et al., arXiv:2205.05198, sec. 5): checkpoint
+    only the core of every attention in `model` (scores, softmax, dropout, the weighted
+    sum of values), keeping its input q, k, v. Those tensors grow with the square of the
+    sequence, and recomputing them costs little next to the layer's matrix multiplies.
+    Returns how many attentions it changed."""
+    from parcourse.models import CausalSelfAttention
+
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, CausalSelfAttention):
+            core = type(module).attend.__get__(module)  # the class's own, not a wrapped one
+            module.attend = functools.partial(checkpoint, core)  # type: ignore[method-assign]
+            changed += 1
+    if not changed:
+        raise ValueError("recompute_attention: the model has no CausalSelfAttention")
+    return changed

@@ -101,7 +101,11 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.d_model, config.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)  # (B, T, 3 C)
+        return self.proj(self.attend(self.qkv(x)))
+
+    def attend(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The core, from q, k and v (B, T, 3 C) to the heads' outputs (B, T, C): what
+        Megatron's selective recomputation checkpoints (its saved tensors grow with T^2)."""
         B, T, _ = qkv.shape  # the shapes of what attention works on: the projection's output
         hd = self.head_dim
         q, k, v = qkv.view(B, T, -1, 3 * hd).split(hd, dim=-1)  # each (B, T, h, hd)
@@ -110,8 +114,7 @@ class CausalSelfAttention(nn.Module):
         # Adding -inf above the diagonal saves nothing for backward (masked_fill keeps its mask).
         causal = torch.full((T, T), float("-inf"), device=qkv.device, dtype=qkv.dtype).triu(1)
         att = self.attn_drop((att + causal).softmax(dim=-1))
-        y = (att @ v).transpose(1, 2).reshape(B, T, -1)  # (B, T, h * hd)
-        return self.proj(y)
+        return (att @ v).transpose(1, 2).reshape(B, T, -1)  # (B, T, h * hd)
 
 
 class MLP(nn.Module):

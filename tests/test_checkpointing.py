@@ -170,3 +170,37 @@ def test_gpipe_with_recomputation(pools, world_size):
         got.update(r["weights"])
     for name in expected:  # fp32, microbatches summed in another order: rtol 1e-5
         torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6)
+
+
+def test_selective_recomputation_of_attention():
+    """The GPT with its attention cores recomputed: bitwise the same gradients (dropout
+    on), and the T^2 tensors gone from what forward keeps."""
+    from parcourse.checkpointing import recompute_attention
+    from parcourse.data import progressions
+    from parcourse.memory import PeakSavedBytes
+    from parcourse.models import GPTConfig, gpt
+
+    config = GPTConfig(vocab=32, block_size=64, n_layers=2, n_heads=4, d_model=32, dropout=0.2)
+    x, y = progressions(4, 64, config.vocab)
+
+    def run(selective):
+        model = gpt(config)
+        if selective:
+            assert recompute_attention(model) == 2
+        torch.manual_seed(7)
+        with PeakSavedBytes(exclude=model.parameters()) as saved:
+            logits = model(x)
+            kept = saved.live
+            nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+        return kept, {n: p.grad for n, p in model.named_parameters()}
+
+    kept_all, grads_all = run(False)
+    kept_selective, grads_selective = run(True)
+    for name in grads_all:
+        assert torch.equal(grads_all[name], grads_selective[name]), name
+    # Per block and head, the scores, softmax, dropout mask and dropped scores: (B, T, T)
+    # floats three times and bools once. They no longer stay after forward.
+    t2 = 2 * 4 * config.n_heads * 64 * 64 * (3 * 4 + 1)
+    assert kept_all - kept_selective >= t2 * 0.9
+    with pytest.raises(ValueError, match="no CausalSelfAttention"):
+        recompute_attention(nn.Linear(2, 2))

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from parcourse.checkpointing import Policy, run_with_policy, segment_count
+from parcourse.checkpointing import (Policy, checkpoint_sequential, run_layers,
+                                     run_with_policy, segment_count)
+from parcourse.launch import RankContext
 from parcourse.memory import PeakSavedBytes
 from parcourse.theory import checkpoint_extra_forwards, checkpoint_peak_activations
 
@@ -52,3 +55,89 @@ def measure_policy(n_layers: int, policy: Policy, *, width: int = 64, batch: int
 def sweep(n_values: list[int], policies: list[Policy], **kwargs: Any) -> list[dict[str, Any]]:
     """`measure_policy` for every n and policy (one process: checkpointing needs no ranks)."""
     return [measure_policy(n, policy, **kwargs) for n in n_values for policy in policies]
+
+
+def measure_on_rank(ctx: RankContext, n_layers: int, policy: Policy, width: int = 64,
+                    batch: int = 32, segments: int | None = None) -> dict[str, Any]:
+    """`measure_policy` as a rank function, for a panel (checkpointing needs one rank)."""
+    return measure_policy(n_layers, policy, width=width, batch=batch, segments=segments,
+                          repeats=1)
+
+
+def dropout_gradients(preserve_rng_state: bool, n_layers: int = 6, width: int = 16
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The input gradient of a chain with dropout, without and with checkpointing (3
+    segments); with `preserve_rng_state=False` the recomputation draws new masks."""
+    def layers() -> list[nn.Module]:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return [nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Dropout(0.5))
+                    for _ in range(n_layers)]
+
+    grads = []
+    for checkpointed in (False, True):
+        x = torch.randn(8, width, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(5)  # the same masks in the first forward, both times
+            chain = layers()
+            y = (checkpoint_sequential(chain, 3, x, preserve_rng_state=preserve_rng_state)
+                 if checkpointed else run_layers(chain, x))
+            y.sum().backward()
+        grads.append(x.grad)
+    return grads[0], grads[1]
+
+
+BackwardFn = Callable[[Callable[..., torch.Tensor], tuple[torch.Tensor, ...], torch.Tensor],
+                      tuple[torch.Tensor | None, ...]]
+
+
+def check_backward_exercise(backward: BackwardFn) -> bool:
+    """Lesson 08's exercise: `backward(fn, inputs, grad_output)` is checkpoint's backward:
+    it gets what forward kept (fn and its inputs) and the gradient of fn's output, and
+    returns the gradients of the inputs (and fills the parameters' .grad). Checked
+    against autograd without checkpointing. Prints one short verdict."""
+
+    class Learners(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, fn: Any, *inputs: torch.Tensor) -> torch.Tensor:
+            ctx.fn = fn
+            ctx.save_for_backward(*inputs)
+            with torch.no_grad():
+                return fn(*inputs)
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> Any:
+            return (None, *backward(ctx.fn, tuple(ctx.saved_tensors), grad))
+
+    g = torch.Generator().manual_seed(0)
+    for width in (3, 8):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(width)
+            layer = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
+        x = torch.randn(4, width, generator=g, requires_grad=True)
+        layer(x).square().sum().backward()
+        expected = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        try:
+            Learners.apply(layer, x).square().sum().backward()
+        except NotImplementedError:
+            print("Not written yet: fill in the function above, then run this cell again.")
+            return False
+        except Exception as e:  # noqa: BLE001 - a learner's bug, shown as one line
+            print(f"Not yet: backward raised {type(e).__name__}: {str(e).splitlines()[0]}. "
+                  "Hint: run fn again on inputs detached from the old graph, with grad "
+                  "enabled, then torch.autograd.backward(output, grad_output).")
+            return False
+        got = [x.grad] + [p.grad for p in layer.parameters()]
+        names = ["the input"] + [f"parameter {n}" for n, _ in layer.named_parameters()]
+        for name, e, o in zip(names, expected, got):
+            if o is None or not torch.allclose(o, e, rtol=1e-5, atol=1e-6):
+                print(f"Not quite: the gradient of {name} is "
+                      f"{'missing' if o is None else 'wrong'}. Hint: return each input's "
+                      ".grad after backpropagating grad_output through the recomputed "
+                      "output; the parameters get theirs on the way.")
+                return False
+    print("Correct: recompute, then backpropagate: the same gradients as without "
+          "checkpointing.")
+    return True

@@ -215,6 +215,14 @@ def test_plain_optimizer_over_model_parameters(pools, pool3, kind, world_size, s
     assert_same_weights(results, Z.one_process(kind, 3, 24, world_size))
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_torch_collectives_train_alike(pools, stage):
+    """algorithm="torch" (what NCCL runs): torch.distributed's reduce-scatter and
+    all-gather instead of the course's ring; same weights as one process."""
+    results = pools[2].run(Z.fsdp2_loop, "gpt", stage, 3, 24, algorithm="torch").results
+    assert_same_weights(results, Z.one_process("gpt", 3, 24, 2))
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("microsteps", [2, 3])

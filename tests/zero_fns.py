@@ -186,13 +186,14 @@ def one_process(kind, steps, batch, world_size, microsteps=1, clip=None):
 
 
 def fsdp2_loop(ctx, kind, stage, steps, batch, microsteps=1, no_sync=False, keep_ln=False,
-               mixed_precision=None, clip=None):
+               mixed_precision=None, clip=None, algorithm="auto"):
     """As a loop written for FSDP2 would drive it: shard, then an ordinary AdamW with
     param groups over model.named_parameters(), an LR scheduler, accumulation."""
     net = make_model(kind)
     keep = [net.ln] if keep_ln else []
     model = zero.ZeroModel(net, stage, ctx.group, bucket_mb=0.0005, keep_modules=keep,
-                           compute_dtype=mixed_precision and getattr(torch, mixed_precision))
+                           compute_dtype=mixed_precision and getattr(torch, mixed_precision),
+                           algorithm=algorithm)
     opt = torch.optim.AdamW(adamw_groups(model.named_parameters()))
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     x, y = make_batch(kind, batch)

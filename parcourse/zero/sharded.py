@@ -289,7 +289,7 @@ class _Comm:
         out = torch.empty(buffer.numel() // dist.get_world_size(self.group), dtype=buffer.dtype,
                           device=buffer.device)
         work = reduce_scatter_single(out, buffer, group=self.group, async_op=True)
-        return _after(work, out)
+        return _After(work, out)
 
     def all_gather(self, part: torch.Tensor, whole: torch.Tensor) -> Future[torch.Tensor]:
         """Every rank's part, in rank order, into `whole` (`part` may be its own chunk)."""
@@ -297,12 +297,12 @@ class _Comm:
             return self._run(lambda: ring_all_gather(part, self.group, tracer=self.tracer,
                                                      out=whole))
         work = all_gather_single(whole, part, group=self.group, async_op=True)
-        return _after(work, whole)
+        return _After(work, whole)
 
     def all_reduce(self, buffer: torch.Tensor) -> Future[torch.Tensor]:
         if self._thread is not None:
             return self._run(lambda: ring_all_reduce(buffer, self.group, tracer=self.tracer))
-        return _after(dist.all_reduce(buffer, group=self.group, async_op=True), buffer)
+        return _After(dist.all_reduce(buffer, group=self.group, async_op=True), buffer)
 
 
 class _After(Future):  # type: ignore[type-arg]
@@ -315,10 +315,6 @@ class _After(Future):  # type: ignore[type-arg]
     def result(self, timeout: float | None = None) -> torch.Tensor:
         self.work.wait()
         return self.out
-
-
-def _after(work: dist.Work, out: torch.Tensor) -> Future[torch.Tensor]:
-    return _After(work, out)
 
 
 # --------------------------------------------------------------------------- misuse

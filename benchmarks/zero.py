@@ -24,10 +24,9 @@ from parcourse import Pool
 from parcourse.cli import parse_count
 from parcourse.experiments.common import median_of_slowest
 from parcourse.memory import format_bytes
-from parcourse.collectives import bytes_sent_per_rank
 from parcourse.experiments.zero import (measured_over_formula, memory_by_stage, peak_memory,
                                         step_times)
-from parcourse.theory import zero_communication_bytes
+from parcourse.theory import bytes_sent_per_rank, zero_communication_bytes
 
 
 def main() -> None:

@@ -18,11 +18,11 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from parcourse.collectives import (CostModel, SimulatedLink, bus_bandwidth,
-                                   bytes_sent_per_rank, simulated_link)
+from parcourse.collectives import SimulatedLink, simulated_link
 from parcourse.experiments.all_reduce import all_reduce_with, time_all_reduce
 from parcourse.experiments.common import median_of_slowest
 from parcourse.launch import Pool, RankContext, _external_env, launch
+from parcourse.theory import CostModel, bus_bandwidth, bytes_sent_per_rank
 from parcourse.models import GPTConfig
 
 

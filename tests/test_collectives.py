@@ -7,6 +7,7 @@ import torch
 
 from parcourse import Pool, RankError
 from parcourse import collectives as C
+from parcourse import theory as T
 import collective_fns as F
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64]
@@ -71,7 +72,7 @@ def test_segments_are_traced_and_send_the_same_bytes(pools):
         spans = run.trace.spans_of(rank=rank, kind="comm")
         assert [(s.meta["step"], s.meta["segment"]) for s in spans] == \
             [(step, j) for _ in range(2) for step in range(3) for j in range(3)]
-        assert run.results[rank][2] == C.bytes_sent_per_rank("ring", 4800, 4, rank)
+        assert run.results[rank][2] == T.bytes_sent_per_rank("ring", 4800, 4, rank)
     with pytest.raises(RankError, match="segment_bytes must be >= 1"):
         pools[2].run(F.all_reduce_vs_torch, "ring", 10, torch.float32, "sum", segment_bytes=0)
 
@@ -107,16 +108,16 @@ def test_bytes_sent_equal_the_formulas_exactly(pools, world_size):
     ring = pools[world_size].run(F.all_reduce_vs_torch, "ring", numel, dtype, "sum").results
     naive = pools[world_size].run(F.all_reduce_vs_torch, "naive", numel, dtype, "sum").results
     for rank in range(world_size):
-        assert ring[rank][2] == C.bytes_sent_per_rank("ring", size, world_size, rank)
+        assert ring[rank][2] == T.bytes_sent_per_rank("ring", size, world_size, rank)
         assert ring[rank][2] == 2 * (world_size - 1) / world_size * size
-        assert naive[rank][2] == C.bytes_sent_per_rank("naive", size, world_size, rank)
+        assert naive[rank][2] == T.bytes_sent_per_rank("naive", size, world_size, rank)
     assert naive[0][2] == (world_size - 1) * size
     gathered = pools[world_size].run(F.all_gather_vs_torch, numel, dtype).results
     assert all(g[2] == (world_size - 1) / world_size * size for g in gathered)
     # Uneven chunks (1001 float16 over 3 or 4 ranks): the chunks each rank sends, exactly.
     ring = pools[world_size].run(F.all_reduce_vs_torch, "ring", 1001, torch.float16, "sum").results
     for rank in range(world_size):
-        assert ring[rank][2] == C.bytes_sent_per_rank("ring", 2002, world_size, rank, itemsize=2)
+        assert ring[rank][2] == T.bytes_sent_per_rank("ring", 2002, world_size, rank, itemsize=2)
 
 
 def test_trace_shows_each_ring_step_with_its_chunk(pools):
@@ -135,7 +136,7 @@ def test_simulated_link_time_is_at_least_the_model(pools):
     # time really passes, so it is a lower bound; how much more the real transfers
     # add depends on the machine's load.
     nbytes, alpha, beta = 1 << 20, 1e-3, 1 << 26
-    model = C.CostModel(alpha, beta)
+    model = T.CostModel(alpha, beta)
     ring = pools[4].run(F.linked, "ring", nbytes, alpha, beta).results
     naive = pools[4].run(F.linked, "naive", nbytes, alpha, beta).results
     assert all(r[1] == 4.0 for r in ring + naive)
@@ -158,7 +159,7 @@ def test_latency_is_a_delay_paid_once_by_messages_sent_together(pools):
     assert alpha + 4 * (1 << 20) / 50e6 <= took < alpha + 6 * (1 << 20) / 50e6
     # The parameter server waits for latency twice (gather, send back), the ring
     # once per step: 2 x 50 ms against 6 x 50 ms with 4 ranks and a tiny tensor.
-    model = C.CostModel(alpha, 1e9)
+    model = T.CostModel(alpha, 1e9)
     naive = max(r[0] for r in pools[4].run(F.linked, "naive", 64, alpha, 1e9).results)
     ring = max(r[0] for r in pools[4].run(F.linked, "ring", 64, alpha, 1e9).results)
     assert model.all_reduce_s("naive", 64, 4) == pytest.approx(2 * alpha, rel=1e-3)
@@ -216,7 +217,7 @@ def test_without_a_process_group_the_error_says_so():
 
 
 def test_cost_model_and_fit():
-    model = C.CostModel(alpha_s=50e-6, beta_Bps=2e9)
+    model = T.CostModel(alpha_s=50e-6, beta_Bps=2e9)
     n, s = 4, 64 << 20
     assert model.all_reduce_s("ring", s, n) == pytest.approx(6 * (50e-6 + s / 4 / 2e9))
     assert model.all_reduce_s("naive", s, n) == pytest.approx(2 * 50e-6 + 6 * s / 2e9)
@@ -224,16 +225,16 @@ def test_cost_model_and_fit():
     sizes = [1 << k for k in range(10, 27, 2)]
     for algo in ("ring", "naive"):
         times = [model.all_reduce_s(algo, x, n) for x in sizes]
-        fit = C.fit_cost_model(algo, n, sizes, times)
+        fit = T.fit_cost_model(algo, n, sizes, times)
         assert fit.alpha_s == pytest.approx(50e-6, rel=1e-6)
         assert fit.beta_Bps == pytest.approx(2e9, rel=1e-6)
-    algbw, busbw = C.bus_bandwidth(s, 0.1, n)
+    algbw, busbw = T.bus_bandwidth(s, 0.1, n)
     assert busbw == pytest.approx(algbw * 1.5)
     assert C.chunk_bounds(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
     with pytest.raises(ValueError, match="at least two distinct sizes"):
-        C.fit_cost_model("ring", n, [1, 1], [1.0, 1.0])
+        T.fit_cost_model("ring", n, [1, 1], [1.0, 1.0])
     with pytest.raises(ValueError, match="one rank sends nothing"):
-        C.fit_cost_model("ring", 1, [1, 2], [1.0, 1.0])
+        T.fit_cost_model("ring", 1, [1, 2], [1.0, 1.0])
     with pytest.raises(ValueError, match="unknown algorithm 'tree'"):
         model.all_reduce_s("tree", s, n)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="latency_s must be >= 0"):

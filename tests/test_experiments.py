@@ -111,7 +111,8 @@ def test_time_all_reduce_alternates_and_times_every_algorithm(pool3):
 
 
 def test_time_over_links_alternates_every_algorithm_and_link(pool3):
-    from parcourse.collectives import CostModel, SimulatedLink
+    from parcourse.collectives import SimulatedLink
+    from parcourse.theory import CostModel
 
     links = {"free": SimulatedLink(), "slow": SimulatedLink(0.01)}
     per_rank = pool3.run(all_reduce.time_over_links, ["ring", "naive"], 4096, links, 2).results

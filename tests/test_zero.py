@@ -131,7 +131,7 @@ def test_measured_bytes_per_rank_equal_the_formula(pools, stage):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_bytes_sent_counted_from_messages(pools, stage):
     """Stages 1 and 2 send what DDP's ring all-reduce sends, 2(N-1)/N x S; stage 3 1.5x."""
-    from parcourse.collectives import bytes_sent_per_rank
+    from parcourse.theory import bytes_sent_per_rank
     from parcourse.experiments.zero import memory_by_stage
 
     run = pools[4].run(memory_by_stage, stage, 20_000, bucket_mb=1.0)

@@ -128,17 +128,18 @@ def test_measured_bytes_per_rank_equal_the_formula(pools, stage):
     assert set(run.trace.memory_at("peak in backward")) == {0, 1, 2, 3}
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_bytes_sent_counted_from_messages(pools, stage):
+def test_bytes_sent_counted_from_messages(pools, world_size, stage):
     """Stages 1 and 2 send what DDP's ring all-reduce sends, 2(N-1)/N x S; stage 3 1.5x."""
-    from parcourse.theory import bytes_sent_per_rank
     from parcourse.experiments.zero import memory_by_stage
+    from parcourse.theory import bytes_sent_per_rank
 
-    run = pools[4].run(memory_by_stage, stage, 20_000, bucket_mb=1.0)
-    ddp = bytes_sent_per_rank("ring", run.results[0]["params"] * 4, 4)
+    run = pools[world_size].run(memory_by_stage, stage, 20_000, bucket_mb=1.0)
+    ddp = bytes_sent_per_rank("ring", run.results[0]["params"] * 4, world_size)
     for r in run.results:
-        # The buffers carry padding rows (this MLP's 71 rows travel as 4 x 18) and one
-        # used-flag per parameter: 1.5% more here, 0.002% with 500 rows.
+        # The buffers carry padding rows (this MLP's 71 rows travel as 4 x 18, or 2 x 36)
+        # and one used-flag per parameter: 1.5% more here, 0.002% with 500 rows.
         assert r["bytes_sent"] / ddp == pytest.approx(1.5 if stage == 3 else 1.0, rel=0.02)
 
 

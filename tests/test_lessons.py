@@ -22,6 +22,8 @@ SMALL = {
                          "ps_ranks": 4},
     "03_memory_and_zero": {"world_size": 2, "params": 100_000, "bucket_mb": 0.1},
     "04_zero3": {"world_size": 2, "params": 100_000, "depth": 3, "steps": 2},
+    "05_tensor_parallel": {"world_size": 2, "d_model": 48, "batch": 4, "steps": 1,
+                           "timing_steps": 1},
     "06_pipelines": {"world_size": 2, "microbatches": 4, "layers": 4, "forward_ms": 20.0,
                      "backward_ms": 40.0, "batch": 8},
     "08_activation_checkpointing": {"world_size": 2, "layers": 16, "width": 16, "batch": 8},

@@ -208,21 +208,31 @@ def step_times(ctx: RankContext, steps: int = 10, config: GPTConfig = TINY, batc
             comm = model.head.comm
         else:
             model, comm = torch_tensor_parallel(gpt(config), ctx.group, sequence_parallel), None
-        runs[impl] = (model, torch.optim.Adam(model.parameters(), lr=3e-3), comm)
+        runs[impl] = (model, torch.optim.Adam(model.parameters(), lr=3e-3), comm, impl)
+    times, losses = _take_turns(ctx, runs, steps, batch, config)
+    return {"times": times, "losses": losses}
+
+
+def _take_turns(ctx: RankContext, runs: dict[str, tuple[nn.Module, torch.optim.Optimizer,
+                                                          TPComm | None, Impl]],
+                steps: int, batch: int, config: GPTConfig
+                ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Train every run on the same batches, taking turns step by step (the order swaps
+    every step; the first step of each is a warm-up): seconds per step, and losses."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     losses: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
     for step in range(steps + 1):
         x, y = batch_for(step, batch, config)
         for name in names if step % 2 == 0 else names[::-1]:
-            model, opt, comm = runs[name]
+            model, opt, comm, impl = runs[name]
             dist.barrier(group=ctx.group)
             t0 = time.perf_counter()
-            loss = _step(model, opt, name, x, y, config, comm)  # type: ignore[arg-type]
+            loss = _step(model, opt, impl, x, y, config, comm)  # type: ignore[arg-type]
             if step:
                 times[name].append(time.perf_counter() - t0)
             losses[name].append(loss)
-    return {"times": times, "losses": losses}
+    return times, losses
 
 
 # --------------------------------------------------------------------------- lesson 05
@@ -587,19 +597,9 @@ def link_step_times(ctx: RankContext, links: dict[str, SimulatedLink], config: G
     """Seconds per training step (Adam) of the GPT split over the group, its collectives
     on the course's ring over each of `links` (`over_link`), the links taking turns
     step by step (the order swaps every step; the first step of each is a warm-up)."""
-    models = {}
+    runs = {}
     for name, link in links.items():
         model = over_link(apply_tensor_parallel(gpt(config), GPT_PLAN, ctx.group), link)
-        models[name] = (model, torch.optim.Adam(model.parameters(), lr=3e-3), shared_comm(model))
-    times: dict[str, list[float]] = {name: [] for name in links}
-    names = list(links)
-    for step in range(steps + 1):
-        x, y = batch_for(step, batch, config)
-        for name in names if step % 2 == 0 else names[::-1]:
-            model, opt, comm = models[name]
-            dist.barrier(group=ctx.group)
-            t0 = time.perf_counter()
-            _step(model, opt, "ours", x, y, config, comm)
-            if step:
-                times[name].append(time.perf_counter() - t0)
-    return times
+        runs[name] = (model, torch.optim.Adam(model.parameters(), lr=3e-3), shared_comm(model),
+                      "ours")
+    return _take_turns(ctx, runs, steps, batch, config)[0]

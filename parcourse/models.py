@@ -197,3 +197,38 @@ def gpt(config: GPTConfig = TINY, seed: int | None = 0) -> GPT:
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed)
         return GPT(config)
+
+
+class GPTEmbedding(nn.Module):
+    """A GPT's first layer as a module of its own: token and position embeddings (the
+    model's own modules, shared), then dropout. Token ids (B, T) -> (B, T, C)."""
+
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
+        self.block_size = model.config.block_size
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if idx.shape[1] > self.block_size:
+            raise ValueError(f"sequence of {idx.shape[1]} tokens, longer than block_size "
+                             f"{self.block_size}")
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.tok_emb(idx) + self.pos_emb(positions))
+
+
+class GPTHead(nn.Module):
+    """A GPT's last layer: final LayerNorm and LM head. (B, T, C) -> logits."""
+
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        self.ln_f, self.head = model.ln_f, model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))
+
+
+def gpt_layers(model: GPT) -> list[nn.Module]:
+    """The GPT as a chain of layers that compute what `model` computes, sharing its
+    parameters: embedding, each block, head. What a pipeline cuts into stages; with
+    tied weights, the embedding's and the head's are one Parameter."""
+    return [GPTEmbedding(model), *model.blocks, GPTHead(model)]

@@ -13,22 +13,30 @@ from parcourse.collectives import simulated_link
 from parcourse.launch import RankContext
 from parcourse.pipeline.partition import By, partition
 from parcourse.pipeline.runtime import PipelineRuntime, SimulatedCompute, measured_bubble
-from parcourse.pipeline.schedule import Schedule, gpipe, naive, one_f_one_b
+from parcourse.models import GPTConfig, gpt, gpt_layers
+from parcourse.pipeline.schedule import (Schedule, dualpipe_v, gpipe, interleaved_1f1b, naive,
+                                         one_f_one_b, zero_bubble_h1)
 from parcourse.pipeline.simulate import Timeline
 from parcourse.trace import Span, Trace
 
-ScheduleName = Literal["naive", "gpipe", "1f1b"]
-SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
-    "naive": lambda stages, microbatches: naive(stages),
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
+ScheduleName = Literal["naive", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "dualpipe-v"]
+SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
+    "naive": lambda ranks, microbatches, chunks: naive(ranks),
+    "gpipe": lambda ranks, microbatches, chunks: gpipe(ranks, microbatches),
+    "1f1b": lambda ranks, microbatches, chunks: one_f_one_b(ranks, microbatches),
+    "interleaved-1f1b": lambda ranks, microbatches, chunks: interleaved_1f1b(ranks, chunks,
+                                                                           microbatches),
+    "zb-h1": lambda ranks, microbatches, chunks: zero_bubble_h1(ranks, microbatches),
+    "dualpipe-v": lambda ranks, microbatches, chunks: dualpipe_v(ranks, microbatches),
 }
 
 
-def make_schedule(name: str, stages: int, microbatches: int) -> Schedule:
+def make_schedule(name: str, ranks: int, microbatches: int, chunks: int = 2) -> Schedule:
+    """The named schedule for `ranks` ranks; `chunks` (stages per rank) counts only for
+    interleaved 1F1B (DualPipeV always has two, the others one)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-    return SCHEDULES[name](stages, microbatches)
+    return SCHEDULES[name](ranks, microbatches, chunks)
 
 
 def deep_mlp(depth: int, width: int, seed: int = 0) -> list[nn.Module]:
@@ -43,57 +51,99 @@ def regression_batch(batch: int, width: int, seed: int = 1) -> tuple[torch.Tenso
     return torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
 
 
-def train(ctx: RankContext, schedule: str, microbatches: int, steps: int = 2, *,
-          depth: int = 8, width: int = 16, batch: int = 16, by: By = "layers",
-          lr: float = 0.05, compute: SimulatedCompute | None = None,
-          forward_ms: float = 0.0, backward_ms: float = 0.0, recompute: bool = False,
-          latency_us: float = 0.0, bandwidth_gbps: float | None = None) -> dict[str, Any]:
-    """`steps` SGD steps of a deep MLP cut into one stage per rank, under `schedule`.
+Model = Literal["mlp", "gpt"]
+SEQ = 16  # tokens per sequence for the GPT
 
-    Simulated compute: `compute`, or `forward_ms` / `backward_ms` per stage (what panels
-    pass). Returns this rank's stage weights (named as in the whole model), the losses
-    (last stage), and the last step's spans.
+
+def model_and_data(model: Model, depth: int, width: int, batch: int
+                   ) -> tuple[list[nn.Module], nn.Module, Any, Any, Callable[..., torch.Tensor]]:
+    """(layers to cut into stages, the whole model, inputs, targets, loss) for a deep MLP
+    (`depth` layers of `width`) or a small GPT (embedding, depth - 2 blocks of d_model
+    `width`, head; dropout off, so that microbatches see what the whole batch sees)."""
+    if model == "mlp":
+        layers = deep_mlp(depth, width)
+        x, y = regression_batch(batch, width)
+        return layers, nn.Sequential(*layers), x, y, nn.functional.mse_loss
+    if model == "gpt":
+        if depth < 3:
+            raise ValueError(f"a GPT pipeline needs depth >= 3 (embedding, a block, head), "
+                             f"got {depth}")
+        whole = gpt(GPTConfig(n_layers=depth - 2, d_model=width, block_size=SEQ))
+        g = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, whole.config.vocab, (batch, SEQ + 1), generator=g)
+
+        def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+        return gpt_layers(whole), whole, tokens[:, :-1], tokens[:, 1:], lm_loss
+    raise ValueError(f"model must be 'mlp' or 'gpt', got {model!r}")
+
+
+def tied_weights(stages: dict[int, nn.Module], all_stages: list[nn.Module]
+                 ) -> list[dict[int, str]]:
+    """Weights that more than one stage uses (a GPT's embedding and head), as
+    {stage: name in that stage} for PipelineRuntime's `tied`."""
+    where: dict[int, dict[int, str]] = {}
+    for s, module in enumerate(all_stages):
+        for name, p in module.named_parameters():
+            where.setdefault(id(p), {})[s] = name
+    return [group for group in where.values() if len(group) > 1]
+
+
+def train(ctx: RankContext, schedule: str, microbatches: int, steps: int = 2, *,
+          model: Model = "mlp", chunks: int = 2, depth: int = 8, width: int = 16,
+          batch: int = 16, by: By = "layers", lr: float = 0.05,
+          compute: SimulatedCompute | None = None, forward_ms: float = 0.0,
+          backward_ms: float = 0.0, weight_ms: float | None = None, recompute: bool = False,
+          latency_us: float = 0.0, bandwidth_gbps: float | None = None) -> dict[str, Any]:
+    """`steps` SGD steps of a deep MLP or a small GPT cut into the schedule's stages.
+
+    Simulated compute: `compute`, or `forward_ms` / `backward_ms` / `weight_ms` (W's part
+    of backward; default half) for one rank's share of the model: a stage of a schedule
+    with several stages per rank (a chunk) takes its fraction. Returns this rank's
+    weights (named as in the whole model), the losses (on the last stage's rank), the
+    last step's spans and the schedule.
     """
+    plan = make_schedule(schedule, ctx.world_size, microbatches, chunks)
+    per_rank = plan.stages // plan.ranks
     if compute is None and (forward_ms or backward_ms):
-        compute = SimulatedCompute(forward_ms / 1e3, backward_ms / 1e3)
-    stages = ctx.world_size
-    plan = make_schedule(schedule, stages, microbatches)
-    layers = deep_mlp(depth, width)
-    cut = partition(layers, stages, by)
-    module = cut[ctx.rank].to(ctx.device)
-    first = sum(len(c) for c in cut[:ctx.rank])  # index of this stage's first layer
-    runtime = PipelineRuntime(plan, {ctx.rank: module}, ctx.group, nn.functional.mse_loss,
-                              tracer=ctx.tracer, compute=compute,
-                              link=simulated_link(latency_us, bandwidth_gbps),
-                              recompute=recompute)
-    opt = torch.optim.SGD(module.parameters(), lr=lr)
-    x, y = regression_batch(batch, width)
+        compute = SimulatedCompute(forward_ms / 1e3 / per_rank, backward_ms / 1e3 / per_rank,
+                                   None if weight_ms is None else weight_ms / 1e3 / per_rank)
+    layers, whole, x, y, loss_fn = model_and_data(model, depth, width, batch)
+    names = {id(p): n for n, p in whole.named_parameters()}
+    cut = partition(layers, plan.stages, by)
+    mine = {s: cut[s].to(ctx.device) for s, r in enumerate(plan.stage_rank) if r == ctx.rank}
+    runtime = PipelineRuntime(plan, mine, ctx.group, loss_fn, tracer=ctx.tracer,
+                              compute=compute, link=simulated_link(latency_us, bandwidth_gbps),
+                              recompute=recompute, tied=tied_weights(mine, cut))
+    params = list({id(p): p for m in mine.values() for p in m.parameters()}.values())
+    opt = torch.optim.SGD(params, lr=lr)
+    first, last = plan.stage_rank[0], plan.stage_rank[-1]
     losses = []
     for _ in range(steps):
         torch.distributed.barrier(group=ctx.group)
         spans_before = len(ctx.tracer.data().spans)
-        loss = runtime.step(x if ctx.rank == 0 else None, y if ctx.rank == stages - 1 else None)
+        loss = runtime.step(x.to(ctx.device) if ctx.rank == first else None,
+                            y.to(ctx.device) if ctx.rank == last else None)
         opt.step()
         opt.zero_grad()
         if loss is not None:
             losses.append(loss)
-    weights = {f"{first + int(k.split('.')[0])}.{k.split('.', 1)[1]}": v.detach().clone()
-               for k, v in module.state_dict().items()}
+    weights = {names[id(p)]: p.detach().cpu().clone() for p in params}
     last_step = ctx.tracer.data().spans[spans_before:]
-    return {"weights": weights, "losses": losses, "spans": last_step}
+    return {"weights": weights, "losses": losses, "spans": last_step, "schedule": plan}
 
 
-def one_process(steps: int = 2, *, depth: int = 8, width: int = 16, batch: int = 16,
-                lr: float = 0.05) -> dict[str, torch.Tensor]:
+def one_process(steps: int = 2, *, model: Model = "mlp", depth: int = 8, width: int = 16,
+                batch: int = 16, lr: float = 0.05) -> dict[str, torch.Tensor]:
     """The same training in one process, on the whole batch."""
-    model = nn.Sequential(*deep_mlp(depth, width))
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    x, y = regression_batch(batch, width)
+    _, whole, x, y, loss_fn = model_and_data(model, depth, width, batch)
+    opt = torch.optim.SGD(whole.parameters(), lr=lr)
     for _ in range(steps):
-        nn.functional.mse_loss(model(x), y).backward()
+        loss_fn(whole(x), y).backward()
         opt.step()
         opt.zero_grad()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {n: p.detach().clone() for n, p in whole.named_parameters()}
 
 
 def bubble_of(run: Any) -> float:

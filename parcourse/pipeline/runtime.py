@@ -33,6 +33,7 @@ from parcourse.checkpointing import checkpoint
 from parcourse.collectives import SimulatedLink, group_info, messenger
 from parcourse.memory import SavedActivations, live_bytes
 from parcourse.pipeline.schedule import Action, Schedule, check
+from parcourse.pipeline.split import WeightGradient, input_gradient
 from parcourse.trace import Tracer
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -45,19 +46,21 @@ class SimulatedCompute:
 
     forward: float | Sequence[float]
     backward: float | Sequence[float]
-    weight: float | Sequence[float] = 0.0
+    weight: float | Sequence[float] | None = None  # default: half of backward
 
     def seconds(self, action: Action) -> float:
         def of(value: float | Sequence[float]) -> float:
             return float(value) if isinstance(value, (int, float)) else float(value[action.stage])
 
-        b, w = of(self.backward), of(self.weight)
+        b = of(self.backward)
+        w = b / 2 if self.weight is None else of(self.weight)
         return {"F": of(self.forward), "B": b, "I": b - w, "W": w}[action.kind]
 
 
 def _tag(kind: str, stage: int, microbatch: int, microbatches: int, stages: int) -> int:
-    """A tag per message: what it carries (F: activations, B: gradients, S: a shape)."""
-    return (("FBS".index(kind) * stages + stage) * microbatches + microbatch) + 1
+    """A tag per message: what it carries (F: activations, B: gradients, S: a shape,
+    T: a tied weight's gradient)."""
+    return (("FBST".index(kind) * stages + stage) * microbatches + microbatch) + 1
 
 
 class PipelineRuntime:
@@ -68,12 +71,19 @@ class PipelineRuntime:
 
     `step(inputs, targets)` runs one schedule: rank of stage 0 passes the batch, rank
     of the last stage the targets; it returns the mean loss there (None elsewhere).
+
+    `tied` lists weights that several stages share, each as {stage: parameter name in
+    that stage's module}: a GPT's token embedding (stage 0) and its LM head (the last
+    stage). After the schedule, the ranks that hold a tied weight add up its gradient
+    (in rank order, so every copy gets the same bits), as Megatron-LM's embedding group
+    does; with the same start and the same optimizer, the copies stay equal.
     """
 
     def __init__(self, schedule: Schedule, stages: dict[int, nn.Module],
                  group: dist.ProcessGroup | None, loss_fn: Callable[[Any, Any], torch.Tensor], *,
                  tracer: Tracer | None = None, link: SimulatedLink | None = None,
-                 compute: SimulatedCompute | None = None, recompute: bool = False) -> None:
+                 compute: SimulatedCompute | None = None, recompute: bool = False,
+                 tied: Sequence[dict[int, str]] = ()) -> None:
         self.group, self.rank, self.world_size = group_info(group)
         if schedule.ranks != self.world_size:
             raise ValueError(f"the schedule is for {schedule.ranks} ranks, the group has "
@@ -83,6 +93,14 @@ class PipelineRuntime:
             raise ValueError(f"rank {self.rank} holds stages {sorted(mine)} in this schedule, "
                              f"got modules for {sorted(stages)}")
         check(schedule)
+        if recompute and any(a.kind == "I" for acts in schedule.actions for a in acts):
+            raise ValueError(f"recompute=True runs each stage's backward whole; {schedule.name} "
+                             "splits it into I and W, so it cannot recompute")
+        for group in tied:
+            for s, name in group.items():
+                if s in stages:
+                    stages[s].get_parameter(name)  # raises AttributeError naming it if absent
+        self.tied = [dict(g) for g in tied]
         self.schedule, self.stages, self.loss_fn = schedule, stages, loss_fn
         self.tracer, self.link, self.compute = tracer, link, compute
         self.recompute = recompute  # GPipe's own trick: keep a stage's input, not its insides
@@ -182,6 +200,7 @@ class PipelineRuntime:
                              "step: build a new PipelineRuntime for another shape")
         self._local: dict[tuple[str, int, int], torch.Tensor] = {}
         self._saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self._later: dict[tuple[int, int], tuple[WeightGradient, int]] = {}
         self._sends: list[tuple[Any, torch.Tensor]] = []
         self._in_flight_bytes = 0
         self._losses: list[float] = []
@@ -194,7 +213,37 @@ class PipelineRuntime:
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
+        self._add_tied_gradients()
         return sum(self._losses) if has_last else None
+
+    def _add_tied_gradients(self) -> None:
+        """Each tied weight's gradient summed over the ranks that hold it, in rank order."""
+        for k, group in enumerate(self.tied):
+            ranks = sorted({self._peer(s) for s in group})
+            mine = {id(p): p for s, name in group.items() if s in self.stages
+                    for p in [self.stages[s].get_parameter(name)]}
+            if len(ranks) < 2 or not mine:
+                continue  # on one rank, the stages share one Parameter: nothing to add
+            (weight,) = mine.values()
+            local = (weight.grad if weight.grad is not None
+                     else torch.zeros_like(weight)).detach().clone()
+            tag = _tag("T", 0, 0, self.schedule.microbatches, self.schedule.stages) + k
+            wire = self._wire(local)
+            sends = [wire.send([local], r, tag) for r in ranks if r != self.rank]
+            parts = []
+            for r in ranks:
+                if r == self.rank:
+                    parts.append(local)
+                else:
+                    part = torch.empty_like(local)
+                    wire.recv([part], r, tag).wait()
+                    parts.append(part)
+            for w in sends:
+                w.wait()
+            total = parts[0].clone()
+            for part in parts[1:]:
+                total += part
+            weight.grad = total
 
     def _run(self, a: Action) -> None:
         """Receive what the action needs (a comm span), compute (a compute span, padded
@@ -202,7 +251,7 @@ class PipelineRuntime:
         s, i = a.stage, a.microbatch
         if a.kind == "F" and s > 0:
             received = self._receive("F", s - 1, i, self._shapes[s])
-        elif a.kind == "B" and s < self.last:
+        elif a.kind in "BI" and s < self.last:
             held_y = self._saved[(s, i)][1]
             received = self._receive("B", s + 1, i, (held_y.shape, held_y.dtype))
         else:
@@ -210,14 +259,15 @@ class PipelineRuntime:
         start = time.perf_counter()
         with (self.tracer.span(str(a), kind="compute", stage=s, microbatch=i, action=a.kind)
               if self.tracer is not None else nullcontext()):
-            out = self._forward(a, received) if a.kind == "F" else self._backward(a, received)
+            out = {"F": self._forward, "B": self._backward, "I": self._input_gradient,
+                   "W": self._weight_gradient}[a.kind](a, received)
             if self.compute is not None:  # the rest of this action's simulated time
                 rest = self.compute.seconds(a) - (time.perf_counter() - start)
                 if rest > 0:
                     time.sleep(rest)
         if a.kind == "F" and s < self.last:
             self._send("F", s, i, out, self._peer(s + 1))
-        elif a.kind == "B" and s > 0:
+        elif a.kind in "BI" and s > 0:
             self._send("B", s, i, out, self._peer(s - 1))
 
     def _forward(self, a: Action, received: torch.Tensor | None) -> torch.Tensor:
@@ -242,6 +292,20 @@ class PipelineRuntime:
         del y  # the graph, and the activations it saved, go here
         self._count_in_flight(-held)
         return x.grad
+
+    def _input_gradient(self, a: Action, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """I: the gradient of the stage's input only; what W needs stays until W."""
+        x, y, held = self._saved.pop((a.stage, a.microbatch))
+        dx, later = input_gradient(y, grad, x, list(self.stages[a.stage].parameters()))
+        del y  # the part of the graph W does not need goes here
+        self._later[(a.stage, a.microbatch)] = (later, held)
+        return dx
+
+    def _weight_gradient(self, a: Action, _: None) -> None:
+        """W: the weights' gradients, accumulated into .grad; then the graph goes."""
+        later, held = self._later.pop((a.stage, a.microbatch))
+        later()
+        self._count_in_flight(-held)
 
     def _count_in_flight(self, delta: int) -> None:
         self._in_flight_bytes += delta

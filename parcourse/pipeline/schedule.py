@@ -156,6 +156,159 @@ def one_f_one_b(stages: int, microbatches: int) -> Schedule:
     return _one_stage_per_rank("1f1b", m, per_rank)
 
 
+def interleaved_1f1b(ranks: int, chunks_per_rank: int, microbatches: int) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al., SC 2021, arXiv:2104.04473): the model is cut
+    into ranks x chunks stages, and rank r holds the non-adjacent stages r, r + ranks,
+    r + 2 ranks, ... (its chunks, or virtual stages). A microbatch visits every rank
+    `chunks_per_rank` times, so a rank waits for one chunk's worth of work, not a whole
+    stage's: the bubble shrinks by the number of chunks, for as many times more messages.
+
+    Microbatches go in rounds of `ranks` (fewer when there are fewer microbatches): a
+    rank runs one round's forwards on its first chunk, then on its second, ... (backwards
+    likewise, last chunk first). Warm-up: the last rank runs (chunks - 1) rounds of
+    forwards before its first backward, every rank before it two more (Megatron-LM's
+    count), then one forward and one backward in turn.
+    """
+    _check_sizes(ranks, microbatches)
+    if isinstance(chunks_per_rank, bool) or not isinstance(chunks_per_rank, int) \
+            or chunks_per_rank < 1:
+        raise ValueError(f"chunks_per_rank must be an integer >= 1, got {chunks_per_rank!r}")
+    p, v, m = ranks, chunks_per_rank, microbatches
+    per_round = min(p, m)
+    if m % per_round:
+        raise ValueError(f"interleaved 1F1B runs microbatches in rounds of {per_round} (the "
+                         f"number of ranks): {m} microbatches is not a multiple of {per_round}")
+    per_rank = []
+    for r in range(p):
+        total = v * m  # forwards on this rank, over all its chunks
+        warmup = min((v - 1) * per_round + 2 * (p - 1 - r), total)
+
+        def order(k: int, *, backward: bool) -> tuple[int, int]:
+            """(stage, microbatch) of this rank's k-th forward (or backward)."""
+            rnd, within = divmod(k, v * per_round)
+            chunk, i = divmod(within, per_round)
+            if backward:
+                chunk = v - 1 - chunk
+            return chunk * p + r, rnd * per_round + i
+
+        fwd = [F(*order(k, backward=False)) for k in range(total)]
+        bwd = [B(*order(k, backward=True)) for k in range(total)]
+        acts = fwd[:warmup]
+        for k in range(total - warmup):
+            acts += [fwd[warmup + k], bwd[k]]
+        acts += bwd[total - warmup:]
+        per_rank.append(acts)
+    stage_rank = tuple(s % p for s in range(p * v))
+    return Schedule("interleaved-1f1b", m, stage_rank, tuple(tuple(a) for a in per_rank))
+
+
+def zero_bubble_h1(stages: int, microbatches: int) -> Schedule:
+    """ZB-H1 (Qi et al., arXiv:2401.10241): backward split into I, the gradient of the
+    stage's input, which the stage before is waiting for, and W, the gradient of the
+    weights, which nobody waits for. Stage s runs 1F1B's forwards and I's and holds back
+    its last s weight gradients; they fill the bubble at the end.
+
+    Same peak memory as 1F1B (p microbatches on the busiest rank: a microbatch's
+    activations are held until its W), and the bubble shrinks from (p - 1)(F + B) to
+    (p - 1)(F + B - 2W) (B = I + W, the whole backward).
+    """
+    _check_sizes(stages, microbatches)
+    p, m = stages, microbatches
+    per_rank = []
+    for s in range(p):
+        warmup = min(p - s - 1, m)
+        acts: list[Action] = [F(s, i) for i in range(warmup)]
+        pending: list[int] = []  # microbatches whose W is held back
+
+        def input_gradient(i: int) -> None:
+            acts.append(I(s, i))
+            pending.append(i)
+            while len(pending) > s:  # stage s keeps s weight gradients for later
+                acts.append(W(s, pending.pop(0)))
+
+        for i in range(m - warmup):
+            acts.append(F(s, warmup + i))
+            input_gradient(i)
+        for i in range(m - warmup, m):
+            input_gradient(i)
+        acts += [W(s, i) for i in pending]
+        per_rank.append(acts)
+    return _one_stage_per_rank("zb-h1", m, per_rank)
+
+
+def dualpipe_v(ranks: int, microbatches: int) -> Schedule:
+    """DualPipeV (DeepSeek-V3's DualPipe in its V form, arXiv:2412.19437 and
+    github.com/deepseek-ai/DualPipe): the model is cut into 2 x ranks stages placed as a
+    V: rank r holds stage r and stage 2 ranks - 1 - r, so rank 0 holds the first stage and
+    the last (embedding and loss on one rank). Each rank has two streams of work, down
+    the V (its first stage) and up it (its second), and from the steady state on runs a
+    forward of one beside a backward of the other (DeepSeek overlaps the pair's compute
+    with its communication; here they run one after the other). Some backwards are split
+    into I and W, the Ws filling the gaps, as in zero-bubble schedules.
+
+    Needs at least 2 x ranks microbatches. Where DualPipe proper sends microbatches in
+    from both ends and so holds every weight twice, the V form holds each stage once.
+    """
+    _check_sizes(ranks, microbatches)
+    p, m = ranks, microbatches
+    if m < 2 * p:
+        raise ValueError(f"DualPipeV needs at least 2 x ranks = {2 * p} microbatches, "
+                         f"got {m}")
+    per_rank = []
+    for r in range(p):
+        down, up = r, 2 * p - 1 - r  # this rank's two stages
+        acts: list[Action] = []
+        count: dict[tuple[int, str], int] = {}
+        weights: list[Action] = []  # W actions held back, oldest first
+
+        def add(stage: int, kind: str) -> None:
+            key = (stage, "F" if kind == "F" else "B")  # B and I share one counter
+            i = count.get(key, 0)
+            count[key] = i + 1
+            acts.append(Action(stage, kind, i))  # type: ignore[arg-type]
+            if kind == "I":
+                weights.append(W(stage, i))
+
+        def weight() -> None:
+            if weights:
+                acts.append(weights.pop(0))
+
+        for _ in range(2 * (p - r - 1)):  # 1: forwards down the V
+            add(down, "F")
+        for _ in range(r + 1):  # 2: forwards down and up
+            add(down, "F")
+            add(up, "F")
+        for _ in range(p - r - 1):  # 3: zero-bubble on the way up
+            add(up, "I")
+            weight()
+            add(up, "F")
+        for _ in range(m - 2 * p + r + 1):  # 4: steady state, forward beside backward
+            add(down, "F")
+            add(up, "B")
+            add(up, "F")
+            add(down, "B")
+        for _ in range(p - r - 1):  # 5
+            add(up, "B")
+            add(up, "F")
+            add(down, "B")
+        split = False
+        for i in range(r + 1):  # 6: backwards up and down, the later half split
+            if i == (r + 1) // 2 and r % 2 == 1:
+                split = True
+            add(up, "I" if split else "B")
+            if i == (r + 1) // 2 and r % 2 == 0:
+                split = True
+            add(down, "I" if split else "B")
+        for _ in range(p - r - 1):  # 7
+            weight()
+            add(down, "I" if split else "B")
+        while weights:  # 8: the weight gradients still held
+            weight()
+        per_rank.append(acts)
+    stage_rank = tuple(list(range(p)) + list(reversed(range(p))))
+    return Schedule("dualpipe-v", m, stage_rank, tuple(tuple(a) for a in per_rank))
+
+
 # --------------------------------------------------------------------------- checks
 
 

@@ -355,3 +355,60 @@ def gpipe_peak_in_flight(stages: int, microbatches: int, stage: int) -> int:
 def one_f_one_b_peak_in_flight(stages: int, microbatches: int, stage: int) -> int:
     """Under 1F1B: the warm-up's p - s - 1 forwards plus one, at most m: min(p - s, m)."""
     return min(stages - stage, microbatches)
+
+
+def interleaved_bubble(ranks: int, chunks: int, microbatches: int) -> float:
+    """Interleaved 1F1B with equal chunks and free messages (Narayanan et al., SC 2021):
+    the bubble's time shrinks by the number of chunks per rank, (p - 1)(F + B) / v,
+    while the work stays m (F + B): (p - 1) / (v m + p - 1)."""
+    return (ranks - 1) / (chunks * microbatches + ranks - 1)
+
+
+def interleaved_peak_in_flight(ranks: int, chunks: int, microbatches: int, rank: int) -> int:
+    """Chunk-microbatches rank r holds at once under interleaved 1F1B: its warm-up,
+    (v - 1) rounds of min(p, m) plus 2 (p - 1 - r), plus one, at most v m. Each is a
+    v-th of a stage, so rank 0 holds about p (1 + (p - 1) / (p v)) stages' worth (for
+    m >= p): more than 1F1B's p."""
+    per_round = min(ranks, microbatches)
+    warmup = (chunks - 1) * per_round + 2 * (ranks - 1 - rank)
+    return min(warmup + 1, chunks * microbatches)
+
+
+def zero_bubble_h1_bubble_time(stages: int, forward: float, backward: float,
+                               weight: float) -> float:
+    """Idle time of each rank under ZB-H1 (Qi et al., arXiv:2401.10241, with B the whole
+    backward, I + W): (p - 1)(F + B - 2W), against 1F1B's (p - 1)(F + B). Valid while
+    W <= F and the Ws held back fit in the bubble at the end."""
+    return (stages - 1) * (forward + backward - 2 * weight)
+
+
+def one_f_one_b_bubble_time(stages: int, forward: float, backward: float) -> float:
+    """Idle time of each rank under GPipe and 1F1B: (p - 1)(F + B)."""
+    return (stages - 1) * (forward + backward)
+
+
+def bubble_fraction(bubble_time: float, microbatches: int, forward: float,
+                    backward: float) -> float:
+    """Idle fraction from the idle time per rank: bubble / (bubble + m (F + B))."""
+    return bubble_time / (bubble_time + microbatches * (forward + backward))
+
+
+def zero_bubble_h1_peak_in_flight(stages: int, microbatches: int) -> int:
+    """ZB-H1 holds min(p, m) microbatches on every stage (a microbatch is held until its
+    W): 1F1B's peak, which 1F1B reaches on stage 0 only."""
+    return min(stages, microbatches)
+
+
+def dualpipe_bubble_time(ranks: int, forward_backward: float, backward: float,
+                         weight: float) -> float:
+    """DualPipe's bubble as DeepSeek-V3's report gives it (arXiv:2412.19437, table 2):
+    (PP/2 - 1)(F&B + B - 3W), per chunk (half a stage), where F&B is a forward and a
+    backward run overlapped on one device. Without that overlap (F&B = F + B, as in
+    this course's runtime) the schedule's idle time is what `simulate` predicts."""
+    return (ranks / 2 - 1) * (forward_backward + backward - 3 * weight)
+
+
+def dualpipe_v_peak_in_flight(ranks: int) -> int:
+    """DualPipeV holds 2p + 1 chunk-microbatches on every rank (m >= 2p): p + 1/2 stages'
+    worth, near 1F1B's p on stage 0."""
+    return 2 * ranks + 1

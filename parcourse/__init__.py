@@ -12,7 +12,10 @@ from parcourse.launch import (
     RankTimeout,
     Run,
     SerializationError,
+    close_pools,
     launch,
+    limit_pools,
+    live_pools,
 )
 from parcourse.trace import Span, Trace, Tracer
 
@@ -30,5 +33,8 @@ __all__ = [
     "Span",
     "Trace",
     "Tracer",
+    "close_pools",
     "launch",
+    "limit_pools",
+    "live_pools",
 ]

@@ -30,6 +30,7 @@ import datetime
 import faulthandler
 import multiprocessing as mp
 import os
+import re
 import shutil
 import signal
 import sys
@@ -107,14 +108,41 @@ class RankTimeout(LaunchError, TimeoutError):
 
     def __init__(self, timeout: float, running: dict[int, str], stacks: dict[int, str]) -> None:
         self.timeout, self.running, self.stacks = timeout, running, stacks
-        ranks = ", ".join(str(r) for r in running)
-        plural = "s" if len(running) > 1 else ""
-        text = f"timed out after {timeout:g} s; still running: rank{plural} {ranks}"
-        for r, where in running.items():
-            text += f"\n  rank {r}: {where or 'no span entered'}"
+        text = f"timed out after {timeout:g} s; still running: {_ranks_text(list(running))}"
+        for line in group_ranks({r: where or "no span entered" for r, where in running.items()}):
+            text += f"\n  {line}"
+        # Ranks stuck at the same line show one stack: "ranks 0, 2, 3" and it once.
+        by_stack: dict[str, list[int]] = {}
         for r, stack in stacks.items():
-            text += f"\n\n--- where rank {r} was stuck ---\n{stack.rstrip()}"
+            by_stack.setdefault(_same_stack(stack), []).append(r)
+        for stack, ranks in by_stack.items():
+            text += f"\n\n--- where {_ranks_text(ranks)} {'was' if len(ranks) == 1 else 'were'}"
+            text += f" stuck ---\n{stack.rstrip()}"
         super().__init__(text)
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """[3] -> "rank 3"; [0, 2, 3] -> "ranks 0, 2, 3"."""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r) for r in sorted(ranks))}"
+
+
+def _same_stack(stack: str) -> str:
+    """A faulthandler stack without what differs between processes (the thread id) and
+    without the launcher's own frames below the rank function (most recent call first)."""
+    lines = stack.splitlines()
+    below = next((i for i, line in enumerate(lines) if line.endswith(" in _run_one")), None)
+    text = "\n".join(lines[:below])
+    return re.sub(r"(Current thread|Thread) 0x[0-9a-f]+", r"\1", text)
+
+
+def group_ranks(statuses: dict[int, str] | list[str]) -> list[str]:
+    """One line per distinct status: {0: "in 'a'", 1: "in 'b'", 2: "in 'a'"} ->
+    ["ranks 0, 2: in 'a'", "rank 1: in 'b'"], in order of the first rank."""
+    items = statuses.items() if isinstance(statuses, dict) else enumerate(statuses)
+    by_status: dict[str, list[int]] = {}
+    for r, status in items:
+        by_status.setdefault(status, []).append(r)
+    return [f"{_ranks_text(ranks)}: {status}" for status, ranks in by_status.items()]
 
 
 class SerializationError(LaunchError):
@@ -214,6 +242,8 @@ def _run_one(ctx: RankContext, payload: bytes) -> tuple[Any, ...]:
     t0 = time.perf_counter()
     try:
         fn, args, kwargs = cloudpickle.loads(payload)
+        ctx.tracer.set_status(f"running {getattr(fn, '__name__', 'the function')}, "
+                              "before its first span")
         value = fn(ctx, *args, **kwargs)
     except BaseException as e:  # noqa: BLE001 - a SystemExit in rank code is an error too
         return ("error", ctx.rank, time.perf_counter_ns(), type(e).__name__, str(e),
@@ -250,6 +280,7 @@ def _worker(rank: int, plan: _Plan, port: int, prefix: str, conn: Any, lifeline:
     device = torch.device(plan.devices[rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    status.value = b"joining the process group"
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=_PG_TIMEOUT)
         dist.init_process_group(plan.backend, store=dist.PrefixStore(prefix, store), rank=rank,
@@ -268,7 +299,8 @@ def _worker(rank: int, plan: _Plan, port: int, prefix: str, conn: Any, lifeline:
         if message[0] == "stop":
             break
         tracer = Tracer(rank, status=status)
-        status.value = b"running, no span entered yet"
+        # Unpickling imports the modules the function needs (not preloaded: seconds, once).
+        status.value = b"loading the function and importing its modules"
         ctx = RankContext(rank, plan.world_size, device, group, tracer, plan.backend)
         conn.send(_run_one(ctx, message[1]))
         status.value = b"idle"
@@ -317,6 +349,154 @@ def _status(rank: _Rank) -> str:
     return rank.status.value.decode("utf-8", "replace")
 
 
+Progress = Callable[[list[str], float], None]
+
+
+# --------------------------------------------------------------------------- live pools
+# Every pool of this process that holds ranks, least recently used first. Each rank is
+# a process with its own copy of torch (~170 MB), so a notebook that keeps starting pools
+# of new sizes fills a laptop's memory; limit_pools(n) closes the oldest instead.
+
+_LIVE: dict[int, weakref.ref[Pool]] = {}
+_LIMIT: list[int | None] = [None]
+
+
+def limit_pools(n: int | None) -> int | None:
+    """Keep at most `n` pools with live ranks in this process (None: no limit).
+
+    Starting the ranks of one more pool closes the least recently used others; a
+    closed pool starts fresh ranks at its next run (and counts again). Returns the
+    previous limit. The course's panels set 2. Pools that `launch` makes for one run
+    are closed right after it and close no others.
+    """
+    if n is not None and n < 1:
+        raise ValueError(f"the limit must be >= 1 or None, got {n}")
+    previous, _LIMIT[0] = _LIMIT[0], n
+    pools = [p for p in _live() if p.counts]
+    if n is not None:
+        for old in pools[: max(0, len(pools) - n)]:
+            old.close()
+    return previous
+
+
+def _live() -> list[Pool]:
+    for key in [k for k, ref in _LIVE.items() if ref() is None]:
+        del _LIVE[key]  # collected: its finalizer has stopped its ranks
+    pools = [ref() for ref in _LIVE.values()]
+    return [p for p in pools if p is not None and p._ranks]
+
+
+def _touch(pool: Pool) -> None:
+    if id(pool) in _LIVE:
+        _LIVE[id(pool)] = _LIVE.pop(id(pool))  # now the most recently used
+
+
+def _make_room(pool: Pool) -> None:
+    limit = _LIMIT[0]
+    if limit is None or not pool.counts:
+        return
+    others = [p for p in _live() if p is not pool and p.counts]
+    for old in others[: max(0, len(others) - limit + 1)]:
+        old.close()
+
+
+@dataclass(frozen=True)
+class PoolInfo:
+    """One live pool: its ranks' process ids and the memory they hold."""
+
+    pool: Pool
+    pids: list[int]
+    memory_bytes: int
+    idle_s: float
+
+    def __str__(self) -> str:
+        n = len(self.pids)
+        return (f"{n} rank{'s' * (n > 1)} ({self.pool.plan.backend}), pids "
+                f"{', '.join(map(str, self.pids))}: {self.memory_bytes / 2**20:,.0f} MiB, "
+                f"idle {self.idle_s:.0f} s")
+
+
+def live_pools() -> list[PoolInfo]:
+    """The pools of this process that hold ranks, least recently used first.
+
+    Memory is each rank's unique set size (what closing it frees; pages shared with
+    the forkserver, such as torch's code, are not counted twice).
+    """
+    import psutil
+
+    infos = []
+    for pool in _live():
+        total = 0
+        for pid in pool.pids:
+            try:
+                total += psutil.Process(pid).memory_full_info().uss
+            except (psutil.Error, OSError):
+                pass
+        infos.append(PoolInfo(pool, pool.pids, total, time.monotonic() - pool.last_used))
+    return infos
+
+
+def close_pools() -> int:
+    """Close every live pool of this process; returns how many were closed."""
+    pools = _live()
+    for pool in pools:
+        pool.close()
+    return len(pools)
+
+
+class _LiveStatus:
+    """A status line under the notebook cell that runs a pool, shown once a run has taken
+    more than DELAY_S seconds, updated twice a second, removed when it ends.
+
+    It is first shown empty and then updated (a display id): Jupyter shows the updates,
+    and nbval, which ignores updates, sees one output with nothing in it to compare.
+    """
+
+    DELAY_S = 3.0
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.t0 = time.perf_counter()
+        self.next = self.t0 + self.DELAY_S
+        self.handle: Any = None
+
+    @classmethod
+    def in_notebook(cls, pool: Pool) -> _LiveStatus | None:
+        ipython = sys.modules.get("IPython")  # never imported here: only if already loaded
+        shell = ipython.get_ipython() if ipython is not None else None
+        return cls(pool) if getattr(shell, "kernel", None) is not None else None
+
+    def __call__(self, statuses: list[str], _elapsed: float) -> None:
+        now = time.perf_counter()
+        if now < self.next:
+            return
+        self.next = now + 0.5
+        from IPython.display import display
+
+        text = f"{now - self.t0:.0f} s: " + describe_progress(self.pool, statuses)
+        if self.handle is None:
+            self.handle = display({}, raw=True, display_id=True)
+        self.handle.update({"text/plain": text}, raw=True)
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.update({}, raw=True)
+
+
+def describe_progress(pool: Pool, statuses: list[str]) -> str:
+    """One line for a waiting caller: "starting 4 ranks: ranks 0, 1: joining the process
+    group; ..." while ranks start, then "1 of 4 ranks done; ranks 0, 2: in 'forward'"."""
+    n = len(statuses)
+    if pool.starting:
+        ready = statuses.count("ready")
+        busy = {r: s for r, s in enumerate(statuses) if s != "ready"}
+        return (f"starting {n} rank{'s' * (n > 1)} ({ready} ready; each imports torch and "
+                f"joins the process group): " + "; ".join(group_ranks(busy)))
+    done = statuses.count("done")
+    busy = {r: s for r, s in enumerate(statuses) if s != "done"}
+    return f"{done} of {n} ranks done; " + "; ".join(group_ranks(busy))
+
+
 class Pool:
     """N ranks kept alive, with their process group, across many runs.
 
@@ -326,11 +506,14 @@ class Pool:
 
     After a failed, timed-out or interrupted run the old ranks are killed and
     the next `run` starts fresh ones. `close()` (also at interpreter exit)
-    stops every rank.
+    stops every rank. `start=False` leaves starting the ranks to the first run,
+    whose `on_progress` then reports the start too. `live_pools()` lists the
+    pools of this process that hold ranks, `limit_pools(n)` caps them.
     """
 
     def __init__(self, world_size: int, *, backend: Backend = "auto", device: Device = "auto",
-                 timeout: float | None = DEFAULT_TIMEOUT_S, threads: int | None = None) -> None:
+                 timeout: float | None = DEFAULT_TIMEOUT_S, threads: int | None = None,
+                 start: bool = True) -> None:
         self.plan = _plan(world_size, backend, device, threads)
         self.world_size = world_size
         self.timeout = timeout
@@ -345,8 +528,12 @@ class Pool:
         self._generation = 0
         self._lock = threading.Lock()
         self.startups = 0
+        self.starting = False  # True while ranks start: their statuses say how far they are
+        self.counts = True  # against limit_pools(); not the pools launch() makes for one run
+        self.last_used = time.monotonic()
         self._finalizer = weakref.finalize(self, _kill_all, self._ranks)
-        self._start()
+        if start:
+            self._start()
 
     # -- lifecycle
 
@@ -358,18 +545,24 @@ class Pool:
     def alive(self) -> bool:
         return bool(self._ranks) and all(r.process.is_alive() for r in self._ranks)
 
-    def _start(self) -> float:
+    def _start(self, on_progress: Progress | None = None) -> float:
         if self._external is not None:
             _init_external(self.plan)
             return 0.0
+        _make_room(self)
+        self.starting = True
         try:
-            return self._start_ranks()
+            return self._start_ranks(on_progress)
         except BaseException:  # an interrupt while starting, too: no half-started ranks
             self._kill()
             raise
+        finally:
+            self.starting = False
 
-    def _start_ranks(self) -> float:
+    def _start_ranks(self, on_progress: Progress | None) -> float:
         t0 = time.perf_counter()
+        _LIVE.pop(id(self), None)
+        _LIVE[id(self)] = weakref.ref(self)  # the most recently used
         ctx = _context()
         if self._store is None:
             # Port 0: the OS picks a free port, so concurrent launches never collide.
@@ -382,6 +575,7 @@ class Pool:
             parent_conn, child_conn = ctx.Pipe()
             life_read, life_write = ctx.Pipe(duplex=False)
             status = ctx.RawArray("c", _STATUS_BYTES)
+            status.value = b"starting its process"
             stack_file = os.path.join(stack_dir, f"rank{rank}.txt")
             process = ctx.Process(
                 target=_worker, name=f"parcourse-rank{rank}", daemon=True,
@@ -399,11 +593,14 @@ class Pool:
             if time.monotonic() > deadline:
                 self._kill()
                 raise LaunchError(f"ranks {sorted(pending)} did not join the process group")
+            if on_progress is not None:
+                on_progress([_status(r) if i in pending else "ready"
+                             for i, r in enumerate(self._ranks)], time.perf_counter() - t0)
             watch = {}
             for r in pending:
                 watch[self._ranks[r].conn] = r
                 watch[self._ranks[r].process.sentinel] = r
-            for ready in wait_for(list(watch), timeout=0.5):
+            for ready in wait_for(list(watch), timeout=0.1 if on_progress else 0.5):
                 r = watch[ready]
                 rank = self._ranks[r]
                 if r in pending and rank.conn.poll():
@@ -421,6 +618,7 @@ class Pool:
         return time.perf_counter() - t0
 
     def _kill(self) -> None:
+        _LIVE.pop(id(self), None)
         _kill_all(self._ranks)
 
     def close(self) -> None:
@@ -455,29 +653,49 @@ class Pool:
 
         `timeout` (seconds, None for no limit) defaults to the pool's.
         `on_progress(statuses, elapsed_s)` is called about ten times a second
-        with what each rank is doing (its current span).
+        with what each rank is doing (its current span; "done" when finished),
+        and while ranks start (`self.starting`). Without one, a run called from
+        a notebook cell that lasts more than a few seconds shows a live status
+        line under the cell.
         """
+        __tracebackhide__ = True  # IPython: show the learner's cell and the error
         if self._external is not None:
             return _run_external(self.plan, fn, args, kwargs)
         payload = _dumps((fn, args, kwargs), f"the function {getattr(fn, '__name__', fn)!r}")
         return self._run_payload(payload, timeout, on_progress)
 
     def _run_payload(self, payload: bytes, timeout: float | None | Literal["default"],
-                     on_progress: Callable[[list[str], float], None] | None) -> Run:
+                     on_progress: Progress | None) -> Run:
+        __tracebackhide__ = True  # IPython: show the learner's cell and the error
         limit = self.timeout if timeout == "default" else timeout
+        live = _LiveStatus.in_notebook(self) if on_progress is None else None
+        try:
+            return self._run_locked(payload, limit, on_progress or live)
+        finally:
+            if live is not None:
+                live.close()
+
+    def _run_locked(self, payload: bytes, limit: float | None,
+                    on_progress: Progress | None) -> Run:
+        __tracebackhide__ = True  # IPython: show the learner's cell and the error
         with self._lock:
+            self.last_used = time.monotonic()
+            _touch(self)
             startup = 0.0
             if not self.alive:
                 self._kill()
-                startup = self._start()
+                startup = self._start(on_progress)
             try:
                 return self._dispatch(payload, limit, on_progress, startup)
             except BaseException:
                 self._kill()  # KeyboardInterrupt too: the next run starts fresh ranks
                 raise
+            finally:
+                self.last_used = time.monotonic()
 
-    def _dispatch(self, payload: bytes, limit: float | None,
-                  on_progress: Callable[[list[str], float], None] | None, startup: float) -> Run:
+    def _dispatch(self, payload: bytes, limit: float | None, on_progress: Progress | None,
+                  startup: float) -> Run:
+        __tracebackhide__ = True  # IPython: show the learner's cell and the error
         t0 = time.perf_counter()
         for rank in self._ranks:
             rank.conn.send(("run", payload))
@@ -497,7 +715,8 @@ class Pool:
             if limit is not None and now - t0 > limit:
                 raise self._timeout(limit, pending)
             if on_progress is not None and now >= next_progress:
-                on_progress([_status(r) for r in self._ranks], now - t0)
+                on_progress([_status(r) if i in pending else "done"
+                             for i, r in enumerate(self._ranks)], now - t0)
                 next_progress = now + 0.1
             watch = {}
             for r in pending:
@@ -596,18 +815,16 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: Backend
     that cannot be sent, before any process starts; RankError, RankDied or
     RankTimeout when the run fails. `Run.wall_s` includes starting the ranks.
     """
+    __tracebackhide__ = True  # IPython: show the learner's cell and the error
     _plan(world_size, backend, device, threads)
     if _external_env() is not None:
         pool = Pool(world_size, backend=backend, device=device, timeout=timeout, threads=threads)
         return pool.run(fn, *args, **kwargs)
     payload = _dumps((fn, args, kwargs), f"the function {getattr(fn, '__name__', fn)!r}")
-    t0 = time.perf_counter()
-    with Pool(world_size, backend=backend, device=device, timeout=timeout, threads=threads) as pool:
-        startup = time.perf_counter() - t0
-        run = pool._run_payload(payload, "default", None)
-    run.startup_s = startup
-    run.wall_s += startup
-    return run
+    with Pool(world_size, backend=backend, device=device, timeout=timeout, threads=threads,
+              start=False) as pool:
+        pool.counts = False
+        return pool._run_payload(payload, "default", None)  # starts the ranks, then runs
 
 
 # --------------------------------------------------------------------------- torchrun / Slurm

@@ -173,6 +173,12 @@ class Tracer:
     def data(self) -> TraceData:
         return self._data
 
+    def set_status(self, text: str) -> None:
+        """Say what this rank is doing outside any span, e.g. "building the model": the
+        launcher shows it while the caller waits (a panel's status, a notebook's live line)
+        and names it if the run hangs. Records nothing in the trace."""
+        self._set_status(text)
+
     def _set_status(self, text: str) -> None:
         if self._status is not None:
             self._status.value = text.encode("utf-8", "replace")[: len(self._status) - 1]

@@ -20,7 +20,10 @@ from parcourse import (
     RankError,
     RankTimeout,
     SerializationError,
+    close_pools,
     launch,
+    limit_pools,
+    live_pools,
 )
 from rankfns import (
     deadlock,
@@ -88,6 +91,8 @@ def test_deadlock_times_out_naming_ranks_and_spans(tmp_path):
     assert sorted(err.running) == [0, 1]
     assert "recv from 1" in err.running[0] and "recv from 0" in err.running[1]
     assert "in deadlock" in str(err), "the message shows where each rank was stuck"
+    # Both ranks are stuck at the same line: one stack, named for both, not two copies.
+    assert str(err).count("--- where") == 1 and "--- where ranks 0, 1 were stuck" in str(err)
     assert isinstance(err, TimeoutError)
     assert_all_gone(tmp_path)
 
@@ -291,3 +296,38 @@ def test_same_function_runs_under_torchrun(tmp_path):
 def test_public_api_is_exported():
     for name in ("launch", "Pool", "RankContext", "Run", "Trace", "Tracer", "RankError"):
         assert hasattr(parcourse, name)
+
+
+def test_live_pools_count_against_the_limit_and_can_be_closed():
+    # Lesson 00's scenario: the notebook's own pool, then a panel asks for two other sizes.
+    # Every pool that holds ranks counts, including one restarted after it was closed.
+    def mine():
+        return [info.pool for info in live_pools() if info.pool in pools]
+
+    previous = limit_pools(2)
+    try:
+        own = Pool(1, start=False)
+        pools = [own]
+        assert mine() == [], "start=False: no ranks until the first run"
+        own.run(rank_and_sum)
+        second = Pool(2)
+        pools.append(second)
+        assert mine() == [own, second]
+        third = Pool(1)
+        pools.append(third)
+        assert not own.alive, "the least recently used pool made room"
+        assert mine() == [second, third]
+        assert own.run(rank_and_sum).results[0]["sum"] == 0, "a closed pool starts afresh..."
+        assert mine() == [third, own] and not second.alive, "...and counts again"
+        launch(rank_and_sum, 2)  # a pool for one run closes no other
+        assert mine() == [third, own]
+        info = {i.pool: i for i in live_pools()}[own]
+        assert info.pids == own.pids and info.memory_bytes > 1 << 20
+        assert str(info).startswith("1 rank (gloo), pid")
+        pids = own.pids + third.pids
+        assert close_pools() >= 2 and mine() == []
+        assert not any(psutil.pid_exists(p) for p in pids)
+    finally:
+        limit_pools(previous)
+        for pool in pools:
+            pool.close()

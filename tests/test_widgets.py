@@ -3,6 +3,7 @@
 import ipywidgets as W
 import pytest
 
+from parcourse import limit_pools
 from parcourse.experiments import launching
 from parcourse.widgets import RunPanel, close_shared_pools, shared_pool
 from rankfns import fail_on, slow
@@ -12,6 +13,7 @@ from rankfns import fail_on, slow
 def _pools():
     yield
     close_shared_pools()
+    limit_pools(None)  # shared_pool set the notebook's limit; other test modules keep none
 
 
 def test_panel_runs_on_creation_and_on_click():
@@ -79,3 +81,22 @@ def test_a_panel_that_fails_when_made_raises():
         RunPanel(launching.show_collective,
                  {"op": W.Dropdown(options=["all_reduce"]), "numel": W.IntSlider(2, 1, 8)},
                  render, world_size=2)
+
+
+def test_panel_says_when_it_starts_ranks_what_they_do_and_what_it_clamped():
+    seconds = W.FloatSlider(0.4, min=0.0, max=0.5)
+    panel = RunPanel(slow, {"world_size": W.IntSlider(3, 1, 4), "seconds": seconds},
+                     run_now=False)
+    seen = []
+    panel.status.observe(lambda change: seen.append(change["new"]), names="value")
+    shared_pool(3).close()  # a world size whose ranks are not up: the first click starts them
+    panel.run()
+    text = "\n".join(seen)
+    assert "starting 3 ranks" in text and "the first run starts the ranks" in text, text
+    assert "ranks 0, 1, 2: in &#x27;slow step&#x27;" in text, "one line for ranks doing the same"
+    assert "s starting the ranks" in panel.status.value
+    seen.clear()
+    seconds.value = 0.7  # typed beyond the slider: ipywidgets clamps it to 0.5, silently
+    panel.run()
+    assert not any("starting" in s for s in seen), "a warm pool starts nothing"
+    assert "seconds = 0.5 is the slider&#x27;s maximum" in panel.status.value

@@ -21,7 +21,6 @@ from __future__ import annotations
 import html
 import time
 import traceback
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -30,27 +29,30 @@ import matplotlib.pyplot as plt
 from IPython.display import HTML, display
 from matplotlib.figure import Figure
 
-from parcourse import LaunchError, Pool, Run
+from parcourse import LaunchError, Pool, Run, limit_pools
+from parcourse.launch import group_ranks
 
-_POOLS: OrderedDict[tuple[int, str], Pool] = OrderedDict()
-_MAX_POOLS = 2  # each rank holds a copy of torch in memory; keep a laptop comfortable
+_POOLS: dict[tuple[int, str], Pool] = {}
+MAX_LIVE_POOLS = 2  # each rank holds a copy of torch in memory; keep a laptop comfortable
+_limited = [False]
 
 
 def shared_pool(world_size: int, backend: str = "auto") -> Pool:
     """A Pool shared by every panel (and cell) that asks for the same size.
 
-    Keeps the two most recently used sizes alive; older ones are closed.
+    Its ranks start at its first run (a panel shows the start). The first call
+    caps this process at MAX_LIVE_POOLS pools with live ranks, every pool
+    counted, shared or not (`parcourse.limit_pools`): starting one more closes
+    the least recently used, which starts afresh when next run.
+    `parcourse.live_pools()` lists them, `parcourse.close_pools()` closes all.
     """
+    if not _limited[0]:
+        limit_pools(MAX_LIVE_POOLS)
+        _limited[0] = True
     key = (world_size, backend)
-    if key in _POOLS:
-        _POOLS.move_to_end(key)
-        return _POOLS[key]
-    pool = Pool(world_size, backend=backend)  # type: ignore[arg-type]
-    _POOLS[key] = pool
-    while len(_POOLS) > _MAX_POOLS:
-        _, old = _POOLS.popitem(last=False)
-        old.close()
-    return pool
+    if key not in _POOLS:
+        _POOLS[key] = Pool(world_size, backend=backend, start=False)  # type: ignore[arg-type]
+    return _POOLS[key]
 
 
 def close_shared_pools() -> None:
@@ -59,6 +61,8 @@ def close_shared_pools() -> None:
 
 
 Rendered = str | Figure | Iterable[str | Figure] | None
+_WHY_SLOW = ("a new world size: the first run starts the ranks, each imports torch and joins "
+             "the process group; later runs reuse them")
 
 
 class RunPanel:
@@ -79,6 +83,7 @@ class RunPanel:
     ) -> None:
         self.rank_fn, self.render, self.check = rank_fn, render, check
         self.controls = dict(controls or {})
+        self._initial = {name: c.value for name, c in self.controls.items()}
         self.world_size, self.pool, self.timeout = world_size, pool, timeout
         self.last_run: Run | None = None
         self.last_error: str | None = None
@@ -105,11 +110,19 @@ class RunPanel:
             return self.pool
         return shared_pool(world_size)
 
-    def _progress(self, statuses: list[str], elapsed: float) -> None:
-        rows = "".join(
-            f"<br>&nbsp;&nbsp;rank {r}: {html.escape(s)}" for r, s in enumerate(statuses)
-        )
-        self.status.value = f"<span>running… {elapsed:.1f} s{rows}</span>"
+    def _show_progress(self, pool: Pool, t0: float, statuses: list[str]) -> None:
+        """What the ranks are doing, one line per distinct status."""
+        n, elapsed = len(statuses), time.perf_counter() - t0
+        if pool.starting:
+            ready = statuses.count("ready")
+            head = (f"starting {n} rank{'s' * (n > 1)}… {elapsed:.1f} s, {ready} ready "
+                    f"({_WHY_SLOW})")
+            busy = {r: s for r, s in enumerate(statuses) if s != "ready"}
+        else:
+            head = f"running… {elapsed:.1f} s, {statuses.count('done')} of {n} ranks done"
+            busy = {r: s for r, s in enumerate(statuses) if s != "done"}
+        rows = "".join(f"<br>&nbsp;&nbsp;{html.escape(line)}" for line in group_ranks(busy))
+        self.status.value = f"<span>{html.escape(head)}{rows}</span>"
 
     def run(self, raise_errors: bool = False) -> Run | None:
         """What the button does: run on real ranks, then show results or the error."""
@@ -118,18 +131,24 @@ class RunPanel:
         world_size = params.get("world_size", self.world_size)
         self.button.disabled = True
         self.last_error = None
-        self.status.value = "starting ranks…"
         t0 = time.perf_counter()
         try:
             if self.check is not None:
                 self.check(world_size=world_size, **rank_kwargs)
             pool = self._pool_for(world_size)
-            run = pool.run(self.rank_fn, timeout=self.timeout, on_progress=self._progress,
+            self.status.value = html.escape(
+                "running…" if pool.alive else f"starting {world_size} ranks… ({_WHY_SLOW})")
+            run = pool.run(self.rank_fn, timeout=self.timeout,
+                           on_progress=lambda s, _: self._show_progress(pool, t0, s),
                            **rank_kwargs)
             self.last_run = run
+            started = (f", of which {run.startup_s:.1f} s starting the ranks"
+                       if run.startup_s else "")
+            notes = "".join(f"<br>{html.escape(n)}" for n in self._clamped())
             self.status.value = (
-                f"{world_size} ranks, {run.backend}: {run.wall_s * 1e3:.0f} ms "
-                f"(panel {1e3 * (time.perf_counter() - t0):.0f} ms)"
+                f"{world_size} rank{'s' * (world_size > 1)}, {run.backend}: "
+                f"{run.wall_s * 1e3:.0f} ms{started} (panel "
+                f"{1e3 * (time.perf_counter() - t0):.0f} ms){notes}"
             )
             self._show(run, params)
             return run
@@ -144,6 +163,25 @@ class RunPanel:
         finally:
             self.button.disabled = False
         return None
+
+    def _clamped(self) -> list[str]:
+        """Sliders clamp what is typed into them, silently: say so when a value sits at
+        a bound it has been moved to."""
+        notes = []
+        for name, control in self.controls.items():
+            low, high = getattr(control, "min", None), getattr(control, "max", None)
+            value = control.value
+            if (low is None or high is None or isinstance(value, bool)
+                    or value == self._initial.get(name)):
+                continue
+            label = control.description or name
+            if value == high:
+                notes.append(f"{label} = {value:g} is the slider's maximum: a larger value "
+                             "typed in is cut to it")
+            elif value == low:
+                notes.append(f"{label} = {value:g} is the slider's minimum: a smaller value "
+                             "typed in is raised to it")
+        return notes
 
     def _show(self, run: Run, params: dict[str, Any]) -> None:
         rendered = self.render(run, **params) if self.render else repr(run.results)

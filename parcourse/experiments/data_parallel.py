@@ -55,6 +55,7 @@ def train_steps(ctx: RankContext, impl: str, steps: int = 5, *, width: int = 256
     each bucket's all-reduce land in the run's trace.
     """
     link = simulated_link(latency_us, bandwidth_gbps)
+    ctx.tracer.set_status("building the model")
     model = mlp(width, width, width, depth=depth).to(ctx.device)
     ddp = wrap(model, impl, ctx, bucket_mb=bucket_mb, overlap=overlap, link=link, traced=traced)
     opt = torch.optim.Adam(ddp.parameters(), lr=lr)
@@ -95,6 +96,7 @@ def compare_step_times(ctx: RankContext, configs: dict[str, dict[str, Any]], ste
     link = simulated_link(latency_us, bandwidth_gbps)
     x, y = local_regression(batch, width, width, ctx.rank, ctx.world_size, ctx.device)
     runs = {}
+    ctx.tracer.set_status("building the models")
     for name, cfg in configs.items():
         model = mlp(width, width, width, depth=depth).to(ctx.device)
         ddp = wrap(model, ctx=ctx, link=link if cfg["impl"] != "torch" else None, **cfg)
@@ -200,6 +202,7 @@ def data_parallel_steps(ctx: RankContext, configs: Mapping[str, Mapping[str, Any
 
     x, y = local_regression(batch, width, width, ctx.rank, ctx.world_size, ctx.device)
     runs = {}
+    ctx.tracer.set_status("building the models")
     for name, cfg in configs.items():
         for link_name, link in links.items():
             model = mlp(width, width, width, depth=depth).to(ctx.device)
@@ -325,6 +328,7 @@ def train_with_rule(ctx: RankContext, rule: LaunchRule | None, steps: int = 3, *
 
     link = simulated_link(latency_us, bandwidth_gbps)
     algorithm = "ring" if link is not None else "torch"
+    ctx.tracer.set_status("building the model")
     model = mlp(width, width, width, depth=depth).to(ctx.device)
     kwargs = {"bucket_mb": bucket_mb, "algorithm": algorithm, "link": link, "tracer": ctx.tracer}
     ddp = (BucketedDataParallel(model, ctx.group, overlap=False, **kwargs) if rule is None

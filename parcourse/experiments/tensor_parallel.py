@@ -71,6 +71,7 @@ def train(ctx: RankContext, config: GPTConfig = TINY, steps: int = 5, batch: int
     the formulas for each.
     """
     n = ctx.world_size
+    ctx.tracer.set_status("building the model")
     model = gpt(config, seed=seed)
     apply_tensor_parallel(model, GPT_PLAN, ctx.group, sequence_parallel=sequence_parallel,
                           tracer=ctx.tracer, algorithm=algorithm, seed=seed)
@@ -455,6 +456,7 @@ def tp_step(ctx: RankContext, config: GPTConfig = TINY, batch: int = 8, steps: i
     and the losses.
     """
     n, tracer = ctx.world_size, ctx.tracer
+    tracer.set_status("building the model")
     model = apply_tensor_parallel(gpt(config), GPT_PLAN, ctx.group,
                                   sequence_parallel=sequence_parallel, tracer=tracer)
     if n > 1 and (link is not None or ring):

@@ -45,6 +45,7 @@ def memory_by_stage(ctx: RankContext, stage: int, params: int = 1_000_000, depth
     if dtype is not None and stage == 0:
         raise ValueError("mixed precision is measured here for ZeRO stages 1-3 only")
     width, depth = mlp_for(params, depth)
+    ctx.tracer.set_status("building the model")
     model = mlp(width, width, width, depth=depth)
     n_params = sum(p.numel() for p in model.parameters())
     adam = lambda ps: torch.optim.Adam(ps, lr=1e-3)  # noqa: E731
@@ -120,6 +121,7 @@ def step_times(ctx: RankContext, configs: dict[str, dict[str, Any]], steps: int 
     width, depth = mlp_for(params, depth)
     x, y = local_regression(batch, width, width, ctx.rank, ctx.world_size)
     runs = {}
+    ctx.tracer.set_status("building the models")
     for name, cfg in configs.items():
         model = mlp(width, width, width, depth=depth)
         runs[name] = _build(cfg, model, ctx)
@@ -162,6 +164,7 @@ def peak_memory(ctx: RankContext, cfg: dict[str, Any], params: int = 4_000_000, 
 
     width, depth = mlp_for(params, depth)
     x, y = local_regression(batch, width, width, ctx.rank, ctx.world_size)
+    ctx.tracer.set_status("building the model")
     model, opt = _build(cfg, mlp(width, width, width, depth=depth), ctx)
     nn.functional.mse_loss(model(x), y).backward()  # a first step creates the optimizer state
     opt.step()
@@ -190,6 +193,7 @@ def zero3_step(ctx: RankContext, prefetch: bool = True, params: int = 2_000_000,
     message.
     """
     width, depth = mlp_for(params, depth)
+    ctx.tracer.set_status("building the model")
     model = mlp(width, width, width, depth=depth)
     zmodel, opt = zero_shard(model, lambda ps: torch.optim.Adam(ps, lr=1e-3), stage=stage,
                              group=ctx.group, prefetch=prefetch, bucket_mb=1.0,

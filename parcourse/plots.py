@@ -266,6 +266,47 @@ def memory(trace: Trace, ax: Axes | None = None, *, labels: Sequence[str] | None
     return fig
 
 
+# Memory of real GPUs (GiB; "80 GB" as sold is 80 GiB of HBM), drawn as reference lines.
+GPU_MEMORY_GB = {"RTX 4090": 24, "A100 / H100": 80, "H200": 141, "MI300X / B200": 192}
+
+
+def memory_against_gpus(per_rank: Mapping[str, float], ax: Axes | None = None, *,
+                        gpus: Mapping[str, float] = GPU_MEMORY_GB,
+                        title: str | None = None) -> Figure:
+    """Bytes per rank as one bar per category and their stacked total, beside the memory
+    of real GPUs (horizontal lines, in GiB): does it fit?"""
+    fig, ax = _axes(ax, (7, 3.6))
+    gib = 1024**3
+    names = list(per_rank)
+    values = [per_rank[k] / gib for k in names]
+    total = sum(values)
+    for i, (name, value) in enumerate(zip(names, values)):
+        ax.bar(i, value, 0.6, color=CATEGORY_COLORS.get(name, "#8C8C8C"))
+        ax.annotate(f"{value:.3g}", (i, value), ha="center", va="bottom", fontsize=8,
+                    xytext=(0, 2), textcoords="offset points")
+    bottom = 0.0
+    for name, value in zip(names, values):
+        ax.bar(len(names), value, 0.6, bottom=bottom, color=CATEGORY_COLORS.get(name, "#8C8C8C"))
+        bottom += value
+    ax.annotate(f"{total:.3g}", (len(names), total), ha="center", va="bottom", fontsize=8,
+                fontweight="bold", xytext=(0, 2), textcoords="offset points")
+    # Up to the first GPU it fits on, so the chart shows how much room is left.
+    fits = [size for size in sorted(gpus.values()) if size >= total]
+    top = max(total * 1.15, (fits[0] if fits else 0) * 1.1)
+    for name, size in gpus.items():
+        if size <= top:
+            ax.axhline(size, color="black", linestyle=":", linewidth=1)
+            ax.annotate(f"{name} {size:g} GB", (1.0, size), xycoords=("axes fraction", "data"),
+                        xytext=(4, 0), textcoords="offset points", va="center", fontsize=8)
+    ax.set_ylim(0, top)
+    ax.set_xticks(range(len(names) + 1), [*names, "total"])
+    ax.set_ylabel("per rank (GiB)")
+    ax.grid(axis="y", alpha=0.3)
+    if title:
+        ax.set_title(title)
+    return fig
+
+
 def tensors_before_after(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor],
                          title: str = "", fig: Figure | None = None) -> Figure:
     """Each rank's tensor before and after a collective, one row per rank.

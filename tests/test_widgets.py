@@ -63,13 +63,25 @@ def test_memory_calculator_follows_the_formula():
     from parcourse.widgets import MemoryCalculator
 
     calc = MemoryCalculator(params_billions=7.0, world_size=8, stage=0)
+    assert calc.params.value == 7.0, "no slider snapping 7 to 6.31"
     # 7B parameters, bf16 + fp32 master: 16 bytes each = 104.3 GiB before sharding
-    assert "104.3 GiB" in calc.out.value
+    assert "104.3 GiB" in calc.out.value and "fits on H200 (141 GB)" in calc.out.value
+    ax = calc.figure.axes[0]
+    heights = [bar.get_height() for bar in ax.patches]
+    assert heights[:3] == pytest.approx([7e9 * 2 / 2**30, 7e9 * 2 / 2**30, 7e9 * 12 / 2**30])
+    gpu_lines = sorted(line.get_ydata()[0] for line in ax.get_lines())
+    assert gpu_lines == [24, 80, 141], "GPUs up to a little above the total are drawn"
     calc.stage.value = 3
     # (2 + 4 + 12) bytes x 7e9 / 8: sharded gradients reach the optimizer in fp32
     assert "14.7 GiB" in calc.out.value
+    calc.params.value = 70.5  # typed, kept as typed
+    assert calc.bytes_per_rank()["params"] == pytest.approx(70.5e9 * 2 / 8)
+    assert calc.world.options == tuple(2**k for k in range(11))
     calc.dtype.value = "fp32"
+    calc.params.value = 7.0
     assert calc.bytes_per_rank()["optimizer"] == pytest.approx(8 * 7e9 / 8)
+    with pytest.raises(ValueError, match="power of two"):
+        MemoryCalculator(world_size=6)
 
 
 def test_a_panel_that_fails_when_made_raises():

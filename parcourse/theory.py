@@ -366,11 +366,12 @@ def interleaved_bubble(ranks: int, chunks: int, microbatches: int) -> float:
 
 def interleaved_peak_in_flight(ranks: int, chunks: int, microbatches: int, rank: int) -> int:
     """Chunk-microbatches rank r holds at once under interleaved 1F1B: its warm-up,
-    (v - 1) rounds of min(p, m) plus 2 (p - 1 - r), plus one, at most v m. Each is a
+    (v - 1) rounds of min(p, m) plus 2 (p - 1 - r) (1F1B's p - 1 - r when v = 1), plus
+    one, at most v m. Each is a
     v-th of a stage, so rank 0 holds about p (1 + (p - 1) / (p v)) stages' worth (for
     m >= p): more than 1F1B's p."""
     per_round = min(ranks, microbatches)
-    warmup = (chunks - 1) * per_round + 2 * (ranks - 1 - rank)
+    warmup = (chunks - 1) * per_round + (2 if chunks > 1 else 1) * (ranks - 1 - rank)
     return min(warmup + 1, chunks * microbatches)
 
 

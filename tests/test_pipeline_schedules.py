@@ -3,9 +3,13 @@ the bubble and the in-flight activations the papers give."""
 
 import pytest
 
-from parcourse.pipeline import (Action, Costs, Deadlock, Op, Schedule, check, gpipe,
-                                happens_before, naive, one_f_one_b, simulate)
-from parcourse.theory import gpipe_bubble, one_f_one_b_peak_in_flight
+from parcourse.pipeline import (Action, Costs, Deadlock, Op, Schedule, check, dualpipe_v, gpipe,
+                                happens_before, interleaved_1f1b, naive, one_f_one_b, simulate,
+                                zero_bubble_h1)
+from parcourse.theory import (bubble_fraction, gpipe_bubble, interleaved_bubble,
+                              interleaved_peak_in_flight, one_f_one_b_bubble_time,
+                              one_f_one_b_peak_in_flight, zero_bubble_h1_bubble_time,
+                              zero_bubble_h1_peak_in_flight)
 
 SIZES = [(p, m) for p in range(1, 9) for m in range(1, 17)]
 
@@ -76,3 +80,85 @@ def test_messages_and_link_cost():
     slow = simulate(gpipe(p, m), Costs(latency=0.5))
     assert slow.step_time > free.step_time
 
+
+
+# --------------------------------------------------------------------------- pipelines II
+
+
+def test_interleaved_zero_bubble_and_dualpipe_are_complete_and_can_run():
+    for p, m in SIZES:
+        check(zero_bubble_h1(p, m))
+        for v in range(1, 5):
+            if m % min(p, m) == 0:
+                check(interleaved_1f1b(p, v, m))
+        if m >= 2 * p:
+            check(dualpipe_v(p, m))
+
+
+def test_interleaved_bubble_shrinks_by_the_number_of_chunks():
+    # The formula holds once a round fills the pipeline (m >= p): with fewer microbatches
+    # a chunk's result comes back round the ring before the next round can start.
+    for p, m in SIZES:
+        for v in range(1, 5):
+            if m < p or m % p:
+                continue
+            t = simulate(interleaved_1f1b(p, v, m), Costs(forward=1 / v, backward=2 / v))
+            assert t.bubble == pytest.approx(interleaved_bubble(p, v, m), abs=1e-9), (p, v, m)
+            assert t.peak_in_flight == [interleaved_peak_in_flight(p, v, m, r)
+                                        for r in range(p)]
+    assert interleaved_1f1b(4, 1, 8).actions == one_f_one_b(4, 8).actions
+    with pytest.raises(ValueError, match="not a multiple of 4"):
+        interleaved_1f1b(4, 2, 6)
+    with pytest.raises(ValueError, match="chunks_per_rank"):
+        interleaved_1f1b(4, 0, 8)
+
+
+def test_interleaving_costs_messages():
+    free = [simulate(interleaved_1f1b(4, v, 8)).messages for v in (1, 2, 4)]
+    assert free == [2 * 3 * 8, 2 * 7 * 8, 2 * 15 * 8]  # every stage boundary is a message
+    def step(v, latency=0.0):
+        costs = Costs(forward=1 / v, backward=2 / v, latency=latency)
+        return simulate(interleaved_1f1b(4, v, 8), costs).step_time
+
+    assert step(4) < step(2) < step(1)  # free messages: the more chunks the better
+    # A message that costs as much as a stage's forward: 4 chunks lose to 1.
+    assert step(4, latency=1.0) > step(1, latency=1.0)
+
+
+@pytest.mark.parametrize("f,b,w", [(1, 2, 1), (1, 1, 0.5), (1, 2, 0.5), (2, 3, 1)])
+def test_zero_bubble_h1_bubble_is_the_papers(f, b, w):
+    for p, m in SIZES:
+        if m < p:  # too few microbatches for the held-back Ws to fill the bubble
+            continue
+        t = simulate(zero_bubble_h1(p, m), Costs(forward=f, backward=b, weight=w))
+        want = bubble_fraction(zero_bubble_h1_bubble_time(p, f, b, w), m, f, b)
+        assert t.bubble == pytest.approx(want, abs=1e-9), (p, m)
+        assert t.peak_in_flight == [zero_bubble_h1_peak_in_flight(p, m)] * p
+        one = simulate(one_f_one_b(p, m), Costs(forward=f, backward=b))
+        assert t.step_time - sum(t.busy) / p < one.step_time - sum(one.busy) / p + 1e-9
+        assert one.step_time - sum(one.busy) / p == pytest.approx(
+            one_f_one_b_bubble_time(p, f, b))
+
+
+def test_zero_bubble_splits_every_backward_and_defers_weights():
+    s = zero_bubble_h1(4, 8)
+    assert not any(a.kind == "B" for acts in s.actions for a in acts)
+    # The last stage holds back 3 weight gradients: its first W comes after its 4th I.
+    last = [str(a) for a in s[3]]
+    assert last.index("3W0") > last.index("3I3")
+    assert happens_before(s, 3, Op("I", 3), Op("W", 0))
+    assert happens_before(s, 0, Op("W", 0), Op("F", 4))  # stage 0 holds none back
+
+
+def test_dualpipe_v_places_stages_as_a_v_and_beats_one_f_one_b():
+    s = dualpipe_v(4, 8)
+    assert s.stage_rank == (0, 1, 2, 3, 3, 2, 1, 0)  # first and last stage on rank 0
+    for p in range(1, 9):
+        for m in (2 * p, 2 * p + 1, 4 * p):
+            # each chunk is half a stage of the same model: F, B, W halved
+            t = simulate(dualpipe_v(p, m), Costs(forward=0.5, backward=1, weight=0.5))
+            one = simulate(one_f_one_b(p, m), Costs(forward=1, backward=2))
+            assert t.bubble < one.bubble or p == 1, (p, m)
+            assert t.peak_in_flight == [2 * p + 1] * p  # chunks: p + 1/2 stages' worth
+    with pytest.raises(ValueError, match="at least 2 x ranks = 8 microbatches"):
+        dualpipe_v(4, 7)

@@ -84,6 +84,10 @@ class PipelineRuntime:
                  tracer: Tracer | None = None, link: SimulatedLink | None = None,
                  compute: SimulatedCompute | None = None, recompute: bool = False,
                  tied: Sequence[dict[int, str]] = ()) -> None:
+        check(schedule)
+        if recompute and any(a.kind == "I" for acts in schedule.actions for a in acts):
+            raise ValueError(f"recompute=True runs each stage's backward whole; {schedule.name} "
+                             "splits it into I and W, so it cannot recompute")
         self.group, self.rank, self.world_size = group_info(group)
         if schedule.ranks != self.world_size:
             raise ValueError(f"the schedule is for {schedule.ranks} ranks, the group has "
@@ -92,10 +96,6 @@ class PipelineRuntime:
         if set(stages) != mine:
             raise ValueError(f"rank {self.rank} holds stages {sorted(mine)} in this schedule, "
                              f"got modules for {sorted(stages)}")
-        check(schedule)
-        if recompute and any(a.kind == "I" for acts in schedule.actions for a in acts):
-            raise ValueError(f"recompute=True runs each stage's backward whole; {schedule.name} "
-                             "splits it into I and W, so it cannot recompute")
         for group in tied:
             for s, name in group.items():
                 if s in stages:
@@ -282,7 +282,7 @@ class PipelineRuntime:
                 self._losses.append(float(y.detach()))
         held = live_bytes(self.stages[s], activations=acts)["activations"] if acts else 0
         self._saved[(s, i)] = (x, y, held)
-        self._count_in_flight(held)
+        self._count_in_flight(held, a)
         return y
 
     def _backward(self, a: Action, grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -290,7 +290,7 @@ class PipelineRuntime:
         x, y, held = self._saved.pop((a.stage, a.microbatch))
         torch.autograd.backward(y, grad)  # grad None: y is the last stage's loss
         del y  # the graph, and the activations it saved, go here
-        self._count_in_flight(-held)
+        self._count_in_flight(-held, a)
         return x.grad
 
     def _input_gradient(self, a: Action, grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -305,12 +305,13 @@ class PipelineRuntime:
         """W: the weights' gradients, accumulated into .grad; then the graph goes."""
         later, held = self._later.pop((a.stage, a.microbatch))
         later()
-        self._count_in_flight(-held)
+        self._count_in_flight(-held, a)
 
-    def _count_in_flight(self, delta: int) -> None:
+    def _count_in_flight(self, delta: int, action: Action) -> None:
         self._in_flight_bytes += delta
         if self.tracer is not None:
-            self.tracer.count("in_flight_bytes", delta, now=self._in_flight_bytes)
+            self.tracer.count("in_flight_bytes", delta, now=self._in_flight_bytes,
+                              stage=action.stage, microbatch=action.microbatch)
 
 
 def measured_bubble(spans: Sequence[Any], ranks: int) -> float:

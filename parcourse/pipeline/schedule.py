@@ -167,7 +167,7 @@ def interleaved_1f1b(ranks: int, chunks_per_rank: int, microbatches: int) -> Sch
     rank runs one round's forwards on its first chunk, then on its second, ... (backwards
     likewise, last chunk first). Warm-up: the last rank runs (chunks - 1) rounds of
     forwards before its first backward, every rank before it two more (Megatron-LM's
-    count), then one forward and one backward in turn.
+    count), then one forward and one backward in turn. With one chunk it is 1F1B.
     """
     _check_sizes(ranks, microbatches)
     if isinstance(chunks_per_rank, bool) or not isinstance(chunks_per_rank, int) \
@@ -181,7 +181,9 @@ def interleaved_1f1b(ranks: int, chunks_per_rank: int, microbatches: int) -> Sch
     per_rank = []
     for r in range(p):
         total = v * m  # forwards on this rank, over all its chunks
-        warmup = min((v - 1) * per_round + 2 * (p - 1 - r), total)
+        # Megatron-LM's count: two per hop to the last rank once chunks wrap round
+        # the ring; with one chunk this is 1F1B's warm-up.
+        warmup = min((v - 1) * per_round + (2 if v > 1 else 1) * (p - 1 - r), total)
 
         def order(k: int, *, backward: bool) -> tuple[int, int]:
             """(stage, microbatch) of this rank's k-th forward (or backward)."""

@@ -88,13 +88,16 @@ class Deadlock(ValueError):
     """A schedule in which some action can never start."""
 
 
-def in_flight(actions: Sequence[Action]) -> list[int]:
+def in_flight(actions: Sequence[Action], held: Sequence[float] | None = None
+              ) -> list[float]:
     """Microbatches (per stage) whose activations a rank holds after each of its actions:
     one more after a forward, one fewer once its backward is done (after W when split,
-    since the weight gradient needs the layer inputs)."""
-    counts, alive = [], 0
+    since the weight gradient needs the layer inputs). With `held` (what one microbatch
+    holds on each stage, e.g. in bytes), that weighted: what the rank holds."""
+    counts, alive = [], 0.0 if held is not None else 0
     for a in actions:
-        alive += {"F": 1, "B": -1, "W": -1, "I": 0}[a.kind]
+        size = 1 if held is None else held[a.stage]
+        alive += {"F": size, "B": -size, "W": -size, "I": 0}[a.kind]
         counts.append(alive)
     return counts
 

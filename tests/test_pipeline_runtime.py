@@ -182,9 +182,26 @@ def test_cli_prints_grid_bubbles_and_in_flight(capsys):
                  "--forward-ms", "5", "--backward-ms", "10"]) == 0
     out = capsys.readouterr().out
     assert "formula (p-1)/(m+p-1) 0.200   simulated 0.200   measured" in out
-    assert "peak microbatches per rank (simulated): [4, 4]" in out and "0F3" in out
+    assert "of a rank's layers): [4, 4]" in out and "0F3" in out
     with pytest.raises(SystemExit):
         main(["pipeline", "--stages", "4", "--microbatches", "3", "--batch", "32"])
+
+
+def test_cli_runs_every_schedule_name(capsys):
+    from parcourse.cli import main
+
+    assert main(["pipeline", "--schedule", "zb-h1", "--stages", "2", "--microbatches", "4",
+                 "--forward-ms", "0", "--backward-ms", "0", "--model", "gpt"]) == 0
+    out = capsys.readouterr().out
+    assert "zb-h1, 2 ranks, 2 stages" in out and "1I3" in out and "1W3" in out
+    assert main(["pipeline", "--schedule", "interleaved-1f1b", "--stages", "2",
+                 "--microbatches", "4", "--forward-ms", "0", "--backward-ms", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "formula (p-1)/(v m+p-1) 0.111" in out and "3F3" in out
+    with pytest.raises(SystemExit, match="16 stages; --layers 8 cannot fill them"):
+        main(["pipeline", "--schedule", "interleaved-1f1b", "--chunks", "4"])
+    with pytest.raises(SystemExit, match="at least 2 x ranks"):
+        main(["pipeline", "--schedule", "dualpipe-v", "--microbatches", "4"])
 
 
 def test_gpipe_exercise_check(capsys):

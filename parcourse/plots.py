@@ -177,6 +177,18 @@ def timeline(trace: Trace, ax: Axes | None = None, *, title: str | None = None,
     """
     scale = {"s": 1e9, "ms": 1e6, "us": 1e3}[unit]
     fig, ax = _axes(ax, (11, 0.6 + 0.5 * trace.world_size))
+    if trace.world_size == 1:
+        # One rank has nobody to talk to: its collectives return at once, and a timeline of
+        # them alone would be a few microseconds of nothing.
+        title = (f"{title} (one rank: nothing to communicate)" if title
+                 else "one rank: nothing to communicate")
+        if not any(s.kind != "comm" for s in trace.spans):
+            ax.text(0.5, 0.5, "one rank: nothing to communicate", ha="center", va="center",
+                    transform=ax.transAxes, fontsize=11)
+            ax.set_axis_off()
+            if title:
+                ax.set_title(title, loc="left")
+            return fig
     t0 = trace.t0_ns
     end = max((s.end_ns for s in trace.spans), default=t0 + 1)
     span_width = (end - t0) / scale

@@ -331,3 +331,33 @@ def test_live_pools_count_against_the_limit_and_can_be_closed():
         limit_pools(previous)
         for pool in pools:
             pool.close()
+
+
+def test_a_long_run_in_a_notebook_shows_a_live_status_line(capsys):
+    # In a kernel: a line under the cell, updated while ranks work, emptied at the end
+    # (shown empty first, so nbval, which ignores updates, has nothing to compare).
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("from parcourse import launch\nfrom rankfns import slow\n"
+                                          "print(launch(slow, 2, 4.5).results)")]
+    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=120,
+                                     resources={"metadata": {"path": str(Path(__file__).parent)}})
+    seen = []
+    process = client.process_message
+
+    def spy(msg, cell, index):
+        if msg["msg_type"] in ("display_data", "update_display_data"):
+            seen.append(msg["content"]["data"].get("text/plain", ""))
+        return process(msg, cell, index)
+
+    client.process_message = spy
+    client.execute()
+    assert seen[0] == "" and seen[-1] == "", seen
+    assert any("0 of 2 ranks done; ranks 0, 1: in 'slow step' (compute)" in s for s in seen), seen
+    outputs = nb.cells[0].outputs
+    assert [o.output_type for o in outputs] == ["display_data", "stream"]
+    assert outputs[0].data == {} and outputs[1].text == "[0, 1]\n"
+    # In a script or a test, nothing is shown.
+    launch(slow, 2, 3.2)
+    assert capsys.readouterr().out == ""

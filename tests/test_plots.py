@@ -113,3 +113,19 @@ def test_legends_sit_outside_the_plotted_area():
         assert legend.x0 >= ax.get_window_extent(renderer).x1, "legend over the data"
         assert legend.x1 <= fig.bbox.x1, "legend cut off by the figure's edge"
     plt.close("all")
+
+
+def test_timeline_of_one_rank_says_there_is_nothing_to_communicate():
+    tracer = Tracer(0)
+    with tracer.span("all_reduce", kind="comm"):
+        pass  # one rank: returns at once
+    fig = plots.timeline(Trace.merge(1, [tracer.data()]), title="ring")
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert texts == ["one rank: nothing to communicate"], "no microsecond-wide empty axis"
+    assert not fig.axes[0].patches
+    with tracer.span("forward"):
+        pass
+    fig = plots.timeline(Trace.merge(1, [tracer.data()]), title="training")
+    assert fig.axes[0].get_title(loc="left") == "training (one rank: nothing to communicate)"
+    assert len(fig.axes[0].patches) == 2, "compute is still drawn"
+    plt.close("all")

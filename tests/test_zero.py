@@ -299,6 +299,9 @@ def test_rows_exercise_check(capsys):
     assert "should keep rows 0..6" in capsys.readouterr().out
     assert not check_rows(stub)
     assert "Not written yet" in capsys.readouterr().out
+    assert not check_rows(lambda param, rank, n: param.rows)  # a bug: one line, no traceback
+    assert "raised AttributeError: 'Tensor' object has no attribute 'rows'" in \
+        capsys.readouterr().out
 
 
 def test_unpack_exercise_check(capsys):
@@ -324,3 +327,5 @@ def test_unpack_exercise_check(capsys):
     assert not check_unpack(ignores_padding)
     out = capsys.readouterr().out
     assert "Not quite" in out and "Hint" in out and "Traceback" not in out
+    assert not check_unpack(lambda parts, shapes, n: parts.view(-1, 5))
+    assert "your function raised RuntimeError" in capsys.readouterr().out

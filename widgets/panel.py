@@ -9,7 +9,9 @@
     panel                                        # shows it; it has already run once
 
 Each control's value is passed to the rank function and to `render` under the
-control's name; a control named `world_size` picks the pool. The first run
+control's name; a control named `world_size` picks the pool. `fixed` values go
+to the rank function too (e.g. the lesson's model and step count), and the panel
+lists them under its title, so that what it runs is on screen. The first run
 happens when the panel is made, so a notebook executed headless (CI) runs the
 same path a learner's click does; a failure of that first run raises, so that a
 broken panel fails the notebook instead of hiding in its output. Failures after
@@ -77,12 +79,14 @@ class RunPanel:
         world_size: int = 2,
         pool: Pool | None = None,
         check: Callable[..., None] | None = None,
+        fixed: Mapping[str, Any] | None = None,
         title: str = "",
         timeout: float = 60.0,
         run_now: bool = True,
     ) -> None:
         self.rank_fn, self.render, self.check = rank_fn, render, check
         self.controls = dict(controls or {})
+        self.fixed = dict(fixed or {})
         self._initial = {name: c.value for name, c in self.controls.items()}
         self.world_size, self.pool, self.timeout = world_size, pool, timeout
         self.last_run: Run | None = None
@@ -93,6 +97,10 @@ class RunPanel:
         self.output = W.Output()
         self.button.on_click(lambda _: self.run())
         header = [W.HTML(f"<b>{html.escape(title)}</b>")] if title else []
+        if self.fixed:
+            runs = ", ".join(f"{k} = {v:g}" if isinstance(v, float) else f"{k} = {v}"
+                             for k, v in self.fixed.items())
+            header.append(W.HTML(f"<small>runs with {html.escape(runs)}</small>"))
         self.widget = W.VBox(
             [*header, *self.controls.values(), W.HBox([self.button, self.status]), self.output]
         )
@@ -127,7 +135,7 @@ class RunPanel:
     def run(self, raise_errors: bool = False) -> Run | None:
         """What the button does: run on real ranks, then show results or the error."""
         params = self.params()
-        rank_kwargs = {k: v for k, v in params.items() if k != "world_size"}
+        rank_kwargs = {**self.fixed, **{k: v for k, v in params.items() if k != "world_size"}}
         world_size = params.get("world_size", self.world_size)
         self.button.disabled = True
         self.last_error = None

@@ -6,7 +6,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from parcourse.launch import Pool, RankError, RankTimeout, Run
+from parcourse.launch import LaunchError, Pool, RankError, RankTimeout, Run
 
 
 def slowest_rank(per_rank: list[dict[Any, list[float]]], key: Any) -> list[float]:
@@ -41,4 +41,7 @@ def run_exercise(pool: Pool, fn: Callable[..., Any], *args: Any,
         print(f"Not yet: ranks {', '.join(map(str, e.running))} were still waiting after "
               f"{timeout:g} s. Hint: every send needs a matching receive on the other rank, "
               "and every rank must call each collective.")
+        return None
+    except LaunchError as e:  # a rank died, or the function or its result cannot be sent
+        print(f"Not yet: {str(e).splitlines()[0]}")
         return None

@@ -84,6 +84,11 @@ def barrier_then_all_reduce(ctx: RankContext, work_ms: float = 20.0, numel: int 
     Rank r works (r + 1) * work_ms; the fast ranks wait in the barrier for the
     slowest. Returns the seconds this rank spent in the barrier.
     """
+    # Warm up, untraced: the first all_reduce of a size allocates and connects, and the
+    # first matmuls are slow; drawn, that first time spreads the exits over ~100 ms.
+    t = torch.ones(numel, device=ctx.device)
+    dist.all_reduce(t, group=ctx.group)
+    _busy(seconds=0.005)
     dist.barrier(group=ctx.group)  # a common start, as the theory assumes
     with ctx.tracer.span("work", kind="compute", label=f"{(ctx.rank + 1) * work_ms:g} ms"):
         _busy(seconds=(ctx.rank + 1) * work_ms / 1e3)
@@ -91,7 +96,6 @@ def barrier_then_all_reduce(ctx: RankContext, work_ms: float = 20.0, numel: int 
     with ctx.tracer.span("barrier", kind="idle"):
         dist.barrier(group=ctx.group)
     waited = time.perf_counter() - start
-    t = torch.ones(numel, device=ctx.device)
     with ctx.tracer.span("all_reduce", kind="comm", label=f"{t.nbytes >> 20} MiB"):
         dist.all_reduce(t, group=ctx.group)
     with ctx.tracer.span("work", kind="compute"):

@@ -266,6 +266,11 @@ def check_rows(fn: Callable[[torch.Tensor, int, int], torch.Tensor]) -> bool:
                 except NotImplementedError:
                     print("Not written yet: fill in the function above, then run this cell again.")
                     return False
+                except Exception as e:  # noqa: BLE001 - the learner's code: say what, no traceback
+                    print(f"Not yet: with shape {shape}, rank {rank} of {world_size}, your "
+                          f"function raised {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}")
+                    return False
                 if not (torch.is_tensor(got) and got.shape == expected.shape
                         and torch.equal(got, expected)):
                     seen = tuple(got.shape) if torch.is_tensor(got) else type(got).__name__
@@ -295,6 +300,10 @@ def check_unpack(fn: Callable[[torch.Tensor, list[tuple[int, ...]], int], list[t
                 got = fn(parts, [tuple(s) for s in shapes], world_size)
             except NotImplementedError:
                 print("Not written yet: fill in the function above, then run this cell again.")
+                return False
+            except Exception as e:  # noqa: BLE001 - the learner's code: say what, no traceback
+                print(f"Not yet: with shapes {shapes} on {world_size} ranks, your function raised "
+                      f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
                 return False
             for shape, e, o in zip(shapes, expected, list(got) + [None] * len(shapes)):
                 if not (torch.is_tensor(o) and o.shape == e.shape and torch.equal(o, e)):

@@ -1,14 +1,19 @@
-"""Pipelines: our GPipe against torch.distributed.pipelining's, and the bubble against theory.
+"""Pipelines: our schedules against torch.distributed.pipelining's, and against the simulator.
 
     python benchmarks/pipeline.py [--steps 15] [--microbatches 4] [--width 256]
 
-1. Step time of our GPipe (parcourse.pipeline.PipelineRuntime) against
-   torch.distributed.pipelining.ScheduleGPipe on the same two stages of a deep MLP
-   (gloo, 2 ranks, real compute), alternating step by step in one run; medians of
-   the slowest rank and their ratio. Target: ours / torch <= 1.0.
-2. The measured bubble of GPipe under simulated compute (F 20 ms, B 40 ms per
-   stage) beside the simulator's prediction and (p-1)/(m+p-1), for p in {2, 4}
-   and m in {1, 2, 4, 8, 16}.
+1. Step time and peak activation memory of our schedules (parcourse.pipeline's
+   runtime) against torch.distributed.pipelining's counterparts on the same stages
+   of a deep MLP (gloo, 2 ranks, real compute), alternating step by step in one run:
+   GPipe / ScheduleGPipe, 1F1B / Schedule1F1B, interleaved 1F1B (2 chunks per rank) /
+   ScheduleInterleaved1F1B, DualPipeV / ScheduleDualPipeV. Time: medians of the
+   slowest rank. Memory: the peak bytes autograd holds for backward (PeakSavedBytes,
+   a step of each), the larger rank. Targets: ours / torch <= 1.0 for both.
+   ZB-H1 has no counterpart in torch (its zero-bubble schedules, ZBV and interleaved
+   ZB, hold two or more stages per rank).
+2. Every schedule's measured bubble and peak in-flight activations under simulated
+   compute (F 20 ms, B 40 ms for one rank's layers, W half of B) beside the
+   simulator's prediction, at p = 4 and m in {4, 8, 16}.
 """
 
 from __future__ import annotations
@@ -19,10 +24,66 @@ import torch
 
 from parcourse import Pool
 from parcourse.experiments.common import median_of_slowest
-from parcourse.experiments.pipeline import bubble_of, step_times, train
-from parcourse.pipeline import Costs, gpipe, simulate
-from parcourse.pipeline.runtime import SimulatedCompute
-from parcourse.theory import gpipe_bubble
+from parcourse.experiments.pipeline import TORCH_SCHEDULES, bubble_of, step_times, train
+from parcourse.pipeline import Costs, simulate
+from parcourse.pipeline.simulate import in_flight
+
+
+def compare_with_torch(args: argparse.Namespace) -> None:
+    print(f"\n1. ours against torch.distributed.pipelining, 2 ranks, {args.microbatches} "
+          f"microbatches, MLP 8 x {args.width}, batch 256 (median of {args.steps}, "
+          "slowest rank; peak saved activations, larger rank)")
+    print(f"{'schedule':>18}{'ours ms':>9}{'torch ms':>10}{'time ratio':>12}"
+          f"{'ours act.':>11}{'torch act.':>12}{'memory ratio':>14}")
+    with Pool(2, timeout=3600) as pool:
+        for schedule, theirs in TORCH_SCHEDULES.items():
+            try:
+                per_rank = pool.run(step_times, args.microbatches, args.steps,
+                                    schedule=schedule, width=args.width).results
+            except Exception as e:  # noqa: BLE001 - a torch schedule failing on gloo is a result
+                print(f"{schedule:>18}   torch {theirs} failed: {type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:80]}")
+                continue
+            times = [r["times"] for r in per_rank]
+            ours = median_of_slowest(times, "ours")
+            torch_t = median_of_slowest(times, f"torch {theirs}")
+            mem = {k: max(r["peaks"][k] for r in per_rank) for k in per_rank[0]["peaks"]}
+            ours_m, torch_m = mem["ours"], mem[f"torch {theirs}"]
+            t_ratio, m_ratio = ours / torch_t, ours_m / torch_m
+            print(f"{schedule:>18}{ours * 1e3:>9.1f}{torch_t * 1e3:>10.1f}{t_ratio:>12.2f}"
+                  f"{ours_m / 2**20:>9.2f}MB{torch_m / 2**20:>10.2f}MB{m_ratio:>14.2f}")
+    print("targets: time ratio <= 1.0, memory ratio <= 1.0")
+
+
+def against_the_simulator() -> None:
+    f, b = 20.0, 40.0
+    print(f"\n2. measured against simulated, p = 4, simulated compute (F {f:g} ms, B {b:g} ms "
+          "for one rank's layers, W half of B)")
+    print(f"{'schedule':>18}{'m':>4}{'bubble':>8}{'simulated':>11}{'peak act.':>11}"
+          f"{'simulated':>11}{'ratio':>7}")
+    with Pool(4, timeout=3600) as pool:
+        for schedule in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "dualpipe-v"):
+            for m in (4, 8, 16):
+                if schedule == "dualpipe-v" and m < 8:
+                    print(f"{schedule:>18}{m:>4}   (needs m >= 2p = 8)")
+                    continue
+                run = pool.run(train, schedule, m, 1, batch=32, forward_ms=f, backward_ms=b)
+                plan = run.results[0]["schedule"]
+                v = plan.stages // plan.ranks
+                predicted = simulate(plan, Costs(forward=f / 1e3 / v, backward=b / 1e3 / v))
+                peaks, expected = [], []
+                for rank in range(4):
+                    counters = [c for c in run.trace.counters
+                                if c.rank == rank and c.name == "in_flight_bytes"]
+                    held: dict[int, float] = {}
+                    for c in counters:
+                        held.setdefault(c.meta["stage"], c.value)
+                    per_stage = [held.get(s, 0.0) for s in range(plan.stages)]
+                    peaks.append(max(c.meta["now"] for c in counters))
+                    expected.append(max(in_flight(plan[rank], per_stage)))
+                print(f"{schedule:>18}{m:>4}{bubble_of(run):>8.3f}{predicted.bubble:>11.3f}"
+                      f"{max(peaks) / 1024:>9.1f}kB{max(expected) / 1024:>9.1f}kB"
+                      f"{max(peaks) / max(expected):>7.2f}")
 
 
 def main() -> None:
@@ -30,30 +91,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--only", choices=("torch", "simulator"), default=None)
     args = parser.parse_args()
     print(f"torch {torch.__version__}, gloo on CPU, one thread per rank")
-
-    with Pool(2, timeout=3600) as pool:
-        per_rank = pool.run(step_times, args.microbatches, args.steps, width=args.width).results
-    med = {name: median_of_slowest(per_rank, name) for name in per_rank[0]}
-    print(f"\n1. step time, 2 stages, {args.microbatches} microbatches, MLP 8 x {args.width}, "
-          f"batch 256 (median of {args.steps}, slowest rank)")
-    for name, t in med.items():
-        print(f"{name:>22}: {t * 1e3:7.1f} ms")
-    ratio = med["ours"] / med["torch ScheduleGPipe"]
-    print(f"ours / torch = {ratio:.2f} (target <= 1.0: {'met' if ratio <= 1.0 else 'MISSED'})")
-
-    f, b = 0.02, 0.04
-    print("\n2. GPipe bubble under simulated compute (F 20 ms, B 40 ms): measured, simulated, "
-          "formula")
-    print(f"{'p':>3}{'m':>4}{'measured':>10}{'simulated':>11}{'formula':>9}")
-    for p in (2, 4):
-        with Pool(p, timeout=3600) as pool:
-            for m in (1, 2, 4, 8, 16):
-                run = pool.run(train, "gpipe", m, 1, batch=32, compute=SimulatedCompute(f, b))
-                predicted = simulate(gpipe(p, m), Costs(forward=f, backward=b)).bubble
-                print(f"{p:>3}{m:>4}{bubble_of(run):>10.3f}{predicted:>11.3f}"
-                      f"{gpipe_bubble(p, m):>9.3f}")
+    if args.only != "simulator":
+        compare_with_torch(args)
+    if args.only != "torch":
+        against_the_simulator()
 
 
 if __name__ == "__main__":

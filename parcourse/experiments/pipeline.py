@@ -152,54 +152,76 @@ def bubble_of(run: Any) -> float:
     return measured_bubble(spans, len(run.results))
 
 
-def step_times(ctx: RankContext, microbatches: int, steps: int = 10, *, depth: int = 8,
-               width: int = 256, batch: int = 256) -> dict[str, list[float]]:
-    """Step times (forward, backward and SGD step) of our GPipe and of
-    torch.distributed.pipelining's ScheduleGPipe on the same stages, alternating."""
+TORCH_SCHEDULES = {  # ours -> torch.distributed.pipelining's counterpart
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "dualpipe-v": "ScheduleDualPipeV",
+}
+
+
+def step_times(ctx: RankContext, microbatches: int, steps: int = 10, *,
+               schedule: str = "gpipe", chunks: int = 2, depth: int = 8, width: int = 256,
+               batch: int = 256) -> dict[str, Any]:
+    """Step times (forward, backward and SGD step) and peak saved-activation bytes of our
+    `schedule` and of torch.distributed.pipelining's counterpart on the same stages
+    (the same cut, on the same ranks), step by step in alternation. Activations are
+    measured by PeakSavedBytes over a separate step of each, so timing runs unhooked."""
     import time
 
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    import torch.distributed.pipelining as pipelining
 
-    stages, rank = ctx.world_size, ctx.rank
+    from parcourse.memory import PeakSavedBytes
+
+    rank = ctx.rank
+    plan = make_schedule(schedule, ctx.world_size, microbatches, chunks)
     x, y = regression_batch(batch, width)
-    runs: dict[str, Callable[[], None]] = {}
+    first, last = plan.stage_rank[0], plan.stage_rank[-1]
+    local = [s for s, r in enumerate(plan.stage_rank) if r == rank]
 
-    ours_module = partition(deep_mlp(depth, width), stages)[rank]
-    ours = PipelineRuntime(gpipe(stages, microbatches), {rank: ours_module}, ctx.group,
-                           nn.functional.mse_loss)
-    ours_opt = torch.optim.SGD(ours_module.parameters(), lr=0.01)
+    ours_cut = partition(deep_mlp(depth, width), plan.stages)
+    ours_stages = {s: ours_cut[s] for s in local}
+    ours = PipelineRuntime(plan, ours_stages, ctx.group, nn.functional.mse_loss)
+    ours_params = [p for s in local for p in ours_cut[s].parameters()]
+    ours_opt = torch.optim.SGD(ours_params, lr=0.01)
 
     def ours_step() -> None:
-        ours.step(x if rank == 0 else None, y if rank == stages - 1 else None)
+        ours.step(x if rank == first else None, y if rank == last else None)
         ours_opt.step()
         ours_opt.zero_grad()
 
-    theirs_module = partition(deep_mlp(depth, width), stages)[rank]
-    stage = PipelineStage(theirs_module, rank, stages, ctx.device, group=ctx.group)
-    theirs = ScheduleGPipe(stage, microbatches, loss_fn=nn.functional.mse_loss)
-    theirs_opt = torch.optim.SGD(theirs_module.parameters(), lr=0.01)
+    theirs_cut = partition(deep_mlp(depth, width), plan.stages)
+    torch_stages = [pipelining.PipelineStage(theirs_cut[s], s, plan.stages, ctx.device,
+                                             group=ctx.group) for s in local]
+    cls = getattr(pipelining, TORCH_SCHEDULES[schedule])
+    theirs = cls(torch_stages[0] if len(local) == 1 else torch_stages, microbatches,
+                 loss_fn=nn.functional.mse_loss)
+    theirs_opt = torch.optim.SGD([p for s in local for p in theirs_cut[s].parameters()],
+                                 lr=0.01)
 
     def theirs_step() -> None:
-        if rank == 0:
-            theirs.step(x)
-        elif rank == stages - 1:
-            theirs.step(target=y)
-        else:
-            theirs.step()
+        args = (x,) if rank == first else ()
+        kwargs = {"target": y} if rank == last else {}
+        theirs.step(*args, **kwargs)
         theirs_opt.step()
         theirs_opt.zero_grad()
 
-    runs = {"ours": ours_step, "torch ScheduleGPipe": theirs_step}
+    runs = {"ours": ours_step, f"torch {TORCH_SCHEDULES[schedule]}": theirs_step}
     times: dict[str, list[float]] = {name: [] for name in runs}
-    for fn in runs.values():
+    peaks: dict[str, int] = {}
+    for name, fn in runs.items():
         fn()  # warm-up
+        torch.distributed.barrier(group=ctx.group)
+        with PeakSavedBytes() as saved:
+            fn()
+        peaks[name] = saved.peak
     for _ in range(steps):
         for name, fn in runs.items():
             torch.distributed.barrier(group=ctx.group)
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
-    return times
+    return {"times": times, "peaks": peaks}
 
 
 def as_trace(timeline: Timeline) -> Trace:

@@ -111,7 +111,8 @@ def main() -> None:
     print(f"ours, saved activations by PeakSavedBytes: {format_bytes(saved.peak)} "
           f"({saved.peak / (args.batch * args.width * 4):.0f} layer outputs; theory 2 x {k})")
     mem_ratio = peaks["ours"] / peaks["torch checkpoint"]
-    print(f"ours / torch checkpoint (MemTracker) = {mem_ratio:.2f} (target <= 1.0: "
+    print(f"ours / torch checkpoint (MemTracker) = {mem_ratio:.2f} "
+          f"({peaks['ours']} / {peaks['torch checkpoint']} bytes; target <= 1.0: "
           f"{'met' if mem_ratio <= 1.0 else 'MISSED'})")
 
     print("\n3. every policy over n (width 64, batch 32): peak saved activations in layer "

@@ -84,6 +84,9 @@ def test_lesson_hygiene(path):
         if re.search(r"\b(RunPanel|Button|Output)\(", text):
             assert "NBVAL_IGNORE_OUTPUT" in text, f"cell {i}: a panel without NBVAL_IGNORE_OUTPUT"
         assert not text.endswith(";"), f"cell {i}: nbval does not honour a trailing ';'"
+        last = text.splitlines()[-1] if text else ""
+        assert not re.match(r"[\w.]*check\w*\(", last), \
+            f"cell {i}: a check's verdict would echo as Out: False; assign it (passed = ...)"
         if "NBVAL_CHECK_OUTPUT" not in text:
             assert not cell.get("outputs"), f"cell {i}: commit notebooks without noisy outputs"
         else:

@@ -26,6 +26,8 @@ SMALL = {
                            "timing_steps": 1},
     "06_pipelines": {"world_size": 2, "microbatches": 4, "layers": 4, "forward_ms": 20.0,
                      "backward_ms": 40.0, "batch": 8},
+    "07_1f1b_and_beyond": {"world_size": 2, "microbatches": 4, "layers": 4, "forward_ms": 20.0,
+                           "backward_ms": 40.0, "weight_ms": 20.0, "batch": 8},
     "08_activation_checkpointing": {"world_size": 2, "layers": 16, "width": 16, "batch": 8},
 }
 CELL_TIMEOUT_S = 300

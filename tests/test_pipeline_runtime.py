@@ -223,3 +223,20 @@ def test_gpipe_exercise_check(capsys):
     assert "can never finish" in capsys.readouterr().out
     assert not check_schedule_exercise(backwards_in_order)
     assert "not GPipe's" in capsys.readouterr().out
+
+
+def test_one_f_one_b_exercise_check(capsys):
+    from parcourse.experiments.pipeline import check_one_f_one_b_exercise
+    from parcourse.pipeline.schedule import B, F, one_f_one_b
+
+    def gpipe_like(s, p, m):  # runs, but holds all m
+        return [F(s, i) for i in range(m)] + [B(s, i) for i in range(m)]
+
+    def no_warmup(s, p, m):  # holds 1, but stalls the stages after it
+        return [a for i in range(m) for a in (F(s, i), B(s, i))]
+
+    assert check_one_f_one_b_exercise(lambda s, p, m: one_f_one_b(p, m)[s])
+    assert not check_one_f_one_b_exercise(gpipe_like)
+    assert "holds 2 microbatches at once" in capsys.readouterr().out
+    assert not check_one_f_one_b_exercise(no_warmup)
+    assert "not GPipe's" in capsys.readouterr().out

@@ -3,7 +3,8 @@ cut into stages, trained under a schedule, with its measured bubble and in-fligh
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -16,7 +17,7 @@ from parcourse.pipeline.runtime import PipelineRuntime, SimulatedCompute, measur
 from parcourse.models import GPTConfig, gpt, gpt_layers
 from parcourse.pipeline.schedule import (Schedule, dualpipe_v, gpipe, interleaved_1f1b, naive,
                                          one_f_one_b, zero_bubble_h1)
-from parcourse.pipeline.simulate import Timeline
+from parcourse.pipeline.simulate import Costs, Timeline, in_flight, simulate
 from parcourse.trace import Span, Trace
 
 ScheduleName = Literal["naive", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "dualpipe-v"]
@@ -102,7 +103,8 @@ def train(ctx: RankContext, schedule: str, microbatches: int, steps: int = 2, *,
     of backward; default half) for one rank's share of the model: a stage of a schedule
     with several stages per rank (a chunk) takes its fraction. Returns this rank's
     weights (named as in the whole model), the losses (on the last stage's rank), the
-    last step's spans and the schedule.
+    last step's spans, the schedule, and the last step's peak in-flight activation bytes
+    with the bytes one microbatch holds on each of this rank's stages (when traced).
     """
     plan = make_schedule(schedule, ctx.world_size, microbatches, chunks)
     per_rank = plan.stages // plan.ranks
@@ -123,6 +125,7 @@ def train(ctx: RankContext, schedule: str, microbatches: int, steps: int = 2, *,
     for _ in range(steps):
         torch.distributed.barrier(group=ctx.group)
         spans_before = len(ctx.tracer.data().spans)
+        counters_before = len(ctx.tracer.data().counters)
         loss = runtime.step(x.to(ctx.device) if ctx.rank == first else None,
                             y.to(ctx.device) if ctx.rank == last else None)
         opt.step()
@@ -130,8 +133,15 @@ def train(ctx: RankContext, schedule: str, microbatches: int, steps: int = 2, *,
         if loss is not None:
             losses.append(loss)
     weights = {names[id(p)]: p.detach().cpu().clone() for p in params}
-    last_step = ctx.tracer.data().spans[spans_before:]
-    return {"weights": weights, "losses": losses, "spans": last_step, "schedule": plan}
+    data = ctx.tracer.data()
+    last_step = data.spans[spans_before:]
+    counts = [c for c in data.counters[counters_before:] if c.name == "in_flight_bytes"]
+    held: dict[int, float] = {}  # bytes one microbatch holds on each stage: its first F
+    for c in counts:
+        held.setdefault(c.meta["stage"], c.value)
+    return {"weights": weights, "losses": losses, "spans": last_step, "schedule": plan,
+            "peak_in_flight_bytes": max((c.meta["now"] for c in counts), default=0.0),
+            "held_per_stage": held}
 
 
 def one_process(steps: int = 2, *, model: Model = "mlp", depth: int = 8, width: int = 16,
@@ -260,4 +270,130 @@ def check_schedule_exercise(fn: Callable[[int, int], Any]) -> bool:
                       "first.")
                 return False
     print("Correct: every forward, then every backward in reverse, on every stage.")
+    return True
+
+
+# --------------------------------------------------------------------------- lesson 07
+
+ALL_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "dualpipe-v")
+
+
+def common_microbatches(ranks: int, microbatches: int) -> int:
+    """The smallest m >= `microbatches` that every schedule accepts on `ranks` ranks:
+    a multiple of the ranks (interleaved 1F1B's rounds), at least 2 ranks (DualPipeV)."""
+    at_least = max(microbatches, 2 * ranks)
+    return -(-at_least // ranks) * ranks
+
+
+def every_schedule(ctx: RankContext, microbatches: int, *, schedules: Sequence[str] =
+                   ALL_SCHEDULES, **kwargs: Any) -> dict[str, dict[str, Any]]:
+    """One step of each schedule in turn on the same ranks (train's keyword arguments);
+    what each `train` returned, by schedule, without the weights."""
+    out = {}
+    for name in schedules:
+        result = train(ctx, name, microbatches, 1, **kwargs)
+        result.pop("weights")
+        out[name] = result
+    return out
+
+
+@dataclass
+class ScheduleSummary:
+    """A schedule's step, measured and simulated (all ranks)."""
+
+    name: str
+    bubble: float
+    simulated_bubble: float
+    peak_bytes: float  # the busiest rank's peak in-flight activations
+    simulated_peak_bytes: float  # the simulator's count on each stage x the bytes measured
+    per_rank_bytes: list[float]
+    messages: int  # between ranks, per step (simulated)
+
+
+def summarize(results: Sequence[dict[str, Any]], costs: Costs) -> ScheduleSummary:
+    """`results`: one `train` result per rank; `costs` for one rank's layers (a chunk of a
+    schedule with v stages per rank costs a v-th)."""
+    plan: Schedule = results[0]["schedule"]
+    v = plan.stages // plan.ranks
+    scale = {k: (getattr(costs, k) / v if getattr(costs, k) is not None else None)
+             for k in ("forward", "backward", "weight")}
+    predicted = simulate(plan, Costs(**scale, latency=costs.latency, bandwidth=costs.bandwidth,
+                                     message_bytes=costs.message_bytes))
+    held: dict[int, float] = {}
+    for r in results:
+        held.update(r["held_per_stage"])
+    per_stage = [held.get(s, 0.0) for s in range(plan.stages)]
+    expected = [max(in_flight(plan[r], per_stage), default=0.0) for r in range(plan.ranks)]
+    per_rank = [r["peak_in_flight_bytes"] for r in results]
+    spans = [s for r in results for s in r["spans"]]
+    return ScheduleSummary(plan.name, measured_bubble(spans, plan.ranks), predicted.bubble,
+                           max(per_rank), max(expected), per_rank, predicted.messages)
+
+
+def plot_schedules(summaries: Sequence[ScheduleSummary], title: str = "") -> Any:
+    """Bubble and peak in-flight activations of each schedule: measured bars beside the
+    simulator's (hatched)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), layout="constrained")
+    names = [s.name for s in summaries]
+    xs = range(len(names))
+    for ax, measured, simulated, label in (
+            (axes[0], [s.bubble for s in summaries], [s.simulated_bubble for s in summaries],
+             "bubble (idle fraction)"),
+            (axes[1], [s.peak_bytes / 1024 for s in summaries],
+             [s.simulated_peak_bytes / 1024 for s in summaries],
+             "peak activations, busiest rank (KiB)")):
+        ax.bar([x - 0.2 for x in xs], measured, width=0.4, label="measured", color="C0")
+        ax.bar([x + 0.2 for x in xs], simulated, width=0.4, label="simulated", color="white",
+               edgecolor="C0", hatch="//")
+        ax.set_xticks(list(xs), names, rotation=20, ha="right")
+        ax.set_ylabel(label)
+    axes[1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def check_one_f_one_b_exercise(fn: Callable[[int, int, int], Any]) -> bool:
+    """Lesson 07's exercise: `fn(stage, stages, microbatches)` returns the actions of one
+    stage under 1F1B. Checked for 1-6 stages and 1-12 microbatches: the schedule built
+    from it must run (the dependency checker), hold at most p - s microbatches on stage
+    s (the simulator), and keep GPipe's bubble. Prints one short verdict; True if right."""
+    from parcourse.pipeline.schedule import check
+    from parcourse.theory import gpipe_bubble
+
+    for p in range(1, 7):
+        for m in range(1, 13):
+            try:
+                per_rank = [list(fn(s, p, m)) for s in range(p)]
+            except NotImplementedError:
+                print("Not written yet: fill in the function above, then run this cell again.")
+                return False
+            except Exception as e:  # noqa: BLE001 - the learner's code: say what, briefly
+                print(f"Not quite: with {p} stages and {m} microbatches your function raised "
+                      f"{type(e).__name__}: {e}")
+                return False
+            schedule = Schedule("yours", m, tuple(range(p)), tuple(map(tuple, per_rank)))
+            try:
+                check(schedule)
+            except (TypeError, ValueError) as e:
+                print(f"Not quite: with {p} stages and {m} microbatches, {e}. Hint: stage s "
+                      "starts with p - s - 1 forwards.")
+                return False
+            timeline = simulate(schedule, Costs(forward=1, backward=2))
+            for s, peak in enumerate(timeline.peak_in_flight):
+                if peak > min(p - s, m):
+                    print(f"Not quite: with {p} stages and {m} microbatches, stage {s} holds "
+                          f"{peak} microbatches at once; 1F1B holds at most "
+                          f"{min(p - s, m)}. Hint: after the warm-up, each forward is "
+                          "followed by the oldest backward.")
+                    return False
+            if abs(timeline.bubble - gpipe_bubble(p, m)) > 1e-9:
+                print(f"Not quite: with {p} stages and {m} microbatches, the bubble is "
+                      f"{timeline.bubble:.3f}, not GPipe's {gpipe_bubble(p, m):.3f}: too few "
+                      "forwards in the warm-up stall the stages after it.")
+                return False
+    print("Correct: warm-up, one forward and one backward in turn, cool-down; at most p - s "
+          "microbatches on stage s, and GPipe's bubble.")
     return True

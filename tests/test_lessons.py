@@ -98,3 +98,7 @@ def test_lesson_hygiene(path):
         after = cells[cells.index(stub) + 1:]
         assert any("check" in source(c) for c in after), "every exercise stub has a check"
         assert any("solution" in source(c).lower() for c in after), "…and a solution"
+    for i, cell in enumerate(cells):
+        if source(cell).lstrip().startswith("def solution"):
+            assert cell["metadata"].get("jupyter", {}).get("source_hidden"), \
+                f"cell {i}: a solution starts collapsed (metadata jupyter.source_hidden)"

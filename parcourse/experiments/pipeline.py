@@ -111,6 +111,7 @@ def train(ctx: RankContext, schedule: str, microbatches: int, steps: int = 2, *,
     if compute is None and (forward_ms or backward_ms):
         compute = SimulatedCompute(forward_ms / 1e3 / per_rank, backward_ms / 1e3 / per_rank,
                                    None if weight_ms is None else weight_ms / 1e3 / per_rank)
+    ctx.tracer.set_status("building the model")
     layers, whole, x, y, loss_fn = model_and_data(model, depth, width, batch)
     names = {id(p): n for n, p in whole.named_parameters()}
     cut = partition(layers, plan.stages, by)

@@ -218,12 +218,15 @@ def step_times(ctx: RankContext, microbatches: int, steps: int = 10, *,
         theirs_opt.zero_grad()
 
     runs = {"ours": ours_step, f"torch {TORCH_SCHEDULES[schedule]}": theirs_step}
+    weights = {"ours": ours_params,
+               f"torch {TORCH_SCHEDULES[schedule]}": [p for s in local
+                                                       for p in theirs_cut[s].parameters()]}
     times: dict[str, list[float]] = {name: [] for name in runs}
     peaks: dict[str, int] = {}
     for name, fn in runs.items():
         fn()  # warm-up
         torch.distributed.barrier(group=ctx.group)
-        with PeakSavedBytes() as saved:
+        with PeakSavedBytes(exclude=weights[name]) as saved:  # activations, not weights
             fn()
         peaks[name] = saved.peak
     for _ in range(steps):

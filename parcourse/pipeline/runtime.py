@@ -106,6 +106,7 @@ class PipelineRuntime:
         self.recompute = recompute  # GPipe's own trick: keep a stage's input, not its insides
         self.last = schedule.stages - 1
         self._shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}  # each stage's input
+        self._out_shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}  # ... and output
 
     # -- point to point
 
@@ -125,19 +126,45 @@ class PipelineRuntime:
         t = t.detach().contiguous()
         self._sends.append((self._wire(t).send([t], to, tag), t))
 
-    def _receive(self, kind: str, stage: int, microbatch: int, like: tuple[torch.Size, torch.dtype]
-                 ) -> torch.Tensor:
-        """What `stage` sent (its activations, F; the gradient of its input, B)."""
+    def _incoming(self, a: Action) -> tuple[str, int] | None:
+        """(kind, stage) of the message `a` waits for: the previous stage's activations
+        (F), the next stage's input gradient (B or I); None for the ends and for W."""
+        if a.kind == "F" and a.stage > 0:
+            return "F", a.stage - 1
+        if a.kind in "BI" and a.stage < self.last:
+            return "B", a.stage + 1
+        return None
+
+    def _post(self, a: Action) -> None:
+        """Post the receive `a` will need, before it runs: the message can then land while
+        this rank still computes (a receive posted only when needed puts the transfer on
+        the critical path). The step posts each action's receive one action ahead."""
+        need = self._incoming(a)
+        if need is None or a in self._posted or self._peer(need[1]) == self.rank:
+            return
+        kind, stage = need
+        shape, dtype = self._shapes[a.stage] if kind == "F" else self._out_shapes[a.stage]
+        tag = _tag(kind, stage, a.microbatch, self.schedule.microbatches, self.schedule.stages)
+        buffer = torch.empty(shape, dtype=dtype, device=self._device)
+        self._posted[a] = (self._wire(buffer).recv([buffer], self._peer(stage), tag), buffer)
+
+    def _receive(self, a: Action) -> torch.Tensor | None:
+        """What `a` needs from another stage (activations for F, the gradient of the
+        output for B and I), waited for in a comm span named after it."""
+        need = self._incoming(a)
+        if need is None:
+            return None
+        kind, stage = need
         if self._peer(stage) == self.rank:
-            return self._local.pop((kind, stage, microbatch))
-        tag = _tag(kind, stage, microbatch, self.schedule.microbatches, self.schedule.stages)
-        buffer = torch.empty(like[0], dtype=like[1], device=self._device)
+            return self._local.pop((kind, stage, a.microbatch))
+        self._post(a)
+        work, buffer = self._posted.pop(a)
         start = time.perf_counter_ns()
-        self._wire(buffer).recv([buffer], self._peer(stage), tag).wait()
+        work.wait()
         if self.tracer is not None:
             # Waiting for the message, mostly: named for what it waits for, and without a
             # `microbatch` key, so a timeline coloured by microbatch shows it as comm.
-            self.tracer.add_span(f"wait for {stage}{kind}{microbatch}", start,
+            self.tracer.add_span(f"wait for {stage}{kind}{a.microbatch}", start,
                                  time.perf_counter_ns(), kind="comm", bytes=buffer.nbytes)
         return buffer
 
@@ -194,6 +221,7 @@ class PipelineRuntime:
         self._targets = list(targets.chunk(m)) if has_last else []
         if not self._shapes:  # once: like torch's PipelineStage, shapes stay fixed after
             self._agree_on_shapes(self._inputs[0] if has_first else None)
+            self._out_shapes = {s: self._out_shape(s) for s in self.stages if s < self.last}
         elif has_first and self._inputs[0].shape != self._shapes[0][0]:
             raise ValueError(f"microbatches of shape {tuple(self._inputs[0].shape)}, but this "
                              f"pipeline agreed on {tuple(self._shapes[0][0])} at its first "
@@ -204,8 +232,12 @@ class PipelineRuntime:
         self._sends: list[tuple[Any, torch.Tensor]] = []
         self._in_flight_bytes = 0
         self._losses: list[float] = []
-        for action in self.schedule.actions[self.rank]:
+        self._posted: dict[Action, tuple[Any, torch.Tensor]] = {}
+        actions = self.schedule.actions[self.rank]
+        for k, action in enumerate(actions):
             try:
+                if k + 1 < len(actions):
+                    self._post(actions[k + 1])
                 self._run(action)
             except Exception as e:
                 raise RuntimeError(f"rank {self.rank} failed at {action}: "
@@ -249,13 +281,7 @@ class PipelineRuntime:
         """Receive what the action needs (a comm span), compute (a compute span, padded
         to its simulated time), send what it made."""
         s, i = a.stage, a.microbatch
-        if a.kind == "F" and s > 0:
-            received = self._receive("F", s - 1, i, self._shapes[s])
-        elif a.kind in "BI" and s < self.last:
-            held_y = self._saved[(s, i)][1]
-            received = self._receive("B", s + 1, i, (held_y.shape, held_y.dtype))
-        else:
-            received = None
+        received = self._receive(a)
         start = time.perf_counter()
         with (self.tracer.span(str(a), kind="compute", stage=s, microbatch=i, action=a.kind)
               if self.tracer is not None else nullcontext()):

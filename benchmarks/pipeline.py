@@ -11,7 +11,10 @@
    a step of each), the larger rank. Targets: ours / torch <= 1.0 for both.
    ZB-H1 has no counterpart in torch (its zero-bubble schedules, ZBV and interleaved
    ZB, hold two or more stages per rank).
-2. Every schedule's measured bubble and peak in-flight activations under simulated
+2. The measured bubble of GPipe under simulated compute (F 20 ms, B 40 ms per
+   stage) beside the simulator's prediction and (p-1)/(m+p-1), for p in {2, 4}
+   and m in {1, 2, 4, 8, 16}.
+3. Every schedule's measured bubble and peak in-flight activations under simulated
    compute (F 20 ms, B 40 ms for one rank's layers, W half of B) beside the
    simulator's prediction, at p = 4 and m in {4, 8, 16}.
 """
@@ -25,8 +28,9 @@ import torch
 from parcourse import Pool
 from parcourse.experiments.common import median_of_slowest
 from parcourse.experiments.pipeline import TORCH_SCHEDULES, bubble_of, step_times, train
-from parcourse.pipeline import Costs, simulate
+from parcourse.pipeline import Costs, gpipe, simulate
 from parcourse.pipeline.simulate import in_flight
+from parcourse.theory import gpipe_bubble
 
 
 def compare_with_torch(args: argparse.Namespace) -> None:
@@ -55,9 +59,23 @@ def compare_with_torch(args: argparse.Namespace) -> None:
     print("targets: time ratio <= 1.0, memory ratio <= 1.0")
 
 
+def gpipe_bubbles() -> None:
+    f, b = 20.0, 40.0
+    print(f"\n2. GPipe bubble under simulated compute (F {f:g} ms, B {b:g} ms per stage): "
+          "measured, simulated, formula")
+    print(f"{'p':>3}{'m':>4}{'measured':>10}{'simulated':>11}{'formula':>9}")
+    for p in (2, 4):
+        with Pool(p, timeout=3600) as pool:
+            for m in (1, 2, 4, 8, 16):
+                run = pool.run(train, "gpipe", m, 1, batch=32, forward_ms=f, backward_ms=b)
+                predicted = simulate(gpipe(p, m), Costs(forward=f / 1e3, backward=b / 1e3)).bubble
+                print(f"{p:>3}{m:>4}{bubble_of(run):>10.3f}{predicted:>11.3f}"
+                      f"{gpipe_bubble(p, m):>9.3f}")
+
+
 def against_the_simulator() -> None:
     f, b = 20.0, 40.0
-    print(f"\n2. measured against simulated, p = 4, simulated compute (F {f:g} ms, B {b:g} ms "
+    print(f"\n3. measured against simulated, p = 4, simulated compute (F {f:g} ms, B {b:g} ms "
           "for one rank's layers, W half of B)")
     print(f"{'schedule':>18}{'m':>4}{'bubble':>8}{'simulated':>11}{'peak act.':>11}"
           f"{'simulated':>11}{'ratio':>7}")
@@ -91,12 +109,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--only", choices=("torch", "simulator"), default=None)
+    parser.add_argument("--only", choices=("torch", "gpipe", "simulator"), default=None)
     args = parser.parse_args()
     print(f"torch {torch.__version__}, gloo on CPU, one thread per rank")
-    if args.only != "simulator":
+    if args.only in (None, "torch"):
         compare_with_torch(args)
-    if args.only != "torch":
+    if args.only in (None, "gpipe"):
+        gpipe_bubbles()
+    if args.only in (None, "simulator"):
         against_the_simulator()
 
 

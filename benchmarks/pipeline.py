@@ -1,6 +1,6 @@
 """Pipelines: our schedules against torch.distributed.pipelining's, and against the simulator.
 
-    python benchmarks/pipeline.py [--steps 15] [--microbatches 4] [--width 256]
+    python benchmarks/pipeline.py [--steps 50] [--microbatches 4] [--width 256]
 
 1. Step time and peak activation memory of our schedules (parcourse.pipeline's
    runtime) against torch.distributed.pipelining's counterparts on the same stages
@@ -106,7 +106,7 @@ def against_the_simulator() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--only", choices=("torch", "gpipe", "simulator"), default=None)

@@ -291,6 +291,7 @@ PANEL_DONE = """([name, index, before]) => {""" + FIND + """
         && w.sessionContext.session.kernel.status === 'idle';
 }""".replace("PANEL", json.dumps(PANEL))
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+EXPLORER = "Zoom into the timeline, read each span, export"  # widgets/explorer.py's title
 
 
 class Failure(AssertionError):
@@ -475,6 +476,18 @@ def run_panels(page, name: str, lesson: str, expected: int, log: Progress) -> No
             fail(page, lesson, f"panel {title!r} after Run: status {status!r}")
         if not images or not all(images):
             fail(page, lesson, f"panel {title!r} after Run: no figure (images {images})")
+        explorer = panel.get_by_text(EXPLORER, exact=True)
+        if k == 0 and explorer.count() and explorer.first.is_visible():
+            explorer.first.click()  # open the span explorer: the zoomed timeline and table
+            table = panel.get_by_text("duration (ms)").first
+            try:
+                table.wait_for(timeout=30_000)
+            except sync_api.TimeoutError:
+                fail(page, lesson, f"panel {title!r}: the span explorer shows no table")
+            table.scroll_into_view_if_needed()
+            page.wait_for_timeout(300)
+            page.screenshot(path=str(SHOTS / f"{lesson}-panel{k}-spans.png"))
+            log(f"panel {title!r}: span explorer open")
 
 
 def open_lesson(page, lab: Lab, name: str, lesson: str, log: Progress) -> None:

@@ -112,3 +112,32 @@ def test_panel_says_when_it_starts_ranks_what_they_do_and_what_it_clamped():
     panel.run()
     assert not any("starting" in s for s in seen), "a warm pool starts nothing"
     assert "seconds = 0.5 is the slider&#x27;s maximum" in panel.status.value
+
+
+def test_explorer_zooms_reads_spans_and_exports(tmp_path):
+    import json
+
+    from rankfns import sleep_then_barrier
+
+    panel = RunPanel(sleep_then_barrier, {"seconds": W.FloatSlider(0.02, min=0.0, max=0.1)},
+                     world_size=2, title="Barrier, then work")
+    explorer = panel.explorer
+    assert explorer.widget.layout.display != "none"
+    names = {s.name for s in explorer.spans_in_range()}
+    assert names >= {"before", "barrier", "after"}
+    assert "<td>barrier</td>" in explorer.table.value and "duration (ms)" in explorer.table.value
+    explorer.rank.value = 1  # one rank
+    assert {s.rank for s in explorer.spans_in_range()} == {1}
+    explorer.rank.value = -1
+    lo, hi = explorer.range.value
+    first = min(s.end_ns for s in explorer.spans_in_range()) - panel.last_run.trace.t0_ns
+    explorer.range.value = (lo, first / 1e6 * 0.5)  # before any span has ended
+    assert all(s.start_ns - panel.last_run.trace.t0_ns <= first / 2 + 1
+               for s in explorer.spans_in_range())
+    explorer.folder = tmp_path
+    path = explorer.write()
+    events = json.loads(path.read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    assert {e["name"] for e in events if e.get("ph") == "X"} >= {"before", "barrier", "after"}
+    assert path.name.startswith("barrier-then-work-")
+    assert "ui.perfetto.dev" in explorer.exported.value

@@ -33,6 +33,7 @@ from matplotlib.figure import Figure
 
 from parcourse import LaunchError, Pool, Run, limit_pools
 from parcourse.launch import group_ranks
+from parcourse.widgets.explorer import SpanExplorer
 
 _POOLS: dict[tuple[int, str], Pool] = {}
 MAX_LIVE_POOLS = 2  # each rank holds a copy of torch in memory; keep a laptop comfortable
@@ -95,6 +96,8 @@ class RunPanel:
         self.button = W.Button(description="Run", button_style="primary", icon="play")
         self.status = W.HTML()
         self.output = W.Output()
+        self.explorer = SpanExplorer()
+        self.title = title
         self.button.on_click(lambda _: self.run())
         header = [W.HTML(f"<b>{html.escape(title)}</b>")] if title else []
         if self.fixed:
@@ -102,7 +105,8 @@ class RunPanel:
                              for k, v in self.fixed.items())
             header.append(W.HTML(f"<small>runs with {html.escape(runs)}</small>"))
         self.widget = W.VBox(
-            [*header, *self.controls.values(), W.HBox([self.button, self.status]), self.output]
+            [*header, *self.controls.values(), W.HBox([self.button, self.status]), self.output,
+             self.explorer.widget]
         )
         if run_now:
             self.run(raise_errors=True)
@@ -159,6 +163,7 @@ class RunPanel:
                 f"{1e3 * (time.perf_counter() - t0):.0f} ms){notes}"
             )
             self._show(run, params)
+            self.explorer.show(run.trace, self.title or getattr(self.rank_fn, "__name__", ""))
             return run
         except (LaunchError, ValueError) as e:
             self._fail(f"{type(e).__name__}: {e}")

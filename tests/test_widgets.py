@@ -123,6 +123,8 @@ def test_explorer_zooms_reads_spans_and_exports(tmp_path):
                      world_size=2, title="Barrier, then work")
     explorer = panel.explorer
     assert explorer.widget.layout.display != "none"
+    assert explorer.table.value == ""  # nothing drawn while closed
+    explorer.widget.selected_index = 0  # a learner opens it
     names = {s.name for s in explorer.spans_in_range()}
     assert names >= {"before", "barrier", "after"}
     assert "<td>barrier</td>" in explorer.table.value and "duration (ms)" in explorer.table.value

@@ -52,6 +52,8 @@ class SpanExplorer:
                                   titles=("Zoom into the timeline, read each span, export",))
         self.widget.selected_index = None
         self.widget.layout.display = "none"  # until a run with spans
+        # Drawn when opened: a panel's run does not pay for a figure nobody looks at.
+        self.widget.observe(lambda _: self.draw(), names="selected_index")
 
     def show(self, trace: Trace, title: str = "") -> None:
         """A new run: the whole step in range, every rank."""
@@ -86,7 +88,12 @@ class SpanExplorer:
                       key=lambda s: (s.start_ns, s.rank))
 
     def draw(self) -> None:
+        """The zoomed timeline and the table, while the explorer is open."""
         if self.trace is None or not self.trace.spans:
+            return
+        if self.widget.selected_index is None:
+            self.figure.clear_output()
+            self.table.value = ""
             return
         lo, hi = self.range.value
         self.figure.clear_output(wait=True)

@@ -62,12 +62,18 @@ class SavedActivations:
     """
 
     def __init__(self) -> None:
-        self._refs: list[weakref.ref[torch.Tensor]] = []
+        self._refs: list[tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]] = []
         self._hooks: Any = None
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        self._refs.append(weakref.ref(t))
-        return t
+        # Autograd keeps a detached alias (same storage), not `t`: a saved output's
+        # grad_fn is the very node that saves it, and node -> t -> grad_fn -> node is a
+        # cycle through C++ that Python's collector cannot see, so a graph freed without
+        # running its backward (retain_graph, a split backward) would never be freed.
+        # A tensor counts while autograd holds the alias or anyone still holds `t`.
+        alias = t.detach()
+        self._refs.append((weakref.ref(t), weakref.ref(alias)))
+        return alias
 
     def __enter__(self) -> SavedActivations:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
@@ -78,7 +84,7 @@ class SavedActivations:
         self._hooks.__exit__(*exc)
 
     def live_tensors(self) -> list[torch.Tensor]:
-        alive = [r() for r in self._refs]
+        alive = [t() if t() is not None else alias() for t, alias in self._refs]
         self._refs = [r for r, t in zip(self._refs, alive) if t is not None]
         return [t for t in alive if t is not None]
 
@@ -126,7 +132,7 @@ class PeakSavedBytes:
             self.live += self._sizes[key]
             self.peak = max(self.peak, self.live)
         self._refs[key] += 1
-        return _Held(t, self, key)
+        return _Held(t.detach(), self, key)  # detached: see SavedActivations._pack
 
     @staticmethod
     def _unpack(held: Any) -> torch.Tensor:

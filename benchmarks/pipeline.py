@@ -27,9 +27,9 @@ import torch
 
 from parcourse import Pool
 from parcourse.experiments.common import median_of_slowest
-from parcourse.experiments.pipeline import TORCH_SCHEDULES, bubble_of, step_times, train
+from parcourse.experiments.pipeline import (TORCH_SCHEDULES, bubble_of, step_times, summarize,
+                                            train)
 from parcourse.pipeline import Costs, gpipe, simulate
-from parcourse.pipeline.simulate import in_flight
 from parcourse.theory import gpipe_bubble
 
 
@@ -86,22 +86,10 @@ def against_the_simulator() -> None:
                     print(f"{schedule:>18}{m:>4}   (needs m >= 2p = 8)")
                     continue
                 run = pool.run(train, schedule, m, 1, batch=32, forward_ms=f, backward_ms=b)
-                plan = run.results[0]["schedule"]
-                v = plan.stages // plan.ranks
-                predicted = simulate(plan, Costs(forward=f / 1e3 / v, backward=b / 1e3 / v))
-                peaks, expected = [], []
-                for rank in range(4):
-                    counters = [c for c in run.trace.counters
-                                if c.rank == rank and c.name == "in_flight_bytes"]
-                    held: dict[int, float] = {}
-                    for c in counters:
-                        held.setdefault(c.meta["stage"], c.value)
-                    per_stage = [held.get(s, 0.0) for s in range(plan.stages)]
-                    peaks.append(max(c.meta["now"] for c in counters))
-                    expected.append(max(in_flight(plan[rank], per_stage)))
-                print(f"{schedule:>18}{m:>4}{bubble_of(run):>8.3f}{predicted.bubble:>11.3f}"
-                      f"{max(peaks) / 1024:>9.1f}kB{max(expected) / 1024:>9.1f}kB"
-                      f"{max(peaks) / max(expected):>7.2f}")
+                s = summarize(run.results, Costs(forward=f / 1e3, backward=b / 1e3))
+                print(f"{schedule:>18}{m:>4}{s.bubble:>8.3f}{s.simulated_bubble:>11.3f}"
+                      f"{s.peak_bytes / 1024:>9.1f}kB{s.simulated_peak_bytes / 1024:>9.1f}kB"
+                      f"{s.peak_bytes / s.simulated_peak_bytes:>7.2f}")
 
 
 def main() -> None:

@@ -362,10 +362,9 @@ def pipeline(args: argparse.Namespace) -> int:
     print(f"messages    between ranks per step (simulated): {predicted.messages}")
     print(f"in flight   peak microbatches per rank (simulated; per stage, a stage being "
           f"1/{per_rank} of a rank's layers): {predicted.peak_in_flight}")
-    for rank in range(p):
-        counts = [c.meta["now"] for c in run.trace.counters
-                  if c.rank == rank and c.name == "in_flight_bytes"]
-        print(f"  rank {rank}    peak in-flight activations {max(counts, default=0):,.0f} B")
+    for rank, result in enumerate(run.results):
+        print(f"  rank {rank}    peak in-flight activations "
+              f"{result['peak_in_flight_bytes']:,.0f} B")
     return 0
 
 

@@ -45,6 +45,18 @@ from parcourse.trace import CounterEvent
 Impl = Literal["ours", "torch"]
 
 
+def _theory(config: GPTConfig, batch: int, world_size: int, sequence_parallel: bool
+            ) -> dict[str, Any]:
+    """What the formulas give for one rank: parameter and activation bytes, collectives."""
+    return {
+        "param_bytes": tp_parameter_bytes(config, world_size)["total"],
+        "activation_bytes": tp_activation_bytes(config, batch, config.block_size, world_size,
+                                                sequence_parallel)["total"],
+        "collectives": tp_collectives(config, batch, config.block_size, world_size,
+                                      sequence_parallel),
+    }
+
+
 def batch_for(step: int, batch: int, config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch of `step`: the same on every rank (tensor-parallel ranks share their data)."""
     return progressions(batch, config.block_size, config.vocab, seed=step)
@@ -102,13 +114,7 @@ def train(ctx: RankContext, config: GPTConfig = TINY, steps: int = 5, batch: int
         "collectives": collectives,
         "bytes_sent": tracer.total("bytes_sent") - sent_before,
         "algorithm": comm.algorithm,
-        "theory": {
-            "param_bytes": tp_parameter_bytes(config, n)["total"],
-            "activation_bytes": tp_activation_bytes(config, batch, config.block_size, n,
-                                                    sequence_parallel)["total"],
-            "collectives": tp_collectives(config, batch, config.block_size, n,
-                                          sequence_parallel),
-        },
+        "theory": _theory(config, batch, n, sequence_parallel),
     }
 
 
@@ -505,13 +511,7 @@ def tp_step(ctx: RankContext, config: GPTConfig = TINY, batch: int = 8, steps: i
         "collectives": collectives,
         "param_bytes": memory["params"],
         "activation_bytes": memory["activations"],
-        "theory": {
-            "param_bytes": tp_parameter_bytes(config, n)["total"],
-            "activation_bytes": tp_activation_bytes(config, batch, config.block_size, n,
-                                                    sequence_parallel)["total"],
-            "collectives": tp_collectives(config, batch, config.block_size, n,
-                                          sequence_parallel),
-        },
+        "theory": _theory(config, batch, n, sequence_parallel),
     }
 
 

@@ -149,7 +149,7 @@ class PipelineRuntime:
         kind, stage = need
         if self._peer(stage) == self.rank:
             return self._local.pop((kind, stage, a.microbatch))
-        shape, dtype = self._shapes[a.stage] if kind == "F" else self._out_shapes[a.stage]
+        shape, dtype = self._shapes[a.stage] if kind == "F" else self._out_shape(a.stage)
         tag = _tag(kind, stage, a.microbatch, self.schedule.microbatches, self.schedule.stages)
         buffer = torch.empty(shape, dtype=dtype, device=self._device)
         start = time.perf_counter_ns()
@@ -186,12 +186,16 @@ class PipelineRuntime:
                                 _tag("S", s, 0, 1, self.schedule.stages)).wait()
 
     def _out_shape(self, stage: int) -> tuple[torch.Size, torch.dtype]:
-        shape, dtype = self._shapes[stage]
-        module = self.stages[stage]
-        meta = {n: torch.empty_like(t, device="meta")
-                for n, t in [*module.named_parameters(), *module.named_buffers()]}
-        out = functional_call(module, meta, (torch.empty(shape, dtype=dtype, device="meta"),))
-        return out.shape, out.dtype
+        """The shape and dtype of `stage`'s output, found once on the meta device."""
+        if stage not in self._out_shapes:
+            shape, dtype = self._shapes[stage]
+            module = self.stages[stage]
+            meta = {n: torch.empty_like(t, device="meta")
+                    for n, t in [*module.named_parameters(), *module.named_buffers()]}
+            out = functional_call(module, meta,
+                                  (torch.empty(shape, dtype=dtype, device="meta"),))
+            self._out_shapes[stage] = (out.shape, out.dtype)
+        return self._out_shapes[stage]
 
     # -- the step
 
@@ -214,7 +218,6 @@ class PipelineRuntime:
         self._targets = list(targets.chunk(m)) if has_last else []
         if not self._shapes:  # once: like torch's PipelineStage, shapes stay fixed after
             self._agree_on_shapes(self._inputs[0] if has_first else None)
-            self._out_shapes = {s: self._out_shape(s) for s in self.stages if s < self.last}
         elif has_first and self._inputs[0].shape != self._shapes[0][0]:
             raise ValueError(f"microbatches of shape {tuple(self._inputs[0].shape)}, but this "
                              f"pipeline agreed on {tuple(self._shapes[0][0])} at its first "

@@ -162,3 +162,27 @@ def test_dualpipe_v_places_stages_as_a_v_and_beats_one_f_one_b():
             assert t.peak_in_flight == [2 * p + 1] * p  # chunks: p + 1/2 stages' worth
     with pytest.raises(ValueError, match="at least 2 x ranks = 8 microbatches"):
         dualpipe_v(4, 7)
+
+
+def test_each_receive_is_posted_once_before_its_action_and_when_its_sender_starts():
+    from parcourse.pipeline.runtime import receives_to_post
+
+    schedules = [build(p, m) for p, m in SIZES[::7] for build in (gpipe, one_f_one_b,
+                                                                   zero_bubble_h1)]
+    schedules += [interleaved_1f1b(4, 2, 8), dualpipe_v(4, 8), dualpipe_v(2, 4)]
+    for schedule in schedules:
+        for rank in range(schedule.ranks):
+            mine = schedule.actions[rank]
+            posts = receives_to_post(schedule, rank)
+            remote = [a for a in mine
+                      if (a.kind == "F" and a.stage > 0
+                          and schedule.stage_rank[a.stage - 1] != rank)
+                      or (a.kind in "BI" and a.stage < schedule.stages - 1
+                          and schedule.stage_rank[a.stage + 1] != rank)]
+            posted = [(k, a) for k, acts in posts.items() for a in acts]
+            assert sorted(str(a) for _, a in posted) == sorted(map(str, remote)), schedule.name
+            assert all(k <= mine.index(a) for k, a in posted), schedule.name
+    # 1F1B on 2 ranks, m = 4: rank 1 posts F1's receive as it starts F0 (when rank 0
+    # starts F1), not at the start of the step and not when F1 comes up.
+    posts = receives_to_post(one_f_one_b(2, 4), 1)
+    assert [str(a) for a in posts[0]] == ["1F0", "1F1"]

@@ -33,6 +33,7 @@ from parcourse.checkpointing import checkpoint
 from parcourse.collectives import SimulatedLink, group_info, messenger
 from parcourse.memory import SavedActivations, live_bytes
 from parcourse.pipeline.schedule import Action, Schedule, check
+from parcourse.pipeline.simulate import Costs, simulate
 from parcourse.pipeline.split import WeightGradient, input_gradient
 from parcourse.trace import Tracer
 
@@ -61,6 +62,44 @@ def _tag(kind: str, stage: int, microbatch: int, microbatches: int, stages: int)
     """A tag per message: what it carries (F: activations, B: gradients, S: a shape,
     T: a tied weight's gradient)."""
     return (("FBST".index(kind) * stages + stage) * microbatches + microbatch) + 1
+
+
+def receives_to_post(schedule: Schedule, rank: int) -> dict[int, list[Action]]:
+    """The receives `rank` posts before each of its actions (by index in its list):
+    every action that waits for a message from another rank appears once, at or
+    before its own index.
+
+    A receive is posted when, on the simulator's timeline with equal costs, the
+    action that sends its message starts: the message then finds its receive
+    waiting. That matters with gloo: a message sent before its receive is posted
+    waits for a handshake (the receiver says it is ready, the sender's I/O thread
+    then writes the data), and on a few busy cores that thread may wait for a time
+    slice. torch.distributed.pipelining's runtime posts receives early too
+    (`_add_send_recv`). Measured on 2 cores (benchmarks/pipeline.py, ours against
+    torch's, paired runs): posting each receive when its action starts made
+    DualPipeV and GPipe about 0.05-0.1 of torch's step slower; posting every
+    receive of the step at its start made 1F1B 0.1 slower (the data then lands
+    while both ranks compute, and the receiving thread competes with them)."""
+    timeline = simulate(schedule, Costs())
+    starts = {(s.action.kind, s.action.stage, s.action.microbatch): s.start
+              for s in timeline.spans}
+    ends = {s.action: s.end for s in timeline.spans if s.rank == rank}
+    mine = schedule.actions[rank]
+    posts: dict[int, list[Action]] = {}
+    for j, a in enumerate(mine):
+        if a.kind == "F" and a.stage > 0:
+            senders = [("F", a.stage - 1)]
+        elif a.kind in "BI" and a.stage < schedule.stages - 1:
+            senders = [("B", a.stage + 1), ("I", a.stage + 1)]
+        else:
+            continue
+        if schedule.stage_rank[senders[0][1]] == rank:
+            continue  # a stage on this rank: handed over in memory
+        sent = min(starts[(kind, stage, a.microbatch)] for kind, stage in senders
+                   if (kind, stage, a.microbatch) in starts)
+        k = next((k for k in range(j) if ends[mine[k]] > sent), j)
+        posts.setdefault(k, []).append(a)
+    return posts
 
 
 class PipelineRuntime:
@@ -107,6 +146,7 @@ class PipelineRuntime:
         self.last = schedule.stages - 1
         self._shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}  # each stage's input
         self._out_shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}  # ... and output
+        self._posts = receives_to_post(schedule, self.rank)
 
     # -- point to point
 
@@ -135,25 +175,31 @@ class PipelineRuntime:
             return "B", a.stage + 1
         return None
 
+    def _post(self, a: Action) -> None:
+        """Post the receive `a` needs (a buffer of the agreed shape), once."""
+        need = self._incoming(a)
+        if need is None or a in self._posted or self._peer(need[1]) == self.rank:
+            return
+        kind, stage = need
+        shape, dtype = self._shapes[a.stage] if kind == "F" else self._out_shape(a.stage)
+        tag = _tag(kind, stage, a.microbatch, self.schedule.microbatches, self.schedule.stages)
+        buffer = torch.empty(shape, dtype=dtype, device=self._device)
+        self._posted[a] = (self._wire(buffer).recv([buffer], self._peer(stage), tag), buffer)
+
     def _receive(self, a: Action) -> torch.Tensor | None:
         """What `a` needs from another stage (activations for F, the gradient of the
-        output for B and I), waited for in a comm span named after it.
-
-        The receive is posted when `a` starts. Posting it one action ahead, so that the
-        message lands while the rank computes, was measured too: on this 2-core machine
-        gloo's receiving thread then competes with the compute, and 1F1B's step got
-        slower (1.03-1.10 of torch's against 0.95-0.96)."""
+        output for B and I), posted earlier (see `receives_to_post`) or now, and waited
+        for in a comm span named after it."""
         need = self._incoming(a)
         if need is None:
             return None
         kind, stage = need
         if self._peer(stage) == self.rank:
             return self._local.pop((kind, stage, a.microbatch))
-        shape, dtype = self._shapes[a.stage] if kind == "F" else self._out_shape(a.stage)
-        tag = _tag(kind, stage, a.microbatch, self.schedule.microbatches, self.schedule.stages)
-        buffer = torch.empty(shape, dtype=dtype, device=self._device)
+        self._post(a)
+        work, buffer = self._posted.pop(a)
         start = time.perf_counter_ns()
-        self._wire(buffer).recv([buffer], self._peer(stage), tag).wait()
+        work.wait()
         if self.tracer is not None:
             # Waiting for the message, mostly: named for what it waits for, and without a
             # `microbatch` key, so a timeline coloured by microbatch shows it as comm.
@@ -228,8 +274,12 @@ class PipelineRuntime:
         self._sends: list[tuple[Any, torch.Tensor]] = []
         self._in_flight_bytes = 0
         self._losses: list[float] = []
-        for action in self.schedule.actions[self.rank]:
+        self._posted: dict[Action, tuple[Any, torch.Tensor]] = {}
+        actions = self.schedule.actions[self.rank]
+        for k, action in enumerate(actions):
             try:
+                for later in self._posts.get(k, ()):
+                    self._post(later)
                 self._run(action)
             except Exception as e:
                 raise RuntimeError(f"rank {self.rank} failed at {action}: "

@@ -69,11 +69,11 @@ class WeightGradient:
     output: torch.Tensor | None = None
     grad: torch.Tensor | None = None
     groups: list[tuple[list[Node], set[Node]]] = field(default_factory=list)
+    of_node: dict[Node, torch.Tensor] = field(default_factory=dict)  # weight by its node
     kept: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
 
     def __call__(self) -> None:
         """W: accumulate every weight's gradient into `.grad`, then let the graph go."""
-        by_node = {_node(w): w for w in self.weights}
         if self.output is not None:
             leaves = [w for w in self.weights if w.requires_grad]
             grads = torch.autograd.grad(self.output, leaves, self.grad, allow_unused=True)
@@ -92,7 +92,7 @@ class WeightGradient:
             pins = [node.register_prehook(lambda _, kept=self.kept[node]: kept)
                     for node in boundary if node in self.kept] if len(boundary) > 1 else []
             try:
-                leaves = [by_node[n] for n in leaf_nodes]
+                leaves = [self.of_node[n] for n in leaf_nodes]
                 grads = torch.autograd.grad(outputs, [GradientEdge(n, 0) for n in leaf_nodes],
                                             grads_out, retain_graph=True, allow_unused=True)
             finally:
@@ -100,7 +100,7 @@ class WeightGradient:
                     pin.remove()
             _accumulate(leaves, grads)
         self.output = self.grad = None
-        self.groups, self.kept = [], {}
+        self.groups, self.kept, self.of_node = [], {}, {}
 
 
 def _accumulate(weights: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
@@ -126,7 +126,8 @@ def input_gradient(output: torch.Tensor, grad: torch.Tensor | None, input: torch
         # The output does not depend on the input (the first stage): W is all of it.
         later.output, later.grad = output, grad
         return (torch.zeros_like(input) if input.requires_grad else None), later
-    weight_nodes = {n for n in map(_node, weights) if n is not None}
+    later.of_node = {_node(w): w for w in weights}
+    weight_nodes = set(later.of_node)
     to_weights = _reaching(edges, weight_nodes) - on_input_path
     boundary = {n: {t for t in nexts if t in to_weights}
                 for n, nexts in edges.items() if n in on_input_path}

@@ -149,6 +149,41 @@ def test_a_failing_rank_ends_the_run_naming_its_action(pool2):
     assert pool2.run(lambda ctx: ctx.rank).results == [0, 1]  # fresh ranks afterwards
 
 
+def _steps_again_after_a_failure(ctx):
+    from parcourse.pipeline.runtime import PipelineRuntime
+    from parcourse.pipeline.schedule import gpipe
+
+    groups = [torch.distributed.new_group([r]) for r in range(ctx.world_size)]
+
+    class Once(nn.Linear):
+        failed = False
+
+        def forward(self, x):
+            if not Once.failed:
+                Once.failed = True
+                raise ValueError("a bad microbatch")
+            return super().forward(x)
+
+    runtime = PipelineRuntime(gpipe(1, 2), {0: Once(4, 4)}, groups[ctx.rank],
+                              nn.functional.mse_loss)
+    x = torch.randn(8, 4)
+    messages = []
+    for _ in range(2):
+        try:
+            runtime.step(x, x)
+        except RuntimeError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_a_runtime_that_failed_refuses_to_step_again(pool2):
+    """Messages of the failed step may still be in flight (receives posted ahead): a
+    second step could take them for its own, so it raises instead."""
+    for messages in pool2.run(_steps_again_after_a_failure).results:
+        assert "failed at 0F0: ValueError: a bad microbatch" in messages[0]
+        assert "an earlier step failed" in messages[1]
+
+
 def test_partition():
     layers = [nn.Linear(4, 4) for _ in range(5)] + [nn.Linear(4, 64)]
     assert [len(s) for s in partition(layers, 3)] == [2, 2, 2]

@@ -165,24 +165,50 @@ def test_dualpipe_v_places_stages_as_a_v_and_beats_one_f_one_b():
 
 
 def test_each_receive_is_posted_once_before_its_action_and_when_its_sender_starts():
+    """The runtime (with gloo) posts each receive before the action this rank runs, on the
+    simulator's timeline, when the action sending the message starts."""
     from parcourse.pipeline.runtime import receives_to_post
 
     schedules = [build(p, m) for p, m in SIZES[::7] for build in (gpipe, one_f_one_b,
                                                                    zero_bubble_h1)]
     schedules += [interleaved_1f1b(4, 2, 8), dualpipe_v(4, 8), dualpipe_v(2, 4)]
     for schedule in schedules:
+        timeline = simulate(schedule, Costs())
+        start = {str(s.action): s.start for s in timeline.spans}
         for rank in range(schedule.ranks):
             mine = schedule.actions[rank]
+            end = [next(s.end for s in timeline.spans if s.action == a) for a in mine]
+            sender = {}  # action -> the one whose message it waits for, on another rank
+            for a in mine:
+                if a.kind == "F" and a.stage > 0:
+                    names = [f"{a.stage - 1}F{a.microbatch}"]
+                elif a.kind in "BI" and a.stage < schedule.stages - 1:
+                    names = [f"{a.stage + 1}{k}{a.microbatch}" for k in "BI"]
+                else:
+                    continue
+                peer_stage = a.stage - 1 if a.kind == "F" else a.stage + 1
+                if schedule.stage_rank[peer_stage] != rank:
+                    sender[str(a)] = min(start[n] for n in names if n in start)
             posts = receives_to_post(schedule, rank)
-            remote = [a for a in mine
-                      if (a.kind == "F" and a.stage > 0
-                          and schedule.stage_rank[a.stage - 1] != rank)
-                      or (a.kind in "BI" and a.stage < schedule.stages - 1
-                          and schedule.stage_rank[a.stage + 1] != rank)]
-            posted = [(k, a) for k, acts in posts.items() for a in acts]
-            assert sorted(str(a) for _, a in posted) == sorted(map(str, remote)), schedule.name
-            assert all(k <= mine.index(a) for k, a in posted), schedule.name
-    # 1F1B on 2 ranks, m = 4: rank 1 posts F1's receive as it starts F0 (when rank 0
-    # starts F1), not at the start of the step and not when F1 comes up.
-    posts = receives_to_post(one_f_one_b(2, 4), 1)
-    assert [str(a) for a in posts[0]] == ["1F0", "1F1"]
+            posted = [(k, str(a)) for k, acts in posts.items() for a in acts]
+            assert sorted(a for _, a in posted) == sorted(sender), schedule.name
+            for k, a in posted:
+                j = [str(b) for b in mine].index(a)
+                assert k <= j and (k == 0 or end[k - 1] <= sender[a]), (schedule.name, a)
+                assert k == j or end[k] > sender[a], (schedule.name, a)
+
+    def named(posts):
+        return {k: [str(a) for a in acts] for k, acts in sorted(posts.items())}
+
+    # 1F1B on 2 ranks, m = 4: rank 1 posts F1's receive with F0's (rank 0 starts F1 as
+    # rank 1 starts F0), not all four at once and not when F1 comes up.
+    assert named(receives_to_post(one_f_one_b(2, 4), 1)) == {
+        0: ["1F0", "1F1"], 3: ["1F2"], 5: ["1F3"]}
+    # ZB-H1: the gradient comes from the next stage's I.
+    assert named(receives_to_post(zero_bubble_h1(2, 4), 0)) == {
+        2: ["0I0"], 3: ["0I1"], 6: ["0I2"], 9: ["0I3"]}
+    # DualPipeV on 2 ranks: rank 0 holds stages 0 and 3, and receives from rank 1 both the
+    # activations of stage 2 and the gradients of stage 1.
+    assert named(receives_to_post(dualpipe_v(2, 4), 0)) == {
+        2: ["3F0"], 4: ["3F1"], 8: ["3F2", "0B0"], 11: ["3F3"], 12: ["0B1"], 14: ["0I2"],
+        16: ["0I3"]}

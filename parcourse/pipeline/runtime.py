@@ -65,21 +65,22 @@ def _tag(kind: str, stage: int, microbatch: int, microbatches: int, stages: int)
 
 
 def receives_to_post(schedule: Schedule, rank: int) -> dict[int, list[Action]]:
-    """The receives `rank` posts before each of its actions (by index in its list):
-    every action that waits for a message from another rank appears once, at or
+    """The receives `rank` posts before each of its actions (by index in its list), for
+    gloo: every action that waits for a message from another rank appears once, at or
     before its own index.
 
-    A receive is posted when, on the simulator's timeline with equal costs, the
-    action that sends its message starts: the message then finds its receive
-    waiting. That matters with gloo: a message sent before its receive is posted
-    waits for a handshake (the receiver says it is ready, the sender's I/O thread
-    then writes the data), and on a few busy cores that thread may wait for a time
-    slice. torch.distributed.pipelining's runtime posts receives early too
-    (`_add_send_recv`). Measured on 2 cores (benchmarks/pipeline.py, ours against
-    torch's, paired runs): posting each receive when its action starts made
-    DualPipeV and GPipe about 0.05-0.1 of torch's step slower; posting every
-    receive of the step at its start made 1F1B 0.1 slower (the data then lands
-    while both ranks compute, and the receiving thread competes with them)."""
+    A receive is posted before the action that this rank runs, on the simulator's
+    timeline (default costs, B = 2F), when the action sending its message starts: so
+    up to one action before the send, and the message finds its receive waiting.
+    That matters with gloo: a message sent before its receive is posted waits for a
+    handshake (the receiver says it is ready, then the sender's I/O thread writes the
+    data), and on a few busy cores that thread may wait for a time slice.
+    torch.distributed.pipelining's runtime posts receives early too (`_add_send_recv`).
+    Measured on 2 cores (benchmarks/pipeline.py, ours against torch's, paired runs):
+    posting each receive when its action starts made DualPipeV and GPipe about
+    0.05-0.1 of torch's step slower; posting every receive of the step at its start
+    made 1F1B 0.1 slower (the data then lands while both ranks compute, and the
+    receiving thread competes with them)."""
     timeline = simulate(schedule, Costs())
     starts = {(s.action.kind, s.action.stage, s.action.microbatch): s.start
               for s in timeline.spans}
@@ -146,7 +147,12 @@ class PipelineRuntime:
         self.last = schedule.stages - 1
         self._shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}  # each stage's input
         self._out_shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}  # ... and output
-        self._posts = receives_to_post(schedule, self.rank)
+        # NCCL matches the messages between two ranks in the order they were issued, on
+        # one stream: a receive posted early would hold up this rank's later sends to that
+        # peer, and two ranks doing so wait for each other. So early only with gloo.
+        self._posts = (receives_to_post(schedule, self.rank)
+                       if dist.get_backend(self.group) == "gloo" else {})
+        self._failed: str | None = None
 
     # -- point to point
 
@@ -247,6 +253,10 @@ class PipelineRuntime:
 
     def step(self, inputs: torch.Tensor | None = None, targets: Any = None) -> float | None:
         """Run the schedule once over `inputs` (on stage 0's rank) cut into microbatches."""
+        if self._failed is not None:
+            raise RuntimeError(f"an earlier step failed on rank {self.rank} ({self._failed}); "
+                               "its messages may still be in flight: build a new "
+                               "PipelineRuntime (and process group) rather than step again")
         m = self.schedule.microbatches
         has_first, has_last = 0 in self.stages, self.last in self.stages
         if has_first and inputs is None:
@@ -282,6 +292,7 @@ class PipelineRuntime:
                     self._post(later)
                 self._run(action)
             except Exception as e:
+                self._failed = f"at {action}"
                 raise RuntimeError(f"rank {self.rank} failed at {action}: "
                                    f"{type(e).__name__}: {e}") from e
         for work, _ in self._sends:

@@ -2,7 +2,9 @@
 
 papermill and nbval (tests/test_lessons.py) check what the kernel computes; neither renders a
 figure or a widget. Here JupyterLab serves a copy of each lesson with the small parameters of
-tests/test_lessons.py, Chromium (driven by Playwright) runs all cells, and the test checks:
+tests/test_lessons.py at world size 3 (a size that divides nothing: in CI this run stands in
+for papermill's runs, see tests/conftest.py), Chromium (driven by Playwright) runs all cells,
+and the test checks:
 
 - no cell shows an error, and every cell that ends in plt.show() shows a loaded image;
 - every RunPanel renders; one of its controls is moved, Run is clicked, and the panel's
@@ -33,7 +35,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_lessons import LESSONS, SMALL
+from test_lessons import AWKWARD, LESSONS, SMALL
 
 sync_api = pytest.importorskip(
     "playwright.sync_api", reason="playwright is not installed (pip install -e '.[test]')"
@@ -225,11 +227,11 @@ class Progress:
 
 
 def with_small_parameters(src: Path, dst: Path) -> list[str]:
-    """Copy a lesson, appending its small parameters to the parameters cell; returns the
-    sources of its code cells."""
+    """Copy a lesson, appending its small parameters (world size 3) to the parameters cell;
+    returns the sources of its code cells."""
     nb = json.loads(src.read_text())
     cell = next(c for c in nb["cells"] if "parameters" in c["metadata"].get("tags", []))
-    lines = [f"{name} = {value!r}" for name, value in SMALL[src.stem].items()]
+    lines = [f"{name} = {value!r}" for name, value in {**SMALL[src.stem], **AWKWARD}.items()]
     cell["source"] = "".join(cell["source"]).rstrip("\n") + "\n# small (tests/test_browser.py)\n"
     cell["source"] += "\n".join(lines) + "\n"
     dst.write_text(json.dumps(nb, indent=1))

@@ -30,6 +30,9 @@ SMALL = {
                            "backward_ms": 40.0, "weight_ms": 20.0, "batch": 8},
     "08_activation_checkpointing": {"world_size": 2, "layers": 16, "width": 16, "batch": 8},
 }
+# A world size that divides nothing, as a learner may type it into the parameters cell:
+# whatever depends on it (chunks, slices, batches) must be derived, not assumed.
+AWKWARD = {"world_size": 3}
 CELL_TIMEOUT_S = 300
 
 
@@ -66,9 +69,7 @@ def test_lesson_executes_with_small_parameters(path, tmp_path):
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)
 def test_lesson_executes_at_world_size_3(path, tmp_path):
-    # A world size that divides nothing, as a learner may type it into the parameters cell:
-    # whatever depends on it (chunks, slices, batches) must be derived, not assumed.
-    execute(path, tmp_path / path.name, {**SMALL[path.stem], "world_size": 3})
+    execute(path, tmp_path / path.name, {**SMALL[path.stem], **AWKWARD})
 
 
 @pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)

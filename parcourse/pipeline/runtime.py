@@ -17,6 +17,7 @@ the rest), so that ranks sharing a few cores behave as separate devices would.
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -64,6 +65,17 @@ def _tag(kind: str, stage: int, microbatch: int, microbatches: int, stages: int)
     return (("FBST".index(kind) * stages + stage) * microbatches + microbatch) + 1
 
 
+def _incoming(a: Action, stages: int) -> tuple[str, int] | None:
+    """(kind, stage) of the message `a` waits for: the previous stage's activations
+    (F), the next stage's input gradient (B, sent by its B or I); None for the ends
+    and for W."""
+    if a.kind == "F" and a.stage > 0:
+        return "F", a.stage - 1
+    if a.kind in "BI" and a.stage < stages - 1:
+        return "B", a.stage + 1
+    return None
+
+
 def receives_to_post(schedule: Schedule, rank: int) -> dict[int, list[Action]]:
     """The receives `rank` posts before each of its actions (by index in its list), for
     gloo: every action that waits for a message from another rank appears once, at or
@@ -84,22 +96,18 @@ def receives_to_post(schedule: Schedule, rank: int) -> dict[int, list[Action]]:
     timeline = simulate(schedule, Costs())
     starts = {(s.action.kind, s.action.stage, s.action.microbatch): s.start
               for s in timeline.spans}
-    ends = {s.action: s.end for s in timeline.spans if s.rank == rank}
-    mine = schedule.actions[rank]
+    ends = [s.end for s in timeline.spans if s.rank == rank]  # in this rank's order
     posts: dict[int, list[Action]] = {}
-    for j, a in enumerate(mine):
-        if a.kind == "F" and a.stage > 0:
-            senders = [("F", a.stage - 1)]
-        elif a.kind in "BI" and a.stage < schedule.stages - 1:
-            senders = [("B", a.stage + 1), ("I", a.stage + 1)]
-        else:
-            continue
-        if schedule.stage_rank[senders[0][1]] == rank:
-            continue  # a stage on this rank: handed over in memory
-        sent = min(starts[(kind, stage, a.microbatch)] for kind, stage in senders
-                   if (kind, stage, a.microbatch) in starts)
-        k = next((k for k in range(j) if ends[mine[k]] > sent), j)
-        posts.setdefault(k, []).append(a)
+    for j, a in enumerate(schedule.actions[rank]):
+        need = _incoming(a, schedule.stages)
+        if need is None or schedule.stage_rank[need[1]] == rank:
+            continue  # nothing to wait for, or a stage on this rank: handed over in memory
+        kind, stage = need
+        senders = ("F",) if kind == "F" else ("B", "I")  # a gradient comes from B or I
+        sent = min(starts[(k, stage, a.microbatch)] for k in senders
+                   if (k, stage, a.microbatch) in starts)
+        # The action running at `sent`: the first whose end comes after it.
+        posts.setdefault(min(bisect.bisect_right(ends, sent), j), []).append(a)
     return posts
 
 
@@ -173,13 +181,7 @@ class PipelineRuntime:
         self._sends.append((self._wire(t).send([t], to, tag), t))
 
     def _incoming(self, a: Action) -> tuple[str, int] | None:
-        """(kind, stage) of the message `a` waits for: the previous stage's activations
-        (F), the next stage's input gradient (B or I); None for the ends and for W."""
-        if a.kind == "F" and a.stage > 0:
-            return "F", a.stage - 1
-        if a.kind in "BI" and a.stage < self.last:
-            return "B", a.stage + 1
-        return None
+        return _incoming(a, self.schedule.stages)
 
     def _post(self, a: Action) -> None:
         """Post the receive `a` needs (a buffer of the agreed shape), once."""

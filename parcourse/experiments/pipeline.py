@@ -246,6 +246,11 @@ def as_trace(timeline: Timeline) -> Trace:
     return Trace(timeline.schedule.ranks, spans=spans)
 
 
+def _with(p: int, m: int) -> str:
+    """'with 1 stage and 2 microbatches': where an exercise check found its mistake."""
+    return (f"with {p} stage{'s' * (p != 1)} and {m} microbatch{'es' * (m != 1)}")
+
+
 def check_schedule_exercise(fn: Callable[[int, int], Any]) -> bool:
     """Lesson 06's exercise: `fn(stages, microbatches)` returns GPipe's actions, a list per
     rank. Checked by the dependency checker and against `gpipe`; one short verdict."""
@@ -264,14 +269,16 @@ def check_schedule_exercise(fn: Callable[[int, int], Any]) -> bool:
                                     tuple(tuple(acts) for acts in per_rank))
                 check(schedule)
             except (TypeError, ValueError) as e:
-                print(f"Not quite: with {p} stages and {m} microbatches, {e}. Hint: every "
+                print(f"Not quite: {_with(p, m)}, {e}. Hint: every "
                       "stage runs each microbatch's forward, then backward, once.")
                 return False
-            if schedule.actions != gpipe(p, m).actions:
-                print(f"Not quite: with {p} stages and {m} microbatches the schedule runs, "
-                      f"but is not GPipe's: rank 0 runs {' '.join(map(str, schedule[0]))}. "
-                      "Hint: all forwards first, then all backwards, the last microbatch's "
-                      "first.")
+            expected = gpipe(p, m)
+            if schedule.actions != expected.actions:
+                r = next(r for r in range(p) if schedule[r] != expected[r])
+                print(f"Not quite: {_with(p, m)} the schedule runs, but is not GPipe's: rank "
+                      f"{r} runs {' '.join(map(str, schedule[r]))}, GPipe runs "
+                      f"{' '.join(map(str, expected[r]))}. Hint: all forwards first, then all "
+                      "backwards, the last microbatch's first.")
                 return False
     print("Correct: every forward, then every backward in reverse, on every stage.")
     return True
@@ -375,26 +382,26 @@ def check_one_f_one_b_exercise(fn: Callable[[int, int, int], Any]) -> bool:
                 print("Not written yet: fill in the function above, then run this cell again.")
                 return False
             except Exception as e:  # noqa: BLE001 - the learner's code: say what, briefly
-                print(f"Not quite: with {p} stages and {m} microbatches your function raised "
+                print(f"Not quite: {_with(p, m)} your function raised "
                       f"{type(e).__name__}: {e}")
                 return False
             schedule = Schedule("yours", m, tuple(range(p)), tuple(map(tuple, per_rank)))
             try:
                 check(schedule)
             except (TypeError, ValueError) as e:
-                print(f"Not quite: with {p} stages and {m} microbatches, {e}. Hint: stage s "
+                print(f"Not quite: {_with(p, m)}, {e}. Hint: stage s "
                       "starts with p - s - 1 forwards.")
                 return False
             timeline = simulate(schedule, Costs(forward=1, backward=2))
             for s, peak in enumerate(timeline.peak_in_flight):
                 if peak > min(p - s, m):
-                    print(f"Not quite: with {p} stages and {m} microbatches, stage {s} holds "
+                    print(f"Not quite: {_with(p, m)}, stage {s} holds "
                           f"{peak} microbatches at once; 1F1B holds at most "
                           f"{min(p - s, m)}. Hint: after the warm-up, each forward is "
                           "followed by the oldest backward.")
                     return False
             if abs(timeline.bubble - gpipe_bubble(p, m)) > 1e-9:
-                print(f"Not quite: with {p} stages and {m} microbatches, the bubble is "
+                print(f"Not quite: {_with(p, m)}, the bubble is "
                       f"{timeline.bubble:.3f}, not GPipe's {gpipe_bubble(p, m):.3f}: too few "
                       "forwards in the warm-up stall the stages after it.")
                 return False

@@ -259,7 +259,7 @@ def test_gpipe_exercise_check(capsys):
     assert not check_schedule_exercise(backwards_in_order)
     out = capsys.readouterr().out
     assert "with 1 stage and 2 microbatches" in out and "not GPipe's" in out
-    assert "rank 0 runs 0F0 0B0 0F1 0B1, GPipe runs 0F0 0F1 0B1 0B0" in out  # what was expected
+    assert "rank 0 runs 0F0 0F1 0B0 0B1, GPipe runs 0F0 0F1 0B1 0B0" in out  # what was expected
 
 
 def test_one_f_one_b_exercise_check(capsys):

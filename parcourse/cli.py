@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from parcourse.collectives import SimulatedLink, simulated_link
+from parcourse.comm import SimulatedLink, simulated_link
 from parcourse.experiments.all_reduce import all_reduce_with, time_all_reduce
 from parcourse.experiments.common import median_of_slowest
 from parcourse.launch import Pool, RankContext, _external_env, launch

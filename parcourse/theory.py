@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from parcourse.collectives import chunk_bounds, ring_steps
+from parcourse.comm import chunk_bounds, ring_steps
 
 if TYPE_CHECKING:
     from parcourse.models import GPTConfig

@@ -5,7 +5,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from parcourse import collectives as C
+from parcourse import comm as C
 from parcourse._compat import reduce_scatter_single
 
 TORCH_OP = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -133,3 +133,58 @@ def bad_args(ctx, what):
         C.ring_all_reduce(torch.ones(4, dtype=torch.int64), ctx.group, "avg")
     if what == "root":
         C.naive_all_reduce(torch.ones(4), ctx.group, root=5)
+
+
+def fast_vs_readable(ctx, numel, dtype, op, segment_bytes=C.SEGMENT_BYTES):
+    """The fast ring and the readable one (ring.py) on the same random input: all-reduce,
+    reduce-scatter and all-gather from each, and the bytes each sent."""
+    t = make(ctx.rank, numel, dtype, integer_valued=False)
+    out = {}
+    for name, all_reduce, reduce_scatter in (
+            ("fast", lambda x, **kw: C.ring_all_reduce(x, ctx.group, op, segment_bytes=segment_bytes,
+                                                       **kw),
+             lambda x: C.ring_reduce_scatter(x, ctx.group, op, segment_bytes=segment_bytes)),
+            ("readable", lambda x, **kw: C.ring.all_reduce(x, ctx.group, op, **kw),
+             lambda x: C.ring.reduce_scatter(x, ctx.group, op))):
+        before = ctx.tracer.total("bytes_sent")
+        reduced = all_reduce(t.clone(), tracer=ctx.tracer)
+        sent = ctx.tracer.total("bytes_sent") - before
+        out[name] = (reduced, reduce_scatter(t.clone()), sent)
+    start, end = C.chunk_bounds(numel, ctx.world_size)[ctx.rank]
+    out["fast"] += (C.ring_all_gather(t[start:end].clone(), ctx.group, numel=numel,
+                                      segment_bytes=segment_bytes),)
+    out["readable"] += (C.ring.all_gather(t[start:end].clone(), numel, ctx.group),)
+    return out
+
+
+def comm_vs_torch(ctx, algorithm, link=None):
+    """A Comm's collectives, sync and async, and its send/recv, against torch's."""
+    comm = C.Comm(ctx.group, tracer=ctx.tracer, link=link, algorithm=algorithm)
+    n, rank = ctx.world_size, ctx.rank
+    t = make(rank, 12 * n, torch.float32)
+    want_sum = _torch_reference(t, "sum", ctx.group)
+    want_max = _torch_reference(t, "max", ctx.group)
+    got = {
+        "sum": comm.all_reduce(t.clone()),
+        "max": comm.all_reduce(t.clone(), "max"),
+        "avg": comm.all_reduce(t.clone(), "avg"),
+        "async sum": comm.all_reduce(t.clone(), async_op=True).result(),
+        "reduce_scatter": comm.reduce_scatter(t.clone()),
+        "async reduce_scatter": comm.reduce_scatter(t.clone(), async_op=True).result(),
+    }
+    part = want_sum[12 * rank:12 * (rank + 1)]
+    whole = torch.empty(12 * n)
+    got["all_gather"] = comm.all_gather(part.clone(), whole)
+    pending = comm.all_gather(part.clone(), torch.empty(12 * n), async_op=True)
+    got["async all_gather"] = pending.result()
+    assert pending.finished_ns > 0
+    want = {"sum": want_sum, "max": want_max, "avg": want_sum / n, "async sum": want_sum,
+            "reduce_scatter": part, "async reduce_scatter": part, "all_gather": want_sum,
+            "async all_gather": want_sum}
+    if n > 1:  # a message around the ring, through the Comm
+        sent = comm.send(torch.full((3,), float(rank)), (rank + 1) % n, tag=7)
+        incoming = torch.empty(3)
+        comm.recv(incoming, (rank - 1) % n, tag=7).wait()
+        sent.wait()
+        got["recv"], want["recv"] = incoming, torch.full((3,), float((rank - 1) % n))
+    return {k: torch.equal(got[k], want[k]) for k in want}, ctx.tracer.total("bytes_sent")

@@ -108,7 +108,7 @@ def grads_vs_torch_ddp(ctx, impl, batch):
 
 def traced_step(ctx, overlap, latency_us=2000.0):
     """A deep MLP, small buckets and a slow simulated link: does comm overlap backward?"""
-    from parcourse.collectives import SimulatedLink
+    from parcourse.comm import SimulatedLink
     from parcourse.models import mlp
 
     model = mlp(64, 256, 64, depth=8)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from parcourse import Pool, RankError
-from parcourse import collectives as C
+from parcourse import comm as C
 from parcourse import theory as T
 import collective_fns as F
 
@@ -184,7 +184,7 @@ def test_messages_queue_on_the_links_for_their_bytes_only():
     # a 1 GB/s link with 10 ms of latency: each occupies the outgoing link 1 ms, and
     # the last one arrives alpha after its last byte left: 10 + 3 x 1 ms.
     link = C.SimulatedLink(0.01, 1e9)
-    sender, receiver = C._Wire(link), C._Wire(link)
+    sender, receiver = C.link.Wire(link), C.link.Wire(link)
     departed, left = zip(*(sender.depart(10**6) for _ in range(3)))
     assert [d - departed[0] for d in departed] == pytest.approx([0, 1e-3, 2e-3], abs=1e-4)
     assert [t - departed[0] for t in left] == pytest.approx([1e-3, 2e-3, 3e-3], abs=1e-4)
@@ -193,7 +193,7 @@ def test_messages_queue_on_the_links_for_their_bytes_only():
                                                                abs=1e-4)
     # Two senders, one receiver: both messages reach it together and queue on its
     # incoming link (the parameter server's root).
-    root = C._Wire(link)
+    root = C.link.Wire(link)
     assert root.arrive(0.0, 10**6) == pytest.approx(0.011)
     assert root.arrive(0.0, 10**6) == pytest.approx(0.012)
     assert link.seconds(10**6) == pytest.approx(0.011) and link.busy_s(10**6) == 1e-3
@@ -240,3 +240,38 @@ def test_cost_model_and_fit():
     with pytest.raises(ValueError, match="latency_s must be >= 0"):
         C.SimulatedLink(-1.0)
     assert math.isinf(C.SimulatedLink.of(latency_us=5).bandwidth_Bps)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_fast_ring_equals_the_readable_ring_bitwise(pools, world_size):
+    # Random floats: every element is reduced in the same order by both rings (segments
+    # change how the bytes travel, not the order of the additions), so the bits agree.
+    for dtype in (torch.float32, torch.bfloat16):
+        for numel, segment_bytes in ((1001, C.SEGMENT_BYTES), (1001, 12), (2, 12)):
+            for op in ("sum", "avg", "max"):
+                for r in pools[world_size].run(F.fast_vs_readable, numel, dtype, op,
+                                               segment_bytes).results:
+                    fast, readable = r["fast"], r["readable"]
+                    for a, b in zip(fast, readable):
+                        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, \
+                            (dtype, numel, segment_bytes, op)
+
+
+def test_the_readable_ring_is_short():
+    import inspect
+
+    assert len(inspect.getsource(C.ring).splitlines()) <= 110  # what lesson 01 shows
+
+
+@pytest.mark.parametrize("algorithm", ["torch", "ring"])
+def test_comm_collectives_and_messages_equal_torch(pools, algorithm):
+    for n in (1, 3):
+        for same, sent in pools[n].run(F.comm_vs_torch, algorithm).results:
+            assert all(same.values()), same
+            assert (sent > 0) == (n > 1)  # the ring and send/recv count their bytes
+    for same, _ in pools[2].run(F.comm_vs_torch, "ring", C.SimulatedLink()).results:
+        assert all(same.values()), same
+    with pytest.raises(RankError, match="simulated link needs algorithm='ring'"):
+        pools[2].run(F.comm_vs_torch, "torch", C.SimulatedLink())
+    with pytest.raises(RankError, match="unknown algorithm 'tree'"):
+        pools[2].run(F.comm_vs_torch, "tree")

@@ -116,7 +116,7 @@ def test_bad_arguments_are_refused(pools):
 
         BucketedDataParallel(torch.nn.Linear(2, 2), ctx.group, **kwargs)
 
-    from parcourse.collectives import SimulatedLink
+    from parcourse.comm import SimulatedLink
 
     with pytest.raises(RankError, match="bucket_mb must be > 0"):
         pools[2].run(make, bucket_mb=0)

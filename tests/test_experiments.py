@@ -111,7 +111,7 @@ def test_time_all_reduce_alternates_and_times_every_algorithm(pool3):
 
 
 def test_time_over_links_alternates_every_algorithm_and_link(pool3):
-    from parcourse.collectives import SimulatedLink
+    from parcourse.comm import SimulatedLink
     from parcourse.theory import CostModel
 
     links = {"free": SimulatedLink(), "slow": SimulatedLink(0.01)}
@@ -257,7 +257,7 @@ def test_bucket_check_tells_stub_wrong_and_right(capsys):
 
 
 def test_data_parallel_steps_times_every_configuration_over_every_link(pool2):
-    from parcourse.collectives import SimulatedLink
+    from parcourse.comm import SimulatedLink
 
     configs = {"alone": {"impl": "none"}, "naive": {"impl": "naive"},
                "buckets": {"impl": "bucketed", "bucket_mb": 0.01, "overlap": False}}

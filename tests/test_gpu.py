@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from parcourse import launch
-from parcourse import collectives as C
+from parcourse import comm as C
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -3,7 +3,7 @@
 import pytest
 
 from parcourse import Pool, RankError
-from parcourse.data_parallel.parameter_server import parameter_server_training, reference_bsp
+from parcourse.experiments.parameter_server import parameter_server_training, reference_bsp
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

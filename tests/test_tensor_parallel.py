@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tp_fns as TP
-from parcourse.collectives import SimulatedLink
+from parcourse.comm import SimulatedLink
 from parcourse.experiments.tensor_parallel import (
     check_g,
     memory_by_tp_size,

@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from parcourse.comm import Comm
 from parcourse.data import progressions
 from parcourse.models import GPT, Block, CausalSelfAttention, GPTConfig, MLP, gpt
 from parcourse.tensor_parallel import (
@@ -96,7 +97,7 @@ def upstream(shape, seed=1):
 def column(ctx, gather_output, sequence_parallel):
     torch.manual_seed(0)
     linear = nn.Linear(C, 24)
-    split = ColumnParallelLinear(copy.deepcopy(linear), TPComm(ctx.group),
+    split = ColumnParallelLinear(copy.deepcopy(linear), TPComm(Comm(ctx.group)),
                                  gather_output=gather_output, sequence_parallel=sequence_parallel)
     x = torch.randn(B, T, C, requires_grad=True)
     x_in = leaf(seq_chunk(x, ctx) if sequence_parallel else x)
@@ -115,7 +116,7 @@ def column(ctx, gather_output, sequence_parallel):
 def row(ctx, input_is_parallel, sequence_parallel):
     torch.manual_seed(0)
     linear = nn.Linear(24, C)
-    split = RowParallelLinear(copy.deepcopy(linear), TPComm(ctx.group),
+    split = RowParallelLinear(copy.deepcopy(linear), TPComm(Comm(ctx.group)),
                               input_is_parallel=input_is_parallel,
                               sequence_parallel=sequence_parallel)
     x = torch.randn(B, T, 24, requires_grad=True)
@@ -136,7 +137,7 @@ def row(ctx, input_is_parallel, sequence_parallel):
 def vocab_embedding(ctx, sequence_parallel):
     torch.manual_seed(0)
     embedding = nn.Embedding(CONFIG.vocab, C)
-    split = VocabParallelEmbedding(copy.deepcopy(embedding), TPComm(ctx.group),
+    split = VocabParallelEmbedding(copy.deepcopy(embedding), TPComm(Comm(ctx.group)),
                                    sequence_parallel=sequence_parallel)
     idx = torch.randint(CONFIG.vocab, (B, T))
     out, out_split = embedding(idx), split(idx)

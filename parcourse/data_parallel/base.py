@@ -19,27 +19,16 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from parcourse.collectives import global_rank, group_info
+from parcourse.comm import global_rank, group_info
 from parcourse.memory import tensors_in
 from parcourse.trace import Tracer
 
-
-Algorithm = Literal["torch", "ring"]
-
-
-def check_algorithm(algorithm: str, link: object) -> None:
-    """torch: torch.distributed.all_reduce; ring: this course's, which can take a link."""
-    if algorithm not in ("torch", "ring"):
-        raise ValueError(f"unknown algorithm {algorithm!r}; choose 'torch' or 'ring'")
-    if link is not None and algorithm != "ring":
-        raise ValueError("a simulated link needs algorithm='ring' (torch's all_reduce "
-                         "cannot be slowed down)")
 
 
 def broadcast_module(module: nn.Module, group: dist.ProcessGroup) -> None:

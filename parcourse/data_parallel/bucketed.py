@@ -13,24 +13,24 @@ collectives in the same order even when a parameter goes unused on some rank.
 Each bucket also carries one "used" flag per parameter: a parameter no rank
 used keeps `grad = None`, as it would in one process.
 
-The all-reduce is torch's (`async_op=True`, run by gloo/NCCL's own threads) or
-this course's ring (`algorithm="ring"`, run on a communication thread), which
-can go through a `SimulatedLink` so that the overlap becomes visible on one
-machine.
+The all-reduce goes through a `Comm`: torch's (`async_op=True`, run by
+gloo/NCCL's own threads) or this course's ring (`algorithm="ring"`, run on the
+Comm's communication thread), which can go through a `SimulatedLink` so that
+the overlap becomes visible on one machine.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from parcourse.collectives import SimulatedLink, ring_all_reduce
-from parcourse.data_parallel.base import Algorithm, GradSyncModule, check_algorithm
+from parcourse.comm import Algorithm, Comm, Pending, SimulatedLink
+from parcourse.data_parallel.base import GradSyncModule
 from parcourse.trace import Tracer
 
 
@@ -48,7 +48,7 @@ class Bucket:
     buffer: torch.Tensor
     ready: set[int] = field(default_factory=set)
     launched_ns: int = 0
-    done: Future[int] | None = None
+    done: Pending | None = None
 
     @property
     def nbytes(self) -> int:
@@ -83,18 +83,6 @@ def make_buckets(params: list[nn.Parameter], bucket_mb: float) -> list[Bucket]:
     return buckets
 
 
-class _WorkFuture(Future):  # type: ignore[type-arg]
-    """A torch Work seen as a Future whose result is the time `result()` returned."""
-
-    def __init__(self, work: dist.Work) -> None:
-        super().__init__()
-        self.work = work
-
-    def result(self, timeout: float | None = None) -> int:
-        self.work.wait()
-        return time.perf_counter_ns()
-
-
 class BucketedDataParallel(GradSyncModule):
     """`BucketedDataParallel(model, group, bucket_mb=25.0, overlap=True)`.
 
@@ -108,14 +96,15 @@ class BucketedDataParallel(GradSyncModule):
                  tracer: Tracer | None = None) -> None:
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
-        check_algorithm(algorithm, link)
+        # The end time of each bucket's all-reduce only for a trace: timing it is a
+        # callback on the backend's thread.
+        comm = Comm(group, link=link, algorithm=algorithm, timed=tracer is not None)
         super().__init__(module, group, tracer)
+        self.comm = comm
         self.bucket_mb, self.overlap = bucket_mb, overlap
-        self.algorithm, self.link = algorithm, link
         self.buckets = make_buckets(self.sync_params, bucket_mb)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0  # the next bucket to launch: buckets start in order
-        self._comm = ThreadPoolExecutor(1, "parcourse-comm") if algorithm == "ring" else None
 
     # -- backward: gradients arrive
 
@@ -142,21 +131,9 @@ class BucketedDataParallel(GradSyncModule):
         bucket.done = self._start_all_reduce(bucket.buffer)
         self._next = bucket.index + 1
 
-    def _start_all_reduce(self, buffer: torch.Tensor) -> Future[int]:
-        """Start summing `buffer` over ranks; the future gives the time it finished."""
-        if self._comm is not None:
-            def run() -> int:
-                ring_all_reduce(buffer, self.group, link=self.link)
-                return time.perf_counter_ns()
-
-            return self._comm.submit(run)
-        work = dist.all_reduce(buffer, group=self.group, async_op=True)
-        if self.tracer is None:
-            return _WorkFuture(work)  # no callback: nothing to time, nothing to wake up
-        done: Future[int] = Future()
-        # Runs on the backend's thread the moment the all-reduce completes: its end time.
-        work.get_future().add_done_callback(lambda _: done.set_result(time.perf_counter_ns()))
-        return done
+    def _start_all_reduce(self, buffer: torch.Tensor) -> Pending:
+        """Start summing `buffer` over ranks; the future's `finished_ns` is when it finished."""
+        return self.comm.all_reduce(buffer, async_op=True)
 
     # -- end of backward
 
@@ -168,10 +145,10 @@ class BucketedDataParallel(GradSyncModule):
         wait_start = time.perf_counter_ns()
         for bucket in self.buckets:
             assert bucket.done is not None
-            finished = bucket.done.result()
+            bucket.done.result()
             if self.tracer is not None:
-                self.tracer.add_span("all_reduce", bucket.launched_ns, finished, kind="comm",
-                                     bucket=bucket.index, bytes=bucket.nbytes)
+                self.tracer.add_span("all_reduce", bucket.launched_ns, bucket.done.finished_ns,
+                                     kind="comm", bucket=bucket.index, bytes=bucket.nbytes)
             self._unpack(bucket)
             bucket.ready.clear()
             bucket.done = None

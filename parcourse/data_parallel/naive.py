@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parcourse.collectives import SimulatedLink, ring_all_reduce
-from parcourse.data_parallel.base import Algorithm, GradSyncModule, check_algorithm
+from parcourse.comm import Algorithm, Comm, SimulatedLink
+from parcourse.data_parallel.base import GradSyncModule
 from parcourse.trace import Tracer
 
 
@@ -24,14 +24,17 @@ class NaiveDataParallel(GradSyncModule):
     A parameter that got no gradient on any rank this step keeps `grad = None`
     (as in one process, so the optimizer skips it); one that got a gradient on
     some ranks only is averaged with zeros from the others.
+
+    `algorithm` and `link` make its `Comm`: torch's all-reduce, or the course's ring,
+    which can go over a simulated link.
     """
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, *,
                  algorithm: Algorithm = "torch", link: SimulatedLink | None = None,
                  tracer: Tracer | None = None) -> None:
-        check_algorithm(algorithm, link)
+        comm = Comm(group, link=link, algorithm=algorithm)  # checks them before anything moves
         super().__init__(module, group, tracer)
-        self.algorithm, self.link = algorithm, link
+        self.comm = comm
         self._pending = False
 
     def grad_ready(self, param: torch.Tensor) -> None:
@@ -53,10 +56,7 @@ class NaiveDataParallel(GradSyncModule):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             start = time.perf_counter_ns()
-            if self.algorithm == "ring":
-                ring_all_reduce(p.grad, self.group, link=self.link)
-            else:
-                dist.all_reduce(p.grad, group=self.group)
+            self.comm.all_reduce(p.grad)
             p.grad.div_(self.world_size)
             if self.tracer is not None:
                 self.tracer.add_span("all_reduce", start, time.perf_counter_ns(), kind="comm",

@@ -12,8 +12,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from parcourse.collectives import (SimulatedLink, chunk_bounds, naive_all_reduce,
-                                   ring_all_reduce, simulated_link)
+from parcourse.comm import (SimulatedLink, chunk_bounds, naive_all_reduce,
+                            ring_all_reduce, simulated_link)
 from parcourse.experiments.common import run_exercise
 from parcourse.launch import Pool, RankContext
 

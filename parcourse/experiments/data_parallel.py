@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parcourse.collectives import SimulatedLink, simulated_link
+from parcourse.comm import SimulatedLink, simulated_link
 from parcourse.data import local_regression, regression
 from parcourse.data_parallel.bucketed import BucketedDataParallel
 from parcourse.data_parallel.naive import NaiveDataParallel

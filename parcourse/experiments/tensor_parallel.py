@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -17,8 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from parcourse.collectives import (SimulatedLink, ring_all_gather, ring_all_reduce,
-                                   ring_reduce_scatter)
+from parcourse.comm import Algorithm, Comm, SimulatedLink
 from parcourse.data import progressions
 from parcourse.experiments.common import run_exercise
 from parcourse.launch import Pool, RankContext
@@ -33,7 +31,7 @@ from parcourse.tensor_parallel import (
     apply_tensor_parallel,
     vocab_parallel_cross_entropy,
 )
-from parcourse.tensor_parallel.comm import Algorithm, Phase, TPComm
+from parcourse.tensor_parallel.comm import TPComm
 from parcourse.theory import (
     TPCollective,
     tp_activation_bytes,
@@ -245,42 +243,6 @@ def _take_turns(ctx: RankContext, runs: dict[str, tuple[nn.Module, torch.optim.O
 # --------------------------------------------------------------------------- lesson 05
 
 
-@dataclass
-class LinkedTPComm(TPComm):
-    """A `TPComm` whose collectives run on the course's ring over a simulated link
-    (lesson 01's `SimulatedLink`): every message pays the link's latency and
-    bandwidth, so the cost of tensor parallelism between machines shows on one.
-
-    `TPComm` has no link of its own; `over_link` turns the one a split model shares
-    into this class, in place.
-    """
-
-    link: SimulatedLink | None = None
-
-    def all_reduce(self, x: torch.Tensor, phase: Phase, where: str,
-                   op: Literal["sum", "max"] = "sum") -> torch.Tensor:
-        out = x.clone(memory_format=torch.contiguous_format)
-        with self._traced("all_reduce", phase, where, out.nbytes):
-            ring_all_reduce(out, self.group, op, tracer=self.tracer, link=self.link)
-        return out
-
-    def all_gather(self, x: torch.Tensor, dim: int, phase: Phase, where: str) -> torch.Tensor:
-        d = dim % x.dim()
-        flat = torch.empty(x.numel() * self.size, dtype=x.dtype, device=x.device)
-        with self._traced("all_gather", phase, where, flat.nbytes):
-            ring_all_gather(x.contiguous().view(-1), self.group, tracer=self.tracer,
-                            link=self.link, out=flat)
-        return flat.view(self.size, *x.shape).movedim(0, d).flatten(d, d + 1)
-
-    def reduce_scatter(self, x: torch.Tensor, dim: int, phase: Phase, where: str) -> torch.Tensor:
-        d = dim % x.dim()
-        parts = x.unflatten(d, (self.size, x.shape[d] // self.size)).movedim(d, 0).contiguous()
-        with self._traced("reduce_scatter", phase, where, parts.nbytes):
-            mine = ring_reduce_scatter(parts.view(-1), self.group, tracer=self.tracer,
-                                       link=self.link, scratch=True)
-        return mine.view(parts.shape[1:])
-
-
 def shared_comm(model: nn.Module) -> TPComm:
     """The one `TPComm` that `apply_tensor_parallel` gave every split layer of `model`."""
     comms = {id(c): c for m in model.modules() if isinstance(c := getattr(m, "comm", None),
@@ -288,21 +250,6 @@ def shared_comm(model: nn.Module) -> TPComm:
     if len(comms) != 1:
         raise ValueError(f"expected one TPComm shared by the split layers, found {len(comms)}")
     return next(iter(comms.values()))
-
-
-def over_link(model: nn.Module, link: SimulatedLink | None) -> nn.Module:
-    """Make the split `model`'s collectives run on the ring over `link` (None: no link,
-    but still the ring, which counts bytes). In place; returns `model`.
-
-    The layers and the gradient sync of sequence parallelism hold one TPComm between
-    them (the sync only through its hooks), so that object itself changes class:
-    every collective of the model then goes over the link.
-    """
-    comm = shared_comm(model)
-    comm.__class__ = LinkedTPComm
-    comm.algorithm = "ring"
-    comm.link = link  # type: ignore[attr-defined]
-    return model
 
 
 def split_matmul(ctx: RankContext, how: Literal["column", "row"], tokens: int = 4,
@@ -324,7 +271,7 @@ def split_matmul(ctx: RankContext, how: Literal["column", "row"], tokens: int = 
     linear = nn.Linear(features, features, bias=False)
     with torch.no_grad():
         linear.weight.copy_(torch.randint(-2, 3, (features, features), generator=g))
-    comm = TPComm(ctx.group, ctx.tracer)
+    comm = TPComm(Comm(ctx.group, tracer=ctx.tracer))
     layer: nn.Module
     if how == "column":
         layer = ColumnParallelLinear(linear, comm, gather_output=True)
@@ -454,7 +401,7 @@ def tp_step(ctx: RankContext, config: GPTConfig = TINY, batch: int = 8, steps: i
     per collective, labelled f, g, loss or grads (`label_of`; the ring's own steps
     inside them are left out), and the memory sample "after forward" (for
     plots.memory). With `link` (or `ring=True`) the collectives run on the course's
-    ring over that link (`over_link`), else on torch.distributed's.
+    ring over that link (a `Comm` with it), else on torch.distributed's.
 
     Returns per traced step the seconds it took ("step_s", after a barrier) and those
     spent in collectives ("comm_s"); the last step's collectives (as `collectives_in`);
@@ -463,10 +410,10 @@ def tp_step(ctx: RankContext, config: GPTConfig = TINY, batch: int = 8, steps: i
     """
     n, tracer = ctx.world_size, ctx.tracer
     tracer.set_status("building the model")
-    model = apply_tensor_parallel(gpt(config), GPT_PLAN, ctx.group,
-                                  sequence_parallel=sequence_parallel, tracer=tracer)
-    if n > 1 and (link is not None or ring):
-        over_link(model, link)
+    on_ring = n > 1 and (link is not None or ring)
+    model = apply_tensor_parallel(
+        gpt(config), GPT_PLAN, ctx.group, sequence_parallel=sequence_parallel, tracer=tracer,
+        comm=Comm(ctx.group, tracer=tracer, link=link, algorithm="ring") if on_ring else None)
     comm = shared_comm(model)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     spans, counters = tracer.data().spans, tracer.data().counters
@@ -526,7 +473,7 @@ def _g_in_an_mlp(ctx: RankContext, g: type[torch.autograd.Function], d_model: in
     n = ctx.world_size
     config = GPTConfig(d_model=d_model, n_heads=1)
     reference = _seeded(lambda: MLP(config), seed)
-    comm = TPComm(ctx.group)
+    comm = TPComm(Comm(ctx.group))
     up = ColumnParallelLinear(reference.up, comm)  # f, then this rank's hidden features
     down = nn.Parameter(reference.down.weight.detach().chunk(n, dim=1)[ctx.rank].clone())
     g_rand = torch.Generator().manual_seed(seed + 1)
@@ -597,11 +544,12 @@ def check_g(g: type[torch.autograd.Function], pool: Pool) -> bool:
 def link_step_times(ctx: RankContext, links: dict[str, SimulatedLink], config: GPTConfig = TINY,
                     batch: int = 8, steps: int = 5) -> dict[str, list[float]]:
     """Seconds per training step (Adam) of the GPT split over the group, its collectives
-    on the course's ring over each of `links` (`over_link`), the links taking turns
+    on the course's ring over each of `links` (a `Comm` with it), the links taking turns
     step by step (the order swaps every step; the first step of each is a warm-up)."""
     runs = {}
     for name, link in links.items():
-        model = over_link(apply_tensor_parallel(gpt(config), GPT_PLAN, ctx.group), link)
+        model = apply_tensor_parallel(gpt(config), GPT_PLAN, ctx.group,
+                                      comm=Comm(ctx.group, link=link, algorithm="ring"))
         runs[name] = (model, torch.optim.Adam(model.parameters(), lr=3e-3), shared_comm(model),
                       "ours")
     return _take_turns(ctx, runs, steps, batch, config)[0]

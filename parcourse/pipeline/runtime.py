@@ -31,7 +31,7 @@ from torch import nn
 from torch.func import functional_call
 
 from parcourse.checkpointing import checkpoint
-from parcourse.collectives import SimulatedLink, group_info, messenger
+from parcourse.comm import SimulatedLink, group_info, messenger
 from parcourse.memory import SavedActivations, live_bytes
 from parcourse.pipeline.schedule import Action, Schedule, check
 from parcourse.pipeline.simulate import Costs, simulate

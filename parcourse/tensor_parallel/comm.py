@@ -23,10 +23,10 @@ Two more, for a column-parallel layer that must return its whole output and a
 row-parallel layer given a whole input: gather the last dim (split in
 backward) and split it (gather in backward).
 
-Every collective goes through a `TPComm`: the group, and the tracer on which each
-collective is a span (kind "comm") and one event of the counter
-"tp_collective" (meta: op, phase, where, size in bytes of the whole tensor), so
-a step's collectives can be counted and checked against
+Every collective goes through a `TPComm`, over a `Comm` (the group, its tracer, a
+link, an algorithm): on the tracer each collective is a span (kind "comm") and
+one event of the counter "tp_collective" (meta: op, phase, where, size in bytes
+of the whole tensor), so a step's collectives can be counted and checked against
 `parcourse.theory.tp_collectives`. With the course's ring (algorithm="ring") the
 bytes each message carries are counted too ("bytes_sent").
 """
@@ -36,17 +36,15 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from parcourse._compat import all_gather_single, reduce_scatter_single
-from parcourse.collectives import group_info, ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from parcourse.comm import Comm
 from parcourse.trace import CounterEvent, Tracer
 
-Algorithm = Literal["torch", "ring"]
 Phase = Literal["forward", "backward"]
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter"]
 SEQUENCE_DIM = 1  # activations are (B, T, C)
@@ -54,34 +52,49 @@ SEQUENCE_DIM = 1  # activations are (B, T, C)
 
 @dataclass
 class TPComm:
-    """The collectives of one tensor-parallel group, traced and counted.
+    """The collectives of one tensor-parallel group, traced and counted: a thin layer
+    over a `Comm` (parcourse.comm) that cuts and joins tensors along a dim and records
+    each collective on the Comm's tracer.
 
-    `algorithm`: "torch" (torch.distributed's collectives) or "ring" (this course's,
-    built from send/recv, which counts the bytes it sends). Tensor parallelism moves
+    The Comm's `algorithm`: "torch" (torch.distributed's collectives) or "ring" (this
+    course's, built from send/recv, which counts the bytes it sends and can go over a
+    simulated link: give the model a Comm with that link). Tensor parallelism moves
     activations, small next to ZeRO's buffers, many times per step; at those sizes
     the ring's per-message cost in Python dominates: the tiny GPT's step on 2 ranks
     took about twice as long on the ring as on gloo's own collectives (60 vs 26 ms,
     while other jobs shared the machine). So "torch" by default, "ring" to count bytes.
     """
 
-    group: dist.ProcessGroup
-    tracer: Tracer | None = None
-    algorithm: Algorithm = "torch"
-    rank: int = field(init=False)
-    size: int = field(init=False)
+    comm: Comm
 
-    def __post_init__(self) -> None:
-        if self.algorithm not in ("torch", "ring"):
-            raise ValueError(f"unknown algorithm {self.algorithm!r}; choose 'torch' or 'ring'")
-        self.group, self.rank, self.size = group_info(self.group)
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self.comm.group
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def size(self) -> int:
+        return self.comm.size
+
+    @property
+    def tracer(self) -> Tracer | None:
+        return self.comm.tracer
+
+    @property
+    def algorithm(self) -> str:
+        return self.comm.algorithm
 
     def _traced(self, op: CollectiveOp, phase: Phase, where: str,
                 nbytes: int) -> AbstractContextManager[None]:
-        if self.tracer is None:
+        tracer = self.comm.tracer
+        if tracer is None:
             return nullcontext()
-        self.tracer.count("tp_collective", 1, op=op, phase=phase, where=where, size=nbytes)
-        return self.tracer.span(f"{op} ({phase})", kind="comm", op=op, phase=phase,
-                                where=where, size=nbytes)
+        tracer.count("tp_collective", 1, op=op, phase=phase, where=where, size=nbytes)
+        return tracer.span(f"{op} ({phase})", kind="comm", op=op, phase=phase,
+                           where=where, size=nbytes)
 
     def all_reduce(self, x: torch.Tensor, phase: Phase, where: str,
                    op: Literal["sum", "max"] = "sum") -> torch.Tensor:
@@ -89,11 +102,7 @@ class TPComm:
         tensor autograd hands to several consumers is never changed under them."""
         out = x.clone(memory_format=torch.contiguous_format)
         with self._traced("all_reduce", phase, where, out.nbytes):
-            if self.algorithm == "ring":
-                ring_all_reduce(out, self.group, op, tracer=self.tracer)
-            else:
-                reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-                dist.all_reduce(out, op=reduce_op, group=self.group)
+            self.comm.all_reduce(out, op)
         return out
 
     def all_gather(self, x: torch.Tensor, dim: int, phase: Phase, where: str) -> torch.Tensor:
@@ -102,10 +111,7 @@ class TPComm:
         shard = x.contiguous().view(-1)
         flat = torch.empty(shard.numel() * self.size, dtype=x.dtype, device=x.device)
         with self._traced("all_gather", phase, where, flat.nbytes):
-            if self.algorithm == "ring":
-                ring_all_gather(shard, self.group, tracer=self.tracer, out=flat)
-            else:
-                all_gather_single(flat, shard, group=self.group)
+            self.comm.all_gather(shard, flat)
         # The collective lays the ranks' tensors one after another, (N, *x.shape);
         # moving that axis next to `dim` and merging the two concatenates along `dim`.
         return flat.view(self.size, *x.shape).movedim(0, d).flatten(d, d + 1)
@@ -120,12 +126,7 @@ class TPComm:
         # Chunk r of dim `d` first, so that the collective's rank-by-rank layout cuts it.
         parts = x.unflatten(d, (n, x.shape[d] // n)).movedim(d, 0).contiguous()  # (N, ...)
         with self._traced("reduce_scatter", phase, where, parts.nbytes):
-            if self.algorithm == "ring":
-                mine = ring_reduce_scatter(parts.view(-1), self.group, tracer=self.tracer,
-                                           scratch=True)
-            else:
-                mine = torch.empty(parts[0].numel(), dtype=x.dtype, device=x.device)
-                reduce_scatter_single(mine, parts.view(-1), group=self.group)
+            mine = self.comm.reduce_scatter(parts.view(-1))  # parts is a copy: scratch
         return mine.view(parts.shape[1:])
 
     def split(self, x: torch.Tensor, dim: int, where: str) -> torch.Tensor:

@@ -22,6 +22,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from parcourse.comm import Comm
 from parcourse.tensor_parallel.comm import TPComm
 from parcourse.tensor_parallel.layers import vocab_range
 from parcourse.trace import Tracer
@@ -81,7 +82,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
     are not `ignore_index`, as F.cross_entropy does. Same value on every rank.
     `comm` (a layer's, with its tracer) may stand for `group` and `tracer`.
     """
-    comm = comm or TPComm(group, tracer)
+    comm = comm or TPComm(Comm(group, tracer=tracer))
     width = math.ceil(vocab_size / comm.size)
     if logits.shape[-1] != width:
         raise ValueError(f"logits have {logits.shape[-1]} columns; a vocabulary of {vocab_size} "

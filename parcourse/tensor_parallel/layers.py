@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parcourse.comm import chunk_bounds
 from parcourse.tensor_parallel.comm import (
     TPComm,
     copy_to_tp,
@@ -44,9 +45,7 @@ def vocab_range(vocab: int, rank: int, world_size: int) -> tuple[int, int]:
     """[start, end) of the vocabulary rank `rank` holds: ceil(vocab / N) rows each, the
     last ranks fewer (their shards are padded to the same size), as Megatron's
     VocabUtility cuts a vocabulary padded to a multiple of N."""
-    per_rank = math.ceil(vocab / world_size)
-    start = min(rank * per_rank, vocab)
-    return start, min(start + per_rank, vocab)
+    return chunk_bounds(vocab, world_size, "chunk")[rank]
 
 
 def _vocab_shard(weight: torch.Tensor, comm: TPComm) -> torch.Tensor:

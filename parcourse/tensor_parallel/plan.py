@@ -46,7 +46,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parcourse.tensor_parallel.comm import Algorithm, TPComm
+from parcourse.comm import Algorithm, Comm, group_info
+from parcourse.tensor_parallel.comm import TPComm
 from parcourse.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -81,24 +82,30 @@ GPT_PLAN: dict[str, Style] = {"tok_emb": "vocab", "pos_emb": "replicate",
 
 def apply_tensor_parallel(model: nn.Module, plan: Plan, group: dist.ProcessGroup, *,
                           sequence_parallel: bool = False, tracer: Tracer | None = None,
-                          algorithm: Algorithm = "torch", seed: int = 0) -> nn.Module:
+                          algorithm: Algorithm = "torch", seed: int = 0,
+                          comm: Comm | None = None) -> nn.Module:
     """Split `model` in place over `group` as `plan` says; returns `model`.
 
     Raises ValueError, before changing anything, for a plan that names no module,
     an unknown style, a style that does not fit the module, tied weights split two
     ways, or sizes the group cannot split (heads, hidden features), naming the
     module. `tracer` receives every collective (spans and counters); `seed` seeds
-    dropout (see `RNGTracker`); `algorithm` as for `TPComm`.
+    dropout (see `RNGTracker`); `algorithm` as for `Comm`. `comm`: the Comm to talk
+    through instead of one made of `group`, `tracer` and `algorithm`, e.g.
+    `Comm(group, tracer=tracer, link=link, algorithm="ring")` puts the model on a
+    simulated link.
     """
-    comm = TPComm(group, tracer, algorithm)
-    styles = _resolve(model, plan, comm.size)
+    if comm is not None and comm.group is not group_info(group)[0]:
+        raise ValueError("comm must be a Comm on `group`")
+    tp = TPComm(comm if comm is not None else Comm(group, tracer=tracer, algorithm=algorithm))
+    styles = _resolve(model, plan, tp.size)
     modules = dict(model.named_modules())
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    tracker = RNGTracker(seed, comm.rank, device)
+    tracker = RNGTracker(seed, tp.rank, device)
     sharded: dict[int, nn.Parameter] = {}  # original weight -> its shard (tied weights)
     for name, module in modules.items():
         style = styles.get(name, "replicate")
-        new = _parallel(module, style, comm, sequence_parallel, name) if name else module
+        new = _parallel(module, style, tp, sequence_parallel, name) if name else module
         if new is module:
             continue
         if style != "replicate":  # a weight tied to one already split shares its shard
@@ -112,7 +119,7 @@ def apply_tensor_parallel(model: nn.Module, plan: Plan, group: dist.ProcessGroup
             dropout.train(module.training)
             _replace(model, name, dropout)
     if sequence_parallel:
-        _sum_replicated_grads(model, comm)
+        _sum_replicated_grads(model, tp)
     return model
 
 

@@ -1,4 +1,6 @@
-"""Parameter servers: synchronous (BSP) and asynchronous (ASP) SGD.
+"""Lesson 02's parameter servers: synchronous (BSP) and asynchronous (ASP) SGD of a small
+MLP on synthetic data, built and trained here (a lesson run, so it lives in experiments/,
+not in the data_parallel strategies).
 
 Rank 0 is the server: it holds the weights and applies updates. Every other rank
 is a worker with its own shard of the data: it pulls the weights, computes a

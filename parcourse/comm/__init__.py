@@ -1,0 +1,65 @@
+"""Communication: one object for every strategy, and the collectives it is built from.
+
+- `Comm` (communicator.py): a group, a tracer, a link and an algorithm (torch's
+  collectives or the course's ring); all-reduce / reduce-scatter / all-gather, sync
+  or async (one future type, `Pending`), and send / recv.
+- ring.py: the ring all-reduce, readable (what lesson 01 shows);
+  ring_fast.py: the same ring with segments, cached plans and kept buffers,
+  tested equal to it: `ring_all_reduce`, `ring_reduce_scatter`, `ring_all_gather`.
+- naive.py: the parameter server's all-reduce (`naive_all_reduce`).
+- messenger.py: send / recv that count bytes, stage CUDA tensors over gloo and
+  apply the simulated link (link.py: `SimulatedLink`).
+- common.py: argument checks, `chunk_bounds` (how a range is cut into n parts),
+  `group_info`, `global_rank`.
+"""
+
+from parcourse.comm import ring
+from parcourse.comm.common import (
+    DTYPES,
+    OPS,
+    Cut,
+    Op,
+    check_args,
+    chunk_bounds,
+    global_rank,
+    group_info,
+)
+from parcourse.comm.communicator import ALGORITHMS, Algorithm, Comm, Pending
+from parcourse.comm.link import SimulatedLink, simulated_link
+from parcourse.comm.messenger import Arrival, Messenger, messenger
+from parcourse.comm.naive import naive_all_reduce
+from parcourse.comm.ring import RingPhase, ring_steps
+from parcourse.comm.ring_fast import (
+    SEGMENT_BYTES,
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+)
+
+__all__ = [
+    "ALGORITHMS",
+    "Algorithm",
+    "Arrival",
+    "Comm",
+    "Cut",
+    "DTYPES",
+    "Messenger",
+    "OPS",
+    "Op",
+    "Pending",
+    "RingPhase",
+    "SEGMENT_BYTES",
+    "SimulatedLink",
+    "check_args",
+    "chunk_bounds",
+    "global_rank",
+    "group_info",
+    "messenger",
+    "naive_all_reduce",
+    "ring",
+    "ring_all_gather",
+    "ring_all_reduce",
+    "ring_reduce_scatter",
+    "ring_steps",
+    "simulated_link",
+]

@@ -1,0 +1,91 @@
+"""What every collective here shares: argument checks, how a range is cut into n
+parts, process groups (this rank in one, its global rank), and the comm span."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from parcourse.trace import Tracer
+
+Op = Literal["sum", "avg", "max"]
+OPS: tuple[str, ...] = ("sum", "avg", "max")
+DTYPES: tuple[torch.dtype, ...] = (
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64,
+)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+Cut = Literal["tensor_split", "chunk"]
+
+
+def check_args(tensor: torch.Tensor, op: str) -> None:
+    """Clear errors for what these collectives do not support."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if op not in OPS:
+        raise ValueError(f"unsupported op {op!r}; choose one of {', '.join(OPS)}")
+    if tensor.dtype not in DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in DTYPES)
+        raise ValueError(f"unsupported dtype {tensor.dtype}; supported: {names}")
+    if op == "avg" and tensor.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"op 'avg' needs a floating-point tensor, got {tensor.dtype}; "
+                         "use 'sum' and divide")
+
+
+def chunk_bounds(numel: int, n: int, cut: Cut = "tensor_split") -> list[tuple[int, int]]:
+    """[start, end) of n chunks covering numel, cut as torch cuts them:
+
+    - "tensor_split": the first numel % n chunks get one more (torch.tensor_split), so
+      shards line up with what torch's collectives do; the ring's chunks, and a batch's
+      rows over data-parallel ranks.
+    - "chunk": ceil(numel / n) each, the last ones fewer, or none (torch.chunk, FSDP2's
+      shards, Megatron's VocabUtility over a vocabulary padded to a multiple of n).
+    """
+    if cut == "chunk":
+        size = -(-numel // n)
+        return [(min(i * size, numel), min((i + 1) * size, numel)) for i in range(n)]
+    if cut != "tensor_split":
+        raise ValueError(f"unknown cut {cut!r}; choose 'tensor_split' or 'chunk'")
+    base, extra = divmod(numel, n)
+    bounds, start = [], 0
+    for i in range(n):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def reduce_into(acc: torch.Tensor, other: torch.Tensor, op: str) -> None:
+    """acc <- acc (op) other, in place."""
+    if op == "max":
+        torch.maximum(acc, other, out=acc)
+    else:  # sum and avg both add; avg divides once at the end
+        acc.add_(other)
+
+
+def group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int, int]:
+    """(group, this rank in it, its size); None means all ranks (WORLD)."""
+    group = group or dist.group.WORLD
+    if group is None:
+        raise RuntimeError("torch.distributed is not initialized: run this inside a Pool, "
+                           "under torchrun, or after init_process_group")
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"this rank is not a member of the group (got {group!r})")
+    # The group's own rank()/size(): dist.get_rank/get_world_size look the group
+    # up and map ranks on every call.
+    return group, group.rank(), group.size()
+
+
+def global_rank(group: dist.ProcessGroup, group_rank: int) -> int:
+    """The global rank of a rank in `group`: what torch.distributed's functions take
+    (broadcast's src, isend/irecv's peer); the group's own send/recv take group ranks."""
+    if group is dist.group.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def comm_span(tracer: Tracer | None, name: str, **meta: object) -> AbstractContextManager[None]:
+    """A span of kind "comm" on `tracer`, or nothing without one."""
+    return nullcontext() if tracer is None else tracer.span(name, kind="comm", **meta)

@@ -1,0 +1,125 @@
+"""The messenger: send and recv that count bytes, stage CUDA tensors over gloo and
+apply a simulated link.
+
+It has the process group's own `send(tensors, peer, tag)` and
+`recv(tensors, peer, tag)` (peers are ranks in the group; both return something
+to `wait()` on), so a collective runs the same code whether it talks to the
+group directly or through a messenger. `messenger()` hands out the group itself
+when there is nothing to count, stage or slow down, so the plain path
+(benchmarks, data parallelism) has no wrapper at all.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+from parcourse.comm.link import SimulatedLink, Wire, sleep_until, wire_for
+from parcourse.trace import Tracer
+
+STAMP = 8  # bytes of the departure time at the head of a message over a simulated link
+_stamped_per_thread = threading.local()
+
+
+def _stamped(way: str, peer: int, tag: int, nbytes: int) -> torch.Tensor:
+    """A host buffer for one message over a simulated link: the departure time,
+    then `nbytes` of payload. Reused by the next message with the same (peer,
+    tag) on this thread, so the message before it must be done by then: each
+    message of a collective has its own (peer, tag), and a collective returns
+    only when its messages are done. (Fresh memory for every message costs a
+    page fault per page, which would add to the time measured.)"""
+    cache = _stamped_per_thread.__dict__.setdefault("buffers", {})
+    key = (way, peer, tag)
+    buf = cache.get(key)
+    if buf is None or buf.numel() < STAMP + nbytes:
+        buf = cache[key] = torch.empty(STAMP + nbytes, dtype=torch.uint8)
+    return buf[:STAMP + nbytes]
+
+
+class Arrival:
+    """A receive posted through a messenger; `wait()` also moves what arrived from
+    the host buffer into place (GPU staging) and, with a link, returns only when
+    the message would have arrived over it."""
+
+    def __init__(self, work: dist.Work, host: torch.Tensor, dest: torch.Tensor,
+                 wire: Wire) -> None:
+        self.work, self.host, self.dest, self.wire = work, host, dest, wire
+
+    def wait(self) -> None:
+        self.work.wait()
+        host, dest = self.host, self.dest
+        if self.wire.link is not None:
+            n = dest.nbytes
+            sleep_until(self.wire.arrive(host[:STAMP].view(torch.float64).item(), n))
+            dest.view(-1).view(torch.uint8).copy_(host[STAMP:])
+        elif host is not dest:
+            dest.copy_(host)
+
+
+class Messenger:
+    """A stand-in for the process group that counts bytes, stages GPU tensors
+    through host memory and simulates the link.
+
+    With a simulated link, each message carries the time its first byte left
+    in 8 extra bytes at its head (not counted as bytes sent), so the receiver
+    can add the latency and queue it on its incoming link.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, tracer: Tracer | None,
+                 link: SimulatedLink | None, staged: bool) -> None:
+        self.group = group
+        self.tracer = tracer
+        self.wire = wire_for(link)
+        self.staged = staged
+        self.sent_until = 0.0  # when the last byte of our last message has left
+
+    def send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> dist.Work:
+        (t,) = tensors
+        t = t.contiguous()
+        if self.wire.link is not None:
+            payload = _stamped("out", peer, tag, t.nbytes)
+            payload[STAMP:].copy_(t.view(-1).view(torch.uint8))
+            departed, self.sent_until = self.wire.depart(t.nbytes)
+            payload[:STAMP].view(torch.float64)[0] = departed
+        else:
+            payload = t.cpu() if self.staged else t
+        work = self.group.send([payload], peer, tag)
+        if self.tracer is not None:
+            self.tracer.count("bytes_sent", t.nbytes, peer=peer)
+        return work
+
+    def recv(self, tensors: list[torch.Tensor], peer: int, tag: int) -> Arrival:
+        (dest,) = tensors
+        if self.wire.link is not None:
+            host = _stamped("in", peer, tag, dest.nbytes)
+        elif self.staged:
+            host = torch.empty(dest.shape, dtype=dest.dtype)
+        else:
+            host = dest
+        return Arrival(self.group.recv([host], peer, tag), host, dest, self.wire)
+
+    def settle(self) -> None:
+        """With a link: wait until the last byte of our last message has left."""
+        if self.wire.link is not None:
+            sleep_until(self.sent_until)
+
+
+def messenger(group: dist.ProcessGroup, like: torch.Tensor, tracer: Tracer | None = None,
+              link: SimulatedLink | None = None) -> dist.ProcessGroup | Messenger:
+    """What a collective sends through: the group itself, or a messenger when
+    bytes are counted (tracer), a link is simulated, or CUDA tensors go over
+    gloo (which moves CPU tensors only, so they are staged through host memory)."""
+    staged = like.is_cuda and dist.get_backend(group) == "gloo"
+    if tracer is None and link is None and not staged:
+        return group
+    return Messenger(group, tracer, link, staged)
+
+
+def settle(wire: dist.ProcessGroup | Messenger, sends: list[dist.Work]) -> None:
+    """Wait until every send has left (and, with a link, until the link is free)."""
+    for w in sends:
+        w.wait()
+    if isinstance(wire, Messenger):
+        wire.settle()

@@ -139,13 +139,13 @@ def fast_vs_readable(ctx, numel, dtype, op, segment_bytes=C.SEGMENT_BYTES):
     """The fast ring and the readable one (ring.py) on the same random input: all-reduce,
     reduce-scatter and all-gather from each, and the bytes each sent."""
     t = make(ctx.rank, numel, dtype, integer_valued=False)
+    seg = {"segment_bytes": segment_bytes}
+    rings = {"fast": (lambda x, **kw: C.ring_all_reduce(x, ctx.group, op, **seg, **kw),
+                      lambda x: C.ring_reduce_scatter(x, ctx.group, op, **seg)),
+             "readable": (lambda x, **kw: C.ring.all_reduce(x, ctx.group, op, **kw),
+                          lambda x: C.ring.reduce_scatter(x, ctx.group, op))}
     out = {}
-    for name, all_reduce, reduce_scatter in (
-            ("fast", lambda x, **kw: C.ring_all_reduce(x, ctx.group, op, segment_bytes=segment_bytes,
-                                                       **kw),
-             lambda x: C.ring_reduce_scatter(x, ctx.group, op, segment_bytes=segment_bytes)),
-            ("readable", lambda x, **kw: C.ring.all_reduce(x, ctx.group, op, **kw),
-             lambda x: C.ring.reduce_scatter(x, ctx.group, op))):
+    for name, (all_reduce, reduce_scatter) in rings.items():
         before = ctx.tracer.total("bytes_sent")
         reduced = all_reduce(t.clone(), tracer=ctx.tracer)
         sent = ctx.tracer.total("bytes_sent") - before

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from parcourse.ranges import chunk_bounds
+
 
 def regression(n: int, d_in: int, d_out: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, y) with y a fixed random linear map of x plus a little noise."""
@@ -15,9 +17,7 @@ def regression(n: int, d_in: int, d_out: int, seed: int = 0) -> tuple[torch.Tens
 
 def shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
     """[start, end) of this rank's rows: contiguous, the first n % world_size ranks get one more."""
-    base, extra = divmod(n, world_size)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
+    return chunk_bounds(n, world_size)[rank]
 
 
 def shard(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 
 from parcourse.cli.options import (at_least_one, link_options, parse_size, ranks,
                                    ranks_option)
-from parcourse.collectives import SimulatedLink, simulated_link
+from parcourse.comm import SimulatedLink, simulated_link
 from parcourse.experiments.all_reduce import all_reduce_with, time_all_reduce
 from parcourse.experiments.common import median_of_slowest
 from parcourse.launch import RankContext, launch

@@ -9,18 +9,16 @@
 - naive.py: the parameter server's all-reduce (`naive_all_reduce`).
 - messenger.py: send / recv that count bytes, stage CUDA tensors over gloo and
   apply the simulated link (link.py: `SimulatedLink`).
-- common.py: argument checks, `chunk_bounds` (how a range is cut into n parts),
-  `group_info`, `global_rank`.
+- common.py: argument checks, `group_info`, `global_rank`; `chunk_bounds` (how a
+  range is cut into n parts) is parcourse.ranges', shared with the data.
 """
 
 from parcourse.comm import ring
 from parcourse.comm.common import (
     DTYPES,
     OPS,
-    Cut,
     Op,
     check_args,
-    chunk_bounds,
     global_rank,
     group_info,
 )
@@ -35,6 +33,7 @@ from parcourse.comm.ring_fast import (
     ring_all_reduce,
     ring_reduce_scatter,
 )
+from parcourse.ranges import Cut, chunk_bounds
 
 __all__ = [
     "ALGORITHMS",

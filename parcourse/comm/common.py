@@ -1,5 +1,5 @@
-"""What every collective here shares: argument checks, how a range is cut into n
-parts, process groups (this rank in one, its global rank), and the comm span."""
+"""What every collective here shares: argument checks, process groups (this rank in
+one, its global rank), and the comm span."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ DTYPES: tuple[torch.dtype, ...] = (
     torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64,
 )
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-Cut = Literal["tensor_split", "chunk"]
 
 
 def check_args(tensor: torch.Tensor, op: str) -> None:
@@ -32,29 +31,6 @@ def check_args(tensor: torch.Tensor, op: str) -> None:
     if op == "avg" and tensor.dtype not in FLOAT_DTYPES:
         raise ValueError(f"op 'avg' needs a floating-point tensor, got {tensor.dtype}; "
                          "use 'sum' and divide")
-
-
-def chunk_bounds(numel: int, n: int, cut: Cut = "tensor_split") -> list[tuple[int, int]]:
-    """[start, end) of n chunks covering numel, cut as torch cuts them:
-
-    - "tensor_split": the first numel % n chunks get one more (torch.tensor_split), so
-      shards line up with what torch's collectives do; the ring's chunks, and a batch's
-      rows over data-parallel ranks.
-    - "chunk": ceil(numel / n) each, the last ones fewer, or none (torch.chunk, FSDP2's
-      shards, Megatron's VocabUtility over a vocabulary padded to a multiple of n).
-    """
-    if cut == "chunk":
-        size = -(-numel // n)
-        return [(min(i * size, numel), min((i + 1) * size, numel)) for i in range(n)]
-    if cut != "tensor_split":
-        raise ValueError(f"unknown cut {cut!r}; choose 'tensor_split' or 'chunk'")
-    base, extra = divmod(numel, n)
-    bounds, start = [], 0
-    for i in range(n):
-        end = start + base + (1 if i < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
 
 
 def reduce_into(acc: torch.Tensor, other: torch.Tensor, op: str) -> None:

@@ -19,7 +19,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from parcourse.comm.common import Op, check_args, chunk_bounds, comm_span, group_info, reduce_into
+from parcourse.comm.common import Op, check_args, comm_span, group_info, reduce_into
+from parcourse.ranges import chunk_bounds
 from parcourse.comm.link import SimulatedLink
 from parcourse.comm.messenger import messenger, settle
 from parcourse.trace import Tracer

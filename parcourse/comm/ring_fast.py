@@ -27,7 +27,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from parcourse.comm.common import Op, check_args, chunk_bounds, comm_span, group_info, reduce_into
+from parcourse.comm.common import Op, check_args, comm_span, group_info, reduce_into
+from parcourse.ranges import chunk_bounds
 from parcourse.comm.link import SimulatedLink
 from parcourse.comm.messenger import messenger, settle
 from parcourse.comm.ring import RingPhase, ring_steps

@@ -26,7 +26,7 @@ Stage = Literal[1, 2, 3]
 STAGES: dict[int, type[ZeroStage1]] = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
 
 
-def ZeroModel(module: nn.Module, stage: Stage, group: dist.ProcessGroup | None = None,  # noqa: N802 - used as a class
+def ZeroModel(module: nn.Module, stage: Stage, group: dist.ProcessGroup | None = None,
               *, bucket_mb: float = 25.0, prefetch: bool = True,
               compute_dtype: torch.dtype | None = None, algorithm: Algorithm = "auto",
               keep_modules: Iterable[nn.Module] = (), tracer: Tracer | None = None

@@ -27,12 +27,9 @@ class ZeroStage2(ZeroStage1):
     stage = 2
 
     def grad_ready(self, param: torch.Tensor) -> None:
-        """Note the gradient; launch every unit, in order, whose gradients are all in."""
-        unit = self._unit_of.get(id(param))
-        if unit is None:  # a kept module's parameter: all-reduced when backward ends
-            self._kept_ready = True
-            return
-        unit.ready.add(id(param))
+        """Note the gradient (stage 1); launch every unit, in order, whose gradients are
+        all in."""
+        super().grad_ready(param)
         order = self._backward_order
         while self._next < len(order) and order[self._next].complete():
             self._launch(order[self._next])

@@ -45,8 +45,8 @@ from torch import nn
 from parcourse.data_parallel.base import GradSyncModule
 from parcourse.data_parallel.bucketed import group_by_size
 from parcourse.trace import Tracer
-from parcourse.zero import clip
-from parcourse.zero import state_dict as checkpoint
+import parcourse.zero.clip as clip
+import parcourse.zero.state_dict as checkpoint
 from parcourse.zero.collectives import Algorithm, unit_collectives
 from parcourse.zero.layout import FlatUnit
 from parcourse.zero.misuse import mark_sharded_away

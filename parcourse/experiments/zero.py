@@ -21,7 +21,7 @@ from parcourse.memory import SavedActivations
 from parcourse.theory import zero_bytes, zero_checked_at
 from parcourse.models import mlp
 from parcourse.zero import shard as zero_shard
-from parcourse.zero.sharded import FlatUnit, row_chunk
+from parcourse.zero.layout import FlatUnit, row_chunk
 
 
 def mlp_for(params: int, depth: int = 4) -> tuple[int, int]:

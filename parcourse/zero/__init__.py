@@ -1,6 +1,16 @@
-"""ZeRO: shard optimizer state (stage 1), gradients (2) and parameters (3) over ranks."""
+"""ZeRO: shard optimizer state (stage 1), gradients (2) and parameters (3) over ranks.
 
+Read in this order: layout.py (which rows each rank keeps), stage1.py, stage2.py,
+stage3.py (each adds to the one before), then mixed_precision.py, state_dict.py,
+clip.py; model.py holds the entry points.
+"""
+
+from parcourse.zero.layout import FlatUnit, row_chunk
+from parcourse.zero.model import ShardedOptimizer, ZeroModel, shard
 from parcourse.zero.optimizer import ZeroOptimizer
-from parcourse.zero.sharded import FlatUnit, ShardedOptimizer, ZeroModel, shard
+from parcourse.zero.stage1 import ZeroStage1
+from parcourse.zero.stage2 import ZeroStage2
+from parcourse.zero.stage3 import ZeroStage3
 
-__all__ = ["FlatUnit", "ShardedOptimizer", "ZeroModel", "ZeroOptimizer", "shard"]
+__all__ = ["FlatUnit", "ShardedOptimizer", "ZeroModel", "ZeroOptimizer", "ZeroStage1",
+           "ZeroStage2", "ZeroStage3", "row_chunk", "shard"]

@@ -1,0 +1,115 @@
+"""The entry points: `ZeroModel(module, stage=...)`, and `shard(...)` for the model and
+its optimizer at once.
+
+Each stage is a class of its own, each adding to the one before:
+`ZeroStage1` (stage1.py: optimizer state sharded) <- `ZeroStage2` (stage2.py:
+gradients reduce-scattered during backward) <- `ZeroStage3` (stage3.py: weights
+gathered before use and freed after). `ZeroModel` picks the class for a stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parcourse.trace import Tracer
+from parcourse.zero.collectives import Algorithm
+from parcourse.zero.stage1 import ZeroStage1
+from parcourse.zero.stage2 import ZeroStage2
+from parcourse.zero.stage3 import ZeroStage3
+
+Stage = Literal[1, 2, 3]
+STAGES: dict[int, type[ZeroStage1]] = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
+
+
+def ZeroModel(module: nn.Module, stage: Stage, group: dist.ProcessGroup | None = None,
+              *, bucket_mb: float = 25.0, prefetch: bool = True,
+              compute_dtype: torch.dtype | None = None, algorithm: Algorithm = "auto",
+              keep_modules: Iterable[nn.Module] = (), tracer: Tracer | None = None
+              ) -> ZeroStage1:
+    """`ZeroModel(module, stage, group=None, *, bucket_mb=25.0, prefetch=True,
+    compute_dtype=None, algorithm="auto", keep_modules=(), tracer=None)`.
+
+    The module sharded with ZeRO `stage` (1, 2 or 3): a `ZeroStage1`, `ZeroStage2` or
+    `ZeroStage3` (each a subclass of the one before). Use it like the module; build the
+    optimizer from its `parameters()`. The options are `ZeroStage1`'s; `prefetch`
+    (start the next module's gather early) is stage 3's, and stages 1-2 ignore it.
+    """
+    if stage not in STAGES:
+        raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+    options: dict[str, Any] = {"prefetch": prefetch} if stage == 3 else {}
+    return STAGES[stage](module, group, bucket_mb=bucket_mb, compute_dtype=compute_dtype,
+                         algorithm=algorithm, keep_modules=keep_modules, tracer=tracer,
+                         **options)
+
+
+class ShardedOptimizer:
+    """The optimizer half of `parcourse.zero.shard(...)`: yours, over the model's shards.
+
+    A thin wrapper: `ZeroModel.parameters()` are already what an optimizer steps.
+    """
+
+    def __init__(self, model: ZeroStage1,
+                 optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> None:
+        self.model = model
+        self.shard_params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = optimizer_factory(self.shard_params)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = closure() if closure is not None else None
+        self.model.finish_gradient_sync()
+        self.optimizer.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.model.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard of the optimizer state (a sharded checkpoint)."""
+        return {"stage": self.model.stage, "rank": self.model.rank,
+                "world_size": self.model.world_size, "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        expected = (self.model.stage, self.model.rank, self.model.world_size)
+        found = (state["stage"], state["rank"], state["world_size"])
+        if found != expected:
+            raise ValueError(f"this checkpoint holds (stage, rank, world_size) = {found}, "
+                             f"this optimizer is {expected}")
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+def shard(model: nn.Module,
+          optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+          stage: Stage = 1, group: dist.ProcessGroup | None = None, *,
+          mixed_precision: torch.dtype | None = None, bucket_mb: float = 25.0,
+          prefetch: bool = True, algorithm: Algorithm = "auto",
+          keep_modules: Iterable[nn.Module] = (), tracer: Tracer | None = None
+          ) -> tuple[ZeroStage1, ShardedOptimizer]:
+    """Shard a model and its optimizer with ZeRO `stage`; use the pair as before.
+
+    >>> model, opt = zero.shard(net, lambda ps: torch.optim.Adam(ps, lr=1e-3), stage=2)
+    >>> loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
+
+    The factory gets `model.parameters()` of the sharded model: build param groups
+    from `model.named_parameters()` instead when you need them (as with FSDP2),
+    e.g. `opt = torch.optim.AdamW(groups)` after `model = ZeroModel(net, stage)`.
+
+    `mixed_precision=torch.bfloat16` (or float16): parameters, gradients and
+    communication in 16 bits, fp32 master weights in the optimizer.
+    """
+    zero_model = ZeroModel(model, stage, group, bucket_mb=bucket_mb, prefetch=prefetch,
+                           compute_dtype=mixed_precision, algorithm=algorithm,
+                           keep_modules=keep_modules, tracer=tracer)
+    return zero_model, ShardedOptimizer(zero_model, optimizer_factory)

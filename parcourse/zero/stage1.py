@@ -1,0 +1,294 @@
+"""ZeRO stage 1: the optimizer state sharded (Rajbhandari et al., arXiv:1910.02054).
+
+Data parallelism keeps a full copy of everything on every rank: parameters (W),
+gradients (G) and optimizer state (O, two tensors for Adam). Stage 1 removes the
+copies of O:
+
+- each rank keeps only a slice of every parameter (its rows, see layout.py) as
+  the parameters its optimizer steps, so Adam's state exists for that slice only;
+- backward builds the full gradient on every rank, as in DDP; when it ends, the
+  gradients are reduce-scattered (each rank needs only the slice it updates);
+- each rank steps its slice, and the next forward all-gathers the updated slices.
+
+Together that is one all-reduce's volume, 2(N-1)/N x S: the ZeRO paper's P_os
+costs what DDP costs (sec. 7.2.1). Stage 2 (stage2.py) reduce-scatters during
+backward instead; stage 3 (stage3.py) shards the weights too.
+
+`model.parameters()` of the sharded model are this rank's chunks, each an
+`nn.Parameter` of shape (rows, *rest) that shares memory with the unit's
+master copy, and after backward each has a `.grad` of the same shape. So any
+optimizer built from them trains the model, exactly as with `fully_shard`:
+
+    model = ZeroModel(net, stage=1, group=group)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
+
+Where this differs from one process: an optimizer that is not elementwise
+(one that takes a norm over a whole tensor, e.g. LAMB, or
+`torch.nn.utils.clip_grad_norm_` over the chunks) sees only this rank's rows;
+use `model.clip_grad_norm_` (clip.py). The module's own parameters
+(`model.module.parameters()`) are the gathered copies, not what an optimizer
+should hold: an optimizer over them raises at its first step (misuse.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parcourse.data_parallel.base import GradSyncModule
+from parcourse.data_parallel.bucketed import group_by_size
+from parcourse.trace import Tracer
+import parcourse.zero.clip as clip
+import parcourse.zero.state_dict as checkpoint
+from parcourse.zero.collectives import Algorithm, unit_collectives
+from parcourse.zero.layout import FlatUnit
+from parcourse.zero.misuse import mark_sharded_away
+from parcourse.zero.mixed_precision import check_compute_dtype, forward_in, keep_in_own_dtype
+
+_MAX_IN_FLIGHT = 2
+
+
+class ZeroStage1(GradSyncModule):
+    """`ZeroStage1(module, group=None, *, bucket_mb=25.0, compute_dtype=None,
+    algorithm="auto", keep_modules=(), tracer=None)`; `ZeroModel(module, stage=1)`
+    builds one.
+
+    Use it like the module; build the optimizer from its `parameters()`.
+
+    - `bucket_mb`: parameters travel in units of about this size, in backward order.
+    - `compute_dtype=torch.bfloat16` (or float16): parameters, gradients and messages
+      in 16 bits; the optimizer steps fp32 masters and gets fp32 gradients (as FSDP2
+      with a bf16 `param_dtype`; mixed_precision.py).
+    - `algorithm`: "ring" (this course's, built from send/recv, which counts the bytes
+      it sends), "torch" (torch.distributed's collectives), or "auto": the ring on
+      gloo, torch's otherwise.
+    - `keep_modules`: modules left unsharded (FSDP's ignored modules), e.g. norms:
+      replicated on every rank, gradients all-reduced, and kept in their own dtype
+      (fp32) under mixed precision, their inputs cast to it.
+    """
+
+    stage: ClassVar[int] = 1
+    sharded_weights: ClassVar[bool] = False  # stage 3: a unit's full weights only while used
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, *,
+                 bucket_mb: float = 25.0, compute_dtype: torch.dtype | None = None,
+                 algorithm: Algorithm = "auto", keep_modules: Iterable[nn.Module] = (),
+                 tracer: Tracer | None = None) -> None:
+        compute_dtype = check_compute_dtype(compute_dtype)
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+        if not any(p.requires_grad for p in module.parameters()):
+            raise ValueError("the model has no parameter that requires a gradient")
+        keep_modules = list(keep_modules)
+        inside = {id(m) for m in module.modules()}
+        for m in keep_modules:
+            if id(m) not in inside:
+                raise ValueError(f"keep_modules: {type(m).__name__} is not a submodule "
+                                 "of the model")
+        # Broadcast from the first rank, gradient hooks, no_sync, the end-of-backward call.
+        super().__init__(module, group, tracer)
+        self.compute_dtype = compute_dtype
+        self.comm = unit_collectives(self.group, algorithm, tracer)
+        kept = {id(p) for m in keep_modules for p in m.parameters()}
+        self.kept_params = [p for p in self.sync_params if id(p) in kept]
+        sharded = [p for p in self.sync_params if id(p) not in kept]
+        self.units = [FlatUnit(i, params, self.rank, self.world_size, self.compute_dtype,
+                               sharded_weights=self.sharded_weights)
+                      for i, params in enumerate(self._group_params(module, sharded, bucket_mb))]
+        self._unit_of = {id(p): u for u in self.units for p in u.params}
+        # Gradients arrive last layer first; units are launched strictly in that order.
+        self._backward_order = self._in_backward_order(self.units)
+        self._next = 0
+        self._kept_ready = False
+        mark_sharded_away(sharded)
+        self._install_gathers(module)
+        if self.compute_dtype is not None:  # run in their own dtype; hand back 16 bits
+            keep_in_own_dtype(keep_modules, self.compute_dtype)
+
+    # -- how parameters are grouped, and when they are gathered (stage 3 changes both)
+
+    def _group_params(self, module: nn.Module, params: list[nn.Parameter],
+                      bucket_mb: float) -> list[list[nn.Parameter]]:
+        """Units of about bucket_mb in backward order, as data parallelism's buckets."""
+        return group_by_size(params, bucket_mb)
+
+    def _in_backward_order(self, units: list[FlatUnit]) -> list[FlatUnit]:
+        return units  # group_by_size already walks the parameters backwards
+
+    def _install_gathers(self, module: nn.Module) -> None:
+        """The weights stay whole on every rank: before a forward, gather the rows that
+        an optimizer stepped since the last one."""
+        self.register_forward_pre_hook(self._gather_if_stepped)
+
+    def _gather_if_stepped(self, module: nn.Module, args: Any) -> None:
+        """Before a forward, gather the units whose master an optimizer changed."""
+        futures = [(u, self.comm.all_gather(*u.gather_buffers()), time.perf_counter_ns())
+                   for u in self.units if u.stepped()]
+        for unit, future, started in futures:
+            unit.unpack(future.result().view(self.world_size, unit.part_numel))
+            unit.gathered_version = unit.master._version
+            self._comm_span("all_gather", started, unit)
+
+    # -- what an optimizer sees
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's shards under the module's names (prefixed "module.", as DDP's),
+        then the parameters left whole: kept modules' and frozen ones."""
+        shards = {id(p): sp for u in self.units for p, sp in zip(u.params, u.shard_params)}
+        for name, p in self.module.named_parameters(remove_duplicate=remove_duplicate):
+            yield f"{prefix}{'.' if prefix else ''}module.{name}", shards.get(id(p), p)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.compute_dtype is None:
+            return super().forward(*args, **kwargs)
+        return forward_in(self.compute_dtype, super().forward, args, kwargs)
+
+    def _comm_span(self, name: str, started: int, unit: FlatUnit) -> None:
+        if self.tracer is not None:
+            self.tracer.add_span(name, started, time.perf_counter_ns(), kind="comm",
+                                 unit=unit.index, size=unit.nbytes)
+
+    # -- gradients: reduce-scattered unit by unit when backward ends
+
+    def grad_ready(self, param: torch.Tensor) -> None:
+        """Stage 1 keeps the full gradient until backward ends: only note it."""
+        unit = self._unit_of.get(id(param))
+        if unit is None:  # a kept module's parameter: all-reduced when backward ends
+            self._kept_ready = True
+            return
+        unit.ready.add(id(param))
+
+    def _launch(self, unit: FlatUnit) -> None:
+        """Start reducing the unit's gradients; from here on they live in the reduction."""
+        parts = self._take_gradients(unit)
+        unit.pending = (self.comm.reduce_scatter(parts.view(-1)), time.perf_counter_ns(), parts)
+        self._next = self._backward_order.index(unit) + 1
+        # At most two in flight: each is as big as its unit's full gradient, and
+        # stages 2-3 exist to not hold all of those at once.
+        in_flight = [u for u in self._backward_order if u.pending is not None]
+        for older in in_flight[:-_MAX_IN_FLIGHT]:
+            self._finish(older)
+
+    def _take_gradients(self, unit: FlatUnit) -> torch.Tensor:
+        """Pack the unit's local gradients (and a used-flag per parameter in every rank's
+        part) into a whole buffer, (N, part_numel + flags); drop the parameters' own."""
+        k = len(unit.params)
+        parts = torch.empty(self.world_size, unit.part_numel + k, dtype=unit.full.dtype,
+                            device=unit.full.device)
+        unit.pack([p.grad for p in unit.params], parts)
+        used = torch.tensor([float(p.grad is not None) for p in unit.params], dtype=parts.dtype)
+        parts[:, unit.part_numel:] = used  # every rank's part ends with the same flags
+        for p in unit.params:
+            p.grad = None
+        return parts
+
+    def finish_gradient_sync(self) -> None:
+        """Wait for every reduction; afterwards each shard parameter holds its gradient."""
+        if not (self._kept_ready or any(u.ready or u.pending for u in self.units)):
+            return
+        kept = self._start_kept_all_reduce()
+        for unit in self._backward_order[self._next:]:  # units some parameter never reached,
+            self._launch(unit)                          # or all of them (stage 1)
+        for unit in self._backward_order:
+            if unit.pending is not None:
+                self._finish(unit)
+            unit.ready.clear()
+        self._next = 0
+        if kept is not None:
+            self._finish_kept(*kept)
+
+    def _finish(self, unit: FlatUnit) -> None:
+        """Wait for one unit's reduce-scatter; add the average into the shards' .grad."""
+        future, started, _ = unit.pending
+        part = future.result()
+        unit.pending = None  # the full-size buffer is freed here
+        self._comm_span("reduce_scatter", started, unit)
+        k = len(unit.params)
+        used = part[unit.part_numel:].tolist()
+        grad = part[:unit.part_numel].div_(self.world_size).to(unit.dtype)
+        for i, (sp, count) in enumerate(zip(unit.shard_params, used)):
+            if count == 0:  # no rank used it: no gradient, as in one process
+                continue
+            piece = unit.shard_of(grad, i)
+            if sp.grad is None:
+                sp.grad = piece
+            else:  # accumulate across steps until zero_grad, like .grad does
+                sp.grad.add_(piece)
+        assert len(used) == k
+
+    # -- kept modules: replicated, their gradients all-reduced as in DDP
+
+    def _start_kept_all_reduce(self) -> tuple[Future[torch.Tensor], list[nn.Parameter]] | None:
+        if not self._kept_ready:
+            return None
+        self._kept_ready = False
+        with_grad = [p for p in self.kept_params if p.grad is not None]
+        flat = torch.cat([p.grad.reshape(-1) for p in with_grad]) if with_grad else None
+        return (self.comm.all_reduce(flat), with_grad) if flat is not None else None
+
+    def _finish_kept(self, future: Future[torch.Tensor], params: list[nn.Parameter]) -> None:
+        # Every rank had a gradient for the same kept parameters: they ran the same modules.
+        flat = future.result().div_(self.world_size)
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    # -- helpers an ordinary training loop needs
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The shards' gradients, and any local gradient still waiting (no_sync)."""
+        for p in [*self.parameters(), *self.module.parameters()]:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_().zero_()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients by their norm over the whole model (every rank's shards);
+        returns that norm. torch.nn.utils.clip_grad_norm_ on the shards would see only
+        this rank's rows."""
+        self.finish_gradient_sync()
+        return clip.clip_grad_norm_(self.units, self.kept_params, self.group, max_norm,
+                                    norm_type)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsharded weights (gathered fp32 masters) and buffers, on every rank."""
+        return checkpoint.full_state_dict(self.module, self.units, self.group)
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load unsharded weights (as `full_state_dict` returns them): every rank takes its
+        own rows, so no rank waits for another. The next forward gathers them."""
+        checkpoint.load_full_state_dict(self.module, self.units, state)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        raise RuntimeError(checkpoint.STATE_DICT_REFUSED)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(checkpoint.LOAD_STATE_DICT_REFUSED)
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What this rank holds, by category, for memory accounting.
+
+        Gradient buffers still being reduced count as "other" (temporary buffers).
+        """
+        params = [u.full for u in self.units if u.gathered()]
+        masters = [u.master for u in self.units]
+        whole = [p for p in self.module.parameters() if id(p) not in self._unit_of]
+        grads = [sp.grad for u in self.units for sp in u.shard_params if sp.grad is not None]
+        grads += [p.grad for p in self.module.parameters() if p.grad is not None]
+        in_flight = [u.pending[2] for u in self.units if u.pending is not None]
+        memory = {"params": params + whole, "grads": grads, "other": in_flight}
+        if self.compute_dtype is not None:  # fp32 masters: optimizer state in ZeRO's count
+            memory["optimizer"] = masters
+        return memory

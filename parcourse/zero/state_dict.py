@@ -1,0 +1,76 @@
+"""Saving and loading a sharded model: whole weights in, whole weights out.
+
+A ZeroModel's own parameters are gathered copies (freed at stage 3, refreshed only by
+the next forward at stages 1-2), so `module.state_dict()` would save the wrong weights.
+`full_state_dict` gathers every unit's masters (fp32) on every rank; `load_full_state_dict`
+lets each rank take its own rows, so no rank waits for another. The optimizer's state is
+saved rank by rank (`ShardedOptimizer.state_dict`, a sharded checkpoint).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parcourse._compat import all_gather_single
+from parcourse.zero.layout import FlatUnit
+
+STATE_DICT_REFUSED = (
+    "a ZeroModel's own parameters are gathered copies (freed at stage 3, refreshed "
+    "only by the next forward at stages 1-2), so state_dict() would save the wrong "
+    "weights. Call model.full_state_dict() on every rank (it gathers the shards), and "
+    "model.load_full_state_dict(state) to load one.")
+LOAD_STATE_DICT_REFUSED = ("use model.load_full_state_dict(state), with the keys of "
+                           "model.full_state_dict(): it loads each rank's rows")
+
+
+def _names(module: nn.Module) -> dict[int, str]:
+    """Each parameter's first name (a tied parameter has several)."""
+    return {id(p): n for n, p in module.named_parameters(remove_duplicate=True)}
+
+
+def full_state_dict(module: nn.Module, units: list[FlatUnit],
+                    group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+    """The unsharded weights (gathered fp32 masters) and buffers, on every rank."""
+    sharded = {id(p) for u in units for p in u.params}
+    names = _names(module)
+    world_size = dist.get_world_size(group)
+    state = {k: v.detach().clone() for k, v in module.state_dict(keep_vars=True).items()
+             if id(v) not in sharded}
+    for unit in units:
+        part = unit.master_part()
+        whole = torch.empty(unit.padded, dtype=part.dtype, device=part.device)
+        all_gather_single(whole, part, group=group)
+        full = torch.empty(unit.numel, dtype=part.dtype, device=part.device)
+        unit.unpack(whole.view(world_size, unit.part_numel), into=full)
+        for p, offset, size, shape in zip(unit.params, unit.full_offsets, unit.numels,
+                                          unit.shapes):
+            state[names[id(p)]] = full[offset:offset + size].view(shape).clone()
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if name not in state:  # the second name of a tied parameter
+            state[name] = state[names[id(p)]]
+    return {k: state[k] for k in module.state_dict()}
+
+
+@torch.no_grad()
+def load_full_state_dict(module: nn.Module, units: list[FlatUnit],
+                         state: dict[str, torch.Tensor]) -> None:
+    """Load unsharded weights (as `full_state_dict` returns them): every rank takes its
+    own rows, so no rank waits for another. The next forward gathers them."""
+    missing = set(module.state_dict()) - set(state)
+    if missing:
+        raise KeyError(f"the state lacks {sorted(missing)}")
+    sharded = {id(p) for u in units for p in u.params}
+    names = _names(module)
+    for name, value in module.state_dict(keep_vars=True).items():
+        if id(value) not in sharded:  # buffers, kept and frozen parameters
+            value.copy_(state[name])
+    for unit in units:
+        full = torch.cat([state[names[id(p)]].reshape(-1).to(unit.dtype)
+                          for p in unit.params])
+        if unit.master is unit.full and unit.gathered():
+            unit.full.copy_(full)
+        elif unit.master is not unit.full:
+            unit.pack_part(full, unit.master)
+        unit.gathered_version = -1  # gather again before the next forward

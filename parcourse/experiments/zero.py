@@ -225,7 +225,7 @@ def gather_scatter_times(ctx: RankContext, nbytes: int, repeats: int = 5) -> dic
     buffer), by torch.distributed (what FSDP2 calls) and by this course's ring (what
     ZeroModel runs on gloo), beside torch's all-reduce of the same buffer."""
     from parcourse._compat import all_gather_single, reduce_scatter_single
-    from parcourse.collectives import ring_all_gather, ring_reduce_scatter
+    from parcourse.comm import ring_all_gather, ring_reduce_scatter
 
     n = ctx.world_size
     numel = max(n, nbytes // 4 // n * n)

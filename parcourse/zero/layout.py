@@ -26,15 +26,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from parcourse.ranges import chunk_bounds
 from parcourse.zero.mixed_precision import compute_copy, own_master
 
 
 def row_chunk(rows: int, rank: int, world_size: int) -> tuple[int, int]:
     """[start, end) of the rows `rank` keeps: chunks of ceil(rows / N) rows, so the last
     ranks get fewer, or none (as torch.chunk and FSDP2 cut them)."""
-    chunk = math.ceil(rows / world_size)
-    start = min(rank * chunk, rows)
-    return start, min(start + chunk, rows)
+    return chunk_bounds(rows, world_size, "chunk")[rank]
 
 
 @dataclass(eq=False)

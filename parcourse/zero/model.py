@@ -4,11 +4,13 @@ its optimizer at once.
 Each stage is a class of its own, each adding to the one before:
 `ZeroStage1` (stage1.py: optimizer state sharded) <- `ZeroStage2` (stage2.py:
 gradients reduce-scattered during backward) <- `ZeroStage3` (stage3.py: weights
-gathered before use and freed after). `ZeroModel` picks the class for a stage.
+gathered before use and freed after). `ZeroModel(module, stage)` builds the class for
+a stage.
 """
 
 from __future__ import annotations
 
+from abc import ABC
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
@@ -17,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parcourse.trace import Tracer
-from parcourse.zero.collectives import Algorithm
+from parcourse.comm import Algorithm
 from parcourse.zero.stage1 import ZeroStage1
 from parcourse.zero.stage2 import ZeroStage2
 from parcourse.zero.stage3 import ZeroStage3
@@ -26,25 +28,31 @@ Stage = Literal[1, 2, 3]
 STAGES: dict[int, type[ZeroStage1]] = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
 
 
-def ZeroModel(module: nn.Module, stage: Stage, group: dist.ProcessGroup | None = None,
-              *, bucket_mb: float = 25.0, prefetch: bool = True,
-              compute_dtype: torch.dtype | None = None, algorithm: Algorithm = "auto",
-              keep_modules: Iterable[nn.Module] = (), tracer: Tracer | None = None
-              ) -> ZeroStage1:
+class ZeroModel(ABC):  # noqa: B024 (abstract only so that the stages register under it)
     """`ZeroModel(module, stage, group=None, *, bucket_mb=25.0, prefetch=True,
     compute_dtype=None, algorithm="auto", keep_modules=(), tracer=None)`.
 
-    The module sharded with ZeRO `stage` (1, 2 or 3): a `ZeroStage1`, `ZeroStage2` or
-    `ZeroStage3` (each a subclass of the one before). Use it like the module; build the
+    The module sharded with ZeRO `stage` (1, 2 or 3): what this returns is a
+    `ZeroStage1`, `ZeroStage2` or `ZeroStage3` (each a subclass of the one before), and
+    `isinstance(m, ZeroModel)` holds for all three. Use it like the module; build the
     optimizer from its `parameters()`. The options are `ZeroStage1`'s; `prefetch`
     (start the next module's gather early) is stage 3's, and stages 1-2 ignore it.
     """
-    if stage not in STAGES:
-        raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
-    options: dict[str, Any] = {"prefetch": prefetch} if stage == 3 else {}
-    return STAGES[stage](module, group, bucket_mb=bucket_mb, compute_dtype=compute_dtype,
-                         algorithm=algorithm, keep_modules=keep_modules, tracer=tracer,
-                         **options)
+
+    def __new__(cls, module: nn.Module, stage: Stage, group: dist.ProcessGroup | None = None,
+                *, bucket_mb: float = 25.0, prefetch: bool = True,
+                compute_dtype: torch.dtype | None = None, algorithm: Algorithm = "auto",
+                keep_modules: Iterable[nn.Module] = (), tracer: Tracer | None = None
+                ) -> ZeroStage1:  # type: ignore[misc]
+        if stage not in STAGES:
+            raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+        options: dict[str, Any] = {"prefetch": prefetch} if stage == 3 else {}
+        return STAGES[stage](module, group, bucket_mb=bucket_mb, compute_dtype=compute_dtype,
+                             algorithm=algorithm, keep_modules=keep_modules, tracer=tracer,
+                             **options)
+
+
+ZeroModel.register(ZeroStage1)  # and so its subclasses, the stages 2 and 3
 
 
 class ShardedOptimizer:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parcourse.collectives import global_rank, group_info
+from parcourse.comm import global_rank, group_info
 
 
 def assign_owners(sizes: list[int], world_size: int) -> list[int]:

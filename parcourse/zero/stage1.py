@@ -35,19 +35,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from parcourse.comm import Algorithm, Comm, Pending
 from parcourse.data_parallel.base import GradSyncModule
 from parcourse.data_parallel.bucketed import group_by_size
 from parcourse.trace import Tracer
 import parcourse.zero.clip as clip
 import parcourse.zero.state_dict as checkpoint
-from parcourse.zero.collectives import Algorithm, unit_collectives
 from parcourse.zero.layout import FlatUnit
 from parcourse.zero.misuse import mark_sharded_away
 from parcourse.zero.mixed_precision import check_compute_dtype, forward_in, keep_in_own_dtype
@@ -95,7 +94,7 @@ class ZeroStage1(GradSyncModule):
         # Broadcast from the first rank, gradient hooks, no_sync, the end-of-backward call.
         super().__init__(module, group, tracer)
         self.compute_dtype = compute_dtype
-        self.comm = unit_collectives(self.group, algorithm, tracer)
+        self.comm = Comm(self.group, tracer=tracer, algorithm=algorithm)
         kept = {id(p) for m in keep_modules for p in m.parameters()}
         self.kept_params = [p for p in self.sync_params if id(p) in kept]
         sharded = [p for p in self.sync_params if id(p) not in kept]
@@ -129,8 +128,8 @@ class ZeroStage1(GradSyncModule):
 
     def _gather_if_stepped(self, module: nn.Module, args: Any) -> None:
         """Before a forward, gather the units whose master an optimizer changed."""
-        futures = [(u, self.comm.all_gather(*u.gather_buffers()), time.perf_counter_ns())
-                   for u in self.units if u.stepped()]
+        futures = [(u, self.comm.all_gather(*u.gather_buffers(), async_op=True),
+                    time.perf_counter_ns()) for u in self.units if u.stepped()]
         for unit, future, started in futures:
             unit.unpack(future.result().view(self.world_size, unit.part_numel))
             unit.gathered_version = unit.master._version
@@ -169,7 +168,8 @@ class ZeroStage1(GradSyncModule):
     def _launch(self, unit: FlatUnit) -> None:
         """Start reducing the unit's gradients; from here on they live in the reduction."""
         parts = self._take_gradients(unit)
-        unit.pending = (self.comm.reduce_scatter(parts.view(-1)), time.perf_counter_ns(), parts)
+        unit.pending = (self.comm.reduce_scatter(parts.view(-1), async_op=True),
+                        time.perf_counter_ns(), parts)
         self._next = self._backward_order.index(unit) + 1
         # At most two in flight: each is as big as its unit's full gradient, and
         # stages 2-3 exist to not hold all of those at once.
@@ -226,15 +226,17 @@ class ZeroStage1(GradSyncModule):
 
     # -- kept modules: replicated, their gradients all-reduced as in DDP
 
-    def _start_kept_all_reduce(self) -> tuple[Future[torch.Tensor], list[nn.Parameter]] | None:
+    def _start_kept_all_reduce(self) -> tuple[Pending, list[nn.Parameter]] | None:
         if not self._kept_ready:
             return None
         self._kept_ready = False
         with_grad = [p for p in self.kept_params if p.grad is not None]
         flat = torch.cat([p.grad.reshape(-1) for p in with_grad]) if with_grad else None
-        return (self.comm.all_reduce(flat), with_grad) if flat is not None else None
+        if flat is None:
+            return None
+        return self.comm.all_reduce(flat, async_op=True), with_grad
 
-    def _finish_kept(self, future: Future[torch.Tensor], params: list[nn.Parameter]) -> None:
+    def _finish_kept(self, future: Pending, params: list[nn.Parameter]) -> None:
         # Every rank had a gradient for the same kept parameters: they ran the same modules.
         flat = future.result().div_(self.world_size)
         offset = 0

@@ -26,7 +26,7 @@ from torch import nn
 
 from parcourse.memory import tensors_in
 from parcourse.trace import Tracer
-from parcourse.zero.collectives import Algorithm
+from parcourse.comm import Algorithm
 from parcourse.zero.layout import FlatUnit
 from parcourse.zero.stage2 import ZeroStage2
 
@@ -81,7 +81,8 @@ class ZeroStage3(ZeroStage2):
     def _start_gather(self, unit: FlatUnit) -> None:
         if unit.gathered() or unit.gathering is not None:
             return
-        unit.gathering = (self.comm.all_gather(*unit.gather_buffers()), time.perf_counter_ns())
+        unit.gathering = (self.comm.all_gather(*unit.gather_buffers(), async_op=True),
+                          time.perf_counter_ns())
 
     def _wait_gather(self, unit: FlatUnit) -> None:
         self._start_gather(unit)

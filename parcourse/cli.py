@@ -24,6 +24,7 @@ from parcourse.experiments.common import median_of_slowest
 from parcourse.launch import Pool, RankContext, _external_env, launch
 from parcourse.theory import CostModel, bus_bandwidth, bytes_sent_per_rank
 from parcourse.models import GPTConfig
+from parcourse.pipeline.schedule import SCHEDULES
 
 
 _UNITS = {"B": 1, "KB": 1 << 10, "KIB": 1 << 10, "MB": 1 << 20, "MIB": 1 << 20,
@@ -309,16 +310,8 @@ def tp(args: argparse.Namespace) -> int:
 def _pipeline_formula(name: str, p: int, m: int, chunks: int, f: float, b: float,
                       w: float) -> tuple[str, float | None]:
     """(the formula's text, its bubble) for a schedule; None where none applies."""
-    from parcourse import theory
-
-    if name in ("gpipe", "1f1b", "naive"):
-        return "(p-1)/(m+p-1)", theory.gpipe_bubble(p, m)
-    if name == "interleaved-1f1b":
-        return "(p-1)/(v m+p-1)", theory.interleaved_bubble(p, chunks, m)
-    if name == "zb-h1" and f + b > 0:
-        idle = theory.zero_bubble_h1_bubble_time(p, f, b, w)
-        return "(p-1)(F+B-2W) idle", theory.bubble_fraction(idle, m, f, b)
-    return "(DualPipe's table assumes F&B overlapped; see the simulator)", None
+    entry = SCHEDULES[name]
+    return entry.formula, None if entry.bubble is None else entry.bubble(p, m, chunks, f, b, w)
 
 
 def pipeline(args: argparse.Namespace) -> int:
@@ -436,11 +429,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("pipeline", help="a pipeline schedule: grid, bubble vs formula, "
                                              "in-flight microbatches, measured")
-    p.add_argument("--schedule", choices=("naive", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1",
-                                          "dualpipe-v"), default="gpipe")
-    p.add_argument("--stages", type=int, default=4,
-                   help="ranks (interleaved-1f1b: --chunks stages each; dualpipe-v: two)")
-    p.add_argument("--chunks", type=int, default=2, help="stages per rank for interleaved-1f1b")
+    p.add_argument("--schedule", choices=tuple(SCHEDULES), default="gpipe")
+    p.add_argument("--stages", type=int, default=4, help="ranks (" + "; ".join(
+        f"{n}: {'--chunks' if e.chunks is None else e.chunks} stages each"
+        for n, e in SCHEDULES.items() if e.chunks != 1) + ")")
+    p.add_argument("--chunks", type=int, default=2, help="stages per rank for " + ", ".join(
+        n for n, e in SCHEDULES.items() if e.chunks is None))
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
     p.add_argument("--layers", type=int, default=8,
@@ -489,7 +483,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error("--stages and --microbatches must be >= 1")
         if args.stages > args.layers:
             parser.error(f"{args.stages} stages need at least {args.stages} layers (--layers)")
-        if args.batch % (1 if args.schedule == "naive" else args.microbatches):
+        if args.batch % (args.microbatches if SCHEDULES[args.schedule].microbatched else 1):
             parser.error(f"{args.microbatches} microbatches do not divide --batch {args.batch}")
     if getattr(args, "segments", None) is not None and not 1 <= args.segments <= args.layers:
         parser.error(f"--segments must be between 1 and --layers ({args.layers})")

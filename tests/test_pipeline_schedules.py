@@ -167,7 +167,7 @@ def test_dualpipe_v_places_stages_as_a_v_and_beats_one_f_one_b():
 def test_each_receive_is_posted_once_before_its_action_and_when_its_sender_starts():
     """The runtime (with gloo) posts each receive before the action this rank runs, on the
     simulator's timeline, when the action sending the message starts."""
-    from parcourse.pipeline.runtime import receives_to_post
+    from parcourse.pipeline.posting import receives_to_post
 
     schedules = [build(p, m) for p, m in SIZES[::7] for build in (gpipe, one_f_one_b,
                                                                    zero_bubble_h1)]

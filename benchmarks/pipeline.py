@@ -27,9 +27,9 @@ import torch
 
 from parcourse import Pool
 from parcourse.experiments.common import median_of_slowest
-from parcourse.experiments.pipeline import (TORCH_SCHEDULES, bubble_of, step_times, summarize,
-                                            train)
-from parcourse.pipeline import Costs, gpipe, simulate
+from parcourse.experiments.pipeline import (ALL_SCHEDULES, TORCH_SCHEDULES, bubble_of,
+                                            step_times, summarize, train)
+from parcourse.pipeline import Costs, gpipe, schedule_by_name, simulate
 from parcourse.theory import gpipe_bubble
 
 
@@ -80,10 +80,12 @@ def against_the_simulator() -> None:
     print(f"{'schedule':>18}{'m':>4}{'bubble':>8}{'simulated':>11}{'peak act.':>11}"
           f"{'simulated':>11}{'ratio':>7}")
     with Pool(4, timeout=3600) as pool:
-        for schedule in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "dualpipe-v"):
+        for schedule in ALL_SCHEDULES:
             for m in (4, 8, 16):
-                if schedule == "dualpipe-v" and m < 8:
-                    print(f"{schedule:>18}{m:>4}   (needs m >= 2p = 8)")
+                try:
+                    schedule_by_name(schedule, 4, m)
+                except ValueError as e:  # e.g. DualPipeV needs m >= 2p = 8
+                    print(f"{schedule:>18}{m:>4}   ({e})")
                     continue
                 run = pool.run(train, schedule, m, 1, batch=32, forward_ms=f, backward_ms=b)
                 s = summarize(run.results, Costs(forward=f / 1e3, backward=b / 1e3))

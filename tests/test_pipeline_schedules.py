@@ -167,7 +167,7 @@ def test_dualpipe_v_places_stages_as_a_v_and_beats_one_f_one_b():
 def test_each_receive_is_posted_once_before_its_action_and_when_its_sender_starts():
     """The runtime (with gloo) posts each receive before the action this rank runs, on the
     simulator's timeline, when the action sending the message starts."""
-    from parcourse.pipeline.runtime import receives_to_post
+    from parcourse.pipeline.posting import receives_to_post
 
     schedules = [build(p, m) for p, m in SIZES[::7] for build in (gpipe, one_f_one_b,
                                                                    zero_bubble_h1)]
@@ -212,3 +212,55 @@ def test_each_receive_is_posted_once_before_its_action_and_when_its_sender_start
     assert named(receives_to_post(dualpipe_v(2, 4), 0)) == {
         2: ["3F0"], 4: ["3F1"], 8: ["3F2", "0B0"], 11: ["3F3"], 12: ["0B1"], 14: ["0I2"],
         16: ["0I3"]}
+
+
+def test_the_registry_states_what_each_schedule_accepts():
+    """Each entry of SCHEDULES says which sizes its builder takes and how many stages per
+    rank it makes: the CLI, lesson 07 and the benchmarks read that instead of a list."""
+    from parcourse.pipeline import SCHEDULES, schedule_by_name
+
+    for name, entry in SCHEDULES.items():
+        for p in range(1, 7):
+            for m in range(1, 17):
+                try:
+                    schedule = schedule_by_name(name, p, m, chunks=3)
+                except ValueError:
+                    assert not entry.accepts(p, m), (name, p, m)
+                    continue
+                assert entry.accepts(p, m), (name, p, m)
+                assert schedule.stages == p * (3 if entry.chunks is None else entry.chunks)
+                assert schedule.microbatches == (m if entry.microbatched else 1)
+    with pytest.raises(ValueError, match="unknown schedule 'zigzag'; choose one of naive"):
+        schedule_by_name("zigzag", 2, 4)
+
+
+def test_imports_go_one_way():
+    """actions <- schedule, actions <- simulate <- posting <- runtime: no cycle, and the
+    builders never need the simulator."""
+    import ast
+    import pathlib
+
+    import parcourse.pipeline
+
+    folder = pathlib.Path(parcourse.pipeline.__file__).parent
+    graph = {}
+    for path in folder.glob("*.py"):
+        if path.stem == "__init__":
+            continue
+        tree = ast.parse(path.read_text())
+        graph[path.stem] = {n.module.rsplit(".", 1)[1] for n in ast.walk(tree)
+                            if isinstance(n, ast.ImportFrom) and n.module
+                            and n.module.startswith("parcourse.pipeline.")}
+    assert graph["actions"] == set()
+    assert graph["schedule"] == {"actions"} and graph["simulate"] == {"actions"}
+    done: set[str] = set()
+
+    def visit(module, path):
+        assert module not in path, f"import cycle: {' -> '.join([*path, module])}"
+        if module not in done:
+            for other in graph[module]:
+                visit(other, [*path, module])
+            done.add(module)
+
+    for module in graph:
+        visit(module, [])

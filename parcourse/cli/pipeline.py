@@ -8,16 +8,18 @@ import argparse
 
 from parcourse.cli.options import at_least_one, link_options
 from parcourse.launch import launch
+from parcourse.pipeline.schedule import SCHEDULES
 
 HELP = "a pipeline schedule: grid, bubble vs formula, in-flight microbatches, measured"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--schedule", choices=("naive", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1",
-                                          "dualpipe-v"), default="gpipe")
-    p.add_argument("--stages", type=int, default=4,
-                   help="ranks (interleaved-1f1b: --chunks stages each; dualpipe-v: two)")
-    p.add_argument("--chunks", type=int, default=2, help="stages per rank for interleaved-1f1b")
+    p.add_argument("--schedule", choices=tuple(SCHEDULES), default="gpipe")
+    p.add_argument("--stages", type=int, default=4, help="ranks (" + "; ".join(
+        f"{n}: {'--chunks' if e.chunks is None else e.chunks} stages each"
+        for n, e in SCHEDULES.items() if e.chunks != 1) + ")")
+    p.add_argument("--chunks", type=int, default=2, help="stages per rank for " + ", ".join(
+        n for n, e in SCHEDULES.items() if e.chunks is None))
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
     p.add_argument("--layers", type=int, default=8,
@@ -40,7 +42,7 @@ def check(args: argparse.Namespace) -> str | None:
         return "--stages and --microbatches must be >= 1"
     if args.stages > args.layers:
         return f"{args.stages} stages need at least {args.stages} layers (--layers)"
-    if args.batch % (1 if args.schedule == "naive" else args.microbatches):
+    if args.batch % (args.microbatches if SCHEDULES[args.schedule].microbatched else 1):
         return f"{args.microbatches} microbatches do not divide --batch {args.batch}"
     return None
 
@@ -48,16 +50,8 @@ def check(args: argparse.Namespace) -> str | None:
 def _formula(name: str, p: int, m: int, chunks: int, f: float, b: float,
              w: float) -> tuple[str, float | None]:
     """(the formula's text, its bubble) for a schedule; None where none applies."""
-    from parcourse import theory
-
-    if name in ("gpipe", "1f1b", "naive"):
-        return "(p-1)/(m+p-1)", theory.gpipe_bubble(p, m)
-    if name == "interleaved-1f1b":
-        return "(p-1)/(v m+p-1)", theory.interleaved_bubble(p, chunks, m)
-    if name == "zb-h1" and f + b > 0:
-        idle = theory.zero_bubble_h1_bubble_time(p, f, b, w)
-        return "(p-1)(F+B-2W) idle", theory.bubble_fraction(idle, m, f, b)
-    return "(DualPipe's table assumes F&B overlapped; see the simulator)", None
+    entry = SCHEDULES[name]
+    return entry.formula, None if entry.bubble is None else entry.bubble(p, m, chunks, f, b, w)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,31 +13,14 @@ from torch import nn
 from parcourse.collectives import simulated_link
 from parcourse.launch import RankContext
 from parcourse.pipeline.partition import By, partition
-from parcourse.pipeline.runtime import PipelineRuntime, SimulatedCompute, measured_bubble
+from parcourse.pipeline.runtime import PipelineRuntime
 from parcourse.models import GPTConfig, gpt, gpt_layers
-from parcourse.pipeline.schedule import (Schedule, dualpipe_v, gpipe, interleaved_1f1b, naive,
-                                         one_f_one_b, zero_bubble_h1)
-from parcourse.pipeline.simulate import Costs, Timeline, in_flight, simulate
+from parcourse.pipeline.schedule import SCHEDULES, Schedule, gpipe, schedule_by_name
+from parcourse.pipeline.simulate import (Costs, SimulatedCompute, Timeline, in_flight,
+                                         measured_bubble, simulate)
 from parcourse.trace import Span, Trace
 
-ScheduleName = Literal["naive", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "dualpipe-v"]
-SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
-    "naive": lambda ranks, microbatches, chunks: naive(ranks),
-    "gpipe": lambda ranks, microbatches, chunks: gpipe(ranks, microbatches),
-    "1f1b": lambda ranks, microbatches, chunks: one_f_one_b(ranks, microbatches),
-    "interleaved-1f1b": lambda ranks, microbatches, chunks: interleaved_1f1b(ranks, chunks,
-                                                                           microbatches),
-    "zb-h1": lambda ranks, microbatches, chunks: zero_bubble_h1(ranks, microbatches),
-    "dualpipe-v": lambda ranks, microbatches, chunks: dualpipe_v(ranks, microbatches),
-}
-
-
-def make_schedule(name: str, ranks: int, microbatches: int, chunks: int = 2) -> Schedule:
-    """The named schedule for `ranks` ranks; `chunks` (stages per rank) counts only for
-    interleaved 1F1B (DualPipeV always has two, the others one)."""
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-    return SCHEDULES[name](ranks, microbatches, chunks)
+make_schedule = schedule_by_name  # the one registry of names is parcourse.pipeline.schedule's
 
 
 def deep_mlp(depth: int, width: int, seed: int = 0) -> list[nn.Module]:
@@ -109,8 +92,9 @@ def train(ctx: RankContext, schedule: str, microbatches: int, steps: int = 2, *,
     plan = make_schedule(schedule, ctx.world_size, microbatches, chunks)
     per_rank = plan.stages // plan.ranks
     if compute is None and (forward_ms or backward_ms):
-        compute = SimulatedCompute(forward_ms / 1e3 / per_rank, backward_ms / 1e3 / per_rank,
-                                   None if weight_ms is None else weight_ms / 1e3 / per_rank)
+        compute = SimulatedCompute(forward_ms / 1e3, backward_ms / 1e3,
+                                   None if weight_ms is None else weight_ms / 1e3
+                                   ).per_chunk(per_rank)
     ctx.tracer.set_status("building the model")
     layers, whole, x, y, loss_fn = model_and_data(model, depth, width, batch)
     names = {id(p): n for n, p in whole.named_parameters()}
@@ -164,11 +148,7 @@ def bubble_of(run: Any) -> float:
 
 
 TORCH_SCHEDULES = {  # ours -> torch.distributed.pipelining's counterpart
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved-1f1b": "ScheduleInterleaved1F1B",
-    "dualpipe-v": "ScheduleDualPipeV",
-}
+    name: entry.torch for name, entry in SCHEDULES.items() if entry.torch is not None}
 
 
 def step_times(ctx: RankContext, microbatches: int, steps: int = 10, *,
@@ -286,14 +266,18 @@ def check_schedule_exercise(fn: Callable[[int, int], Any]) -> bool:
 
 # --------------------------------------------------------------------------- lesson 07
 
-ALL_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "dualpipe-v")
+# Every pipeline schedule of the registry (naive runs the batch whole: no pipeline).
+ALL_SCHEDULES = tuple(name for name, entry in SCHEDULES.items() if entry.microbatched)
 
 
 def common_microbatches(ranks: int, microbatches: int) -> int:
-    """The smallest m >= `microbatches` that every schedule accepts on `ranks` ranks:
-    a multiple of the ranks (interleaved 1F1B's rounds), at least 2 ranks (DualPipeV)."""
-    at_least = max(microbatches, 2 * ranks)
-    return -(-at_least // ranks) * ranks
+    """The smallest m >= `microbatches` that every schedule accepts on `ranks` ranks
+    (as the registry states: e.g. a multiple of the ranks for interleaved 1F1B's rounds,
+    at least 2 ranks for DualPipeV)."""
+    m = microbatches
+    while not all(SCHEDULES[name].accepts(ranks, m) for name in ALL_SCHEDULES):
+        m += 1
+    return m
 
 
 def every_schedule(ctx: RankContext, microbatches: int, *, schedules: Sequence[str] =
@@ -325,11 +309,7 @@ def summarize(results: Sequence[dict[str, Any]], costs: Costs) -> ScheduleSummar
     """`results`: one `train` result per rank; `costs` for one rank's layers (a chunk of a
     schedule with v stages per rank costs a v-th)."""
     plan: Schedule = results[0]["schedule"]
-    v = plan.stages // plan.ranks
-    scale = {k: (getattr(costs, k) / v if getattr(costs, k) is not None else None)
-             for k in ("forward", "backward", "weight")}
-    predicted = simulate(plan, Costs(**scale, latency=costs.latency, bandwidth=costs.bandwidth,
-                                     message_bytes=costs.message_bytes))
+    predicted = simulate(plan, costs.per_chunk(plan.stages // plan.ranks))
     held: dict[int, float] = {}
     for r in results:
         held.update(r["held_per_stage"])

@@ -10,19 +10,19 @@ one process on the whole batch; the caller steps the optimizer afterwards.
 
 Messages go through `parcourse.collectives.messenger`: bytes counted on the
 tracer, a simulated link when one is given, CUDA tensors staged through host
-memory when the backend (gloo) cannot send them. `SimulatedCompute` makes every
-action last a fixed time per stage (the real math runs, then the rank waits out
-the rest), so that ranks sharing a few cores behave as separate devices would.
+memory when the backend (gloo) cannot send them. `SimulatedCompute` (the
+simulator's cost model) makes every action last a fixed time per stage (the real
+math runs, then the rank waits out the rest), so that ranks sharing a few cores
+behave as separate devices would. Which message an action waits for and sends is
+the rule in `actions` (`incoming`, `outgoing`); when receives are posted, the policy
+in `posting`.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,82 +33,19 @@ from torch.func import functional_call
 from parcourse.checkpointing import checkpoint
 from parcourse.comm import SimulatedLink, group_info, messenger
 from parcourse.memory import SavedActivations, live_bytes
-from parcourse.pipeline.schedule import Action, Schedule, check
-from parcourse.pipeline.simulate import Costs, simulate
+from parcourse.pipeline.actions import Action, Message, Schedule, check, incoming, outgoing
+from parcourse.pipeline.posting import early_receives
+from parcourse.pipeline.simulate import SimulatedCompute
 from parcourse.pipeline.split import WeightGradient, input_gradient
 from parcourse.trace import Tracer
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
 
-@dataclass(frozen=True)
-class SimulatedCompute:
-    """Seconds each action lasts, whatever the real math took (a number for every stage,
-    or one per stage). `weight` is the part of `backward` that W takes when split."""
-
-    forward: float | Sequence[float]
-    backward: float | Sequence[float]
-    weight: float | Sequence[float] | None = None  # default: half of backward
-
-    def seconds(self, action: Action) -> float:
-        def of(value: float | Sequence[float]) -> float:
-            return float(value) if isinstance(value, (int, float)) else float(value[action.stage])
-
-        b = of(self.backward)
-        w = b / 2 if self.weight is None else of(self.weight)
-        return {"F": of(self.forward), "B": b, "I": b - w, "W": w}[action.kind]
-
-
 def _tag(kind: str, stage: int, microbatch: int, microbatches: int, stages: int) -> int:
     """A tag per message: what it carries (F: activations, B: gradients, S: a shape,
     T: a tied weight's gradient)."""
     return (("FBST".index(kind) * stages + stage) * microbatches + microbatch) + 1
-
-
-def _incoming(a: Action, stages: int) -> tuple[str, int] | None:
-    """(kind, stage) of the message `a` waits for: the previous stage's activations
-    (F), the next stage's input gradient (B, sent by its B or I); None for the ends
-    and for W."""
-    if a.kind == "F" and a.stage > 0:
-        return "F", a.stage - 1
-    if a.kind in "BI" and a.stage < stages - 1:
-        return "B", a.stage + 1
-    return None
-
-
-def receives_to_post(schedule: Schedule, rank: int) -> dict[int, list[Action]]:
-    """The receives `rank` posts before each of its actions (by index in its list), for
-    gloo: every action that waits for a message from another rank appears once, at or
-    before its own index.
-
-    A receive is posted before the action that this rank runs, on the simulator's
-    timeline (default costs, B = 2F), when the action sending its message starts: so
-    up to one action before the send, and the message finds its receive waiting.
-    That matters with gloo: a message sent before its receive is posted waits for a
-    handshake (the receiver says it is ready, then the sender's I/O thread writes the
-    data), and on a few busy cores that thread may wait for a time slice.
-    torch.distributed.pipelining's runtime posts receives early too (`_add_send_recv`).
-    Measured on 2 cores (benchmarks/pipeline.py, ours against torch's, paired runs):
-    posting each receive when its action starts made DualPipeV and GPipe about
-    0.05-0.1 of torch's step slower; posting every receive of the step at its start
-    made 1F1B 0.1 slower (the data then lands while both ranks compute, and the
-    receiving thread competes with them)."""
-    timeline = simulate(schedule, Costs())
-    starts = {(s.action.kind, s.action.stage, s.action.microbatch): s.start
-              for s in timeline.spans}
-    ends = [s.end for s in timeline.spans if s.rank == rank]  # in this rank's order
-    posts: dict[int, list[Action]] = {}
-    for j, a in enumerate(schedule.actions[rank]):
-        need = _incoming(a, schedule.stages)
-        if need is None or schedule.stage_rank[need[1]] == rank:
-            continue  # nothing to wait for, or a stage on this rank: handed over in memory
-        kind, stage = need
-        senders = ("F",) if kind == "F" else ("B", "I")  # a gradient comes from B or I
-        sent = min(starts[(k, stage, a.microbatch)] for k in senders
-                   if (k, stage, a.microbatch) in starts)
-        # The action running at `sent`: the first whose end comes after it.
-        posts.setdefault(min(bisect.bisect_right(ends, sent), j), []).append(a)
-    return posts
 
 
 class PipelineRuntime:
@@ -151,15 +88,12 @@ class PipelineRuntime:
         self.tied = [dict(g) for g in tied]
         self.schedule, self.stages, self.loss_fn = schedule, stages, loss_fn
         self.tracer, self.link, self.compute = tracer, link, compute
+        self._seconds = compute.of(schedule.stages) if compute is not None else None
         self.recompute = recompute  # GPipe's own trick: keep a stage's input, not its insides
         self.last = schedule.stages - 1
         self._shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}  # each stage's input
         self._out_shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}  # ... and output
-        # NCCL matches the messages between two ranks in the order they were issued, on
-        # one stream: a receive posted early would hold up this rank's later sends to that
-        # peer, and two ranks doing so wait for each other. So early only with gloo.
-        self._posts = (receives_to_post(schedule, self.rank)
-                       if dist.get_backend(self.group) == "gloo" else {})
+        self._posts = early_receives(schedule, self.rank, dist.get_backend(self.group))
         self._failed: str | None = None
 
     # -- point to point
@@ -170,25 +104,25 @@ class PipelineRuntime:
     def _wire(self, like: torch.Tensor) -> Any:
         return messenger(self.group, like, self.tracer, self.link)
 
-    def _send(self, kind: str, stage: int, microbatch: int, t: torch.Tensor, to: int) -> None:
-        """Activations of `stage` (kind F) or the gradient of its input (kind B)."""
-        target = stage + 1 if kind == "F" else stage - 1
-        if self._peer(target) == self.rank:
-            self._local[(kind, stage, microbatch)] = t
+    def _send(self, message: Message, t: torch.Tensor) -> None:
+        """Activations of a stage (kind F) or the gradient of its input (kind B)."""
+        if self._peer(message.to) == self.rank:
+            self._local[message] = t
             return
+        kind, stage, microbatch = message
         tag = _tag(kind, stage, microbatch, self.schedule.microbatches, self.schedule.stages)
         t = t.detach().contiguous()
-        self._sends.append((self._wire(t).send([t], to, tag), t))
+        self._sends.append((self._wire(t).send([t], self._peer(message.to), tag), t))
 
-    def _incoming(self, a: Action) -> tuple[str, int] | None:
-        return _incoming(a, self.schedule.stages)
+    def _incoming(self, a: Action) -> Message | None:
+        return incoming(a, self.schedule.stages)
 
     def _post(self, a: Action) -> None:
         """Post the receive `a` needs (a buffer of the agreed shape), once."""
         need = self._incoming(a)
-        if need is None or a in self._posted or self._peer(need[1]) == self.rank:
+        if need is None or a in self._posted or self._peer(need.stage) == self.rank:
             return
-        kind, stage = need
+        kind, stage, _ = need
         shape, dtype = self._shapes[a.stage] if kind == "F" else self._out_shape(a.stage)
         tag = _tag(kind, stage, a.microbatch, self.schedule.microbatches, self.schedule.stages)
         buffer = torch.empty(shape, dtype=dtype, device=self._device)
@@ -196,14 +130,14 @@ class PipelineRuntime:
 
     def _receive(self, a: Action) -> torch.Tensor | None:
         """What `a` needs from another stage (activations for F, the gradient of the
-        output for B and I), posted earlier (see `receives_to_post`) or now, and waited
-        for in a comm span named after it."""
+        output for B and I), posted earlier (see `posting.receives_to_post`) or now, and
+        waited for in a comm span named after it."""
         need = self._incoming(a)
         if need is None:
             return None
-        kind, stage = need
+        kind, stage, _ = need
         if self._peer(stage) == self.rank:
-            return self._local.pop((kind, stage, a.microbatch))
+            return self._local.pop(need)
         self._post(a)
         work, buffer = self._posted.pop(a)
         start = time.perf_counter_ns()
@@ -280,7 +214,7 @@ class PipelineRuntime:
             raise ValueError(f"microbatches of shape {tuple(self._inputs[0].shape)}, but this "
                              f"pipeline agreed on {tuple(self._shapes[0][0])} at its first "
                              "step: build a new PipelineRuntime for another shape")
-        self._local: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._local: dict[Message, torch.Tensor] = {}
         self._saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, int]] = {}
         self._later: dict[tuple[int, int], tuple[WeightGradient, int]] = {}
         self._sends: list[tuple[Any, torch.Tensor]] = []
@@ -342,14 +276,13 @@ class PipelineRuntime:
               if self.tracer is not None else nullcontext()):
             out = {"F": self._forward, "B": self._backward, "I": self._input_gradient,
                    "W": self._weight_gradient}[a.kind](a, received)
-            if self.compute is not None:  # the rest of this action's simulated time
-                rest = self.compute.seconds(a) - (time.perf_counter() - start)
+            if self._seconds is not None:  # the rest of this action's simulated time
+                rest = self._seconds[a.kind][s] - (time.perf_counter() - start)
                 if rest > 0:
                     time.sleep(rest)
-        if a.kind == "F" and s < self.last:
-            self._send("F", s, i, out, self._peer(s + 1))
-        elif a.kind in "BI" and s > 0:
-            self._send("B", s, i, out, self._peer(s - 1))
+        message = outgoing(a, self.schedule.stages)
+        if message is not None:
+            self._send(message, out)
 
     def _forward(self, a: Action, received: torch.Tensor | None) -> torch.Tensor:
         """Run the stage; keep its input, output and graph until the backward."""
@@ -394,13 +327,3 @@ class PipelineRuntime:
             self.tracer.count("in_flight_bytes", delta, now=self._in_flight_bytes,
                               stage=action.stage, microbatch=action.microbatch)
 
-
-def measured_bubble(spans: Sequence[Any], ranks: int) -> float:
-    """1 - busy / (ranks x step time), from the compute spans of one step (all ranks)."""
-    compute = [s for s in spans if s.kind == "compute"]
-    if not compute:
-        return math.nan
-    start = min(s.start_ns for s in compute)
-    end = max(s.end_ns for s in compute)
-    busy = sum(s.end_ns - s.start_ns for s in compute)
-    return 1 - busy / (ranks * (end - start))

@@ -1,11 +1,10 @@
-"""Pipeline schedules as values: for every rank, the ordered list of its compute actions.
+"""Pipeline schedules by name: the builders, pure functions from sizes to a `Schedule`,
+and ONE registry of them (`SCHEDULES`, `schedule_by_name`) that the CLI, the experiments,
+the benchmarks and the lessons read.
 
-An action is forward F, backward B, or backward split into input gradient I and
-weight gradient W, of one stage on one microbatch, printed as PyTorch's
-torch.distributed.pipelining prints them: `1F3` is stage 1's forward of
-microbatch 3. A schedule is pure data: pure functions build it, `check` and
-`happens_before` reason about it without processes, `simulate` predicts its
-timeline, and one runtime executes any of them on real ranks.
+A schedule is, for every rank, the ordered list of its compute actions (see `actions`
+for the action type, the dependency rule and `check`). Adding a schedule is one builder
+and one entry in `SCHEDULES`, here, plus its bubble's formula in `parcourse.theory`.
 
     >>> print(gpipe(stages=2, microbatches=3))
     step  rank 0  rank 1
@@ -16,91 +15,16 @@ timeline, and one runtime executes any of them on real ranks.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
 
-Kind = Literal["F", "B", "I", "W"]
+from parcourse import theory
+from parcourse.pipeline.actions import (B, F, I, W, Action, Deadlock, Kind, Op, Schedule,
+                                        check, happens_before)
 
-
-@dataclass(frozen=True)
-class Action:
-    """One compute step of one stage on one microbatch."""
-
-    stage: int
-    kind: Kind
-    microbatch: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.microbatch}"
-
-    __repr__ = __str__
-
-
-def F(stage: int, microbatch: int) -> Action:  # noqa: N802 (the papers' letters)
-    return Action(stage, "F", microbatch)
-
-
-def B(stage: int, microbatch: int) -> Action:  # noqa: N802
-    return Action(stage, "B", microbatch)
-
-
-def I(stage: int, microbatch: int) -> Action:  # noqa: N802, E741, E743
-    return Action(stage, "I", microbatch)
-
-
-def W(stage: int, microbatch: int) -> Action:  # noqa: N802
-    return Action(stage, "W", microbatch)
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """Who runs what, in which order.
-
-    `stage_rank[s]` is the rank that holds stage s (several stages per rank for
-    interleaved schedules); `actions[r]` is rank r's actions in order.
-    """
-
-    name: str
-    microbatches: int
-    stage_rank: tuple[int, ...]
-    actions: tuple[tuple[Action, ...], ...]
-
-    @property
-    def stages(self) -> int:
-        return len(self.stage_rank)
-
-    @property
-    def ranks(self) -> int:
-        return len(self.actions)
-
-    def __getitem__(self, rank: int) -> tuple[Action, ...]:
-        return self.actions[rank]
-
-    def __str__(self) -> str:
-        """A step x rank grid: every action takes one step (I and W half a step each) and
-        starts as soon as its rank and its inputs are ready; blank cells are the bubble."""
-        from parcourse.pipeline.simulate import Costs, Deadlock, simulate
-
-        try:
-            spans = simulate(self, Costs(forward=1, backward=1, weight=0.5)).spans
-        except Deadlock:  # not runnable: show each rank's order instead
-            spans = [_Slot(r, a, k) for r, acts in enumerate(self.actions)
-                     for k, a in enumerate(acts)]
-        starts = sorted({s.start for s in spans})
-        grid = {(s.rank, s.start): str(s.action) for s in spans}
-        width = max(6, *(len(str(a)) for acts in self.actions for a in acts)) + 2
-        lines = ["step" + "".join(f"rank {r}".rjust(width) for r in range(self.ranks))]
-        for t in starts:
-            cells = [grid.get((r, t), "") for r in range(self.ranks)]
-            lines.append(f"{t:>4g}" + "".join(c.rjust(width) for c in cells))
-        return "\n".join(lines)
-
-
-class _Slot(NamedTuple):
-    rank: int
-    action: Action
-    start: float
+__all__ = ["SCHEDULES", "Action", "B", "Deadlock", "F", "I", "Kind", "NamedSchedule", "Op",
+           "Schedule", "W", "check", "dualpipe_v", "gpipe", "happens_before",
+           "interleaved_1f1b", "naive", "one_f_one_b", "schedule_by_name", "zero_bubble_h1"]
 
 
 def _check_sizes(stages: int, microbatches: int) -> None:
@@ -311,64 +235,84 @@ def dualpipe_v(ranks: int, microbatches: int) -> Schedule:
     return Schedule("dualpipe-v", m, stage_rank, tuple(tuple(a) for a in per_rank))
 
 
-# --------------------------------------------------------------------------- checks
+# --------------------------------------------------------------------------- by name
+
+Builder = Callable[[int, int, int], Schedule]  # (ranks, microbatches, chunks per rank)
+Formula = Callable[[int, int, int, float, float, float], float | None]
+"""(ranks, microbatches, chunks, F, B, W) -> the bubble the formula gives, None if none."""
 
 
-def check(schedule: Schedule) -> None:
-    """Raise ValueError unless every stage runs every microbatch's forward once and its
-    backward once (B, or I then W), on the rank that holds the stage, and the actions
-    can all run: each waits only for what comes before it (F(s, m) after F(s-1, m);
-    B(s, m) after F(s, m) and B(s+1, m); W after I), never for a later action of its
-    own rank or a cycle between ranks."""
-    from parcourse.pipeline.simulate import Costs, simulate
-
-    p, m = schedule.stages, schedule.microbatches
-    seen: dict[tuple[int, str, int], int] = {}
-    for rank, acts in enumerate(schedule.actions):
-        for a in acts:
-            if not (0 <= a.stage < p and 0 <= a.microbatch < m and a.kind in "FBIW"):
-                raise ValueError(f"rank {rank}: {a} is outside {p} stages x {m} microbatches")
-            if schedule.stage_rank[a.stage] != rank:
-                raise ValueError(f"rank {rank} runs {a}, but stage {a.stage} is on rank "
-                                 f"{schedule.stage_rank[a.stage]}")
-            key = (a.stage, a.kind, a.microbatch)
-            if key in seen:
-                raise ValueError(f"rank {rank}: {a} runs twice")
-            seen[key] = rank
-    for s in range(p):
-        for i in range(m):
-            if (s, "F", i) not in seen:
-                raise ValueError(f"{F(s, i)} never runs")
-            split = (s, "I", i) in seen or (s, "W", i) in seen
-            if split and not ((s, "I", i) in seen and (s, "W", i) in seen):
-                raise ValueError(f"stage {s}, microbatch {i}: I and W come in pairs")
-            if not split and (s, "B", i) not in seen:
-                raise ValueError(f"{B(s, i)} never runs")
-            if split and (s, "B", i) in seen:
-                raise ValueError(f"stage {s}, microbatch {i}: both B and I/W")
-    simulate(schedule, Costs())  # raises if some action could never start
+def _one(ranks: int) -> int:
+    return 1
 
 
-class Op(NamedTuple):
-    """An action named without its stage: `Op("F", 3)` is the forward of microbatch 3."""
+@dataclass(frozen=True)
+class NamedSchedule:
+    """A schedule as the CLI, the experiments and the lessons name it: how to build it,
+    what it asks of its sizes, its bubble's formula and torch's counterpart.
 
-    kind: Kind
-    microbatch: int
-
-
-def happens_before(schedule: Schedule, stage: int, first: Op | Action,
-                   then: Op | Action) -> bool:
-    """Does `first` finish before `then` starts, whatever the costs? Both run on the rank
-    that holds `stage`: it runs its actions in order, so this is their order there.
-
-    >>> happens_before(gpipe(4, 8), stage=0, first=Op("F", 3), then=Op("B", 0))
-    True
+    `chunks`: stages per rank (None: as many as the caller asks, `--chunks`);
+    `min_microbatches(ranks)`: the fewest it runs; `rounds`: microbatches go in rounds
+    of `ranks` (a multiple of the ranks, or fewer); `microbatched`: False for a schedule
+    that runs the batch whole (naive), which is no pipeline; `formula` is the bubble's
+    formula as printed, `bubble` its value (from parcourse.theory); `torch` the class in
+    torch.distributed.pipelining that runs the same schedule, if any.
     """
-    rank = schedule.stage_rank[stage]
-    order = list(schedule.actions[rank])
-    first, then = (a if isinstance(a, Action) else Action(stage, a.kind, a.microbatch)
-                   for a in (first, then))
-    for a in (first, then):
-        if a not in order:
-            raise ValueError(f"rank {rank} (stage {stage}) does not run {a}")
-    return order.index(first) < order.index(then)
+
+    name: str
+    build: Builder
+    formula: str
+    bubble: Formula | None = None
+    chunks: int | None = 1
+    min_microbatches: Callable[[int], int] = _one
+    rounds: bool = False
+    microbatched: bool = True
+    torch: str | None = None
+
+    def accepts(self, ranks: int, microbatches: int) -> bool:
+        """Whether `build` takes these sizes (it raises ValueError, saying why, if not)."""
+        if not self.microbatched:
+            return True
+        per_round = min(ranks, microbatches)
+        return (microbatches >= self.min_microbatches(ranks)
+                and not (self.rounds and microbatches % per_round))
+
+
+def _gpipe_formula(p: int, m: int, v: int, f: float, b: float, w: float) -> float:
+    return theory.gpipe_bubble(p, m)
+
+
+def _zero_bubble_h1_formula(p: int, m: int, v: int, f: float, b: float,
+                            w: float) -> float | None:
+    if f + b <= 0:  # real compute: no costs to put in the formula
+        return None
+    return theory.bubble_fraction(theory.zero_bubble_h1_bubble_time(p, f, b, w), m, f, b)
+
+
+SCHEDULES: dict[str, NamedSchedule] = {s.name: s for s in [
+    NamedSchedule("naive", lambda ranks, m, chunks: naive(ranks), "(p-1)/(m+p-1)",
+                  _gpipe_formula, microbatched=False),
+    NamedSchedule("gpipe", lambda ranks, m, chunks: gpipe(ranks, m), "(p-1)/(m+p-1)",
+                  _gpipe_formula, torch="ScheduleGPipe"),
+    NamedSchedule("1f1b", lambda ranks, m, chunks: one_f_one_b(ranks, m), "(p-1)/(m+p-1)",
+                  _gpipe_formula, torch="Schedule1F1B"),
+    NamedSchedule("interleaved-1f1b",
+                  lambda ranks, m, chunks: interleaved_1f1b(ranks, chunks, m),
+                  "(p-1)/(v m+p-1)",
+                  lambda p, m, v, f, b, w: theory.interleaved_bubble(p, v, m),
+                  chunks=None, rounds=True, torch="ScheduleInterleaved1F1B"),
+    NamedSchedule("zb-h1", lambda ranks, m, chunks: zero_bubble_h1(ranks, m),
+                  "(p-1)(F+B-2W) idle", _zero_bubble_h1_formula),
+    NamedSchedule("dualpipe-v", lambda ranks, m, chunks: dualpipe_v(ranks, m),
+                  "(DualPipe's table assumes F&B overlapped; see the simulator)",
+                  chunks=2, min_microbatches=lambda ranks: 2 * ranks,
+                  torch="ScheduleDualPipeV"),
+]}
+
+
+def schedule_by_name(name: str, ranks: int, microbatches: int, chunks: int = 2) -> Schedule:
+    """The named schedule for `ranks` ranks; `chunks` (stages per rank) counts only where
+    the schedule takes it (interleaved 1F1B; DualPipeV always has two, the others one)."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    return SCHEDULES[name].build(ranks, microbatches, chunks)

@@ -1,7 +1,8 @@
 """Predict a schedule's timeline from costs: no processes, microseconds per schedule.
 
 Each rank runs its actions in order; an action starts when its rank is free and
-what it needs has arrived:
+what it needs has arrived (the rule in `actions.needs`, run in time by
+`actions.play`):
 
 - F(s, m) needs F(s-1, m)'s activations (sent from stage s-1's rank),
 - B(s, m) and I(s, m) need F(s, m) on this rank and the gradient from
@@ -12,15 +13,24 @@ A message between two ranks occupies the link from sender to receiver for
 bytes / bandwidth (messages on a link queue) and arrives `latency` after its
 last byte left, as parcourse.collectives.SimulatedLink models it. Messages
 between stages on the same rank are free.
+
+The cost model (`SimulatedCompute`: seconds of F, B, I, W per stage) is the one the
+runtime pads real actions to; the bubble of a timeline, simulated or measured, is
+computed by `bubble`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Self
 
-from parcourse.pipeline.schedule import Action, Schedule
+from parcourse.pipeline.actions import Action, Deadlock, Schedule, play
+
+__all__ = ["Costs", "Deadlock", "SimSpan", "SimulatedCompute", "Timeline", "bubble",
+           "in_flight", "measured_bubble", "simulate"]
 
 
 def _per_stage(value: float | Sequence[float], stages: int, name: str) -> list[float]:
@@ -32,9 +42,15 @@ def _per_stage(value: float | Sequence[float], stages: int, name: str) -> list[f
     return values
 
 
+def _divide(value: float | Sequence[float], by: int) -> float | Sequence[float]:
+    return value / by if isinstance(value, (int, float)) else [v / by for v in value]
+
+
 @dataclass(frozen=True)
-class Costs:
-    """Seconds per action, per stage (a number applies to every stage), and the link.
+class SimulatedCompute:
+    """Seconds each action lasts, per stage (a number applies to every stage): the one
+    cost model of F, B, I and W, which the simulator predicts with and the runtime pads
+    real actions to (the real math runs, then the rank waits out the rest).
 
     `backward` is a whole backward B; split, it is I (input gradient) taking
     backward - weight and W (weight gradient) taking `weight` (default: half of B).
@@ -43,11 +59,9 @@ class Costs:
     forward: float | Sequence[float] = 1.0
     backward: float | Sequence[float] = 2.0
     weight: float | Sequence[float] | None = None
-    latency: float = 0.0  # seconds per message
-    bandwidth: float = math.inf  # bytes per second
-    message_bytes: float = 0.0  # one microbatch's activations (= its gradient)
 
     def of(self, stages: int) -> dict[str, list[float]]:
+        """Seconds of each kind of action ("F", "B", "I", "W") on each of `stages` stages."""
         f = _per_stage(self.forward, stages, "forward")
         b = _per_stage(self.backward, stages, "backward")
         w = ([bi / 2 for bi in b] if self.weight is None
@@ -56,6 +70,23 @@ class Costs:
             raise ValueError("the weight-gradient part of backward cannot exceed backward")
         return {"F": f, "B": b, "W": w, "I": [bi - wi for bi, wi in zip(b, w)]}
 
+    def per_chunk(self, chunks: int) -> Self:
+        """These costs (for one rank's layers) cut into `chunks` equal stages: each a
+        `chunks`-th (a schedule with several stages per rank)."""
+        return dataclasses.replace(
+            self, forward=_divide(self.forward, chunks), backward=_divide(self.backward, chunks),
+            weight=None if self.weight is None else _divide(self.weight, chunks))
+
+
+@dataclass(frozen=True)
+class Costs(SimulatedCompute):
+    """Seconds per action, per stage (`SimulatedCompute`'s forward, backward, weight; a
+    number applies to every stage), and the link between ranks."""
+
+    latency: float = 0.0  # seconds per message
+    bandwidth: float = math.inf  # bytes per second
+    message_bytes: float = 0.0  # one microbatch's activations (= its gradient)
+
 
 @dataclass(frozen=True)
 class SimSpan:
@@ -63,6 +94,15 @@ class SimSpan:
     action: Action
     start: float
     end: float
+
+
+def bubble(busy: float, ranks: int, step_time: float) -> float:
+    """Idle fraction of the ranks' time: 1 - busy / (ranks x step time), `busy` the
+    compute seconds of all ranks together. The formulas it is compared with are in
+    parcourse.theory (`gpipe_bubble`, ...)."""
+    if step_time == 0:
+        return 0.0
+    return 1 - busy / (ranks * step_time)
 
 
 @dataclass
@@ -79,13 +119,18 @@ class Timeline:
     @property
     def bubble(self) -> float:
         """Idle fraction of the ranks' time: 1 - busy / (ranks x step time)."""
-        if self.step_time == 0:
-            return 0.0
-        return 1 - sum(self.busy) / (len(self.busy) * self.step_time)
+        return bubble(sum(self.busy), len(self.busy), self.step_time)
 
 
-class Deadlock(ValueError):
-    """A schedule in which some action can never start."""
+def measured_bubble(spans: Sequence[Any], ranks: int) -> float:
+    """1 - busy / (ranks x step time), from the compute spans of one step (all ranks)."""
+    compute = [s for s in spans if s.kind == "compute"]
+    if not compute:
+        return math.nan
+    start = min(s.start_ns for s in compute)
+    end = max(s.end_ns for s in compute)
+    busy = sum(s.end_ns - s.start_ns for s in compute)
+    return bubble(busy, ranks, end - start)
 
 
 def in_flight(actions: Sequence[Action], held: Sequence[float] | None = None
@@ -107,67 +152,23 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     microbatches; raises Deadlock naming the ranks and actions that can never start."""
     costs = costs or Costs()
     cost = costs.of(schedule.stages)
-    p = schedule.stages
-    where = schedule.stage_rank
-    done: dict[Action, float] = {}  # end time of each finished action
-    arrived: dict[tuple[Action, int], float] = {}  # (action, at rank) -> data arrival
     link_free: dict[tuple[int, int], float] = {}
-    rank_free = [0.0] * schedule.ranks
-    nxt = [0] * schedule.ranks
     timeline = Timeline(schedule, busy=[0.0] * schedule.ranks)
 
-    split = {(a.stage, a.microbatch) for acts in schedule.actions for a in acts
-             if a.kind == "I"}
-
-    def needs(a: Action) -> list[tuple[Action, int]]:
-        """(action, rank its data must reach) that `a` waits for."""
-        s, m, here = a.stage, a.microbatch, where[a.stage]
-        if a.kind == "F":
-            return [] if s == 0 else [(Action(s - 1, "F", m), here)]
-        if a.kind == "W":
-            return [(Action(s, "I", m), here)]
-        deps = [(Action(s, "F", m), here)]
-        if s < p - 1:  # the gradient from the next stage: its B, or its I when split
-            deps.append((Action(s + 1, "I" if (s + 1, m) in split else "B", m), here))
-        return deps
-
-    def arrival(dep: Action, at: int) -> float | None:
-        if dep not in done:
-            return None
-        src = where[dep.stage]
+    def arrival(dep: Action, end: float, src: int, at: int) -> float:
         if src == at:
-            return done[dep]
-        key = (dep, at)
-        if key not in arrived:  # send it when it is produced: the link may be busy
-            link = (src, at)
-            start = max(done[dep], link_free.get(link, 0.0))
-            link_free[link] = start + costs.message_bytes / costs.bandwidth
-            arrived[key] = link_free[link] + costs.latency
-            timeline.messages += 1
-        return arrived[key]
+            return end
+        # Sent when it is produced: the link may be busy.
+        start = max(end, link_free.get((src, at), 0.0))
+        link_free[(src, at)] = start + costs.message_bytes / costs.bandwidth
+        timeline.messages += 1
+        return link_free[(src, at)] + costs.latency
 
-    remaining = sum(len(acts) for acts in schedule.actions)
-    while remaining:
-        progressed = False
-        for r, acts in enumerate(schedule.actions):
-            while nxt[r] < len(acts):
-                a = acts[nxt[r]]
-                ready = [arrival(dep, at) for dep, at in needs(a)]
-                if any(t is None for t in ready):
-                    break
-                start = max([rank_free[r], *ready])  # type: ignore[list-item]
-                end = start + cost[a.kind][a.stage]
-                done[a] = rank_free[r] = end
-                timeline.spans.append(SimSpan(r, a, start, end))
-                timeline.busy[r] += end - start
-                nxt[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = [f"rank {r} waits at {acts[nxt[r]]} for "
-                     + ", ".join(str(d) for d, _ in needs(acts[nxt[r]]) if d not in done)
-                     for r, acts in enumerate(schedule.actions) if nxt[r] < len(acts)]
-            raise Deadlock("the schedule can never finish: " + "; ".join(stuck))
-    timeline.step_time = max(rank_free, default=0.0)
+    rank_end = [0.0] * schedule.ranks
+    for slot in play(schedule, lambda a: cost[a.kind][a.stage], arrival):
+        timeline.spans.append(SimSpan(slot.rank, slot.action, slot.start, slot.end))
+        timeline.busy[slot.rank] += slot.end - slot.start
+        rank_end[slot.rank] = slot.end
+    timeline.step_time = max(rank_end, default=0.0)
     timeline.peak_in_flight = [max(in_flight(acts), default=0) for acts in schedule.actions]
     return timeline

@@ -1,0 +1,294 @@
+"""Actions, schedules as values, and THE rule of which action waits for which.
+
+An action is forward F, backward B, or backward split into input gradient I and
+weight gradient W, of one stage on one microbatch, printed as PyTorch's
+torch.distributed.pipelining prints them: `1F3` is stage 1's forward of
+microbatch 3. A schedule is, for every rank, the ordered list of its actions.
+
+What an action waits for is written once, here (`needs`, and `incoming` /
+`outgoing` for the part that crosses stages), and `play` runs a schedule's
+actions in time under that rule: the simulator (`simulate`) gives it costs and a
+link, `check` and a schedule's printed grid give it unit steps, the runtime posts
+and waits for the messages `incoming` names. The builders of named schedules
+live in `schedule`, which builds on this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Literal, NamedTuple
+
+Kind = Literal["F", "B", "I", "W"]
+
+
+@dataclass(frozen=True)
+class Action:
+    """One compute step of one stage on one microbatch."""
+
+    stage: int
+    kind: Kind
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+    __repr__ = __str__
+
+
+def F(stage: int, microbatch: int) -> Action:  # noqa: N802 (the papers' letters)
+    return Action(stage, "F", microbatch)
+
+
+def B(stage: int, microbatch: int) -> Action:  # noqa: N802
+    return Action(stage, "B", microbatch)
+
+
+def I(stage: int, microbatch: int) -> Action:  # noqa: N802, E741, E743
+    return Action(stage, "I", microbatch)
+
+
+def W(stage: int, microbatch: int) -> Action:  # noqa: N802
+    return Action(stage, "W", microbatch)
+
+
+class Op(NamedTuple):
+    """An action named without its stage: `Op("F", 3)` is the forward of microbatch 3."""
+
+    kind: Kind
+    microbatch: int
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Who runs what, in which order.
+
+    `stage_rank[s]` is the rank that holds stage s (several stages per rank for
+    interleaved schedules); `actions[r]` is rank r's actions in order.
+    """
+
+    name: str
+    microbatches: int
+    stage_rank: tuple[int, ...]
+    actions: tuple[tuple[Action, ...], ...]
+
+    @property
+    def stages(self) -> int:
+        return len(self.stage_rank)
+
+    @property
+    def ranks(self) -> int:
+        return len(self.actions)
+
+    def __getitem__(self, rank: int) -> tuple[Action, ...]:
+        return self.actions[rank]
+
+    @cached_property
+    def split(self) -> frozenset[tuple[int, int]]:
+        """(stage, microbatch) whose backward runs split, as I then W."""
+        return frozenset((a.stage, a.microbatch) for acts in self.actions for a in acts
+                         if a.kind == "I")
+
+    def __str__(self) -> str:
+        """A step x rank grid: every action takes one step (I and W half a step each) and
+        starts as soon as its rank and its inputs are ready; blank cells are the bubble."""
+        try:
+            spans = play(self, lambda a: 0.5 if a.kind in "IW" else 1.0)
+        except Deadlock:  # not runnable: show each rank's order instead
+            spans = [Slot(r, a, k, k + 1) for r, acts in enumerate(self.actions)
+                     for k, a in enumerate(acts)]
+        starts = sorted({s.start for s in spans})
+        grid = {(s.rank, s.start): str(s.action) for s in spans}
+        width = max(6, *(len(str(a)) for acts in self.actions for a in acts)) + 2
+        lines = ["step" + "".join(f"rank {r}".rjust(width) for r in range(self.ranks))]
+        for t in starts:
+            cells = [grid.get((r, t), "") for r in range(self.ranks)]
+            lines.append(f"{t:>4g}" + "".join(c.rjust(width) for c in cells))
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the rule
+
+
+class Message(NamedTuple):
+    """What one stage sends another: stage `stage`'s activations (kind F, to the next
+    stage) or the gradient of its input (kind B, to the previous stage; sent by its B,
+    or by its I when its backward is split), for one microbatch."""
+
+    kind: Literal["F", "B"]
+    stage: int  # the stage that sends it
+    microbatch: int
+
+    @property
+    def to(self) -> int:
+        """The stage that receives it."""
+        return self.stage + 1 if self.kind == "F" else self.stage - 1
+
+
+def incoming(a: Action, stages: int) -> Message | None:
+    """The message `a` waits for from another stage: F(s, m) the activations of stage
+    s - 1; B(s, m) and I(s, m) the gradient of stage s's output, which stage s + 1 sends;
+    None for the first stage's forward, the last stage's backward, and W."""
+    if a.kind == "F" and a.stage > 0:
+        return Message("F", a.stage - 1, a.microbatch)
+    if a.kind in "BI" and a.stage < stages - 1:
+        return Message("B", a.stage + 1, a.microbatch)
+    return None
+
+
+def outgoing(a: Action, stages: int) -> Message | None:
+    """The message `a` sends when it is done: a forward its activations (but the last
+    stage's), a B or I the gradient of its input (but the first stage's); W nothing."""
+    if a.kind == "F" and a.stage < stages - 1:
+        return Message("F", a.stage, a.microbatch)
+    if a.kind in "BI" and a.stage > 0:
+        return Message("B", a.stage, a.microbatch)
+    return None
+
+
+def needs(schedule: Schedule, a: Action) -> list[Action]:
+    """The actions `a` waits for:
+
+    - F(s, m) needs F(s-1, m)'s activations (sent from stage s-1's rank),
+    - B(s, m) and I(s, m) need F(s, m) on this rank and the gradient from
+      B(s+1, m) or I(s+1, m) (whichever the schedule runs; sent from stage s+1's rank),
+    - W(s, m) needs I(s, m).
+    """
+    s, m = a.stage, a.microbatch
+    deps = {"F": [], "B": [F(s, m)], "I": [F(s, m)], "W": [I(s, m)]}[a.kind]
+    message = incoming(a, schedule.stages)
+    if message is not None:
+        deps.append(sender(schedule, message))
+    return deps
+
+
+def sender(schedule: Schedule, message: Message) -> Action:
+    """The action that sends `message`: a forward, or the backward's B or I (I when the
+    schedule splits that stage's backward for that microbatch)."""
+    s, m = message.stage, message.microbatch
+    if message.kind == "F":
+        return F(s, m)
+    return I(s, m) if (s, m) in schedule.split else B(s, m)
+
+
+# --------------------------------------------------------------------------- in time
+
+
+class Slot(NamedTuple):
+    """When `play` runs an action: on `rank`, from `start` to `end`."""
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+class Deadlock(ValueError):
+    """A schedule in which some action can never start."""
+
+
+Arrival = Callable[[Action, float, int, int], float]
+
+
+def play(schedule: Schedule, duration: Callable[[Action], float],
+         arrival: Arrival | None = None) -> list[Slot]:
+    """Each rank runs its actions in order; an action starts when its rank is free and
+    what it `needs` has arrived. `duration(a)` is how long `a` lasts; `arrival(dep, end,
+    src, at)` when what `dep` made (done at `end` on rank `src`) reaches rank `at`
+    (default: at once), asked once per dependency, when it is done. Returns the slots in
+    the order they were decided; raises Deadlock naming the ranks and actions that can
+    never start."""
+    where = schedule.stage_rank
+    done: dict[Action, float] = {}  # end time of each finished action
+    rank_free = [0.0] * schedule.ranks
+    nxt = [0] * schedule.ranks
+    slots: list[Slot] = []
+    arrived: dict[tuple[Action, int], float] = {}
+
+    def ready_at(dep: Action, at: int) -> float | None:
+        if dep not in done:
+            return None
+        if arrival is None:
+            return done[dep]
+        if (dep, at) not in arrived:
+            arrived[(dep, at)] = arrival(dep, done[dep], where[dep.stage], at)
+        return arrived[(dep, at)]
+
+    remaining = sum(len(acts) for acts in schedule.actions)
+    while remaining:
+        progressed = False
+        for r, acts in enumerate(schedule.actions):
+            while nxt[r] < len(acts):
+                a = acts[nxt[r]]
+                ready = [ready_at(dep, r) for dep in needs(schedule, a)]
+                if any(t is None for t in ready):
+                    break
+                start = max([rank_free[r], *ready])  # type: ignore[list-item]
+                end = start + duration(a)
+                done[a] = rank_free[r] = end
+                slots.append(Slot(r, a, start, end))
+                nxt[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = [f"rank {r} waits at {acts[nxt[r]]} for "
+                     + ", ".join(str(d) for d in needs(schedule, acts[nxt[r]]) if d not in done)
+                     for r, acts in enumerate(schedule.actions) if nxt[r] < len(acts)]
+            raise Deadlock("the schedule can never finish: " + "; ".join(stuck))
+    return slots
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check(schedule: Schedule) -> None:
+    """Raise ValueError unless every stage runs every microbatch's forward once and its
+    backward once (B, or I then W), on the rank that holds the stage, and the actions
+    can all run: each waits only for what comes before it (F(s, m) after F(s-1, m);
+    B(s, m) after F(s, m) and B(s+1, m); W after I), never for a later action of its
+    own rank or a cycle between ranks."""
+    p, m = schedule.stages, schedule.microbatches
+    seen: dict[tuple[int, str, int], int] = {}
+    for rank, acts in enumerate(schedule.actions):
+        for a in acts:
+            if not (0 <= a.stage < p and 0 <= a.microbatch < m and a.kind in "FBIW"):
+                raise ValueError(f"rank {rank}: {a} is outside {p} stages x {m} microbatches")
+            if schedule.stage_rank[a.stage] != rank:
+                raise ValueError(f"rank {rank} runs {a}, but stage {a.stage} is on rank "
+                                 f"{schedule.stage_rank[a.stage]}")
+            key = (a.stage, a.kind, a.microbatch)
+            if key in seen:
+                raise ValueError(f"rank {rank}: {a} runs twice")
+            seen[key] = rank
+    for s in range(p):
+        for i in range(m):
+            if (s, "F", i) not in seen:
+                raise ValueError(f"{F(s, i)} never runs")
+            split = (s, "I", i) in seen or (s, "W", i) in seen
+            if split and not ((s, "I", i) in seen and (s, "W", i) in seen):
+                raise ValueError(f"stage {s}, microbatch {i}: I and W come in pairs")
+            if not split and (s, "B", i) not in seen:
+                raise ValueError(f"{B(s, i)} never runs")
+            if split and (s, "B", i) in seen:
+                raise ValueError(f"stage {s}, microbatch {i}: both B and I/W")
+    play(schedule, lambda a: 1.0)  # raises Deadlock if some action could never start
+
+
+def happens_before(schedule: Schedule, stage: int, first: Op | Action,
+                   then: Op | Action) -> bool:
+    """Does `first` finish before `then` starts, whatever the costs? Both run on the rank
+    that holds `stage`: it runs its actions in order, so this is their order there.
+
+    >>> from parcourse.pipeline.schedule import gpipe
+    >>> happens_before(gpipe(4, 8), stage=0, first=Op("F", 3), then=Op("B", 0))
+    True
+    """
+    rank = schedule.stage_rank[stage]
+    order = list(schedule.actions[rank])
+    first, then = (a if isinstance(a, Action) else Action(stage, a.kind, a.microbatch)
+                   for a in (first, then))
+    for a in (first, then):
+        if a not in order:
+            raise ValueError(f"rank {rank} (stage {stage}) does not run {a}")
+    return order.index(first) < order.index(then)

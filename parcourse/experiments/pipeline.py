@@ -10,7 +10,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from parcourse.collectives import simulated_link
+from parcourse.comm import simulated_link
 from parcourse.launch import RankContext
 from parcourse.pipeline.partition import By, partition
 from parcourse.pipeline.runtime import PipelineRuntime

@@ -8,7 +8,7 @@ input back and frees the microbatch's activations. The loss of each microbatch
 is divided by the number of microbatches, so the gradients add up to those of
 one process on the whole batch; the caller steps the optimizer afterwards.
 
-Messages go through `parcourse.collectives.messenger`: bytes counted on the
+Messages go through a `parcourse.comm.Comm` (`send`, `recv`): bytes counted on the
 tracer, a simulated link when one is given, CUDA tensors staged through host
 memory when the backend (gloo) cannot send them. `SimulatedCompute` (the
 simulator's cost model) makes every action last a fixed time per stage (the real
@@ -31,7 +31,7 @@ from torch import nn
 from torch.func import functional_call
 
 from parcourse.checkpointing import checkpoint
-from parcourse.comm import SimulatedLink, group_info, messenger
+from parcourse.comm import Comm, SimulatedLink
 from parcourse.memory import SavedActivations, live_bytes
 from parcourse.pipeline.actions import Action, Message, Schedule, check, incoming, outgoing
 from parcourse.pipeline.posting import early_receives
@@ -62,18 +62,26 @@ class PipelineRuntime:
     stage). After the schedule, the ranks that hold a tied weight add up its gradient
     (in rank order, so every copy gets the same bits), as Megatron-LM's embedding group
     does; with the same start and the same optimizer, the copies stay equal.
+
+    `comm`: the `Comm` messages go through (its group, tracer and link); without one,
+    one is made from `group`, `tracer` and `link`.
     """
 
     def __init__(self, schedule: Schedule, stages: dict[int, nn.Module],
                  group: dist.ProcessGroup | None, loss_fn: Callable[[Any, Any], torch.Tensor], *,
                  tracer: Tracer | None = None, link: SimulatedLink | None = None,
                  compute: SimulatedCompute | None = None, recompute: bool = False,
-                 tied: Sequence[dict[int, str]] = ()) -> None:
+                 tied: Sequence[dict[int, str]] = (), comm: Comm | None = None) -> None:
         check(schedule)
         if recompute and any(a.kind == "I" for acts in schedule.actions for a in acts):
             raise ValueError(f"recompute=True runs each stage's backward whole; {schedule.name} "
                              "splits it into I and W, so it cannot recompute")
-        self.group, self.rank, self.world_size = group_info(group)
+        if comm is None:
+            comm = Comm(group, tracer=tracer, link=link, algorithm="auto")
+        elif link is not None or tracer is not None:
+            raise ValueError("give the link and the tracer to the Comm, not to the runtime")
+        self.comm = comm
+        self.group, self.rank, self.world_size = comm.group, comm.rank, comm.size
         if schedule.ranks != self.world_size:
             raise ValueError(f"the schedule is for {schedule.ranks} ranks, the group has "
                              f"{self.world_size}")
@@ -87,7 +95,7 @@ class PipelineRuntime:
                     stages[s].get_parameter(name)  # raises AttributeError naming it if absent
         self.tied = [dict(g) for g in tied]
         self.schedule, self.stages, self.loss_fn = schedule, stages, loss_fn
-        self.tracer, self.link, self.compute = tracer, link, compute
+        self.tracer, self.link, self.compute = comm.tracer, comm.link, compute
         self._seconds = compute.of(schedule.stages) if compute is not None else None
         self.recompute = recompute  # GPipe's own trick: keep a stage's input, not its insides
         self.last = schedule.stages - 1
@@ -101,9 +109,6 @@ class PipelineRuntime:
     def _peer(self, stage: int) -> int:
         return self.schedule.stage_rank[stage]
 
-    def _wire(self, like: torch.Tensor) -> Any:
-        return messenger(self.group, like, self.tracer, self.link)
-
     def _send(self, message: Message, t: torch.Tensor) -> None:
         """Activations of a stage (kind F) or the gradient of its input (kind B)."""
         if self._peer(message.to) == self.rank:
@@ -112,7 +117,7 @@ class PipelineRuntime:
         kind, stage, microbatch = message
         tag = _tag(kind, stage, microbatch, self.schedule.microbatches, self.schedule.stages)
         t = t.detach().contiguous()
-        self._sends.append((self._wire(t).send([t], self._peer(message.to), tag), t))
+        self._sends.append((self.comm.send(t, self._peer(message.to), tag), t))
 
     def _incoming(self, a: Action) -> Message | None:
         return incoming(a, self.schedule.stages)
@@ -126,7 +131,7 @@ class PipelineRuntime:
         shape, dtype = self._shapes[a.stage] if kind == "F" else self._out_shape(a.stage)
         tag = _tag(kind, stage, a.microbatch, self.schedule.microbatches, self.schedule.stages)
         buffer = torch.empty(shape, dtype=dtype, device=self._device)
-        self._posted[a] = (self._wire(buffer).recv([buffer], self._peer(stage), tag), buffer)
+        self._posted[a] = (self.comm.recv(buffer, self._peer(stage), tag), buffer)
 
     def _receive(self, a: Action) -> torch.Tensor | None:
         """What `a` needs from another stage (activations for F, the gradient of the
@@ -249,15 +254,14 @@ class PipelineRuntime:
             local = (weight.grad if weight.grad is not None
                      else torch.zeros_like(weight)).detach().clone()
             tag = _tag("T", 0, 0, self.schedule.microbatches, self.schedule.stages) + k
-            wire = self._wire(local)
-            sends = [wire.send([local], r, tag) for r in ranks if r != self.rank]
+            sends = [self.comm.send(local, r, tag) for r in ranks if r != self.rank]
             parts = []
             for r in ranks:
                 if r == self.rank:
                     parts.append(local)
                 else:
                     part = torch.empty_like(local)
-                    wire.recv([part], r, tag).wait()
+                    self.comm.recv(part, r, tag).wait()
                     parts.append(part)
             for w in sends:
                 w.wait()

@@ -11,7 +11,7 @@ what it needs has arrived (the rule in `actions.needs`, run in time by
 
 A message between two ranks occupies the link from sender to receiver for
 bytes / bandwidth (messages on a link queue) and arrives `latency` after its
-last byte left, as parcourse.collectives.SimulatedLink models it. Messages
+last byte left, as parcourse.comm.SimulatedLink models it. Messages
 between stages on the same rank are free.
 
 The cost model (`SimulatedCompute`: seconds of F, B, I, W per stage) is the one the

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from parcourse import Pool
 from parcourse.cli import parse_size
 from parcourse.experiments.all_reduce import max_batch, time_all_reduce
-from parcourse.experiments.common import slowest_rank
+from parcourse.experiments.timing import slowest_rank
 from parcourse.theory import bus_bandwidth
 
 MAX_REPEATS = 1600  # all-reduces per size (200 samples of 8) up to 256 KB

@@ -19,7 +19,7 @@ import argparse
 import torch
 
 from parcourse import Pool
-from parcourse.experiments.common import median_of_slowest
+from parcourse.experiments.timing import median_of_slowest
 from parcourse.experiments.data_parallel import compare_step_times
 
 

@@ -26,7 +26,7 @@ import argparse
 import torch
 
 from parcourse import Pool
-from parcourse.experiments.common import median_of_slowest
+from parcourse.experiments.timing import median_of_slowest
 from parcourse.experiments.pipeline import (ALL_SCHEDULES, TORCH_SCHEDULES, bubble_of,
                                             step_times, summarize, train)
 from parcourse.pipeline import Costs, gpipe, schedule_by_name, simulate

@@ -27,7 +27,7 @@ import argparse
 import torch
 
 from parcourse import Pool, RankError
-from parcourse.experiments.common import median_of_slowest
+from parcourse.experiments.timing import median_of_slowest
 from parcourse.experiments.tensor_parallel import step_times, train
 from parcourse.memory import format_bytes
 from parcourse.models import GPTConfig

@@ -22,7 +22,7 @@ import torch
 
 from parcourse import Pool
 from parcourse.cli import parse_count
-from parcourse.experiments.common import median_of_slowest
+from parcourse.experiments.timing import median_of_slowest
 from parcourse.memory import format_bytes
 from parcourse.experiments.zero import (measured_over_formula, memory_by_stage, peak_memory,
                                         step_times)

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from parcourse import Pool
-from parcourse.experiments import all_reduce, common, data_parallel, launching
+from parcourse.experiments import all_reduce, data_parallel, launching, timing
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ def test_time_all_reduce_alternates_and_times_every_algorithm(pool3):
     for result in per_rank.results:
         assert set(result) == {(a, s) for a in ("ring", "naive", "torch") for s in (4096, 65536)}
         assert all(len(ts) == 3 and all(t > 0 for t in ts) for ts in result.values())
-    slowest = common.slowest_rank(per_rank.results, ("ring", 4096))
+    slowest = timing.slowest_rank(per_rank.results, ("ring", 4096))
     assert slowest == [max(r[("ring", 4096)][i] for r in per_rank.results) for i in range(3)]
 
 
@@ -119,7 +119,7 @@ def test_time_over_links_alternates_every_algorithm_and_link(pool3):
     assert set(per_rank[0]) == {(a, n) for a in ("ring", "naive") for n in links}
     model = CostModel(0.01, float("inf"))
     for algo in ("ring", "naive"):
-        slow = common.slowest_rank(per_rank, (algo, "slow"))
+        slow = timing.slowest_rank(per_rank, (algo, "slow"))
         assert len(slow) == 2 and min(slow) >= 0.95 * model.all_reduce_s(algo, 4096, 3)
 
 
@@ -264,7 +264,7 @@ def test_data_parallel_steps_times_every_configuration_over_every_link(pool2):
     links = {"slow": SimulatedLink(0.002), "free": SimulatedLink()}
     per_rank = pool2.run(data_parallel.data_parallel_steps, configs, links, 2, width=32, depth=3,
                          batch=16).results
-    med = {k: min(common.slowest_rank(per_rank, k)) for k in per_rank[0]}
+    med = {k: min(timing.slowest_rank(per_rank, k)) for k in per_rank[0]}
     assert set(med) == {(c, n) for c in configs for n in links}
     # Two ranks: 2 ring steps per all-reduce, 2 ms each. naive: 6 parameters; buckets of
     # 10 KB: 2 (layers of 4.2 KB, two to a bucket).

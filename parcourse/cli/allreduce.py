@@ -11,7 +11,7 @@ from parcourse.cli.options import (at_least_one, link_options, parse_size, ranks
                                    ranks_option)
 from parcourse.comm import SimulatedLink, simulated_link
 from parcourse.experiments.all_reduce import all_reduce_with, time_all_reduce
-from parcourse.experiments.common import median_of_slowest
+from parcourse.experiments.timing import median_of_slowest
 from parcourse.launch import RankContext, launch
 from parcourse.theory import CostModel, bus_bandwidth, bytes_sent_per_rank
 

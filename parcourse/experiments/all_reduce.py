@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from parcourse.comm import (SimulatedLink, chunk_bounds, naive_all_reduce,
                             ring_all_reduce, simulated_link)
-from parcourse.experiments.common import run_exercise
+from parcourse.experiments.exercises import run_exercise
 from parcourse.launch import Pool, RankContext
 
 Algo = Literal["ring", "naive", "torch"]

@@ -17,6 +17,7 @@ from parcourse.comm import SimulatedLink, simulated_link
 from parcourse.data import local_regression, regression
 from parcourse.data_parallel.bucketed import BucketedDataParallel
 from parcourse.data_parallel.naive import NaiveDataParallel
+from parcourse.experiments.timing import take_turns
 from parcourse.launch import RankContext
 from parcourse.models import mlp
 
@@ -106,26 +107,17 @@ def compare_step_times(ctx: RankContext, configs: dict[str, dict[str, Any]], ste
 
 def alternate_steps(ctx: RankContext, runs: dict[str, tuple[Any, Any]], x: torch.Tensor,
                     y: torch.Tensor, steps: int) -> dict[str, list[float]]:
-    """Seconds per training step of each (model, optimizer), alternating step by step.
-
-    The order swaps every step, so that no configuration always runs right after
-    the barrier; the first step of each is a warm-up and is not returned.
-    """
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    names = list(runs)
-    for step in range(steps + 1):
-        for name in names if step % 2 == 0 else names[::-1]:
-            model, opt = runs[name]
-            dist.barrier(group=ctx.group)
-            t0 = time.perf_counter()
+    """Seconds per training step of each (model, optimizer) on (x, y), taking turns step
+    by step (`timing.take_turns`); the first step of each is a warm-up, not returned."""
+    def step(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[int], None]:
+        def run(_: int) -> None:
             nn.functional.mse_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            if x.is_cuda:
-                torch.cuda.synchronize()
-            if step:
-                times[name].append(time.perf_counter() - t0)
-    return times
+        return run
+
+    return take_turns(ctx.group, {name: step(*pair) for name, pair in runs.items()}, steps,
+                      device=x.device)
 
 
 def final_weights(ctx: RankContext, impl: str, steps: int = 5, *, width: int = 32,
@@ -189,7 +181,7 @@ def data_parallel_steps(ctx: RankContext, configs: Mapping[str, Mapping[str, Any
                         width: int = 256, depth: int = 6,
                         batch: int = 256) -> dict[tuple[str, str], list[float]]:
     """Seconds per training step of each (configuration, link), all alternating step by
-    step (`training.alternate_steps`), so that they can be compared with each other.
+    step (`alternate_steps`), so that they can be compared with each other.
 
     `configs` maps a name to `training.wrap` arguments ("torch" takes no link), or to
     {"impl": "none"}: the model alone, each rank training on its slice without any

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from parcourse._compat import reduce_scatter_single
-from parcourse.experiments.common import run_exercise
+from parcourse.experiments.exercises import run_exercise
 from parcourse.launch import Pool, RankContext
 
 Collective = Literal["broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter"]

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from parcourse.comm import simulated_link
+from parcourse.experiments.timing import take_turns
 from parcourse.launch import RankContext
 from parcourse.pipeline.partition import By, partition
 from parcourse.pipeline.runtime import PipelineRuntime
@@ -158,7 +159,6 @@ def step_times(ctx: RankContext, microbatches: int, steps: int = 10, *,
     `schedule` and of torch.distributed.pipelining's counterpart on the same stages
     (the same cut, on the same ranks), step by step in alternation. Activations are
     measured by PeakSavedBytes over a separate step of each, so timing runs unhooked."""
-    import time
 
     import torch.distributed.pipelining as pipelining
 
@@ -201,7 +201,6 @@ def step_times(ctx: RankContext, microbatches: int, steps: int = 10, *,
     weights = {"ours": ours_params,
                f"torch {TORCH_SCHEDULES[schedule]}": [p for s in local
                                                        for p in theirs_cut[s].parameters()]}
-    times: dict[str, list[float]] = {name: [] for name in runs}
     peaks: dict[str, int] = {}
     for name, fn in runs.items():
         fn()  # warm-up
@@ -209,12 +208,8 @@ def step_times(ctx: RankContext, microbatches: int, steps: int = 10, *,
         with PeakSavedBytes(exclude=weights[name]) as saved:  # activations, not weights
             fn()
         peaks[name] = saved.peak
-    for _ in range(steps):
-        for name, fn in runs.items():
-            torch.distributed.barrier(group=ctx.group)
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+    times = take_turns(ctx.group, {name: lambda _, fn=fn: fn() for name, fn in runs.items()},
+                       steps, warmup=0)  # warmed up above
     return {"times": times, "peaks": peaks}
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import torch
@@ -18,7 +18,8 @@ from torch import nn
 
 from parcourse.comm import Algorithm, Comm, SimulatedLink
 from parcourse.data import progressions
-from parcourse.experiments.common import run_exercise
+from parcourse.experiments.exercises import run_exercise
+from parcourse.experiments.timing import take_turns
 from parcourse.launch import Pool, RankContext
 from parcourse.memory import SavedActivations, live_bytes
 from parcourse.models import MLP, TINY, GPTConfig, gpt
@@ -222,21 +223,20 @@ def _take_turns(ctx: RankContext, runs: dict[str, tuple[nn.Module, torch.optim.O
                                                           TPComm | None, Impl]],
                 steps: int, batch: int, config: GPTConfig
                 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Train every run on the same batches, taking turns step by step (the order swaps
-    every step; the first step of each is a warm-up): seconds per step, and losses."""
-    times: dict[str, list[float]] = {name: [] for name in runs}
+    """Train every run on the same batches, taking turns step by step
+    (`timing.take_turns`; the first step of each is a warm-up): seconds per step, and
+    losses (the warm-up's included)."""
     losses: dict[str, list[float]] = {name: [] for name in runs}
-    names = list(runs)
-    for step in range(steps + 1):
-        x, y = batch_for(step, batch, config)
-        for name in names if step % 2 == 0 else names[::-1]:
-            model, opt, comm, impl = runs[name]
-            dist.barrier(group=ctx.group)
-            t0 = time.perf_counter()
-            loss = _step(model, opt, impl, x, y, config, comm)  # type: ignore[arg-type]
-            if step:
-                times[name].append(time.perf_counter() - t0)
-            losses[name].append(loss)
+
+    def step(name: str) -> Callable[[int], None]:
+        model, opt, comm, impl = runs[name]
+
+        def run(i: int) -> None:
+            x, y = batch_for(i, batch, config)
+            losses[name].append(_step(model, opt, impl, x, y, config, comm))  # type: ignore[arg-type]
+        return run
+
+    times = take_turns(ctx.group, {name: step(name) for name in runs}, steps)
     return times, losses
 
 

@@ -4,7 +4,6 @@ category, bytes sent, step times against torch's own, a traced stage-3 step."""
 from __future__ import annotations
 
 import statistics
-import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +15,7 @@ from torch import nn
 from parcourse.data import local_regression
 from parcourse.data_parallel import BucketedDataParallel
 from parcourse.experiments.data_parallel import alternate_steps
+from parcourse.experiments.timing import take_turns
 from parcourse.launch import RankContext
 from parcourse.memory import SavedActivations
 from parcourse.theory import zero_bytes, zero_checked_at
@@ -238,13 +238,8 @@ def gather_scatter_times(ctx: RankContext, nbytes: int, repeats: int = 5) -> dic
         "ring all_gather": lambda: ring_all_gather(part, ctx.group, out=whole),
         "ring reduce_scatter": lambda: ring_reduce_scatter(whole, ctx.group),
     }
-    times: dict[str, list[float]] = {name: [] for name in ops}
-    for _ in range(repeats):
-        for name, op in ops.items():  # alternating, so that load hits all alike
-            dist.barrier(group=ctx.group)
-            start = time.perf_counter()
-            op()
-            times[name].append(time.perf_counter() - start)
+    times = take_turns(ctx.group, {name: lambda _, op=op: op() for name, op in ops.items()},
+                       repeats, warmup=0)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 

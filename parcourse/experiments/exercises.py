@@ -1,22 +1,12 @@
-"""What every experiment shares: timing over ranks, and running a learner's code."""
+"""What every exercise check shares: running a learner's rank function, and saying in one
+line why there is no result when there is none (a check prints, it does not raise)."""
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from typing import Any
 
 from parcourse.launch import LaunchError, Pool, RankError, RankTimeout, Run
-
-
-def slowest_rank(per_rank: list[dict[Any, list[float]]], key: Any) -> list[float]:
-    """Each repetition lasts as long as its slowest rank."""
-    return [max(ts) for ts in zip(*(r[key] for r in per_rank))]
-
-
-def median_of_slowest(per_rank: list[dict[Any, list[float]]], key: Any) -> float:
-    """The median over repetitions of the slowest rank's time: what a step costs."""
-    return statistics.median(slowest_rank(per_rank, key))
 
 
 def run_exercise(pool: Pool, fn: Callable[..., Any], *args: Any,

@@ -316,31 +316,6 @@ def summarize(results: Sequence[dict[str, Any]], costs: Costs) -> ScheduleSummar
                            max(per_rank), max(expected), per_rank, predicted.messages)
 
 
-def plot_schedules(summaries: Sequence[ScheduleSummary], title: str = "") -> Any:
-    """Bubble and peak in-flight activations of each schedule: measured bars beside the
-    simulator's (hatched)."""
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), layout="constrained")
-    names = [s.name for s in summaries]
-    xs = range(len(names))
-    for ax, measured, simulated, label in (
-            (axes[0], [s.bubble for s in summaries], [s.simulated_bubble for s in summaries],
-             "bubble (idle fraction)"),
-            (axes[1], [s.peak_bytes / 1024 for s in summaries],
-             [s.simulated_peak_bytes / 1024 for s in summaries],
-             "peak activations, busiest rank (KiB)")):
-        ax.bar([x - 0.2 for x in xs], measured, width=0.4, label="measured", color="C0")
-        ax.bar([x + 0.2 for x in xs], simulated, width=0.4, label="simulated", color="white",
-               edgecolor="C0", hatch="//")
-        ax.set_xticks(list(xs), names, rotation=20, ha="right")
-        ax.set_ylabel(label)
-    axes[1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    if title:
-        fig.suptitle(title)
-    return fig
-
-
 def check_one_f_one_b_exercise(fn: Callable[[int, int, int], Any]) -> bool:
     """Lesson 07's exercise: `fn(stage, stages, microbatches)` returns the actions of one
     stage under 1F1B. Checked for 1-6 stages and 1-12 microbatches: the schedule built

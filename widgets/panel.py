@@ -31,37 +31,10 @@ import matplotlib.pyplot as plt
 from IPython.display import HTML, display
 from matplotlib.figure import Figure
 
-from parcourse import LaunchError, Pool, Run, limit_pools
+from parcourse import LaunchError, Pool, Run
 from parcourse.launch import group_ranks
+from parcourse.launch.registry import shared_pool
 from parcourse.widgets.explorer import SpanExplorer
-
-_POOLS: dict[tuple[int, str], Pool] = {}
-MAX_LIVE_POOLS = 2  # each rank holds a copy of torch in memory; keep a laptop comfortable
-_limited = [False]
-
-
-def shared_pool(world_size: int, backend: str = "auto") -> Pool:
-    """A Pool shared by every panel (and cell) that asks for the same size.
-
-    Its ranks start at its first run (a panel shows the start). The first call
-    caps this process at MAX_LIVE_POOLS pools with live ranks, every pool
-    counted, shared or not (`parcourse.limit_pools`): starting one more closes
-    the least recently used, which starts afresh when next run.
-    `parcourse.live_pools()` lists them, `parcourse.close_pools()` closes all.
-    """
-    if not _limited[0]:
-        limit_pools(MAX_LIVE_POOLS)
-        _limited[0] = True
-    key = (world_size, backend)
-    if key not in _POOLS:
-        _POOLS[key] = Pool(world_size, backend=backend, start=False)  # type: ignore[arg-type]
-    return _POOLS[key]
-
-
-def close_shared_pools() -> None:
-    while _POOLS:
-        _POOLS.popitem()[1].close()
-
 
 Rendered = str | Figure | Iterable[str | Figure] | None
 _WHY_SLOW = ("a new world size: the first run starts the ranks, each imports torch and joins "

@@ -7,7 +7,7 @@ import argparse
 import re
 from dataclasses import dataclass
 
-from parcourse.launch import _external_env
+from parcourse.launch import external_env
 
 _UNITS = {"B": 1, "KB": 1 << 10, "KIB": 1 << 10, "MB": 1 << 20, "MIB": 1 << 20,
           "GB": 1 << 30, "GIB": 1 << 30}
@@ -69,7 +69,7 @@ class Ranks:
 
 def ranks(args: argparse.Namespace) -> Ranks:
     """The world size: the external launcher's, or --world-size."""
-    external = _external_env()
+    external = external_env()
     if external is None:
         return Ranks(args.world_size, external=False, quiet=False)
     return Ranks(external[1], external=True, quiet=external[0] != 0)

@@ -1,0 +1,65 @@
+"""Run one function on N real processes, one per rank, and bring the results back.
+
+    run = launch(fn, 4, x)        # fn(ctx, x) on ranks 0..3; cold start
+    with Pool(4) as pool:         # ranks stay up between calls: milliseconds per run
+        run = pool.run(fn, x)
+
+lessons/00_launching_ranks.ipynb uses it step by step; the README's section "Where it
+runs" covers torchrun and Slurm. By job:
+- plan.py: where each rank runs (backend, device, threads), checked before any
+  process starts; `RankContext`, what a rank function gets; `Run`, what comes back.
+- messages.py: what the caller and the ranks say to each other (typed dataclasses).
+- worker.py: the rank side: join the process group, run tasks, answer.
+- pool.py: `Pool` and `launch`: start ranks, run, wait (one loop), fail cleanly;
+  processes.py: the rank processes (started from a forkserver, killed).
+- errors.py: `RankError`, `RankDied`, `RankTimeout`, `SerializationError`.
+- registry.py: the live pools of this process (`limit_pools`, `live_pools`,
+  `close_pools`) and the pools shared by size (`shared_pool`).
+- progress.py: the line that says what every rank is doing while the caller waits.
+- external.py: under torchrun or Slurm, this process is a rank already.
+"""
+
+from parcourse.launch.errors import (
+    LaunchError,
+    RankDied,
+    RankError,
+    RankTimeout,
+    SerializationError,
+    group_ranks,
+)
+from parcourse.launch.external import external_env
+from parcourse.launch.plan import Backend, Device, RankContext, Run
+from parcourse.launch.pool import DEFAULT_TIMEOUT_S, Pool, launch
+from parcourse.launch.progress import describe_progress
+from parcourse.launch.registry import (
+    PoolInfo,
+    close_pools,
+    close_shared_pools,
+    limit_pools,
+    live_pools,
+    shared_pool,
+)
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "Backend",
+    "Device",
+    "LaunchError",
+    "Pool",
+    "PoolInfo",
+    "RankContext",
+    "RankDied",
+    "RankError",
+    "RankTimeout",
+    "Run",
+    "SerializationError",
+    "close_pools",
+    "close_shared_pools",
+    "describe_progress",
+    "external_env",
+    "group_ranks",
+    "launch",
+    "limit_pools",
+    "live_pools",
+    "shared_pool",
+]

@@ -1,0 +1,76 @@
+"""Under an external launcher (torchrun, or a multi-task Slurm step) this process is one
+rank already: the same rank function runs here, on the environment's process group,
+and every rank gets every rank's result."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from parcourse.launch.plan import Plan, RankContext, Run
+from parcourse.launch.worker import PG_TIMEOUT, to_cpu
+from parcourse.trace import Trace, Tracer
+
+
+def external_env() -> tuple[int, int, int] | None:
+    """(rank, world_size, local_rank) when a launcher started this process, else None."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
+    # A one-task Slurm job (e.g. Jupyter on a compute node) still launches its own ranks.
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
+    return None
+
+
+def init_external(plan: Plan) -> None:
+    """Join the environment's process group, once."""
+    if dist.is_initialized():
+        return
+    rank, world_size, _ = external_env() or (0, 1, 0)
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        raise ValueError("under Slurm, set MASTER_ADDR and MASTER_PORT "
+                         "(e.g. the first node's name and 29500)")
+    dist.init_process_group(plan.backend, rank=rank, world_size=world_size, timeout=PG_TIMEOUT)
+    # We created it, so we tear it down: a gloo group still alive at interpreter exit
+    # aborts the process ("terminate called without an active exception").
+    atexit.register(_destroy_group)
+
+
+def _destroy_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _device(plan: Plan) -> torch.device:
+    _, _, local_rank = external_env() or (0, 1, 0)
+    if plan.devices[0] == "cpu":
+        return torch.device("cpu")
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def run_external(plan: Plan, fn: Callable[..., Any], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Run:
+    """Run on this process's rank, then share every rank's result and trace with all."""
+    rank, world_size, _ = external_env() or (0, 1, 0)
+    if plan.devices[0] == "cpu":
+        torch.set_num_threads(plan.threads)
+    tracer = Tracer(rank)
+    ctx = RankContext(rank, world_size, _device(plan), dist.group.WORLD, tracer,
+                      dist.get_backend())
+    t0 = time.perf_counter()
+    value = fn(ctx, *args, **kwargs)
+    rank_s = time.perf_counter() - t0
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, (to_cpu(value), tracer.data(), rank_s))
+    wall = time.perf_counter() - t0
+    return Run([g[0] for g in gathered], Trace.merge(world_size, [g[1] for g in gathered]), wall,
+               world_size, dist.get_backend(), 0.0, [g[2] for g in gathered])

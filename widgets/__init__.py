@@ -4,7 +4,7 @@ Installed as `parcourse.widgets`. The library (`parcourse`) never imports this.
 """
 
 from parcourse.widgets.calculator import MemoryCalculator
-from parcourse.launch.registry import close_shared_pools, shared_pool
+from parcourse.launch.shared import close_shared_pools, shared_pool
 from parcourse.widgets.panel import RunPanel
 
 __all__ = ["MemoryCalculator", "RunPanel", "close_shared_pools", "shared_pool"]

@@ -33,7 +33,7 @@ from matplotlib.figure import Figure
 
 from parcourse import LaunchError, Pool, Run
 from parcourse.launch import group_ranks
-from parcourse.launch.registry import shared_pool
+from parcourse.launch.shared import shared_pool
 from parcourse.widgets.explorer import SpanExplorer
 
 Rendered = str | Figure | Iterable[str | Figure] | None

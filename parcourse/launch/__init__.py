@@ -14,7 +14,7 @@ runs" covers torchrun and Slurm. By job:
   processes.py: the rank processes (started from a forkserver, killed).
 - errors.py: `RankError`, `RankDied`, `RankTimeout`, `SerializationError`.
 - registry.py: the live pools of this process (`limit_pools`, `live_pools`,
-  `close_pools`) and the pools shared by size (`shared_pool`).
+  `close_pools`); shared.py: the pools shared by size (`shared_pool`).
 - progress.py: the line that says what every rank is doing while the caller waits.
 - external.py: under torchrun or Slurm, this process is a rank already.
 """
@@ -31,14 +31,8 @@ from parcourse.launch.external import external_env
 from parcourse.launch.plan import Backend, Device, RankContext, Run
 from parcourse.launch.pool import DEFAULT_TIMEOUT_S, Pool, launch
 from parcourse.launch.progress import describe_progress
-from parcourse.launch.registry import (
-    PoolInfo,
-    close_pools,
-    close_shared_pools,
-    limit_pools,
-    live_pools,
-    shared_pool,
-)
+from parcourse.launch.registry import PoolInfo, close_pools, limit_pools, live_pools
+from parcourse.launch.shared import close_shared_pools, shared_pool
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

@@ -6,12 +6,15 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from parcourse.launch.errors import group_ranks
 
-if TYPE_CHECKING:
-    from parcourse.launch.pool import Pool
+
+class Pool(Protocol):
+    """What a progress line needs of a pool: whether its ranks are still starting."""
+
+    starting: bool
 
 # on_progress(statuses, elapsed_s): each rank's status ("ready" or "done" once it has
 # answered), about ten times a second while a pool starts its ranks or runs.

@@ -1,5 +1,4 @@
-"""Every pool of this process that holds ranks, least recently used first, and the
-pools shared by size that the course's panels and cells reuse.
+"""Every pool of this process that holds ranks, least recently used first.
 
 Each rank is a process with its own copy of torch (~170 MB), so a notebook that keeps
 starting pools of new sizes fills a laptop's memory; `limit_pools(n)` closes the oldest
@@ -11,17 +10,29 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from parcourse.launch.plan import Backend
-    from parcourse.launch.pool import Pool
+from parcourse.launch.plan import Plan
+
+
+class Pool(Protocol):
+    """What the registry needs of a pool (parcourse.launch.pool.Pool)."""
+
+    plan: Plan
+    counts: bool  # against the limit; not the pools launch() makes for one run
+    last_used: float
+
+    @property
+    def pids(self) -> list[int]: ...
+
+    @property
+    def holds_ranks(self) -> bool: ...
+
+    def close(self) -> None: ...
+
 
 _LIVE: dict[int, weakref.ref[Pool]] = {}
 _LIMIT: list[int | None] = [None]
-_SHARED: dict[tuple[int, str], Pool] = {}
-_LIMITED = [False]  # shared_pool has set the limit once; a later limit_pools call stands
-MAX_LIVE_POOLS = 2  # what shared_pool sets: each rank holds a copy of torch in memory
 
 
 def limit_pools(n: int | None) -> int | None:
@@ -119,29 +130,3 @@ def close_pools() -> int:
     for pool in pools:
         pool.close()
     return len(pools)
-
-
-def shared_pool(world_size: int, backend: Backend = "auto") -> Pool:
-    """A Pool shared by every panel (and cell) that asks for the same size.
-
-    Its ranks start at its first run (a panel shows the start). The first call
-    caps this process at MAX_LIVE_POOLS pools with live ranks, every pool
-    counted, shared or not (`limit_pools`): starting one more closes the least
-    recently used, which starts afresh when next run. `live_pools()` lists them,
-    `close_pools()` closes all.
-    """
-    from parcourse.launch.pool import Pool
-
-    if not _LIMITED[0]:
-        limit_pools(MAX_LIVE_POOLS)
-        _LIMITED[0] = True
-    key = (world_size, backend)
-    if key not in _SHARED:
-        _SHARED[key] = Pool(world_size, backend=backend, start=False)
-    return _SHARED[key]
-
-
-def close_shared_pools() -> None:
-    """Close the shared pools and forget them."""
-    while _SHARED:
-        _SHARED.popitem()[1].close()

@@ -13,6 +13,7 @@ from torch import nn
 
 from parcourse.checkpointing import (Policy, checkpoint_sequential, run_layers,
                                      run_with_policy, segment_count)
+from parcourse.experiments.exercises import NOT_WRITTEN
 from parcourse.launch import RankContext
 from parcourse.memory import PeakSavedBytes
 from parcourse.theory import checkpoint_extra_forwards, checkpoint_peak_activations
@@ -122,7 +123,7 @@ def check_backward_exercise(backward: BackwardFn) -> bool:
         try:
             Learners.apply(layer, x).square().sum().backward()
         except NotImplementedError:
-            print("Not written yet: fill in the function above, then run this cell again.")
+            print(NOT_WRITTEN)
             return False
         except Exception as e:  # noqa: BLE001 - a learner's bug, shown as one line
             print(f"Not yet: backward raised {type(e).__name__}: {str(e).splitlines()[0]}. "

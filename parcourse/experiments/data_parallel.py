@@ -17,6 +17,7 @@ from parcourse.comm import SimulatedLink, simulated_link
 from parcourse.data import local_regression, regression
 from parcourse.data_parallel.bucketed import BucketedDataParallel
 from parcourse.data_parallel.naive import NaiveDataParallel
+from parcourse.experiments.exercises import ask
 from parcourse.experiments.timing import take_turns
 from parcourse.launch import RankContext
 from parcourse.models import mlp
@@ -237,13 +238,8 @@ def check_launch_rule(rule: LaunchRule) -> bool:
     (expected, got and a hint when wrong); True only when every case matches."""
     for buckets, order, why in _LAUNCH_CASES:
         expected = _launches(launch_ready_buckets, buckets, order)
-        try:
-            got = _launches(rule, buckets, order)
-        except NotImplementedError:
-            print("Not written yet: fill in the function above, then run this cell again.")
-            return False
-        except Exception as e:  # the learner's code: say what, not a traceback
-            print(f"Not yet: your function raised {type(e).__name__}: {e}")
+        answered, got = ask(_launches, rule, buckets, order)
+        if not answered:
             return False
         if got != expected:
             show = "; ".join(f"bucket {k} after {n}" for n, k in expected)
@@ -269,13 +265,8 @@ def check_buckets(fn: Callable[[list[int], int], list[list[int]]]) -> bool:
         params = [torch.nn.Parameter(torch.empty(max(1, s // 4))) for s in sizes]
         index = {id(p): i for i, p in enumerate(params)}
         expected = [[index[id(p)] for p in b.params] for b in make_buckets(params, limit / 2**20)]
-        try:
-            got = fn([p.numel() * 4 for p in params], limit)
-        except NotImplementedError:
-            print("Not written yet: fill in the function above, then run this cell again.")
-            return False
-        except Exception as e:  # the learner's code: say what, not a traceback
-            print(f"Not yet: your function raised {type(e).__name__}: {e}")
+        answered, got = ask(fn, [p.numel() * 4 for p in params], limit)
+        if not answered:
             return False
         if got != expected:
             print(f"Not quite (sizes {[p.numel() * 4 for p in params]}, limit {limit}): "

@@ -1,5 +1,7 @@
-"""What every exercise check shares: running a learner's rank function, and saying in one
-line why there is no result when there is none (a check prints, it does not raise)."""
+"""What every exercise check shares: calling a learner's function (`ask`) or running a
+learner's rank function (`run_exercise`), and saying in one line why there is no answer
+when there is none. A check prints, it does not raise: a wrong answer should read as a
+hint, not as a traceback."""
 
 from __future__ import annotations
 
@@ -7,6 +9,22 @@ from collections.abc import Callable
 from typing import Any
 
 from parcourse.launch import LaunchError, Pool, RankError, RankTimeout, Run
+
+NOT_WRITTEN = "Not written yet: fill in the function above, then run this cell again."
+
+
+def ask(fn: Callable[..., Any], *args: Any, where: str = "") -> tuple[bool, Any]:
+    """Call the learner's `fn(*args)`: (True, its answer), or (False, None) after printing
+    one line: not written yet, or what it raised (`where`: with which inputs, e.g.
+    "with shape (5,), ")."""
+    try:
+        return True, fn(*args)
+    except NotImplementedError:
+        print(NOT_WRITTEN)
+    except Exception as e:  # noqa: BLE001 - the learner's code: say what, not a traceback
+        first = str(e).splitlines()[0] if str(e) else ""
+        print(f"Not yet: {where}your function raised {type(e).__name__}: {first}")
+    return False, None
 
 
 def run_exercise(pool: Pool, fn: Callable[..., Any], *args: Any,
@@ -23,7 +41,7 @@ def run_exercise(pool: Pool, fn: Callable[..., Any], *args: Any,
         return pool.run(fn, *args, timeout=timeout)
     except RankError as e:
         if e.exc_type == "NotImplementedError":
-            print("Not written yet: fill in the function above, then run this cell again.")
+            print(NOT_WRITTEN)
         else:
             print(f"Not yet: {str(e).splitlines()[0]}")
         return None

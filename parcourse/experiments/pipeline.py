@@ -12,6 +12,7 @@ from torch import nn
 
 from parcourse.comm import simulated_link
 from parcourse.experiments.timing import take_turns
+from parcourse.experiments.exercises import NOT_WRITTEN
 from parcourse.launch import RankContext
 from parcourse.pipeline.partition import By, partition
 from parcourse.pipeline.runtime import PipelineRuntime
@@ -236,7 +237,7 @@ def check_schedule_exercise(fn: Callable[[int, int], Any]) -> bool:
             try:
                 got = fn(p, m)
             except NotImplementedError:
-                print("Not written yet: fill in the function above, then run this cell again.")
+                print(NOT_WRITTEN)
                 return False
             per_rank = got.actions if isinstance(got, Schedule) else got
             try:
@@ -329,7 +330,7 @@ def check_one_f_one_b_exercise(fn: Callable[[int, int, int], Any]) -> bool:
             try:
                 per_rank = [list(fn(s, p, m)) for s in range(p)]
             except NotImplementedError:
-                print("Not written yet: fill in the function above, then run this cell again.")
+                print(NOT_WRITTEN)
                 return False
             except Exception as e:  # noqa: BLE001 - the learner's code: say what, briefly
                 print(f"Not quite: {_with(p, m)} your function raised "

@@ -15,6 +15,7 @@ from torch import nn
 from parcourse.data import local_regression
 from parcourse.data_parallel import BucketedDataParallel
 from parcourse.experiments.data_parallel import alternate_steps
+from parcourse.experiments.exercises import ask
 from parcourse.experiments.timing import take_turns
 from parcourse.launch import RankContext
 from parcourse.memory import SavedActivations
@@ -256,15 +257,9 @@ def check_rows(fn: Callable[[torch.Tensor, int, int], torch.Tensor]) -> bool:
             for rank in range(world_size):
                 start, end = row_chunk(shape[0], rank, world_size)
                 expected = param[start:end]
-                try:
-                    got = fn(param, rank, world_size)
-                except NotImplementedError:
-                    print("Not written yet: fill in the function above, then run this cell again.")
-                    return False
-                except Exception as e:  # noqa: BLE001 - the learner's code: say what, no traceback
-                    print(f"Not yet: with shape {shape}, rank {rank} of {world_size}, your "
-                          f"function raised {type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}")
+                answered, got = ask(fn, param, rank, world_size,
+                                    where=f"with shape {shape}, rank {rank} of {world_size}, ")
+                if not answered:
                     return False
                 if not (torch.is_tensor(got) and got.shape == expected.shape
                         and torch.equal(got, expected)):
@@ -291,14 +286,9 @@ def check_unpack(fn: Callable[[torch.Tensor, list[tuple[int, ...]], int], list[t
             unit = FlatUnit(0, params, 0, world_size)
             parts = torch.zeros(world_size, unit.part_numel)
             unit.pack(expected, parts)
-            try:
-                got = fn(parts, [tuple(s) for s in shapes], world_size)
-            except NotImplementedError:
-                print("Not written yet: fill in the function above, then run this cell again.")
-                return False
-            except Exception as e:  # noqa: BLE001 - the learner's code: say what, no traceback
-                print(f"Not yet: with shapes {shapes} on {world_size} ranks, your function raised "
-                      f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            answered, got = ask(fn, parts, [tuple(s) for s in shapes], world_size,
+                                where=f"with shapes {shapes} on {world_size} ranks, ")
+            if not answered:
                 return False
             for shape, e, o in zip(shapes, expected, list(got) + [None] * len(shapes)):
                 if not (torch.is_tensor(o) and o.shape == e.shape and torch.equal(o, e)):

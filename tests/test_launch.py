@@ -361,3 +361,18 @@ def test_a_long_run_in_a_notebook_shows_a_live_status_line(capsys):
     # In a script or a test, nothing is shown.
     launch(slow, 2, 3.2)
     assert capsys.readouterr().out == ""
+
+
+def test_messages_between_caller_and_ranks_pickle_by_name():
+    """Ranks start from a forkserver (or spawn): every message must pickle as a module-level
+    class, and come back equal."""
+    import pickle
+
+    from parcourse.launch.messages import Done, Failed, Ready, Stop, Task, Unpicklable
+    from parcourse.trace import TraceData
+
+    for message in (Task(b"payload"), Stop(), Ready(1), Done(1, b"result", TraceData(1), 0.5),
+                    Failed(2, 7, "ValueError", "bad", "traceback", TraceData(2)),
+                    Unpicklable(3, "rank 3 returned a generator")):
+        assert pickle.loads(pickle.dumps(message)) == message
+    assert Failed(2, 7, "ValueError", "bad", "tb", TraceData(2)).summary == "ValueError: bad"

@@ -158,7 +158,7 @@ class BucketedDataParallel(GradSyncModule):
         self._next = 0
 
     def _unpack(self, bucket: Bucket) -> None:
-        grads = bucket.buffer[:bucket.numel].div_(self.world_size)
+        grads = bucket.buffer[:bucket.numel]
         counts = bucket.buffer[bucket.numel:].tolist()  # one read (one GPU sync), not one per flag
         for count, p, offset in zip(counts, bucket.params, bucket.offsets):
             if count == 0:
@@ -166,4 +166,5 @@ class BucketedDataParallel(GradSyncModule):
                 continue
             if p.grad is None:
                 p.grad = torch.empty_like(p)
-            p.grad.copy_(grads[offset:offset + p.numel()].view_as(p))
+            # The average and the copy back in one pass over the bucket, not two.
+            torch.div(grads[offset:offset + p.numel()].view_as(p), self.world_size, out=p.grad)

@@ -8,7 +8,7 @@ lasts as long as its slowest rank; medians. Then the same with a simulated link
 (our implementations only: torch's all_reduce cannot be slowed down), where
 overlapping communication with backward matters.
 
-Targets: bucketed / torch DDP <= 1.10; with the link on, bucketed clearly faster
+Targets: bucketed / torch DDP <= 1.05; with the link on, bucketed clearly faster
 than naive.
 """
 
@@ -65,8 +65,8 @@ def main() -> None:
         med = medians(pool.run(compare_step_times, plain, args.steps, **shape).results)
         table("loopback (no simulated link)", med, "torch DDP")
         ratio = med[f"bucketed ({b:g} MB)"] / med["torch DDP"]
-        print(f"bucketed / torch DDP at {b:g} MB: {ratio:.2f} (target <= 1.10: "
-              f"{'met' if ratio <= 1.10 else 'MISSED'}); at 1 MB: "
+        print(f"bucketed / torch DDP at {b:g} MB: {ratio:.2f} (target <= 1.05: "
+              f"{'met' if ratio <= 1.05 else 'MISSED'}); at 1 MB: "
               f"{med['bucketed (1 MB)'] / med['torch DDP (1 MB)']:.2f}")
         # Many small tensors (as real networks have: biases, norms) make per-message
         # latency count, which is what bucketing saves; enough compute to overlap.

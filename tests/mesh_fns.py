@@ -27,3 +27,23 @@ def groups_on_ranks(ctx, shape, order):
 
 def wrong_product(ctx):
     Mesh({"dp": 2, "tp": 2}, ctx.group)
+
+
+def ring_times_over_a_topology(ctx, between_latency_s):
+    """Seconds of one ring all-reduce over the world (its ring crosses nodes: 2 ranks a
+    node) and over this rank's node alone, on a topology whose inside link is free."""
+    import time
+
+    from parcourse.comm import Comm, SimulatedLink, Topology
+
+    topology = Topology(2, SimulatedLink(), SimulatedLink(latency_s=between_latency_s))
+    node = dist.new_group([0, 1]), dist.new_group([2, 3])
+    t = torch.ones(64)
+    out = {}
+    for name, group in (("world", ctx.group), ("node", node[ctx.rank // 2])):
+        comm = Comm(group, link=topology, algorithm="ring")
+        dist.barrier(group=ctx.group)
+        start = time.perf_counter()
+        comm.all_reduce(t)
+        out[name] = time.perf_counter() - start
+    return out

@@ -8,7 +8,8 @@
   tested equal to it: `ring_all_reduce`, `ring_reduce_scatter`, `ring_all_gather`.
 - naive.py: the parameter server's all-reduce (`naive_all_reduce`).
 - messenger.py: send / recv that count bytes, stage CUDA tensors over gloo and
-  apply the simulated link (link.py: `SimulatedLink`).
+  apply the simulated link (link.py: `SimulatedLink`, and `Topology`, fast inside a
+  node and slow between nodes).
 - common.py: argument checks, `group_info`, `global_rank`; `chunk_bounds` (how a
   range is cut into n parts) is parcourse.ranges', shared with the data.
 """
@@ -23,7 +24,7 @@ from parcourse.comm.common import (
     group_info,
 )
 from parcourse.comm.communicator import ALGORITHMS, Algorithm, Comm, Pending
-from parcourse.comm.link import SimulatedLink, simulated_link
+from parcourse.comm.link import Network, SimulatedLink, Topology, link_between, simulated_link
 from parcourse.comm.messenger import Arrival, Messenger, messenger
 from parcourse.comm.naive import naive_all_reduce
 from parcourse.comm.ring import RingPhase, ring_steps
@@ -48,7 +49,10 @@ __all__ = [
     "Pending",
     "RingPhase",
     "SEGMENT_BYTES",
+    "Network",
     "SimulatedLink",
+    "Topology",
+    "link_between",
     "check_args",
     "chunk_bounds",
     "global_rank",

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from parcourse._compat import all_gather_single, reduce_scatter_single
 from parcourse.comm.common import Op, group_info
-from parcourse.comm.link import SimulatedLink
+from parcourse.comm.link import Network
 from parcourse.comm.messenger import Messenger, messenger
 from parcourse.comm.ring_fast import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from parcourse.trace import Tracer
@@ -81,7 +81,7 @@ class Comm:
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, tracer: Tracer | None = None,
-                 link: SimulatedLink | None = None, algorithm: Algorithm = "torch",
+                 link: Network | None = None, algorithm: Algorithm = "torch",
                  timed: bool = False) -> None:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; choose 'torch', 'ring' or 'auto'")

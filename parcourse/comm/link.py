@@ -7,9 +7,11 @@ On one machine, messages between processes go through memory and cost little. A
 it to every message; `Wire` keeps, per process and link, when each of this rank's
 two links is free again.
 
-One link for every pair of ranks, for now. A two-level topology (fast links
-inside a node, slow ones between nodes) would choose the link by the pair of
-ranks a message travels between; this module is where it belongs.
+A `Topology` is the two-level network of a cluster: consecutive `ranks_per_node`
+ranks share a node and talk over a fast link (NVLink's place), ranks on different
+nodes over a slow one (InfiniBand's place). Each message picks its link from the
+two ranks it travels between (`link_between`), so a ring that spans nodes pays the
+slow hop and a tensor-parallel group inside a node does not.
 """
 
 from __future__ import annotations
@@ -67,6 +69,50 @@ class SimulatedLink:
         """One message alone on free links, from its first byte leaving to its arrival:
         alpha + nbytes / beta."""
         return self.latency_s + self.busy_s(nbytes)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Two levels: `inside` a node (consecutive `ranks_per_node` global ranks) and
+    `between` nodes. Each rank has one pair of links of each kind, so traffic inside a
+    node and traffic between nodes queue separately, as on NVLink and a network card.
+
+    `Topology.of(4)` takes defaults shaped like a real node (NVLink is some 20x
+    InfiniBand's bandwidth and a tenth of its latency), scaled down so that a laptop
+    shows the difference in milliseconds.
+    """
+
+    ranks_per_node: int
+    inside: SimulatedLink
+    between: SimulatedLink
+
+    def __post_init__(self) -> None:
+        if self.ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
+
+    @classmethod
+    def of(cls, ranks_per_node: int, inside: SimulatedLink | None = None,
+           between: SimulatedLink | None = None) -> Topology:
+        return cls(ranks_per_node,
+                   inside or SimulatedLink.of(latency_us=20, bandwidth_GBps=4.0),
+                   between or SimulatedLink.of(latency_us=200, bandwidth_GBps=0.2))
+
+    def node(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def link(self, rank: int, peer: int) -> SimulatedLink:
+        """The link between two global ranks."""
+        return self.inside if self.node(rank) == self.node(peer) else self.between
+
+
+Network = SimulatedLink | Topology  # what a message can travel over
+
+
+def link_between(network: Network | None, rank: int, peer: int) -> SimulatedLink | None:
+    """The link a message from global rank `rank` to `peer` takes (None: no simulation)."""
+    if isinstance(network, Topology):
+        return network.link(rank, peer)
+    return network
 
 
 def simulated_link(latency_us: float = 0.0,

@@ -16,7 +16,8 @@ import threading
 import torch
 import torch.distributed as dist
 
-from parcourse.comm.link import SimulatedLink, Wire, sleep_until, wire_for
+from parcourse.comm.common import global_rank
+from parcourse.comm.link import Network, Wire, link_between, sleep_until, wire_for
 from parcourse.trace import Tracer
 
 STAMP = 8  # bytes of the departure time at the head of a message over a simulated link
@@ -64,24 +65,37 @@ class Messenger:
 
     With a simulated link, each message carries the time its first byte left
     in 8 extra bytes at its head (not counted as bytes sent), so the receiver
-    can add the latency and queue it on its incoming link.
+    can add the latency and queue it on its incoming link. With a `Topology`, each
+    peer's link is the one between this rank's node and the peer's.
     """
 
     def __init__(self, group: dist.ProcessGroup, tracer: Tracer | None,
-                 link: SimulatedLink | None, staged: bool) -> None:
+                 link: Network | None, staged: bool) -> None:
         self.group = group
         self.tracer = tracer
-        self.wire = wire_for(link)
+        self.network = link
+        self._me = dist.get_rank()
+        self._wires: dict[int, Wire] = {}
         self.staged = staged
         self.sent_until = 0.0  # when the last byte of our last message has left
+
+    def wire(self, peer: int) -> Wire:
+        """This rank's wire towards `peer` (a rank of the group)."""
+        wire = self._wires.get(peer)
+        if wire is None:
+            link = link_between(self.network, self._me, global_rank(self.group, peer))
+            wire = self._wires[peer] = wire_for(link)
+        return wire
 
     def send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> dist.Work:
         (t,) = tensors
         t = t.contiguous()
-        if self.wire.link is not None:
+        wire = self.wire(peer)
+        if wire.link is not None:
             payload = _stamped("out", peer, tag, t.nbytes)
             payload[STAMP:].copy_(t.view(-1).view(torch.uint8))
-            departed, self.sent_until = self.wire.depart(t.nbytes)
+            departed, until = wire.depart(t.nbytes)
+            self.sent_until = max(self.sent_until, until)
             payload[:STAMP].view(torch.float64)[0] = departed
         else:
             payload = t.cpu() if self.staged else t
@@ -92,25 +106,27 @@ class Messenger:
 
     def recv(self, tensors: list[torch.Tensor], peer: int, tag: int) -> Arrival:
         (dest,) = tensors
-        if self.wire.link is not None:
+        wire = self.wire(peer)
+        if wire.link is not None:
             host = _stamped("in", peer, tag, dest.nbytes)
         elif self.staged:
             host = torch.empty(dest.shape, dtype=dest.dtype)
         else:
             host = dest
-        return Arrival(self.group.recv([host], peer, tag), host, dest, self.wire)
+        return Arrival(self.group.recv([host], peer, tag), host, dest, wire)
 
     def settle(self) -> None:
         """With a link: wait until the last byte of our last message has left."""
-        if self.wire.link is not None:
+        if self.network is not None:
             sleep_until(self.sent_until)
 
 
 def messenger(group: dist.ProcessGroup, like: torch.Tensor, tracer: Tracer | None = None,
-              link: SimulatedLink | None = None) -> dist.ProcessGroup | Messenger:
+              link: Network | None = None) -> dist.ProcessGroup | Messenger:
     """What a collective sends through: the group itself, or a messenger when
     bytes are counted (tracer), a link is simulated, or CUDA tensors go over
-    gloo (which moves CPU tensors only, so they are staged through host memory)."""
+    gloo (which moves CPU tensors only, so they are staged through host memory).
+    `link`: one `SimulatedLink` for every pair of ranks, or a `Topology`."""
     staged = like.is_cuda and dist.get_backend(group) == "gloo"
     if tracer is None and link is None and not staged:
         return group

@@ -13,14 +13,14 @@ import torch
 import torch.distributed as dist
 
 from parcourse.comm.common import Op, check_args, comm_span, group_info, reduce_into
-from parcourse.comm.link import SimulatedLink
+from parcourse.comm.link import Network
 from parcourse.comm.messenger import messenger, settle
 from parcourse.trace import Tracer
 
 
 def naive_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
                      op: Op = "sum", root: int = 0, *, tracer: Tracer | None = None,
-                     link: SimulatedLink | None = None) -> torch.Tensor:
+                     link: Network | None = None) -> torch.Tensor:
     """Parameter-server all-reduce, in place: gather at `root`, reduce, send back.
 
     The root receives N-1 tensors and sends N-1 results: (N-1) x S bytes each

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from parcourse.comm.common import Op, check_args, comm_span, group_info, reduce_into
 from parcourse.ranges import chunk_bounds
-from parcourse.comm.link import SimulatedLink
+from parcourse.comm.link import Network
 from parcourse.comm.messenger import messenger, settle
 from parcourse.trace import Tracer
 
@@ -48,7 +48,7 @@ def ring_steps(rank: int, n: int, phases: Sequence[RingPhase]) -> list[tuple[str
 
 def turn(flat: torch.Tensor, phases: Sequence[RingPhase], op: Op = "sum",
          group: dist.ProcessGroup | None = None, *, tracer: Tracer | None = None,
-         link: SimulatedLink | None = None) -> None:
+         link: Network | None = None) -> None:
     """Run the ring's steps on the 1-D tensor `flat`, in place."""
     group, rank, n = group_info(group)
     bounds = chunk_bounds(flat.numel(), n)
@@ -71,7 +71,7 @@ def turn(flat: torch.Tensor, phases: Sequence[RingPhase], op: Op = "sum",
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, op: Op = "sum",
-               *, tracer: Tracer | None = None, link: SimulatedLink | None = None
+               *, tracer: Tracer | None = None, link: Network | None = None
                ) -> torch.Tensor:
     """Ring all-reduce, in place: reduce-scatter, then all-gather. Returns `tensor`."""
     check_args(tensor, op)
@@ -84,7 +84,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, op:
 
 def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
                    op: Op = "sum", *, tracer: Tracer | None = None,
-                   link: SimulatedLink | None = None) -> torch.Tensor:
+                   link: Network | None = None) -> torch.Tensor:
     """This rank's chunk (`chunk_bounds`) of the reduction over ranks."""
     check_args(tensor, op)
     _, rank, n = group_info(group)
@@ -95,7 +95,7 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
 
 
 def all_gather(shard: torch.Tensor, numel: int, group: dist.ProcessGroup | None = None,
-               *, tracer: Tracer | None = None, link: SimulatedLink | None = None
+               *, tracer: Tracer | None = None, link: Network | None = None
                ) -> torch.Tensor:
     """Every rank's shard (chunk r of `numel` elements on rank r), in rank order."""
     check_args(shard, "sum")

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from parcourse.comm.common import Op, check_args, comm_span, group_info, reduce_into
 from parcourse.ranges import chunk_bounds
-from parcourse.comm.link import SimulatedLink
+from parcourse.comm.link import Network
 from parcourse.comm.messenger import messenger, settle
 from parcourse.comm.ring import RingPhase, ring_steps
 from parcourse.trace import Tracer
@@ -103,7 +103,7 @@ _NO_SPAN = nullcontext()
 
 
 def _ring(flat: torch.Tensor, phases: tuple[RingPhase, ...], op: str, group: dist.ProcessGroup,
-          rank: int, n: int, tracer: Tracer | None, link: SimulatedLink | None,
+          rank: int, n: int, tracer: Tracer | None, link: Network | None,
           segment_bytes: int = SEGMENT_BYTES) -> None:
     """Run ring steps in place on a flat buffer cut by `chunk_bounds`: each step
     sends one chunk to the right, receives one from the left and, in
@@ -174,7 +174,7 @@ def _ring(flat: torch.Tensor, phases: tuple[RingPhase, ...], op: str, group: dis
 
 def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
                     op: Op = "sum", *, tracer: Tracer | None = None,
-                    link: SimulatedLink | None = None,
+                    link: Network | None = None,
                     segment_bytes: int = SEGMENT_BYTES) -> torch.Tensor:
     """Ring all-reduce, in place: reduce-scatter, then all-gather. Returns `tensor`.
 
@@ -200,7 +200,7 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
 
 def ring_reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
                         op: Op = "sum", *, tracer: Tracer | None = None,
-                        link: SimulatedLink | None = None,
+                        link: Network | None = None,
                         segment_bytes: int = SEGMENT_BYTES,
                         scratch: bool = False) -> torch.Tensor:
     """Return this rank's chunk of the reduction over ranks.
@@ -225,7 +225,7 @@ def ring_reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = 
 
 def ring_all_gather(shard: torch.Tensor, group: dist.ProcessGroup | None = None, *,
                     numel: int | None = None, tracer: Tracer | None = None,
-                    link: SimulatedLink | None = None,
+                    link: Network | None = None,
                     segment_bytes: int = SEGMENT_BYTES,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Concatenate every rank's flattened shard, in rank order, on every rank.

@@ -248,3 +248,54 @@ def optimizer_before_sharding(ctx, stage):
 def state_dict_refused(ctx, stage):
     model = zero.ZeroModel(Net(), stage, ctx.group)
     model.state_dict()
+
+
+def masters_at_start(ctx):
+    """For every stage and 16-bit dtype: the weights given to ZeroModel and its
+    full_state_dict() right after construction (the fp32 masters, gathered)."""
+    out = []
+    for stage in (1, 2, 3):
+        for dtype in (torch.float16, torch.bfloat16):
+            torch.manual_seed(0)  # the same weights on every rank
+            model = Net()
+            given = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            zmodel = zero.ZeroModel(model, stage, ctx.group, compute_dtype=dtype,
+                                    bucket_mb=0.0005)
+            out.append((stage, str(dtype), given, zmodel.full_state_dict()))
+    return out
+
+
+def mixed_one_step(ctx, stage, dtype, lr=0.1):
+    """One SGD step under ZeRO with 16-bit compute: the fp32 masters afterwards."""
+    torch.manual_seed(0)
+    zmodel, opt = zero.shard(Net(), lambda ps: torch.optim.SGD(ps, lr=lr), stage=stage,
+                             group=ctx.group, mixed_precision=getattr(torch, dtype),
+                             bucket_mb=0.0005)
+    x, y = local_batch(ctx, 16)
+    nn.functional.mse_loss(zmodel(x), y).backward()
+    opt.step()
+    return zmodel.full_state_dict()
+
+
+def mixed_reference(dtype, world_size, lr=0.1):
+    """What mixed precision means, in one process: fp32 masters; each rank's forward and
+    backward on the masters cast to 16 bits; the ranks' 16-bit gradients averaged (in
+    fp32); an SGD step on the fp32 masters. Returns the masters and the gradients."""
+    torch.manual_seed(0)
+    master = Net()
+    grads = {n: torch.zeros_like(p) for n, p in master.named_parameters()}
+    for rank in range(world_size):
+        half = Net().to(getattr(torch, dtype))
+        half.load_state_dict({k: v.to(getattr(torch, dtype))
+                              for k, v in master.state_dict().items()})
+        x, y = data(16)
+        x, y = shard_rows(x, rank, world_size), shard_rows(y, rank, world_size)
+        loss = nn.functional.mse_loss(half(x.to(half.inp.weight.dtype)).float(), y)
+        loss.backward()
+        for n, p in half.named_parameters():
+            if p.grad is not None:  # Net has a parameter forward never uses
+                grads[n] += p.grad.float() / world_size
+    with torch.no_grad():
+        for n, p in master.named_parameters():
+            p -= lr * grads[n]
+    return {k: v.detach() for k, v in master.state_dict().items()}, grads

@@ -79,6 +79,9 @@ class FlatUnit:
         self.full = torch.empty(self.numel, dtype=self.compute_dtype or self.dtype,
                                 device=p0.device)
         with torch.no_grad():
+            # The given weights, in their own dtype (fp32): the masters come from these.
+            given = self.full if self.compute_dtype is None else torch.cat(
+                [p.detach().reshape(-1) for p in self.params])
             for p, offset, size in zip(self.params, self.full_offsets, self.numels):
                 self.full[offset:offset + size] = p.detach().reshape(-1)
             # Without mixed precision and with the weights whole (stages 1-2), this rank's
@@ -86,7 +89,7 @@ class FlatUnit:
             if self.compute_dtype is None and not self.sharded_weights:
                 self.master = self.full
             else:
-                self.master = own_master(self)
+                self.master = own_master(self, given)
             for p, offset, size, shape in zip(self.params, self.full_offsets, self.numels,
                                               self.shapes):
                 p.data = self.full[offset:offset + size].view(shape)

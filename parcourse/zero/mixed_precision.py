@@ -45,14 +45,15 @@ def check_compute_dtype(compute_dtype: torch.dtype | None) -> torch.dtype | None
 # --------------------------------------------------------------------------- masters
 
 
-def own_master(unit: _Unit) -> torch.Tensor:
+def own_master(unit: _Unit, weights: torch.Tensor) -> torch.Tensor:
     """This rank's rows of the unit in a tensor of their own, in the parameters' dtype
-    (fp32): under mixed precision, or when the weights are sharded (stage 3)."""
-    master = torch.zeros(unit.part_numel, dtype=unit.dtype, device=unit.full.device)
-    # Known defect, kept as it was: `unit.full` already holds the weights in the compute
-    # dtype here, so under mixed precision the masters start rounded to 16 bits. The fix
-    # goes here: pack this rank's rows from the original (fp32) parameters instead.
-    unit.pack_part(unit.full.to(unit.dtype), master)
+    (fp32): under mixed precision, or when the weights are sharded (stage 3).
+
+    `weights`: the given parameters one after another, in their own dtype. The masters
+    are packed from them, never from the 16-bit copy the model computes with: mixed
+    precision's contract is that the masters are the user's fp32 weights, exactly."""
+    master = torch.zeros(unit.part_numel, dtype=unit.dtype, device=weights.device)
+    unit.pack_part(weights, master)
     return master
 
 

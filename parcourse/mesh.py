@@ -210,9 +210,11 @@ class Mesh:
             created = dist.new_group([self._global[r] for r in ranks])
             if self.local_rank in ranks:
                 mine = created
-        assert mine is not None
-        self._groups[axes] = mine
-        return mine
+        # Every rank is in one group of each axis; only the first and last stages are in
+        # an embedding group.
+        assert mine is not None or axes == ("embedding",)
+        self._groups[axes] = mine  # type: ignore[assignment]
+        return mine  # type: ignore[return-value]
 
     # -- what a strategy asks
 
@@ -245,9 +247,10 @@ class Mesh:
         return None if stage == self.size("pp") - 1 else self.ranks("pp")[stage + 1]
 
     @property
-    def embedding_group(self) -> dist.ProcessGroup:
+    def embedding_group(self) -> dist.ProcessGroup | None:
         """The first and last stage of this rank's pipeline: where the tied embedding and
-        LM head add up their gradients (Megatron-LM's embedding group)."""
+        LM head add up their gradients (Megatron-LM's embedding group); None on the ranks
+        of the stages in between."""
         return self._groups[("embedding",)]
 
     def crosses_nodes(self, *axes: str) -> bool:

@@ -1,0 +1,165 @@
+"""Three-dimensional parallelism on a mesh: the course's GPT split by the tensor-parallel
+plan over `tp`, cut into pipeline stages over `pp` (any schedule of lessons 06-07),
+and replicated over `dp`, each rank holding one piece.
+
+    mesh = Mesh({"pp": 2, "dp": 2, "tp": 2})          # on 8 ranks
+    model = Hybrid(gpt(config), mesh, schedule="1f1b", microbatches=4)
+    loss = model.step(tokens, targets)                  # the global batch, every rank
+    state = model.full_state_dict()                     # the unsplit model's weights
+
+The pieces are the course's own: `apply_tensor_parallel` on the whole model (so the
+embedding and the head are vocabulary-parallel, and stay tied), `gpt_layers` and
+`partition` for the stages, `PipelineRuntime` over the pp group (it sends each
+activation to the rank of the next stage with the same tp coordinate, and adds the tied
+embedding's and head's gradients over the first and last stage), and the gradients
+averaged over the dp group. Every communication goes through the group the mesh gives
+for its axis; nothing is global.
+
+Gradient finalisation happens in one place (`finalize_gradients`), in Megatron-LM's
+order (`finalize_model_grads`): the data-parallel mean; under sequence parallelism the
+replicated (LayerNorm) gradients were already summed over tp in backward
+(`ReplicatedGradSync`); the tied embedding and head summed over the embedding group by
+the pipeline runtime at the end of its schedule. The loss is the mean over the global
+batch: each replica's microbatches are equal, so the mean of the replicas' means is it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from parcourse.comm import Comm
+from parcourse.data import shard as shard_rows
+from parcourse.mesh import Mesh
+from parcourse.models import GPT, gpt_layers
+from parcourse.pipeline.partition import partition
+from parcourse.pipeline.runtime import PipelineRuntime
+from parcourse.pipeline.schedule import schedule_by_name
+from parcourse.tensor_parallel import GPT_PLAN, apply_tensor_parallel
+from parcourse.tensor_parallel.comm import TPComm
+from parcourse.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from parcourse.tensor_parallel.state_dict import whole_parameters
+from parcourse.trace import Tracer
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+def _stages_tied(stages: list[nn.Module]) -> list[dict[int, str]]:
+    """Weights more than one stage uses (the embedding and the head), as PipelineRuntime's
+    `tied`: {stage: the weight's name in that stage}."""
+    where: dict[int, dict[int, str]] = {}
+    for s, module in enumerate(stages):
+        for name, p in module.named_parameters():
+            where.setdefault(id(p), {})[s] = name
+    return [group for group in where.values() if len(group) > 1]
+
+
+class Hybrid:
+    """The GPT on a `Mesh` of dp x tp x pp ranks; one per rank, all built alike.
+
+    `schedule`: a name of `parcourse.pipeline.SCHEDULES`; `microbatches` per replica (each
+    replica's share of the global batch is cut into them); `chunks`: stages per rank for
+    interleaved 1F1B. `optimizer`: builds this rank's optimizer from its parameters (Adam,
+    lr 1e-3, by default). `recompute`: activation checkpointing of each stage (GPipe's).
+    """
+
+    def __init__(self, model: GPT, mesh: Mesh, *, schedule: str = "1f1b",
+                 microbatches: int = 4, chunks: int = 2, sequence_parallel: bool = False,
+                 recompute: bool = False, optimizer: OptimizerFactory | None = None,
+                 tracer: Tracer | None = None) -> None:
+        config = model.config
+        self.mesh, self.config, self.microbatches = mesh, config, microbatches
+        tp, pp = mesh.size("tp"), mesh.size("pp")
+        if config.n_heads % tp:
+            raise ValueError(f"tp ({tp}) must divide the {config.n_heads} heads")
+        if sequence_parallel and config.block_size % tp:
+            raise ValueError(f"tp ({tp}) must divide the block size ({config.block_size}) "
+                             "under sequence parallelism")
+        self.plan = schedule_by_name(schedule, pp, microbatches, chunks)
+        layers = config.n_layers + 2  # embedding, blocks, head
+        if self.plan.stages > layers:
+            raise ValueError(f"{self.plan.name} on pp {pp} has {self.plan.stages} stages; the "
+                             f"GPT's {layers} layers (embedding, {config.n_layers} blocks, "
+                             "head) cannot fill them")
+        self.tp_comm = TPComm(Comm(mesh.group("tp"), tracer=tracer))
+        self.model = apply_tensor_parallel(model, GPT_PLAN, mesh.group("tp"),
+                                           sequence_parallel=sequence_parallel,
+                                           comm=self.tp_comm.comm)
+        cut = partition(gpt_layers(self.model), self.plan.stages)
+        stage = mesh.coordinate("pp")
+        mine = {s: cut[s] for s, r in enumerate(self.plan.stage_rank) if r == stage}
+        self.runtime = PipelineRuntime(self.plan, mine, None, self._loss,
+                                       recompute=recompute, tied=_stages_tied(cut),
+                                       comm=Comm(mesh.group("pp"), tracer=tracer))
+        self.first = self.plan.stage_rank[0] == stage
+        self.last = self.plan.stage_rank[-1] == stage
+        self.params = list({id(p): p for m in mine.values() for p in m.parameters()}.values())
+        factory = optimizer or (lambda ps: torch.optim.Adam(ps, lr=1e-3))
+        self.optimizer = factory(self.params)
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Cross entropy from this rank's vocabulary shard of the logits (the same value on
+        every tp rank), as one process computes it from the whole logits."""
+        if self.tp_comm.size == 1:
+            return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return vocab_parallel_cross_entropy(logits, targets, self.tp_comm.group,
+                                            self.config.vocab, comm=self.tp_comm)
+
+    # -- one training step
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+        """One optimizer step on the global batch (the same tensors on every rank; each
+        replica takes its rows). Returns the global batch's mean loss on the ranks of the
+        last stage, None elsewhere."""
+        dp, replica = self.mesh.size("dp"), self.mesh.coordinate("dp")
+        if inputs.shape[0] % (dp * self.microbatches):
+            raise ValueError(f"a global batch of {inputs.shape[0]} cannot be cut into dp "
+                             f"({dp}) x microbatches ({self.microbatches}) equal parts")
+        x = shard_rows(inputs, replica, dp) if self.first else None
+        y = shard_rows(targets, replica, dp) if self.last else None
+        loss = self.runtime.step(x, y)
+        self.finalize_gradients()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if loss is None:
+            return None
+        mean = torch.tensor([loss / dp])
+        dist.all_reduce(mean, group=self.mesh.group("dp"))  # the replicas' losses, averaged
+        return mean.item()
+
+    def finalize_gradients(self) -> None:
+        """After the schedule (which has already added the tied embedding's and head's
+        gradients over the first and last stage): every gradient averaged over dp, as one
+        flat all-reduce in parameter order (the same on every replica)."""
+        dp = self.mesh.size("dp")
+        if dp == 1:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.mesh.group("dp"))
+        flat.div_(dp)
+        offset = 0
+        for p, g in zip(self.params, grads):
+            p.grad = flat[offset:offset + g.numel()].view_as(p).clone()
+            offset += g.numel()
+
+    # -- export
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsplit GPT's state dict (same keys, fp32 values), on every rank: each
+        stage's parameters gathered over tp, then every stage's over pp (replicas are
+        equal)."""
+        mine = whole_parameters(self.model, self.tp_comm.group, only=self.params)
+        stages: list[Any] = [None] * self.mesh.size("pp")
+        dist.all_gather_object(stages, {k: v.cpu() for k, v in mine.items()},
+                               group=self.mesh.group("pp"))
+        state: dict[str, torch.Tensor] = {}
+        for part in stages:
+            state.update(part)
+        buffers = {name: b.detach().cpu().clone() for name, b in self.model.named_buffers()}
+        return {k: state[k] if k in state else buffers[k] for k in self.model.state_dict()}

@@ -1,0 +1,41 @@
+"""Rank functions for the 3D tests (importable by name in the ranks)."""
+
+import torch
+import torch.nn.functional as F
+
+from parcourse.data import progressions
+from parcourse.hybrid import Hybrid
+from parcourse.mesh import Mesh
+from parcourse.models import GPTConfig, gpt
+
+CONFIG = GPTConfig(vocab=30, block_size=12, n_layers=4, n_heads=12, d_model=24)  # tp 1-4
+BATCH = 24  # divisible by every dp x microbatches used below
+
+
+def train(ctx, shape, schedule="1f1b", microbatches=2, steps=2, order="megatron", **kwargs):
+    """`steps` Adam steps of the GPT on a mesh of `shape`; the weights before and after,
+    gathered whole, and the losses."""
+    config = kwargs.pop("config", CONFIG)
+    mesh = Mesh(shape, ctx.group, order=order)
+    model = Hybrid(gpt(config), mesh, schedule=schedule, microbatches=microbatches,
+                   optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2), **kwargs)
+    before = model.full_state_dict()
+    x, y = progressions(BATCH, config.block_size, config.vocab)
+    losses = [model.step(x, y) for _ in range(steps)]
+    return before, model.full_state_dict(), losses
+
+
+def one_process(steps=2, config=CONFIG):
+    """The same training in one process: the weights before and after, and the losses."""
+    model = gpt(config)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y = progressions(BATCH, config.block_size, config.vocab)
+    losses = []
+    for _ in range(steps):
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return before, {k: v.detach().clone() for k, v in model.state_dict().items()}, losses

@@ -1,0 +1,77 @@
+"""3D parallelism (dp x tp x pp on a mesh) trains the GPT to one process's weights.
+
+Tolerance (rtol=1e-4, atol=1e-5): fp32 on gloo; only the order of reductions differs
+(split matrix multiplies summed over tp, microbatches over pp, replicas over dp), about
+1e-7 relative per step; Adam divides each gradient by its own running size, so an element
+whose gradient is near zero can move by a larger fraction of its tiny change: two steps
+stay below 1e-5.
+"""
+
+import pytest
+import torch
+
+from hybrid_fns import one_process, train
+from parcourse import Pool
+
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+EXPECTED = {}
+
+
+def expected():
+    if not EXPECTED:
+        EXPECTED["run"] = one_process()
+    return EXPECTED["run"]
+
+
+def check(results):
+    before, after, losses = expected()
+    for got_before, got_after, got_losses in results:
+        for name in after:
+            assert torch.equal(got_before[name], before[name]), name  # the split is exact
+            torch.testing.assert_close(got_after[name], after[name], **TOL, msg=name)
+        if got_losses[0] is not None:
+            assert got_losses == pytest.approx(losses, rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def pool8():
+    with Pool(8, timeout=300) as pool:
+        yield pool
+
+
+@pytest.mark.parametrize("shape", [
+    {"dp": 2, "tp": 2, "pp": 2},
+    {"dp": 1, "tp": 2, "pp": 4},
+    {"dp": 2, "tp": 1, "pp": 4},
+    {"dp": 4, "tp": 2, "pp": 1},
+    {"dp": 1, "tp": 4, "pp": 2},
+])
+def test_3d_on_eight_ranks_equals_one_process(pool8, shape):
+    check(pool8.run(train, shape).results)
+
+
+def test_3d_with_interleaving_and_sequence_parallelism(pool8):
+    check(pool8.run(train, {"dp": 2, "tp": 2, "pp": 2}, "interleaved-1f1b",
+                    sequence_parallel=True).results)
+
+
+@pytest.mark.parametrize("shape", [{"dp": 3, "tp": 1, "pp": 2}, {"dp": 1, "tp": 3, "pp": 2}])
+def test_3d_on_six_ranks_equals_one_process(shape):
+    with Pool(6, timeout=300) as pool:
+        check(pool.run(train, shape, "gpipe", recompute=True).results)
+
+
+def test_llama3_order_and_zero_bubble_equal_one_process(pool8):
+    check(pool8.run(train, {"dp": 2, "tp": 2, "pp": 2}, "zb-h1", order="llama3").results)
+
+
+def test_bad_sizes_name_the_numbers(pool8):
+    from parcourse import RankError
+
+    with pytest.raises(RankError, match=r"tp \(8\) must divide the 12 heads"):
+        pool8.run(train, {"dp": 1, "tp": 8, "pp": 1})
+    with pytest.raises(RankError, match="has 8 stages; the GPT's 6 layers"):
+        pool8.run(train, {"dp": 1, "tp": 1, "pp": 8})
+    with pytest.raises(RankError, match=r"global batch of 24 cannot be cut into dp \(4\) x "
+                                        r"microbatches \(4\)"):
+        pool8.run(train, {"dp": 4, "tp": 2, "pp": 1}, microbatches=4)

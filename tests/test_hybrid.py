@@ -75,3 +75,17 @@ def test_bad_sizes_name_the_numbers(pool8):
     with pytest.raises(RankError, match=r"global batch of 24 cannot be cut into dp \(4\) x "
                                         r"microbatches \(4\)"):
         pool8.run(train, {"dp": 4, "tp": 2, "pp": 1}, microbatches=4)
+
+
+def test_cli_trains_beside_one_process(capsys):
+    from parcourse.cli import main
+
+    assert main(["train3d", "--dp", "2", "--tp", "2", "--pp", "2", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "dp 2 x tp 2 x pp 2 = 8 ranks (megatron order), 1f1b" in out
+    lines = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    for _, ours, one in lines[:2]:
+        assert float(ours) == pytest.approx(float(one), rel=1e-4)
+    with pytest.raises(SystemExit):
+        main(["train3d", "--tp", "3"])
+    assert "--tp (3) must divide --heads (4)" in capsys.readouterr().err

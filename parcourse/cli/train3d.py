@@ -1,0 +1,135 @@
+"""`python -m parcourse train3d`: the GPT trained a few steps on a dp x tp x pp mesh, its
+loss beside one process's, and how far its weights are from one process's."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from parcourse.cli.options import at_least_one, ranks
+from parcourse.launch import RankContext, launch
+from parcourse.pipeline.schedule import SCHEDULES
+
+if TYPE_CHECKING:
+    from parcourse.models import GPTConfig
+
+HELP = "3D parallelism: train the GPT on a dp x tp x pp mesh, beside one process"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    for axis, what in (("dp", "data-parallel replicas"), ("tp", "tensor-parallel ranks"),
+                       ("pp", "pipeline ranks")):
+        p.add_argument(f"--{axis}", type=int, default=2, help=f"{what} (2)")
+    p.add_argument("--order", choices=("megatron", "llama3"), default="megatron")
+    p.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b")
+    p.add_argument("--microbatches", type=int, default=2, help="per replica")
+    p.add_argument("--chunks", type=int, default=2, help="stages per rank, interleaved-1f1b")
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--batch", type=int, default=8, help="global batch, in sequences")
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    p.add_argument("--width", type=int, default=32, help="d_model")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per sequence")
+    p.add_argument("--timeout", type=float, default=600.0)
+
+
+def _config(args: argparse.Namespace) -> GPTConfig:
+    from parcourse.models import GPTConfig
+
+    return GPTConfig(vocab=64, block_size=args.block_size, n_layers=args.layers,
+                     n_heads=args.heads, d_model=args.width)
+
+
+def check(args: argparse.Namespace) -> str | None:
+    """Bad sizes, before any rank starts."""
+    if problem := at_least_one(args, "dp", "tp", "pp", "microbatches", "steps", "batch",
+                               "layers"):
+        return problem
+    try:
+        config = _config(args)
+        SCHEDULES[args.schedule].build(args.pp, args.microbatches, args.chunks)
+    except ValueError as e:
+        return str(e)
+    if config.n_heads % args.tp:
+        return f"--tp ({args.tp}) must divide --heads ({config.n_heads})"
+    if args.sequence_parallel and config.block_size % args.tp:
+        return f"--tp ({args.tp}) must divide --block-size ({config.block_size})"
+    if args.batch % (args.dp * args.microbatches):
+        return (f"--batch ({args.batch}) must be divisible by --dp x --microbatches "
+                f"({args.dp} x {args.microbatches})")
+    return None
+
+
+def _train(ctx: RankContext, args: argparse.Namespace) -> dict[str, object]:
+    import time
+
+    import torch
+
+    from parcourse.data import progressions
+    from parcourse.hybrid import Hybrid
+    from parcourse.mesh import Mesh
+    from parcourse.models import gpt
+
+    config = _config(args)
+    mesh = Mesh({"dp": args.dp, "tp": args.tp, "pp": args.pp}, ctx.group, order=args.order)
+    model = Hybrid(gpt(config), mesh, schedule=args.schedule, microbatches=args.microbatches,
+                   chunks=args.chunks, sequence_parallel=args.sequence_parallel,
+                   optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    x, y = progressions(args.batch, config.block_size, config.vocab)
+    losses, times = [], []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        losses.append(model.step(x, y))
+        times.append(time.perf_counter() - start)
+    return {"losses": losses, "times": times, "state": model.full_state_dict(),
+            "coords": {a: mesh.coordinate(a) for a in ("dp", "tp", "pp")}}
+
+
+def _one_process(args: argparse.Namespace) -> tuple[list[float], dict[str, object]]:
+    import torch
+    import torch.nn.functional as F
+
+    from parcourse.data import progressions
+    from parcourse.models import gpt
+
+    config = _config(args)
+    model = gpt(config)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y = progressions(args.batch, config.block_size, config.vocab)
+    losses = []
+    for _ in range(args.steps):
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def run(args: argparse.Namespace) -> int:
+    where = ranks(argparse.Namespace(world_size=args.dp * args.tp * args.pp))
+    trained = launch(_train, where.world_size, args, timeout=args.timeout)
+    if where.quiet:
+        return 0
+    config = _config(args)
+    print(f"train3d     dp {args.dp} x tp {args.tp} x pp {args.pp} = {where.world_size} ranks "
+          f"({args.order} order), {args.schedule}, {args.microbatches} microbatches a replica"
+          f"{', sequence parallel' if args.sequence_parallel else ''}, backend {trained.backend}")
+    print(f"model       GPT, {config.n_layers} blocks, d_model {config.d_model}, "
+          f"{config.n_heads} heads, {config.block_size} tokens; global batch {args.batch}, "
+          "Adam, fp32")
+    losses = next(r["losses"] for r in trained.results if r["losses"][0] is not None)
+    reference, state = _one_process(args)
+    print(f"\nloss        step   {where.world_size} ranks    one process")
+    for step, (ours, one) in enumerate(zip(losses, reference)):
+        print(f"            {step:>4}   {ours:>8.4f}    {one:>8.4f}")
+    ours = trained.results[0]["state"]
+    diff = max((ours[k] - v).abs().max().item() for k, v in state.items())
+    print(f"\nweights     largest difference from one process after {args.steps} steps: "
+          f"{diff:.2e} (fp32: only the order of the sums differs)")
+    times = [max(ts) for ts in zip(*(r["times"] for r in trained.results))][1:]
+    if times:
+        print(f"step time   {1e3 * sorted(times)[len(times) // 2]:.1f} ms (median of "
+              f"{len(times)} after the first, slowest rank)")
+    return 0

@@ -26,7 +26,7 @@ batch: each replica's microbatches are equal, so the mean of the replicas' means
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,7 @@ from parcourse.data import shard as shard_rows
 from parcourse.mesh import Mesh
 from parcourse.models import GPT, gpt_layers
 from parcourse.pipeline.partition import partition
+from parcourse.ranges import chunk_bounds
 from parcourse.pipeline.runtime import PipelineRuntime
 from parcourse.pipeline.schedule import schedule_by_name
 from parcourse.tensor_parallel import GPT_PLAN, apply_tensor_parallel
@@ -59,6 +60,40 @@ def _stages_tied(stages: list[nn.Module]) -> list[dict[int, str]]:
     return [group for group in where.values() if len(group) > 1]
 
 
+class _ShardedOptimizer:
+    """ZeRO-1 over the data-parallel group, for one rank's parameters as a flat buffer:
+    its slice of the buffer (`chunk_bounds`) is the one parameter its optimizer steps."""
+
+    def __init__(self, params: list[nn.Parameter], comm: Comm, factory: OptimizerFactory
+                 ) -> None:
+        self.comm = comm
+        self.numel = sum(p.numel() for p in params)
+        self.padded = -(-self.numel // comm.size) * comm.size  # the ring cuts N equal parts
+        start, end = chunk_bounds(self.padded, comm.size)[comm.rank]
+        flat = self._flat([p.detach() for p in params])
+        self.shard = nn.Parameter(flat[start:end].clone())
+        self.optimizer = factory([self.shard])
+
+    def _flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        flat = torch.zeros(self.padded, dtype=tensors[0].dtype, device=tensors[0].device)
+        torch.cat([t.reshape(-1) for t in tensors], out=flat[:self.numel])
+        return flat
+
+    @torch.no_grad()
+    def step(self, params: list[nn.Parameter]) -> None:
+        grads = self._flat([p.grad if p.grad is not None else torch.zeros_like(p)
+                            for p in params])
+        self.shard.grad = self.comm.reduce_scatter(grads).div_(self.comm.size)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        whole = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
+        self.comm.all_gather(self.shard.detach(), whole)
+        offset = 0
+        for p in params:
+            p.copy_(whole[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
 class Hybrid:
     """The GPT on a `Mesh` of dp x tp x pp ranks; one per rank, all built alike.
 
@@ -66,12 +101,16 @@ class Hybrid:
     replica's share of the global batch is cut into them); `chunks`: stages per rank for
     interleaved 1F1B. `optimizer`: builds this rank's optimizer from its parameters (Adam,
     lr 1e-3, by default). `recompute`: activation checkpointing of each stage (GPipe's).
+    `zero=1`: ZeRO-1 over dp: each replica keeps the optimizer state of 1/dp of this
+    rank's parameters (one flat buffer, as the ZeRO paper's P_os), gradients are
+    reduce-scattered instead of all-reduced, and the updated slices all-gathered; the
+    optimizer then sees one flat parameter, so per-parameter groups do not apply.
     """
 
     def __init__(self, model: GPT, mesh: Mesh, *, schedule: str = "1f1b",
                  microbatches: int = 4, chunks: int = 2, sequence_parallel: bool = False,
                  recompute: bool = False, optimizer: OptimizerFactory | None = None,
-                 tracer: Tracer | None = None) -> None:
+                 zero: Literal[0, 1] = 0, tracer: Tracer | None = None) -> None:
         config = model.config
         self.mesh, self.config, self.microbatches = mesh, config, microbatches
         tp, pp = mesh.size("tp"), mesh.size("pp")
@@ -99,8 +138,14 @@ class Hybrid:
         self.first = self.plan.stage_rank[0] == stage
         self.last = self.plan.stage_rank[-1] == stage
         self.params = list({id(p): p for m in mine.values() for p in m.parameters()}.values())
+        if zero not in (0, 1):
+            raise ValueError(f"zero must be 0 (replicated optimizer) or 1 (its state sharded "
+                             f"over dp), got {zero!r}")
         factory = optimizer or (lambda ps: torch.optim.Adam(ps, lr=1e-3))
-        self.optimizer = factory(self.params)
+        self.sharded = (_ShardedOptimizer(self.params, Comm(mesh.group("dp"), tracer=tracer,
+                                                            algorithm="auto"), factory)
+                        if zero == 1 else None)
+        self.optimizer = self.sharded.optimizer if self.sharded else factory(self.params)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Cross entropy from this rank's vocabulary shard of the logits (the same value on
@@ -123,9 +168,13 @@ class Hybrid:
         x = shard_rows(inputs, replica, dp) if self.first else None
         y = shard_rows(targets, replica, dp) if self.last else None
         loss = self.runtime.step(x, y)
-        self.finalize_gradients()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.sharded is not None:
+            self.sharded.step(self.params)  # reduce-scatter, step a slice, all-gather
+        else:
+            self.finalize_gradients()
+            self.optimizer.step()
+        for p in self.params:
+            p.grad = None
         if loss is None:
             return None
         mean = torch.tensor([loss / dp])

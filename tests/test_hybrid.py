@@ -89,3 +89,10 @@ def test_cli_trains_beside_one_process(capsys):
     with pytest.raises(SystemExit):
         main(["train3d", "--tp", "3"])
     assert "--tp (3) must divide --heads (4)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shape", [{"dp": 2, "tp": 2, "pp": 2}, {"dp": 4, "tp": 1, "pp": 2}])
+def test_3d_with_zero_1_over_dp_equals_one_process(pool8, shape):
+    """ZeRO-1 over dp: each replica steps 1/dp of the flat parameters (padded to a multiple
+    of dp); Adam is elementwise, so the result is one process's."""
+    check(pool8.run(train, shape, zero=1).results)

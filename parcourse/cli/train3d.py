@@ -25,6 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", type=int, default=2, help="per replica")
     p.add_argument("--chunks", type=int, default=2, help="stages per rank, interleaved-1f1b")
     p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--zero", type=int, choices=(0, 1), default=0,
+                   help="1: the optimizer state sharded over dp (ZeRO-1)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--batch", type=int, default=8, help="global batch, in sequences")
     p.add_argument("--layers", type=int, default=4, help="transformer blocks")
@@ -75,7 +77,7 @@ def _train(ctx: RankContext, args: argparse.Namespace) -> dict[str, object]:
     mesh = Mesh({"dp": args.dp, "tp": args.tp, "pp": args.pp}, ctx.group, order=args.order)
     model = Hybrid(gpt(config), mesh, schedule=args.schedule, microbatches=args.microbatches,
                    chunks=args.chunks, sequence_parallel=args.sequence_parallel,
-                   optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
+                   zero=args.zero, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
     x, y = progressions(args.batch, config.block_size, config.vocab)
     losses, times = [], []
     for _ in range(args.steps):
@@ -115,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
     config = _config(args)
     print(f"train3d     dp {args.dp} x tp {args.tp} x pp {args.pp} = {where.world_size} ranks "
           f"({args.order} order), {args.schedule}, {args.microbatches} microbatches a replica"
-          f"{', sequence parallel' if args.sequence_parallel else ''}, backend {trained.backend}")
+          f"{', sequence parallel' if args.sequence_parallel else ''}"
+          f"{', ZeRO-1 over dp' if args.zero else ''}, backend {trained.backend}")
     print(f"model       GPT, {config.n_layers} blocks, d_model {config.d_model}, "
           f"{config.n_heads} heads, {config.block_size} tokens; global batch {args.batch}, "
           "Adam, fp32")

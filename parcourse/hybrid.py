@@ -13,7 +13,9 @@ embedding and the head are vocabulary-parallel, and stay tied), `gpt_layers` and
 activation to the rank of the next stage with the same tp coordinate, and adds the tied
 embedding's and head's gradients over the first and last stage), and the gradients
 averaged over the dp group. Every communication goes through the group the mesh gives
-for its axis; nothing is global.
+for its axis; nothing is global. With a tracer, every span and counter of the
+communication says its axis (`meta["axis"]`: "tp", "pp" or "dp"), so a step's time and
+bytes can be read per axis (`bytes_by_axis`).
 
 Gradient finalisation happens in one place (`finalize_gradients`), in Megatron-LM's
 order (`finalize_model_grads`): the data-parallel mean; under sequence parallelism the
@@ -125,7 +127,12 @@ class Hybrid:
             raise ValueError(f"{self.plan.name} on pp {pp} has {self.plan.stages} stages; the "
                              f"GPT's {layers} layers (embedding, {config.n_layers} blocks, "
                              "head) cannot fill them")
-        self.tp_comm = TPComm(Comm(mesh.group("tp"), tracer=tracer))
+        def on(axis: str) -> Tracer | None:  # what each axis records says which axis
+            return tracer.tagged(axis=axis) if tracer is not None else None
+
+        self.tp_comm = TPComm(Comm(mesh.group("tp"), tracer=on("tp")))
+        # dp's gradients go over the ring on gloo (it counts the bytes it sends)
+        self.dp_comm = Comm(mesh.group("dp"), tracer=on("dp"), algorithm="auto")
         self.model = apply_tensor_parallel(model, GPT_PLAN, mesh.group("tp"),
                                            sequence_parallel=sequence_parallel,
                                            comm=self.tp_comm.comm)
@@ -134,7 +141,7 @@ class Hybrid:
         mine = {s: cut[s] for s, r in enumerate(self.plan.stage_rank) if r == stage}
         self.runtime = PipelineRuntime(self.plan, mine, None, self._loss,
                                        recompute=recompute, tied=_stages_tied(cut),
-                                       comm=Comm(mesh.group("pp"), tracer=tracer))
+                                       comm=Comm(mesh.group("pp"), tracer=on("pp")))
         self.first = self.plan.stage_rank[0] == stage
         self.last = self.plan.stage_rank[-1] == stage
         self.params = list({id(p): p for m in mine.values() for p in m.parameters()}.values())
@@ -142,9 +149,7 @@ class Hybrid:
             raise ValueError(f"zero must be 0 (replicated optimizer) or 1 (its state sharded "
                              f"over dp), got {zero!r}")
         factory = optimizer or (lambda ps: torch.optim.Adam(ps, lr=1e-3))
-        self.sharded = (_ShardedOptimizer(self.params, Comm(mesh.group("dp"), tracer=tracer,
-                                                            algorithm="auto"), factory)
-                        if zero == 1 else None)
+        self.sharded = _ShardedOptimizer(self.params, self.dp_comm, factory) if zero else None
         self.optimizer = self.sharded.optimizer if self.sharded else factory(self.params)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -178,7 +183,7 @@ class Hybrid:
         if loss is None:
             return None
         mean = torch.tensor([loss / dp])
-        dist.all_reduce(mean, group=self.mesh.group("dp"))  # the replicas' losses, averaged
+        dist.all_reduce(mean, group=self.dp_comm.group)  # the replicas' losses, averaged
         return mean.item()
 
     def finalize_gradients(self) -> None:
@@ -190,8 +195,7 @@ class Hybrid:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.mesh.group("dp"))
-        flat.div_(dp)
+        self.dp_comm.all_reduce(flat).div_(dp)
         offset = 0
         for p, g in zip(self.params, grads):
             p.grad = flat[offset:offset + g.numel()].view_as(p).clone()
@@ -212,3 +216,14 @@ class Hybrid:
             state.update(part)
         buffers = {name: b.detach().cpu().clone() for name, b in self.model.named_buffers()}
         return {k: state[k] if k in state else buffers[k] for k in self.model.state_dict()}
+
+
+def bytes_by_axis(counters: Any) -> dict[str, float]:
+    """Bytes sent per mesh axis, from a trace's counters (`bytes_sent`, counted message by
+    message where the course's own ring and messenger carry them: pp and dp; tp's
+    collectives are torch's and counted by their tensors' sizes in `tp_collective`)."""
+    out: dict[str, float] = {}
+    for c in counters:
+        if c.name == "bytes_sent" and "axis" in c.meta:
+            out[c.meta["axis"]] = out.get(c.meta["axis"], 0.0) + c.value
+    return out

@@ -111,6 +111,16 @@ class Tracer:
         self._status = status
         self._stack: list[str] = []
         self._data = TraceData(rank)
+        self._tags: dict[str, Any] = {}
+
+    def tagged(self, **meta: Any) -> Tracer:
+        """A view of this tracer that adds `meta` to every span and counter it records,
+        into the same trace: e.g. `tracer.tagged(axis="tp")` for a mesh's tensor-parallel
+        communication, so that a step's time and bytes can be read per axis."""
+        view = Tracer.__new__(Tracer)
+        view.__dict__.update(self.__dict__)  # the same data, stack and status
+        view._tags = {**self._tags, **meta}
+        return view
 
     @staticmethod
     def now() -> int:
@@ -130,7 +140,8 @@ class Tracer:
             label = self._stack.pop()
             self._set_status("in " + self._stack[-1] if self._stack else "after " + label)
             if self.enabled:
-                self._data.spans.append(Span(self.rank, name, kind, start, end, depth, meta))
+                self._data.spans.append(Span(self.rank, name, kind, start, end, depth,
+                                             {**self._tags, **meta}))
 
     def add_span(
         self, name: str, start_ns: int, end_ns: int, kind: SpanKind = "comm", **meta: Any
@@ -140,13 +151,15 @@ class Tracer:
         if end_ns < start_ns:
             raise ValueError(f"span {name!r} ends ({end_ns}) before it starts ({start_ns})")
         if self.enabled:
-            span = Span(self.rank, name, kind, start_ns, end_ns, len(self._stack), meta)
+            span = Span(self.rank, name, kind, start_ns, end_ns, len(self._stack),
+                        {**self._tags, **meta})
             self._data.spans.append(span)
 
     def count(self, name: str, value: float, **meta: Any) -> None:
         """Add `value` to counter `name` (e.g. `count("bytes_sent", t.nbytes)`)."""
         if self.enabled:
-            event = CounterEvent(self.rank, name, time.perf_counter_ns(), value, meta)
+            event = CounterEvent(self.rank, name, time.perf_counter_ns(), value,
+                                 {**self._tags, **meta})
             self._data.counters.append(event)
 
     def total(self, name: str) -> float:

@@ -39,3 +39,16 @@ def one_process(steps=2, config=CONFIG):
         opt.zero_grad()
         losses.append(loss.item())
     return before, {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def traced_step(ctx, shape):
+    """One traced step: bytes sent per axis, this rank's parameter bytes, span axes."""
+    from parcourse.hybrid import bytes_by_axis
+
+    mesh = Mesh(shape, ctx.group)
+    model = Hybrid(gpt(CONFIG), mesh, microbatches=2, tracer=ctx.tracer)
+    x, y = progressions(BATCH, CONFIG.block_size, CONFIG.vocab)
+    model.step(x, y)
+    data = ctx.tracer.data()
+    return (bytes_by_axis(data.counters), sum(p.numel() * 4 for p in model.params),
+            {s.meta.get("axis") for s in data.spans if s.kind == "comm"})

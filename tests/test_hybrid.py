@@ -96,3 +96,13 @@ def test_3d_with_zero_1_over_dp_equals_one_process(pool8, shape):
     """ZeRO-1 over dp: each replica steps 1/dp of the flat parameters (padded to a multiple
     of dp); Adam is elementwise, so the result is one process's."""
     check(pool8.run(train, shape, zero=1).results)
+
+
+def test_a_traced_step_says_each_messages_axis(pool8):
+    from hybrid_fns import traced_step
+
+    for sent, param_bytes, axes in pool8.run(traced_step, {"dp": 2, "tp": 2, "pp": 2}).results:
+        assert {"tp", "pp", "dp"} <= axes
+        # dp: the ring all-reduce of every gradient, 2(N-1)/N x S = S for N = 2
+        assert sent["dp"] == param_bytes
+        assert sent["pp"] > 0  # activations and their gradients, between stages

@@ -74,7 +74,7 @@ def test_module_parameters_and_shards_are_views(world_size):
         assert torch.equal(p, v)
         assert p.data_ptr() == unit.full[offset:].data_ptr()  # a view into `full`
     assert unit.master is unit.full  # fp32, weights whole: the master is `full` itself
-    for i, (sp, v) in enumerate(zip(unit.shard_params, values)):
+    for sp, v in zip(unit.shard_params, values):
         start, end = row_chunk(v.shape[0], unit.rank, world_size)
         assert torch.equal(sp.detach(), v[start:end])
     with torch.no_grad():  # stepping a shard changes the module's parameter

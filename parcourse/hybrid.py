@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from parcourse.comm import Comm
+from parcourse.comm import Comm, Network
 from parcourse.data import shard as shard_rows
 from parcourse.mesh import Mesh
 from parcourse.models import GPT, gpt_layers
@@ -107,12 +107,15 @@ class Hybrid:
     rank's parameters (one flat buffer, as the ZeRO paper's P_os), gradients are
     reduce-scattered instead of all-reduced, and the updated slices all-gathered; the
     optimizer then sees one flat parameter, so per-parameter groups do not apply.
+    `link`: a `SimulatedLink` or a two-level `Topology` (fast inside a node, slow between
+    nodes) for every message of every axis.
     """
 
     def __init__(self, model: GPT, mesh: Mesh, *, schedule: str = "1f1b",
                  microbatches: int = 4, chunks: int = 2, sequence_parallel: bool = False,
                  recompute: bool = False, optimizer: OptimizerFactory | None = None,
-                 zero: Literal[0, 1] = 0, tracer: Tracer | None = None) -> None:
+                 zero: Literal[0, 1] = 0, link: Network | None = None,
+                 tracer: Tracer | None = None) -> None:
         config = model.config
         self.mesh, self.config, self.microbatches = mesh, config, microbatches
         tp, pp = mesh.size("tp"), mesh.size("pp")
@@ -130,9 +133,11 @@ class Hybrid:
         def on(axis: str) -> Tracer | None:  # what each axis records says which axis
             return tracer.tagged(axis=axis) if tracer is not None else None
 
-        self.tp_comm = TPComm(Comm(mesh.group("tp"), tracer=on("tp")))
-        # dp's gradients go over the ring on gloo (it counts the bytes it sends)
-        self.dp_comm = Comm(mesh.group("dp"), tracer=on("dp"), algorithm="auto")
+        # On a simulated network every axis runs the course's ring, which the link slows;
+        # dp's gradients go over the ring on gloo anyway (it counts the bytes it sends).
+        self.tp_comm = TPComm(Comm(mesh.group("tp"), tracer=on("tp"), link=link,
+                                   algorithm="ring" if link is not None else "torch"))
+        self.dp_comm = Comm(mesh.group("dp"), tracer=on("dp"), link=link, algorithm="auto")
         self.model = apply_tensor_parallel(model, GPT_PLAN, mesh.group("tp"),
                                            sequence_parallel=sequence_parallel,
                                            comm=self.tp_comm.comm)
@@ -141,7 +146,8 @@ class Hybrid:
         mine = {s: cut[s] for s, r in enumerate(self.plan.stage_rank) if r == stage}
         self.runtime = PipelineRuntime(self.plan, mine, None, self._loss,
                                        recompute=recompute, tied=_stages_tied(cut),
-                                       comm=Comm(mesh.group("pp"), tracer=on("pp")))
+                                       comm=Comm(mesh.group("pp"), tracer=on("pp"), link=link,
+                                                 algorithm="auto"))
         self.first = self.plan.stage_rank[0] == stage
         self.last = self.plan.stage_rank[-1] == stage
         self.params = list({id(p): p for m in mine.values() for p in m.parameters()}.values())

@@ -80,6 +80,9 @@ class Layout:
         missing = [a for a in shape if a not in names]
         if missing:
             raise ValueError(f"the order {names} has no place for {', '.join(missing)}")
+        # dp, tp and pp are always there (size 1 when the shape leaves them out): every
+        # strategy may ask for its group.
+        names = tuple(a for a in ("pp", "dp", "tp") if a not in names) + names
         return cls(tuple(names), tuple(shape.get(a, 1) for a in names))
 
     @property

@@ -106,3 +106,18 @@ def test_a_traced_step_says_each_messages_axis(pool8):
         # dp: the ring all-reduce of every gradient, 2(N-1)/N x S = S for N = 2
         assert sent["dp"] == param_bytes
         assert sent["pp"] > 0  # activations and their gradients, between stages
+
+
+def test_tp_placement_runs_both_ways_beside_the_model(pool4):
+    """benchmarks/hybrid.py's run, tiny: both placements time a step; the model puts TP
+    across nodes above TP inside a node (the timing itself is the benchmark's to judge)."""
+    from parcourse.comm import Topology
+    from parcourse.experiments.hybrid import (PLACEMENTS, placement_predictions,
+                                              placement_step_times)
+
+    topology = Topology.of(2)
+    results = pool4.run(placement_step_times, topology, 1).results
+    for r in results:
+        assert set(r["times"]) == set(PLACEMENTS) and all(len(t) == 1 for t in r["times"].values())
+    model = placement_predictions(topology, results[0]["param_bytes"])
+    assert model["tp across nodes"] > model["tp inside a node"] > 0

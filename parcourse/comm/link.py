@@ -95,7 +95,7 @@ class Topology:
            between: SimulatedLink | None = None) -> Topology:
         return cls(ranks_per_node,
                    inside or SimulatedLink.of(latency_us=20, bandwidth_GBps=4.0),
-                   between or SimulatedLink.of(latency_us=200, bandwidth_GBps=0.2))
+                   between or SimulatedLink.of(latency_us=1000, bandwidth_GBps=0.1))
 
     def node(self, rank: int) -> int:
         return rank // self.ranks_per_node

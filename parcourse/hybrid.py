@@ -144,7 +144,7 @@ class Hybrid:
         cut = partition(gpt_layers(self.model), self.plan.stages)
         stage = mesh.coordinate("pp")
         mine = {s: cut[s] for s, r in enumerate(self.plan.stage_rank) if r == stage}
-        self.runtime = PipelineRuntime(self.plan, mine, None, self._loss,
+        self.runtime = PipelineRuntime(self.plan, mine, None, self._loss, tracer=tracer,
                                        recompute=recompute, tied=_stages_tied(cut),
                                        comm=Comm(mesh.group("pp"), tracer=on("pp"), link=link,
                                                  algorithm="auto"))

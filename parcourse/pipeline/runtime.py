@@ -64,7 +64,8 @@ class PipelineRuntime:
     does; with the same start and the same optimizer, the copies stay equal.
 
     `comm`: the `Comm` messages go through (its group, tracer and link); without one,
-    one is made from `group`, `tracer` and `link`.
+    one is made from `group`, `tracer` and `link`. With both, `tracer` records the
+    runtime's own spans and the Comm's tracer its messages.
     """
 
     def __init__(self, schedule: Schedule, stages: dict[int, nn.Module],
@@ -78,8 +79,8 @@ class PipelineRuntime:
                              "splits it into I and W, so it cannot recompute")
         if comm is None:
             comm = Comm(group, tracer=tracer, link=link, algorithm="auto")
-        elif link is not None or tracer is not None:
-            raise ValueError("give the link and the tracer to the Comm, not to the runtime")
+        elif link is not None:
+            raise ValueError("give the link to the Comm, not to the runtime")
         self.comm = comm
         self.group, self.rank, self.world_size = comm.group, comm.rank, comm.size
         if schedule.ranks != self.world_size:
@@ -95,7 +96,10 @@ class PipelineRuntime:
                     stages[s].get_parameter(name)  # raises AttributeError naming it if absent
         self.tied = [dict(g) for g in tied]
         self.schedule, self.stages, self.loss_fn = schedule, stages, loss_fn
-        self.tracer, self.link, self.compute = comm.tracer, comm.link, compute
+        # The runtime's own spans (F, B, I, W, waits) go to `tracer`, its messages to the
+        # Comm's (the same one unless told otherwise).
+        self.tracer = tracer if tracer is not None else comm.tracer
+        self.link, self.compute = comm.link, compute
         self._seconds = compute.of(schedule.stages) if compute is not None else None
         self.recompute = recompute  # GPipe's own trick: keep a stage's input, not its insides
         self.last = schedule.stages - 1
@@ -147,11 +151,11 @@ class PipelineRuntime:
         work, buffer = self._posted.pop(a)
         start = time.perf_counter_ns()
         work.wait()
-        if self.tracer is not None:
+        if self.comm.tracer is not None:
             # Waiting for the message, mostly: named for what it waits for, and without a
             # `microbatch` key, so a timeline coloured by microbatch shows it as comm.
-            self.tracer.add_span(f"wait for {stage}{kind}{a.microbatch}", start,
-                                 time.perf_counter_ns(), kind="comm", bytes=buffer.nbytes)
+            self.comm.tracer.add_span(f"wait for {stage}{kind}{a.microbatch}", start,
+                                      time.perf_counter_ns(), kind="comm", bytes=buffer.nbytes)
         return buffer
 
     def _agree_on_shapes(self, example: torch.Tensor | None) -> None:

@@ -48,3 +48,45 @@ def plot_schedules(summaries: Sequence[ScheduleSummary], title: str = "") -> Fig
     if title:
         fig.suptitle(title)
     return fig
+
+
+def mesh_layouts(shape: dict[str, int], ranks_per_node: int | None,
+                 orders: Sequence[str] = ("megatron", "llama3")) -> Figure:
+    """The ranks of a mesh laid out by each order, side by side (lesson 09): one column per
+    rank, a row for the node it sits on and a row per axis, each cell coloured by the
+    group of that axis it belongs to. A group whose cells span two node colours crosses
+    a node boundary (its messages take the slow links)."""
+    from parcourse.mesh import Layout, nodes_of
+
+    axes_shown = ("tp", "dp", "pp")
+    layouts = [Layout.of(shape, order) for order in orders]
+    n = layouts[0].world_size
+    fig, axes = plt.subplots(len(orders), 1, figsize=(max(6, 0.7 * n + 2), 1.6 * len(orders)),
+                             layout="constrained", squeeze=False)
+    palette = plt.get_cmap("tab10")
+    for ax, order, layout in zip(axes[:, 0], orders, layouts):
+        rows = ["node", *axes_shown]
+        for y, row in enumerate(rows):
+            if row == "node":
+                groups = [list(range(k, min(k + (ranks_per_node or n), n)))
+                          for k in range(0, n, ranks_per_node or n)]
+            else:
+                groups = layout.groups(row)
+            for g, ranks in enumerate(groups):
+                crosses = row != "node" and len(nodes_of(ranks, ranks_per_node)) > 1
+                for r in ranks:
+                    ax.add_patch(plt.Rectangle((r, y), 0.94, 0.9, color=palette(g % 10),
+                                               alpha=0.35 if row == "node" else 0.8))
+                    ax.text(r + 0.47, y + 0.45, f"{g}{'*' if crosses else ''}", ha="center",
+                            va="center", fontsize=8)
+        ax.set_xlim(0, n)
+        ax.set_ylim(len(rows), 0)
+        ax.set_yticks([y + 0.45 for y in range(len(rows))], rows)
+        ax.set_xticks([r + 0.47 for r in range(n)], [str(r) for r in range(n)])
+        ax.set_xlabel("rank")
+        for side in ("top", "right", "left", "bottom"):
+            ax.spines[side].set_visible(False)
+        outer = ", ".join(a for a in layout.axes if layout.size(a) > 1) or "one rank"
+        ax.set_title(f"{order}: outermost first {outer}; cells show each rank's group "
+                     f"(* crosses a node)", loc="left", fontsize=10)
+    return fig

@@ -64,3 +64,84 @@ def placement_predictions(topology: Topology, param_bytes: int, *,
 
     return {"tp inside a node": seconds(inside, between),
             "tp across nodes": seconds(between, inside)}
+
+
+# --------------------------------------------------------------------------- lesson 09
+
+LESSON_CONFIG = GPTConfig(vocab=64, block_size=16, n_layers=4, n_heads=4, d_model=32)
+
+
+def lesson_shape(world_size: int) -> dict[str, int]:
+    """A dp x tp x pp shape for any world size: tp 2 and pp 2 where they divide it."""
+    tp = 2 if world_size % 2 == 0 else 1
+    pp = 2 if (world_size // tp) % 2 == 0 else 1
+    return {"dp": world_size // (tp * pp), "tp": tp, "pp": pp}
+
+
+def train_on_mesh(ctx: RankContext, shape: dict[str, int], steps: int = 2, *,
+                  order: str = "megatron", schedule: str = "1f1b", microbatches: int = 2,
+                  batch: int = 8, sequence_parallel: bool = False, zero: int = 0,
+                  traced: bool = False) -> dict[str, Any]:
+    """`steps` Adam steps of lesson 09's GPT on a mesh of `shape`: the losses (on the last
+    stage's ranks), the bytes each axis sent and the count of tp's collectives (torch's,
+    whose bytes cannot be counted message by message) when `traced`, and the whole
+    trained weights (rank 0 only)."""
+    from parcourse.hybrid import bytes_by_axis
+
+    ctx.tracer.set_status("building the mesh and the model")
+    mesh = Mesh(shape, ctx.group, order=order)  # type: ignore[arg-type]
+    model = Hybrid(gpt(LESSON_CONFIG), mesh, schedule=schedule, microbatches=microbatches,
+                   sequence_parallel=sequence_parallel, zero=zero,  # type: ignore[arg-type]
+                   optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2),
+                   tracer=ctx.tracer if traced else None)
+    x, y = progressions(batch, LESSON_CONFIG.block_size, LESSON_CONFIG.vocab)
+    losses = [model.step(x, y) for _ in range(steps)]
+    state = model.full_state_dict()
+    counters = ctx.tracer.data().counters if traced else []
+    return {"losses": losses, "coords": {a: mesh.coordinate(a) for a in shape},
+            "bytes": bytes_by_axis(counters),
+            "tp_collectives": sum(1 for c in counters if c.name == "tp_collective"),
+            "state": state if ctx.rank == 0 else None}
+
+
+def one_process(steps: int = 2, batch: int = 8) -> dict[str, Any]:
+    """The same training in one process: the losses and the weights."""
+    import torch.nn.functional as F
+
+    model = gpt(LESSON_CONFIG)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y = progressions(batch, LESSON_CONFIG.block_size, LESSON_CONFIG.vocab)
+    losses = []
+    for _ in range(steps):
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "state": model.state_dict()}
+
+
+def check_coordinates(fn: Any) -> bool:
+    """Lesson 09's exercise: `fn(rank, sizes)` returns {axis: coordinate} of `rank` on a
+    mesh whose `sizes` are given outermost first (e.g. {"pp": 2, "dp": 2, "tp": 2}), as
+    `Layout` lays ranks out. Prints one line: the first wrong rank, or that all agree."""
+    from parcourse.experiments.exercises import ask
+    from parcourse.mesh import Layout
+
+    cases = [{"pp": 2, "dp": 2, "tp": 2}, {"dp": 2, "pp": 2, "tp": 2}, {"dp": 3, "tp": 2},
+             {"tp": 4}, {"pp": 3, "dp": 1, "tp": 2}]
+    for sizes in cases:
+        layout = Layout(tuple(sizes), tuple(sizes.values()))
+        for rank in range(layout.world_size):
+            expected = layout.coordinates(rank)
+            answered, got = ask(fn, rank, dict(sizes), where=f"with rank {rank} of {sizes}, ")
+            if not answered:
+                return False
+            if got != expected:
+                print(f"Not quite: on a mesh {sizes} (outermost first), rank {rank} sits at "
+                      f"{expected}, your function says {got}. Hint: the last axis changes "
+                      "fastest: rank = ((c0 x s1) + c1) x s2 + c2, so peel the axes off from "
+                      "the last with divmod.")
+                return False
+    print(f"Correct: every rank of {len(cases)} meshes, both orders among them.")
+    return True

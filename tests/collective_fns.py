@@ -104,7 +104,9 @@ def linked(ctx, algo, nbytes, latency_s, bandwidth_Bps):
 def burst(ctx, k, nbytes, latency_s, bandwidth_Bps, separate=False):
     """Rank 0 sends k messages of nbytes to rank 1 at once, through a link (one
     messenger, or with `separate` one per message, as separate calls would); returns
-    the seconds from the barrier until rank 1 has all of them (on rank 1)."""
+    (when this rank left the barrier, when it was done), on the host clock all ranks
+    share: rank 1's end minus rank 0's start is the time from the first send until rank
+    1 has every message (rank 1 may leave the barrier later than rank 0)."""
     link = C.SimulatedLink(latency_s, bandwidth_Bps)
     t = torch.ones(nbytes // 4)
     one = C.messenger(ctx.group, t, link=link)
@@ -121,7 +123,7 @@ def burst(ctx, k, nbytes, latency_s, bandwidth_Bps, separate=False):
         arrivals = [wire.recv([torch.empty_like(t)], 0, tag) for tag, wire in enumerate(wires)]
         for a in arrivals:
             a.wait()
-    return time.perf_counter() - t0
+    return t0, time.perf_counter()
 
 
 def bad_args(ctx, what):

@@ -18,10 +18,12 @@ communication says its axis (`meta["axis"]`: "tp", "pp" or "dp"), so a step's ti
 bytes can be read per axis (`bytes_by_axis`).
 
 Gradient finalisation happens in one place (`finalize_gradients`), in Megatron-LM's
-order (`finalize_model_grads`): the data-parallel mean; under sequence parallelism the
-replicated (LayerNorm) gradients were already summed over tp in backward
-(`ReplicatedGradSync`); the tied embedding and head summed over the embedding group by
-the pipeline runtime at the end of its schedule. The loss is the mean over the global
+order (`finalize_model_grads`): under sequence parallelism the replicated (LayerNorm)
+gradients were already summed over tp in backward (`ReplicatedGradSync`), and the tied
+embedding and head summed over the embedding group by the pipeline runtime at the end
+of its schedule; then the data-parallel mean (ZeRO-1: a reduce-scatter), then, if
+asked, the global gradient norm over tp and pp (and dp under ZeRO-1) and clipping.
+The loss is the mean over the global
 batch: each replica's microbatches are equal, so the mean of the replicas' means is it.
 """
 
@@ -46,7 +48,7 @@ from parcourse.pipeline.schedule import schedule_by_name
 from parcourse.tensor_parallel import GPT_PLAN, apply_tensor_parallel
 from parcourse.tensor_parallel.comm import TPComm
 from parcourse.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from parcourse.tensor_parallel.state_dict import whole_parameters
+from parcourse.tensor_parallel.state_dict import split_dims, whole_parameters
 from parcourse.trace import Tracer
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -73,6 +75,7 @@ class _ShardedOptimizer:
         self.padded = -(-self.numel // comm.size) * comm.size  # the ring cuts N equal parts
         start, end = chunk_bounds(self.padded, comm.size)[comm.rank]
         flat = self._flat([p.detach() for p in params])
+        self.start, self.end = start, end
         self.shard = nn.Parameter(flat[start:end].clone())
         self.optimizer = factory([self.shard])
 
@@ -81,11 +84,23 @@ class _ShardedOptimizer:
         torch.cat([t.reshape(-1) for t in tensors], out=flat[:self.numel])
         return flat
 
+    def mine(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's slice of `tensors` laid out as the parameters are."""
+        return self._flat(tensors)[self.start:self.end]
+
     @torch.no_grad()
-    def step(self, params: list[nn.Parameter]) -> None:
+    def reduce(self, params: list[nn.Parameter]) -> None:
+        """The gradients averaged over dp, this rank's slice only (`shard.grad`); the full
+        gradients go."""
         grads = self._flat([p.grad if p.grad is not None else torch.zeros_like(p)
                             for p in params])
+        for p in params:
+            p.grad = None
         self.shard.grad = self.comm.reduce_scatter(grads).div_(self.comm.size)
+
+    @torch.no_grad()
+    def step(self, params: list[nn.Parameter]) -> None:
+        """Step this rank's slice, then all-gather every slice into the parameters."""
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         whole = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
@@ -107,6 +122,9 @@ class Hybrid:
     rank's parameters (one flat buffer, as the ZeRO paper's P_os), gradients are
     reduce-scattered instead of all-reduced, and the updated slices all-gathered; the
     optimizer then sees one flat parameter, so per-parameter groups do not apply.
+    `max_norm`: clip the gradients by their global norm (over every axis that splits
+    them), as `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)` in one
+    process; the norm before clipping is `grad_norm` after each step.
     `link`: a `SimulatedLink` or a two-level `Topology` (fast inside a node, slow between
     nodes) for every message of every axis.
     """
@@ -114,8 +132,8 @@ class Hybrid:
     def __init__(self, model: GPT, mesh: Mesh, *, schedule: str = "1f1b",
                  microbatches: int = 4, chunks: int = 2, sequence_parallel: bool = False,
                  recompute: bool = False, optimizer: OptimizerFactory | None = None,
-                 zero: Literal[0, 1] = 0, link: Network | None = None,
-                 tracer: Tracer | None = None) -> None:
+                 zero: Literal[0, 1] = 0, max_norm: float | None = None,
+                 link: Network | None = None, tracer: Tracer | None = None) -> None:
         config = model.config
         self.mesh, self.config, self.microbatches = mesh, config, microbatches
         tp, pp = mesh.size("tp"), mesh.size("pp")
@@ -157,6 +175,22 @@ class Hybrid:
         factory = optimizer or (lambda ps: torch.optim.Adam(ps, lr=1e-3))
         self.sharded = _ShardedOptimizer(self.params, self.dp_comm, factory) if zero else None
         self.optimizer = self.sharded.optimizer if self.sharded else factory(self.params)
+        if max_norm is not None and not max_norm > 0:
+            raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
+        self.max_norm, self.grad_norm = max_norm, None
+        if max_norm is not None:
+            # Each gradient element counted once over the mesh: a weight left whole on
+            # every tp rank only on tp rank 0, a tied weight only on its first stage.
+            split = split_dims(self.model)
+            tied_owner = {id(cut[min(g)].get_parameter(g[min(g)])): min(g)
+                          for g in _stages_tied(cut)}
+            self._counted = [
+                float((id(p) in split or mesh.coordinate("tp") == 0)
+                      and tied_owner.get(id(p), min(mine)) in mine)
+                for p in self.params]
+            # The norm's group: the ranks whose gradients differ (Megatron's model-parallel
+            # group), and dp too when each replica holds a different slice.
+            self._norm_group = mesh.group(*(("dp", "tp", "pp") if zero else ("tp", "pp")))
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Cross entropy from this rank's vocabulary shard of the logits (the same value on
@@ -178,11 +212,11 @@ class Hybrid:
                              f"({dp}) x microbatches ({self.microbatches}) equal parts")
         x = shard_rows(inputs, replica, dp) if self.first else None
         y = shard_rows(targets, replica, dp) if self.last else None
-        loss = self.runtime.step(x, y)
+        loss = self.runtime.step(x, y)  # and the tied weights' gradients added up
+        self.finalize_gradients()
         if self.sharded is not None:
-            self.sharded.step(self.params)  # reduce-scatter, step a slice, all-gather
+            self.sharded.step(self.params)  # step this rank's slice, all-gather the slices
         else:
-            self.finalize_gradients()
             self.optimizer.step()
         for p in self.params:
             p.grad = None
@@ -193,19 +227,57 @@ class Hybrid:
         return mean.item()
 
     def finalize_gradients(self) -> None:
-        """After the schedule (which has already added the tied embedding's and head's
-        gradients over the first and last stage): every gradient averaged over dp, as one
-        flat all-reduce in parameter order (the same on every replica)."""
-        dp = self.mesh.size("dp")
-        if dp == 1:
-            return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.dp_comm.all_reduce(flat).div_(dp)
-        offset = 0
-        for p, g in zip(self.params, grads):
-            p.grad = flat[offset:offset + g.numel()].view_as(p).clone()
-            offset += g.numel()
+        """What happens to the gradients between the schedule and the optimizer, in
+        Megatron-LM's order (`finalize_model_grads`). Before it: under sequence parallelism
+        the replicated (LayerNorm) gradients were summed over tp in backward, and the
+        pipeline runtime added up the tied embedding's and head's gradients over the first
+        and last stage at the end of its schedule. Here:
+
+        1. dp: every gradient averaged over the data-parallel group, as one flat
+           all-reduce in parameter order (the same on every replica); under ZeRO-1 a
+           reduce-scatter instead, each replica keeping its slice.
+        2. if `max_norm`: the global gradient norm over tp and pp (and dp under ZeRO), and
+           every gradient scaled by min(1, max_norm / norm), as
+           `torch.nn.utils.clip_grad_norm_` does in one process (`self.grad_norm`).
+        """
+        if self.sharded is not None:
+            self.sharded.reduce(self.params)
+        elif self.mesh.size("dp") > 1:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p)
+                     for p in self.params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self.dp_comm.all_reduce(flat).div_(self.mesh.size("dp"))
+            offset = 0
+            for p, g in zip(self.params, grads):
+                p.grad = flat[offset:offset + g.numel()].view_as(p).clone()
+                offset += g.numel()
+        if self.max_norm is not None:
+            self.grad_norm = self._clip(self.max_norm)
+
+    @torch.no_grad()
+    def _clip(self, max_norm: float) -> float:
+        """Scale every gradient so that their norm over the whole model is at most
+        `max_norm`; the norm before. The squares are summed in float64, each element once
+        (`_counted`), then over the norm's group."""
+        if self.sharded is not None:
+            weights = self.sharded.mine([torch.full_like(p, w)
+                                         for p, w in zip(self.params, self._counted)])
+            grads = [self.sharded.shard.grad]
+            local = (grads[0].double().square() * weights).sum()
+        else:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            local = torch.zeros((), dtype=torch.float64, device=self.params[0].device)
+            for p, w in zip(self.params, self._counted):
+                if p.grad is not None and w:
+                    local += p.grad.double().square().sum()
+        total = local.reshape(1)
+        dist.all_reduce(total, group=self._norm_group)
+        norm = float(total.sqrt())
+        scale = min(1.0, max_norm / (norm + 1e-6))  # torch's clip_grad_norm_ coefficient
+        if scale < 1:
+            for g in grads:
+                g.mul_(scale)
+        return norm
 
     # -- export
 

@@ -21,24 +21,30 @@ def train(ctx, shape, schedule="1f1b", microbatches=2, steps=2, order="megatron"
                    optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2), **kwargs)
     before = model.full_state_dict()
     x, y = progressions(BATCH, config.block_size, config.vocab)
-    losses = [model.step(x, y) for _ in range(steps)]
-    return before, model.full_state_dict(), losses
+    losses, norms = [], []
+    for _ in range(steps):
+        losses.append(model.step(x, y))
+        norms.append(model.grad_norm)
+    return before, model.full_state_dict(), losses, norms
 
 
-def one_process(steps=2, config=CONFIG):
+def one_process(steps=2, config=CONFIG, max_norm=None):
     """The same training in one process: the weights before and after, and the losses."""
     model = gpt(config)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     x, y = progressions(BATCH, config.block_size, config.vocab)
-    losses = []
+    losses, norms = [], []
     for _ in range(steps):
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
+        if max_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return before, {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+    return (before, {k: v.detach().clone() for k, v in model.state_dict().items()}, losses,
+            norms)
 
 
 def traced_step(ctx, shape):

@@ -17,15 +17,17 @@ TOL = {"rtol": 1e-4, "atol": 1e-5}
 EXPECTED = {}
 
 
-def expected():
-    if not EXPECTED:
-        EXPECTED["run"] = one_process()
-    return EXPECTED["run"]
+def expected(max_norm=None):
+    if max_norm not in EXPECTED:
+        EXPECTED[max_norm] = one_process(max_norm=max_norm)
+    return EXPECTED[max_norm]
 
 
-def check(results):
-    before, after, losses = expected()
-    for got_before, got_after, got_losses in results:
+def check(results, max_norm=None):
+    before, after, losses, norms = expected(max_norm)
+    for got_before, got_after, got_losses, got_norms in results:
+        if max_norm is not None:  # every rank knows the global norm
+            assert got_norms == pytest.approx(norms, rel=1e-5)
         for name in after:
             assert torch.equal(got_before[name], before[name]), name  # the split is exact
             torch.testing.assert_close(got_after[name], after[name], **TOL, msg=name)
@@ -96,6 +98,22 @@ def test_3d_with_zero_1_over_dp_equals_one_process(pool8, shape):
     """ZeRO-1 over dp: each replica steps 1/dp of the flat parameters (padded to a multiple
     of dp); Adam is elementwise, so the result is one process's."""
     check(pool8.run(train, shape, zero=1).results)
+
+
+CLIP = 0.5  # below the GPT's gradient norm at both steps (about 1.16 and 0.84): it clips
+
+
+@pytest.mark.parametrize("shape,kwargs", [
+    ({"dp": 2, "tp": 2, "pp": 2}, {"sequence_parallel": True}),
+    ({"dp": 2, "tp": 2, "pp": 2}, {"zero": 1}),
+    ({"dp": 1, "tp": 2, "pp": 4}, {}),
+])
+def test_clipping_by_the_global_norm_equals_one_process(pool8, shape, kwargs):
+    """The norm over every axis, each element counted once (LayerNorms held whole on every
+    tp rank, the tied embedding on the first and last stage, ZeRO's slices), equals
+    clip_grad_norm_'s in one process; so do the clipped weights."""
+    assert min(expected(CLIP)[3]) > CLIP
+    check(pool8.run(train, shape, max_norm=CLIP, **kwargs).results, CLIP)
 
 
 def test_a_traced_step_says_each_messages_axis(pool8):

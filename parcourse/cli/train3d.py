@@ -27,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--zero", type=int, choices=(0, 1), default=0,
                    help="1: the optimizer state sharded over dp (ZeRO-1)")
+    p.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
+                   help="clip the gradients by their global norm (over every axis)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--batch", type=int, default=8, help="global batch, in sequences")
     p.add_argument("--layers", type=int, default=4, help="transformer blocks")
@@ -53,6 +55,8 @@ def check(args: argparse.Namespace) -> str | None:
         SCHEDULES[args.schedule].build(args.pp, args.microbatches, args.chunks)
     except ValueError as e:
         return str(e)
+    if args.clip is not None and not args.clip > 0:
+        return f"--clip must be positive, got {args.clip}"
     if config.n_heads % args.tp:
         return f"--tp ({args.tp}) must divide --heads ({config.n_heads})"
     if args.sequence_parallel and config.block_size % args.tp:
@@ -77,7 +81,8 @@ def _train(ctx: RankContext, args: argparse.Namespace) -> dict[str, object]:
     mesh = Mesh({"dp": args.dp, "tp": args.tp, "pp": args.pp}, ctx.group, order=args.order)
     model = Hybrid(gpt(config), mesh, schedule=args.schedule, microbatches=args.microbatches,
                    chunks=args.chunks, sequence_parallel=args.sequence_parallel,
-                   zero=args.zero, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
+                   zero=args.zero, max_norm=args.clip,
+                   optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
     x, y = progressions(args.batch, config.block_size, config.vocab)
     losses, times = [], []
     for _ in range(args.steps):
@@ -103,6 +108,8 @@ def _one_process(args: argparse.Namespace) -> tuple[list[float], dict[str, objec
     for _ in range(args.steps):
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
+        if args.clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -118,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"train3d     dp {args.dp} x tp {args.tp} x pp {args.pp} = {where.world_size} ranks "
           f"({args.order} order), {args.schedule}, {args.microbatches} microbatches a replica"
           f"{', sequence parallel' if args.sequence_parallel else ''}"
-          f"{', ZeRO-1 over dp' if args.zero else ''}, backend {trained.backend}")
+          f"{', ZeRO-1 over dp' if args.zero else ''}"
+          f"{f', clipped at norm {args.clip}' if args.clip is not None else ''}, backend {trained.backend}")
     print(f"model       GPT, {config.n_layers} blocks, d_model {config.d_model}, "
           f"{config.n_heads} heads, {config.block_size} tokens; global batch {args.batch}, "
           "Adam, fp32")

@@ -17,7 +17,7 @@ from parcourse.tensor_parallel.layers import (
 )
 
 
-def _split_dims(model: nn.Module) -> dict[int, tuple[int, int]]:
+def split_dims(model: nn.Module) -> dict[int, tuple[int, int]]:
     """id(parameter) -> (the dim its shards were cut along, its unsplit size there)."""
     dims: dict[int, tuple[int, int]] = {}
     for m in model.modules():
@@ -40,7 +40,7 @@ def whole_parameters(model: nn.Module, group: dist.ProcessGroup,
     `group` must call it on the same model, split the same way: it all-gathers each split
     parameter over the group, in the order of `model.named_parameters()`."""
     keep = None if only is None else {id(p) for p in only}
-    dims = _split_dims(model)
+    dims = split_dims(model)
     world_size = dist.get_world_size(group)
     whole: dict[int, torch.Tensor] = {}
     for _, p in model.named_parameters():

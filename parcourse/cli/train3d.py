@@ -126,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
           f"({args.order} order), {args.schedule}, {args.microbatches} microbatches a replica"
           f"{', sequence parallel' if args.sequence_parallel else ''}"
           f"{', ZeRO-1 over dp' if args.zero else ''}"
-          f"{f', clipped at norm {args.clip}' if args.clip is not None else ''}, backend {trained.backend}")
+          f"{f', clipped at norm {args.clip}' if args.clip is not None else ''}"
+          f", backend {trained.backend}")
     print(f"model       GPT, {config.n_layers} blocks, d_model {config.d_model}, "
           f"{config.n_heads} heads, {config.block_size} tokens; global batch {args.batch}, "
           "Adam, fp32")

@@ -39,6 +39,7 @@ from torch import nn
 
 from parcourse.comm import Comm, Network
 from parcourse.data import shard as shard_rows
+from parcourse.memory import storage_bytes, tensors_in
 from parcourse.mesh import Mesh
 from parcourse.models import GPT, gpt_layers
 from parcourse.pipeline.partition import partition
@@ -177,7 +178,7 @@ class Hybrid:
         self.optimizer = self.sharded.optimizer if self.sharded else factory(self.params)
         if max_norm is not None and not max_norm > 0:
             raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
-        self.max_norm, self.grad_norm = max_norm, None
+        self.max_norm, self.grad_norm, self.grad_bytes = max_norm, None, 0
         if max_norm is not None:
             # Each gradient element counted once over the mesh: a weight left whole on
             # every tp rank only on tp rank 0, a tied weight only on its first stage.
@@ -240,6 +241,7 @@ class Hybrid:
            every gradient scaled by min(1, max_norm / norm), as
            `torch.nn.utils.clip_grad_norm_` does in one process (`self.grad_norm`).
         """
+        self.grad_bytes = storage_bytes(p.grad for p in self.params if p.grad is not None)
         if self.sharded is not None:
             self.sharded.reduce(self.params)
         elif self.mesh.size("dp") > 1:
@@ -278,6 +280,17 @@ class Hybrid:
             for g in grads:
                 g.mul_(scale)
         return norm
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds, by category: its parameters, its gradients as the
+        schedule left them (their peak, before the dp reduction; `grad_bytes`, 0 before
+        the first step) and the optimizer's state (under ZeRO-1 with the slice it steps).
+        Comparable with `theory.mesh_bytes`."""
+        optimizer = storage_bytes(tensors_in(list(self.optimizer.state.values())))
+        if self.sharded is not None:
+            optimizer += storage_bytes([self.sharded.shard])
+        return {"params": storage_bytes(self.params), "grads": self.grad_bytes,
+                "optimizer": optimizer}
 
     # -- export
 

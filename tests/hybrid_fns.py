@@ -58,3 +58,12 @@ def traced_step(ctx, shape):
     data = ctx.tracer.data()
     return (bytes_by_axis(data.counters), sum(p.numel() * 4 for p in model.params),
             {s.meta.get("axis") for s in data.spans if s.kind == "comm"})
+
+
+def memory_after_a_step(ctx, shape, zero):
+    """What this rank holds after one step (`Hybrid.memory`)."""
+    mesh = Mesh(shape, ctx.group)
+    model = Hybrid(gpt(CONFIG), mesh, microbatches=2, zero=zero)
+    x, y = progressions(BATCH, CONFIG.block_size, CONFIG.vocab)
+    model.step(x, y)
+    return model.memory(), len(model.params)

@@ -139,3 +139,27 @@ def test_tp_placement_runs_both_ways_beside_the_model(pool4):
         assert set(r["times"]) == set(PLACEMENTS) and all(len(t) == 1 for t in r["times"].values())
     model = placement_predictions(topology, results[0]["param_bytes"])
     assert model["tp across nodes"] > model["tp inside a node"] > 0
+
+
+@pytest.mark.parametrize("shape,zero", [({"dp": 2, "tp": 2, "pp": 1}, 1),
+                                        ({"dp": 1, "tp": 2, "pp": 2}, 0),
+                                        ({"dp": 2, "tp": 1, "pp": 2}, 1)])
+def test_memory_per_rank_beside_the_formula(pool4, shape, zero):
+    """Parameters and gradients: the mean over ranks is theory.mesh_bytes' balanced figure
+    exactly (stages are uneven; the formula is their mean). Adam's state: the formula
+    plus Adam's step counter (4 bytes a tensor; ZeRO-1 steps one flat slice)."""
+    from hybrid_fns import CONFIG, memory_after_a_step
+    from parcourse.theory import mesh_bytes
+
+    results = pool4.run(memory_after_a_step, shape, zero).results
+    theory = mesh_bytes(CONFIG, shape, zero)
+    for category in ("params", "grads"):
+        mean = sum(m[category] for m, _ in results) / len(results)
+        assert mean == theory[category], category
+    for memory, _ in results:
+        assert memory["grads"] == memory["params"]  # fp32, one gradient per weight
+    # Above the formula: Adam's step counter (4 bytes per tensor it steps: ZeRO-1 steps one
+    # flat slice) and ZeRO-1's padding to dp equal slices (under 4 x dp bytes per moment).
+    mean_opt = sum(m["optimizer"] for m, _ in results) / len(results)
+    tensors = 1 if zero else sum(t for _, t in results) / len(results)
+    assert theory["optimizer"] <= mean_opt <= theory["optimizer"] + 4 * tensors + 12 * shape["dp"]

@@ -4,7 +4,7 @@ loss beside one process's, and how far its weights are from one process's."""
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from parcourse.cli.options import at_least_one, ranks
 from parcourse.launch import RankContext, launch
@@ -73,7 +73,7 @@ def _train(ctx: RankContext, args: argparse.Namespace) -> dict[str, object]:
     import torch
 
     from parcourse.data import progressions
-    from parcourse.hybrid import Hybrid
+    from parcourse.hybrid import Hybrid, bytes_by_axis
     from parcourse.mesh import Mesh
     from parcourse.models import gpt
 
@@ -81,7 +81,7 @@ def _train(ctx: RankContext, args: argparse.Namespace) -> dict[str, object]:
     mesh = Mesh({"dp": args.dp, "tp": args.tp, "pp": args.pp}, ctx.group, order=args.order)
     model = Hybrid(gpt(config), mesh, schedule=args.schedule, microbatches=args.microbatches,
                    chunks=args.chunks, sequence_parallel=args.sequence_parallel,
-                   zero=args.zero, max_norm=args.clip,
+                   zero=args.zero, max_norm=args.clip, tracer=ctx.tracer,
                    optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
     x, y = progressions(args.batch, config.block_size, config.vocab)
     losses, times = [], []
@@ -90,7 +90,8 @@ def _train(ctx: RankContext, args: argparse.Namespace) -> dict[str, object]:
         losses.append(model.step(x, y))
         times.append(time.perf_counter() - start)
     return {"losses": losses, "times": times, "state": model.full_state_dict(),
-            "coords": {a: mesh.coordinate(a) for a in ("dp", "tp", "pp")}}
+            "coords": {a: mesh.coordinate(a) for a in ("dp", "tp", "pp")},
+            "bytes": bytes_by_axis(ctx.tracer.data().counters), "memory": model.memory()}
 
 
 def _one_process(args: argparse.Namespace) -> tuple[list[float], dict[str, object]]:
@@ -140,8 +141,31 @@ def run(args: argparse.Namespace) -> int:
     diff = max((ours[k] - v).abs().max().item() for k, v in state.items())
     print(f"\nweights     largest difference from one process after {args.steps} steps: "
           f"{diff:.2e} (fp32: only the order of the sums differs)")
+    _print_bytes_and_memory(args, trained.results)
     times = [max(ts) for ts in zip(*(r["times"] for r in trained.results))][1:]
     if times:
         print(f"step time   {1e3 * sorted(times)[len(times) // 2]:.1f} ms (median of "
               f"{len(times)} after the first, slowest rank)")
     return 0
+
+
+def _print_bytes_and_memory(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
+    """Per rank: its coordinates, bytes it sent on each axis over all steps (tp's
+    collectives are torch's and not counted message by message), and what it holds,
+    beside `theory.mesh_bytes`."""
+    from parcourse.memory import format_bytes
+    from parcourse.theory import mesh_bytes
+
+    shape = {"dp": args.dp, "tp": args.tp, "pp": args.pp}
+    theory = mesh_bytes(_config(args), shape, args.zero)
+    print(f"\nper rank    (bytes sent over all {args.steps} steps; what each rank holds after)")
+    print(f"{'rank':>8}    {'dp tp pp':>8}  {'sent on pp':>10} {'on dp':>10}  "
+          f"{'params':>9} {'grads':>9} {'Adam':>9}")
+    for rank, r in enumerate(results):
+        c, sent, mem = r["coords"], r["bytes"], r["memory"]
+        print(f"{rank:>8}    {c['dp']:>2} {c['tp']:>2} {c['pp']:>2}  "
+              f"{format_bytes(sent.get('pp', 0)):>10} {format_bytes(sent.get('dp', 0)):>10}  "
+              f"{format_bytes(mem['params']):>9} {format_bytes(mem['grads']):>9} "
+              f"{format_bytes(mem['optimizer']):>9}")
+    print(f"{'theory':>8}    {'(stages that balance)':<32}  {format_bytes(theory['params']):>9} "
+          f"{format_bytes(theory['grads']):>9} {format_bytes(theory['optimizer']):>9}")

@@ -137,6 +137,7 @@ class Hybrid:
                  link: Network | None = None, tracer: Tracer | None = None) -> None:
         config = model.config
         self.mesh, self.config, self.microbatches = mesh, config, microbatches
+        self.sequence_parallel = sequence_parallel
         tp, pp = mesh.size("tp"), mesh.size("pp")
         if config.n_heads % tp:
             raise ValueError(f"tp ({tp}) must divide the {config.n_heads} heads")
@@ -280,6 +281,57 @@ class Hybrid:
             for g in grads:
                 g.mul_(scale)
         return norm
+
+    def reductions(self) -> list[dict[str, Any]]:
+        """What each group of this rank does to the numbers in one step, in the order it
+        happens, as this model is built (sequence parallel or not, ZeRO-1 or not,
+        clipping or not, the tied weights cut apart or not): rows of {"when", "what",
+        "axis", "op", "ranks"} (`ranks`: this rank's group). Lesson 09's table."""
+        sp, zero = self.sequence_parallel, self.sharded is not None
+        tp, pp, dp = (self.mesh.ranks(a) for a in ("tp", "pp", "dp"))
+        rows = []
+
+        def row(when: str, what: str, axis: str, op: str, ranks: list[int]) -> None:
+            if len(ranks) > 1:
+                rows.append({"when": when, "what": what, "axis": axis, "op": op,
+                             "ranks": ranks})
+
+        row("forward", "the token embedding's vocabulary shards", "tp", "all-reduce (sum)"
+            if not sp else "reduce-scatter (sum) along the sequence", tp)
+        row("forward", "the row-parallel layers' partial outputs (attention out, MLP down)",
+            "tp", "reduce-scatter (sum) along the sequence" if sp else "all-reduce (sum)", tp)
+        if sp:
+            row("forward", "the sequence chunks entering attention and the MLP", "tp",
+                "all-gather", tp)
+        row("forward", "activations, stage to stage", "pp", "send / recv (no sum)", pp)
+        row("loss", "the logits' max, sum of exps and target logit (vocabulary-parallel "
+            "cross entropy)", "tp", "all-reduce (max, sum)", tp)
+        row("backward", "the column-parallel layers' input gradients (qkv, MLP up)", "tp",
+            "reduce-scatter (sum) along the sequence" if sp else "all-reduce (sum)", tp)
+        if sp:
+            row("backward", "the LayerNorm weights' gradients (each rank saw its chunk)",
+                "tp", "all-reduce (sum)", tp)
+        row("backward", "activations' gradients, stage to stage", "pp",
+            "send / recv (no sum)", pp)
+        if self.runtime.tied:
+            embedding = next((g for g in self.mesh.layout.embedding_groups()
+                              if self.mesh.local_rank in g), [])
+            row("end of schedule", "the tied embedding's and head's gradients", "embedding",
+                "sum over the first and last stage", embedding)
+        if zero:
+            row("finalize 1", "every gradient", "dp", "reduce-scatter (mean): a slice each",
+                dp)
+        else:
+            row("finalize 1", "every gradient", "dp", "all-reduce (mean)", dp)
+        if self.max_norm is not None:
+            axes = ("dp", "tp", "pp") if zero else ("tp", "pp")
+            row("finalize 2", "the squared gradient norm (each element once)",
+                "-".join(axes), "all-reduce (sum)", self.mesh.ranks(*axes))
+        if zero:
+            row("after the step", "the updated slices of the parameters", "dp",
+                "all-gather", dp)
+        row("report", "the replicas' losses", "dp", "all-reduce (mean)", dp)
+        return rows
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds, by category: its parameters, its gradients as the

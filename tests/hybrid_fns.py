@@ -67,3 +67,8 @@ def memory_after_a_step(ctx, shape, zero):
     x, y = progressions(BATCH, CONFIG.block_size, CONFIG.vocab)
     model.step(x, y)
     return model.memory(), len(model.params)
+
+
+def reductions(ctx, shape, **kwargs):
+    """`Hybrid.reductions()` on this rank, the model built as asked."""
+    return Hybrid(gpt(CONFIG), Mesh(shape, ctx.group), **kwargs).reductions()

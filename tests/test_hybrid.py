@@ -63,6 +63,15 @@ def test_3d_on_six_ranks_equals_one_process(shape):
         check(pool.run(train, shape, "gpipe", recompute=True).results)
 
 
+def test_3d_on_a_two_level_network_equals_one_process(pool8):
+    """Every axis on the simulated links (the course's ring for tp too), pp crossing the
+    nodes: the pipeline's shape-finding pass on the meta device goes through tp's ring."""
+    from parcourse.comm import SimulatedLink, Topology
+
+    topology = Topology.of(4, between=SimulatedLink.of(latency_us=200, bandwidth_GBps=1.0))
+    check(pool8.run(train, {"dp": 2, "tp": 2, "pp": 2}, link=topology, zero=1).results)
+
+
 def test_llama3_order_and_zero_bubble_equal_one_process(pool8):
     check(pool8.run(train, {"dp": 2, "tp": 2, "pp": 2}, "zb-h1", order="llama3").results)
 
@@ -163,3 +172,24 @@ def test_memory_per_rank_beside_the_formula(pool4, shape, zero):
     mean_opt = sum(m["optimizer"] for m, _ in results) / len(results)
     tensors = 1 if zero else sum(t for _, t in results) / len(results)
     assert theory["optimizer"] <= mean_opt <= theory["optimizer"] + 4 * tensors + 12 * shape["dp"]
+
+
+def test_what_each_group_reduces_follows_the_model(pool4):
+    """Lesson 09's table: the rows follow the model's own choices and groups."""
+    from hybrid_fns import reductions
+
+    rows = pool4.run(reductions, {"dp": 2, "tp": 2, "pp": 1}, zero=1, max_norm=1.0,
+                     sequence_parallel=True).results
+    ops = {(r["axis"], r["op"]) for r in rows[3]}
+    assert ("dp", "reduce-scatter (mean): a slice each") in ops
+    assert ("dp", "all-gather") in ops and ("dp-tp-pp", "all-reduce (sum)") in ops
+    assert ("tp", "all-gather") in ops  # sequence parallelism's
+    assert not any(axis in ("pp", "embedding") for axis, _ in ops)  # no pipeline
+    assert {tuple(r["ranks"]) for r in rows[3] if r["axis"] == "tp"} == {(2, 3)}
+    rows = pool4.run(reductions, {"dp": 2, "tp": 1, "pp": 2}).results
+    for rank, mine in enumerate(rows):  # megatron order: pp outermost; ranks 0-1, 2-3 a stage
+        axes = {r["axis"]: r["ranks"] for r in mine}
+        assert axes["pp"] == [rank % 2, rank % 2 + 2] and axes["embedding"] == axes["pp"]
+        assert axes["dp"] == [rank - rank % 2, rank - rank % 2 + 1]
+        assert "tp" not in axes and ("dp", "all-reduce (mean)") in {
+            (r["axis"], r["op"]) for r in mine if r["when"] == "finalize 1"}

@@ -114,6 +114,8 @@ class Comm:
     def all_reduce(self, tensor: torch.Tensor, op: Op = "sum", *,
                    async_op: bool = False) -> torch.Tensor | Pending:
         """`tensor` reduced over the group, in place (and returned)."""
+        if self.algorithm == "ring" and tensor.is_meta:
+            return self._shape_only(tensor, async_op)
         if self.algorithm == "ring":
             def ring() -> torch.Tensor:
                 return ring_all_reduce(tensor, self.group, op, tracer=self.tracer, link=self.link)
@@ -137,6 +139,8 @@ class Comm:
         """This rank's part of `buffer` summed over ranks: rank r's is chunk r of N equal
         ones. `buffer` (contiguous, numel divisible by N) is the ring's scratch: its
         contents afterwards are undefined."""
+        if self.algorithm == "ring" and buffer.is_meta:
+            return self._shape_only(buffer.view(-1)[:buffer.numel() // self.size], async_op)
         if self.algorithm == "ring":
             def ring() -> torch.Tensor:
                 return ring_reduce_scatter(buffer, self.group, tracer=self.tracer,
@@ -157,6 +161,8 @@ class Comm:
                    async_op: bool = False) -> torch.Tensor | Pending:
         """Every rank's `part`, in rank order, into the contiguous 1-D `whole` (returned);
         `part` may be this rank's own chunk of `whole`."""
+        if self.algorithm == "ring" and whole.is_meta:
+            return self._shape_only(whole, async_op)
         if self.algorithm == "ring":
             def ring() -> torch.Tensor:
                 return ring_all_gather(part, self.group, tracer=self.tracer, link=self.link,
@@ -184,6 +190,17 @@ class Comm:
         return wire
 
     # -- the future
+
+    @staticmethod
+    def _shape_only(out: torch.Tensor, async_op: bool) -> torch.Tensor | Pending:
+        """A meta tensor (a shape without data, as when PipelineRuntime finds its stages'
+        output shapes) has no bytes for the ring to move: its result is its shape, as
+        torch's collectives give on the meta device."""
+        if not async_op:
+            return out
+        done: Future[tuple[torch.Tensor, int]] = Future()
+        done.set_result((out, time.perf_counter_ns()))
+        return Pending(out, thread=done)
 
     def _pending(self, work: dist.Work, out: torch.Tensor) -> Pending:
         if not self.timed:

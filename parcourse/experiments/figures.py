@@ -90,3 +90,37 @@ def mesh_layouts(shape: dict[str, int], ranks_per_node: int | None,
         ax.set_title(f"{order}: outermost first {outer}; cells show each rank's group "
                      f"(* crosses a node)", loc="left", fontsize=10)
     return fig
+
+
+def mesh_memory(shapes: Sequence[dict[str, int]],
+                measured: dict[int, Sequence[Sequence[dict[str, int]]]],
+                theory: dict[int, Sequence[dict[str, float]]]) -> Figure:
+    """Memory per rank for several mesh shapes (lesson 09), one panel per ZeRO stage
+    (`measured[zero][i]`: every rank's `Hybrid.memory()` on `shapes[i]`): the largest
+    rank's parameters, gradients and Adam state stacked, the smallest rank's total as a
+    thin bar (uneven stages), and `theory.mesh_bytes` as a black tick."""
+    stages = sorted(measured)
+    fig, axes = plt.subplots(1, len(stages), figsize=(5.5 * len(stages), 3.2),
+                             layout="constrained", sharey=True, squeeze=False)
+    categories = ("params", "grads", "optimizer")
+    labels = [" x ".join(f"{a}{s[a]}" for a in ("dp", "tp", "pp")) for s in shapes]
+    for ax, zero in zip(axes[0], stages):
+        for i, ranks in enumerate(measured[zero]):
+            largest = max(ranks, key=lambda m: sum(m[c] for c in categories))
+            bottom = 0.0
+            for k, c in enumerate(categories):
+                ax.bar(i, largest[c] / 1024, bottom=bottom, color=f"C{k}", width=0.6,
+                       label={"optimizer": "Adam state"}.get(c, c) if i == 0 else None)
+                bottom += largest[c] / 1024
+            smallest = min(sum(m[c] for c in categories) for m in ranks)
+            ax.bar(i + 0.38, smallest / 1024, width=0.1, color="0.5",
+                   label="smallest rank" if i == 0 else None)
+            formula = sum(theory[zero][i][c] for c in categories) / 1024
+            ax.plot([i - 0.3, i + 0.3], [formula, formula], color="black", lw=2,
+                    label="formula (stages balanced)" if i == 0 else None)
+        ax.set_xticks(range(len(shapes)), labels, rotation=30, ha="right", fontsize=8)
+        ax.set_title(f"ZeRO-{zero} over dp" if zero else "optimizer replicated over dp",
+                     loc="left", fontsize=10)
+    axes[0][0].set_ylabel("KiB per rank (largest rank)")
+    axes[0][-1].legend(fontsize=8, loc="upper right")
+    return fig

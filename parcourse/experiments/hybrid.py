@@ -78,21 +78,34 @@ def lesson_shape(world_size: int) -> dict[str, int]:
     return {"dp": world_size // (tp * pp), "tp": tp, "pp": pp}
 
 
+def mesh_shapes(world_size: int, config: GPTConfig = LESSON_CONFIG) -> list[dict[str, int]]:
+    """Every dp x tp x pp shape of `world_size` ranks the GPT allows (tp divides the
+    heads, pp at most its layers: embedding, blocks, head), dp first."""
+    shapes = []
+    for tp in range(1, world_size + 1):
+        for pp in range(1, world_size // tp + 1):
+            if world_size % (tp * pp) == 0 and config.n_heads % tp == 0 \
+                    and pp <= config.n_layers + 2:
+                shapes.append({"dp": world_size // (tp * pp), "tp": tp, "pp": pp})
+    return sorted(shapes, key=lambda s: (-s["dp"], -s["tp"]))
+
+
 def train_on_mesh(ctx: RankContext, shape: dict[str, int], steps: int = 2, *,
                   order: str = "megatron", schedule: str = "1f1b", microbatches: int = 2,
                   batch: int = 8, sequence_parallel: bool = False, zero: int = 0,
-                  traced: bool = False) -> dict[str, Any]:
+                  link: Topology | None = None, traced: bool = False) -> dict[str, Any]:
     """`steps` Adam steps of lesson 09's GPT on a mesh of `shape`: the losses (on the last
     stage's ranks), the bytes each axis sent and the count of tp's collectives (torch's,
-    whose bytes cannot be counted message by message) when `traced`, and the whole
-    trained weights (rank 0 only)."""
+    whose bytes cannot be counted message by message) when `traced`, what this rank
+    holds (`Hybrid.memory`), what each of its groups reduces (`Hybrid.reductions`), and
+    the whole trained weights (rank 0 only). `link`: a `Topology` for every message."""
     from parcourse.hybrid import bytes_by_axis
 
     ctx.tracer.set_status("building the mesh and the model")
     mesh = Mesh(shape, ctx.group, order=order)  # type: ignore[arg-type]
     model = Hybrid(gpt(LESSON_CONFIG), mesh, schedule=schedule, microbatches=microbatches,
                    sequence_parallel=sequence_parallel, zero=zero,  # type: ignore[arg-type]
-                   optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2),
+                   optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2), link=link,
                    tracer=ctx.tracer if traced else None)
     x, y = progressions(batch, LESSON_CONFIG.block_size, LESSON_CONFIG.vocab)
     losses = [model.step(x, y) for _ in range(steps)]
@@ -101,7 +114,20 @@ def train_on_mesh(ctx: RankContext, shape: dict[str, int], steps: int = 2, *,
     return {"losses": losses, "coords": {a: mesh.coordinate(a) for a in shape},
             "bytes": bytes_by_axis(counters),
             "tp_collectives": sum(1 for c in counters if c.name == "tp_collective"),
+            "memory": model.memory(), "reductions": model.reductions(),
             "state": state if ctx.rank == 0 else None}
+
+
+def memory_on_mesh(ctx: RankContext, shape: dict[str, int], zero: int = 0,
+                   microbatches: int = 2) -> dict[str, int]:
+    """What this rank holds after one step of lesson 09's GPT on `shape`."""
+    mesh = Mesh(shape, ctx.group)  # type: ignore[arg-type]
+    model = Hybrid(gpt(LESSON_CONFIG), mesh, microbatches=microbatches,
+                   zero=zero)  # type: ignore[arg-type]
+    batch = shape["dp"] * microbatches
+    x, y = progressions(batch, LESSON_CONFIG.block_size, LESSON_CONFIG.vocab)
+    model.step(x, y)
+    return model.memory()
 
 
 def one_process(steps: int = 2, batch: int = 8) -> dict[str, Any]:
@@ -145,3 +171,73 @@ def check_coordinates(fn: Any) -> bool:
                 return False
     print(f"Correct: every rank of {len(cases)} meshes, both orders among them.")
     return True
+
+
+def reductions_table(rows: list[dict[str, Any]]) -> str:
+    """`Hybrid.reductions()` as a text table, one row per communication, in step order."""
+    widths = {"when": 16, "axis": 9, "op": 40}
+    lines = [f"{'when':<16} {'axis':<9} {'op':<40} {'ranks':<12} what"]
+    for r in rows:
+        ranks = ",".join(str(x) for x in r["ranks"])
+        lines.append(" ".join(f"{r[k]:<{w}}" for k, w in widths.items())
+                     + f" {ranks:<12} {r['what']}")
+    return "\n".join(lines)
+
+
+def check_mesh_choice(world_size: int, shape: dict[str, int], schedule: str,
+                      microbatches: int, ranks_per_node: int,
+                      sequence_parallel: bool = False) -> None:
+    """Lesson 09's panel: a choice the model or the schedule cannot take, as a ValueError
+    naming the numbers, before any rank starts."""
+    from parcourse.mesh import Layout, check_ranks_per_node
+    from parcourse.pipeline.schedule import schedule_by_name
+
+    if Layout.of(shape).world_size != world_size:
+        raise ValueError(f"the shape {shape} holds {Layout.of(shape).world_size} ranks, the "
+                         f"panel has {world_size}")
+    check_ranks_per_node(world_size, ranks_per_node)
+    if LESSON_CONFIG.n_heads % shape["tp"]:
+        raise ValueError(f"tp ({shape['tp']}) must divide the {LESSON_CONFIG.n_heads} heads")
+    if sequence_parallel and LESSON_CONFIG.block_size % shape["tp"]:
+        raise ValueError(f"tp ({shape['tp']}) must divide the block size "
+                         f"({LESSON_CONFIG.block_size}) under sequence parallelism")
+    plan = schedule_by_name(schedule, shape["pp"], microbatches, 2)
+    if plan.stages > LESSON_CONFIG.n_layers + 2:
+        raise ValueError(f"{schedule} on pp {shape['pp']} has {plan.stages} stages; the GPT "
+                         f"has {LESSON_CONFIG.n_layers + 2} layers")
+
+
+def mesh_step_figure(run: Any, title: str) -> Any:
+    """A traced 3D run (`train_on_mesh`, traced): the timeline with communication coloured
+    by axis, beside the bytes each rank sent per axis and what each rank holds."""
+    import matplotlib.pyplot as plt
+
+    from parcourse import plots
+
+    results = run.results
+    n = len(results)
+    fig = plt.figure(figsize=(11, 2.2 + 0.45 * n), layout="constrained")
+    grid = fig.add_gridspec(2, 2, width_ratios=[2.2, 1], hspace=0.15)
+    plots.timeline(run.trace, ax=fig.add_subplot(grid[:, 0]), color_by="axis", title=title)
+    sent_ax, mem_ax = fig.add_subplot(grid[0, 1]), fig.add_subplot(grid[1, 1])
+    left = [0.0] * n
+    counted = {axis for r in results for axis in r["bytes"]}
+    for axis, color in (("dp", "C0"), ("pp", "C1"), ("tp", "C2")):  # the timeline's colours
+        if axis in counted:
+            kib = [r["bytes"].get(axis, 0.0) / 1024 for r in results]
+            sent_ax.barh(range(n), kib, left=left, color=color, label=axis)
+            left = [a + b for a, b in zip(left, kib)]
+    uncounted = "" if "tp" in counted else " (tp: torch's, uncounted)"
+    sent_ax.set_title(f"KiB sent, by axis{uncounted}", loc="left", fontsize=9)
+    left = [0.0] * n
+    for k, c in enumerate(("params", "grads", "optimizer")):
+        kib = [r["memory"][c] / 1024 for r in results]
+        mem_ax.barh(range(n), kib, left=left, color=f"C{k}",
+                    label={"optimizer": "Adam state"}.get(c, c))
+        left = [a + b for a, b in zip(left, kib)]
+    mem_ax.set_title("KiB held", loc="left", fontsize=9)
+    for ax in (sent_ax, mem_ax):
+        ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.12))
+        ax.set_yticks(range(n), [f"rank {r}" for r in range(n)], fontsize=8)
+        ax.invert_yaxis()
+    return fig

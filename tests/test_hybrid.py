@@ -135,19 +135,26 @@ def test_a_traced_step_says_each_messages_axis(pool8):
         assert sent["pp"] > 0  # activations and their gradients, between stages
 
 
-def test_tp_placement_runs_both_ways_beside_the_model(pool4):
-    """benchmarks/hybrid.py's run, tiny: both placements time a step; the model puts TP
-    across nodes above TP inside a node (the timing itself is the benchmark's to judge)."""
+@pytest.mark.parametrize("axis", ["tp", "pp"])
+def test_placement_runs_both_ways_beside_the_model(pool4, axis):
+    """benchmarks/hybrid.py's run, tiny: both placements time a step; the model puts
+    the axis across nodes above it inside a node for tp (the timing itself is the
+    benchmark's to judge)."""
     from parcourse.comm import Topology
     from parcourse.experiments.hybrid import (PLACEMENTS, placement_predictions,
                                               placement_step_times)
 
     topology = Topology.of(2)
-    results = pool4.run(placement_step_times, topology, 1).results
+    results = pool4.run(placement_step_times, topology, 1, axis=axis).results
     for r in results:
-        assert set(r["times"]) == set(PLACEMENTS) and all(len(t) == 1 for t in r["times"].values())
-    model = placement_predictions(topology, results[0]["param_bytes"])
-    assert model["tp across nodes"] > model["tp inside a node"] > 0
+        assert set(r["times"]) == set(PLACEMENTS[axis])
+        assert all(len(t) == 1 for t in r["times"].values())
+    model = placement_predictions(topology, max(r["param_bytes"] for r in results),
+                                  axis=axis)
+    inside, across = PLACEMENTS[axis]
+    assert model[inside] > 0 and model[across] > 0
+    if axis == "tp":
+        assert model[across] > model[inside]
 
 
 @pytest.mark.parametrize("shape,zero", [({"dp": 2, "tp": 2, "pp": 1}, 1),

@@ -23,47 +23,68 @@ from parcourse.mesh import Mesh
 from parcourse.models import GPTConfig, gpt
 from parcourse.theory import CostModel, tp_collectives, tp_link_seconds
 
-# TP innermost: its group is consecutive ranks, one node; outermost: it spans the nodes.
-PLACEMENTS: dict[str, tuple[str, ...]] = {"tp inside a node": ("dp", "tp"),
-                                          "tp across nodes": ("tp", "dp")}
+# For each axis, the two placements timed: innermost, its groups are consecutive ranks
+# (one node); outermost, they span the nodes. The data-parallel group takes the other links.
+PLACEMENTS: dict[str, dict[str, tuple[str, ...]]] = {
+    "tp": {"tp inside a node": ("dp", "tp"), "tp across nodes": ("tp", "dp")},
+    "pp": {"pp inside a node": ("dp", "pp"), "pp across nodes": ("pp", "dp")},
+}
+PLACEMENT_CONFIG = GPTConfig(vocab=64, block_size=16, n_layers=2, n_heads=4, d_model=64)
 
 
 def placement_step_times(ctx: RankContext, topology: Topology, steps: int = 3, *,
-                         config: GPTConfig | None = None, batch: int = 8) -> dict[str, Any]:
-    """Seconds per step of the GPT on dp x tp = 2 x 2 (4 ranks, 2 a node), TP inside a
-    node and across nodes, taking turns (`timing.take_turns`); one microbatch, so that
-    the step's collectives are `theory.tp_collectives`'."""
-    config = config or GPTConfig(vocab=64, block_size=16, n_layers=2, n_heads=4, d_model=64)
+                         axis: str = "tp", config: GPTConfig | None = None,
+                         batch: int = 8) -> dict[str, Any]:
+    """Seconds per step of the GPT on dp x `axis` = 2 x 2 (4 ranks, 2 a node), with the
+    `axis` group inside a node and across nodes, taking turns (`timing.take_turns`); one
+    microbatch (GPipe), so that the step's messages are the ones
+    `placement_predictions` counts. Also this rank's parameter bytes."""
+    config = config or PLACEMENT_CONFIG
     if ctx.world_size != 4 or topology.ranks_per_node != 2:
         raise ValueError("placement_step_times runs on 4 ranks, 2 a node")
+    if axis not in PLACEMENTS:
+        raise ValueError(f"axis must be one of {sorted(PLACEMENTS)}, got {axis!r}")
     x, y = progressions(batch, config.block_size, config.vocab)
-    models = {name: Hybrid(gpt(config), Mesh({"dp": 2, "tp": 2}, ctx.group, order=order),
+    models = {name: Hybrid(gpt(config), Mesh({"dp": 2, axis: 2}, ctx.group, order=order),
                            schedule="gpipe", microbatches=1, link=topology,
                            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01))
-              for name, order in PLACEMENTS.items()}
+              for name, order in PLACEMENTS[axis].items()}
     times = take_turns(ctx.group, {name: lambda _, m=m: m.step(x, y)
                                    for name, m in models.items()}, steps)
-    param_bytes = sum(p.numel() * 4 for p in models["tp inside a node"].params)
+    param_bytes = sum(p.numel() * 4 for p in next(iter(models.values())).params)
     return {"times": times, "param_bytes": param_bytes}
 
 
-def placement_predictions(topology: Topology, param_bytes: int, *,
-                          config: GPTConfig | None = None, batch: int = 8) -> dict[str, float]:
-    """The alpha-beta model's seconds of communication per step for each placement: TP's
-    collectives on the ring (`tp_link_seconds`, each replica's batch) over its link, plus
-    data parallelism's ring all-reduce of this rank's gradients over the other."""
-    config = config or GPTConfig(vocab=64, block_size=16, n_layers=2, n_heads=4, d_model=64)
-    collectives = tp_collectives(config, batch // 2, config.block_size, 2)
-    inside, between = topology.inside, topology.between
+def placement_predictions(topology: Topology, param_bytes: int, *, axis: str = "tp",
+                          config: GPTConfig | None = None, batch: int = 8
+                          ) -> dict[str, float]:
+    """The alpha-beta model's seconds of communication per step for each placement of
+    `axis`, on its link, plus data parallelism's ring all-reduce of `param_bytes` (the
+    largest rank's) on the other.
 
-    def seconds(tp_link: Any, dp_link: Any) -> float:
-        tp_s = tp_link_seconds(collectives, 2, tp_link.latency_s, tp_link.bandwidth_Bps)
+    tp: its collectives on the ring (`tp_link_seconds`, each replica's batch). pp (two
+    stages, one microbatch): the activation sent forward and its gradient sent back, both
+    on the critical path, then the tied embedding's gradient exchanged between the two
+    ends: 3 alpha + (2 x activation + embedding bytes) / beta."""
+    config = config or PLACEMENT_CONFIG
+    inside, between = topology.inside, topology.between
+    rows = batch // 2  # each replica's
+
+    def axis_s(link: Any) -> float:
+        if axis == "tp":
+            collectives = tp_collectives(config, rows, config.block_size, 2)
+            return tp_link_seconds(collectives, 2, link.latency_s, link.bandwidth_Bps)
+        activation = 4 * rows * config.block_size * config.d_model
+        embedding = 4 * config.vocab * config.d_model if config.tie_weights else 0
+        return 3 * link.latency_s + (2 * activation + embedding) / link.bandwidth_Bps
+
+    def seconds(axis_link: Any, dp_link: Any) -> float:
         dp_s = CostModel(dp_link.latency_s, dp_link.bandwidth_Bps).all_reduce_s(
             "ring", param_bytes, 2)
-        return tp_s + dp_s
+        return axis_s(axis_link) + dp_s
 
-    return {"tp inside a node": seconds(inside, between),
-            "tp across nodes": seconds(between, inside)}
+    inside_name, across_name = PLACEMENTS[axis]
+    return {inside_name: seconds(inside, between), across_name: seconds(between, inside)}
 
 
 # --------------------------------------------------------------------------- lesson 09

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from parcourse.comm import Comm, Network
+from parcourse.comm import Comm, Network, Pending
 from parcourse.data import shard as shard_rows
 from parcourse.memory import storage_bytes, tensors_in
 from parcourse.mesh import Mesh
@@ -65,51 +65,84 @@ def _stages_tied(stages: list[nn.Module]) -> list[dict[int, str]]:
     return [group for group in where.values() if len(group) > 1]
 
 
-class _ShardedOptimizer:
-    """ZeRO-1 over the data-parallel group, for one rank's parameters as a flat buffer:
-    its slice of the buffer (`chunk_bounds`) is the one parameter its optimizer steps."""
+class _Unit:
+    """Parameters whose gradients are reduced over dp together: one flat buffer, padded to
+    dp equal slices (`chunk_bounds`); this replica steps slice `rank` (`shard`)."""
 
-    def __init__(self, params: list[nn.Parameter], comm: Comm, factory: OptimizerFactory
-                 ) -> None:
-        self.comm = comm
+    def __init__(self, params: list[nn.Parameter], comm: Comm) -> None:
+        self.params = params
         self.numel = sum(p.numel() for p in params)
         self.padded = -(-self.numel // comm.size) * comm.size  # the ring cuts N equal parts
-        start, end = chunk_bounds(self.padded, comm.size)[comm.rank]
-        flat = self._flat([p.detach() for p in params])
-        self.start, self.end = start, end
-        self.shard = nn.Parameter(flat[start:end].clone())
-        self.optimizer = factory([self.shard])
+        self.start, self.end = chunk_bounds(self.padded, comm.size)[comm.rank]
+        self.shard = nn.Parameter(self.flat([p.detach() for p in params])[self.start:self.end]
+                                  .clone())
+        self.in_flight: list[tuple[Pending, torch.Tensor]] = []  # and the buffer it reduces
 
-    def _flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+    def flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         flat = torch.zeros(self.padded, dtype=tensors[0].dtype, device=tensors[0].device)
         torch.cat([t.reshape(-1) for t in tensors], out=flat[:self.numel])
         return flat
 
-    def mine(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """This rank's slice of `tensors` laid out as the parameters are."""
-        return self._flat(tensors)[self.start:self.end]
+
+class _ShardedOptimizer:
+    """ZeRO over the data-parallel group for one rank's parameters, cut into units (one
+    per stage it holds, and one for the tied weights): the optimizer steps each unit's
+    slice, one parameter per unit, and its state is 1/dp of Adam's.
+
+    `reduce(unit)`: the unit's gradients averaged over dp into its slice (`shard.grad`,
+    added to what earlier microbatches put there), and the full gradients dropped; with
+    `async_op` the reduce-scatter runs while the schedule goes on (one at a time: the
+    one before is collected first), and `collect` waits for it. ZeRO-1 reduces every
+    unit once, after the schedule; ZeRO-2 reduces a stage's unit after each
+    microbatch's backward of that stage."""
+
+    def __init__(self, units: list[list[nn.Parameter]], comm: Comm, factory: OptimizerFactory
+                 ) -> None:
+        self.comm = comm
+        self.units = [_Unit(ps, comm) for ps in units if ps]
+        self.optimizer = factory([u.shard for u in self.units])
 
     @torch.no_grad()
-    def reduce(self, params: list[nn.Parameter]) -> None:
-        """The gradients averaged over dp, this rank's slice only (`shard.grad`); the full
-        gradients go."""
-        grads = self._flat([p.grad if p.grad is not None else torch.zeros_like(p)
-                            for p in params])
-        for p in params:
+    def reduce(self, unit: _Unit, async_op: bool = False) -> None:
+        grads = unit.flat([p.grad if p.grad is not None else torch.zeros_like(p)
+                           for p in unit.params])
+        for p in unit.params:
             p.grad = None
-        self.shard.grad = self.comm.reduce_scatter(grads).div_(self.comm.size)
+        if async_op:
+            self.collect()  # one at a time
+            unit.in_flight.append((self.comm.reduce_scatter(grads, async_op=True), grads))
+        else:
+            self._add(unit, self.comm.reduce_scatter(grads))
+
+    def _add(self, unit: _Unit, part: torch.Tensor) -> None:
+        part = part.div_(self.comm.size)
+        unit.shard.grad = part.clone() if unit.shard.grad is None else unit.shard.grad.add_(part)
+
+    def collect(self) -> None:
+        """Wait for every reduce-scatter in flight, in the order they started."""
+        for unit in self.units:
+            for pending, _ in unit.in_flight:
+                self._add(unit, pending.result())
+            unit.in_flight.clear()
+
+    def mine(self, weight: Callable[[nn.Parameter], float]) -> list[torch.Tensor]:
+        """Per unit, this rank's slice of `weight(p)` laid out as the parameters are (the
+        padding: 0)."""
+        return [u.flat([torch.full_like(p, weight(p)) for p in u.params])[u.start:u.end]
+                for u in self.units]
 
     @torch.no_grad()
-    def step(self, params: list[nn.Parameter]) -> None:
-        """Step this rank's slice, then all-gather every slice into the parameters."""
+    def step(self) -> None:
+        """Step this rank's slices, then all-gather every slice into the parameters."""
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        whole = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
-        self.comm.all_gather(self.shard.detach(), whole)
-        offset = 0
-        for p in params:
-            p.copy_(whole[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        for unit in self.units:
+            whole = torch.empty(unit.padded, dtype=unit.shard.dtype, device=unit.shard.device)
+            self.comm.all_gather(unit.shard.detach(), whole)
+            offset = 0
+            for p in unit.params:
+                p.copy_(whole[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
 
 
 class Hybrid:
@@ -120,9 +153,18 @@ class Hybrid:
     interleaved 1F1B. `optimizer`: builds this rank's optimizer from its parameters (Adam,
     lr 1e-3, by default). `recompute`: activation checkpointing of each stage (GPipe's).
     `zero=1`: ZeRO-1 over dp: each replica keeps the optimizer state of 1/dp of this
-    rank's parameters (one flat buffer, as the ZeRO paper's P_os), gradients are
+    rank's parameters (a flat buffer per stage, as the ZeRO paper's P_os), gradients are
     reduce-scattered instead of all-reduced, and the updated slices all-gathered; the
-    optimizer then sees one flat parameter, so per-parameter groups do not apply.
+    optimizer then sees one flat parameter per stage, so per-parameter groups do not
+    apply. `zero=2`: the gradients sharded too (P_os+g): after each microbatch's backward
+    of a stage, its gradients are reduce-scattered into this replica's slice (while the
+    schedule goes on) and dropped, so a stage's full gradient never outlives one
+    microbatch; the price is a reduce-scatter per microbatch instead of one per step
+    (why DeepSpeed refuses ZeRO-2 with its pipeline engine). The tied embedding and head
+    add up their gradient after the schedule, so theirs is reduced then. At this
+    granularity (a stage, not a bucket) a rank still holds one stage's full gradient
+    beside its slices, P/v + P/dp for v stages per rank against ZeRO-1's P: it pays only
+    with several stages per rank and a wide dp (lesson 09 measures it).
     `max_norm`: clip the gradients by their global norm (over every axis that splits
     them), as `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)` in one
     process; the norm before clipping is `grad_norm` after each step.
@@ -133,7 +175,7 @@ class Hybrid:
     def __init__(self, model: GPT, mesh: Mesh, *, schedule: str = "1f1b",
                  microbatches: int = 4, chunks: int = 2, sequence_parallel: bool = False,
                  recompute: bool = False, optimizer: OptimizerFactory | None = None,
-                 zero: Literal[0, 1] = 0, max_norm: float | None = None,
+                 zero: Literal[0, 1, 2] = 0, max_norm: float | None = None,
                  link: Network | None = None, tracer: Tracer | None = None) -> None:
         config = model.config
         self.mesh, self.config, self.microbatches = mesh, config, microbatches
@@ -164,18 +206,37 @@ class Hybrid:
         cut = partition(gpt_layers(self.model), self.plan.stages)
         stage = mesh.coordinate("pp")
         mine = {s: cut[s] for s, r in enumerate(self.plan.stage_rank) if r == stage}
+        if zero not in (0, 1, 2):
+            raise ValueError(f"zero must be 0 (replicated optimizer), 1 (its state sharded "
+                             f"over dp) or 2 (the gradients too), got {zero!r}")
+        self.zero = zero
         self.runtime = PipelineRuntime(self.plan, mine, None, self._loss, tracer=tracer,
                                        recompute=recompute, tied=_stages_tied(cut),
                                        comm=Comm(mesh.group("pp"), tracer=on("pp"), link=link,
-                                                 algorithm="auto"))
+                                                 algorithm="auto"),
+                                       on_weight_gradients=self._reduce_stage if zero == 2
+                                       else None)
         self.first = self.plan.stage_rank[0] == stage
         self.last = self.plan.stage_rank[-1] == stage
         self.params = list({id(p): p for m in mine.values() for p in m.parameters()}.values())
-        if zero not in (0, 1):
-            raise ValueError(f"zero must be 0 (replicated optimizer) or 1 (its state sharded "
-                             f"over dp), got {zero!r}")
         factory = optimizer or (lambda ps: torch.optim.Adam(ps, lr=1e-3))
-        self.sharded = _ShardedOptimizer(self.params, self.dp_comm, factory) if zero else None
+        self.sharded, self._stage_unit = None, {}
+        if zero:
+            # One unit per stage this rank holds, the tied weights in a unit of their own.
+            tied = {id(cut[s].get_parameter(name)) for g in _stages_tied(cut)
+                    for s, name in g.items()}
+            seen: set[int] = set()
+            units = []
+            for s in sorted(mine):
+                units.append([p for p in mine[s].parameters()
+                              if id(p) not in tied and id(p) not in seen])
+                seen.update(id(p) for p in units[-1])
+            units.append([p for p in self.params if id(p) in tied])
+            self.sharded = _ShardedOptimizer(units, self.dp_comm, factory)
+            by_params = {id(u.params[0]): u for u in self.sharded.units}
+            self._stage_unit = {s: by_params[id(ps[0])] for s, ps in zip(sorted(mine), units)
+                                if ps}
+            self._tied_unit = by_params.get(id(units[-1][0])) if units[-1] else None
         self.optimizer = self.sharded.optimizer if self.sharded else factory(self.params)
         if max_norm is not None and not max_norm > 0:
             raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
@@ -214,10 +275,11 @@ class Hybrid:
                              f"({dp}) x microbatches ({self.microbatches}) equal parts")
         x = shard_rows(inputs, replica, dp) if self.first else None
         y = shard_rows(targets, replica, dp) if self.last else None
+        self.grad_bytes = 0
         loss = self.runtime.step(x, y)  # and the tied weights' gradients added up
         self.finalize_gradients()
         if self.sharded is not None:
-            self.sharded.step(self.params)  # step this rank's slice, all-gather the slices
+            self.sharded.step()  # step this rank's slices, all-gather the slices
         else:
             self.optimizer.step()
         for p in self.params:
@@ -230,21 +292,28 @@ class Hybrid:
 
     def finalize_gradients(self) -> None:
         """What happens to the gradients between the schedule and the optimizer, in
-        Megatron-LM's order (`finalize_model_grads`). Before it: under sequence parallelism
-        the replicated (LayerNorm) gradients were summed over tp in backward, and the
-        pipeline runtime added up the tied embedding's and head's gradients over the first
-        and last stage at the end of its schedule. Here:
+        Megatron-LM's order (`finalize_model_grads`). Before it: under sequence
+        parallelism the replicated (LayerNorm) gradients were summed over tp in backward,
+        and the pipeline runtime added up the tied embedding's and head's gradients over
+        the first and last stage at the end of its schedule. Here:
 
         1. dp: every gradient averaged over the data-parallel group, as one flat
            all-reduce in parameter order (the same on every replica); under ZeRO-1 a
-           reduce-scatter instead, each replica keeping its slice.
+           reduce-scatter per stage instead, each replica keeping its slice; under ZeRO-2
+           only the tied weights' (the stages' went in backward), then waiting for the
+           reduce-scatters still in flight.
         2. if `max_norm`: the global gradient norm over tp and pp (and dp under ZeRO), and
            every gradient scaled by min(1, max_norm / norm), as
            `torch.nn.utils.clip_grad_norm_` does in one process (`self.grad_norm`).
         """
-        self.grad_bytes = storage_bytes(p.grad for p in self.params if p.grad is not None)
+        self._note_grad_bytes()
         if self.sharded is not None:
-            self.sharded.reduce(self.params)
+            if self.zero == 1:
+                for unit in self.sharded.units:
+                    self.sharded.reduce(unit)
+            elif self._tied_unit is not None:  # ZeRO-2: the stages' are on their way; after
+                self.sharded.reduce(self._tied_unit, async_op=True)  # them on the one thread
+            self.sharded.collect()
         elif self.mesh.size("dp") > 1:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p)
                      for p in self.params]
@@ -257,16 +326,34 @@ class Hybrid:
         if self.max_norm is not None:
             self.grad_norm = self._clip(self.max_norm)
 
+    def _reduce_stage(self, stage: int, microbatch: int) -> None:
+        """ZeRO-2: a microbatch's gradients of `stage` reduce-scattered into this replica's
+        slice while the schedule goes on, and dropped here."""
+        assert self.sharded is not None
+        self.sharded.collect()  # the one before (done by now, most often): its buffer goes
+        self._note_grad_bytes()
+        if stage in self._stage_unit:
+            self.sharded.reduce(self._stage_unit[stage], async_op=True)
+
+    def _note_grad_bytes(self) -> None:
+        """The gradients held now (full ones and slices), if more than before this step."""
+        held = [p.grad for p in self.params if p.grad is not None]
+        if self.sharded is not None:
+            for u in self.sharded.units:
+                held += [buffer for _, buffer in u.in_flight]
+                held += [u.shard.grad] if u.shard.grad is not None else []
+        self.grad_bytes = max(self.grad_bytes, storage_bytes(held))
+
     @torch.no_grad()
     def _clip(self, max_norm: float) -> float:
         """Scale every gradient so that their norm over the whole model is at most
         `max_norm`; the norm before. The squares are summed in float64, each element once
         (`_counted`), then over the norm's group."""
         if self.sharded is not None:
-            weights = self.sharded.mine([torch.full_like(p, w)
-                                         for p, w in zip(self.params, self._counted)])
-            grads = [self.sharded.shard.grad]
-            local = (grads[0].double().square() * weights).sum()
+            counted = {id(p): w for p, w in zip(self.params, self._counted)}
+            weights = self.sharded.mine(lambda p: counted[id(p)])
+            grads = [u.shard.grad for u in self.sharded.units]
+            local = sum((g.double().square() * w).sum() for g, w in zip(grads, weights))
         else:
             grads = [p.grad for p in self.params if p.grad is not None]
             local = torch.zeros((), dtype=torch.float64, device=self.params[0].device)
@@ -313,12 +400,19 @@ class Hybrid:
                 "tp", "all-reduce (sum)", tp)
         row("backward", "activations' gradients, stage to stage", "pp",
             "send / recv (no sum)", pp)
+        if self.zero == 2:
+            row("backward", "a stage's gradients, after each microbatch's backward of it",
+                "dp", "reduce-scatter (mean) into a slice each, while the schedule goes on",
+                dp)
         if self.runtime.tied:
             embedding = next((g for g in self.mesh.layout.embedding_groups()
                               if self.mesh.local_rank in g), [])
             row("end of schedule", "the tied embedding's and head's gradients", "embedding",
                 "sum over the first and last stage", embedding)
-        if zero:
+        if self.zero == 2:
+            row("finalize 1", "the tied weights' gradients (the rest went in backward)", "dp",
+                "reduce-scatter (mean): a slice each", dp)
+        elif zero:
             row("finalize 1", "every gradient", "dp", "reduce-scatter (mean): a slice each",
                 dp)
         else:
@@ -340,7 +434,7 @@ class Hybrid:
         Comparable with `theory.mesh_bytes`."""
         optimizer = storage_bytes(tensors_in(list(self.optimizer.state.values())))
         if self.sharded is not None:
-            optimizer += storage_bytes([self.sharded.shard])
+            optimizer += storage_bytes(u.shard for u in self.sharded.units)
         return {"params": storage_bytes(self.params), "grads": self.grad_bytes,
                 "optimizer": optimizer}
 

@@ -231,21 +231,27 @@ def tp_parameter_bytes(config: GPTConfig, world_size: int) -> dict[str, int]:
             "total": 4 * (sharded + replicated)}
 
 
-def mesh_bytes(config: GPTConfig, shape: dict[str, int], zero: int = 0) -> dict[str, float]:
+def mesh_bytes(config: GPTConfig, shape: dict[str, int], zero: int = 0,
+               stages_per_rank: int = 1) -> dict[str, float]:
     """Theory: bytes per rank for parameters, gradients and Adam state of the GPT on a
     dp x tp x pp mesh (fp32), for stages that balance: a rank holds its tensor-parallel
     share (`tp_parameter_bytes`) of 1/pp of the model, where a tied embedding and head
     cut apart by the pipeline count twice (each end holds a copy, as Megatron-LM's
     embedding group does). dp replicates all of it; under ZeRO-1 each replica keeps Adam's
     two moments for 1/dp of the parameters, and the fp32 slice it steps (4 / dp bytes a
-    parameter more)."""
+    parameter more). Under ZeRO-2 (`parcourse.hybrid`: a stage's gradients reduce-scattered
+    after each microbatch) a rank holds one of its `stages_per_rank` stages' full gradient
+    beside its slices: P/v + P/dp."""
     tp, pp, dp = shape.get("tp", 1), shape.get("pp", 1), shape.get("dp", 1)
     whole = tp_parameter_bytes(config, tp)["total"]
     if pp > 1 and config.tie_weights:
         whole += 4 * math.ceil(config.vocab / tp) * config.d_model  # the head's own copy
     params = whole / pp
+    if zero not in (0, 1, 2):
+        raise ValueError(f"zero must be 0, 1 or 2, got {zero}")
     optimizer = 2 * params if not zero else (2 * params + params) / dp
-    return {"params": params, "grads": params, "optimizer": optimizer}
+    grads = params if zero < 2 else params / stages_per_rank + params / dp
+    return {"params": params, "grads": grads, "optimizer": optimizer}
 
 
 def tp_activation_bytes(config: GPTConfig, batch: int, seq: int, world_size: int,

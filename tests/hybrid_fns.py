@@ -72,3 +72,17 @@ def memory_after_a_step(ctx, shape, zero):
 def reductions(ctx, shape, **kwargs):
     """`Hybrid.reductions()` on this rank, the model built as asked."""
     return Hybrid(gpt(CONFIG), Mesh(shape, ctx.group), **kwargs).reductions()
+
+
+def dp_bytes_by_zero(ctx, shape, zero, microbatches):
+    """Bytes this rank sent over dp in one traced step, and its units' padded sizes
+    (the stages' first, the tied weights' last)."""
+    from parcourse.hybrid import bytes_by_axis
+
+    model = Hybrid(gpt(CONFIG), Mesh(shape, ctx.group), microbatches=microbatches, zero=zero,
+                   tracer=ctx.tracer)
+    x, y = progressions(BATCH, CONFIG.block_size, CONFIG.vocab)
+    model.step(x, y)
+    units = [u.padded for u in model.sharded.units]
+    tied = model._tied_unit.padded if model._tied_unit is not None else 0
+    return bytes_by_axis(ctx.tracer.data().counters)["dp"], units, tied

@@ -109,6 +109,34 @@ def test_3d_with_zero_1_over_dp_equals_one_process(pool8, shape):
     check(pool8.run(train, shape, zero=1).results)
 
 
+@pytest.mark.parametrize("shape,schedule,microbatches", [
+    ({"dp": 2, "tp": 2, "pp": 2}, "1f1b", 4),
+    ({"dp": 4, "tp": 1, "pp": 2}, "interleaved-1f1b", 2),
+    ({"dp": 2, "tp": 1, "pp": 4}, "zb-h1", 4),
+])
+def test_3d_with_zero_2_over_dp_equals_one_process(pool8, shape, schedule, microbatches):
+    """ZeRO-2 over dp: each microbatch's gradients of a stage reduce-scattered into the
+    slices as soon as its backward (B, or W under zero bubble) is done, summed over the
+    microbatches there; the tied weights' after the schedule."""
+    check(pool8.run(train, shape, schedule, zero=2, microbatches=microbatches).results)
+
+
+def test_zero_2_reduce_scatters_each_microbatch(pool4):
+    """The price of ZeRO-2 under a pipeline: a reduce-scatter of each stage's gradients per
+    microbatch (the ring sends (N-1)/N of the buffer), against ZeRO-1's one per step; the
+    all-gather of the updated slices is the same."""
+    from hybrid_fns import dp_bytes_by_zero
+
+    shape, m = {"dp": 2, "tp": 1, "pp": 2}, 4
+    one = pool4.run(dp_bytes_by_zero, shape, 1, m).results
+    two = pool4.run(dp_bytes_by_zero, shape, 2, m).results
+    for (sent1, units, tied), (sent2, units2, _) in zip(one, two):
+        assert units == units2
+        stages = 4 * (sum(units) - tied)  # fp32 bytes of the stages' buffers
+        assert sent1 == 4 * sum(units)  # (N-1)/N x S twice, N = 2
+        assert sent2 - sent1 == (m - 1) * stages / 2
+
+
 CLIP = 0.5  # below the GPT's gradient norm at both steps (about 1.16 and 0.84): it clips
 
 

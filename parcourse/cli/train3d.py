@@ -25,8 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", type=int, default=2, help="per replica")
     p.add_argument("--chunks", type=int, default=2, help="stages per rank, interleaved-1f1b")
     p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--zero", type=int, choices=(0, 1), default=0,
-                   help="1: the optimizer state sharded over dp (ZeRO-1)")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2), default=0,
+                   help="1: the optimizer state sharded over dp (ZeRO-1); 2: the gradients "
+                        "too, reduce-scattered after each microbatch")
     p.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
                    help="clip the gradients by their global norm (over every axis)")
     p.add_argument("--steps", type=int, default=3)
@@ -126,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"train3d     dp {args.dp} x tp {args.tp} x pp {args.pp} = {where.world_size} ranks "
           f"({args.order} order), {args.schedule}, {args.microbatches} microbatches a replica"
           f"{', sequence parallel' if args.sequence_parallel else ''}"
-          f"{', ZeRO-1 over dp' if args.zero else ''}"
+          f"{f', ZeRO-{args.zero} over dp' if args.zero else ''}"
           f"{f', clipped at norm {args.clip}' if args.clip is not None else ''}"
           f", backend {trained.backend}")
     print(f"model       GPT, {config.n_layers} blocks, d_model {config.d_model}, "
@@ -157,7 +158,9 @@ def _print_bytes_and_memory(args: argparse.Namespace, results: list[dict[str, An
     from parcourse.theory import mesh_bytes
 
     shape = {"dp": args.dp, "tp": args.tp, "pp": args.pp}
-    theory = mesh_bytes(_config(args), shape, args.zero)
+    plan = SCHEDULES[args.schedule].build(args.pp, args.microbatches, args.chunks)
+    theory = mesh_bytes(_config(args), shape, args.zero,
+                        stages_per_rank=plan.stages // args.pp)
     print(f"\nper rank    (bytes sent over all {args.steps} steps; what each rank holds after)")
     print(f"{'rank':>8}    {'dp tp pp':>8}  {'sent on pp':>10} {'on dp':>10}  "
           f"{'params':>9} {'grads':>9} {'Adam':>9}")

@@ -66,13 +66,18 @@ class PipelineRuntime:
     `comm`: the `Comm` messages go through (its group, tracer and link); without one,
     one is made from `group`, `tracer` and `link`. With both, `tracer` records the
     runtime's own spans and the Comm's tracer its messages.
+
+    `on_weight_gradients(stage, microbatch)`: called after each action that adds a
+    microbatch's gradients to a stage's weights (B, or W when the backward is split), so
+    that a caller can take them away at once (ZeRO-2 over data parallelism does).
     """
 
     def __init__(self, schedule: Schedule, stages: dict[int, nn.Module],
                  group: dist.ProcessGroup | None, loss_fn: Callable[[Any, Any], torch.Tensor], *,
                  tracer: Tracer | None = None, link: SimulatedLink | None = None,
                  compute: SimulatedCompute | None = None, recompute: bool = False,
-                 tied: Sequence[dict[int, str]] = (), comm: Comm | None = None) -> None:
+                 tied: Sequence[dict[int, str]] = (), comm: Comm | None = None,
+                 on_weight_gradients: Callable[[int, int], None] | None = None) -> None:
         check(schedule)
         if recompute and any(a.kind == "I" for acts in schedule.actions for a in acts):
             raise ValueError(f"recompute=True runs each stage's backward whole; {schedule.name} "
@@ -107,6 +112,7 @@ class PipelineRuntime:
         self._out_shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}  # ... and output
         self._posts = early_receives(schedule, self.rank, dist.get_backend(self.group))
         self._failed: str | None = None
+        self.on_weight_gradients = on_weight_gradients
 
     # -- point to point
 
@@ -236,6 +242,8 @@ class PipelineRuntime:
                 for later in self._posts.get(k, ()):
                     self._post(later)
                 self._run(action)
+                if self.on_weight_gradients is not None and action.kind in ("B", "W"):
+                    self.on_weight_gradients(action.stage, action.microbatch)
             except Exception as e:
                 self._failed = f"at {action}"
                 raise RuntimeError(f"rank {self.rank} failed at {action}: "

@@ -57,6 +57,13 @@ def test_3d_with_interleaving_and_sequence_parallelism(pool8):
                     sequence_parallel=True).results)
 
 
+def test_3d_with_dualpipe_v_and_clipping_equals_one_process(pool8):
+    """DualPipeV's V: rank 0 holds the first and the last stage, so the tied embedding and
+    head sit on one rank (one Parameter, counted once in the norm)."""
+    check(pool8.run(train, {"dp": 2, "tp": 2, "pp": 2}, "dualpipe-v", microbatches=4,
+                    max_norm=CLIP).results, CLIP)
+
+
 @pytest.mark.parametrize("shape", [{"dp": 3, "tp": 1, "pp": 2}, {"dp": 1, "tp": 3, "pp": 2}])
 def test_3d_on_six_ranks_equals_one_process(shape):
     with Pool(6, timeout=300) as pool:

@@ -306,6 +306,8 @@ class Hybrid:
            every gradient scaled by min(1, max_norm / norm), as
            `torch.nn.utils.clip_grad_norm_` does in one process (`self.grad_norm`).
         """
+        if self.sharded is not None:
+            self.sharded.collect()  # ZeRO-2: the last stage's reduction, still in flight
         self._note_grad_bytes()
         if self.sharded is not None:
             if self.zero == 1:
@@ -430,13 +432,15 @@ class Hybrid:
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds, by category: its parameters, its gradients as the
         schedule left them (their peak, before the dp reduction; `grad_bytes`, 0 before
-        the first step) and the optimizer's state (under ZeRO-1 with the slice it steps).
-        Comparable with `theory.mesh_bytes`."""
+        the first step), the optimizer's state (under ZeRO with the slices it steps) and,
+        when traced, the peak of the activations kept for backward over the last step
+        (0 otherwise: they are counted only when measuring). Comparable with
+        `theory.mesh_bytes` and the planner."""
         optimizer = storage_bytes(tensors_in(list(self.optimizer.state.values())))
         if self.sharded is not None:
             optimizer += storage_bytes(u.shard for u in self.sharded.units)
         return {"params": storage_bytes(self.params), "grads": self.grad_bytes,
-                "optimizer": optimizer}
+                "optimizer": optimizer, "activations": self.runtime.peak_in_flight_bytes}
 
     # -- export
 

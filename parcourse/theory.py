@@ -4,6 +4,7 @@ measurement with, in one place. Pure arithmetic: no processes, nothing sent.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -288,6 +289,73 @@ def tp_activation_bytes(config: GPTConfig, batch: int, seq: int, world_size: int
         + (stream if drop else 0) + layer_norm + 4 * b * t * c)  # dropout; ln_f; head input
     result["total"] = sum(result.values())
     return result
+
+
+def gpt_layer_bytes(config: GPTConfig, layer: int, tp: int = 1, *, batch: int = 1,
+                    sequence_parallel: bool = False, pipelined: bool = False
+                    ) -> dict[str, int]:
+    """Theory, layer by layer: fp32 bytes of one layer of the course's GPT on a rank of a
+    tp group, as the pipeline cuts it (`gpt_layers`: layer 0 the embeddings, 1..L the
+    blocks, L + 1 ln_f, the head and the loss): its parameters, and what autograd keeps
+    for backward for one microbatch of `batch` sequences (`tp_activation_bytes`' count,
+    layer by layer, plus the loss's own).
+
+    The loss keeps the softmax (or log-softmax) of this rank's logits, the targets
+    (int64) and, vocabulary-parallel (tp > 1), the target masks and the count the mean
+    divides by. `pipelined`: the head is on another stage than the embedding, so a tied
+    head holds its own copy of the weight (Megatron-LM's embedding group)."""
+    if not 0 <= layer <= config.n_layers + 1:
+        raise ValueError(f"layer {layer} is not one of the GPT's {config.n_layers + 2}")
+    c, n, t, b = config.d_model, tp, config.block_size, batch
+    vocab_rows = math.ceil(config.vocab / n) * c
+    per_block_params = ((3 * c * c + 3 * c) + c * c + (4 * c * c + 4 * c) + 4 * c * c) // n \
+        + (2 * 2 * c + c + c)  # split; LayerNorms and the row-parallel layers' biases
+    acts = tp_activation_bytes(dataclasses.replace(config, n_layers=1), b, t, n,
+                               sequence_parallel)
+    block_acts = acts["total"] - acts["embeddings, ln_f, head"]
+    cut = n if sequence_parallel else 1
+    stream = b * (t // cut) * c
+    drop = config.dropout > 0
+    layer_norm = 4 * stream + 2 * 4 * b * (t // cut)
+    tokens = b * t
+    if layer == 0:
+        params = vocab_rows + t * c
+        held = tokens * (8 + 1) + 8 * t + (stream if drop else 0)
+    elif layer <= config.n_layers:
+        params, held = per_block_params, block_acts
+    else:
+        head = vocab_rows if (not config.tie_weights or pipelined) else 0
+        params = 2 * c + head
+        loss = 4 * tokens * math.ceil(config.vocab / n) + 8 * tokens
+        loss += 2 * tokens + 8 if n > 1 else 4  # masks and the count; nll's total weight
+        held = layer_norm + 4 * tokens * c + loss
+    return {"params": 4 * params, "activations": held}
+
+
+def korthikanti_layer_bytes(config: GPTConfig, layer: int, tp: int = 1, *, batch: int = 1,
+                            sequence_parallel: bool = False, pipelined: bool = False
+                            ) -> dict[str, float]:
+    """Theory for 16-bit training, layer by layer as `gpt_layer_bytes` (whose "params",
+    fp32 bytes of the layer's numbers, it shares): the activations one microbatch keeps,
+    from Korthikanti et al. 2022 (arXiv:2205.05198, Table 2) with s the sequence, b the
+    microbatch, h the width, a the heads, t the tensor-parallel size. A block keeps
+    sbh(10 + 24/t + 5as/(ht)) bytes, sbh(34/t + 5as/(ht)) under sequence parallelism (the
+    paper's 34sbh + 5as^2b without parallelism, 10sbh of it not split by tp); the
+    embeddings their dropout mask (sbh, / t under sequence parallelism) when dropout is
+    on; the last layer ln_f's input and the head's (4sbh, / t under sequence parallelism)
+    and the loss's fp32 logits (4sbv / t, sec. 4.3)."""
+    s, b, h, a, t = config.block_size, batch, config.d_model, config.n_heads, tp
+    params = gpt_layer_bytes(config, layer, tp, pipelined=pipelined)["params"]
+    cut = t if sequence_parallel else 1
+    if layer == 0:
+        held = s * b * h / cut if config.dropout > 0 else 0.0
+    elif layer <= config.n_layers:
+        attention = 5 * a * s * s * b / t
+        held = (34 * s * b * h / t if sequence_parallel
+                else s * b * h * (10 + 24 / t)) + attention
+    else:
+        held = 4 * s * b * h / cut + 4 * s * b * config.vocab / t
+    return {"params": params, "activations": held}
 
 
 def tp_collectives(config: GPTConfig, batch: int, seq: int, world_size: int,

@@ -113,6 +113,7 @@ class PipelineRuntime:
         self._posts = early_receives(schedule, self.rank, dist.get_backend(self.group))
         self._failed: str | None = None
         self.on_weight_gradients = on_weight_gradients
+        self.peak_in_flight_bytes = 0  # of the last step, when a tracer measures them
 
     # -- point to point
 
@@ -233,7 +234,7 @@ class PipelineRuntime:
         self._saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, int]] = {}
         self._later: dict[tuple[int, int], tuple[WeightGradient, int]] = {}
         self._sends: list[tuple[Any, torch.Tensor]] = []
-        self._in_flight_bytes = 0
+        self._in_flight_bytes = self.peak_in_flight_bytes = 0
         self._losses: list[float] = []
         self._posted: dict[Action, tuple[Any, torch.Tensor]] = {}
         actions = self.schedule.actions[self.rank]
@@ -339,6 +340,7 @@ class PipelineRuntime:
 
     def _count_in_flight(self, delta: int, action: Action) -> None:
         self._in_flight_bytes += delta
+        self.peak_in_flight_bytes = max(self.peak_in_flight_bytes, self._in_flight_bytes)
         if self.tracer is not None:
             self.tracer.count("in_flight_bytes", delta, now=self._in_flight_bytes,
                               stage=action.stage, microbatch=action.microbatch)

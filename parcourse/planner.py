@@ -1,0 +1,439 @@
+"""The planner (lesson 09, part 2): for a model, a cluster and a global batch, predict each
+configuration's memory per rank and step time, rank the ones that fit, say why the others
+do not, and check the prediction against a measured run.
+
+    choices = plan(config, Cluster.preset("h100", gpus=64), global_batch=1024)
+    choices.ranked[0]                     # the fastest that fits: its memory and time
+    choices.rejected[:3]                  # and why others do not
+    predict_memory(config, Choice(dp=2, tp=2, pp=2), global_batch=16)  # per pp rank
+
+Memory is counted per pipeline rank (the busiest is not always the last: the first holds
+the embedding and, under 1F1B, the most microbatches), by category, from the formulas in
+`parcourse.theory` (one home each): parameters, gradients and Adam's state layer by layer
+(`gpt_layer_bytes`), divided as ZeRO divides them over dp; the activations one microbatch
+keeps on each stage times the microbatches the schedule holds at once, which the pipeline
+simulator's `in_flight` counts from the schedule's own actions (not a second formula). In
+fp32 this is the course's GPT counted exactly, checked against `Hybrid.memory()`; in 16
+bits, mixed precision (2 + 2 + 12 bytes a parameter, ZeRO paper) and Korthikanti et al.'s
+activations (`korthikanti_layer_bytes`).
+
+Step time: each stage's forward and backward from its FLOPs at the cluster's achievable
+rate, plus tensor parallelism's collectives on the link its group uses; the pipeline's
+bubble and point-to-point messages from the course's simulator on those costs; then the
+data-parallel reduction of the gradients (exposed: the 3D step does it after the
+schedule). Not modelled: the optimizer's own time, kernel launch overheads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from parcourse.comm import SimulatedLink, Topology
+from parcourse.models import GPTConfig
+from parcourse.pipeline.partition import stage_bounds
+from parcourse.pipeline.schedule import SCHEDULES, schedule_by_name
+from parcourse.pipeline.simulate import Costs, in_flight, simulate
+from parcourse.theory import (
+    CostModel,
+    gpt_layer_bytes,
+    korthikanti_layer_bytes,
+    tp_collectives,
+    tp_link_seconds,
+)
+
+Dtype = Literal["fp32", "bf16"]
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One configuration: the mesh (dp x tp x pp), the pipeline schedule and its
+    microbatches per replica (`chunks`: stages per rank, interleaved 1F1B), ZeRO's stage
+    over dp, sequence parallelism."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    chunks: int = 2
+    zero: int = 0
+    sequence_parallel: bool = False
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp}
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def label(self) -> str:
+        extra = [f"ZeRO-{self.zero}"] if self.zero else []
+        extra += ["SP"] if self.sequence_parallel else []
+        return (f"dp{self.dp} tp{self.tp} pp{self.pp} {self.schedule} m{self.microbatches}"
+                + "".join(f" {e}" for e in extra))
+
+    def problems(self, config: GPTConfig, global_batch: int) -> list[str]:
+        """Why this choice cannot run the model at all (empty if it can)."""
+        out = []
+        if config.n_heads % self.tp:
+            out.append(f"tp {self.tp} does not divide the {config.n_heads} heads")
+        if self.sequence_parallel and config.block_size % self.tp:
+            out.append(f"tp {self.tp} does not divide the sequence ({config.block_size})")
+        if global_batch % (self.dp * self.microbatches):
+            out.append(f"the global batch {global_batch} is not dp {self.dp} x "
+                       f"{self.microbatches} microbatches equal parts")
+        if self.schedule not in SCHEDULES:
+            out.append(f"unknown schedule {self.schedule!r}")
+            return out
+        try:
+            plan = schedule_by_name(self.schedule, self.pp, self.microbatches, self.chunks)
+        except ValueError as e:
+            out.append(str(e))
+            return out
+        if plan.stages > config.n_layers + 2:
+            out.append(f"{plan.stages} stages for {config.n_layers + 2} layers")
+        if self.zero not in (0, 1, 2, 3):
+            out.append(f"ZeRO stage {self.zero} does not exist")
+        return out
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs and their links: `memory` bytes per GPU, `peak_flops` (dense, the dtype's),
+    `achievable` (the fraction of it a real step reaches), links inside a node and between
+    nodes. `Cluster.preset("h100", gpus=64)`; `Cluster.this_machine(world_size, ...)`
+    for the laptop the course runs on."""
+
+    name: str
+    gpus: int
+    gpus_per_node: int
+    memory: float
+    peak_flops: float
+    achievable: float = 0.5
+    inside: SimulatedLink = field(default_factory=lambda: SimulatedLink.of(3, 300.0))
+    between: SimulatedLink = field(default_factory=lambda: SimulatedLink.of(10, 25.0))
+
+    PRESETS = {  # memory, dense bf16 peak, NVLink / InfiniBand per GPU (GB/s, one way)
+        "a100": (80 * 10**9, 312e12, 300.0, 25.0),
+        "h100": (80 * 10**9, 989e12, 450.0, 50.0),
+        "h200": (141 * 10**9, 989e12, 450.0, 50.0),
+    }
+
+    @classmethod
+    def preset(cls, name: str, gpus: int, gpus_per_node: int = 8,
+               achievable: float = 0.5) -> Cluster:
+        if name not in cls.PRESETS:
+            raise ValueError(f"unknown GPU {name!r}; choose one of {', '.join(cls.PRESETS)}")
+        memory, flops, nvlink, ib = cls.PRESETS[name]
+        return cls(name, gpus, min(gpus, gpus_per_node), memory, flops, achievable,
+                   SimulatedLink.of(3, nvlink), SimulatedLink.of(10, ib))
+
+    @classmethod
+    def this_machine(cls, gpus: int, flops: float, memory: float = 64 * GiB,
+                     topology: Topology | None = None) -> Cluster:
+        """The course's ranks here: `flops` measured (`measure_flops`), achievable 1 (it is
+        what a step reaches), the topology's links (or free ones)."""
+        topology = topology or Topology(gpus, SimulatedLink(), SimulatedLink())
+        return cls("this machine", gpus, topology.ranks_per_node, memory, flops, 1.0,
+                   topology.inside, topology.between)
+
+    @property
+    def flops(self) -> float:
+        return self.peak_flops * self.achievable
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def stage_layers(config: GPTConfig, choice: Choice) -> list[list[int]]:
+    """The GPT's layers (0 the embeddings, 1..L the blocks, L + 1 the head) on each
+    stage, cut by layer count as the 3D step cuts them (`partition`)."""
+    plan = schedule_by_name(choice.schedule, choice.pp, choice.microbatches, choice.chunks)
+    return [list(range(a, b)) for a, b in stage_bounds([1] * (config.n_layers + 2),
+                                                       plan.stages)]
+
+
+def _layer_bytes(config: GPTConfig, layer: int, choice: Choice, batch: int, dtype: Dtype,
+                 pipelined: bool) -> dict[str, float]:
+    if dtype == "fp32":
+        return gpt_layer_bytes(config, layer, choice.tp, batch=batch,  # type: ignore[return-value]
+                               sequence_parallel=choice.sequence_parallel, pipelined=pipelined)
+    return korthikanti_layer_bytes(config, layer, choice.tp, batch=batch,
+                                   sequence_parallel=choice.sequence_parallel,
+                                   pipelined=pipelined)
+
+
+def predict_memory(config: GPTConfig, choice: Choice, global_batch: int,
+                   dtype: Dtype = "fp32") -> list[dict[str, float]]:
+    """Bytes on each pipeline rank (every dp and tp rank of it alike), by category:
+    "params", "grads", "optimizer", "activations" (the peak the schedule holds) and
+    "total"."""
+    if problems := choice.problems(config, global_batch):
+        raise ValueError("; ".join(problems))
+    plan = schedule_by_name(choice.schedule, choice.pp, choice.microbatches, choice.chunks)
+    layers = stage_layers(config, choice)
+    batch = global_batch // (choice.dp * choice.microbatches)
+    pipelined = plan.stage_rank[0] != plan.stage_rank[-1]
+    per_stage = [[_layer_bytes(config, lay, choice, batch, dtype, pipelined) for lay in ls]
+                 for ls in layers]
+    params = [sum(b["params"] for b in st) for st in per_stage]
+    held = [sum(b["activations"] for b in st) for st in per_stage]
+    n, z = choice.dp, choice.zero
+    weight_bytes, grad_bytes, state_bytes = (4, 4, 8) if dtype == "fp32" else (2, 2, 12)
+    # The tied embedding and head, when the pipeline holds them in two stages: numbers.
+    tied = math.ceil(config.vocab / choice.tp) * config.d_model \
+        if config.tie_weights and plan.stages > 1 else 0
+    out = []
+    for rank in range(choice.pp):
+        mine = [s for s, r in enumerate(plan.stage_rank) if r == rank]
+        p = sum(params[s] for s in mine) / 4  # parameters (numbers) on this rank
+        # fp32 ZeRO steps an fp32 slice of its own beside the model's weights (hybrid.py)
+        slice_copy = 4 * p / n if (dtype == "fp32" and z in (1, 2)) else 0.0
+        memory = {
+            "params": weight_bytes * p / (n if z >= 3 else 1),
+            # ZeRO-2: the paper's bucketed reduction keeps 1/dp of the gradients; the
+            # course's 3D step (fp32) reduces a stage at a time (`_zero_2_peak`).
+            "grads": grad_bytes * p if z < 2 else (
+                _zero_2_peak(plan.actions[rank], {s: params[s] / 4 for s in mine}, tied,
+                             {0, *([plan.stages - 1] if pipelined else [])} & set(mine),
+                             {0, plan.stages - 1} & set(mine), n)
+                if z == 2 and dtype == "fp32" else grad_bytes * p / n),
+            "optimizer": state_bytes * p / (n if z >= 1 else 1) + slice_copy,
+            "activations": max(in_flight(plan.actions[rank], held), default=0.0),
+        }
+        memory["total"] = sum(memory.values())
+        out.append(memory)
+    return out
+
+
+def _zero_2_peak(actions: Any, numbers: dict[int, float], tied: float, holds: set[int],
+                 uses: set[int], dp: int) -> float:
+    """The course's ZeRO-2 (`Hybrid(zero=2)`, fp32), walked along this rank's actions: after
+    each B or W of stage s, s's gradients are whole (its other stages' already gone into
+    slices), beside the tied weight's (whole from the first backward of a stage in `uses`
+    until the end: it is reduced after the schedule) and the slices of every stage reduced
+    so far; then s's go into its slice. After the schedule: the tied weight's whole
+    gradient and every slice. The peak, in bytes. `numbers`: each stage's parameters, the
+    tied weight's `tied` among those of the stages in `holds`."""
+    own = {s: n - (tied if s in holds else 0) for s, n in numbers.items()}
+    slices: set[int] = set()
+    tied_live, peak = False, 0.0
+    for a in actions:
+        if a.kind not in ("B", "W"):
+            continue
+        tied_live = tied_live or a.stage in uses
+        held = own[a.stage] + (tied if tied_live else 0) + sum(
+            math.ceil(own[s] / dp) for s in slices)
+        peak = max(peak, held)
+        slices.add(a.stage)
+    after = (tied if tied_live else 0) + sum(math.ceil(own[s] / dp) for s in slices)
+    return 4 * max(peak, after)
+
+
+# --------------------------------------------------------------------------- time
+
+
+def _layer_flops(config: GPTConfig, layer: int, tokens: int) -> float:
+    """Forward FLOPs of one layer for `tokens` tokens (2 per multiply-add; attention's
+    two matrix products over the whole sequence)."""
+    c, t = config.d_model, config.block_size
+    if layer == 0:
+        return 0.0
+    if layer <= config.n_layers:
+        return tokens * (2 * 12 * c * c + 2 * 2 * t * c)
+    return tokens * 2 * c * config.vocab
+
+
+def model_flops_per_token(config: GPTConfig) -> float:
+    """Forward + backward FLOPs of one token (3 x forward: backward is twice), the model's
+    own (no recompute): what MFU counts."""
+    return 3 * sum(_layer_flops(config, lay, 1) for lay in range(config.n_layers + 2))
+
+
+def _group_link(cluster: Cluster, choice: Choice, axis: str) -> SimulatedLink:
+    """The slow link if a group of `axis` spans nodes under Megatron-LM's order (tp
+    innermost, then dp, pp outermost), else the fast one."""
+    inner = {"tp": choice.tp, "dp": choice.tp * choice.dp, "pp": choice.gpus}[axis]
+    size = {"tp": choice.tp, "dp": choice.dp, "pp": choice.pp}[axis]
+    if size == 1:
+        return cluster.inside
+    return cluster.inside if inner <= cluster.gpus_per_node else cluster.between
+
+
+def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: Cluster,
+                 dtype: Dtype = "fp32") -> dict[str, float]:
+    """Seconds of one step, split: "compute" (the slowest rank's F and B), "tp" (its
+    collectives, on the critical path), "bubble" (the rest of the pipeline's step:
+    idle and messages), "dp" (the gradients' reduction after it), and "step"; with
+    "tokens_per_s" and "mfu" (model FLOPs against the dense peak)."""
+    plan = schedule_by_name(choice.schedule, choice.pp, choice.microbatches, choice.chunks)
+    layers = stage_layers(config, choice)
+    batch = global_batch // (choice.dp * choice.microbatches)
+    tokens = batch * config.block_size
+    tp_link = _group_link(cluster, choice, "tp")
+    tp_mb = tp_link_seconds(tp_collectives(config, batch, config.block_size, choice.tp,
+                                           choice.sequence_parallel), choice.tp,
+                            tp_link.latency_s, tp_link.bandwidth_Bps) if choice.tp > 1 else 0.0
+    forward, backward, tp_share = [], [], []
+    blocks = config.n_layers + 2
+    for ls in layers:
+        f = sum(_layer_flops(config, lay, tokens) for lay in ls) / choice.tp / cluster.flops
+        share = tp_mb * len(ls) / blocks  # this stage's part of a microbatch's collectives
+        forward.append(f + share / 2)
+        backward.append(2 * f + share / 2)
+        tp_share.append(share)
+    pp_link = _group_link(cluster, choice, "pp")
+    activation = (2 if dtype == "bf16" else 4) * tokens * config.d_model
+    if choice.sequence_parallel:
+        activation //= choice.tp
+    timeline = simulate(plan, Costs(forward=forward, backward=backward,
+                                    latency=pp_link.latency_s,
+                                    bandwidth=pp_link.bandwidth_Bps,
+                                    message_bytes=activation))
+    busiest = max(range(choice.pp), key=lambda r: timeline.busy[r])
+    m = choice.microbatches
+    tp_s = sum(tp_share[s] for s, r in enumerate(plan.stage_rank) if r == busiest) * m
+    compute = timeline.busy[busiest] - tp_s
+    memory = predict_memory(config, choice, global_batch, dtype)
+    # The gradients are as many bytes as the weights (both fp32, or both 16-bit); ZeRO's
+    # reduce-scatter and all-gather move what the ring all-reduce moves.
+    grads = max(mem["params"] for mem in memory) * (choice.dp if choice.zero >= 3 else 1)
+    dp_link = _group_link(cluster, choice, "dp")
+    dp_s = CostModel(dp_link.latency_s, dp_link.bandwidth_Bps).all_reduce_s(
+        "ring", grads, choice.dp) if choice.dp > 1 else 0.0
+    step = timeline.step_time + dp_s
+    model_flops = model_flops_per_token(config) * global_batch * config.block_size
+    return {"compute": compute, "tp": tp_s, "bubble": timeline.step_time - compute - tp_s,
+            "dp": dp_s, "step": step,
+            "tokens_per_s": global_batch * config.block_size / step,
+            "mfu": model_flops / (step * cluster.peak_flops * choice.gpus)}
+
+
+# --------------------------------------------------------------------------- search
+
+
+@dataclass
+class Planned:
+    """A configuration with its prediction, or why it is out."""
+
+    choice: Choice
+    memory: list[dict[str, float]] = field(default_factory=list)
+    time: dict[str, float] = field(default_factory=dict)
+    why_not: str = ""
+
+    @property
+    def busiest(self) -> int:
+        return max(range(len(self.memory)), key=lambda r: self.memory[r]["total"])
+
+
+@dataclass
+class Plans:
+    ranked: list[Planned]
+    rejected: list[Planned]
+
+
+def choices(gpus: int, *, schedules: tuple[str, ...] = ("1f1b", "interleaved-1f1b"),
+            microbatches: tuple[int, ...] = (1, 2, 4, 8, 16, 32), zero: tuple[int, ...] = (0, 1),
+            sequence_parallel: tuple[bool, ...] = (False, True)) -> list[Choice]:
+    """Every factorisation of `gpus` into dp x tp x pp with each schedule, number of
+    microbatches, ZeRO stage and sequence parallelism asked for (sequence parallelism
+    only with tp > 1; one schedule when pp is 1)."""
+    out = []
+    for tp in range(1, gpus + 1):
+        for pp in range(1, gpus // tp + 1):
+            if gpus % (tp * pp):
+                continue
+            dp = gpus // (tp * pp)
+            for schedule in (schedules if pp > 1 else schedules[:1]):
+                for m in microbatches:
+                    for z in zero if dp > 1 else (0,):
+                        for sp in sequence_parallel if tp > 1 else (False,):
+                            out.append(Choice(dp, tp, pp, schedule, m, zero=z,
+                                              sequence_parallel=sp))
+    return out
+
+
+def plan(config: GPTConfig, cluster: Cluster, global_batch: int, *, dtype: Dtype = "fp32",
+         candidates: list[Choice] | None = None) -> Plans:
+    """Every candidate (`choices(cluster.gpus)` by default) predicted; the ones that fit
+    ranked by step time, the others with the reason."""
+    ranked, rejected = [], []
+    for choice in candidates or choices(cluster.gpus):
+        item = Planned(choice)
+        if problems := choice.problems(config, global_batch):
+            item.why_not = "; ".join(problems)
+        elif choice.tp > cluster.gpus_per_node:
+            item.why_not = (f"tp {choice.tp} spans nodes of {cluster.gpus_per_node}: every "
+                            "layer would wait on the slow link")
+        elif choice.microbatches < choice.pp:
+            item.why_not = (f"{choice.microbatches} microbatches for {choice.pp} stages: "
+                            "some stage always idles")
+        if item.why_not:
+            rejected.append(item)
+            continue
+        item.memory = predict_memory(config, choice, global_batch, dtype)
+        worst = item.memory[item.busiest]
+        if worst["total"] > cluster.memory:
+            item.why_not = (f"out of memory by {(worst['total'] - cluster.memory) / GiB:.1f} "
+                            f"GiB on pipeline rank {item.busiest}")
+            rejected.append(item)
+            continue
+        item.time = predict_time(config, choice, global_batch, cluster, dtype)
+        ranked.append(item)
+    ranked.sort(key=lambda p: p.time["step"])
+    return Plans(ranked, rejected)
+
+
+# --------------------------------------------------------------------------- measured
+
+
+def measure(ctx: Any, config: GPTConfig, choice: Choice, global_batch: int,
+            steps: int = 2) -> dict[str, Any]:
+    """Run `choice` here (the 3D step, traced, `steps` Adam steps): this rank's memory by
+    category (`Hybrid.memory`), its pipeline coordinate and the step times after the
+    first."""
+    import time
+
+    import torch
+
+    from parcourse.data import progressions
+    from parcourse.hybrid import Hybrid
+    from parcourse.mesh import Mesh
+    from parcourse.models import gpt
+
+    mesh = Mesh(choice.shape, ctx.group)
+    model = Hybrid(gpt(config), mesh, schedule=choice.schedule,
+                   microbatches=choice.microbatches, chunks=choice.chunks,
+                   sequence_parallel=choice.sequence_parallel, zero=choice.zero,  # type: ignore[arg-type]
+                   tracer=ctx.tracer, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
+    x, y = progressions(global_batch, config.block_size, config.vocab)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        model.step(x, y)
+        times.append(time.perf_counter() - start)
+    return {"memory": model.memory(), "pp": mesh.coordinate("pp"), "times": times[1:]}
+
+
+def measured_against_predicted(results: list[dict[str, Any]], config: GPTConfig,
+                               choice: Choice, global_batch: int) -> list[dict[str, Any]]:
+    """Per pipeline rank: the largest measured bytes of each category over its ranks beside
+    the prediction."""
+    predicted = predict_memory(config, choice, global_batch)
+    rows = []
+    for rank, pred in enumerate(predicted):
+        mine = [r["memory"] for r in results if r["pp"] == rank]
+        got = {k: max(m[k] for m in mine) for k in ("params", "grads", "optimizer",
+                                                     "activations")}
+        got["total"] = sum(got.values())
+        rows.append({"pp": rank, "measured": got, "predicted": pred})
+    return rows
+
+
+__all__ = ["Choice", "Cluster", "Planned", "Plans", "choices", "measure",
+           "measured_against_predicted", "model_flops_per_token", "plan", "predict_memory",
+           "predict_time", "stage_layers"]

@@ -1,0 +1,96 @@
+"""The planner: its memory predictions against measured 3D runs (exact counts, fp32), the
+ZeRO paper's worked example, and why configurations are turned down."""
+
+import pytest
+
+from parcourse import Pool
+from parcourse.models import GPTConfig
+from parcourse.planner import Choice, Cluster, measure, measured_against_predicted, plan
+from parcourse.planner import predict_memory, predict_time
+
+CONFIG = GPTConfig(vocab=64, block_size=16, n_layers=4, n_heads=4, d_model=32)
+BATCH = 16
+
+MEASURED = [
+    Choice(2, 2, 2, "1f1b", 2),
+    Choice(1, 2, 4, "gpipe", 4),
+    Choice(2, 1, 4, "1f1b", 2, zero=1),
+    Choice(4, 2, 1, "1f1b", 2, zero=1),
+    Choice(1, 4, 2, "interleaved-1f1b", 2, sequence_parallel=True),
+    Choice(2, 2, 2, "zb-h1", 2),
+    Choice(2, 2, 2, "dualpipe-v", 4),
+    Choice(4, 1, 2, "interleaved-1f1b", 2, zero=2),
+]
+
+
+def test_memory_per_rank_is_predicted_exactly():
+    """Parameters, gradients and activations are counted exactly (the same tensors the
+    3D step keeps: `gpt_layer_bytes` layer by layer, the microbatches in flight from the
+    schedule's own actions); Adam's state is off by its step counters (4 bytes a tensor,
+    which the formula leaves out). ZeRO-2's gradients peak at a moment the schedule
+    decides (a stage's whole gradient beside the slices so far), walked along its
+    actions. Every pipeline rank, eight configurations."""
+    with Pool(8, timeout=300) as pool:
+        for choice in MEASURED:
+            results = pool.run(measure, CONFIG, choice, BATCH, 1).results
+            for row in measured_against_predicted(results, CONFIG, choice, BATCH):
+                got, want = row["measured"], row["predicted"]
+                where = (choice.label(), row["pp"])
+                for category in ("params", "grads", "activations"):
+                    assert got[category] == want[category], (*where, category)
+                assert got["optimizer"] == pytest.approx(want["optimizer"], rel=5e-3), where
+                assert got["total"] == pytest.approx(want["total"], rel=5e-3), where
+
+
+def test_the_zero_papers_example():
+    """7.5B parameters on 64 GPUs, mixed precision (ZeRO paper, Figure 1): 120, 31.4, 16.6
+    and 1.9 GB per GPU for stages 0 to 3; here per parameter of a model, scaled to 7.5B."""
+    config = GPTConfig(vocab=1024, block_size=64, n_layers=2, n_heads=4, d_model=256)
+    gigabytes = []
+    for zero in range(4):
+        (memory,) = predict_memory(config, Choice(dp=64, zero=zero), 64, dtype="bf16")
+        numbers = predict_memory(config, Choice(dp=64), 64, dtype="bf16")[0]["params"] / 2
+        state = memory["params"] + memory["grads"] + memory["optimizer"]
+        gigabytes.append(round(state / numbers * 7.5, 1))
+    assert gigabytes == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_configurations_turned_down_say_why():
+    cluster = Cluster.preset("h100", gpus=16)
+    big = GPTConfig(vocab=32000, block_size=4096, n_layers=80, n_heads=64, d_model=8192)
+    plans = plan(big, cluster, 64, dtype="bf16", candidates=[
+        Choice(16, 1, 1, "1f1b", 1),  # 70B replicated: far out of memory
+        Choice(1, 16, 1, "1f1b", 4),  # tp across two nodes of 8
+        Choice(1, 8, 2, "1f1b", 1),  # one microbatch for two stages
+        Choice(1, 3, 1, "1f1b", 1),  # 3 does not divide 64 heads (nor 16 GPUs)
+    ])
+    reasons = [p.why_not for p in plans.rejected]
+    assert any(r.startswith("out of memory by") and "GiB on pipeline rank 0" in r
+               for r in reasons), reasons
+    assert any("spans nodes of 8" in r for r in reasons)
+    assert any("1 microbatches for 2 stages" in r for r in reasons)
+    assert any("tp 3 does not divide the 64 heads" in r for r in reasons)
+
+
+def test_plans_are_ranked_by_predicted_step_time():
+    cluster = Cluster.this_machine(8, flops=2e9)
+    plans = plan(CONFIG, cluster, BATCH)
+    times = [p.time["step"] for p in plans.ranked]
+    assert times == sorted(times) and len(times) > 10
+    best = plans.ranked[0].time
+    assert best["compute"] > 0 and 0 < best["mfu"] <= 1
+    assert best["step"] == pytest.approx(best["compute"] + best["tp"] + best["bubble"]
+                                         + best["dp"])
+
+
+def test_the_last_stage_is_not_the_busiest_under_1f1b():
+    """Megatron-Bridge #3164's lesson: read memory on the last stage and you miss the peak.
+    Under 1F1B stage s keeps p - s microbatches in flight: the first stages hold the most
+    (here rank 1, with two blocks to rank 0's one beside the embedding)."""
+    config = GPTConfig(vocab=64, block_size=64, n_layers=6, n_heads=4, d_model=64)
+    choice = Choice(1, 1, 4, "1f1b", 8)
+    activations = [m["activations"] for m in predict_memory(config, choice, 8)]
+    assert max(activations) > 3 * activations[-1]
+    gpipe = [m["activations"] for m in predict_memory(config, Choice(1, 1, 4, "gpipe", 8), 8)]
+    assert [g / a for g, a in zip(gpipe, activations)] == [8 / 4, 8 / 3, 8 / 2, 8 / 1]
+    assert predict_time(config, choice, 8, Cluster.this_machine(4, flops=2e9))["bubble"] > 0

@@ -44,6 +44,7 @@ from parcourse.theory import (
 )
 
 Dtype = Literal["fp32", "bf16"]
+Recompute = Literal["none", "selective", "full"]
 GiB = 2**30
 
 
@@ -51,7 +52,9 @@ GiB = 2**30
 class Choice:
     """One configuration: the mesh (dp x tp x pp), the pipeline schedule and its
     microbatches per replica (`chunks`: stages per rank, interleaved 1F1B), ZeRO's stage
-    over dp, sequence parallelism."""
+    over dp, sequence parallelism, and what backward recomputes: "none", "selective"
+    (attention's core, Korthikanti et al.; what FlashAttention does too) or "full" (each
+    stage keeps only its input, as `Hybrid(recompute=True)`)."""
 
     dp: int = 1
     tp: int = 1
@@ -61,6 +64,7 @@ class Choice:
     chunks: int = 2
     zero: int = 0
     sequence_parallel: bool = False
+    recompute: Recompute = "none"
 
     @property
     def shape(self) -> dict[str, int]:
@@ -73,6 +77,7 @@ class Choice:
     def label(self) -> str:
         extra = [f"ZeRO-{self.zero}"] if self.zero else []
         extra += ["SP"] if self.sequence_parallel else []
+        extra += [f"recompute {self.recompute}"] if self.recompute != "none" else []
         return (f"dp{self.dp} tp{self.tp} pp{self.pp} {self.schedule} m{self.microbatches}"
                 + "".join(f" {e}" for e in extra))
 
@@ -98,6 +103,11 @@ class Choice:
             out.append(f"{plan.stages} stages for {config.n_layers + 2} layers")
         if self.zero not in (0, 1, 2, 3):
             out.append(f"ZeRO stage {self.zero} does not exist")
+        if self.recompute not in ("none", "selective", "full"):
+            out.append(f"recompute {self.recompute!r} is none of none, selective, full")
+        elif self.recompute == "full" and any(
+                a.kind == "I" for acts in plan.actions for a in acts):
+            out.append(f"{self.schedule} splits backward into I and W: no full recompute")
         return out
 
 
@@ -134,16 +144,43 @@ class Cluster:
 
     @classmethod
     def this_machine(cls, gpus: int, flops: float, memory: float = 64 * GiB,
-                     topology: Topology | None = None) -> Cluster:
-        """The course's ranks here: `flops` measured (`measure_flops`), achievable 1 (it is
-        what a step reaches), the topology's links (or free ones)."""
+                     topology: Topology | None = None, cores: int | None = None) -> Cluster:
+        """The course's ranks here: `flops` what one rank reaches alone (`measure_flops`),
+        shared when there are more ranks than `cores` (achievable = cores / ranks); the
+        topology's links (or free ones: gloo's own cost is not modelled)."""
+        import os
+
+        cores = cores or os.cpu_count() or 1
         topology = topology or Topology(gpus, SimulatedLink(), SimulatedLink())
-        return cls("this machine", gpus, topology.ranks_per_node, memory, flops, 1.0,
-                   topology.inside, topology.between)
+        return cls("this machine", gpus, topology.ranks_per_node, memory, flops,
+                   min(1.0, cores / gpus), topology.inside, topology.between)
 
     @property
     def flops(self) -> float:
         return self.peak_flops * self.achievable
+
+
+# GPT-style shapes (4h MLP, GELU, learned positions, a vocabulary of 51200 as Megatron-LM's
+# GPT runs), named by their size: (layers, width, heads).
+MODELS: dict[str, tuple[int, int, int]] = {
+    "1.3B": (24, 2048, 16), "6.7B": (32, 4096, 32), "13B": (40, 5120, 40),
+    "70B": (80, 8192, 64), "175B": (96, 12288, 96),
+}
+
+
+def model(name: str, seq: int = 2048, vocab: int = 51200) -> GPTConfig:
+    """A named GPT-style shape (`MODELS`) at sequence length `seq`."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    layers, width, heads = MODELS[name]
+    return GPTConfig(vocab=vocab, block_size=seq, n_layers=layers, n_heads=heads,
+                     d_model=width)
+
+
+def parameters(config: GPTConfig) -> int:
+    """The model's parameters (numbers; a tied head counted once)."""
+    return sum(gpt_layer_bytes(config, lay)["params"]
+               for lay in range(config.n_layers + 2)) // 4
 
 
 # --------------------------------------------------------------------------- memory
@@ -160,11 +197,25 @@ def stage_layers(config: GPTConfig, choice: Choice) -> list[list[int]]:
 def _layer_bytes(config: GPTConfig, layer: int, choice: Choice, batch: int, dtype: Dtype,
                  pipelined: bool) -> dict[str, float]:
     if dtype == "fp32":
+        if choice.recompute == "selective":
+            raise ValueError("selective recompute is counted in 16 bits only (the course's "
+                             "3D step recomputes whole stages)")
         return gpt_layer_bytes(config, layer, choice.tp, batch=batch,  # type: ignore[return-value]
                                sequence_parallel=choice.sequence_parallel, pipelined=pipelined)
     return korthikanti_layer_bytes(config, layer, choice.tp, batch=batch,
                                    sequence_parallel=choice.sequence_parallel,
-                                   pipelined=pipelined)
+                                   pipelined=pipelined, selective=choice.recompute == "selective")
+
+
+def _stage_input_bytes(config: GPTConfig, first_layer: int, choice: Choice, batch: int,
+                       dtype: Dtype) -> float:
+    """What a stage keeps per microbatch under full recompute: its input (token ids on the
+    first stage; the residual stream, cut along the sequence under sequence parallelism,
+    elsewhere)."""
+    if first_layer == 0:
+        return 8 * batch * config.block_size
+    cut = choice.tp if choice.sequence_parallel else 1
+    return (4 if dtype == "fp32" else 2) * batch * (config.block_size // cut) * config.d_model
 
 
 def predict_memory(config: GPTConfig, choice: Choice, global_batch: int,
@@ -182,6 +233,8 @@ def predict_memory(config: GPTConfig, choice: Choice, global_batch: int,
                  for ls in layers]
     params = [sum(b["params"] for b in st) for st in per_stage]
     held = [sum(b["activations"] for b in st) for st in per_stage]
+    if choice.recompute == "full":
+        held = [_stage_input_bytes(config, ls[0], choice, batch, dtype) for ls in layers]
     n, z = choice.dp, choice.zero
     weight_bytes, grad_bytes, state_bytes = (4, 4, 8) if dtype == "fp32" else (2, 2, 12)
     # The tied embedding and head, when the pipeline holds them in two stages: numbers.
@@ -248,6 +301,12 @@ def _layer_flops(config: GPTConfig, layer: int, tokens: int) -> float:
     return tokens * 2 * c * config.vocab
 
 
+def _attention_flops(config: GPTConfig, layer: int, tokens: int) -> float:
+    """Attention's core (scores and their weighted sum): what selective recompute redoes."""
+    return tokens * 2 * 2 * config.block_size * config.d_model \
+        if 1 <= layer <= config.n_layers else 0.0
+
+
 def model_flops_per_token(config: GPTConfig) -> float:
     """Forward + backward FLOPs of one token (3 x forward: backward is twice), the model's
     own (no recompute): what MFU counts."""
@@ -262,6 +321,25 @@ def _group_link(cluster: Cluster, choice: Choice, axis: str) -> SimulatedLink:
     if size == 1:
         return cluster.inside
     return cluster.inside if inner <= cluster.gpus_per_node else cluster.between
+
+
+def _dp_seconds(choice: Choice, memory: list[dict[str, float]], link: SimulatedLink,
+                compute: float) -> float:
+    """Data parallelism's exposed seconds. The gradients are as many bytes as the weights
+    (both fp32, or both 16-bit); a reduce-scatter or an all-gather moves half of what the
+    ring all-reduce moves. ZeRO 0-1: one all-reduce (or reduce-scatter and all-gather)
+    after the schedule, all of it exposed (the course's 3D step). ZeRO-2: a reduce-scatter
+    per microbatch in backward (DeepSpeed's), ZeRO-3 also two all-gathers of the weights
+    (forward and backward); both overlap compute, so only what exceeds it is exposed."""
+    if choice.dp == 1:
+        return 0.0
+    weights = max(mem["params"] for mem in memory) * (choice.dp if choice.zero >= 3 else 1)
+    ring = CostModel(link.latency_s, link.bandwidth_Bps).all_reduce_s("ring", weights,
+                                                                       choice.dp)
+    if choice.zero < 2:
+        return ring
+    halves = choice.microbatches * (1 if choice.zero == 2 else 3) + 1  # + the last gather
+    return max(0.0, halves * ring / 2 - compute)
 
 
 def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: Cluster,
@@ -282,9 +360,12 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     blocks = config.n_layers + 2
     for ls in layers:
         f = sum(_layer_flops(config, lay, tokens) for lay in ls) / choice.tp / cluster.flops
+        again = {"none": 0.0, "full": f, "selective": sum(
+            _attention_flops(config, lay, tokens) for lay in ls) / choice.tp / cluster.flops
+                 }[choice.recompute]  # backward runs (part of) forward again first
         share = tp_mb * len(ls) / blocks  # this stage's part of a microbatch's collectives
         forward.append(f + share / 2)
-        backward.append(2 * f + share / 2)
+        backward.append(2 * f + again + share / 2)
         tp_share.append(share)
     pp_link = _group_link(cluster, choice, "pp")
     activation = (2 if dtype == "bf16" else 4) * tokens * config.d_model
@@ -299,18 +380,43 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     tp_s = sum(tp_share[s] for s, r in enumerate(plan.stage_rank) if r == busiest) * m
     compute = timeline.busy[busiest] - tp_s
     memory = predict_memory(config, choice, global_batch, dtype)
-    # The gradients are as many bytes as the weights (both fp32, or both 16-bit); ZeRO's
-    # reduce-scatter and all-gather move what the ring all-reduce moves.
-    grads = max(mem["params"] for mem in memory) * (choice.dp if choice.zero >= 3 else 1)
-    dp_link = _group_link(cluster, choice, "dp")
-    dp_s = CostModel(dp_link.latency_s, dp_link.bandwidth_Bps).all_reduce_s(
-        "ring", grads, choice.dp) if choice.dp > 1 else 0.0
+    dp_s = _dp_seconds(choice, memory, _group_link(cluster, choice, "dp"), compute)
     step = timeline.step_time + dp_s
     model_flops = model_flops_per_token(config) * global_batch * config.block_size
     return {"compute": compute, "tp": tp_s, "bubble": timeline.step_time - compute - tp_s,
             "dp": dp_s, "step": step,
             "tokens_per_s": global_batch * config.block_size / step,
             "mfu": model_flops / (step * cluster.peak_flops * choice.gpus)}
+
+
+def measure_flops(config: GPTConfig | None = None, batch: int = 4, repeats: int = 5) -> float:
+    """FLOP/s one rank reaches here (one thread) on the GPT's own forward and backward:
+    `model_flops_per_token` x tokens over the median time of a step in this process.
+    What `Cluster.this_machine` takes: small models run far below a CPU's peak, so the
+    rate is measured on the model itself."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    from parcourse.experiments.hybrid import LESSON_CONFIG
+    from parcourse.models import gpt
+
+    config = config or LESSON_CONFIG
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        net = gpt(config)
+        x = torch.randint(config.vocab, (batch, config.block_size))
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            F.cross_entropy(net(x).flatten(0, 1), x.flatten()).backward()
+            times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    median = sorted(times[1:])[len(times[1:]) // 2]
+    return model_flops_per_token(config) * batch * config.block_size / median
 
 
 # --------------------------------------------------------------------------- search
@@ -337,32 +443,41 @@ class Plans:
 
 
 def choices(gpus: int, *, schedules: tuple[str, ...] = ("1f1b", "interleaved-1f1b"),
-            microbatches: tuple[int, ...] = (1, 2, 4, 8, 16, 32), zero: tuple[int, ...] = (0, 1),
-            sequence_parallel: tuple[bool, ...] = (False, True)) -> list[Choice]:
+            microbatches: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+            zero: tuple[int, ...] = (0, 1, 2, 3),
+            sequence_parallel: tuple[bool, ...] = (False, True),
+            recompute: tuple[Recompute, ...] = ("none",)) -> list[Choice]:
     """Every factorisation of `gpus` into dp x tp x pp with each schedule, number of
     microbatches, ZeRO stage and sequence parallelism asked for (sequence parallelism
-    only with tp > 1; one schedule when pp is 1)."""
+    only with tp > 1; one schedule when pp is 1; ZeRO over dp > 1 only, stages 2 and 3
+    only without a pipeline, as DeepSpeed allows them)."""
     out = []
     for tp in range(1, gpus + 1):
         for pp in range(1, gpus // tp + 1):
             if gpus % (tp * pp):
                 continue
             dp = gpus // (tp * pp)
+            stages = [z for z in zero if z < 2 or pp == 1] if dp > 1 else [0]
             for schedule in (schedules if pp > 1 else schedules[:1]):
                 for m in microbatches:
-                    for z in zero if dp > 1 else (0,):
+                    for z in stages:
                         for sp in sequence_parallel if tp > 1 else (False,):
-                            out.append(Choice(dp, tp, pp, schedule, m, zero=z,
-                                              sequence_parallel=sp))
+                            for r in recompute:
+                                out.append(Choice(dp, tp, pp, schedule, m, zero=z,
+                                                  sequence_parallel=sp, recompute=r))
     return out
 
 
 def plan(config: GPTConfig, cluster: Cluster, global_batch: int, *, dtype: Dtype = "fp32",
          candidates: list[Choice] | None = None) -> Plans:
-    """Every candidate (`choices(cluster.gpus)` by default) predicted; the ones that fit
-    ranked by step time, the others with the reason."""
+    """Every candidate predicted (by default `choices(cluster.gpus)`, with selective and
+    full recompute too in 16 bits); the ones that fit ranked by step time, the others with
+    the reason."""
     ranked, rejected = [], []
-    for choice in candidates or choices(cluster.gpus):
+    if candidates is None:
+        candidates = choices(cluster.gpus, recompute=("none",) if dtype == "fp32"
+                             else ("none", "selective", "full"))
+    for choice in candidates:
         item = Planned(choice)
         if problems := choice.problems(config, global_batch):
             item.why_not = "; ".join(problems)
@@ -406,8 +521,11 @@ def measure(ctx: Any, config: GPTConfig, choice: Choice, global_batch: int,
     from parcourse.models import gpt
 
     mesh = Mesh(choice.shape, ctx.group)
+    if choice.recompute == "selective":
+        raise ValueError("the course's 3D step recomputes whole stages (recompute='full')")
     model = Hybrid(gpt(config), mesh, schedule=choice.schedule,
                    microbatches=choice.microbatches, chunks=choice.chunks,
+                   recompute=choice.recompute == "full",
                    sequence_parallel=choice.sequence_parallel, zero=choice.zero,  # type: ignore[arg-type]
                    tracer=ctx.tracer, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
     x, y = progressions(global_batch, config.block_size, config.vocab)
@@ -434,6 +552,6 @@ def measured_against_predicted(results: list[dict[str, Any]], config: GPTConfig,
     return rows
 
 
-__all__ = ["Choice", "Cluster", "Planned", "Plans", "choices", "measure",
-           "measured_against_predicted", "model_flops_per_token", "plan", "predict_memory",
-           "predict_time", "stage_layers"]
+__all__ = ["MODELS", "Choice", "Cluster", "Planned", "Plans", "choices", "measure",
+           "measure_flops", "measured_against_predicted", "model", "model_flops_per_token",
+           "parameters", "plan", "predict_memory", "predict_time", "stage_layers"]

@@ -333,8 +333,8 @@ def gpt_layer_bytes(config: GPTConfig, layer: int, tp: int = 1, *, batch: int = 
 
 
 def korthikanti_layer_bytes(config: GPTConfig, layer: int, tp: int = 1, *, batch: int = 1,
-                            sequence_parallel: bool = False, pipelined: bool = False
-                            ) -> dict[str, float]:
+                            sequence_parallel: bool = False, pipelined: bool = False,
+                            selective: bool = False) -> dict[str, float]:
     """Theory for 16-bit training, layer by layer as `gpt_layer_bytes` (whose "params",
     fp32 bytes of the layer's numbers, it shares): the activations one microbatch keeps,
     from Korthikanti et al. 2022 (arXiv:2205.05198, Table 2) with s the sequence, b the
@@ -343,14 +343,15 @@ def korthikanti_layer_bytes(config: GPTConfig, layer: int, tp: int = 1, *, batch
     paper's 34sbh + 5as^2b without parallelism, 10sbh of it not split by tp); the
     embeddings their dropout mask (sbh, / t under sequence parallelism) when dropout is
     on; the last layer ln_f's input and the head's (4sbh, / t under sequence parallelism)
-    and the loss's fp32 logits (4sbv / t, sec. 4.3)."""
+    and the loss's fp32 logits (4sbv / t, sec. 4.3). `selective`: attention's core is
+    recomputed in backward, so its 5as^2b term is not kept (sec. 5)."""
     s, b, h, a, t = config.block_size, batch, config.d_model, config.n_heads, tp
     params = gpt_layer_bytes(config, layer, tp, pipelined=pipelined)["params"]
     cut = t if sequence_parallel else 1
     if layer == 0:
         held = s * b * h / cut if config.dropout > 0 else 0.0
     elif layer <= config.n_layers:
-        attention = 5 * a * s * s * b / t
+        attention = 0.0 if selective else 5 * a * s * s * b / t
         held = (34 * s * b * h / t if sequence_parallel
                 else s * b * h * (10 + 24 / t)) + attention
     else:

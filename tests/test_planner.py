@@ -94,3 +94,22 @@ def test_the_last_stage_is_not_the_busiest_under_1f1b():
     gpipe = [m["activations"] for m in predict_memory(config, Choice(1, 1, 4, "gpipe", 8), 8)]
     assert [g / a for g, a in zip(gpipe, activations)] == [8 / 4, 8 / 3, 8 / 2, 8 / 1]
     assert predict_time(config, choice, 8, Cluster.this_machine(4, flops=2e9))["bubble"] > 0
+
+
+def test_plan_command_ranks_and_checks_here(capsys):
+    from parcourse.cli import main
+
+    assert main(["plan", "--model", "13B", "--gpus", "16", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "16 x h100, 8 a node" in out and "turned down" in out
+    assert len([ln for ln in out.splitlines() if ln[:3].strip() in ("1", "2", "3")]) == 3
+    assert main(["plan", "--gpus", "4", "--top", "2", "--check"]) == 0
+    out = capsys.readouterr().out
+    measured = out[out.index("measured here"):].splitlines()[2:]
+    assert len(measured) == 2  # the two best, each predicted beside measured
+    for line in measured:
+        predicted, got = line.split()[-6], line.split()[-4]  # "1.4 MiB    1.4 MiB  7.1  22.8"
+        assert float(predicted) == pytest.approx(float(got), rel=0.01)
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "70B", "--check"])
+    assert "only the course's GPT" in capsys.readouterr().err

@@ -10,14 +10,14 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from parcourse.cli import (allreduce, checkpoint, ddp, doctor, mesh, pipeline, tp, train3d,
-                           zero)
+from parcourse.cli import (allreduce, checkpoint, ddp, doctor, mesh, pipeline, plan, tp,
+                           train3d, zero)
 from parcourse.cli.options import parse_count, parse_size
 
 # The order `--help` lists them in.
 COMMANDS = {"doctor": doctor, "allreduce": allreduce, "ddp": ddp, "zero": zero,
             "checkpoint": checkpoint, "pipeline": pipeline, "tp": tp, "mesh": mesh,
-            "train3d": train3d}
+            "train3d": train3d, "plan": plan}
 
 __all__ = ["COMMANDS", "build_parser", "main", "parse_count", "parse_size"]
 

@@ -1,0 +1,136 @@
+"""`python -m parcourse plan`: the planner's ranked table of (dp, tp, pp, schedule,
+microbatches, ZeRO, recompute, sequence parallel) for a model on a cluster, with the
+memory of each configuration's busiest pipeline rank, its predicted step time split into
+compute / tp / bubble / dp, tokens/s and MFU, then the reasons the closest others were
+turned down. `--check` (the course's GPT on this machine) measures the top ones here."""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from parcourse.cli.options import at_least_one
+
+if TYPE_CHECKING:
+    from parcourse.models import GPTConfig
+    from parcourse.planner import Cluster, Planned
+
+HELP = "the planner: predicted memory and step time of every 3D configuration, ranked"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from parcourse.planner import MODELS
+
+    p.add_argument("--model", default="course", choices=("course", *MODELS),
+                   help="course: lesson 09's GPT, fp32, on this machine (default); or a "
+                        "GPT-style shape of that size, bf16")
+    p.add_argument("--gpus", type=int, default=8)
+    p.add_argument("--gpu", default=None, choices=("a100", "h100", "h200", "here"),
+                   help="h100 by default; here (this machine's ranks) for the course's GPT")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--batch", type=int, default=None,
+                   help="global batch in sequences (16 for the course's GPT, else 1024)")
+    p.add_argument("--seq", type=int, default=None, help="tokens a sequence (2048)")
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--check", action="store_true",
+                   help="measure the top configurations here (the course's GPT only)")
+
+
+def _setup(args: argparse.Namespace) -> tuple[GPTConfig, Cluster, int, str]:
+    from parcourse.experiments.hybrid import LESSON_CONFIG
+    from parcourse.planner import Cluster, measure_flops, model
+
+    if args.model == "course":
+        config = LESSON_CONFIG
+        gpu = args.gpu or "here"
+        batch = args.batch or 16
+    else:
+        config = model(args.model, args.seq or 2048)
+        gpu = args.gpu or "h100"
+        batch = args.batch or 1024
+    if gpu == "here":
+        cluster = Cluster.this_machine(args.gpus, flops=measure_flops())
+    else:
+        cluster = Cluster.preset(gpu, args.gpus, args.gpus_per_node)
+    return config, cluster, batch, "fp32" if args.model == "course" else "bf16"
+
+
+def check(args: argparse.Namespace) -> str | None:
+    if problem := at_least_one(args, "gpus", "gpus_per_node", "top"):
+        return problem
+    if args.batch is not None and args.batch < 1:
+        return f"--batch must be at least 1, got {args.batch}"
+    if args.check and args.model != "course":
+        return "--check measures here: only the course's GPT (--model course) runs here"
+    if args.check and args.gpus > 8:
+        return f"--check runs {args.gpus} ranks on this machine: at most 8"
+    if args.model == "course" and args.seq is not None:
+        return "the course's GPT has its own sequence length (16): leave --seq out"
+    return None
+
+
+def _gib(n: float) -> str:
+    from parcourse.memory import format_bytes
+
+    return format_bytes(n)
+
+
+def _row(k: int, p: Planned) -> str:
+    t, mem = p.time, p.memory[p.busiest]
+    return (f"{k:>3}  {p.choice.label():<44} {1e3 * t['step']:>10.1f} "
+            f"{1e3 * t['compute']:>8.1f} {1e3 * t['tp']:>7.1f} {1e3 * t['bubble']:>7.1f} "
+            f"{1e3 * t['dp']:>7.1f} {t['tokens_per_s']:>10.0f} {100 * t['mfu']:>5.1f}% "
+            f"{_gib(mem['total']):>10} (pp {p.busiest})")
+
+
+def run(args: argparse.Namespace) -> int:
+    from parcourse.planner import parameters, plan
+
+    config, cluster, batch, dtype = _setup(args)
+    plans = plan(config, cluster, batch, dtype=dtype)  # type: ignore[arg-type]
+    print(f"plan        {args.model}: {parameters(config) / 1e9:.3g}B parameters, "
+          f"{config.n_layers} layers, width {config.d_model}, {config.n_heads} heads, "
+          f"{config.block_size} tokens; global batch {batch}; {dtype}")
+    print(f"cluster     {cluster.gpus} x {cluster.name}, {cluster.gpus_per_node} a node, "
+          f"{_gib(cluster.memory)} each, {cluster.peak_flops / 1e12:.3g} TFLOP/s peak x "
+          f"{cluster.achievable:g} achievable")
+    print(f"\n{'':>3}  {'configuration':<44} {'step ms':>10} {'compute':>8} {'tp':>7} "
+          f"{'bubble':>7} {'dp':>7} {'tokens/s':>10} {'MFU':>6} {'memory (busiest)':>17}")
+    for k, p in enumerate(plans.ranked[:args.top], 1):
+        print(_row(k, p))
+    if not plans.ranked:
+        print("     nothing fits")
+    print(f"\n{len(plans.ranked)} fit, {len(plans.rejected)} turned down:")
+    kinds = Counter(p.why_not.split(" by ")[0].split(":")[0] for p in plans.rejected)
+    for why, n in kinds.most_common(6):
+        print(f"  {n:>5} x {why}")
+    closest = sorted((p for p in plans.rejected if p.why_not.startswith("out of memory")),
+                     key=lambda p: p.memory[p.busiest]["total"])[:3]
+    for p in closest:
+        print(f"  e.g. {p.choice.label()}: {p.why_not}")
+    if args.check:
+        _check(args, config, plans, batch)
+    return 0
+
+
+def _check(args: argparse.Namespace, config: GPTConfig, plans: object, batch: int) -> None:
+    """The top configurations the course's 3D step runs, measured here beside the
+    prediction: the busiest rank's memory and the step time."""
+    from parcourse.launch import Pool
+    from parcourse.planner import measure, measured_against_predicted
+
+    runnable = [p for p in plans.ranked  # type: ignore[attr-defined]
+                if p.choice.zero <= 2][:min(3, args.top)]
+    print(f"\nmeasured here ({args.gpus} ranks), the top {len(runnable)}:")
+    print(f"{'':>3}  {'configuration':<44} {'memory pred.':>13} {'measured':>10} "
+          f"{'step pred. ms':>14} {'measured':>9}")
+    with Pool(args.gpus, timeout=600) as pool:
+        for k, p in enumerate(runnable, 1):
+            results = pool.run(measure, config, p.choice, batch, 4).results
+            rows = measured_against_predicted(results, config, p.choice, batch)
+            got = max(r["measured"]["total"] for r in rows)
+            want = max(r["predicted"]["total"] for r in rows)
+            times = sorted(max(ts) for ts in zip(*(r["times"] for r in results)))
+            print(f"{k:>3}  {p.choice.label():<44} {_gib(want):>13} {_gib(got):>10} "
+                  f"{1e3 * p.time['step']:>14.1f} {1e3 * times[len(times) // 2]:>9.1f}")

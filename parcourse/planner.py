@@ -54,7 +54,10 @@ class Choice:
     microbatches per replica (`chunks`: stages per rank, interleaved 1F1B), ZeRO's stage
     over dp, sequence parallelism, and what backward recomputes: "none", "selective"
     (attention's core, Korthikanti et al.; what FlashAttention does too) or "full" (each
-    stage keeps only its input, as `Hybrid(recompute=True)`)."""
+    stage keeps only its input, as `Hybrid(recompute=True)`). `split`: how the layers
+    are cut into stages: "layers" as the course's 3D step (`partition` by layer count, the
+    embeddings and the head counting as layers), or "blocks" as Megatron-LM (the blocks
+    evenly, the embeddings added to the first stage and the head to the last)."""
 
     dp: int = 1
     tp: int = 1
@@ -65,6 +68,7 @@ class Choice:
     zero: int = 0
     sequence_parallel: bool = False
     recompute: Recompute = "none"
+    split: Literal["layers", "blocks"] = "layers"
 
     @property
     def shape(self) -> dict[str, int]:
@@ -101,6 +105,8 @@ class Choice:
             return out
         if plan.stages > config.n_layers + 2:
             out.append(f"{plan.stages} stages for {config.n_layers + 2} layers")
+        if self.split == "blocks" and config.n_layers % plan.stages:
+            out.append(f"{plan.stages} stages do not split {config.n_layers} blocks evenly")
         if self.zero not in (0, 1, 2, 3):
             out.append(f"ZeRO stage {self.zero} does not exist")
         if self.recompute not in ("none", "selective", "full"):
@@ -190,6 +196,12 @@ def stage_layers(config: GPTConfig, choice: Choice) -> list[list[int]]:
     """The GPT's layers (0 the embeddings, 1..L the blocks, L + 1 the head) on each
     stage, cut by layer count as the 3D step cuts them (`partition`)."""
     plan = schedule_by_name(choice.schedule, choice.pp, choice.microbatches, choice.chunks)
+    if choice.split == "blocks":
+        k = config.n_layers // plan.stages
+        stages = [list(range(1 + s * k, 1 + (s + 1) * k)) for s in range(plan.stages)]
+        stages[0].insert(0, 0)
+        stages[-1].append(config.n_layers + 1)
+        return stages
     return [list(range(a, b)) for a, b in stage_bounds([1] * (config.n_layers + 2),
                                                        plan.stages)]
 

@@ -26,6 +26,7 @@ schedule). Not modelled: the optimizer's own time, kernel launch overheads.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -511,8 +512,46 @@ def plan(config: GPTConfig, cluster: Cluster, global_batch: int, *, dtype: Dtype
             continue
         item.time = predict_time(config, choice, global_batch, cluster, dtype)
         ranked.append(item)
-    ranked.sort(key=lambda p: p.time["step"])
-    return Plans(ranked, rejected)
+    # Fastest first; among equally fast, the lighter. Without a pipeline the number of
+    # microbatches changes only memory (gradient accumulation): keep the lightest.
+    ranked.sort(key=lambda p: (round(p.time["step"], 9), p.memory[p.busiest]["total"]))
+    kept: list[Planned] = []
+    seen: set[tuple[Any, ...]] = set()
+    for p in ranked:
+        key = (dataclasses.replace(p.choice, microbatches=0), round(p.time["step"], 9))
+        if p.choice.pp > 1 or key not in seen:
+            kept.append(p)
+            seen.add(key)
+    return Plans(kept, rejected)
+
+
+def format_plans(plans: Plans, top: int = 10) -> str:
+    """The ranked table (what `python -m parcourse plan` prints): each configuration's
+    predicted step split into compute / tp / bubble / dp, tokens/s, MFU and the busiest
+    pipeline rank's memory; then how many were turned down and why, with the closest
+    that ran out of memory."""
+    from collections import Counter
+
+    from parcourse.memory import format_bytes
+
+    lines = [f"{'':>3}  {'configuration':<50} {'step ms':>10} {'compute':>8} {'tp':>7} "
+             f"{'bubble':>7} {'dp':>7} {'tokens/s':>10} {'MFU':>6} {'memory (busiest)':>17}"]
+    for k, p in enumerate(plans.ranked[:top], 1):
+        t, mem = p.time, p.memory[p.busiest]
+        lines.append(
+            f"{k:>3}  {p.choice.label():<50} {1e3 * t['step']:>10.1f} "
+            f"{1e3 * t['compute']:>8.1f} {1e3 * t['tp']:>7.1f} {1e3 * max(0, t['bubble']):>7.1f} "
+            f"{1e3 * t['dp']:>7.1f} {t['tokens_per_s']:>10.0f} {100 * t['mfu']:>5.1f}% "
+            f"{format_bytes(mem['total']):>10} (pp {p.busiest})")
+    if not plans.ranked:
+        lines.append("     nothing fits")
+    lines.append(f"\n{len(plans.ranked)} fit, {len(plans.rejected)} turned down:")
+    kinds = Counter(p.why_not.split(" by ")[0].split(":")[0] for p in plans.rejected)
+    lines += [f"  {n:>5} x {why}" for why, n in kinds.most_common(6)]
+    closest = sorted((p for p in plans.rejected if p.why_not.startswith("out of memory")),
+                     key=lambda p: p.memory[p.busiest]["total"])[:3]
+    lines += [f"  e.g. {p.choice.label()}: {p.why_not}" for p in closest]
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- measured
@@ -565,5 +604,6 @@ def measured_against_predicted(results: list[dict[str, Any]], config: GPTConfig,
 
 
 __all__ = ["MODELS", "Choice", "Cluster", "Planned", "Plans", "choices", "measure",
-           "measure_flops", "measured_against_predicted", "model", "model_flops_per_token",
+           "format_plans", "measure_flops", "measured_against_predicted", "model",
+           "model_flops_per_token",
            "parameters", "plan", "predict_memory", "predict_time", "stage_layers"]

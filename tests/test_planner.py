@@ -75,7 +75,7 @@ def test_configurations_turned_down_say_why():
 def test_plans_are_ranked_by_predicted_step_time():
     cluster = Cluster.this_machine(8, flops=2e9)
     plans = plan(CONFIG, cluster, BATCH)
-    times = [p.time["step"] for p in plans.ranked]
+    times = [round(p.time["step"], 9) for p in plans.ranked]  # ties: the lighter first
     assert times == sorted(times) and len(times) > 10
     best = plans.ranked[0].time
     assert best["compute"] > 0 and 0 < best["mfu"] <= 1

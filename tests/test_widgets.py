@@ -143,3 +143,16 @@ def test_explorer_zooms_reads_spans_and_exports(tmp_path):
     assert {e["name"] for e in events if e.get("ph") == "X"} >= {"before", "barrier", "after"}
     assert path.name.startswith("barrier-then-work-")
     assert "ui.perfetto.dev" in explorer.exported.value
+
+
+def test_planner_panel_plans_when_made_and_refuses_a_bad_batch():
+    from parcourse.widgets import PlannerPanel
+
+    panel = PlannerPanel(model_name="1.3B", gpus=8, gpu="a100", batch=64, seq=2048)
+    assert " fit, " in panel.text and "configurations in" in panel.status.value
+    first = panel.text
+    panel.batch.value = 0
+    panel.update()
+    assert "must be above 0" in panel.status.value and panel.text == first
+    with pytest.raises(ValueError, match="gpus must be one of"):
+        PlannerPanel(gpus=12)

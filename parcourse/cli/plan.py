@@ -7,14 +7,13 @@ turned down. `--check` (the course's GPT on this machine) measures the top ones 
 from __future__ import annotations
 
 import argparse
-from collections import Counter
 from typing import TYPE_CHECKING
 
 from parcourse.cli.options import at_least_one
 
 if TYPE_CHECKING:
     from parcourse.models import GPTConfig
-    from parcourse.planner import Cluster, Planned
+    from parcourse.planner import Cluster
 
 HELP = "the planner: predicted memory and step time of every 3D configuration, ranked"
 
@@ -76,16 +75,8 @@ def _gib(n: float) -> str:
     return format_bytes(n)
 
 
-def _row(k: int, p: Planned) -> str:
-    t, mem = p.time, p.memory[p.busiest]
-    return (f"{k:>3}  {p.choice.label():<44} {1e3 * t['step']:>10.1f} "
-            f"{1e3 * t['compute']:>8.1f} {1e3 * t['tp']:>7.1f} {1e3 * t['bubble']:>7.1f} "
-            f"{1e3 * t['dp']:>7.1f} {t['tokens_per_s']:>10.0f} {100 * t['mfu']:>5.1f}% "
-            f"{_gib(mem['total']):>10} (pp {p.busiest})")
-
-
 def run(args: argparse.Namespace) -> int:
-    from parcourse.planner import parameters, plan
+    from parcourse.planner import format_plans, parameters, plan
 
     config, cluster, batch, dtype = _setup(args)
     plans = plan(config, cluster, batch, dtype=dtype)  # type: ignore[arg-type]
@@ -95,20 +86,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"cluster     {cluster.gpus} x {cluster.name}, {cluster.gpus_per_node} a node, "
           f"{_gib(cluster.memory)} each, {cluster.peak_flops / 1e12:.3g} TFLOP/s peak x "
           f"{cluster.achievable:g} achievable")
-    print(f"\n{'':>3}  {'configuration':<44} {'step ms':>10} {'compute':>8} {'tp':>7} "
-          f"{'bubble':>7} {'dp':>7} {'tokens/s':>10} {'MFU':>6} {'memory (busiest)':>17}")
-    for k, p in enumerate(plans.ranked[:args.top], 1):
-        print(_row(k, p))
-    if not plans.ranked:
-        print("     nothing fits")
-    print(f"\n{len(plans.ranked)} fit, {len(plans.rejected)} turned down:")
-    kinds = Counter(p.why_not.split(" by ")[0].split(":")[0] for p in plans.rejected)
-    for why, n in kinds.most_common(6):
-        print(f"  {n:>5} x {why}")
-    closest = sorted((p for p in plans.rejected if p.why_not.startswith("out of memory")),
-                     key=lambda p: p.memory[p.busiest]["total"])[:3]
-    for p in closest:
-        print(f"  e.g. {p.choice.label()}: {p.why_not}")
+    print()
+    print(format_plans(plans, args.top))
     if args.check:
         _check(args, config, plans, batch)
     return 0

@@ -124,3 +124,82 @@ def mesh_memory(shapes: Sequence[dict[str, int]],
     axes[0][0].set_ylabel("KiB per rank (largest rank)")
     axes[0][-1].legend(fontsize=8, loc="upper right")
     return fig
+
+
+def plan_bars(plans: object, memory_limit: float, top: int = 6, closest: int = 3,
+              title: str = "") -> Figure:
+    """The planner's choices (lesson 09, part 2): the busiest rank's memory by category
+    for the `top` fastest configurations that fit and the `closest` that did not, against
+    the GPU's memory (a line), beside each fitting one's step split into compute, tp,
+    bubble and dp. `plans`: `parcourse.planner.Plans`."""
+    ranked = plans.ranked[:top]  # type: ignore[attr-defined]
+    out = sorted((p for p in plans.rejected  # type: ignore[attr-defined]
+                  if p.why_not.startswith("out of memory")),
+                 key=lambda p: p.memory[p.busiest]["total"])[:closest]
+    fig, (mem_ax, time_ax) = plt.subplots(1, 2, figsize=(12, 0.5 + 0.45 * (top + closest)),
+                                          layout="constrained",
+                                          width_ratios=[1.2, 1])
+    gib = 2**30
+    rows = [*ranked, *out]
+    for y, p in enumerate(rows):
+        left = 0.0
+        mem = p.memory[p.busiest]
+        for k, c in enumerate(("params", "grads", "optimizer", "activations")):
+            mem_ax.barh(y, mem[c] / gib, left=left, color=f"C{k}",
+                        label=c.replace("optimizer", "optimizer state") if y == 0 else None,
+                        alpha=1.0 if y < len(ranked) else 0.45)
+            left += mem[c] / gib
+    mem_ax.axvline(memory_limit / gib, color="black", lw=1.5, ls="--", label="GPU memory")
+    mem_ax.set_yticks(range(len(rows)), [p.choice.label() + ("" if i < len(ranked)
+                                                             else "  (out)")
+                                         for i, p in enumerate(rows)], fontsize=8)
+    mem_ax.invert_yaxis()
+    mem_ax.set_xlabel("GiB on the busiest pipeline rank")
+    mem_ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    for y, p in enumerate(ranked):
+        left = 0.0
+        for k, c in enumerate(("compute", "tp", "bubble", "dp")):
+            seconds = max(0.0, p.time[c])
+            time_ax.barh(y, seconds, left=left, color=f"C{k + 4}",
+                         label=c if y == 0 else None)
+            left += seconds
+        time_ax.text(left, y, f" MFU {100 * p.time['mfu']:.0f}%", va="center", fontsize=8)
+    time_ax.set_yticks(range(len(ranked)), [str(i + 1) for i in range(len(ranked))])
+    time_ax.set_ylim(len(rows) - 0.5, -0.5)
+    time_ax.set_xlabel("predicted seconds a step")
+    time_ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def predicted_vs_measured(rows: dict[str, list[dict[str, dict[str, float]]]]) -> Figure:
+    """The planner checked (lesson 09, part 2): for each configuration (a key of `rows`)
+    and each of its pipeline ranks, the measured bytes by category stacked, and the
+    predicted total as a black tick. `rows[label]`: `[{"pp", "measured", "predicted"}]`."""
+    categories = ("params", "grads", "optimizer", "activations")
+    fig, ax = plt.subplots(figsize=(10, 3.2), layout="constrained")
+    x, ticks, labels = 0.0, [], []
+    for per_rank in rows.values():
+        for row in per_rank:
+            bottom = 0.0
+            for k, c in enumerate(categories):
+                ax.bar(x, row["measured"][c] / 1024, bottom=bottom, color=f"C{k}", width=0.7,
+                       label=c if not ticks else None)
+                bottom += row["measured"][c] / 1024
+            ax.plot([x - 0.4, x + 0.4], [row["predicted"]["total"] / 1024] * 2, color="black",
+                    lw=2, label="predicted" if not ticks else None)
+            ticks.append(x)
+            labels.append(f"pp {row['pp']}")
+            x += 1
+        x += 0.8
+    ax.set_xticks(ticks, labels, fontsize=8)
+    ax.set_ylabel("KiB on the rank (measured)")
+    starts = 0
+    for label, per_rank in rows.items():
+        centre = sum(ticks[starts:starts + len(per_rank)]) / len(per_rank)
+        ax.annotate(label, (centre, 0), xytext=(0, -26), textcoords="offset points",
+                    ha="center", fontsize=8, annotation_clip=False)
+        starts += len(per_rank)
+    ax.legend(fontsize=7, ncol=5, loc="upper left")
+    return fig

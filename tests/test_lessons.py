@@ -73,6 +73,40 @@ def test_lesson_executes_at_world_size_3(path, tmp_path):
     execute(path, tmp_path / path.name, {**SMALL[path.stem], **AWKWARD})
 
 
+def advertised(path):
+    """The world sizes a lesson's parameters cell promises, read from the comment on its
+    `world_size = ...` line: "1 to 8", "1 or more", "1 to 4, or 6"."""
+    cell = next(c for c in code_cells(path) if "parameters" in c["metadata"].get("tags", []))
+    match = re.search(r"^world_size = \d+\s*#(.*)$", source(cell), re.M)
+    assert match, f"{path.stem}: the world_size line says which sizes work"
+    comment, sizes = match.group(1), set()
+    if m := re.search(r"(\d+) to (\d+)", comment):
+        sizes |= set(range(int(m[1]), int(m[2]) + 1))
+    if m := re.search(r"(\d+) or more", comment):
+        sizes.add(int(m[1]))
+    sizes |= {int(k) for k in re.findall(r"\bor (\d+)\b", comment)}
+    assert sizes, f"{path.stem}: no world sizes in {comment!r}"
+    return sorted(sizes)
+
+
+def test_every_lesson_says_which_world_sizes_it_runs_at():
+    for path in LESSONS:
+        assert 1 in advertised(path), path.stem
+
+
+# Sizes a lesson names beyond a contiguous range ("1 to 4, or 6"): each runs here, so that
+# the comment and the lesson cannot drift apart (2 and 3 run above, the defaults in nbval).
+EXTRA = [(path, size) for path in LESSONS for size in advertised(path)
+         if size - 1 not in advertised(path) and size > 1]
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize(("path", "size"), EXTRA,
+                         ids=[f"{p.stem}-{n}" for p, n in EXTRA])
+def test_lesson_executes_at_every_size_it_names(path, size, tmp_path):
+    execute(path, tmp_path / path.name, {**SMALL[path.stem], "world_size": size})
+
+
 @pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)
 def test_lesson_hygiene(path):
     cells = code_cells(path)

@@ -99,7 +99,7 @@ def test_the_last_stage_is_not_the_busiest_under_1f1b():
 def test_plan_command_ranks_and_checks_here(capsys):
     from parcourse.cli import main
 
-    assert main(["plan", "--model", "13B", "--gpus", "16", "--top", "3"]) == 0
+    assert main(["plan", "--model", "1.3B", "--gpus", "16", "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "16 x h100, 8 a node" in out and "turned down" in out
     assert len([ln for ln in out.splitlines() if ln[:3].strip() in ("1", "2", "3")]) == 3

@@ -135,14 +135,16 @@ def split_shapes(ctx: RankContext, config: GPTConfig = TINY,
 def memory_by_tp_size(ctx: RankContext, config: GPTConfig = TINY, batch: int = 8,
                       sizes: Iterable[int] | None = None) -> dict[tuple[int, bool], Any]:
     """Parameter bytes and bytes kept for backward (one forward to the logits) on this rank
-    for each tensor-parallel size in `sizes` (default 1 .. world size), without and with
-    sequence parallelism, beside the formulas. TP size k runs on ranks 0 .. k-1 (a group
-    of their own); the other ranks sit it out.
+    for each tensor-parallel size in `sizes` (default: every size up to the world size
+    that divides the heads and the sequence, as tensor and sequence parallelism need),
+    without and with sequence parallelism, beside the formulas. TP size k runs on ranks
+    0 .. k-1 (a group of their own); the other ranks sit it out.
 
     Returns {(k, sequence_parallel): {"param_bytes", "activation_bytes", "theory": {...}}}
     on the ranks that took part in each.
     """
-    sizes = list(sizes or range(1, ctx.world_size + 1))
+    sizes = list(sizes or (k for k in range(1, ctx.world_size + 1)
+                           if config.n_heads % k == 0 and config.block_size % k == 0))
     out: dict[tuple[int, bool], Any] = {}
     x, _ = batch_for(0, batch, config)
     for k in sizes:

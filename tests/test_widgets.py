@@ -106,12 +106,17 @@ def test_panel_says_when_it_starts_ranks_what_they_do_and_what_it_clamped():
     text = "\n".join(seen)
     assert "starting 3 ranks" in text and "the first run starts the ranks" in text, text
     assert "ranks 0, 1, 2: in &#x27;slow step&#x27;" in text, "one line for ranks doing the same"
-    assert "s starting the ranks" in panel.status.value
+    # how long starting took, unless it was too short to say (a start under 0.05 s, not
+    # "of which 0.0 s starting the ranks" right after "starting 3 ranks…")
+    said = "s starting the ranks" in panel.status.value
+    assert said == (panel.last_run.startup_s >= 0.05), panel.status.value
     seen.clear()
     seconds.value = 0.7  # typed beyond the slider: ipywidgets clamps it to 0.5, silently
     panel.run()
     assert not any("starting" in s for s in seen), "a warm pool starts nothing"
     assert "seconds = 0.5 is the slider&#x27;s maximum" in panel.status.value
+    panel.run()  # nothing moved since: no note, and no "0.0 s starting the ranks"
+    assert "maximum" not in panel.status.value and "starting" not in panel.status.value
 
 
 def test_explorer_zooms_reads_spans_and_exports(tmp_path):

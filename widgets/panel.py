@@ -61,6 +61,7 @@ class RunPanel:
         self.rank_fn, self.render, self.check = rank_fn, render, check
         self.controls = dict(controls or {})
         self.fixed = dict(fixed or {})
+        # Each control's value at the last run: a clamp note only for a value moved since.
         self._initial = {name: c.value for name, c in self.controls.items()}
         self.world_size, self.pool, self.timeout = world_size, pool, timeout
         self.last_run: Run | None = None
@@ -104,7 +105,8 @@ class RunPanel:
                     f"({_WHY_SLOW})")
             busy = {r: s for r, s in enumerate(statuses) if s != "ready"}
         else:
-            head = f"running… {elapsed:.1f} s, {statuses.count('done')} of {n} ranks done"
+            head = (f"running… {elapsed:.1f} s, {statuses.count('done')} of {n} "
+                    f"rank{'s' * (n != 1)} done")
             busy = {r: s for r, s in enumerate(statuses) if s != "done"}
         rows = "".join(f"<br>&nbsp;&nbsp;{html.escape(line)}" for line in group_ranks(busy))
         self.status.value = f"<span>{html.escape(head)}{rows}</span>"
@@ -116,6 +118,7 @@ class RunPanel:
         world_size = params.get("world_size", self.world_size)
         self.button.disabled = True
         self.last_error = None
+        self.output.clear_output()  # the last run's figures or error go: this run is new
         t0 = time.perf_counter()
         try:
             if self.check is not None:
@@ -128,8 +131,9 @@ class RunPanel:
                            **rank_kwargs)
             self.last_run = run
             started = (f", of which {run.startup_s:.1f} s starting the ranks"
-                       if run.startup_s else "")
+                       if run.startup_s >= 0.05 else "")
             notes = "".join(f"<br>{html.escape(n)}" for n in self._clamped())
+            self._initial = dict(params)
             self.status.value = (
                 f"{world_size} rank{'s' * (world_size > 1)}, {run.backend}: "
                 f"{run.wall_s * 1e3:.0f} ms{started} (panel "
@@ -152,7 +156,7 @@ class RunPanel:
 
     def _clamped(self) -> list[str]:
         """Sliders clamp what is typed into them, silently: say so when a value sits at
-        a bound it has been moved to."""
+        a bound it has been moved to since the last run (not again on the next run)."""
         notes = []
         for name, control in self.controls.items():
             low, high = getattr(control, "min", None), getattr(control, "max", None)

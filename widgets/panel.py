@@ -60,6 +60,9 @@ class RunPanel:
     ) -> None:
         self.rank_fn, self.render, self.check = rank_fn, render, check
         self.controls = dict(controls or {})
+        for control in self.controls.values():  # room for long labels ("microbatches")
+            if hasattr(getattr(control, "style", None), "description_width"):
+                control.style.description_width = "initial"
         self.fixed = dict(fixed or {})
         # Each control's value at the last run: a clamp note only for a value moved since.
         self._initial = {name: c.value for name, c in self.controls.items()}

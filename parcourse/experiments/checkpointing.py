@@ -60,9 +60,18 @@ def sweep(n_values: list[int], policies: list[Policy], **kwargs: Any) -> list[di
 
 def measure_on_rank(ctx: RankContext, n_layers: int, policy: Policy, width: int = 64,
                     batch: int = 32, segments: int | None = None) -> dict[str, Any]:
-    """`measure_policy` as a rank function, for a panel (checkpointing needs one rank)."""
-    return measure_policy(n_layers, policy, width=width, batch=batch, segments=segments,
-                          repeats=1)
+    """`measure_policy` as a rank function, for a panel (checkpointing needs one rank):
+    after a warm-up step on a short chain (a process's first step pays for allocations
+    and lazy set-up, whatever the length), the median of 3 steps; of 1 under "nothing",
+    whose n^2 / 2 layer forwards make each step long. `repeats` says which."""
+    measure_policy(2, policy, width=width, batch=batch, repeats=1)  # warm-up, not timed
+    repeats = 1 if policy == "nothing" else 3
+    ctx.tracer.set_status(f"{policy}: {repeats} step{'s' * (repeats > 1)} of {n_layers} layers"
+                          + (f" ({n_layers * (n_layers + 1) // 2} layer forwards)"
+                             if policy == "nothing" else ""))
+    out = measure_policy(n_layers, policy, width=width, batch=batch, segments=segments,
+                         repeats=repeats)
+    return {**out, "repeats": repeats}
 
 
 def dropout_gradients(preserve_rng_state: bool, n_layers: int = 6, width: int = 16

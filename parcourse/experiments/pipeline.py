@@ -97,7 +97,7 @@ def train(ctx: RankContext, schedule: str, microbatches: int, steps: int = 2, *,
         compute = SimulatedCompute(forward_ms / 1e3, backward_ms / 1e3,
                                    None if weight_ms is None else weight_ms / 1e3
                                    ).per_chunk(per_rank)
-    ctx.tracer.set_status("building the model")
+    ctx.tracer.set_status(f"{plan.name}: building the model")
     layers, whole, x, y, loss_fn = model_and_data(model, depth, width, batch)
     names = {id(p): n for n, p in whole.named_parameters()}
     cut = partition(layers, plan.stages, by)
@@ -281,7 +281,8 @@ def every_schedule(ctx: RankContext, microbatches: int, *, schedules: Sequence[s
     """One step of each schedule in turn on the same ranks (train's keyword arguments);
     what each `train` returned, by schedule, without the weights."""
     out = {}
-    for name in schedules:
+    for k, name in enumerate(schedules, 1):
+        ctx.tracer.set_status(f"{name}, schedule {k} of {len(schedules)}")
         result = train(ctx, name, microbatches, 1, **kwargs)
         result.pop("weights")
         out[name] = result

@@ -6,6 +6,8 @@ put several pictures side by side.
 
 from __future__ import annotations
 
+import dataclasses
+
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
 
@@ -189,6 +191,9 @@ def timeline(trace: Trace, ax: Axes | None = None, *, title: str | None = None,
             if title:
                 ax.set_title(title, loc="left")
             return fig
+        # ... and what it recorded as communication (a collective over itself) is not
+        # drawn under a title that says there is none.
+        trace = dataclasses.replace(trace, spans=[s for s in trace.spans if s.kind != "comm"])
     t0 = trace.t0_ns
     end = max((s.end_ns for s in trace.spans), default=t0 + 1)
     span_width = (end - t0) / scale

@@ -64,12 +64,25 @@ def _axes(ax: Axes | None, size: tuple[float, float]) -> tuple[Figure, Axes]:
 
 
 def _span_label(meta: Mapping[str, object], label_key: str | None) -> str | None:
+    if label_key is None and meta.get("action") in ACTION_PHASES and "microbatch" in meta:
+        return f"{meta['action']}{meta['microbatch']}"  # a pipeline action: F0, B0, I0, W0
     keys = (label_key,) if label_key else LABEL_KEYS
     for key in keys:
         if key in meta:
             value = meta[key]
             return str(value) if key == "label" else f"{key[0]}{value}"
     return None
+
+
+def _shaded(color: object, factor: float) -> tuple[float, float, float]:
+    """`color` darker (factor < 1) or lighter (> 1, towards white)."""
+    from matplotlib.colors import to_rgb
+
+    r, g, b = to_rgb(color)  # type: ignore[arg-type]
+    if factor <= 1:
+        return (r * factor, g * factor, b * factor)
+    k = factor - 1
+    return (r + (1 - r) * k, g + (1 - g) * k, b + (1 - b) * k)
 
 
 def span_color_key(span: Span) -> str:
@@ -205,19 +218,31 @@ def timeline(trace: Trace, ax: Axes | None = None, *, title: str | None = None,
     used: set[str] = set()
     bars: list[tuple[float, float, float, float, str | None]] = []  # in drawing order
     for s in sorted(trace.spans, key=lambda s: s.depth):
+        if s.end_ns <= s.start_ns:
+            continue  # an instant (a message that had arrived): nothing to draw
         height = 0.8 * 0.75**s.depth
         y = s.rank
         if comm_lane:
             height /= 2
             y += 0.2 if s.kind == "comm" else -0.2
         left, width = (s.start_ns - t0) / scale, (s.end_ns - s.start_ns) / scale
-        color = color_of.get(s.meta.get(color_by)) if color_by else None
-        if color is None:
-            key = span_color_key(s)
+        # Waiting is no work of any axis or microbatch: always drawn as waiting.
+        color = color_of.get(s.meta.get(color_by)) if color_by and s.kind != "idle" else None
+        key = span_color_key(s) if color is None else ""
+        if key:
             used.add(key)
             color = SPAN_COLORS[key]
-        ax.barh(y, width, left=left, height=height, color=color,
-                edgecolor="white", linewidth=0.5, zorder=2 + s.depth)
+        if key == "idle":  # an outline, hatched: time nothing ran, not a kind of work
+            ax.barh(y, width, left=left, height=height, facecolor="none", edgecolor=color,
+                    hatch="////", linewidth=0.5, zorder=2 + s.depth)
+        else:
+            action = s.meta.get("action")
+            # a pipeline's backward kinds apart, whatever the colour: B darker, I darker
+            # and dotted, W lighter and hatched (zero-bubble's W's fill the bubble)
+            shade = {"B": 0.65, "I": 0.65, "W": 1.35}.get(str(action), 1.0)
+            ax.barh(y, width, left=left, height=height, color=_shaded(color, shade),
+                    hatch={"I": "..", "W": "\\\\"}.get(str(action)),
+                    edgecolor="white", linewidth=0.5, zorder=2 + s.depth)
         bars.append((y, left, left + width, height, _span_label(s.meta, label_key)))
     for y, left, width, height, text in _visible_parts(bars):
         labels.add(left, width, y, height, text)
@@ -227,7 +252,17 @@ def timeline(trace: Trace, ax: Axes | None = None, *, title: str | None = None,
     ax.set_xlabel(f"time ({unit})")
     ax.set_xlim(0, span_width * 1.01 or 1)
     handles = [Patch(color=color_of[v], label=f"{color_by} {v}") for v in values]
-    handles += [Patch(color=c, label=k) for k, c in SPAN_COLORS.items() if k in used]
+    handles += [Patch(facecolor="none", edgecolor=c, hatch="////", label="idle (waiting)")
+                if k == "idle" else Patch(color=c, label=k)
+                for k, c in SPAN_COLORS.items() if k in used]
+    actions = [a for a in ("F", "B", "I", "W")
+               if any(sp.meta.get("action") == a for sp in trace.spans)]
+    if color_by and len(actions) > 1:  # the shades say which part of a microbatch's work
+        names = {"F": "forward", "B": "backward", "I": "input grad.", "W": "weight grad."}
+        handles += [Patch(facecolor=_shaded("#808080", {"B": 0.65, "I": 0.65, "W": 1.35}
+                                            .get(a, 1.0)),
+                          hatch={"I": "..", "W": "\\\\"}.get(a), edgecolor="white",
+                          label=f"{a}: {names[a]}") for a in actions]
     rows = max(1, (trace.world_size * 3) // 2 + 2)  # entries that fit beside the bars
     ax.legend(handles=handles, frameon=False, ncols=-(-len(handles) // rows) or 1,
               **LEGEND_OUTSIDE)

@@ -96,7 +96,10 @@ def test_timeline_colours_phases_and_collectives_apart_with_a_legend():
     assert len(colours) == 8  # forward, backward, optimizer, 3 collectives, comm, idle
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [
         "forward", "backward", "optimizer", "all-reduce", "reduce-scatter", "all-gather",
-        "comm", "idle"]
+        "comm", "idle (waiting)"]
+    # waiting is drawn as no work: an outline, hatched, not a filled bar of some kind
+    (idle,) = [p for p in ax.patches if p.get_hatch()]
+    assert idle.get_facecolor()[3] == 0
     plt.close("all")
 
 

@@ -32,6 +32,8 @@ from torch.func import functional_call
 
 from parcourse.checkpointing import checkpoint
 from parcourse.comm import Comm, SimulatedLink
+from parcourse.comm.common import global_rank
+from parcourse.comm.link import link_between
 from parcourse.memory import SavedActivations, live_bytes
 from parcourse.pipeline.actions import Action, Message, Schedule, check, incoming, outgoing
 from parcourse.pipeline.posting import early_receives
@@ -159,11 +161,25 @@ class PipelineRuntime:
         start = time.perf_counter_ns()
         work.wait()
         if self.comm.tracer is not None:
-            # Waiting for the message, mostly: named for what it waits for, and without a
-            # `microbatch` key, so a timeline coloured by microbatch shows it as comm.
-            self.comm.tracer.add_span(f"wait for {stage}{kind}{a.microbatch}", start,
-                                      time.perf_counter_ns(), kind="comm", bytes=buffer.nbytes)
+            self._trace_receive(f"{stage}{kind}{a.microbatch}", start, time.perf_counter_ns(),
+                                self._peer(stage), buffer.nbytes)
         return buffer
+
+    def _trace_receive(self, name: str, start: int, end: int, peer: int, nbytes: int) -> None:
+        """A receive waited for from `start` to `end`: the message's own time on the link at
+        the end (on a simulated link: latency + bytes / bandwidth; on a real one, nothing
+        the rank can see) is communication; the rest is waiting for the other rank to get
+        there, idle, the bubble, drawn as such. Neither has a `microbatch` key, so a
+        timeline coloured by microbatch does not take them for compute."""
+        tracer = self.comm.tracer
+        assert tracer is not None
+        link = link_between(self.comm.link, global_rank(self.group, peer),
+                            global_rank(self.group, self.rank))
+        moving = 0 if link is None else int(1e9 * link.seconds(nbytes))
+        split = max(start, end - moving)
+        if split > start:
+            tracer.add_span(f"wait for {name}", start, split, kind="idle", bytes=nbytes)
+        tracer.add_span(f"receive {name}", split, end, kind="comm", bytes=nbytes)
 
     def _agree_on_shapes(self, example: torch.Tensor | None) -> None:
         """Before the first step: each stage learns its input's shape from the previous one

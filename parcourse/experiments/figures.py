@@ -14,16 +14,33 @@ from parcourse.experiments.pipeline import ScheduleSummary
 from parcourse.trace import Trace
 
 
-def pipeline_step(trace: Trace, per_rank_bytes: Sequence[float], title: str) -> Figure:
+def pipeline_step(trace: Trace, per_rank_bytes: Sequence[float], title: str,
+                  in_flight: Sequence[int] | None = None,
+                  microbatch_bytes: Sequence[Sequence[float]] | None = None) -> Figure:
     """A measured pipeline step (lessons 06 and 07): each rank's timeline coloured by
-    microbatch, above the peak activations each rank held."""
+    microbatch, above what each rank held at its peak. With `in_flight` (the most
+    microbatches each rank holds at once) the bars count microbatches, what the lessons
+    reason about, each labelled with its bytes and, from `microbatch_bytes`, one
+    microbatch's bytes on that rank (stages holding the embedding or the head differ from
+    the others); without, the bars are the bytes."""
     ranks = len(per_rank_bytes)
     fig, axes = plt.subplots(2, 1, figsize=(10, 3 + 1.2 * ranks), layout="constrained",
                              height_ratios=[ranks, 2])
     plots.timeline(trace, ax=axes[0], color_by="microbatch", title=title)
-    axes[1].bar(range(ranks), [b / 1024 for b in per_rank_bytes], color="C0")
+    if in_flight is None:
+        axes[1].bar(range(ranks), [b / 1024 for b in per_rank_bytes], color="C0")
+        axes[1].set_ylabel("peak activations (KiB)")
+    else:
+        axes[1].bar(range(ranks), in_flight, color="C0")
+        for r, (n, b) in enumerate(zip(in_flight, per_rank_bytes)):
+            each = ""
+            if microbatch_bytes is not None and len(microbatch_bytes[r]) == 1:
+                each = f"\n({microbatch_bytes[r][0] / 1024:.0f} KiB each)"
+            axes[1].text(r, n, f"{b / 1024:.0f} KiB{each}", ha="center", va="bottom",
+                         fontsize=8)
+        axes[1].set_ylabel("microbatches held at once")
+        axes[1].set_ylim(0, max(in_flight, default=1) * 1.35 + 0.5)
     axes[1].set_xticks(range(ranks), [f"rank {r}" for r in range(ranks)])
-    axes[1].set_ylabel("peak activations (KiB)")
     return fig
 
 

@@ -4,7 +4,7 @@ cut into stages, trained under a schedule, with its measured bubble and in-fligh
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -300,6 +300,10 @@ class ScheduleSummary:
     simulated_peak_bytes: float  # the simulator's count on each stage x the bytes measured
     per_rank_bytes: list[float]
     messages: int  # between ranks, per step (simulated)
+    # the most microbatches each rank holds at once (the schedule's count, which the
+    # runtime follows), and what one microbatch holds on each of its stages
+    per_rank_in_flight: list[int] = field(default_factory=list)
+    per_rank_microbatch_bytes: list[list[float]] = field(default_factory=list)
 
 
 def summarize(results: Sequence[dict[str, Any]], costs: Costs) -> ScheduleSummary:
@@ -314,8 +318,11 @@ def summarize(results: Sequence[dict[str, Any]], costs: Costs) -> ScheduleSummar
     expected = [max(in_flight(plan[r], per_stage), default=0.0) for r in range(plan.ranks)]
     per_rank = [r["peak_in_flight_bytes"] for r in results]
     spans = [s for r in results for s in r["spans"]]
+    mine = [[per_stage[st] for st, r in enumerate(plan.stage_rank) if r == rank]
+            for rank in range(plan.ranks)]
     return ScheduleSummary(plan.name, measured_bubble(spans, plan.ranks), predicted.bubble,
-                           max(per_rank), max(expected), per_rank, predicted.messages)
+                           max(per_rank), max(expected), per_rank, predicted.messages,
+                           list(predicted.peak_in_flight), mine)
 
 
 def check_one_f_one_b_exercise(fn: Callable[[int, int, int], Any]) -> bool:

@@ -366,3 +366,54 @@ def test_one_mixed_precision_step_is_the_16_bit_reference(pools, stage, dtype):
         for name, value in expected.items():
             bound = 0.1 * eps * grads[name].abs() + 2**-23 * value.abs()
             assert ((state[name] - value).abs() <= bound).all(), name
+
+
+# --- a DeepSpeed configuration
+
+DS_CONFIG = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 2000,
+                                   "allgather_bucket_size": 2000, "overlap_comm": True},
+             "optimizer": {"type": "Adam", "params": {"lr": 0.01, "betas": [0.9, 0.999]}},
+             "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+             "train_batch_size": "auto", "gradient_clipping": 0.05}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_ds_config_trains_as_one_process_with_the_same_settings(pools, stage):
+    """DeepSpeed's loop (backward per micro-batch, step at the accumulation boundary,
+    clipping by the global norm) on 2 ranks x 2 micro-batches of 4 equals one process
+    stepping on the 16 rows with clip_grad_norm_ (0.05 clips: the norm is above it)."""
+    config = {**DS_CONFIG, "zero_optimization": {**DS_CONFIG["zero_optimization"],
+                                                 "stage": stage}}
+    from dp_fns import Net, data
+
+    results = pools[2].run(Z.from_config_train, config, 3, 16).results
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    x, y = data(16)
+    norms = []
+    for _ in range(3):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        opt.step()
+        opt.zero_grad()
+    assert min(norms) > 0.05
+    for state in results:
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(state[name], value, **LOOP_TOL, msg=name)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"steps_per_print": 10}, "unknown key 'steps_per_print'; supported: zero_optimization"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}},
+     "'offload_optimizer' asks for ZeRO-Offload"),
+    ({"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}}, "ZeRO++"),
+    ({"train_batch_size": 32}, r"train_batch_size 32 != .* 4 x .* 2 x 2 ranks = 16"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, "only you know it"),
+    ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "choose one"),
+    ({"zero_optimization": {"stage": 0}}, "plain data parallelism"),
+])
+def test_a_ds_config_refuses_what_it_does_not_build_by_name(pools, change, message):
+    import re
+
+    got = pools[2].run(Z.from_config_error, {**DS_CONFIG, **change}).results[0]
+    assert got is not None and re.search(message, got), got

@@ -299,3 +299,26 @@ def mixed_reference(dtype, world_size, lr=0.1):
         for n, p in master.named_parameters():
             p -= lr * grads[n]
     return {k: v.detach() for k, v in master.state_dict().items()}, grads
+
+
+def from_config_train(ctx, config, steps, batch):
+    """`steps` optimizer steps of `zero.from_config`'s engine, DeepSpeed's loop: this rank's
+    rows cut into micro-batches of `train_micro_batch_size_per_gpu`, one backward each."""
+    engine = zero.from_config(Net(), config, ctx.group)
+    x, y = local_batch(ctx, batch)
+    micro = config["train_micro_batch_size_per_gpu"]
+    stepped = 0
+    while stepped < steps:
+        for xm, ym in zip(x.split(micro), y.split(micro)):
+            engine.backward(nn.functional.mse_loss(engine(xm), ym))
+            stepped += engine.step()
+    return engine.module.full_state_dict()
+
+
+def from_config_error(ctx, config):
+    """The message `zero.from_config` refuses `config` with."""
+    try:
+        zero.from_config(Net(), config, ctx.group)
+    except ValueError as e:
+        return str(e)
+    return None

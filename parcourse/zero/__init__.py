@@ -5,6 +5,7 @@ stage3.py (each adds to the one before), then mixed_precision.py, state_dict.py,
 clip.py; model.py holds the entry points.
 """
 
+from parcourse.zero.config import ZeroEngine, from_config
 from parcourse.zero.layout import FlatUnit, row_chunk
 from parcourse.zero.model import ShardedOptimizer, ZeroModel, shard
 from parcourse.zero.optimizer import ZeroOptimizer
@@ -12,5 +13,5 @@ from parcourse.zero.stage1 import ZeroStage1
 from parcourse.zero.stage2 import ZeroStage2
 from parcourse.zero.stage3 import ZeroStage3
 
-__all__ = ["FlatUnit", "ShardedOptimizer", "ZeroModel", "ZeroOptimizer", "ZeroStage1",
-           "ZeroStage2", "ZeroStage3", "row_chunk", "shard"]
+__all__ = ["FlatUnit", "ShardedOptimizer", "ZeroEngine", "ZeroModel", "ZeroOptimizer",
+           "ZeroStage1", "ZeroStage2", "ZeroStage3", "from_config", "row_chunk", "shard"]

@@ -1,0 +1,223 @@
+"""A DeepSpeed-style configuration: `zero.from_config(model, "ds_config.json")` builds the
+course's ZeRO from the keys a user already has in a `ds_config.json`, and returns an
+engine used as DeepSpeed's is:
+
+    engine = zero.from_config(net, {"zero_optimization": {"stage": 2},
+                                    "bf16": {"enabled": True},
+                                    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                                    "train_micro_batch_size_per_gpu": 8,
+                                    "gradient_accumulation_steps": 4,
+                                    "gradient_clipping": 1.0})
+    for x, y in batches:                       # micro-batches
+        loss = loss_fn(engine(x), y)
+        engine.backward(loss)                  # scaled by 1 / accumulation steps
+        engine.step()                          # steps only at an accumulation boundary
+
+Every key is either built into the same classes as the Python API (`ZeroModel`, a torch
+optimizer over its shards) or refused by name, with the keys that are supported: nothing is
+accepted and then ignored. `"auto"` is filled where the model or the group says what it
+must be (a bucket size, the global batch) and refused where only the user can (a
+learning rate).
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parcourse.comm.common import group_info
+from parcourse.zero.model import ZeroModel
+from parcourse.zero.stage1 import ZeroStage1
+
+TOP_LEVEL = ("zero_optimization", "bf16", "fp16", "optimizer", "train_micro_batch_size_per_gpu",
+             "gradient_accumulation_steps", "train_batch_size", "gradient_clipping")
+ZERO_KEYS = ("stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
+             "contiguous_gradients")
+OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
+# DeepSpeed keys this course has not built yet: refused with what they would do.
+NOT_YET = {
+    "offload_optimizer": "ZeRO-Offload (optimizer state and fp32 masters in host memory)",
+    "offload_param": "ZeRO-Offload of the parameters",
+    "nvme_path": "ZeRO-Infinity (state on disk)",
+    "zero_quantized_weights": "ZeRO++'s quantized weight all-gather (qwZ)",
+    "zero_hpz_partition_size": "ZeRO++'s hierarchical weight partition (hpZ)",
+    "zero_quantized_gradients": "ZeRO++'s quantized gradient reduce-scatter (qgZ)",
+}
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+def _read(config: dict[str, Any] | str | Path) -> dict[str, Any]:
+    if isinstance(config, dict):
+        return config
+    path = Path(config)
+    if not path.exists():
+        raise ValueError(f"no configuration file at {path}")
+    try:
+        loaded = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not JSON: {e}") from e
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path} holds a {type(loaded).__name__}, not a JSON object")
+    return loaded
+
+
+def _refuse_unknown(keys: Any, known: tuple[str, ...], where: str) -> None:
+    for key in keys:
+        if key in NOT_YET:
+            raise ValueError(f"{where}{key!r} asks for {NOT_YET[key]}, which this course does "
+                             f"not build yet; supported here: {', '.join(known)}")
+        if key not in known:
+            raise ValueError(f"unknown key {where}{key!r}; supported: {', '.join(known)}")
+
+
+def _flag(section: Any, name: str) -> bool:
+    if section is None:
+        return False
+    if not isinstance(section, dict) or set(section) - {"enabled"}:
+        raise ValueError(f"{name!r} takes {{\"enabled\": true or false}} only, got {section!r}")
+    enabled = section.get("enabled", False)
+    if enabled == "auto":
+        raise ValueError(f"{name}.enabled 'auto': say true or false (it depends on your GPU, "
+                         "which this configuration cannot see)")
+    return bool(enabled)
+
+
+def _bucket_mb(zero: dict[str, Any]) -> float:
+    sizes = {k: zero[k] for k in ("reduce_bucket_size", "allgather_bucket_size") if k in zero}
+    values = {k: DEFAULT_BUCKET_BYTES if v == "auto" else v for k, v in sizes.items()}
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"zero_optimization.{key} must be a positive number of bytes "
+                             f"(or 'auto'), got {value!r}")
+    if len(set(values.values())) > 1:
+        raise ValueError("reduce_bucket_size and allgather_bucket_size differ; this course "
+                         "moves gradients and weights in the same units: give one size")
+    return next(iter(values.values()), DEFAULT_BUCKET_BYTES) / 2**20
+
+
+def _optimizer(spec: Any) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    if spec is None:
+        raise ValueError("no 'optimizer' section: give {\"type\": \"AdamW\", \"params\": "
+                         "{\"lr\": ...}} (the engine builds the optimizer over the shards)")
+    if not isinstance(spec, dict) or set(spec) - {"type", "params"}:
+        raise ValueError(f"'optimizer' takes 'type' and 'params', got {spec!r}")
+    kind = spec.get("type")
+    if kind not in OPTIMIZERS:
+        raise ValueError(f"optimizer type {kind!r} is not one of {', '.join(OPTIMIZERS)}")
+    params = dict(spec.get("params", {}))
+    for key, value in params.items():
+        if value == "auto":
+            raise ValueError(f"optimizer.params.{key} 'auto': only you know it; give a value")
+    if "betas" in params:
+        params["betas"] = tuple(params["betas"])
+    return OPTIMIZERS[kind], params
+
+
+class ZeroEngine:
+    """What `from_config` returns: the sharded model (`module`, a `ZeroModel`), its
+    optimizer (`optimizer`, a torch optimizer over the shards), and DeepSpeed's loop:
+    `engine(x)` runs the model, `engine.backward(loss)` scales the loss by 1 /
+    `accumulation_steps` and keeps gradients local (`no_sync`) until the last
+    micro-batch of a step, `engine.step()` clips (`gradient_clipping`, by the global
+    norm) and steps at that boundary only, and zeroes the gradients after."""
+
+    def __init__(self, module: ZeroStage1, optimizer: torch.optim.Optimizer, *,
+                 micro_batch: int | None, accumulation_steps: int, clipping: float | None
+                 ) -> None:
+        self.module, self.optimizer = module, optimizer
+        self.micro_batch, self.accumulation_steps = micro_batch, accumulation_steps
+        self.clipping = clipping
+        self.micro_steps = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        quiet = not self.is_gradient_accumulation_boundary()
+        with self.module.no_sync() if quiet else nullcontext():
+            (loss / self.accumulation_steps).backward()
+        self.micro_steps += 1
+
+    def step(self) -> bool:
+        """Step at the end of an accumulation; True when it did."""
+        if self.micro_steps % self.accumulation_steps:
+            return False
+        if self.clipping is not None:
+            self.module.clip_grad_norm_(self.clipping)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return True
+
+
+def from_config(model: nn.Module, config: dict[str, Any] | str | Path,
+                group: dist.ProcessGroup | None = None) -> ZeroEngine:
+    """The course's ZeRO built from a DeepSpeed configuration (a dict or a JSON file).
+
+    Supported: `zero_optimization` {`stage` 1-3, `reduce_bucket_size` /
+    `allgather_bucket_size` (bytes, or "auto": 25 MiB), `overlap_comm` and
+    `contiguous_gradients` (always so here: true only)}, `bf16.enabled` / `fp16.enabled`
+    (16-bit compute, fp32 masters), `optimizer` {`type` Adam, AdamW or SGD, `params`},
+    `train_micro_batch_size_per_gpu`, `gradient_accumulation_steps`, `train_batch_size`
+    (checked: micro-batch x accumulation x ranks; "auto" fills it), `gradient_clipping`.
+    Offload, NVMe and ZeRO++ keys are refused by name until the course builds them."""
+    config = _read(config)
+    _refuse_unknown(config, TOP_LEVEL, "")
+    zero = config.get("zero_optimization")
+    if not isinstance(zero, dict) or "stage" not in zero:
+        raise ValueError("'zero_optimization' with a 'stage' (1, 2 or 3) is required")
+    _refuse_unknown(zero, ZERO_KEYS, "zero_optimization.")
+    stage = zero["stage"]
+    if stage == 0:
+        raise ValueError("zero_optimization.stage 0 is plain data parallelism: use "
+                         "parcourse.data_parallel (this builds ZeRO stages 1-3)")
+    if stage not in (1, 2, 3):
+        raise ValueError(f"zero_optimization.stage must be 1, 2 or 3, got {stage!r}")
+    for key in ("overlap_comm", "contiguous_gradients"):
+        if zero.get(key, True) is not True:
+            raise ValueError(f"zero_optimization.{key} false: this course always overlaps "
+                             "communication and keeps gradients in contiguous units")
+    bf16, fp16 = _flag(config.get("bf16"), "bf16"), _flag(config.get("fp16"), "fp16")
+    if bf16 and fp16:
+        raise ValueError("bf16 and fp16 are both enabled: choose one")
+    dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else None
+
+    _, _, world = group_info(group)
+    micro = config.get("train_micro_batch_size_per_gpu")
+    accumulation = config.get("gradient_accumulation_steps", 1)
+    if accumulation == "auto":
+        accumulation = 1
+    for name, value in (("train_micro_batch_size_per_gpu", micro),
+                        ("gradient_accumulation_steps", accumulation)):
+        if value is not None and value != "auto" and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+    if micro == "auto":
+        micro = None
+    total = config.get("train_batch_size")
+    if total is not None and total != "auto":
+        if micro is None:
+            raise ValueError("train_batch_size without train_micro_batch_size_per_gpu: give "
+                             "the micro-batch too")
+        if total != micro * accumulation * world:
+            raise ValueError(f"train_batch_size {total} != train_micro_batch_size_per_gpu "
+                             f"{micro} x gradient_accumulation_steps {accumulation} x "
+                             f"{world} ranks = {micro * accumulation * world}")
+    clipping = config.get("gradient_clipping")
+    if clipping is not None and (isinstance(clipping, bool) or
+                                 not isinstance(clipping, (int, float)) or clipping <= 0):
+        raise ValueError(f"gradient_clipping must be a positive number, got {clipping!r}")
+    kind, params = _optimizer(config.get("optimizer"))
+
+    module = ZeroModel(model, stage, group, bucket_mb=_bucket_mb(zero), compute_dtype=dtype)
+    optimizer = kind([p for p in module.parameters() if p.requires_grad], **params)
+    return ZeroEngine(module, optimizer, micro_batch=micro, accumulation_steps=accumulation,
+                      clipping=float(clipping) if clipping is not None else None)

@@ -32,7 +32,7 @@ def gathered(run):
     return weights
 
 
-SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "dualpipe-v"]
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipe-v"]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -49,7 +49,7 @@ def test_every_schedule_trains_like_one_process(pools, world_size, model, schedu
         torch.testing.assert_close(got[name], expected[name], **TOL, msg=name)
 
 
-@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb-h1", "dualpipe-v"])
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb-h1", "zbv", "dualpipe-v"])
 def test_uneven_stages_train_like_one_process(pools, schedule):
     """11 layers over 8 stages (4 ranks x 2 chunks, or 4 ranks): stages of 1 and 2 layers."""
     run = pools[4].run(train, schedule, 8, 2, depth=11, batch=24)

@@ -264,3 +264,22 @@ def test_imports_go_one_way():
 
     for module in graph:
         visit(module, [])
+
+
+def test_zbv_is_complete_on_a_v_and_all_but_bubble_free_when_f_i_w_are_equal():
+    """ZB-V (Qi et al. sec. 6): runnable for every p and m (cut back from max(2p - 1, m)
+    as torch's is); on the V placement; with F = I = W its bubble is below ZB-H1's and
+    1F1B's, and every rank holds at most 2p chunk-microbatches (1F1B's first stage)."""
+    from parcourse.pipeline import Costs, check, one_f_one_b, simulate, zbv, zero_bubble_h1
+
+    for p in range(1, 9):
+        for m in range(1, 2 * p + 3):
+            plan = zbv(p, m)
+            check(plan)
+            assert plan.stage_rank == tuple(range(p)) + tuple(reversed(range(p)))
+            assert all(sum(a.kind == "W" for a in acts) == 2 * m for acts in plan.actions)
+    costs = Costs(forward=1.0, backward=2.0, weight=1.0)  # F = I = W
+    v = simulate(zbv(4, 16), costs.per_chunk(2))
+    assert v.bubble < simulate(zero_bubble_h1(4, 16), costs).bubble
+    assert v.bubble < simulate(one_f_one_b(4, 16), costs).bubble < 0.2
+    assert max(v.peak_in_flight) <= 2 * 4

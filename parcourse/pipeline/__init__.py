@@ -6,9 +6,9 @@ Imports go one way: actions <- schedule; actions <- simulate <- posting <- runti
 
 from parcourse.pipeline.schedule import (SCHEDULES, Action, Op, Schedule, check, dualpipe_v,
                                          gpipe, happens_before, interleaved_1f1b, naive,
-                                         one_f_one_b, schedule_by_name, zero_bubble_h1)
+                                         one_f_one_b, schedule_by_name, zbv, zero_bubble_h1)
 from parcourse.pipeline.simulate import Costs, Deadlock, Timeline, simulate
 
 __all__ = ["SCHEDULES", "Action", "Costs", "Deadlock", "Op", "Schedule", "Timeline", "check",
            "dualpipe_v", "gpipe", "happens_before", "interleaved_1f1b", "naive", "one_f_one_b",
-           "schedule_by_name", "simulate", "zero_bubble_h1"]
+           "schedule_by_name", "simulate", "zbv", "zero_bubble_h1"]

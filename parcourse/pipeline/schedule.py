@@ -24,7 +24,8 @@ from parcourse.pipeline.actions import (B, F, I, W, Action, Deadlock, Kind, Op, 
 
 __all__ = ["SCHEDULES", "Action", "B", "Deadlock", "F", "I", "Kind", "NamedSchedule", "Op",
            "Schedule", "W", "check", "dualpipe_v", "gpipe", "happens_before",
-           "interleaved_1f1b", "naive", "one_f_one_b", "schedule_by_name", "zero_bubble_h1"]
+           "interleaved_1f1b", "naive", "one_f_one_b", "schedule_by_name", "zbv",
+           "zero_bubble_h1"]
 
 
 def _check_sizes(stages: int, microbatches: int) -> None:
@@ -235,6 +236,62 @@ def dualpipe_v(ranks: int, microbatches: int) -> Schedule:
     return Schedule("dualpipe-v", m, stage_rank, tuple(tuple(a) for a in per_rank))
 
 
+def zbv(ranks: int, microbatches: int) -> Schedule:
+    """ZB-V (Qi et al., arXiv:2401.10241 sec. 6; torch's ScheduleZBVZeroBubble): the
+    zero-bubble schedule on DualPipeV's V placement, rank r holding stage r and stage
+    2 ranks - 1 - r. Every backward is split: I on the critical path, W after it; each
+    rank warms up with forwards down the V (2(p - r) - 1 of them), then pairs of one
+    stage's forward with the other's, then in the steady state a forward, I and W of each
+    of its two stages in turn; the cool-down runs the remaining I's and fills with W's.
+    Bubble-free when F, I and W take the same time; its peak activations stay those of
+    1F1B's first stage (2p microbatch-stages), as the paper designs it.
+
+    Built for max(2p - 1, m) microbatches and cut back to m (as torch's is), so any m
+    runs; fewer than 2p - 1 leave a bubble."""
+    _check_sizes(ranks, microbatches)
+    p, m = ranks, microbatches
+    n = max(2 * p - 1, m)
+    per_rank = []
+    for r in range(p):
+        down, up = r, 2 * p - 1 - r
+        acts: list[Action] = []
+        f0 = f1 = b0 = b1 = 0
+        for _ in range(2 * (p - r) - 1):  # warm-up: forwards down the V
+            acts.append(F(down, f0))
+            f0 += 1
+        for _ in range(r):  # the two stages' forwards in turn
+            acts += [F(up, f1), F(down, f0)]
+            f1 += 1
+            f0 += 1
+        for _ in range(p - r):  # the way up: forward, I, W of the second stage
+            acts += [F(up, f1), I(up, b1), W(up, b1)]
+            f1 += 1
+            b1 += 1
+        while f1 < f0 or f0 < n:  # steady state
+            if f0 < n:
+                acts.append(F(down, f0))
+                f0 += 1
+            acts += [I(down, b0), W(down, b0)]
+            b0 += 1
+            acts += [F(up, f1), I(up, b1), W(up, b1)]
+            f1 += 1
+            b1 += 1
+        w0, w1 = b0, b1
+        for _ in range(r):  # cool-down: the I's on the critical path first
+            acts += [I(down, b0), I(up, b1)]
+            b0 += 1
+            b1 += 1
+        for _ in range(p - r):
+            acts += [I(down, b0), W(down, w0)]
+            b0 += 1
+            w0 += 1
+        acts += [W(up, i) for i in range(w1, b1)]
+        acts += [W(down, i) for i in range(w0, b0)]
+        per_rank.append([a for a in acts if a.microbatch < m])
+    stage_rank = tuple(list(range(p)) + list(reversed(range(p))))
+    return Schedule("zbv", m, stage_rank, tuple(tuple(a) for a in per_rank))
+
+
 # --------------------------------------------------------------------------- by name
 
 Builder = Callable[[int, int, int], Schedule]  # (ranks, microbatches, chunks per rank)
@@ -303,6 +360,9 @@ SCHEDULES: dict[str, NamedSchedule] = {s.name: s for s in [
                   chunks=None, rounds=True, torch="ScheduleInterleaved1F1B"),
     NamedSchedule("zb-h1", lambda ranks, m, chunks: zero_bubble_h1(ranks, m),
                   "(p-1)(F+B-2W) idle", _zero_bubble_h1_formula),
+    NamedSchedule("zbv", lambda ranks, m, chunks: zbv(ranks, m),
+                  "0 when F = I = W (Qi et al. sec. 6); see the simulator", chunks=2,
+                  torch="ScheduleZBVZeroBubble"),
     NamedSchedule("dualpipe-v", lambda ranks, m, chunks: dualpipe_v(ranks, m),
                   "(DualPipe's table assumes F&B overlapped; see the simulator)",
                   chunks=2, min_microbatches=lambda ranks: 2 * ranks,

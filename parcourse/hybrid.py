@@ -265,16 +265,21 @@ class Hybrid:
 
     # -- one training step
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, *,
+             local: bool = False) -> float | None:
         """One optimizer step on the global batch (the same tensors on every rank; each
-        replica takes its rows). Returns the global batch's mean loss on the ranks of the
-        last stage, None elsewhere."""
+        replica takes its rows), or with `local=True` on this replica's rows only (what a
+        sharded loader gives it; every replica the same number). Returns the global
+        batch's mean loss on the ranks of the last stage, None elsewhere."""
         dp, replica = self.mesh.size("dp"), self.mesh.coordinate("dp")
-        if inputs.shape[0] % (dp * self.microbatches):
+        if local and inputs.shape[0] % self.microbatches:
+            raise ValueError(f"this replica's {inputs.shape[0]} rows cannot be cut into "
+                             f"{self.microbatches} equal microbatches")
+        if not local and inputs.shape[0] % (dp * self.microbatches):
             raise ValueError(f"a global batch of {inputs.shape[0]} cannot be cut into dp "
                              f"({dp}) x microbatches ({self.microbatches}) equal parts")
-        x = shard_rows(inputs, replica, dp) if self.first else None
-        y = shard_rows(targets, replica, dp) if self.last else None
+        x = (inputs if local else shard_rows(inputs, replica, dp)) if self.first else None
+        y = (targets if local else shard_rows(targets, replica, dp)) if self.last else None
         self.grad_bytes = 0
         loss = self.runtime.step(x, y)  # and the tied weights' gradients added up
         self.finalize_gradients()

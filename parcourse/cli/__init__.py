@@ -11,13 +11,13 @@ import argparse
 from collections.abc import Sequence
 
 from parcourse.cli import (allreduce, checkpoint, ddp, doctor, mesh, pipeline, plan, tp,
-                           train3d, zero)
+                           train, train3d, zero)
 from parcourse.cli.options import parse_count, parse_size
 
 # The order `--help` lists them in.
 COMMANDS = {"doctor": doctor, "allreduce": allreduce, "ddp": ddp, "zero": zero,
             "checkpoint": checkpoint, "pipeline": pipeline, "tp": tp, "mesh": mesh,
-            "train3d": train3d, "plan": plan}
+            "train3d": train3d, "plan": plan, "train": train}
 
 __all__ = ["COMMANDS", "build_parser", "main", "parse_count", "parse_size"]
 

@@ -1,0 +1,103 @@
+"""`python -m parcourse train`: the GPT trained on the standard library's source (real
+text, as bytes) on a dp x tp x pp mesh, with warm-up and cosine learning rate, clipping,
+validation loss, and text sampled from the trained weights at the end."""
+
+from __future__ import annotations
+
+import argparse
+
+from parcourse.cli.options import ranks
+from parcourse.launch import launch
+from parcourse.pipeline.schedule import SCHEDULES
+
+HELP = "train the GPT on real text (the standard library's source) on a 3D mesh"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from parcourse.train import TrainSettings
+
+    d = TrainSettings()
+    for axis in ("dp", "tp", "pp"):
+        p.add_argument(f"--{axis}", type=int, default=getattr(d, axis))
+    p.add_argument("--schedule", choices=tuple(SCHEDULES), default=d.schedule)
+    p.add_argument("--microbatches", type=int, default=d.microbatches, help="per replica")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2), default=d.zero)
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch", type=int, default=d.batch, help="global, in sequences")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="bytes a sequence")
+    p.add_argument("--layers", type=int, default=d.layers)
+    p.add_argument("--width", type=int, default=d.width)
+    p.add_argument("--heads", type=int, default=d.heads)
+    p.add_argument("--lr", type=float, default=d.lr, help="peak, after the warm-up")
+    p.add_argument("--clip", type=float, default=d.clip)
+    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--corpus", default="runs/corpus", help="where the corpus is built once")
+    p.add_argument("--prompt", default="def ", help="the start of the sampled text")
+    p.add_argument("--timeout", type=float, default=1800.0)
+
+
+def _settings(args: argparse.Namespace) -> object:
+    from parcourse.train import TrainSettings
+
+    return TrainSettings(dp=args.dp, tp=args.tp, pp=args.pp, schedule=args.schedule,
+                         microbatches=args.microbatches, zero=args.zero, steps=args.steps,
+                         batch=args.batch, block_size=args.block_size, layers=args.layers,
+                         width=args.width, heads=args.heads, lr=args.lr,
+                         min_lr=min(args.lr, 3e-4), clip=args.clip,
+                         eval_every=args.eval_every)
+
+
+def check(args: argparse.Namespace) -> str | None:
+    settings = _settings(args)
+    if problems := settings.problems():  # type: ignore[attr-defined]
+        return "; ".join(problems)
+    try:
+        plan = SCHEDULES[args.schedule].build(args.pp, args.microbatches, 2)
+    except ValueError as e:
+        return str(e)
+    if plan.stages > args.layers + 2:
+        return (f"{args.schedule} on --pp {args.pp} has {plan.stages} stages for the GPT's "
+                f"{args.layers + 2} layers (embedding, blocks, head)")
+    if args.clip <= 0:
+        return f"--clip must be positive, got {args.clip}"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from parcourse.corpus import build_corpus
+    from parcourse.train import sample, train_on_corpus
+
+    settings = _settings(args)
+    corpus = build_corpus(args.corpus)
+    where = ranks(argparse.Namespace(world_size=settings.world_size))  # type: ignore[attr-defined]
+    trained = launch(train_on_corpus, where.world_size, settings, str(corpus.directory),
+                     timeout=args.timeout)
+    if where.quiet:
+        return 0
+    s = settings
+    print(f"train       dp {s.dp} x tp {s.tp} x pp {s.pp} = {where.world_size} ranks, "  # type: ignore[attr-defined]
+          f"{s.schedule}, ZeRO-{s.zero}; GPT {s.layers} blocks, width {s.width}, "  # type: ignore[attr-defined]
+          f"{s.block_size} bytes a sequence, global batch {s.batch}; AdamW, peak lr "  # type: ignore[attr-defined]
+          f"{s.lr:g}, warm-up {s.warmup}, cosine, clip {s.clip:g}")  # type: ignore[attr-defined]
+    print(f"corpus      {corpus.meta['files']['train']} + {corpus.meta['files']['val']} files "
+          f"of Python {corpus.meta['python']}'s standard library, "
+          f"{corpus.meta['bytes']['train'] / 1e6:.1f} + {corpus.meta['bytes']['val'] / 1e6:.1f}"
+          f" MB (train + validation), sha256 {corpus.meta['sha256'][:16]}")
+    losses = next(r["history"] for r in trained.results if r["history"][0]["loss"] is not None)
+    evals = trained.results[0]["history"]
+    tokens = s.batch * s.block_size  # type: ignore[attr-defined]
+    print(f"\n{'step':>6} {'lr':>9} {'loss':>8} {'val loss':>9} {'grad norm':>10} "
+          f"{'tokens/s':>9}")
+    for mine, ev in zip(losses, evals):
+        if "val_loss" not in ev and mine["step"] % max(1, s.eval_every // 2):  # type: ignore[attr-defined]
+            continue
+        seconds = max(r["history"][mine["step"]]["seconds"] for r in trained.results)
+        val = f"{ev['val_loss']:>9.3f}" if ev.get("val_loss") is not None else f"{'':>9}"
+        print(f"{mine['step']:>6} {mine['lr']:>9.2e} {mine['loss']:>8.3f} {val} "
+              f"{mine['grad_norm']:>10.3f} {tokens / seconds:>9.0f}")
+    state, config = trained.results[0]["state"], s.config  # type: ignore[attr-defined]
+    print(f"\nsample      greedy, after {args.prompt!r}:")
+    print(sample(state, config, args.prompt, 160))
+    print(f"\nsample      temperature 0.8, after {args.prompt!r}:")
+    print(sample(state, config, args.prompt, 160, temperature=0.8))
+    return 0

@@ -1,0 +1,173 @@
+"""Training for real (lesson 10): the course's GPT on the standard library's source
+(`parcourse.corpus`), on a dp x tp x pp mesh (`Hybrid`), with what real runs have: each
+replica reading its own rows (`ShardedLoader`), AdamW with warm-up then a cosine decay of
+the learning rate, clipping by the global gradient norm, a validation loss every few steps,
+and text sampled from the trained weights at the end.
+
+    settings = TrainSettings(dp=2, pp=2, steps=100)
+    run = launch(train_on_corpus, settings.world_size, settings, "runs/corpus")
+    sample(run.results[0]["state"], settings.config, "def ")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from parcourse.models import GPTConfig
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The mesh, the schedule, the model, the data and the optimizer of a run; defaults
+    that train for seconds on a laptop."""
+
+    dp: int = 2
+    tp: int = 1
+    pp: int = 2
+    schedule: str = "1f1b"
+    microbatches: int = 2
+    zero: int = 0
+    steps: int = 200
+    batch: int = 16  # global, in sequences
+    block_size: int = 64
+    layers: int = 2
+    width: int = 64
+    heads: int = 4
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup: int = 10
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    eval_every: int = 50
+    eval_batch: int = 32
+    seed: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def config(self) -> GPTConfig:
+        return GPTConfig(vocab=256, block_size=self.block_size, n_layers=self.layers,
+                         n_heads=self.heads, d_model=self.width)
+
+    def problems(self) -> list[str]:
+        """What cannot run, in words, before any rank starts."""
+        out = []
+        for name in ("dp", "tp", "pp", "microbatches", "steps", "batch", "block_size",
+                     "layers", "width", "heads", "eval_every", "eval_batch"):
+            if getattr(self, name) < 1:
+                out.append(f"{name} must be at least 1, got {getattr(self, name)}")
+        if out:
+            return out
+        if self.width % self.heads:
+            out.append(f"heads ({self.heads}) must divide the width ({self.width})")
+        if self.heads % self.tp:
+            out.append(f"tp ({self.tp}) must divide the heads ({self.heads})")
+        if self.batch % (self.dp * self.microbatches):
+            out.append(f"the batch ({self.batch}) must be dp ({self.dp}) x microbatches "
+                       f"({self.microbatches}) equal parts")
+        if not 0 < self.min_lr <= self.lr:
+            out.append(f"min_lr ({self.min_lr}) must be above 0 and at most lr ({self.lr})")
+        return out
+
+
+def learning_rate(step: int, s: TrainSettings) -> float:
+    """Linear warm-up over `warmup` steps, then a cosine decay to `min_lr` at the last
+    step (nanoGPT's schedule)."""
+    if step < s.warmup:
+        return s.lr * (step + 1) / s.warmup
+    span = max(1, s.steps - s.warmup)
+    progress = min(1.0, (step - s.warmup) / span)
+    return s.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (s.lr - s.min_lr)
+
+
+def _evaluate(state: dict[str, torch.Tensor], config: GPTConfig, x: torch.Tensor,
+              y: torch.Tensor) -> float:
+    from parcourse.models import gpt
+
+    model = gpt(config)
+    model.load_state_dict(state)
+    model.eval()
+    with torch.no_grad():
+        return F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
+
+
+def train_on_corpus(ctx: Any, s: TrainSettings, corpus_dir: str) -> dict[str, Any]:
+    """The run, on each rank: `steps` AdamW steps; per step the learning rate, the global
+    batch's loss (on the last stage's ranks) and the seconds; the validation loss every
+    `eval_every` steps and at the end (on rank 0, from the whole weights gathered over the
+    mesh); the final weights (rank 0)."""
+    from parcourse.corpus import ShardedLoader, open_corpus
+    from parcourse.hybrid import Hybrid
+    from parcourse.mesh import Mesh
+    from parcourse.models import gpt
+
+    corpus = open_corpus(corpus_dir)
+    mesh = Mesh({"dp": s.dp, "tp": s.tp, "pp": s.pp}, ctx.group)
+    config = s.config
+    torch.manual_seed(s.seed)
+    model = Hybrid(gpt(config, seed=s.seed), mesh, schedule=s.schedule,
+                   microbatches=s.microbatches, zero=s.zero, max_norm=s.clip,  # type: ignore[arg-type]
+                   optimizer=lambda ps: torch.optim.AdamW(ps, lr=s.lr,
+                                                          weight_decay=s.weight_decay))
+    loader = ShardedLoader(corpus.train, s.block_size, s.batch, replica=mesh.coordinate("dp"),
+                           replicas=s.dp, seed=s.seed)
+    val_x, val_y = ShardedLoader(corpus.val if len(corpus.val) > s.block_size * s.eval_batch
+                                 else corpus.train, s.block_size, s.eval_batch,
+                                 seed=s.seed + 1).next()
+    history: list[dict[str, Any]] = []
+    for step in range(s.steps):
+        lr = learning_rate(step, s)
+        for group in model.optimizer.param_groups:
+            group["lr"] = lr
+        x, y = loader.next()
+        start = time.perf_counter()
+        loss = model.step(x, y, local=True)
+        seconds = time.perf_counter() - start
+        entry = {"step": step, "lr": lr, "loss": loss, "seconds": seconds,
+                 "grad_norm": model.grad_norm}
+        if (step + 1) % s.eval_every == 0 or step == s.steps - 1:
+            state = model.full_state_dict()
+            entry["val_loss"] = _evaluate(state, config, val_x, val_y) if ctx.rank == 0 else None
+        history.append(entry)
+        shown = f", loss {loss:.3f}" if loss is not None else ""
+        ctx.tracer.set_status(f"step {step + 1} of {s.steps}{shown}")
+    final = model.full_state_dict()
+    return {"history": history, "state": final if ctx.rank == 0 else None,
+            "loader": loader.state_dict(), "corpus": corpus.meta["sha256"],
+            "memory": model.memory()}
+
+
+@torch.no_grad()
+def sample(state: dict[str, torch.Tensor], config: GPTConfig, prompt: str, tokens: int = 200,
+           temperature: float = 0.0, seed: int = 0) -> str:
+    """Text from the trained weights, in one process: `tokens` bytes after `prompt`,
+    greedy (temperature 0) or sampled at `temperature`."""
+    from parcourse.models import gpt
+
+    model = gpt(config)
+    model.load_state_dict(state)
+    model.eval()
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.tensor([list(prompt.encode())], dtype=torch.long)
+    for _ in range(tokens):
+        logits = model(ids[:, -config.block_size:])[:, -1]
+        if temperature <= 0:
+            nxt = logits.argmax(-1, keepdim=True)
+        else:
+            probs = torch.softmax(logits / temperature, -1)
+            nxt = torch.multinomial(probs, 1, generator=g)
+        ids = torch.cat([ids, nxt], dim=1)
+    return bytes(ids[0].tolist()).decode("utf-8", errors="replace")
+
+
+def replace(settings: TrainSettings, **changes: Any) -> TrainSettings:
+    return dataclasses.replace(settings, **changes)

@@ -1,0 +1,59 @@
+"""Training for real: the GPT on the standard library's source, on a mesh."""
+
+import pytest
+import torch
+
+from parcourse.train import TrainSettings, learning_rate
+
+
+def test_the_learning_rate_warms_up_then_decays_to_its_floor():
+    s = TrainSettings(steps=100, warmup=10, lr=1e-3, min_lr=1e-4)
+    lrs = [learning_rate(i, s) for i in range(100)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))  # then only down
+    assert lrs[-1] == pytest.approx(1e-4, rel=0.05)
+    assert TrainSettings(dp=3, batch=16).problems() == [
+        "the batch (16) must be dp (3) x microbatches (2) equal parts"]
+
+
+def local_and_global(ctx):
+    """One step with each replica's rows given (local=True) and one with the global batch:
+    the same weights."""
+    from parcourse.data import progressions, shard
+    from parcourse.hybrid import Hybrid
+    from parcourse.mesh import Mesh
+    from parcourse.models import GPTConfig, gpt
+
+    config = GPTConfig(vocab=32, block_size=8, n_layers=2, n_heads=2, d_model=16)
+    x, y = progressions(8, 8, 32)
+    out = []
+    for local in (False, True):
+        mesh = Mesh({"dp": 2, "pp": 2}, ctx.group)
+        model = Hybrid(gpt(config), mesh, microbatches=2)
+        r = mesh.coordinate("dp")
+        args = (shard(x, r, 2), shard(y, r, 2)) if local else (x, y)
+        model.step(*args, local=local)
+        out.append(model.full_state_dict())
+    return out
+
+
+def test_a_replica_given_its_own_rows_steps_as_with_the_global_batch(pool4):
+    for global_, local in pool4.run(local_and_global).results:
+        for name, value in global_.items():
+            assert torch.equal(value, local[name]), name
+
+
+def test_train_command_learns_real_text_and_samples(tmp_path, capsys):
+    from parcourse.cli import main
+
+    assert main(["train", "--dp", "2", "--pp", "2", "--steps", "30", "--eval-every", "15",
+                 "--corpus", str(tmp_path / "corpus")]) == 0
+    out = capsys.readouterr().out
+    assert "standard library" in out and "sha256" in out
+    rows = [ln.split() for ln in out.splitlines() if ln.strip()[:1].isdigit()]
+    first, last = float(rows[0][2]), float(rows[-1][2])
+    assert first > 5.0 and last < first - 1.5, (first, last)  # from ln 256 = 5.55, down
+    assert "sample      greedy" in out and "temperature 0.8" in out
+    with pytest.raises(SystemExit):
+        main(["train", "--dp", "3", "--batch", "16"])
+    assert "must be dp (3) x microbatches (2)" in capsys.readouterr().err

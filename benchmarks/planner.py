@@ -79,15 +79,20 @@ def against_the_paper() -> None:
 def here() -> None:
     from parcourse import Pool
     from parcourse.experiments.hybrid import LESSON_CONFIG
-    from parcourse.planner import measure, measure_flops, measured_against_predicted
+    from parcourse.planner import (measure, measure_flops, measure_links,
+                                   measured_against_predicted)
 
     batch = 16
-    cluster = Cluster.this_machine(4, flops=measure_flops())
+    with Pool(4, timeout=600) as pool:
+        links = pool.run(measure_links).results[0]
+    cluster = Cluster.this_machine(4, flops=measure_flops(), links=links)
     choices = [Choice(4, 1, 1, "1f1b", 2), Choice(2, 2, 1, "1f1b", 2),
                Choice(2, 1, 2, "1f1b", 4), Choice(1, 2, 2, "1f1b", 4, zero=0),
                Choice(1, 1, 4, "gpipe", 4), Choice(2, 1, 2, "interleaved-1f1b", 4, zero=1)]
     print(f"\nthe course's GPT here, 4 ranks, global batch {batch}; one rank alone reaches "
-          f"{cluster.peak_flops / 1e9:.2f} GFLOP/s on it, shared {cluster.achievable:g}")
+          f"{cluster.peak_flops / 1e9:.2f} GFLOP/s on it, shared {cluster.achievable:g}; gloo: "
+          f"a message {1e3 * links['p2p_s']:.2f} ms, a tiny all-reduce "
+          + ", ".join(f"{1e3 * v:.2f} ms on {k}" for k, v in links["collective_s"].items()))
     print(f"{'configuration':<40} {'memory pred.':>13} {'measured':>10} {'step pred. ms':>14} "
           f"{'measured':>9} {'ratio':>6}")
     with Pool(4, timeout=600) as pool:

@@ -133,6 +133,10 @@ class Cluster:
     achievable: float = 0.5
     inside: SimulatedLink = field(default_factory=lambda: SimulatedLink.of(3, 300.0))
     between: SimulatedLink = field(default_factory=lambda: SimulatedLink.of(10, 25.0))
+    # Seconds a collective costs beyond its bytes, by group size (measured here by
+    # `measure_links`: gloo on shared cores pays milliseconds a call); 0 on a real cluster,
+    # whose links' latency already says it.
+    collective_s: dict[int, float] = field(default_factory=dict)
 
     PRESETS = {  # memory, dense bf16 peak, NVLink / InfiniBand per GPU (GB/s, one way)
         "a100": (80 * 10**9, 312e12, 300.0, 25.0),
@@ -151,16 +155,22 @@ class Cluster:
 
     @classmethod
     def this_machine(cls, gpus: int, flops: float, memory: float = 64 * GiB,
-                     topology: Topology | None = None, cores: int | None = None) -> Cluster:
+                     topology: Topology | None = None, cores: int | None = None,
+                     links: dict[str, Any] | None = None) -> Cluster:
         """The course's ranks here: `flops` what one rank reaches alone (`measure_flops`),
         shared when there are more ranks than `cores` (achievable = cores / ranks); the
-        topology's links (or free ones: gloo's own cost is not modelled)."""
+        topology's links, or, with `links` (`measure_links` on the ranks), gloo's own: a
+        message's latency and each collective's cost by group size."""
         import os
 
         cores = cores or os.cpu_count() or 1
+        if links is not None:
+            link = SimulatedLink(links["p2p_s"], links["bandwidth_Bps"])
+            topology = Topology(gpus, link, link)
         topology = topology or Topology(gpus, SimulatedLink(), SimulatedLink())
         return cls("this machine", gpus, topology.ranks_per_node, memory, flops,
-                   min(1.0, cores / gpus), topology.inside, topology.between)
+                   min(1.0, cores / gpus), topology.inside, topology.between,
+                   dict(links["collective_s"]) if links is not None else {})
 
     @property
     def flops(self) -> float:
@@ -366,9 +376,11 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     batch = global_batch // (choice.dp * choice.microbatches)
     tokens = batch * config.block_size
     tp_link = _group_link(cluster, choice, "tp")
-    tp_mb = tp_link_seconds(tp_collectives(config, batch, config.block_size, choice.tp,
-                                           choice.sequence_parallel), choice.tp,
-                            tp_link.latency_s, tp_link.bandwidth_Bps) if choice.tp > 1 else 0.0
+    collectives = tp_collectives(config, batch, config.block_size, choice.tp,
+                                 choice.sequence_parallel)
+    tp_mb = tp_link_seconds(collectives, choice.tp, tp_link.latency_s,
+                            tp_link.bandwidth_Bps) if choice.tp > 1 else 0.0
+    tp_mb += len(collectives) * cluster.collective_s.get(choice.tp, 0.0) if choice.tp > 1 else 0
     forward, backward, tp_share = [], [], []
     blocks = config.n_layers + 2
     for ls in layers:
@@ -394,12 +406,60 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     compute = timeline.busy[busiest] - tp_s
     memory = predict_memory(config, choice, global_batch, dtype)
     dp_s = _dp_seconds(choice, memory, _group_link(cluster, choice, "dp"), compute)
+    if choice.dp > 1:  # each collective's own cost: one all-reduce, or two under ZeRO
+        dp_s += cluster.collective_s.get(choice.dp, 0.0) * (2 if choice.zero else 1)
     step = timeline.step_time + dp_s
     model_flops = model_flops_per_token(config) * global_batch * config.block_size
     return {"compute": compute, "tp": tp_s, "bubble": timeline.step_time - compute - tp_s,
             "dp": dp_s, "step": step,
             "tokens_per_s": global_batch * config.block_size / step,
             "mfu": model_flops / (step * cluster.peak_flops * choice.gpus)}
+
+
+def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30) -> dict[str, Any]:
+    """gloo's costs here, on the pool's ranks (a rank function): a message's one-way
+    latency between ranks 0 and 1 (ping-pong), the bandwidth of a large one, and a tiny
+    all-reduce's seconds for each group size 2, 4, 8 up to the world size (what a
+    collective costs beyond its bytes on shared cores)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    out: dict[str, Any] = {"collective_s": {}}
+
+    def pingpong(n: int) -> float:
+        t = torch.zeros(n)
+        dist.barrier(group=ctx.group)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            if ctx.rank == 0:
+                dist.send(t, 1, group=ctx.group)
+                dist.recv(t, 1, group=ctx.group)
+            elif ctx.rank == 1:
+                dist.recv(t, 0, group=ctx.group)
+                dist.send(t, 0, group=ctx.group)
+        return (time.perf_counter() - start) / repeats / 2
+
+    if ctx.world_size > 1:
+        small, large = pingpong(16), pingpong(big)
+        out["p2p_s"] = small
+        out["bandwidth_Bps"] = 4 * big / max(large - small, 1e-9)
+    else:
+        out["p2p_s"], out["bandwidth_Bps"] = 0.0, float("inf")
+    size = 2
+    while size <= ctx.world_size:
+        group = dist.new_group(list(range(size)))
+        if ctx.rank < size:
+            t = torch.zeros(16)
+            for _ in range(3):
+                dist.all_reduce(t, group=group)
+            start = time.perf_counter()
+            for _ in range(repeats):
+                dist.all_reduce(t, group=group)
+            out["collective_s"][size] = (time.perf_counter() - start) / repeats
+        size *= 2
+    return out
 
 
 def measure_flops(config: GPTConfig | None = None, batch: int = 4, repeats: int = 5) -> float:
@@ -604,6 +664,6 @@ def measured_against_predicted(results: list[dict[str, Any]], config: GPTConfig,
 
 
 __all__ = ["MODELS", "Choice", "Cluster", "Planned", "Plans", "choices", "measure",
-           "format_plans", "measure_flops", "measured_against_predicted", "model",
+           "format_plans", "measure_flops", "measure_links", "measured_against_predicted", "model",
            "model_flops_per_token",
            "parameters", "plan", "predict_memory", "predict_time", "stage_layers"]

@@ -113,3 +113,17 @@ def test_plan_command_ranks_and_checks_here(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--model", "70B", "--check"])
     assert "only the course's GPT" in capsys.readouterr().err
+
+
+def test_this_machines_links_are_measured_and_priced(pool2):
+    """gloo's own costs here (a message, a tiny all-reduce by group size) go into the
+    planner's step time for this machine: tp's collectives then cost what they cost."""
+    from parcourse.planner import measure_links
+
+    links = pool2.run(measure_links, 1 << 14, 10).results[0]
+    assert links["p2p_s"] > 0 and links["bandwidth_Bps"] > 0 and set(links["collective_s"]) == {2}
+    bare = Cluster.this_machine(2, flops=1e9)
+    priced = Cluster.this_machine(2, flops=1e9, links=links)
+    choice = Choice(1, 2, 1, "1f1b", 2)
+    assert predict_time(CONFIG, choice, BATCH, priced)["tp"] > predict_time(
+        CONFIG, choice, BATCH, bare)["tp"]

@@ -15,6 +15,8 @@ caching allocator reports.
 
 from __future__ import annotations
 
+import time
+
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -111,16 +113,18 @@ class PeakSavedBytes:
     >>> saved.peak
 
     Each storage counts once however often it is saved; tensors sharing storage with
-    `exclude` (the parameters, which autograd saves too) do not count.
+    `exclude` (the parameters, which autograd saves too) do not count. `record=True`
+    keeps every change as `history`, (perf_counter_ns, live bytes): the curve of a step.
     """
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(self, exclude: Iterable[torch.Tensor] = (), record: bool = False) -> None:
         self._excluded = {_storage_key(t) for t in exclude}
         self._refs: dict[tuple[str, int], int] = {}
         self._sizes: dict[tuple[str, int], int] = {}
         self.live = 0
         self.peak = 0
         self._hooks: Any = None
+        self.history: list[tuple[int, int]] | None = [] if record else None
 
     def _pack(self, t: torch.Tensor) -> Any:
         key = _storage_key(t)
@@ -131,6 +135,8 @@ class PeakSavedBytes:
             self._sizes[key] = t.untyped_storage().nbytes()
             self.live += self._sizes[key]
             self.peak = max(self.peak, self.live)
+            if self.history is not None:
+                self.history.append((time.perf_counter_ns(), self.live))
         self._refs[key] += 1
         return _Held(t.detach(), self, key)  # detached: see SavedActivations._pack
 
@@ -143,6 +149,8 @@ class PeakSavedBytes:
         if self._refs[key] == 0:
             del self._refs[key]
             self.live -= self._sizes.pop(key)
+            if self.history is not None:
+                self.history.append((time.perf_counter_ns(), self.live))
 
     def __enter__(self) -> PeakSavedBytes:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)

@@ -117,3 +117,18 @@ def test_format_bytes():
     assert format_bytes(512) == "512 B"
     assert format_bytes(1536) == "1.5 KiB"
     assert format_bytes(3 * 1024**3) == "3.0 GiB"
+
+
+def test_saved_bytes_over_a_step_ramps_and_bumps():
+    """The curve lesson 08 draws: no checkpointing holds n + 1 layer outputs at its top
+    and comes back to nothing; sqrt checkpointing of 16 layers peaks at 2 sqrt(n) = 8 and
+    rises again once per segment as backward recomputes it."""
+    from parcourse.experiments.checkpointing import saved_bytes_over_a_step
+
+    curves = saved_bytes_over_a_step(16, ["none", "sqrt"], width=8, batch=4)
+    none = [y for _, y in curves["none"]]
+    assert max(none) == 17 and none[-1] == 0
+    sqrt = [y for _, y in curves["sqrt"]]
+    assert max(sqrt) == 8
+    rises = sum(1 for a, b, c in zip(sqrt, sqrt[1:], sqrt[2:]) if b < a and c > b)
+    assert rises >= 3  # a dip then a rise between segments, for 4 segments

@@ -53,6 +53,30 @@ def measure_policy(n_layers: int, policy: Policy, *, width: int = 64, batch: int
             "activation_bytes": one}
 
 
+def saved_bytes_over_a_step(n_layers: int, policies: list[Policy], *, width: int = 64,
+                            batch: int = 32) -> dict[str, list[tuple[float, float]]]:
+    """For each policy, the activations held over one forward and backward of a chain of
+    `n_layers`: (position among the step's saves and releases, as a fraction; bytes held
+    in layer outputs) at every change, the picture checkpointing is known by (a ramp
+    through forward; under checkpointing a bump per segment as backward recomputes it).
+    In order of events, not of time: a step's first calls can take most of its time."""
+    layers = chain(n_layers, width)
+    params = [p for layer in layers for p in layer.parameters()]
+    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(1))
+    one = batch * width * 4
+    curves = {}
+    for policy in policies:
+        for p in params:
+            p.grad = None
+        with PeakSavedBytes(exclude=params, record=True) as saved:
+            run_with_policy(layers, x, policy, "sqrt").sum().backward()
+        assert saved.history is not None
+        n = len(saved.history) + 1
+        curves[policy] = [(0.0, 0.0)] + [((i + 1) / n, live / one)
+                                         for i, (_, live) in enumerate(saved.history)]
+    return curves
+
+
 def sweep(n_values: list[int], policies: list[Policy], **kwargs: Any) -> list[dict[str, Any]]:
     """`measure_policy` for every n and policy (one process: checkpointing needs no ranks)."""
     return [measure_policy(n, policy, **kwargs) for n in n_values for policy in policies]

@@ -220,3 +220,20 @@ def predicted_vs_measured(rows: dict[str, list[dict[str, dict[str, float]]]]) ->
         starts += len(per_rank)
     ax.legend(fontsize=7, ncol=5, loc="upper left")
     return fig
+
+
+def saved_bytes_over_a_step(curves: dict[str, list[tuple[float, float]]],
+                            n_layers: int) -> Figure:
+    """Lesson 08: the activations held over one step, one curve per policy (the step's
+    saves and releases in order, as a fraction; bytes in layer outputs)."""
+    fig, ax = plt.subplots(figsize=(9, 3.2), layout="constrained")
+    for k, (policy, points) in enumerate(curves.items()):
+        xs, ys = zip(*points)
+        ax.step(xs, ys, where="post", color=f"C{k}", label=policy, lw=1.6)
+    ax.set_xlabel("the step's saves and releases, in order (forward, then backward)")
+    ax.set_ylabel("held (layer outputs)")
+    ax.set_title(f"{n_layers} layers: what autograd holds over one step", loc="left",
+                 fontsize=10)
+    ax.legend(**plots.LEGEND_OUTSIDE)
+    ax.grid(alpha=0.3)
+    return fig

@@ -22,6 +22,10 @@ rate, plus tensor parallelism's collectives on the link its group uses; the pipe
 bubble and point-to-point messages from the course's simulator on those costs; then the
 data-parallel reduction of the gradients (exposed: the 3D step does it after the
 schedule). Not modelled: the optimizer's own time, kernel launch overheads.
+
+One file, read top to bottom in four parts marked by rules: the inputs (Choice,
+Cluster, models), memory, time, and the search; then the measured check. Each part
+uses the one before, and the formulas themselves live in `parcourse.theory`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from parcourse.experiments.exercises import ask
-from parcourse.planner import Choice, Cluster, Plans, choices, model, plan, predict_memory
+from parcourse.planner import Choice, Cluster, Plans, choices, model, plan
 
 # The exercise's model and cluster: a 13B GPT-style model, 4 nodes of 8 H100s, a global
 # batch of 256 sequences of 4096 tokens; the other knobs fixed as a real run sets them.
@@ -66,20 +66,6 @@ def check_plan(fn: Any) -> bool:
           f"GiB on its busiest rank) and is within {100 * (ratio - 1):.0f}% of the planner's "
           f"best ({best.choice.label()}).")
     return True
-
-
-def predicted_memory_rows(config: Any, choice: Choice, results: list[dict[str, Any]],
-                          batch: int) -> list[dict[str, Any]]:
-    """Per pipeline rank of a measured run (`planner.measure`): the largest measured bytes
-    by category beside `predict_memory`."""
-    predicted = predict_memory(config, choice, batch)
-    rows = []
-    for rank, want in enumerate(predicted):
-        mine = [r["memory"] for r in results if r["pp"] == rank]
-        got = {k: max(m[k] for m in mine) for k in ("params", "grads", "optimizer",
-                                                     "activations")}
-        rows.append({"pp": rank, "measured": got, "predicted": want})
-    return rows
 
 
 def distinct_shapes(plans: Plans, n: int = 3) -> list[Choice]:

@@ -95,6 +95,19 @@ def test_in_flight_activations_on_the_first_stage(pools, schedule, expected):
     assert max(c.meta["now"] for c in counters) == expected * one
 
 
+
+def test_recomputing_keeps_each_microbatchs_own_bytes_on_every_stage(pool2):
+    """With recompute a stage keeps its input; the last stage also what its loss saved
+    (the output and the targets): three microbatch-sized tensors there, one elsewhere.
+    A microbatch's targets are its own storage: a view into the whole batch's would
+    count the whole batch once per microbatch in flight."""
+    width, batch, m = 16, 16, 4
+    one = batch // m * width * 4  # bytes of one microbatch's activations between layers
+    run = pool2.run(train, "gpipe", m, 1, width=width, batch=batch, recompute=True)
+    held = {r["held_per_stage"][s]: s for r in run.results for s in r["held_per_stage"]}
+    assert held == {one: 0, 3 * one: 1}
+
+
 # Simulated compute for one rank's share of the model: F 80 ms, B 160 ms (W half of B);
 # a chunk of an interleaved or V schedule takes its fraction. See the GPipe test above
 # for why the closer of two steps counts.

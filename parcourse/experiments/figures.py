@@ -237,3 +237,26 @@ def saved_bytes_over_a_step(curves: dict[str, list[tuple[float, float]]],
     ax.legend(**plots.LEGEND_OUTSIDE)
     ax.grid(alpha=0.3)
     return fig
+
+
+def in_flight_over_a_step(traces: dict[str, Trace], title: str) -> Figure:
+    """Lesson 08: the activations each pipeline stage holds for microbatches in flight,
+    one curve per run (e.g. with and without recomputation), one panel per rank. Drawn
+    in order of the rank's forwards and backwards, not time: the runs take different
+    times, and memory is what the picture is about."""
+    ranks = sorted({c.rank for t in traces.values() for c in t.counters
+                    if c.name == "in_flight_bytes"})
+    fig, axes = plt.subplots(len(ranks), 1, figsize=(9, 0.4 + 1.3 * len(ranks)),
+                             sharex=True, squeeze=False, layout="constrained")
+    for ax, rank in zip(axes[:, 0], ranks):
+        for k, (label, trace) in enumerate(traces.items()):
+            held = [c.meta["now"] / 1024 for c in trace.counters
+                    if c.rank == rank and c.name == "in_flight_bytes"]
+            ax.step(range(len(held) + 1), [0.0, *held], where="post", color=f"C{k}",
+                    label=label, lw=1.6)
+        ax.set_ylabel(f"rank {rank}\nKiB", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0, 0].set_title(title, loc="left", fontsize=10)
+    axes[0, 0].legend(**plots.LEGEND_OUTSIDE)
+    axes[-1, 0].set_xlabel("the rank's forwards (up) and backwards (down), in order")
+    return fig

@@ -237,9 +237,10 @@ class PipelineRuntime:
                 raise ValueError(f"{m} microbatches do not divide the batch of "
                                  f"{batch.shape[0]} {name}")
         self._device = next(next(iter(self.stages.values())).parameters()).device
-        # Each microbatch its own storage: saved for backward, it counts as what it is.
+        # Each microbatch its own storage: saved for backward (the loss saves its
+        # targets), it counts as one microbatch's bytes, not the whole batch's.
         self._inputs = [c.clone() for c in inputs.chunk(m)] if has_first else []
-        self._targets = list(targets.chunk(m)) if has_last else []
+        self._targets = [c.clone() for c in targets.chunk(m)] if has_last else []
         if not self._shapes:  # once: like torch's PipelineStage, shapes stay fixed after
             self._agree_on_shapes(self._inputs[0] if has_first else None)
         elif has_first and self._inputs[0].shape != self._shapes[0][0]:

@@ -31,6 +31,11 @@ def fail_on(ctx, bad_rank, pid_dir=None):
     return t.item()
 
 
+def fail_on_rank(ctx, bad_rank, **_controls):
+    """fail_on, for a panel with more controls than the rank uses."""
+    return fail_on(ctx, bad_rank)
+
+
 def deadlock(ctx, pid_dir=None):
     _note_pid(pid_dir)
     t = torch.zeros(1)

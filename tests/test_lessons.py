@@ -50,7 +50,16 @@ def test_there_are_lessons():
     assert set(SMALL) == {p.stem for p in LESSONS}, "every lesson needs small CI parameters"
 
 
-def execute(path, out, parameters):
+def execute(path, out, parameters, then=None):
+    """Run the lesson under papermill (with the code `then` as one more cell at its end)
+    and assert no cell failed."""
+    if then is not None:
+        notebook = json.loads(path.read_text())
+        notebook["cells"].append({"cell_type": "code", "execution_count": None, "id": "then",
+                                  "metadata": {}, "outputs": [], "source": then})
+        copy = out.with_name("with_then_" + path.name)
+        copy.write_text(json.dumps(notebook))
+        path = copy
     papermill.execute_notebook(
         str(path), str(out), parameters=parameters, kernel_name="python3",
         cwd=str(path.parent), execution_timeout=CELL_TIMEOUT_S, progress_bar=False,
@@ -61,10 +70,25 @@ def execute(path, out, parameters):
     assert not errors
 
 
+# After a lesson has run, every panel it made runs with each control at each end (one
+# at a time): a panel must run there, or refuse in one line before starting ranks.
+PANELS_AT_THEIR_EDGES = """
+from parcourse.widgets import RunPanel
+panels = {id(v): v for k, v in globals().items()  # not _, _12: IPython's output history
+          if isinstance(v, RunPanel) and not k.startswith("_")}
+problems = [p for panel in panels.values() for p in panel.try_edges()]
+assert not problems, "\\n".join(problems)
+"""
+EDGES_TRIED = {"05_tensor_parallel", "06_pipelines", "07_1f1b_and_beyond",
+               "08_activation_checkpointing"}
+
+
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)
 def test_lesson_executes_with_small_parameters(path, tmp_path):
-    execute(path, tmp_path / path.name, SMALL[path.stem])
+    """... and, in the lessons of EDGES_TRIED, its panels at their controls' ends."""
+    execute(path, tmp_path / path.name, SMALL[path.stem],
+            then=PANELS_AT_THEIR_EDGES if path.stem in EDGES_TRIED else None)
 
 
 @pytest.mark.notebook

@@ -6,7 +6,7 @@ import pytest
 from parcourse import limit_pools
 from parcourse.experiments import launching
 from parcourse.widgets import RunPanel, close_shared_pools, shared_pool
-from rankfns import fail_on, slow
+from rankfns import fail_on, fail_on_rank, slow
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -47,6 +47,24 @@ def test_panel_shows_errors_and_recovers():
     assert "not divisible by world_size=2" in bad.last_error
     ok = RunPanel(slow, {"seconds": W.FloatSlider(0.01)}, world_size=2)
     assert ok.last_error is None and ok.last_run.results == [0, 1]
+
+
+
+def test_trying_a_panel_at_its_edges_names_what_failed_and_accepts_refusals():
+    """try_edges: a rank that fails at a control's end is a problem; a one-line refusal
+    by the panel's check, before any rank starts, is not. Values come back after."""
+    def check(world_size, bad_rank, flag, op):
+        if op == "refused":
+            raise ValueError("op 'refused' is refused here")
+
+    panel = RunPanel(fail_on_rank, {"bad_rank": W.IntSlider(5, 0, 5), "flag": W.Checkbox(False),
+                               "op": W.Dropdown(options=["fine", "refused"])},
+                     world_size=2, check=check, title="edges")
+    assert panel.last_error is None  # bad_rank 5: no rank fails
+    assert panel.edges() == [("bad_rank", 0), ("flag", True), ("op", "refused")]
+    problems = panel.try_edges()
+    assert len(problems) == 1 and problems[0].startswith("edges, bad_rank = 0: ")
+    assert panel.params() == {"bad_rank": 5, "flag": False, "op": "fine"}
 
 
 def test_world_size_control_picks_a_shared_pool():

@@ -157,6 +157,47 @@ class RunPanel:
             self.button.disabled = False
         return None
 
+    def edges(self) -> list[tuple[str, Any]]:
+        """Each control's two ends: a slider's min and max, a list's first and last
+        option, both states of a checkbox (what `try_edges` runs)."""
+        ends = []
+        for name, control in self.controls.items():
+            if isinstance(control, W.Checkbox):
+                values: list[Any] = [False, True]
+            elif hasattr(control, "base"):  # a log slider: min and max are exponents
+                values = [control.base ** control.min, control.base ** control.max]
+            elif hasattr(control, "min") and hasattr(control, "max"):
+                values = [control.min, control.max]
+            elif getattr(control, "options", None):
+                values = [control.options[0], control.options[-1]]
+                values = [v[1] if isinstance(v, tuple) else v for v in values]
+            else:
+                continue
+            ends += [(name, v) for v in dict.fromkeys(values) if v != control.value]
+        return ends
+
+    def try_edges(self) -> list[str]:
+        """Run the panel with each control at each of its ends, one at a time from the
+        current values (restored after): what went wrong, one line per failure. A
+        refusal before any rank starts (the panel's `check`: a ValueError in one line)
+        is a right answer; a traceback, or a rank that failed, is not."""
+        start = {name: c.value for name, c in self.controls.items()}
+        problems = []
+        try:
+            for name, value in self.edges():
+                self.controls[name].value = value
+                self.run()
+                error = self.last_error
+                if error is not None and not (error.startswith("ValueError: ")
+                                              and "\n" not in error.strip()):
+                    problems.append(f"{self.title or 'panel'}, {name} = {value!r}: "
+                                    f"{error.strip().splitlines()[-1]}")
+                self.controls[name].value = start[name]
+        finally:
+            for name, value in start.items():
+                self.controls[name].value = value
+        return problems
+
     def _clamped(self) -> list[str]:
         """Sliders clamp what is typed into them, silently: say so when a value sits at
         a bound it has been moved to since the last run (not again on the next run)."""

@@ -434,3 +434,11 @@ def _size_label(n: int) -> str:
         if n >= div:
             return f"{n / div:g}{unit}"
     return f"{n}B"
+
+
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """'1 rank', '2 ranks', '1 microbatch', '4 microbatches': for titles and status
+    lines, where a learner may have typed 1."""
+    if n == 1:
+        return f"1 {noun}"
+    return f"{n} {plural or (noun + 'es' if noun.endswith(('ch', 'sh', 's', 'x')) else noun + 's')}"

@@ -265,3 +265,34 @@ def test_selective_recomputation_of_attention():
     assert kept_all - kept_selective >= t2 * 0.9
     with pytest.raises(ValueError, match="no CausalSelfAttention"):
         recompute_attention(nn.Linear(2, 2))
+
+
+def test_backward_exercise_check_names_the_mistake(capsys):
+    from parcourse.experiments.checkpointing import check_backward_exercise
+
+    def right(fn, inputs, grad_output):
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+        with torch.enable_grad():
+            output = fn(*inputs)
+        torch.autograd.backward(output, grad_output)
+        return tuple(t.grad for t in inputs)
+
+    def not_detached(fn, inputs, grad_output):  # backpropagates into the kept inputs
+        with torch.enable_grad():
+            output = fn(*inputs)
+        torch.autograd.backward(output, grad_output)
+        return tuple(t.grad for t in inputs)
+
+    def no_grad_leaves(fn, inputs, grad_output):  # detached, but nothing to fill
+        inputs = [t.detach() for t in inputs]
+        with torch.enable_grad():
+            output = fn(*inputs)
+        torch.autograd.backward(output, grad_output)
+        return tuple(t.grad for t in inputs)
+
+    assert check_backward_exercise(right)
+    assert not check_backward_exercise(not_detached)
+    assert "twice" in capsys.readouterr().out
+    assert not check_backward_exercise(no_grad_leaves)
+    out = capsys.readouterr().out
+    assert "the input is missing" in out and "fresh leaves" in out

@@ -273,6 +273,9 @@ def test_gpipe_exercise_check(capsys):
     out = capsys.readouterr().out
     assert "with 1 stage and 2 microbatches" in out and "not GPipe's" in out
     assert "rank 0 runs 0F0 0F1 0B0 0B1, GPipe runs 0F0 0F1 0B1 0B0" in out  # what was expected
+    flat = lambda p, m: [a for acts in right(p, m) for a in acts]  # noqa: E731 - one list
+    assert not check_schedule_exercise(flat)
+    assert "returned a list of Action; expected one list per rank" in capsys.readouterr().out
 
 
 def test_one_f_one_b_exercise_check(capsys):
@@ -290,3 +293,11 @@ def test_one_f_one_b_exercise_check(capsys):
     assert "holds 2 microbatches at once" in capsys.readouterr().out
     assert not check_one_f_one_b_exercise(no_warmup)
     assert "not GPipe's" in capsys.readouterr().out
+
+    def uncapped_warmup(s, p, m):  # p - s - 1 forwards even when m is smaller
+        warm = [F(s, i) for i in range(p - s - 1)]
+        rest = [a for a in one_f_one_b(p, m)[s] if a not in warm]
+        return warm + rest
+
+    assert not check_one_f_one_b_exercise(uncapped_warmup)
+    assert "never more than m" in capsys.readouterr().out

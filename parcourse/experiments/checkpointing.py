@@ -166,11 +166,19 @@ def check_backward_exercise(backward: BackwardFn) -> bool:
         got = [x.grad] + [p.grad for p in layer.parameters()]
         names = ["the input"] + [f"parameter {n}" for n, _ in layer.named_parameters()]
         for name, e, o in zip(names, expected, got):
+            if name == "the input" and o is not None and torch.allclose(o, 2 * e, rtol=1e-5,
+                                                                        atol=1e-6):
+                print("Not quite: the gradient of the input is twice what it should be. "
+                      "Hint: recompute from fresh leaves, t.detach().requires_grad_(): "
+                      "backpropagating into the kept inputs themselves fills their .grad, "
+                      "and autograd then adds what you return to it.")
+                return False
             if o is None or not torch.allclose(o, e, rtol=1e-5, atol=1e-6):
                 print(f"Not quite: the gradient of {name} is "
-                      f"{'missing' if o is None else 'wrong'}. Hint: return each input's "
-                      ".grad after backpropagating grad_output through the recomputed "
-                      "output; the parameters get theirs on the way.")
+                      f"{'missing' if o is None else 'wrong'}. Hint: recompute from "
+                      "fresh leaves (t.detach().requires_grad_()), backpropagate grad_output "
+                      "through the recomputed output, and return each leaf's .grad; the "
+                      "parameters get theirs on the way.")
                 return False
     print("Correct: recompute, then backpropagate: the same gradients as without "
           "checkpointing.")

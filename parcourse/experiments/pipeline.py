@@ -239,7 +239,19 @@ def check_schedule_exercise(fn: Callable[[int, int], Any]) -> bool:
             except NotImplementedError:
                 print(NOT_WRITTEN)
                 return False
+            except Exception as e:  # noqa: BLE001 - the learner's code: say what, briefly
+                print(f"Not quite: {_with(p, m)} your function raised "
+                      f"{type(e).__name__}: {e}")
+                return False
             per_rank = got.actions if isinstance(got, Schedule) else got
+            if (not isinstance(per_rank, (list, tuple))
+                    or not all(isinstance(acts, (list, tuple)) for acts in per_rank)):
+                inner = (f" of {type(per_rank[0]).__name__}"
+                         if isinstance(per_rank, (list, tuple)) and per_rank else "")
+                print(f"Not quite: {_with(p, m)} your function returned a "
+                      f"{type(per_rank).__name__}{inner}; expected one list per rank "
+                      f"({p} list{'s' * (p != 1)}), each with that rank's actions in order.")
+                return False
             try:
                 schedule = Schedule("yours", m, tuple(range(p)),
                                     tuple(tuple(acts) for acts in per_rank))
@@ -349,7 +361,7 @@ def check_one_f_one_b_exercise(fn: Callable[[int, int, int], Any]) -> bool:
                 check(schedule)
             except (TypeError, ValueError) as e:
                 print(f"Not quite: {_with(p, m)}, {e}. Hint: stage s "
-                      "starts with p - s - 1 forwards.")
+                      "starts with p - s - 1 forwards, never more than m.")
                 return False
             timeline = simulate(schedule, Costs(forward=1, backward=2))
             for s, peak in enumerate(timeline.peak_in_flight):

@@ -132,3 +132,11 @@ def test_timeline_of_one_rank_says_there_is_nothing_to_communicate():
     assert fig.axes[0].get_title(loc="left") == "training (one rank: nothing to communicate)"
     assert len(fig.axes[0].patches) == 1, "compute is still drawn, the no-op collective not"
     plt.close("all")
+
+
+def test_counts_are_singular_after_one():
+    from parcourse.plots import count
+
+    assert [count(1, "rank"), count(2, "rank"), count(0, "stage")] == ["1 rank", "2 ranks",
+                                                                       "0 stages"]
+    assert [count(1, "microbatch"), count(4, "microbatch")] == ["1 microbatch", "4 microbatches"]

@@ -179,3 +179,58 @@ def test_planner_panel_plans_when_made_and_refuses_a_bad_batch():
     assert "must be above 0" in panel.status.value and panel.text == first
     with pytest.raises(ValueError, match="gpus must be one of"):
         PlannerPanel(gpus=12)
+
+
+PANEL_CELL = '''
+import matplotlib.pyplot as plt
+import ipywidgets as W
+from parcourse.experiments import launching
+from parcourse.widgets import MemoryCalculator, RunPanel
+
+def render(run):
+    fig, ax = plt.subplots()
+    ax.plot([0, 1])
+    return [fig, f"{len(run.results)} rank"]
+
+panel = RunPanel(launching.hello, {}, render, world_size=1)
+panel.run()
+panel._fail("shown as an error")
+calculator = MemoryCalculator()
+panel
+'''
+
+
+def test_a_panel_cell_leaves_the_clients_shell_socket_alone():
+    """The cause of the stalled panel cells (#32): a headless client (nbclient) stands in
+    for the browser's Output widget and, for each output the kernel routes into one during
+    a cell, sends the widget's state back on its shell socket, where that send can swallow
+    the readiness of the cell's execute_reply (benchmarks/panel_stall.py measured the
+    reply taken in at the client's 300 s timeout). The panels set their outputs instead:
+    while a panel cell runs, the client sends nothing but the cell itself."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_code_cell(PANEL_CELL)]
+    client = NotebookClient(notebook, kernel_name="python3", timeout=120)
+    sent = []
+
+    def count_what_the_client_sends(**_):
+        send = client.kc.shell_channel.send
+
+        def counted(msg):
+            sent.append(msg["header"]["msg_type"])
+            return send(msg)
+
+        client.kc.shell_channel.send = counted
+
+    client.on_notebook_start = count_what_the_client_sends
+    client.execute()
+    outputs = notebook.cells[0].outputs
+    assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in outputs)
+    assert [t for t in sent if t not in ("execute_request", "kernel_info_request")] == []
+    assert "execute_request" in sent  # what was counted is the client's shell socket
+    state = client.widget_state  # what the panel showed, as the client recorded it
+    shown = [o for s in state.values() for o in s.get("outputs", [])]
+    assert any("image/png" in o.get("data", {}) for o in shown)
+    assert any("shown as an error" in o.get("data", {}).get("text/html", "") for o in shown)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import html
 
 import ipywidgets as W
-import matplotlib.pyplot as plt
 import torch
 from IPython.display import display
 from matplotlib.figure import Figure
@@ -18,6 +17,7 @@ from matplotlib.figure import Figure
 from parcourse import plots
 from parcourse.memory import format_bytes
 from parcourse.theory import zero_bytes
+from parcourse.widgets.outputs import show
 
 WORLD_SIZES = [2**k for k in range(11)]  # 1 .. 1024: how clusters grow
 
@@ -64,10 +64,7 @@ class MemoryCalculator:
         title = (f"{self.params.value:g} B parameters, {self.dtype.value}, ZeRO stage "
                  f"{self.stage.value}, {n} rank{'s' * (n > 1)}")
         self.figure = plots.memory_against_gpus(per, title=title)
-        self.chart.clear_output(wait=True)
-        with self.chart:
-            display(self.figure)
-        plt.close(self.figure)
+        show(self.chart, self.figure)
 
     def _ipython_display_(self) -> None:
         display(self.widget)

@@ -16,11 +16,10 @@ import time
 from pathlib import Path
 
 import ipywidgets as W
-import matplotlib.pyplot as plt
-from IPython.display import display
 
 from parcourse import plots
 from parcourse.trace import Trace
+from parcourse.widgets.outputs import show
 
 MAX_ROWS = 200  # rows of the span table; the rest are counted
 
@@ -92,16 +91,13 @@ class SpanExplorer:
         if self.trace is None or not self.trace.spans:
             return
         if self.widget.selected_index is None:
-            self.figure.clear_output()
+            show(self.figure)
             self.table.value = ""
             return
         lo, hi = self.range.value
-        self.figure.clear_output(wait=True)
-        with self.figure:
-            fig = plots.timeline(self.trace, title=f"{self.title} ({lo:.2f}-{hi:.2f} ms)".strip())
-            fig.axes[0].set_xlim(lo, hi)
-            display(fig)
-            plt.close(fig)
+        fig = plots.timeline(self.trace, title=f"{self.title} ({lo:.2f}-{hi:.2f} ms)".strip())
+        fig.axes[0].set_xlim(lo, hi)
+        show(self.figure, fig)
         t0 = self.trace.t0_ns
         spans = self.spans_in_range()
         rows = "".join(

@@ -27,7 +27,6 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import ipywidgets as W
-import matplotlib.pyplot as plt
 from IPython.display import HTML, display
 from matplotlib.figure import Figure
 
@@ -35,6 +34,7 @@ from parcourse import LaunchError, Pool, Run
 from parcourse.launch import group_ranks
 from parcourse.launch.shared import shared_pool
 from parcourse.widgets.explorer import SpanExplorer
+from parcourse.widgets.outputs import show
 
 Rendered = str | Figure | Iterable[str | Figure] | None
 _WHY_SLOW = ("a new world size: the first run starts the ranks, each imports torch and joins "
@@ -121,7 +121,7 @@ class RunPanel:
         world_size = params.get("world_size", self.world_size)
         self.button.disabled = True
         self.last_error = None
-        self.output.clear_output()  # the last run's figures or error go: this run is new
+        show(self.output)  # the last run's figures or error go: this run is new
         t0 = time.perf_counter()
         try:
             if self.check is not None:
@@ -220,22 +220,12 @@ class RunPanel:
     def _show(self, run: Run, params: dict[str, Any]) -> None:
         rendered = self.render(run, **params) if self.render else repr(run.results)
         items = [rendered] if isinstance(rendered, (str, Figure)) or rendered is None else rendered
-        texts = []
-        self.output.clear_output(wait=True)
-        with self.output:
-            for item in items:
-                if isinstance(item, Figure):
-                    display(item)
-                    plt.close(item)
-                elif item is not None:
-                    texts.append(str(item))
-                    print(item)
-        self.summary = "\n".join(texts)
+        shown = [item for item in items if item is not None]
+        show(self.output, *shown)
+        self.summary = "\n".join(str(item) for item in shown if not isinstance(item, Figure))
 
     def _fail(self, message: str) -> None:
         self.last_error = message
         self.status.value = "<span style='color:#b00'>failed, see below</span>"
-        self.output.clear_output(wait=True)
-        with self.output:
-            display(HTML(f"<pre style='color:#b00; white-space:pre-wrap'>"
-                         f"{html.escape(message)}</pre>"))
+        show(self.output, HTML(f"<pre style='color:#b00; white-space:pre-wrap'>"
+                               f"{html.escape(message)}</pre>"))

@@ -13,12 +13,12 @@ import html
 import time
 
 import ipywidgets as W
-import matplotlib.pyplot as plt
 from IPython.display import display
 
 from parcourse.comm import SimulatedLink
 from parcourse.experiments import figures
 from parcourse.planner import MODELS, Cluster, format_plans, model, parameters, plan
+from parcourse.widgets.outputs import show
 
 GPUS = [8, 16, 32, 64, 128, 256, 512]
 
@@ -72,11 +72,7 @@ class PlannerPanel:
                      f"{self.gpus.value} x {self.gpu.value}, batch {self.batch.value} x "
                      f"{self.seq.value} tokens")
             fig = figures.plan_bars(plans, cluster.memory, top=self.top, title=title)
-            self.out.clear_output(wait=True)
-            with self.out:
-                print(self.text)
-                display(fig)
-            plt.close(fig)
+            show(self.out, self.text, fig)
             self.status.value = html.escape(
                 f"{len(plans.ranked) + len(plans.rejected)} configurations in "
                 f"{time.perf_counter() - start:.1f} s")

@@ -14,6 +14,11 @@ until its cell timeout (measured: the kernel's reply stamped 1.1 s into a panel 
 nbclient taking it in 298.9 s later, at its 300 s timeout;
 `python benchmarks/panel_stall.py`). Set directly, the outputs never pass through that
 emulation, and the client never sends during a cell.
+
+Upstream: jupyter/nbclient#312 (a cell with an ipywidget that sometimes blocks until its
+timeout, with nbclient's Output-widget emulation in the picture) and, for the same edge
+swallowed by a send on a socket being polled, on the kernel's side, ipython/ipykernel#1554
+(fixed for replies by ipykernel#1529, which the pinned ipykernel has).
 """
 
 from __future__ import annotations

@@ -1,0 +1,308 @@
+"""Distributed checkpoints of a `Hybrid` run that load into another mesh (lesson 10).
+
+    path = save(model, "runs/x/checkpoints", step=100, extra={"loader": loader.state_dict()})
+    ...                                                  # later, on any dp x tp x pp
+    found = latest("runs/x/checkpoints")
+    info = load(model, found)                            # info["step"], info["extra"]
+
+The format is the ecosystem's, `torch.distributed.checkpoint` (DCP): every rank writes
+the pieces it holds, described as DTensors on the mesh's tensor-parallel `DeviceMesh`
+(a weight cut over tp is `Shard(dim)` of its whole shape; one left whole is a plain
+tensor, written once however many ranks hold it); DCP's metadata records where each
+piece sits in the whole tensor, so a load on another mesh reads the pieces it needs
+and nothing else: resharding is DCP's, by offsets.
+
+What is saved, under the unsplit model's names:
+- `model.<name>`: every weight (a tied weight under each of its names);
+- `optim.<name>.<key>`: the optimizer's state per weight, in the weight's layout
+  (Adam's `exp_avg`, `exp_avg_sq`; `step` whole). Under ZeRO the state lives in flat
+  slices over dp; it is gathered into each weight's shape before saving and cut into
+  this mesh's slices after loading, so ZeRO on, off, or at another dp all load it;
+- `rng`: rank 0's CPU generator (the course's GPT has no dropout; the data order is
+  the loader's own seed and position, kept in `extra`);
+- `parcourse.json`: the step, the model's config, the mesh it was saved on, the names of
+  the optimizer's state and what the caller put in `extra` (the loader's position, the
+  corpus' hash, the settings).
+
+A checkpoint is written into a hidden directory beside its final one and committed by
+a rename once every rank has written (`os.replace`, atomic on one file system): a run
+killed mid-save leaves the previous checkpoint, and `latest` never sees the half.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from parcourse.ranges import chunk_bounds
+from parcourse.tensor_parallel.state_dict import split_dims
+
+if TYPE_CHECKING:
+    from parcourse.hybrid import Hybrid
+
+META = "parcourse.json"
+PREFIX = "step-"
+
+
+def _directory(root: str | os.PathLike, step: int) -> Path:
+    return Path(root) / f"{PREFIX}{step:08d}"
+
+
+def latest(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under `root` (the highest step whose directory was
+    committed), or None when there is none."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)
+            and (p / META).is_file() and (p / ".metadata").is_file()]
+    return max(done, key=lambda p: int(p.name[len(PREFIX):]), default=None)
+
+
+# -- the state, as DCP sees it
+
+
+def _names(model: Hybrid) -> dict[int, list[str]]:
+    """id(weight) -> its names in the unsplit model, for the weights this rank holds."""
+    mine = {id(p) for p in model.params}
+    names: dict[int, list[str]] = {}
+    for name, p in model.model.named_parameters(remove_duplicate=False):
+        if id(p) in mine:
+            names.setdefault(id(p), []).append(name)
+    return names
+
+
+class _Layout:
+    """How this rank's weights sit in the whole ones: a DTensor over the tp DeviceMesh
+    for a weight cut over tp (without the zero rows that pad a vocabulary shard)."""
+
+    def __init__(self, model: Hybrid) -> None:
+        self.tp = model.mesh.size("tp")
+        self.rank = model.mesh.coordinate("tp")
+        self.dims = split_dims(model.model)
+        self.device_mesh = model.mesh.device_mesh["tp"] if self.tp > 1 else None
+
+    def view(self, p: torch.nn.Parameter, t: torch.Tensor) -> Any:
+        """`t`, shaped like this rank's piece of weight `p`, as DCP should store it."""
+        if id(p) not in self.dims or self.tp == 1:
+            return t
+        from torch.distributed.tensor import DTensor, Shard
+
+        dim, size = self.dims[id(p)]
+        start, end = chunk_bounds(size, self.tp, "chunk")[self.rank]
+        shape = list(t.shape)
+        shape[dim] = size
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(t.narrow(dim, 0, end - start), self.device_mesh,
+                                  [Shard(dim)], run_check=False, shape=torch.Size(shape),
+                                  stride=stride)
+
+
+def _optimizer_state(model: Hybrid) -> dict[int, dict[str, torch.Tensor]]:
+    """id(weight) -> its optimizer state in the weight's shape (under ZeRO gathered from
+    the dp slices), for the weights this rank holds."""
+    if model.sharded is None:
+        return {id(p): dict(model.optimizer.state.get(p, {})) for p in model.params}
+    out: dict[int, dict[str, torch.Tensor]] = {id(p): {} for p in model.params}
+    comm = model.sharded.comm
+    for unit in model.sharded.units:
+        state = model.optimizer.state.get(unit.shard, {})
+        for key, value in sorted(state.items()):
+            if torch.is_tensor(value) and value.shape == unit.shard.shape:
+                whole = torch.empty(unit.padded, dtype=value.dtype, device=value.device)
+                dist.all_gather_into_tensor(whole, value.contiguous(), group=comm.group)
+                offset = 0
+                for p in unit.params:
+                    out[id(p)][key] = whole[offset:offset + p.numel()].view_as(p)
+                    offset += p.numel()
+            else:
+                for p in unit.params:
+                    out[id(p)][key] = value
+    return out
+
+
+def _dcp_state(model: Hybrid, keys: dict[str, bool]) -> dict[str, Any]:
+    """{DCP key: tensor or DTensor}: this rank's weights and their optimizer state, the
+    state's `keys` (name -> shaped like the weight) filled with zeros where the
+    optimizer has none yet (before its first step, to load into)."""
+    layout, names = _Layout(model), _names(model)
+    state = _optimizer_state(model)
+    out: dict[str, Any] = {}
+    for p in model.params:
+        for name in names[id(p)]:
+            out[f"model.{name}"] = layout.view(p, p.data)
+            for key, shaped in keys.items():
+                value = state[id(p)].get(key)
+                if value is None:
+                    value = torch.zeros_like(p.data) if shaped else torch.zeros(())
+                out[f"optim.{name}.{key}"] = layout.view(p, value) if shaped else value
+    return out
+
+
+def _state_keys(model: Hybrid) -> dict[str, bool]:
+    """The optimizer's state names, and whether each is shaped like its weight."""
+    keys: dict[str, bool] = {}
+    for p in model.params:
+        for key, value in _optimizer_state(model)[id(p)].items():
+            if torch.is_tensor(value):
+                keys[key] = value.shape == p.shape
+        break
+    return keys
+
+
+# -- save and load
+
+
+def save(model: Hybrid, root: str | os.PathLike, step: int,
+         extra: dict[str, Any] | None = None) -> Path:
+    """Write a checkpoint of `model` after `step` steps under `root`, on every rank of its
+    mesh (a collective); `extra`: anything JSON can hold (the loader's position, the
+    corpus' hash, the settings). Returns the committed directory."""
+    import torch.distributed.checkpoint as dcp
+
+    group = model.mesh.parent
+    final = _directory(root, step)
+    tmp = final.with_name(f".{final.name}.partial")
+    rank = dist.get_rank(group)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left
+        tmp.mkdir(parents=True)
+    dist.barrier(group=group)
+    keys = _state_keys(model)
+    state = _dcp_state(model, keys)
+    state["rng"] = torch.get_rng_state()
+    dcp.save(state, checkpoint_id=str(tmp), process_group=group)
+    if rank == 0:
+        meta = {"step": step, "config": dataclasses.asdict(model.config),
+                "mesh": {a: model.mesh.size(a) for a in ("dp", "tp", "pp")},
+                "zero": model.zero, "optimizer": type(model.optimizer).__name__,
+                "state": keys, "extra": extra or {}}
+        (tmp / META).write_text(json.dumps(meta, indent=1))
+        _commit(tmp, final)
+    dist.barrier(group=group)
+    return final
+
+
+def _commit(tmp: Path, final: Path) -> None:
+    """The rename that makes a checkpoint exist."""
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+
+
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    return json.loads((Path(path) / META).read_text())
+
+
+def check_compatible(meta: dict[str, Any], config: Any,
+                     expect: dict[str, Any] | None = None) -> None:
+    """Refuse a checkpoint of another model (or, through `expect`, another corpus or
+    settings: {key of extra: value}), naming what differs."""
+    differ = [f"{k}: saved {v!r}, here {getattr(config, k)!r}"
+              for k, v in meta["config"].items() if getattr(config, k, None) != v]
+    for k, v in (expect or {}).items():
+        if meta["extra"].get(k) != v:
+            differ.append(f"{k}: saved {meta['extra'].get(k)!r}, here {v!r}")
+    if differ:
+        raise ValueError("this checkpoint is of another run; " + "; ".join(differ))
+
+
+@torch.no_grad()
+def load(model: Hybrid, path: str | os.PathLike,
+         expect: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Load the checkpoint at `path` into `model`, whatever mesh it was saved on (a
+    collective over the model's mesh): weights, the optimizer's state (into ZeRO's slices
+    if this model shards it) and the CPU generator. Refuses one of another model or,
+    with `expect`, other `extra` values. Returns its metadata (`step`, `extra`, ...)."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = read_meta(path)
+    check_compatible(meta, model.config, expect)
+    if meta["optimizer"] != type(model.optimizer).__name__:
+        raise ValueError(f"this checkpoint's optimizer is {meta['optimizer']}, this "
+                         f"model's {type(model.optimizer).__name__}")
+    keys = {k: bool(v) for k, v in meta["state"].items()}
+    state = _dcp_state(model, keys)
+    state["rng"] = torch.get_rng_state()
+    dcp.load(state, checkpoint_id=str(path), process_group=model.mesh.parent)
+    torch.set_rng_state(state["rng"])
+    names = _names(model)
+    from torch.distributed.tensor import DTensor
+
+    def local(t: Any) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    per_weight: dict[int, dict[str, torch.Tensor]] = {}
+    for p in model.params:
+        name = names[id(p)][0]
+        # DCP loaded into the weight itself (the state viewed it), all but the zero rows
+        # that pad a vocabulary shard; copied only if it did not.
+        loaded = local(state[f"model.{name}"])
+        if loaded.data_ptr() != p.data.data_ptr():
+            _copy_piece(p.data, loaded)
+        per_weight[id(p)] = {}
+        for key, shaped in keys.items():
+            value = local(state[f"optim.{name}.{key}"])
+            if shaped:
+                whole = torch.zeros_like(p.data)
+                _copy_piece(whole, value)
+                value = whole
+            per_weight[id(p)][key] = value.clone()
+    _set_optimizer_state(model, per_weight)
+    return meta
+
+
+def _copy_piece(into: torch.Tensor, piece: torch.Tensor) -> None:
+    """`piece` into the start of `into` along the one dim where they differ (a padded
+    vocabulary shard), or whole."""
+    for dim, (a, b) in enumerate(zip(into.shape, piece.shape)):
+        if a != b:
+            into.narrow(dim, 0, b).copy_(piece)
+            return
+    into.copy_(piece)
+
+
+def _set_optimizer_state(model: Hybrid, per_weight: dict[int, dict[str, torch.Tensor]]
+                         ) -> None:
+    if model.sharded is None:
+        for p in model.params:
+            model.optimizer.state[p] = per_weight[id(p)]
+        return
+    for unit in model.sharded.units:
+        # The slice this replica steps is a copy of its weights: it follows them.
+        unit.shard.data.copy_(unit.flat([p.detach() for p in unit.params])[unit.start:unit.end])
+        state: dict[str, torch.Tensor] = {}
+        for key, first in per_weight[id(unit.params[0])].items():
+            if first.shape == unit.params[0].shape:
+                flat = unit.flat([per_weight[id(p)][key] for p in unit.params])
+                state[key] = flat[unit.start:unit.end].clone()
+            else:
+                state[key] = first
+        model.optimizer.state[unit.shard] = state
+
+
+def full_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The unsplit model's weights from a checkpoint, read in this process alone (no
+    process group): what `sample` and a single-process GPT load."""
+    import torch.distributed.checkpoint as dcp
+
+    from parcourse.models import GPTConfig, gpt
+
+    meta = read_meta(path)
+    model = gpt(GPTConfig(**meta["config"]))
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    state = {f"model.{n}": torch.empty_like(model.get_parameter(n)) for n in names}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    buffers = dict(model.named_buffers())
+    return {k: state[f"model.{k}"] if f"model.{k}" in state else buffers[k]
+            for k in model.state_dict()}

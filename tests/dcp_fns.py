@@ -1,0 +1,56 @@
+"""Rank functions for distributed checkpoints: train, save midway, resume on any mesh."""
+
+import torch
+
+from parcourse.checkpoint import latest, load, save
+from parcourse.hybrid import Hybrid
+from parcourse.mesh import Mesh
+from parcourse.models import gpt
+from hybrid_fns import BATCH, CONFIG
+
+
+def batch(step, config=CONFIG):
+    """The global batch of step `step`: random tokens, the same on every rank and run."""
+    g = torch.Generator().manual_seed(step)
+    data = torch.randint(0, config.vocab, (BATCH, config.block_size + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def model_on(ctx, shape, zero=0, schedule="1f1b"):
+    mesh = Mesh(shape, ctx.group) if ctx is not None else None
+    return Hybrid(gpt(CONFIG, seed=0), mesh, schedule=schedule, microbatches=2, zero=zero,
+                  max_norm=1.0, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+
+
+def train_and_save(ctx, shape, root, steps, save_at, zero=0, crash_in_commit=False):
+    """`steps` steps, saving a checkpoint after `save_at` of them: the losses and the final
+    weights. `crash_in_commit`: after the first save, the next one's rank 0 is killed
+    between writing and committing (a save killed halfway)."""
+    model = model_on(ctx, shape, zero)
+    losses = []
+    for step in range(steps):
+        if step == save_at:
+            save(model, root, step, extra={"corpus": "abc"})
+            if crash_in_commit:
+                import os
+                import signal
+
+                import parcourse.checkpoint as ckpt
+
+                def killed(tmp, final):
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+                if ctx.rank == 0:
+                    ckpt._commit = killed
+                save(model, root, step + 1)
+        losses.append(model.step(*batch(step)))
+    return losses, model.full_state_dict()
+
+
+def resume(ctx, shape, root, steps, zero=0, expect=None):
+    """Load the newest checkpoint under `root` into a model on `shape`, train to `steps`:
+    the step it resumed at, the losses after it and the final weights."""
+    model = model_on(ctx, shape, zero)
+    meta = load(model, latest(root), expect=expect)
+    losses = [model.step(*batch(step)) for step in range(meta["step"], steps)]
+    return meta["step"], losses, model.full_state_dict()

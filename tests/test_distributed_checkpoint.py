@@ -1,0 +1,95 @@
+"""Distributed checkpoints (parcourse.checkpoint): a run saved midway on one mesh and
+resumed on another (or in one process) continues as if it had never stopped.
+
+Tolerance: the losses of a resumed run against the uninterrupted one, rel 1e-5; its
+weights rel 1e-4 / abs 1e-5, as tests/test_hybrid.py and for its reason: fp32 on gloo,
+the same arithmetic on the same values, only the order of the reductions differs with
+the mesh (tp's all-reduce, dp's mean), and Adam divides each gradient by its own root
+mean square, which turns an ulp's difference in a near-zero gradient into a visible one
+in its update. A wrong piece (a shard at the wrong offset, a lost optimizer state) is
+off by the size of the weights themselves."""
+
+import pytest
+import torch
+
+from parcourse import RankDied, RankError, launch
+from parcourse.checkpoint import check_compatible, full_state_dict, latest, read_meta
+from dcp_fns import resume, train_and_save
+from hybrid_fns import CONFIG
+
+STEPS, SAVE_AT = 4, 2
+SAVED_ON = {"dp": 2, "pp": 2}
+
+
+def close(a, b):
+    return all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-5) for k in a)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, pool4):
+    """A 4-rank run (dp 2 x pp 2) that saved after step 2 of 4, uninterrupted."""
+    root = tmp_path_factory.mktemp("ckpt")
+    run = pool4.run(train_and_save, SAVED_ON, str(root), STEPS, SAVE_AT)
+    losses = next(r[0] for r in run.results if r[0][0] is not None)
+    return root, losses, run.results[0][1]
+
+
+@pytest.mark.parametrize("shape,zero", [
+    (SAVED_ON, 0),
+    ({"tp": 2, "pp": 2}, 0),
+    ({"tp": 4}, 0),  # 30 tokens over 4 ranks: vocabulary shards of 8, 8, 8 and 6
+    ({"dp": 4}, 1),  # ZeRO-1's slices at another dp
+    ({"dp": 2, "pp": 2}, 2),
+], ids=lambda v: "x".join(f"{k}{n}" for k, n in v.items()) if isinstance(v, dict) else f"zero{v}")
+def test_resumed_on_another_mesh_continues_as_uninterrupted(saved, pool4, shape, zero):
+    root, losses, weights = saved
+    run = pool4.run(resume, shape, str(root), STEPS, zero)
+    step, after, final = next(r for r in run.results if r[1][0] is not None)
+    assert step == SAVE_AT
+    assert after == pytest.approx(losses[SAVE_AT:], rel=1e-5)
+    assert close(run.results[0][2], weights)
+
+
+def test_resumed_on_two_ranks_and_in_one_process(saved):
+    root, losses, weights = saved
+    for world_size, shape in ((2, {"pp": 2}), (1, {"dp": 1})):
+        run = launch(resume, world_size, shape, str(root), STEPS)
+        step, after, final = next(r for r in run.results if r[1][0] is not None)
+        assert after == pytest.approx(losses[SAVE_AT:], rel=1e-5), world_size
+        assert close(run.results[0][2], weights), world_size
+
+
+def test_saved_with_zero_loads_without_it(tmp_path, pool4):
+    whole = pool4.run(train_and_save, {"dp": 4}, str(tmp_path / "a"), STEPS, SAVE_AT, 1)
+    run = pool4.run(resume, {"tp": 2, "pp": 2}, str(tmp_path / "a"), STEPS, 0)
+    assert close(run.results[0][2], whole.results[0][1])
+
+
+def test_the_weights_read_in_one_process(saved):
+    root, _, _ = saved
+    path = latest(root)
+    state = full_state_dict(path)
+    assert read_meta(path)["step"] == SAVE_AT and read_meta(path)["mesh"]["dp"] == 2
+    assert state["tok_emb.weight"].shape == (30, 24)
+    assert torch.equal(state["tok_emb.weight"], state["head.weight"])  # tied
+
+
+def test_a_save_killed_before_its_commit_leaves_the_last_one(tmp_path, pool4):
+    with pytest.raises(RankDied, match="rank 0 was killed by SIGKILL"):
+        pool4.run(train_and_save, SAVED_ON, str(tmp_path), STEPS, SAVE_AT,
+                  crash_in_commit=True)
+    assert latest(tmp_path).name == f"step-{SAVE_AT:08d}"
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+    pool4.close()  # it lost a rank: the next run starts fresh ones
+    run = pool4.run(resume, {"tp": 2, "pp": 2}, str(tmp_path), STEPS)
+    assert run.results[0][0] == SAVE_AT
+
+
+def test_a_checkpoint_of_another_run_is_refused(saved, pool4):
+    root, _, _ = saved
+    with pytest.raises(RankError, match="corpus: saved 'abc', here 'xyz'"):
+        pool4.run(resume, SAVED_ON, str(root), STEPS, expect={"corpus": "xyz"})
+    meta = read_meta(latest(root))
+    meta["config"]["d_model"] = 48
+    with pytest.raises(ValueError, match="d_model: saved 48, here 24"):
+        check_compatible(meta, CONFIG)

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import signal
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from parcourse.models import GPTConfig
@@ -47,6 +50,7 @@ class TrainSettings:
     clip: float = 1.0
     eval_every: int = 50
     eval_batch: int = 32
+    save_every: int = 0  # steps between checkpoints (0: only at the end), when saving
     seed: int = 0
 
     @property
@@ -100,11 +104,22 @@ def _evaluate(state: dict[str, torch.Tensor], config: GPTConfig, x: torch.Tensor
         return F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
 
 
-def train_on_corpus(ctx: Any, s: TrainSettings, corpus_dir: str) -> dict[str, Any]:
+def train_on_corpus(ctx: Any, s: TrainSettings, corpus_dir: str, out: str | None = None,
+                    resume: bool = False, kill: tuple[int, int] | None = None
+                    ) -> dict[str, Any]:
     """The run, on each rank: `steps` AdamW steps; per step the learning rate, the global
     batch's loss (on the last stage's ranks) and the seconds; the validation loss every
     `eval_every` steps and at the end (on rank 0, from the whole weights gathered over the
-    mesh); the final weights (rank 0)."""
+    mesh); the final weights (rank 0).
+
+    With `out`, a distributed checkpoint (`parcourse.checkpoint`) goes to
+    `out/checkpoints` every `save_every` steps and at the end, with the loader's position
+    and the history so far; `resume=True` starts from the newest one there (on this
+    mesh, whatever mesh saved it) and goes on to `steps`. The rank's status names the
+    step it is in, so a rank that dies is reported with it. `kill=(rank, step)`: that
+    rank kills itself (SIGKILL, as the OOM killer or a lost node would) when it reaches
+    that step: a fault on purpose, for lesson 10 and the tests."""
+    from parcourse import checkpoint
     from parcourse.corpus import ShardedLoader, open_corpus
     from parcourse.hybrid import Hybrid
     from parcourse.mesh import Mesh
@@ -124,26 +139,54 @@ def train_on_corpus(ctx: Any, s: TrainSettings, corpus_dir: str) -> dict[str, An
                                  else corpus.train, s.block_size, s.eval_batch,
                                  seed=s.seed + 1).next()
     history: list[dict[str, Any]] = []
-    for step in range(s.steps):
+    start, resumed_from = 0, None
+    saves = None if out is None else f"{out}/checkpoints"
+    if resume:
+        found = checkpoint.latest(saves) if saves is not None else None
+        if found is None:
+            raise ValueError(f"nothing to resume: no checkpoint under {saves}")
+        ctx.tracer.set_status(f"loading {found}")
+        meta = checkpoint.load(model, found, expect={"corpus": corpus.meta["sha256"]})
+        loader.load_state_dict(meta["extra"]["loader"])
+        start, history, resumed_from = meta["step"], meta["extra"]["history"], str(found)
+    saved = []
+
+    def save(step: int) -> None:
+        ctx.tracer.set_status(f"saving a checkpoint after step {step}")
+        extra = {"corpus": corpus.meta["sha256"], "loader": loader.state_dict(),
+                 "history": history, "settings": dataclasses.asdict(s)}
+        saved.append(str(checkpoint.save(model, saves, step, extra)))
+
+    for step in range(start, s.steps):
+        ctx.tracer.set_status(f"in step {step + 1} of {s.steps}")
+        if kill is not None and kill == (ctx.rank, step):
+            os.kill(os.getpid(), signal.SIGKILL)
         lr = learning_rate(step, s)
         for group in model.optimizer.param_groups:
             group["lr"] = lr
         x, y = loader.next()
-        start = time.perf_counter()
+        begin = time.perf_counter()
         loss = model.step(x, y, local=True)
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - begin
+        # The loss from the last stage to every rank of the pipeline, so that each rank's
+        # history (and the checkpoint's, written by rank 0) has it.
+        shared = torch.tensor([0.0 if loss is None else loss])
+        dist.all_reduce(shared, group=mesh.group("pp"))
+        loss = shared.item()
         entry = {"step": step, "lr": lr, "loss": loss, "seconds": seconds,
                  "grad_norm": model.grad_norm}
         if (step + 1) % s.eval_every == 0 or step == s.steps - 1:
             state = model.full_state_dict()
             entry["val_loss"] = _evaluate(state, config, val_x, val_y) if ctx.rank == 0 else None
         history.append(entry)
-        shown = f", loss {loss:.3f}" if loss is not None else ""
-        ctx.tracer.set_status(f"step {step + 1} of {s.steps}{shown}")
+        if saves is not None and (step == s.steps - 1
+                                  or (s.save_every and (step + 1) % s.save_every == 0)):
+            save(step + 1)
     final = model.full_state_dict()
     return {"history": history, "state": final if ctx.rank == 0 else None,
             "loader": loader.state_dict(), "corpus": corpus.meta["sha256"],
-            "memory": model.memory()}
+            "memory": model.memory(), "saved": saved, "resumed_from": resumed_from,
+            "started_at": start}
 
 
 @torch.no_grad()

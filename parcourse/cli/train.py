@@ -32,6 +32,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clip", type=float, default=d.clip)
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--corpus", default="runs/corpus", help="where the corpus is built once")
+    p.add_argument("--out", default=None,
+                   help="a run directory: checkpoints go to OUT/checkpoints")
+    p.add_argument("--save-every", type=int, default=d.save_every,
+                   help="steps between checkpoints (0: only at the end); needs --out")
+    p.add_argument("--resume", action="store_true",
+                   help="start from the newest checkpoint in --out, on this mesh")
     p.add_argument("--prompt", default="def ", help="the start of the sampled text")
     p.add_argument("--timeout", type=float, default=1800.0)
 
@@ -44,7 +50,7 @@ def _settings(args: argparse.Namespace) -> object:
                          batch=args.batch, block_size=args.block_size, layers=args.layers,
                          width=args.width, heads=args.heads, lr=args.lr,
                          min_lr=min(args.lr, 3e-4), clip=args.clip,
-                         eval_every=args.eval_every)
+                         eval_every=args.eval_every, save_every=args.save_every)
 
 
 def check(args: argparse.Namespace) -> str | None:
@@ -60,6 +66,15 @@ def check(args: argparse.Namespace) -> str | None:
                 f"{args.layers + 2} layers (embedding, blocks, head)")
     if args.clip <= 0:
         return f"--clip must be positive, got {args.clip}"
+    if (args.resume or args.save_every) and args.out is None:
+        return "--resume and --save-every need --out (the run's directory)"
+    if args.save_every < 0:
+        return f"--save-every must be 0 or more, got {args.save_every}"
+    if args.resume:
+        from parcourse.checkpoint import latest
+
+        if latest(f"{args.out}/checkpoints") is None:
+            return f"--resume: no checkpoint under {args.out}/checkpoints"
     return None
 
 
@@ -71,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     corpus = build_corpus(args.corpus)
     where = ranks(argparse.Namespace(world_size=settings.world_size))  # type: ignore[attr-defined]
     trained = launch(train_on_corpus, where.world_size, settings, str(corpus.directory),
-                     timeout=args.timeout)
+                     args.out, args.resume, timeout=args.timeout)
     if where.quiet:
         return 0
     s = settings
@@ -83,7 +98,12 @@ def run(args: argparse.Namespace) -> int:
           f"of Python {corpus.meta['python']}'s standard library, "
           f"{corpus.meta['bytes']['train'] / 1e6:.1f} + {corpus.meta['bytes']['val'] / 1e6:.1f}"
           f" MB (train + validation), sha256 {corpus.meta['sha256'][:16]}")
-    losses = next(r["history"] for r in trained.results if r["history"][0]["loss"] is not None)
+    first = trained.results[0]
+    if first["resumed_from"]:
+        print(f"resumed     from {first['resumed_from']}, after step {first['started_at']}")
+    for path in first["saved"]:
+        print(f"saved       {path}")
+    losses = first["history"]
     evals = trained.results[0]["history"]
     tokens = s.batch * s.block_size  # type: ignore[attr-defined]
     print(f"\n{'step':>6} {'lr':>9} {'loss':>8} {'val loss':>9} {'grad norm':>10} "

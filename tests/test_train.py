@@ -94,3 +94,31 @@ def test_a_killed_rank_is_named_and_the_run_resumes_on_another_mesh(corpus, tmp_
     assert [h["loss"] for h in resumed["history"]] == pytest.approx(
         [h["loss"] for h in whole], rel=1e-4)
     assert resumed["history"][-1]["val_loss"] == pytest.approx(whole[-1]["val_loss"], rel=1e-4)
+
+
+def test_under_torchrun_a_killed_rank_restarts_and_resumes_by_itself(corpus, tmp_path):
+    """`torchrun --max-restarts 1`: rank 1 killed in step 7 of 8, torchrun starts every
+    worker again, and the same command resumes from the checkpoint after step 4."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "4", "--max-restarts", "1", "-m", "parcourse", "train", "--steps", "8",
+         "--eval-every", "8", "--save-every", "4", "--corpus", corpus,
+         "--out", str(tmp_path), "--kill", "1:6"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True)  # a hang kills torchrun and its workers together
+    try:
+        stdout, stderr = job.communicate(timeout=240)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert job.returncode == 0, stderr[-3000:]
+    assert "resumed     from" in stdout and "after step 4" in stdout, stdout
+    assert "step-00000008" in stdout

@@ -5,6 +5,7 @@ validation loss, and text sampled from the trained weights at the end."""
 from __future__ import annotations
 
 import argparse
+import os
 
 from parcourse.cli.options import ranks
 from parcourse.launch import launch
@@ -37,7 +38,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-every", type=int, default=d.save_every,
                    help="steps between checkpoints (0: only at the end); needs --out")
     p.add_argument("--resume", action="store_true",
-                   help="start from the newest checkpoint in --out, on this mesh")
+                   help="start from the newest checkpoint in --out, on this mesh (after a "
+                        "restart by torchrun --max-restarts, without being asked)")
+    p.add_argument("--kill", default=None, metavar="RANK:STEP",
+                   help="a fault on purpose: that rank kills itself (SIGKILL) when it "
+                        "reaches that step (not again after a restart)")
     p.add_argument("--prompt", default="def ", help="the start of the sampled text")
     p.add_argument("--timeout", type=float, default=1800.0)
 
@@ -75,7 +80,26 @@ def check(args: argparse.Namespace) -> str | None:
 
         if latest(f"{args.out}/checkpoints") is None:
             return f"--resume: no checkpoint under {args.out}/checkpoints"
+    if args.kill is not None:
+        try:
+            rank, step = _kill(args)
+        except ValueError:
+            return f"--kill takes RANK:STEP (two whole numbers), got {args.kill!r}"
+        world = settings.world_size  # type: ignore[attr-defined]
+        if not (0 <= rank < world and 0 <= step < args.steps):
+            return (f"--kill {args.kill}: the rank must be below {world} and the step below "
+                    f"{args.steps}")
     return None
+
+
+def _kill(args: argparse.Namespace) -> tuple[int, int]:
+    rank, step = args.kill.split(":")
+    return int(rank), int(step)
+
+
+def _restarted() -> bool:
+    """Whether torchrun (--max-restarts) has restarted this job's workers."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,8 +109,14 @@ def run(args: argparse.Namespace) -> int:
     settings = _settings(args)
     corpus = build_corpus(args.corpus)
     where = ranks(argparse.Namespace(world_size=settings.world_size))  # type: ignore[attr-defined]
+    from parcourse.checkpoint import latest
+
+    restarted = _restarted()
+    resume = args.resume or (restarted and args.out is not None
+                             and latest(f"{args.out}/checkpoints") is not None)
+    kill = _kill(args) if args.kill is not None and not restarted else None
     trained = launch(train_on_corpus, where.world_size, settings, str(corpus.directory),
-                     args.out, args.resume, timeout=args.timeout)
+                     args.out, resume, kill, timeout=args.timeout)
     if where.quiet:
         return 0
     s = settings

@@ -37,7 +37,20 @@ def init_external(plan: Plan) -> None:
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         raise ValueError("under Slurm, set MASTER_ADDR and MASTER_PORT "
                          "(e.g. the first node's name and 29500)")
-    dist.init_process_group(plan.backend, rank=rank, world_size=world_size, timeout=PG_TIMEOUT)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun shares its rendezvous store with the workers, and after a restart
+        # (--max-restarts) the new workers would read the dead ones' addresses from it:
+        # gloo's "connectFullMesh failed ... Connection refused" (pytorch/pytorch#135712).
+        # Each attempt gets keys of its own.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              world_size, is_master=False, timeout=PG_TIMEOUT)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(plan.backend, store=dist.PrefixStore(
+            f"/parcourse/attempt_{attempt}", store), rank=rank, world_size=world_size,
+            timeout=PG_TIMEOUT)
+    else:
+        dist.init_process_group(plan.backend, rank=rank, world_size=world_size,
+                                timeout=PG_TIMEOUT)
     # We created it, so we tear it down: a gloo group still alive at interpreter exit
     # aborts the process ("terminate called without an active exception").
     atexit.register(_destroy_group)

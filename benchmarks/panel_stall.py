@@ -18,8 +18,12 @@ Those split a slow cell into where its time went:
 
 A cell is slow when it takes more than twice its median over all runs of its lesson and at
 least 1 s more than it (below that, a few milliseconds of scheduling noise on a loaded
-machine doubles a tiny cell). Prints each lesson's table (runs, slowest cell against its
-median) and every slow cell, split as above; the count of slow cells is the result.
+machine doubles a tiny cell). A cell is stalled when its request or its reply waited more
+than 1 s outside the kernel (queued or received): the kernel was idle, and the time was
+lost between it and the client. Prints each lesson's table (runs, slowest cell against
+its median) and every slow cell, split as above, then both counts. Stalls are the defect
+(see widgets/outputs.py); a slow cell that ran long in the kernel is the machine's load
+(two lessons at once on two cores, each starting its ranks).
 
 `--browser N` also runs lesson 05 N times through tests/test_browser.py's driver
 (JupyterLab in Chromium; skips without Chromium) and counts the runs that passed and
@@ -108,7 +112,7 @@ def headless(args: argparse.Namespace) -> int:
             done = sum(len(v) for v in runs.values())
             print(f"[{time.perf_counter() - t0:6.0f} s] run {k:3d} {path.stem}: {wall:5.1f} s "
                   f"({done} of {args.runs} done)", flush=True)
-    slow_total = 0
+    slow_total = stalls = 0
     for stem, done in runs.items():
         if not done:
             continue
@@ -121,6 +125,8 @@ def headless(args: argparse.Namespace) -> int:
         slow = [(k, c) for k, _, cells in done for c in cells
                 if c["s"] > max(2 * median[c["index"]], median[c["index"]] + 1.0)]
         slow_total += len(slow)
+        stalls += sum(1 for _, _, cells in done for c in cells if c["phases"]
+                      and max(c["phases"]["queued"], c["phases"]["received"]) > 1.0)
         worst = max(((c["s"] / median[c["index"]], c) for _, _, cs in done for c in cs
                      if median[c["index"]] > 0.05), key=lambda t: t[0])
         print(f"\n{stem}: {len(done)} runs, {statistics.median(walls):.1f} s median "
@@ -135,8 +141,9 @@ def headless(args: argparse.Namespace) -> int:
     for k, stem, err in failed:
         print(f"\nrun {k} {stem} FAILED: {err}")
     print(f"\n{sum(len(v) for v in runs.values())} executions, {len(failed)} failed, "
-          f"{slow_total} slow cells (over twice their median and 1 s more)")
-    return slow_total + len(failed)
+          f"{stalls} stalled cells (over 1 s queued or received), {slow_total} slow cells "
+          "(over twice their median and 1 s more)")
+    return stalls + len(failed)
 
 
 def browser(n: int) -> int:

@@ -164,7 +164,7 @@ def browser(n: int) -> int:
         seconds = {}
         if log.exists():
             for line in log.read_text().splitlines():
-                if m := re.search(r"cell (\d+)\D.*?([\d.]+) s\b", line):
+                if m := re.search(r"code cell (\d+) took ([\d.]+) s", line):
                     seconds[int(m[1])] = float(m[2])
         per_run.append(seconds)
         print(f"browser run {k}: {tail}", flush=True)

@@ -158,7 +158,8 @@ def train_on_corpus(ctx: Any, s: TrainSettings, corpus_dir: str, out: str | None
         saved.append(str(checkpoint.save(model, saves, step, extra)))
 
     for step in range(start, s.steps):
-        ctx.tracer.set_status(f"in step {step + 1} of {s.steps}")
+        last = f", loss {history[-1]['loss']:.4f}" if history else ""  # the step before
+        ctx.tracer.set_status(f"in step {step + 1} of {s.steps}{last}")
         if kill is not None and kill == (ctx.rank, step):
             os.kill(os.getpid(), signal.SIGKILL)
         lr = learning_rate(step, s)

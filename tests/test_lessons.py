@@ -30,6 +30,7 @@ SMALL = {
                            "backward_ms": 40.0, "weight_ms": 20.0, "batch": 8},
     "08_activation_checkpointing": {"world_size": 2, "layers": 16, "width": 16, "batch": 8},
     "09_mesh_and_3d": {"world_size": 2, "steps": 1, "microbatches": 1},
+    "10_training_for_real": {"world_size": 2, "steps": 16},
 }
 # A world size that divides nothing, as a learner may type it into the parameters cell:
 # whatever depends on it (chunks, slices, batches) must be derived, not assumed.

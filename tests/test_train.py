@@ -122,3 +122,20 @@ def test_under_torchrun_a_killed_rank_restarts_and_resumes_by_itself(corpus, tmp
     assert job.returncode == 0, stderr[-3000:]
     assert "resumed     from" in stdout and "after step 4" in stdout, stdout
     assert "step-00000008" in stdout
+
+
+def test_lesson_10s_exercise_check_and_meshes(capsys):
+    from parcourse.experiments.training import check_replica_rows, lesson_settings, meshes
+    from parcourse.ranges import chunk_bounds
+
+    assert check_replica_rows(lambda b, n, r: chunk_bounds(b, n)[r])
+    assert not check_replica_rows(lambda b, n, r: (r * (b // n), (r + 1) * (b // n)))
+    assert "each replica must start where the one before it ended" in capsys.readouterr().out
+    assert not check_replica_rows(lambda b, n, r: (0, b) if r == 0 else (b, b))
+    assert "at most one apart" in capsys.readouterr().out
+    for world_size in range(1, 5):
+        for mesh in meshes(world_size):
+            s = lesson_settings(mesh, 16)
+            assert s.world_size == world_size and not s.problems(), (world_size, mesh)
+    with pytest.raises(ValueError, match="1 to 4 ranks"):
+        meshes(5)

@@ -1,0 +1,161 @@
+"""Lesson 10's experiments: a training run on real text watched as it goes, its
+throughput against the planner, and the data-parallel slice exercise.
+
+    s = lesson_settings(4, steps=150)
+    run = train_live(pool, s, corpus_dir, "runs/lesson10")   # a loss curve that grows
+    measured_against_plan(run, s)                            # tokens/s, measured and predicted
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from parcourse.experiments.exercises import NOT_WRITTEN
+from parcourse.train import TrainSettings, train_on_corpus
+
+
+def meshes(world_size: int) -> tuple[dict[str, int], dict[str, int]]:
+    """(the mesh the lesson trains on, another it resumes on) for 1-4 ranks: a pipeline
+    of 2 stages when the ranks are even, then replicas; tensor parallelism for the
+    other, or a pipeline as deep as the ranks when they are odd."""
+    if not 1 <= world_size <= 4:
+        raise ValueError(f"lesson 10 runs on 1 to 4 ranks, got {world_size}")
+    pp = 2 if world_size % 2 == 0 else 1
+    first = {"dp": world_size // pp, "tp": 1, "pp": pp}
+    if world_size == 1:
+        return first, dict(first)
+    if world_size % 2:
+        return first, {"dp": 1, "tp": 1, "pp": world_size}
+    pp = 2 if world_size % 4 == 0 else 1
+    return first, {"dp": world_size // (2 * pp), "tp": 2, "pp": pp}
+
+
+def lesson_settings(mesh: dict[str, int], steps: int, **changes: Any) -> TrainSettings:
+    """The lesson's run: a 2-block GPT of width 64 on 64-byte sequences, 24 a batch
+    (divisible by every mesh of `meshes` times 2 microbatches), a validation loss a
+    few times a run and a checkpoint halfway and at the end."""
+    defaults = dict(batch=24, microbatches=2, block_size=64, layers=2, width=64, heads=4,
+                    warmup=10, eval_every=max(1, steps // 6), save_every=max(1, steps // 2))
+    return TrainSettings(**mesh, steps=steps, **{**defaults, **changes})
+
+
+_STEP = re.compile(r"in step (\d+) of \d+, loss ([\d.]+)")
+
+
+def train_live(pool: Any, s: TrainSettings, corpus_dir: str, out: str, *, resume: bool = False,
+               kill: tuple[int, int] | None = None, every_s: float = 2.0,
+               title: str = "") -> Any:
+    """`train_on_corpus` on the pool's ranks, with the loss drawn as it falls: in a
+    notebook a figure under the cell, redrawn every `every_s` seconds from what the ranks
+    report (their status names the step and the last loss). Returns the Run; a killed
+    rank raises as any run's does."""
+    import matplotlib.pyplot as plt
+
+    from parcourse.launch.progress import LiveStatus
+
+    points: dict[int, float] = {}
+    shown: dict[str, Any] = {"handle": None, "next": time.perf_counter() + every_s}
+    live = LiveStatus.in_notebook(pool) is not None
+
+    def draw(final: list[dict[str, Any]] | None = None) -> Any:
+        fig, ax = plt.subplots(figsize=(8, 3), layout="constrained")
+        if final is not None:
+            steps = [h["step"] + 1 for h in final]
+            ax.plot(steps, [h["loss"] for h in final], lw=1, label="train (global batch)")
+            val = [(h["step"] + 1, h["val_loss"]) for h in final if h.get("val_loss")]
+            if val:
+                ax.plot(*zip(*val), "o-", label="validation")
+        else:
+            ax.plot(sorted(points), [points[k] for k in sorted(points)], lw=1,
+                    label="train (as reported)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats per byte)")
+        ax.set_title(title or f"dp {s.dp} x tp {s.tp} x pp {s.pp}", loc="left", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper right")
+        plt.close(fig)
+        return fig
+
+    def watch(statuses: list[str], _elapsed: float) -> None:
+        for status in statuses:
+            if m := _STEP.search(status):
+                points[int(m[1]) - 2] = float(m[2])  # the loss of the step before
+        now = time.perf_counter()
+        if not live or now < shown["next"] or len(points) < 2:
+            return
+        shown["next"] = now + every_s
+        from IPython.display import display
+
+        if shown["handle"] is None:
+            shown["handle"] = display(draw(), display_id=True)
+        else:
+            shown["handle"].update(draw())
+
+    try:
+        run = pool.run(train_on_corpus, s, corpus_dir, out, resume, kill, on_progress=watch,
+                       timeout=600)
+    except Exception:
+        if shown["handle"] is not None:  # the curve as far as the ranks reported it
+            shown["handle"].update(draw())
+        raise
+    if shown["handle"] is not None:
+        shown["handle"].update(draw(run.results[0]["history"]))
+    return run
+
+
+def measured_against_plan(run: Any, s: TrainSettings, flops: float) -> dict[str, float]:
+    """Tokens per second of the run (the median step after the first few, the slowest
+    rank's) against the planner's prediction for this machine (`flops`: one rank's
+    FLOP/s on the model, `planner.measure_flops`)."""
+    from parcourse.planner import Choice, Cluster, predict_time
+
+    start = run.results[0]["started_at"]
+    per_step = [max(r["history"][i]["seconds"] for r in run.results)
+                for i in range(start, len(run.results[0]["history"]))]
+    steady = per_step[min(5, len(per_step) - 1):]
+    seconds = statistics.median(steady)
+    choice = Choice(dp=s.dp, tp=s.tp, pp=s.pp, schedule=s.schedule,
+                    microbatches=s.microbatches, zero=s.zero)
+    cluster = Cluster.this_machine(s.world_size, flops=flops)
+    predicted = predict_time(s.config, choice, s.batch, cluster)
+    tokens = s.batch * s.block_size
+    return {"measured_tokens_per_s": tokens / seconds,
+            "predicted_tokens_per_s": predicted["tokens_per_s"],
+            "measured_step_s": seconds, "predicted_step_s": predicted["step"]}
+
+
+def check_replica_rows(fn: Callable[[int, int, int], Any]) -> bool:
+    """Lesson 10's exercise: `fn(batch, replicas, replica)` gives (start, end), the rows
+    of a global batch that replica reads. Checked for every batch up to 24 and every
+    count of replicas up to the batch: contiguous, disjoint, covering the batch, in
+    replica order, no replica more than one row above another. One short verdict."""
+    for batch in range(1, 25):
+        for replicas in range(1, batch + 1):
+            try:
+                rows = [tuple(fn(batch, replicas, r)) for r in range(replicas)]
+            except NotImplementedError:
+                print(NOT_WRITTEN)
+                return False
+            except Exception as e:  # noqa: BLE001 - the learner's code: say what, briefly
+                print(f"Not quite: {batch} rows over {replicas} replicas: your function "
+                      f"raised {type(e).__name__}: {e}")
+                return False
+            where = f"{batch} rows over {replicas} replica{'s' * (replicas > 1)}"
+            ends = [0] + [end for _, end in rows]
+            if [start for start, _ in rows] != ends[:-1] or ends[-1] != batch:
+                print(f"Not quite: {where} gave {rows}: each replica must start where the "
+                      f"one before it ended, from 0 to {batch}, so that every row is read "
+                      "once and by one replica.")
+                return False
+            sizes = [end - start for start, end in rows]
+            if min(sizes) < 0 or max(sizes) - min(sizes) > 1:
+                print(f"Not quite: {where} gave {sizes} rows: at most one apart, or one "
+                      "replica waits for another every step.")
+                return False
+    print("Correct: every row read once, by one replica, the replicas at most one row "
+          "apart (what ShardedLoader does, with parcourse.ranges.chunk_bounds).")
+    return True

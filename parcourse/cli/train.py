@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import sys
+from typing import Any
 
 from parcourse.cli.options import ranks
 from parcourse.launch import launch
@@ -97,6 +100,50 @@ def _kill(args: argparse.Namespace) -> tuple[int, int]:
     return int(rank), int(step)
 
 
+class _Progress:
+    """A tqdm bar over the run's steps, from what the ranks report (their status names
+    the step and the last loss): the loss, tokens per second since the first step seen,
+    and the planner's prediction of them for this mesh on this machine."""
+
+    STEP = re.compile(r"in step (\d+) of (\d+), loss ([\d.]+)")
+
+    def __init__(self, s: Any) -> None:
+        from tqdm import tqdm
+
+        from parcourse.planner import Choice, Cluster, measure_flops, predict_time
+
+        self.tokens = s.batch * s.block_size
+        choice = Choice(dp=s.dp, tp=s.tp, pp=s.pp, schedule=s.schedule,
+                        microbatches=s.microbatches, zero=s.zero)
+        cluster = Cluster.this_machine(s.world_size, flops=measure_flops(s.config))
+        self.predicted = predict_time(s.config, choice, s.batch, cluster)["tokens_per_s"]
+        self.bar = tqdm(total=s.steps, unit="step", desc="train", file=sys.stderr,
+                        dynamic_ncols=True)
+        self.first: tuple[int, float] | None = None
+
+    def update(self, statuses: list[str], elapsed: float) -> None:
+        found = [m for m in map(self.STEP.search, statuses) if m]
+        if not found:
+            return
+        done = min(int(m[1]) for m in found) - 1  # steps every rank has finished
+        loss = float(found[0][3])
+        if self.first is None:
+            self.first = (done, elapsed)
+        rate = ""
+        if done > self.first[0] and elapsed > self.first[1]:
+            per_s = (done - self.first[0]) * self.tokens / (elapsed - self.first[1])
+            rate = f", {per_s:,.0f} tokens/s (planned {self.predicted:,.0f})"
+        self.bar.n = done
+        self.bar.set_postfix_str(f"loss {loss:.3f}{rate}", refresh=False)
+        self.bar.refresh()
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.close()
+
+
 def _restarted() -> bool:
     """Whether torchrun (--max-restarts) has restarted this job's workers."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
@@ -115,8 +162,14 @@ def run(args: argparse.Namespace) -> int:
     resume = args.resume or (restarted and args.out is not None
                              and latest(f"{args.out}/checkpoints") is not None)
     kill = _kill(args) if args.kill is not None and not restarted else None
-    trained = launch(train_on_corpus, where.world_size, settings, str(corpus.directory),
-                     args.out, resume, kill, timeout=args.timeout)
+    run_args = (settings, str(corpus.directory), args.out, resume, kill)
+    if where.external:
+        trained = launch(train_on_corpus, where.world_size, *run_args, timeout=args.timeout)
+    else:
+        from parcourse.launch import Pool
+
+        with Pool(where.world_size, timeout=args.timeout) as pool, _Progress(settings) as bar:
+            trained = pool.run(train_on_corpus, *run_args, on_progress=bar.update)
     if where.quiet:
         return 0
     s = settings

@@ -159,3 +159,60 @@ def check_replica_rows(fn: Callable[[int, int, int], Any]) -> bool:
     print("Correct: every row read once, by one replica, the replicas at most one row "
           "apart (what ShardedLoader does, with parcourse.ranges.chunk_bounds).")
     return True
+
+
+def checkpoint_costs(ctx: Any, s: TrainSettings, root: str, repeats: int) -> dict[str, Any]:
+    """benchmarks/training.py, on each rank: the model of `s` after one AdamW step,
+    checkpointed `repeats` times by `parcourse.checkpoint` (save, then load), by DCP's
+    async_save (the caller's blocked time, then the whole), and gathered whole then
+    torch.save on rank 0; median seconds of each, and the bytes this rank wrote."""
+    import os
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from parcourse import checkpoint
+    from parcourse.data import progressions
+    from parcourse.hybrid import Hybrid
+    from parcourse.mesh import Mesh
+    from parcourse.models import gpt
+
+    mesh = Mesh({"dp": s.dp, "tp": s.tp, "pp": s.pp}, ctx.group)
+    model = Hybrid(gpt(s.config), mesh, schedule=s.schedule, microbatches=s.microbatches,
+                   optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    x, y = progressions(s.batch, s.block_size, s.config.vocab)
+    model.step(x, y)  # the optimizer's state exists
+    out: dict[str, list[float]] = {"save": [], "load": [], "async_blocked": [],
+                                   "async_total": [], "torch_save": []}
+    mine = Path(root) / f"rank{ctx.rank}"
+    for k in range(repeats):
+        dist.barrier()
+        t = time.perf_counter()
+        path = checkpoint.save(model, root, k)
+        out["save"].append(time.perf_counter() - t)
+        dist.barrier()
+        t = time.perf_counter()
+        checkpoint.load(model, path)
+        out["load"].append(time.perf_counter() - t)
+        state = checkpoint._dcp_state(model, checkpoint._state_keys(model))
+        dist.barrier()
+        t = time.perf_counter()
+        future = dcp.async_save(state, checkpoint_id=str(Path(root) / f"async{k}"),
+                                process_group=mesh.parent)
+        out["async_blocked"].append(time.perf_counter() - t)
+        future.result()
+        out["async_total"].append(time.perf_counter() - t)
+        dist.barrier()
+        t = time.perf_counter()
+        full = model.full_state_dict()
+        if ctx.rank == 0:
+            mine.mkdir(exist_ok=True)
+            torch.save(full, mine / "model.pt")
+        dist.barrier()
+        out["torch_save"].append(time.perf_counter() - t)
+    written = os.path.getsize(next(path.glob(f"__{ctx.rank}_*.distcp")))
+    full_bytes = os.path.getsize(mine / "model.pt") if ctx.rank == 0 else 0
+    return {"median": {k: statistics.median(v) for k, v in out.items()},
+            "written": written, "torch_bytes": full_bytes}

@@ -41,3 +41,15 @@ def test_collectives_benchmark_refuses_a_batch_float32_cannot_sum_exactly():
     assert done.returncode == 2 and "got 13 with world size 4" in done.stderr
     done = run("--batch", "0")
     assert done.returncode == 2 and "--batch must be >= 1" in done.stderr
+
+
+def test_training_benchmark_prints_the_plan_and_the_checkpoint_costs():
+    script = SCRIPT.parent / "training.py"
+    done = subprocess.run([sys.executable, str(script), "--steps", "12", "--repeats", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"measured / planned tokens/s: \d+\.\d\d", done.stdout)
+    for label in ("parcourse.checkpoint.save", "parcourse.checkpoint.load",
+                  "gather + torch.save on rank 0"):
+        assert re.search(rf"{re.escape(label)}\s+\d+\.\d+\s+\d+\.\d\d", done.stdout), label
+    assert "bytes written per rank: rank 0:" in done.stdout

@@ -162,10 +162,16 @@ def _state_keys(model: Hybrid) -> dict[str, bool]:
 
 
 def save(model: Hybrid, root: str | os.PathLike, step: int,
-         extra: dict[str, Any] | None = None) -> Path:
+         extra: dict[str, Any] | None = None, *, blocking: bool = True
+         ) -> Path | PendingSave:
     """Write a checkpoint of `model` after `step` steps under `root`, on every rank of its
     mesh (a collective); `extra`: anything JSON can hold (the loader's position, the
-    corpus' hash, the settings). Returns the committed directory."""
+    corpus' hash, the settings). Returns the committed directory.
+
+    `blocking=False`: DCP's `async_save`: the state is copied (the caller waits for that
+    only) and written by a background thread, over a process group of its own, while
+    training goes on; returns a `PendingSave` to `poll()` each step and `result()` before
+    the next save and at the end (rank 0 commits when every rank has written)."""
     import torch.distributed.checkpoint as dcp
 
     group = model.mesh.parent
@@ -179,16 +185,62 @@ def save(model: Hybrid, root: str | os.PathLike, step: int,
     keys = _state_keys(model)
     state = _dcp_state(model, keys)
     state["rng"] = torch.get_rng_state()
+    meta = {"step": step, "config": dataclasses.asdict(model.config),
+            "mesh": {a: model.mesh.size(a) for a in ("dp", "tp", "pp")},
+            "zero": model.zero, "optimizer": type(model.optimizer).__name__,
+            "state": keys, "extra": extra or {}}
+    if not blocking:
+        future = dcp.async_save(state, checkpoint_id=str(tmp),
+                                process_group=_background_group(model))
+        return PendingSave(future, rank, tmp, final, meta)
     dcp.save(state, checkpoint_id=str(tmp), process_group=group)
     if rank == 0:
-        meta = {"step": step, "config": dataclasses.asdict(model.config),
-                "mesh": {a: model.mesh.size(a) for a in ("dp", "tp", "pp")},
-                "zero": model.zero, "optimizer": type(model.optimizer).__name__,
-                "state": keys, "extra": extra or {}}
-        (tmp / META).write_text(json.dumps(meta, indent=1))
-        _commit(tmp, final)
+        _write_meta_and_commit(tmp, final, meta)
     dist.barrier(group=group)
     return final
+
+
+def _background_group(model: Hybrid) -> dist.ProcessGroup:
+    """A gloo group over the model's ranks for the background writes (one per model, made
+    at its first asynchronous save, on every rank): the training's collectives keep the
+    mesh's groups to themselves, as DCP asks."""
+    group = getattr(model, "_checkpoint_group", None)
+    if group is None:
+        ranks = [dist.get_global_rank(model.mesh.parent, r)
+                 for r in range(dist.get_world_size(model.mesh.parent))]
+        group = dist.new_group(ranks, backend="gloo")
+        model._checkpoint_group = group  # type: ignore[attr-defined]
+    return group
+
+
+class PendingSave:
+    """A checkpoint being written in the background (`save(..., blocking=False)`)."""
+
+    def __init__(self, future: Any, rank: int, tmp: Path, final: Path,
+                 meta: dict[str, Any]) -> None:
+        self.future, self.rank, self.tmp, self.final, self.meta = future, rank, tmp, final, meta
+        self.committed = False
+
+    def poll(self) -> bool:
+        """Whether this rank's part is written (on rank 0: every rank's, and then it
+        commits); never waits."""
+        if not self.committed and self.future.done():
+            self.result()
+        return self.committed
+
+    def result(self) -> Path:
+        """Wait for the write; rank 0 commits it. The committed directory."""
+        if not self.committed:
+            self.future.result()  # raises what the background write raised
+            if self.rank == 0:  # its future ends after every rank's write and the metadata
+                _write_meta_and_commit(self.tmp, self.final, self.meta)
+            self.committed = True
+        return self.final
+
+
+def _write_meta_and_commit(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
+    (tmp / META).write_text(json.dumps(meta, indent=1))
+    _commit(tmp, final)
 
 
 def _commit(tmp: Path, final: Path) -> None:

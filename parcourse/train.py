@@ -51,6 +51,7 @@ class TrainSettings:
     eval_every: int = 50
     eval_batch: int = 32
     save_every: int = 0  # steps between checkpoints (0: only at the end), when saving
+    async_save: bool = False  # write checkpoints in the background while training goes on
     seed: int = 0
 
     @property
@@ -149,15 +150,27 @@ def train_on_corpus(ctx: Any, s: TrainSettings, corpus_dir: str, out: str | None
         meta = checkpoint.load(model, found, expect={"corpus": corpus.meta["sha256"]})
         loader.load_state_dict(meta["extra"]["loader"])
         start, history, resumed_from = meta["step"], meta["extra"]["history"], str(found)
-    saved = []
+    saved: list[str] = []
+    pending: list[Any] = []  # a background save not yet committed
+
+    def finish_pending() -> None:
+        while pending:
+            saved.append(str(pending.pop().result()))
 
     def save(step: int) -> None:
+        finish_pending()  # one at a time
         ctx.tracer.set_status(f"saving a checkpoint after step {step}")
         extra = {"corpus": corpus.meta["sha256"], "loader": loader.state_dict(),
-                 "history": history, "settings": dataclasses.asdict(s)}
-        saved.append(str(checkpoint.save(model, saves, step, extra)))
+                 "history": list(history), "settings": dataclasses.asdict(s)}
+        done = checkpoint.save(model, saves, step, extra, blocking=not s.async_save)
+        if s.async_save:
+            pending.append(done)
+        else:
+            saved.append(str(done))
 
     for step in range(start, s.steps):
+        if pending and pending[0].poll():  # written: committed (rank 0) without waiting
+            saved.append(str(pending.pop().result()))
         last = f", loss {history[-1]['loss']:.4f}" if history else ""  # the step before
         ctx.tracer.set_status(f"in step {step + 1} of {s.steps}{last}")
         if kill is not None and kill == (ctx.rank, step):
@@ -183,6 +196,8 @@ def train_on_corpus(ctx: Any, s: TrainSettings, corpus_dir: str, out: str | None
         if saves is not None and (step == s.steps - 1
                                   or (s.save_every and (step + 1) % s.save_every == 0)):
             save(step + 1)
+    finish_pending()
+    dist.barrier(group=ctx.group)  # rank 0 has committed the last one
     final = model.full_state_dict()
     return {"history": history, "state": final if ctx.rank == 0 else None,
             "loader": loader.state_dict(), "corpus": corpus.meta["sha256"],

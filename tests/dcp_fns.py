@@ -22,15 +22,18 @@ def model_on(ctx, shape, zero=0, schedule="1f1b"):
                   max_norm=1.0, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
 
 
-def train_and_save(ctx, shape, root, steps, save_at, zero=0, crash_in_commit=False):
+def train_and_save(ctx, shape, root, steps, save_at, zero=0, crash_in_commit=False,
+                   blocking=True):
     """`steps` steps, saving a checkpoint after `save_at` of them: the losses and the final
     weights. `crash_in_commit`: after the first save, the next one's rank 0 is killed
-    between writing and committing (a save killed halfway)."""
+    between writing and committing (a save killed halfway). `blocking=False`: the save
+    is written in the background while the next steps change the weights, and waited
+    for only at the end."""
     model = model_on(ctx, shape, zero)
-    losses = []
+    losses, pending = [], None
     for step in range(steps):
         if step == save_at:
-            save(model, root, step, extra={"corpus": "abc"})
+            pending = save(model, root, step, extra={"corpus": "abc"}, blocking=blocking)
             if crash_in_commit:
                 import os
                 import signal
@@ -44,6 +47,9 @@ def train_and_save(ctx, shape, root, steps, save_at, zero=0, crash_in_commit=Fal
                     ckpt._commit = killed
                 save(model, root, step + 1)
         losses.append(model.step(*batch(step)))
+    if not blocking:
+        pending.result()
+        torch.distributed.barrier()  # rank 0 has committed
     return losses, model.full_state_dict()
 
 

@@ -93,3 +93,16 @@ def test_a_checkpoint_of_another_run_is_refused(saved, pool4):
     meta["config"]["d_model"] = 48
     with pytest.raises(ValueError, match="d_model: saved 48, here 24"):
         check_compatible(meta, CONFIG)
+
+
+def test_a_checkpoint_written_in_the_background_while_training_goes_on(tmp_path, pool4):
+    """save(blocking=False): the state is copied, then written while the next steps
+    change the weights; resumed, it is the state of its own step."""
+    run = pool4.run(train_and_save, SAVED_ON, str(tmp_path), STEPS, SAVE_AT,
+                    blocking=False)
+    losses = next(r[0] for r in run.results if r[0][0] is not None)
+    assert latest(tmp_path).name == f"step-{SAVE_AT:08d}"
+    resumed = pool4.run(resume, {"tp": 2, "pp": 2}, str(tmp_path), STEPS)
+    step, after, _ = next(r for r in resumed.results if r[1][0] is not None)
+    assert step == SAVE_AT and after == pytest.approx(losses[SAVE_AT:], rel=1e-5)
+    assert close(resumed.results[0][2], run.results[0][1])

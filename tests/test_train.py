@@ -48,7 +48,7 @@ def test_train_command_learns_real_text_and_samples(tmp_path, capsys):
 
     corpus, run = ["--corpus", str(tmp_path / "corpus")], ["--out", str(tmp_path / "run")]
     assert main(["train", "--dp", "2", "--pp", "2", "--steps", "30", "--eval-every", "15",
-                 "--save-every", "15", *corpus, *run]) == 0
+                 "--save-every", "15", "--async-save", *corpus, *run]) == 0
     out = capsys.readouterr().out
     assert "standard library" in out and "sha256" in out
     rows = [ln.split() for ln in out.splitlines() if ln.strip()[:1].isdigit()]

@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a run directory: checkpoints go to OUT/checkpoints")
     p.add_argument("--save-every", type=int, default=d.save_every,
                    help="steps between checkpoints (0: only at the end); needs --out")
+    p.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background while training goes on")
     p.add_argument("--resume", action="store_true",
                    help="start from the newest checkpoint in --out, on this mesh (after a "
                         "restart by torchrun --max-restarts, without being asked)")
@@ -58,7 +60,8 @@ def _settings(args: argparse.Namespace) -> object:
                          batch=args.batch, block_size=args.block_size, layers=args.layers,
                          width=args.width, heads=args.heads, lr=args.lr,
                          min_lr=min(args.lr, 3e-4), clip=args.clip,
-                         eval_every=args.eval_every, save_every=args.save_every)
+                         eval_every=args.eval_every, save_every=args.save_every,
+                         async_save=args.async_save)
 
 
 def check(args: argparse.Namespace) -> str | None:

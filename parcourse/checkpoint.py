@@ -1,4 +1,6 @@
 """Distributed checkpoints of a `Hybrid` run that load into another mesh (lesson 10).
+(Saving a run to disk, as `torch.distributed.checkpoint`; `checkpointing.py` is the
+other kind, activation checkpointing, as `torch.utils.checkpoint`.)
 
     path = save(model, "runs/x/checkpoints", step=100, extra={"loader": loader.state_dict()})
     ...                                                  # later, on any dp x tp x pp

@@ -85,7 +85,7 @@ def here() -> None:
     batch = 16
     with Pool(4, timeout=600) as pool:
         links = pool.run(measure_links).results[0]
-    cluster = Cluster.this_machine(4, flops=measure_flops(), links=links)
+    cluster = Cluster.this_machine(4, flops=measure_flops(LESSON_CONFIG), links=links)
     choices = [Choice(4, 1, 1, "1f1b", 2), Choice(2, 2, 1, "1f1b", 2),
                Choice(2, 1, 2, "1f1b", 4), Choice(1, 2, 2, "1f1b", 4, zero=0),
                Choice(1, 1, 4, "gpipe", 4), Choice(2, 1, 2, "interleaved-1f1b", 4, zero=1)]

@@ -466,7 +466,7 @@ def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30) -> dict[str, 
     return out
 
 
-def measure_flops(config: GPTConfig | None = None, batch: int = 4, repeats: int = 5) -> float:
+def measure_flops(config: GPTConfig, batch: int = 4, repeats: int = 5) -> float:
     """FLOP/s one rank reaches here (one thread) on the GPT's own forward and backward:
     `model_flops_per_token` x tokens over the median time of a step in this process.
     What `Cluster.this_machine` takes: small models run far below a CPU's peak, so the
@@ -476,10 +476,8 @@ def measure_flops(config: GPTConfig | None = None, batch: int = 4, repeats: int 
     import torch
     import torch.nn.functional as F
 
-    from parcourse.experiments.hybrid import LESSON_CONFIG
     from parcourse.models import gpt
 
-    config = config or LESSON_CONFIG
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

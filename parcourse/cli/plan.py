@@ -49,7 +49,7 @@ def _setup(args: argparse.Namespace) -> tuple[GPTConfig, Cluster, int, str]:
         gpu = args.gpu or "h100"
         batch = args.batch or 1024
     if gpu == "here":
-        cluster = Cluster.this_machine(args.gpus, flops=measure_flops())
+        cluster = Cluster.this_machine(args.gpus, flops=measure_flops(LESSON_CONFIG))
     else:
         cluster = Cluster.preset(gpu, args.gpus, args.gpus_per_node)
     return config, cluster, batch, "fp32" if args.model == "course" else "bf16"

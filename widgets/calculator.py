@@ -30,8 +30,8 @@ class MemoryCalculator:
         # A text box, not a log slider: a slider snaps 7 to its nearest step (6.31).
         self.params = W.FloatText(value=params_billions, step=0.1,
                                   description="params (B)")
-        self.world = W.SelectionSlider(options=WORLD_SIZES, value=world_size,
-                                       description="world size")
+        self.world = W.Dropdown(options=WORLD_SIZES, value=world_size,
+                                description="world size")
         self.stage = W.ToggleButtons(options=[0, 1, 2, 3], value=stage, description="ZeRO stage")
         self.dtype = W.ToggleButtons(options=["fp32", "bf16 + fp32 master"], value=dtype,
                                      description="precision")

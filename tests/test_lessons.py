@@ -87,9 +87,17 @@ EDGES_TRIED = {"05_tensor_parallel", "06_pipelines", "07_1f1b_and_beyond",
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)
 def test_lesson_executes_with_small_parameters(path, tmp_path):
-    """... and, in the lessons of EDGES_TRIED, its panels at their controls' ends."""
-    execute(path, tmp_path / path.name, SMALL[path.stem],
-            then=PANELS_AT_THEIR_EDGES if path.stem in EDGES_TRIED else None)
+    execute(path, tmp_path / path.name, SMALL[path.stem])
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("path", [p for p in LESSONS if p.stem in EDGES_TRIED],
+                         ids=lambda p: p.stem)
+def test_panels_run_at_their_controls_ends(path, tmp_path):
+    """The lesson at its small parameters, then every panel it made at each control's
+    ends (PANELS_AT_THEIR_EDGES). Runs with or without the browser test, which clicks
+    one control of each panel only."""
+    execute(path, tmp_path / path.name, SMALL[path.stem], then=PANELS_AT_THEIR_EDGES)
 
 
 @pytest.mark.notebook

@@ -20,8 +20,8 @@ What is saved, under the unsplit model's names:
   (Adam's `exp_avg`, `exp_avg_sq`; `step` whole). Under ZeRO the state lives in flat
   slices over dp; it is gathered into each weight's shape before saving and cut into
   this mesh's slices after loading, so ZeRO on, off, or at another dp all load it;
-- `rng`: rank 0's CPU generator (the course's GPT has no dropout; the data order is
-  the loader's own seed and position, kept in `extra`);
+- `rng`: one rank's CPU generator, set on every rank at load (the course's GPT has no
+  dropout; the data order is the loader's own seed and position, kept in `extra`);
 - `parcourse.json`: the step, the model's config, the mesh it was saved on, the names of
   the optimizer's state and what the caller put in `extra` (the loader's position, the
   corpus' hash, the settings).
@@ -131,12 +131,20 @@ def _optimizer_state(model: Hybrid) -> dict[int, dict[str, torch.Tensor]]:
     return out
 
 
-def _dcp_state(model: Hybrid, keys: dict[str, bool]) -> dict[str, Any]:
-    """{DCP key: tensor or DTensor}: this rank's weights and their optimizer state, the
-    state's `keys` (name -> shaped like the weight) filled with zeros where the
-    optimizer has none yet (before its first step, to load into)."""
+def _dcp_state(model: Hybrid, keys: dict[str, bool] | None = None
+               ) -> tuple[dict[str, Any], dict[str, bool]]:
+    """({DCP key: tensor or DTensor}, the optimizer's state names): this rank's weights
+    and their optimizer state. `keys` (name -> shaped like the weight): what to hold,
+    zeros where the optimizer has none yet (before its first step, or for a weight that
+    never had a gradient), to load into; by default every name any weight has here."""
     layout, names = _Layout(model), _names(model)
     state = _optimizer_state(model)
+    if keys is None:
+        keys = {}
+        for p in model.params:  # a frozen or unused weight has no state: ask them all
+            for key, value in state[id(p)].items():
+                if torch.is_tensor(value):
+                    keys[key] = keys.get(key, False) or value.shape == p.shape
     out: dict[str, Any] = {}
     for p in model.params:
         for name in names[id(p)]:
@@ -146,18 +154,7 @@ def _dcp_state(model: Hybrid, keys: dict[str, bool]) -> dict[str, Any]:
                 if value is None:
                     value = torch.zeros_like(p.data) if shaped else torch.zeros(())
                 out[f"optim.{name}.{key}"] = layout.view(p, value) if shaped else value
-    return out
-
-
-def _state_keys(model: Hybrid) -> dict[str, bool]:
-    """The optimizer's state names, and whether each is shaped like its weight."""
-    keys: dict[str, bool] = {}
-    for p in model.params:
-        for key, value in _optimizer_state(model)[id(p)].items():
-            if torch.is_tensor(value):
-                keys[key] = value.shape == p.shape
-        break
-    return keys
+    return out, keys
 
 
 # -- save and load
@@ -184,8 +181,7 @@ def save(model: Hybrid, root: str | os.PathLike, step: int,
         shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left
         tmp.mkdir(parents=True)
     dist.barrier(group=group)
-    keys = _state_keys(model)
-    state = _dcp_state(model, keys)
+    state, keys = _dcp_state(model)
     state["rng"] = torch.get_rng_state()
     meta = {"step": step, "config": dataclasses.asdict(model.config),
             "mesh": {a: model.mesh.size(a) for a in ("dp", "tp", "pp")},
@@ -284,7 +280,7 @@ def load(model: Hybrid, path: str | os.PathLike,
         raise ValueError(f"this checkpoint's optimizer is {meta['optimizer']}, this "
                          f"model's {type(model.optimizer).__name__}")
     keys = {k: bool(v) for k, v in meta["state"].items()}
-    state = _dcp_state(model, keys)
+    state, _ = _dcp_state(model, keys)
     state["rng"] = torch.get_rng_state()
     dcp.load(state, checkpoint_id=str(path), process_group=model.mesh.parent)
     torch.set_rng_state(state["rng"])

@@ -227,17 +227,18 @@ class Hybrid:
                     for s, name in g.items()}
             seen: set[int] = set()
             units = []
-            for s in sorted(mine):
-                units.append([p for p in mine[s].parameters()
-                              if id(p) not in tied and id(p) not in seen])
+            for s in sorted(mine):  # a frozen weight is in none: nothing steps it
+                units.append([p for p in mine[s].parameters() if p.requires_grad
+                              and id(p) not in tied and id(p) not in seen])
                 seen.update(id(p) for p in units[-1])
-            units.append([p for p in self.params if id(p) in tied])
+            units.append([p for p in self.params if id(p) in tied and p.requires_grad])
             self.sharded = _ShardedOptimizer(units, self.dp_comm, factory)
             by_params = {id(u.params[0]): u for u in self.sharded.units}
             self._stage_unit = {s: by_params[id(ps[0])] for s, ps in zip(sorted(mine), units)
                                 if ps}
             self._tied_unit = by_params.get(id(units[-1][0])) if units[-1] else None
         self.optimizer = self.sharded.optimizer if self.sharded else factory(self.params)
+        self._frozen = self._frozen_now()
         if max_norm is not None and not max_norm > 0:
             raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
         self.max_norm, self.grad_norm, self.grad_bytes = max_norm, None, 0
@@ -254,6 +255,9 @@ class Hybrid:
             # The norm's group: the ranks whose gradients differ (Megatron's model-parallel
             # group), and dp too when each replica holds a different slice.
             self._norm_group = mesh.group(*(("dp", "tp", "pp") if zero else ("tp", "pp")))
+
+    def _frozen_now(self) -> set[int]:
+        return {id(p) for p in self.params if not p.requires_grad}
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Cross entropy from this rank's vocabulary shard of the logits (the same value on
@@ -278,6 +282,10 @@ class Hybrid:
         if not local and inputs.shape[0] % (dp * self.microbatches):
             raise ValueError(f"a global batch of {inputs.shape[0]} cannot be cut into dp "
                              f"({dp}) x microbatches ({self.microbatches}) equal parts")
+        if self.sharded is not None and self._frozen_now() != self._frozen:
+            raise ValueError("weights were frozen or unfrozen after Hybrid(zero=...) was "
+                             "made: ZeRO's flat slices hold the weights that were trainable "
+                             "then. Set requires_grad before making it (as FSDP asks).")
         x = (inputs if local else shard_rows(inputs, replica, dp)) if self.first else None
         y = (targets if local else shard_rows(targets, replica, dp)) if self.last else None
         self.grad_bytes = 0
@@ -322,14 +330,18 @@ class Hybrid:
                 self.sharded.reduce(self._tied_unit, async_op=True)  # them on the one thread
             self.sharded.collect()
         elif self.mesh.size("dp") > 1:
+            # A frozen weight keeps no gradient (None, so the optimizer skips it, weight
+            # decay included); one unused on this replica counts as zeros in the mean.
+            trainable = [p for p in self.params if p.requires_grad]
             grads = [p.grad if p.grad is not None else torch.zeros_like(p)
-                     for p in self.params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            self.dp_comm.all_reduce(flat).div_(self.mesh.size("dp"))
-            offset = 0
-            for p, g in zip(self.params, grads):
-                p.grad = flat[offset:offset + g.numel()].view_as(p).clone()
-                offset += g.numel()
+                     for p in trainable]
+            if grads:
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                self.dp_comm.all_reduce(flat).div_(self.mesh.size("dp"))
+                offset = 0
+                for p, g in zip(trainable, grads):
+                    p.grad = flat[offset:offset + g.numel()].view_as(p).clone()
+                    offset += g.numel()
         if self.max_norm is not None:
             self.grad_norm = self._clip(self.max_norm)
 

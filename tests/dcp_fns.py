@@ -60,3 +60,31 @@ def resume(ctx, shape, root, steps, zero=0, expect=None):
     meta = load(model, latest(root), expect=expect)
     losses = [model.step(*batch(step)) for step in range(meta["step"], steps)]
     return meta["step"], losses, model.full_state_dict()
+
+
+def frozen_first(ctx, shape, root, steps, save_at, resuming=False):
+    """The position embedding frozen after the model was made (the first weight of the
+    first stage: it has no optimizer state): train, saving after `save_at` steps; or load
+    that and go on. The losses after the save, the final weights, and whether the frozen
+    weight stayed as it was (no gradient, so no step and no weight decay)."""
+    model = model_on(ctx, shape)
+    frozen = model.model.get_parameter("pos_emb.weight").requires_grad_(False)
+    before = frozen.detach().clone()
+    start = 0
+    if resuming:
+        start = load(model, latest(root))["step"]
+    losses = []
+    for step in range(start, steps):
+        if step == save_at and not resuming:
+            save(model, root, step)
+        loss = model.step(*batch(step))
+        if step >= save_at:
+            losses.append(loss)
+    return losses, model.full_state_dict(), torch.equal(frozen.detach(), before)
+
+
+def freeze_after_zero(ctx):
+    """ZeRO-1 made, then a weight frozen: the next step refuses."""
+    model = model_on(ctx, {"dp": 2, "pp": 2}, zero=1)
+    model.model.get_parameter("pos_emb.weight").requires_grad_(False)
+    model.step(*batch(0))

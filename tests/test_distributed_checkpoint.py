@@ -106,3 +106,25 @@ def test_a_checkpoint_written_in_the_background_while_training_goes_on(tmp_path,
     step, after, _ = next(r for r in resumed.results if r[1][0] is not None)
     assert step == SAVE_AT and after == pytest.approx(losses[SAVE_AT:], rel=1e-5)
     assert close(resumed.results[0][2], run.results[0][1])
+
+
+def test_a_frozen_weight_leaves_the_others_state_saved(tmp_path, pool4):
+    """A frozen weight has no optimizer state; the others' is still saved and loaded
+    (the state's names are asked of every weight, not the first)."""
+    from dcp_fns import frozen_first
+
+    whole = pool4.run(frozen_first, SAVED_ON, str(tmp_path), STEPS, SAVE_AT)
+    resumed = pool4.run(frozen_first, {"tp": 2, "pp": 2}, str(tmp_path), STEPS, SAVE_AT,
+                        resuming=True)
+    ours = next(r[0] for r in resumed.results if r[0][0] is not None)
+    theirs = next(r[0] for r in whole.results if r[0][0] is not None)
+    assert ours == pytest.approx(theirs, rel=1e-5)
+    assert close(resumed.results[0][1], whole.results[0][1])
+    assert all(r[2] for r in whole.results + resumed.results)  # the frozen weight never moved
+
+
+def test_freezing_a_weight_after_zero_was_made_is_refused(pool4):
+    from dcp_fns import freeze_after_zero
+
+    with pytest.raises(RankError, match="frozen or unfrozen after Hybrid"):
+        pool4.run(freeze_after_zero)

@@ -196,7 +196,7 @@ def checkpoint_costs(ctx: Any, s: TrainSettings, root: str, repeats: int) -> dic
         t = time.perf_counter()
         checkpoint.load(model, path)
         out["load"].append(time.perf_counter() - t)
-        state = checkpoint._dcp_state(model, checkpoint._state_keys(model))
+        state, _ = checkpoint._dcp_state(model)
         dist.barrier()
         t = time.perf_counter()
         future = dcp.async_save(state, checkpoint_id=str(Path(root) / f"async{k}"),

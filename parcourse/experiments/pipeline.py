@@ -12,7 +12,7 @@ from torch import nn
 
 from parcourse.comm import simulated_link
 from parcourse.experiments.timing import take_turns
-from parcourse.experiments.exercises import NOT_WRITTEN
+from parcourse.experiments.exercises import ask
 from parcourse.launch import RankContext
 from parcourse.pipeline.partition import By, partition
 from parcourse.pipeline.runtime import PipelineRuntime
@@ -234,14 +234,8 @@ def check_schedule_exercise(fn: Callable[[int, int], Any]) -> bool:
 
     for p in range(1, 5):
         for m in range(1, 9):
-            try:
-                got = fn(p, m)
-            except NotImplementedError:
-                print(NOT_WRITTEN)
-                return False
-            except Exception as e:  # noqa: BLE001 - the learner's code: say what, briefly
-                print(f"Not quite: {_with(p, m)} your function raised "
-                      f"{type(e).__name__}: {e}")
+            ok, got = ask(fn, p, m, where=f"{_with(p, m)}, ")
+            if not ok:
                 return False
             per_rank = got.actions if isinstance(got, Schedule) else got
             if (not isinstance(per_rank, (list, tuple))
@@ -347,14 +341,9 @@ def check_one_f_one_b_exercise(fn: Callable[[int, int, int], Any]) -> bool:
 
     for p in range(1, 7):
         for m in range(1, 13):
-            try:
-                per_rank = [list(fn(s, p, m)) for s in range(p)]
-            except NotImplementedError:
-                print(NOT_WRITTEN)
-                return False
-            except Exception as e:  # noqa: BLE001 - the learner's code: say what, briefly
-                print(f"Not quite: {_with(p, m)} your function raised "
-                      f"{type(e).__name__}: {e}")
+            ok, per_rank = ask(lambda: [list(fn(s, p, m)) for s in range(p)],  # noqa: B023
+                               where=f"{_with(p, m)}, ")
+            if not ok:
                 return False
             schedule = Schedule("yours", m, tuple(range(p)), tuple(map(tuple, per_rank)))
             try:

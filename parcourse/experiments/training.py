@@ -14,7 +14,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from parcourse.experiments.exercises import NOT_WRITTEN
+from parcourse.experiments.exercises import ask
+from parcourse.plots import count
 from parcourse.train import TrainSettings, train_on_corpus
 
 
@@ -135,16 +136,11 @@ def check_replica_rows(fn: Callable[[int, int, int], Any]) -> bool:
     replica order, no replica more than one row above another. One short verdict."""
     for batch in range(1, 25):
         for replicas in range(1, batch + 1):
-            try:
-                rows = [tuple(fn(batch, replicas, r)) for r in range(replicas)]
-            except NotImplementedError:
-                print(NOT_WRITTEN)
+            where = f"{count(batch, 'row')} over {count(replicas, 'replica')}"
+            ok, rows = ask(lambda: [tuple(fn(batch, replicas, r)) for r in range(replicas)],
+                           where=f"with {where}, ")
+            if not ok:
                 return False
-            except Exception as e:  # noqa: BLE001 - the learner's code: say what, briefly
-                print(f"Not quite: {batch} rows over {replicas} replicas: your function "
-                      f"raised {type(e).__name__}: {e}")
-                return False
-            where = f"{batch} rows over {replicas} replica{'s' * (replicas > 1)}"
             ends = [0] + [end for _, end in rows]
             if [start for start, _ in rows] != ends[:-1] or ends[-1] != batch:
                 print(f"Not quite: {where} gave {rows}: each replica must start where the "

@@ -28,7 +28,7 @@ from pathlib import Path
 from parcourse import launch
 from parcourse.corpus import build_corpus
 from parcourse.experiments.training import checkpoint_costs
-from parcourse.train import TrainSettings, train_on_corpus
+from parcourse.train import TrainSettings, planned, train_on_corpus
 
 
 def main() -> None:
@@ -44,8 +44,7 @@ def main() -> None:
                       eval_every=a.steps, batch=16 * a.dp)
     if problems := s.problems():
         raise SystemExit("; ".join(problems))
-    from parcourse.planner import (Choice, Cluster, measure_flops, model_flops_per_token,
-                                   predict_time)
+    from parcourse.planner import measure_flops
 
     work = Path(tempfile.mkdtemp(prefix="parcourse-training-"))
     try:
@@ -56,12 +55,8 @@ def main() -> None:
         seconds = statistics.median(steps)
         tokens = s.batch * s.block_size
         flops = measure_flops(s.config)
-        cluster = Cluster.this_machine(s.world_size, flops=flops)
-        choice = Choice(dp=s.dp, tp=s.tp, pp=s.pp, schedule=s.schedule,
-                        microbatches=s.microbatches)
-        plan = predict_time(s.config, choice, s.batch, cluster)
-        measured_mfu = tokens / seconds * model_flops_per_token(s.config) / (
-            s.world_size * cluster.flops)
+        plan = planned(s, flops)
+        measured_mfu = tokens / seconds * plan["flops_per_token"] / plan["ranks_flops"]
         print(f"training loop: dp {s.dp} x tp {s.tp} x pp {s.pp}, GPT {s.layers} blocks of "
               f"width {s.width}, batch {s.batch} x {s.block_size} bytes, {s.steps} steps "
               f"(median of steps 10-{s.steps - 1}); one rank alone: {flops / 1e9:.2f} GFLOP/s")

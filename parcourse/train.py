@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass
@@ -171,8 +172,8 @@ def train_on_corpus(ctx: Any, s: TrainSettings, corpus_dir: str, out: str | None
     for step in range(start, s.steps):
         if pending and pending[0].poll():  # written: committed (rank 0) without waiting
             saved.append(str(pending.pop().result()))
-        last = f", loss {history[-1]['loss']:.4f}" if history else ""  # the step before
-        ctx.tracer.set_status(f"in step {step + 1} of {s.steps}{last}")
+        ctx.tracer.set_status(step_status(step, s.steps, history[-1]["loss"] if history
+                                          else None))
         if kill is not None and kill == (ctx.rank, step):
             os.kill(os.getpid(), signal.SIGKILL)
         lr = learning_rate(step, s)
@@ -203,6 +204,40 @@ def train_on_corpus(ctx: Any, s: TrainSettings, corpus_dir: str, out: str | None
             "loader": loader.state_dict(), "corpus": corpus.meta["sha256"],
             "memory": model.memory(), "saved": saved, "resumed_from": resumed_from,
             "started_at": start}
+
+
+def step_status(step: int, steps: int, last_loss: float | None) -> str:
+    """What a rank says while it runs step `step` (from 0) of `steps`, with the loss of the
+    step before: the launcher shows it, names it when a rank dies, and `read_step_status`
+    reads it back for a progress bar or a live curve."""
+    return f"in step {step + 1} of {steps}" + (
+        f", loss {last_loss:.4f}" if last_loss is not None else "")
+
+
+_STATUS = re.compile(r"in step (\d+) of \d+, loss ([\d.]+)")
+
+
+def read_step_status(text: str) -> tuple[int, float] | None:
+    """(steps finished, the loss of the last of them) from a `step_status`; None for any
+    other status, or before the first loss."""
+    m = _STATUS.search(text)
+    return (int(m[1]) - 1, float(m[2])) if m else None
+
+
+def planned(s: TrainSettings, flops: float) -> dict[str, float]:
+    """The planner's prediction for this run's mesh on this machine (`flops`: one rank's
+    FLOP/s on the model, `planner.measure_flops`): `predict_time`'s step, tokens_per_s
+    and mfu, with what a measured MFU is computed from on the same scale: tokens/s x
+    "flops_per_token" / "ranks_flops" (the ranks' FLOP/s, each one's share of the cores
+    counted)."""
+    from parcourse.planner import Choice, Cluster, model_flops_per_token, predict_time
+
+    choice = Choice(dp=s.dp, tp=s.tp, pp=s.pp, schedule=s.schedule,
+                    microbatches=s.microbatches, zero=s.zero)
+    cluster = Cluster.this_machine(s.world_size, flops=flops)
+    return {**predict_time(s.config, choice, s.batch, cluster),
+            "flops_per_token": model_flops_per_token(s.config),
+            "ranks_flops": s.world_size * cluster.flops}
 
 
 @torch.no_grad()

@@ -139,3 +139,12 @@ def test_lesson_10s_exercise_check_and_meshes(capsys):
             assert s.world_size == world_size and not s.problems(), (world_size, mesh)
     with pytest.raises(ValueError, match="1 to 4 ranks"):
         meshes(5)
+
+
+def test_a_ranks_step_status_reads_back():
+    from parcourse.train import read_step_status, step_status
+
+    assert step_status(0, 8, None) == "in step 1 of 8"
+    assert read_step_status(step_status(0, 8, None)) is None  # no loss yet
+    assert read_step_status(step_status(6, 8, 2.5)) == (6, 2.5)  # 6 steps done, the last's
+    assert read_step_status("saving a checkpoint after step 4") is None

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from typing import Any
 
@@ -104,46 +103,37 @@ def _kill(args: argparse.Namespace) -> tuple[int, int]:
 
 
 class _Progress:
-    """A tqdm bar over the run's steps, from what the ranks report (their status names
-    the step and the last loss): the loss, tokens per second since the first step seen
-    and the MFU they make, beside the planner's prediction of both for this mesh here."""
-
-    STEP = re.compile(r"in step (\d+) of (\d+), loss ([\d.]+)")
+    """A tqdm bar over the run's steps, from what the ranks report (`read_step_status`):
+    the loss, tokens per second since the first step seen and the MFU they make, beside
+    the planner's prediction of both for this mesh here."""
 
     def __init__(self, s: Any) -> None:
         from tqdm import tqdm
 
-        from parcourse.planner import (Choice, Cluster, measure_flops, model_flops_per_token,
-                                       predict_time)
+        from parcourse.planner import measure_flops
+        from parcourse.train import planned
 
         self.tokens = s.batch * s.block_size
-        choice = Choice(dp=s.dp, tp=s.tp, pp=s.pp, schedule=s.schedule,
-                        microbatches=s.microbatches, zero=s.zero)
-        cluster = Cluster.this_machine(s.world_size, flops=measure_flops(s.config))
-        planned = predict_time(s.config, choice, s.batch, cluster)
-        self.predicted, self.planned_mfu = planned["tokens_per_s"], planned["mfu"]
-        # MFU as the planner counts it: the model's FLOP/s over the ranks' (one rank's
-        # measured rate on this model, times the ranks, times their share of the cores).
-        self.flops_per_token = model_flops_per_token(s.config)
-        self.ranks_flops = s.world_size * cluster.flops
+        self.plan = planned(s, measure_flops(s.config))
         self.bar = tqdm(total=s.steps, unit="step", desc="train", file=sys.stderr,
                         dynamic_ncols=True)
         self.first: tuple[int, float] | None = None
 
     def update(self, statuses: list[str], elapsed: float) -> None:
-        found = [m for m in map(self.STEP.search, statuses) if m]
+        from parcourse.train import read_step_status
+
+        found = [r for r in map(read_step_status, statuses) if r is not None]
         if not found:
             return
-        done = min(int(m[1]) for m in found) - 1  # steps every rank has finished
-        loss = float(found[0][3])
+        done, loss = min(d for d, _ in found), found[0][1]  # steps every rank finished
         if self.first is None:
             self.first = (done, elapsed)
-        rate = ""
+        rate, plan = "", self.plan
         if done > self.first[0] and elapsed > self.first[1]:
             per_s = (done - self.first[0]) * self.tokens / (elapsed - self.first[1])
-            mfu = per_s * self.flops_per_token / self.ranks_flops
-            rate = (f", {per_s:,.0f} tokens/s, MFU {mfu:.0%} (planned {self.predicted:,.0f}, "
-                    f"{self.planned_mfu:.0%})")
+            mfu = per_s * plan["flops_per_token"] / plan["ranks_flops"]
+            rate = (f", {per_s:,.0f} tokens/s, MFU {mfu:.0%} (planned "
+                    f"{plan['tokens_per_s']:,.0f}, {plan['mfu']:.0%})")
         self.bar.n = done
         self.bar.set_postfix_str(f"loss {loss:.3f}{rate}", refresh=False)
         self.bar.refresh()

@@ -8,7 +8,6 @@ throughput against the planner, and the data-parallel slice exercise.
 
 from __future__ import annotations
 
-import re
 import statistics
 import time
 from collections.abc import Callable
@@ -16,7 +15,7 @@ from typing import Any
 
 from parcourse.experiments.exercises import ask
 from parcourse.plots import count
-from parcourse.train import TrainSettings, train_on_corpus
+from parcourse.train import TrainSettings, planned, read_step_status, train_on_corpus
 
 
 def meshes(world_size: int) -> tuple[dict[str, int], dict[str, int]]:
@@ -42,9 +41,6 @@ def lesson_settings(mesh: dict[str, int], steps: int, **changes: Any) -> TrainSe
     defaults = dict(batch=24, microbatches=2, block_size=64, layers=2, width=64, heads=4,
                     warmup=10, eval_every=max(1, steps // 6), save_every=max(1, steps // 2))
     return TrainSettings(**mesh, steps=steps, **{**defaults, **changes})
-
-
-_STEP = re.compile(r"in step (\d+) of \d+, loss ([\d.]+)")
 
 
 def train_live(pool: Any, s: TrainSettings, corpus_dir: str, out: str, *, resume: bool = False,
@@ -83,8 +79,8 @@ def train_live(pool: Any, s: TrainSettings, corpus_dir: str, out: str, *, resume
 
     def watch(statuses: list[str], _elapsed: float) -> None:
         for status in statuses:
-            if m := _STEP.search(status):
-                points[int(m[1]) - 2] = float(m[2])  # the loss of the step before
+            if (done := read_step_status(status)) is not None:
+                points[done[0] - 1] = done[1]  # the last finished step's loss, from 0
         now = time.perf_counter()
         if not live or now < shown["next"] or len(points) < 2:
             return
@@ -112,17 +108,12 @@ def measured_against_plan(run: Any, s: TrainSettings, flops: float) -> dict[str,
     """Tokens per second of the run (the median step after the first few, the slowest
     rank's) against the planner's prediction for this machine (`flops`: one rank's
     FLOP/s on the model, `planner.measure_flops`)."""
-    from parcourse.planner import Choice, Cluster, predict_time
-
     start = run.results[0]["started_at"]
     per_step = [max(r["history"][i]["seconds"] for r in run.results)
                 for i in range(start, len(run.results[0]["history"]))]
     steady = per_step[min(5, len(per_step) - 1):]
     seconds = statistics.median(steady)
-    choice = Choice(dp=s.dp, tp=s.tp, pp=s.pp, schedule=s.schedule,
-                    microbatches=s.microbatches, zero=s.zero)
-    cluster = Cluster.this_machine(s.world_size, flops=flops)
-    predicted = predict_time(s.config, choice, s.batch, cluster)
+    predicted = planned(s, flops)
     tokens = s.batch * s.block_size
     return {"measured_tokens_per_s": tokens / seconds,
             "predicted_tokens_per_s": predicted["tokens_per_s"],

@@ -1,6 +1,5 @@
 """The launcher: real processes, real process groups, every failure mode."""
 
-import os
 import signal
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from rankfns import (
     slow,
     unpicklable_result,
 )
+from torchrun import torchrun
 
 
 def rank_processes():
@@ -274,21 +274,9 @@ def test_same_function_runs_under_torchrun(tmp_path):
             print("RESULT", run.backend, [r["sum"] for r in run.results], len(run.trace.spans))
         """
     ))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    # Its own session, so that a hang kills torchrun *and* its workers, not torchrun alone.
-    job = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(script), str(Path(__file__).parent)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = job.communicate(timeout=120)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
-    assert job.returncode == 0, stderr[-3000:]
+    code, stdout, stderr = torchrun("--standalone", "--nproc-per-node", "2", str(script),
+                                    str(Path(__file__).parent), timeout=120)
+    assert code == 0, stderr[-3000:]
     lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT")]
     assert lines == ["RESULT gloo [11.0, 11.0] 2"], stdout
 

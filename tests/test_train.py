@@ -99,27 +99,13 @@ def test_a_killed_rank_is_named_and_the_run_resumes_on_another_mesh(corpus, tmp_
 def test_under_torchrun_a_killed_rank_restarts_and_resumes_by_itself(corpus, tmp_path):
     """`torchrun --max-restarts 1`: rank 1 killed in step 7 of 8, torchrun starts every
     worker again, and the same command resumes from the checkpoint after step 4."""
-    import os
-    import signal
-    import subprocess
-    import sys
+    from torchrun import torchrun
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = "1"
-    job = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "4", "--max-restarts", "1", "-m", "parcourse", "train", "--steps", "8",
-         "--eval-every", "8", "--save-every", "4", "--corpus", corpus,
-         "--out", str(tmp_path), "--kill", "1:6"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        start_new_session=True)  # a hang kills torchrun and its workers together
-    try:
-        stdout, stderr = job.communicate(timeout=240)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
-    assert job.returncode == 0, stderr[-3000:]
+    code, stdout, stderr = torchrun(
+        "--standalone", "--nproc-per-node", "4", "--max-restarts", "1", "-m", "parcourse",
+        "train", "--steps", "8", "--eval-every", "8", "--save-every", "4", "--corpus", corpus,
+        "--out", str(tmp_path), "--kill", "1:6", timeout=240)
+    assert code == 0, stderr[-3000:]
     assert "resumed     from" in stdout and "after step 4" in stdout, stdout
     assert "step-00000008" in stdout
 

@@ -25,6 +25,11 @@ of its schedule; then the data-parallel mean (ZeRO-1: a reduce-scatter), then, i
 asked, the global gradient norm over tp and pp (and dp under ZeRO-1) and clipping.
 The loss is the mean over the global
 batch: each replica's microbatches are equal, so the mean of the replicas' means is it.
+
+One file, about 500 lines, read top to bottom: ZeRO over dp's two helpers (`_Unit`,
+`_ShardedOptimizer`) exist only for `Hybrid` and come first, then `Hybrid` in the order of
+a step (build, step, finalize the gradients, clip), then what it reports (reductions,
+memory, the whole state dict). Split, the step's order would be spread over files.
 """
 
 from __future__ import annotations

@@ -138,7 +138,9 @@ def _dcp_state(model: Hybrid, keys: dict[str, bool] | None = None
     zeros where the optimizer has none yet (before its first step, or for a weight that
     never had a gradient), to load into; by default every name any weight has here."""
     layout, names = _Layout(model), _names(model)
-    state = _optimizer_state(model)
+    # Given the names (a load), the state is only a place to load into: zeros, and no
+    # gathering of ZeRO's slices that the load would overwrite.
+    state = _optimizer_state(model) if keys is None else {id(p): {} for p in model.params}
     if keys is None:
         keys = {}
         for p in model.params:  # a frozen or unused weight has no state: ask them all

@@ -152,6 +152,67 @@ def zero_bytes(num_params: int, world_size: int, stage: int,
     }
 
 
+def offload_bytes(num_params: int, world_size: int, stage: int, *,
+                  offload_params: bool = False, nvme: bool = False,
+                  param_dtype: torch.dtype = torch.bfloat16) -> dict[str, dict[str, float]]:
+    """Theory: bytes per rank by placement (device, host, disk) and category under
+    ZeRO-Offload (arXiv:2101.06840), right after an Adam step (before zero_grad).
+
+    The device keeps the 16-bit weights (all of them at stages 1-2, its 1/N share at
+    stage 3, none with `offload_params`); the host keeps the fp32 masters (4/N a
+    parameter), the fp32 gradient shards they are stepped with (4/N) and Adam's moments
+    (8/N), which ZeRO-Infinity (`nvme`) moves to disk. So the device's 16 bytes a
+    parameter (2 + 2 + 12) become 2 + 2 while backward builds the gradients (one
+    bucket of them at a time at stages 2-3), and 0 + 2 with the weights offloaded too.
+    """
+    if stage not in (1, 2, 3):
+        raise ValueError(f"stage must be 1, 2 or 3, got {stage}")
+    if offload_params and stage != 3:
+        raise ValueError("offload_params is stage 3's")
+    n = world_size
+    half = torch.empty((), dtype=param_dtype).element_size()
+    device = {"params": 0.0 if offload_params else
+              num_params * half / (n if stage == 3 else 1), "grads": 0.0, "optimizer": 0.0}
+    host = {"params": num_params * half / n if offload_params else 0.0,
+            "grads": num_params * 4 / n,
+            "optimizer": num_params * (4 if nvme else 12) / n}
+    disk = {"optimizer": num_params * 8 / n if nvme else 0.0}
+    return {"device": device, "host": host, "disk": disk}
+
+
+def zero_pp_bytes_across(units: list[tuple[int, int]], world_size: int, ranks_per_node: int,
+                         *, quantized_weights: bool = False, hpz: bool = False,
+                         quantized_gradients: bool = False, block: int = 256,
+                         dtype_bytes: int = 4) -> dict[str, int]:
+    """Theory: bytes that cross nodes in one ZeRO-3 step, summed over ranks, for units
+    given as (part_numel, parameters) (each rank's part of a unit's buffer, and how many
+    parameters it holds: their used-flags travel with the gradients).
+
+    A ring over N ranks in nodes of k consecutive ranks crosses nodes on N/k of its N
+    hops, and each rank sends N-1 parts: an all-gather or reduce-scatter of parts of b
+    bytes sends (N/k)(N-1)b across. ZeRO++ (arXiv:2306.10209): qwZ sends int8 and a
+    scale per `block`; hpZ's backward gather stays inside the node; qgZ's second
+    all-to-all, the only one across nodes, sends each rank's N/k - 1 parts once.
+    """
+    n, k = world_size, ranks_per_node
+    if n % k:
+        raise ValueError(f"ranks_per_node ({k}) must divide the world size ({n})")
+    hops = (n // k) * (n - 1)
+
+    def int8(numel: int) -> int:
+        blocks = -(-numel // block)
+        return blocks * block + 4 * blocks
+
+    forward = sum(hops * (int8(p) if quantized_weights else p * dtype_bytes) for p, _ in units)
+    backward = 0 if hpz and k < n else forward
+    if quantized_gradients:
+        grads = sum(n * (n // k - 1) * (int8(p) + 4 * f) for p, f in units)
+    else:
+        grads = sum(hops * (p + f) * dtype_bytes for p, f in units)
+    return {"forward": forward, "backward": backward, "gradients": grads,
+            "total": forward + backward + grads}
+
+
 def zero_checked_at(stage: int) -> dict[str, str]:
     """The memory sample (of `experiments` runs) at which each `zero_bytes` figure holds:
     after the optimizer step, except the full gradient of stages 0-1, which exists at

@@ -17,16 +17,19 @@ DTYPES: tuple[torch.dtype, ...] = (
     torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64,
 )
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# An all-gather only copies: bytes (quantized messages, ZeRO++'s) travel too.
+GATHER_DTYPES = (*DTYPES, torch.uint8, torch.int8)
 
 
-def check_args(tensor: torch.Tensor, op: str) -> None:
-    """Clear errors for what these collectives do not support."""
+def check_args(tensor: torch.Tensor, op: str | None) -> None:
+    """Clear errors for what these collectives do not support (op None: a gather)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
-    if op not in OPS:
+    if op is not None and op not in OPS:
         raise ValueError(f"unsupported op {op!r}; choose one of {', '.join(OPS)}")
-    if tensor.dtype not in DTYPES:
-        names = ", ".join(str(d).removeprefix("torch.") for d in DTYPES)
+    allowed = GATHER_DTYPES if op is None else DTYPES
+    if tensor.dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
         raise ValueError(f"unsupported dtype {tensor.dtype}; supported: {names}")
     if op == "avg" and tensor.dtype not in FLOAT_DTYPES:
         raise ValueError(f"op 'avg' needs a floating-point tensor, got {tensor.dtype}; "

@@ -189,6 +189,11 @@ class Comm:
             wire = self._wires[staged] = messenger(self.group, like, self.tracer, self.link)
         return wire
 
+    def submit(self, run: Callable[[], torch.Tensor]) -> Pending:
+        """Run `run` (a collective of your own, built from `send` / `recv`) on this
+        object's communication thread, after everything asked for before it."""
+        return self._on_thread(run)
+
     # -- the future
 
     @staticmethod

@@ -101,7 +101,8 @@ class Messenger:
             payload = t.cpu() if self.staged else t
         work = self.group.send([payload], peer, tag)
         if self.tracer is not None:
-            self.tracer.count("bytes_sent", t.nbytes, peer=peer)
+            self.tracer.count("bytes_sent", t.nbytes, peer=peer,
+                              to=global_rank(self.group, peer))
         return work
 
     def recv(self, tensors: list[torch.Tensor], peer: int, tag: int) -> Arrival:

@@ -98,7 +98,7 @@ def all_gather(shard: torch.Tensor, numel: int, group: dist.ProcessGroup | None 
                *, tracer: Tracer | None = None, link: Network | None = None
                ) -> torch.Tensor:
     """Every rank's shard (chunk r of `numel` elements on rank r), in rank order."""
-    check_args(shard, "sum")
+    check_args(shard, None)
     _, rank, n = group_info(group)
     flat = torch.empty(numel, dtype=shard.dtype, device=shard.device)
     start, end = chunk_bounds(numel, n)[rank]

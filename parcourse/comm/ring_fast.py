@@ -235,7 +235,7 @@ def ring_all_gather(shard: torch.Tensor, group: dist.ProcessGroup | None = None,
     `out`: a contiguous 1-D tensor to gather into (returned); `shard` may be its
     own chunk of it, which then is not copied.
     """
-    check_args(shard, "sum")
+    check_args(shard, None)
     group, rank, n = group_info(group)
     numel = shard.numel() * n if numel is None else numel
     bounds = chunk_bounds(numel, n)

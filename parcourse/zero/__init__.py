@@ -2,16 +2,21 @@
 
 Read in this order: layout.py (which rows each rank keeps), stage1.py, stage2.py,
 stage3.py (each adds to the one before), then mixed_precision.py, state_dict.py,
-clip.py; model.py holds the entry points.
+clip.py; model.py holds the entry points. Beyond stage 3: offload.py (ZeRO-Offload),
+infinity.py (ZeRO-Infinity), zeropp.py (ZeRO++); config.py reads a DeepSpeed config.
 """
 
 from parcourse.zero.config import ZeroEngine, from_config
+from parcourse.zero.infinity import InfinityOptimizer
 from parcourse.zero.layout import FlatUnit, row_chunk
 from parcourse.zero.model import ShardedOptimizer, ZeroModel, shard
+from parcourse.zero.offload import bytes_by_placement
 from parcourse.zero.optimizer import ZeroOptimizer
 from parcourse.zero.stage1 import ZeroStage1
 from parcourse.zero.stage2 import ZeroStage2
 from parcourse.zero.stage3 import ZeroStage3
 
-__all__ = ["FlatUnit", "ShardedOptimizer", "ZeroEngine", "ZeroModel", "ZeroOptimizer",
-           "ZeroStage1", "ZeroStage2", "ZeroStage3", "from_config", "row_chunk", "shard"]
+__all__ = ["FlatUnit", "InfinityOptimizer", "ShardedOptimizer", "ZeroEngine", "ZeroModel",
+           "ZeroOptimizer",
+           "ZeroStage1", "ZeroStage2", "ZeroStage3", "bytes_by_placement", "from_config",
+           "row_chunk", "shard"]

@@ -52,13 +52,17 @@ class FlatUnit:
     world_size: int
     compute_dtype: torch.dtype | None = None  # e.g. bf16: params, grads and messages
     sharded_weights: bool = False  # stage 3: `full` exists only while needed
+    host: torch.device | None = None  # ZeRO-Offload: where the masters live (offload.py)
+    params_on_host: bool = False  # stage 3's parameter offload: the 16-bit shard too
     full: torch.Tensor = field(init=False)  # the module's parameters (compute dtype)
     master: torch.Tensor = field(init=False)  # what the shard parameters are views into
     shard_params: list[nn.Parameter] = field(init=False)  # what the optimizer steps
     ready: set[int] = field(default_factory=set)
     pending: Any = None  # a reduction in flight: (future of this rank's part, launch time,
     #                      the whole buffer)
-    gathering: Any = None  # stage 3: (future of the whole buffer, launch time)
+    gathering: Any = None  # stage 3: (future of the whole buffer, launch time, its kind)
+    secondary: torch.Tensor | None = None  # ZeRO++'s hpZ: this rank's share of the node's copy
+    secondary_version: int = -1  # master._version when `secondary` was made
     gathered_version: int = -1  # master._version when `full` was last gathered
 
     def __post_init__(self) -> None:
@@ -86,10 +90,10 @@ class FlatUnit:
                 self.full[offset:offset + size] = p.detach().reshape(-1)
             # Without mixed precision and with the weights whole (stages 1-2), this rank's
             # rows live in `full` itself; otherwise in a part of their own (fp32).
-            if self.compute_dtype is None and not self.sharded_weights:
+            if self.compute_dtype is None and not self.sharded_weights and self.host is None:
                 self.master = self.full
             else:
-                self.master = own_master(self, given)
+                self.master = own_master(self, given, self.host)
             for p, offset, size, shape in zip(self.params, self.full_offsets, self.numels,
                                               self.shapes):
                 p.data = self.full[offset:offset + size].view(shape)
@@ -198,7 +202,8 @@ class FlatUnit:
             return self.master_part(self.full.dtype, into=mine), whole
         if self.compute_shard is not self.master and self.stepped():
             self.compute_shard.copy_(self.master)
-        return self.compute_shard, whole
+        # Parameter offload: the shard comes over from the host, one unit at a time.
+        return self.compute_shard.to(self.full.device, non_blocking=True), whole
 
     def complete(self) -> bool:
         """Every parameter's gradient of this backward is in."""

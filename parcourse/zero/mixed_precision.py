@@ -30,6 +30,8 @@ class _Unit(Protocol):
     dtype: torch.dtype
     compute_dtype: torch.dtype | None
     part_numel: int
+    host: torch.device | None
+    params_on_host: bool
 
     def pack_part(self, full: torch.Tensor, part: torch.Tensor) -> None: ...
 
@@ -45,24 +47,32 @@ def check_compute_dtype(compute_dtype: torch.dtype | None) -> torch.dtype | None
 # --------------------------------------------------------------------------- masters
 
 
-def own_master(unit: _Unit, weights: torch.Tensor) -> torch.Tensor:
+def own_master(unit: _Unit, weights: torch.Tensor,
+               host: torch.device | None = None) -> torch.Tensor:
     """This rank's rows of the unit in a tensor of their own, in the parameters' dtype
-    (fp32): under mixed precision, or when the weights are sharded (stage 3).
+    (fp32): under mixed precision, when the weights are sharded (stage 3), or when the
+    masters live on the `host` (ZeRO-Offload; pinned there when the device is a GPU).
 
     `weights`: the given parameters one after another, in their own dtype. The masters
     are packed from them, never from the 16-bit copy the model computes with: mixed
     precision's contract is that the masters are the user's fp32 weights, exactly."""
     master = torch.zeros(unit.part_numel, dtype=unit.dtype, device=weights.device)
     unit.pack_part(weights, master)
+    if host is not None and torch.device(host) != weights.device:
+        master = master.to(host, copy=True).pin_memory() if weights.is_cuda else \
+            master.to(host, copy=True)
     return master
 
 
 def compute_copy(unit: _Unit) -> torch.Tensor:
-    """What stage 3 all-gathers: the master itself, or a 16-bit copy of it, kept (and
-    refreshed when an optimizer steps the master) so that it is not cast every time."""
-    if unit.compute_dtype is None:
+    """What stage 3 all-gathers: the master itself, or a copy of it in the compute dtype
+    on the device (on the host under parameter offload), kept (and refreshed when an
+    optimizer steps the master) so that it is not cast or moved every time."""
+    if unit.compute_dtype is None and unit.host is None:
         return unit.master
-    return unit.master.to(unit.compute_dtype)
+    where = unit.master.device if unit.params_on_host else unit.full.device
+    copy = unit.master.to(where, unit.compute_dtype or unit.dtype, copy=True)
+    return copy.pin_memory() if unit.params_on_host and unit.full.is_cuda else copy
 
 
 # --------------------------------------------------------------------------- casts

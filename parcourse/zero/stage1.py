@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parcourse.comm import Algorithm, Comm, Pending
+from parcourse.comm.link import Network
 from parcourse.data_parallel.base import GradSyncModule
 from parcourse.data_parallel.bucketed import group_by_size
 from parcourse.trace import Tracer
@@ -50,14 +51,15 @@ import parcourse.zero.state_dict as checkpoint
 from parcourse.zero.layout import FlatUnit
 from parcourse.zero.misuse import mark_sharded_away
 from parcourse.zero.mixed_precision import check_compute_dtype, forward_in, keep_in_own_dtype
+from parcourse.zero.offload import OffloadTarget, check_offload, host_device
 
 _MAX_IN_FLIGHT = 2
 
 
 class ZeroStage1(GradSyncModule):
     """`ZeroStage1(module, group=None, *, bucket_mb=25.0, compute_dtype=None,
-    algorithm="auto", keep_modules=(), tracer=None)`; `ZeroModel(module, stage=1)`
-    builds one.
+    algorithm="auto", keep_modules=(), offload_optimizer=None, link=None, tracer=None)`;
+    `ZeroModel(module, stage=1)` builds one.
 
     Use it like the module; build the optimizer from its `parameters()`.
 
@@ -71,6 +73,10 @@ class ZeroStage1(GradSyncModule):
     - `keep_modules`: modules left unsharded (FSDP's ignored modules), e.g. norms:
       replicated on every rank, gradients all-reduced, and kept in their own dtype
       (fp32) under mixed precision, their inputs cast to it.
+    - `offload_optimizer="cpu"`: ZeRO-Offload (offload.py): the fp32 masters, so the
+      optimizer's state and its update, live in host memory; gradients go there unit by
+      unit as their reduction ends. (On disk: `zero.shard(..., offload_optimizer="nvme")`.)
+    - `link`: a simulated link or two-level `Topology` for the ring's messages.
     """
 
     stage: ClassVar[int] = 1
@@ -79,8 +85,11 @@ class ZeroStage1(GradSyncModule):
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, *,
                  bucket_mb: float = 25.0, compute_dtype: torch.dtype | None = None,
                  algorithm: Algorithm = "auto", keep_modules: Iterable[nn.Module] = (),
+                 offload_optimizer: OffloadTarget = None, link: Network | None = None,
                  tracer: Tracer | None = None) -> None:
         compute_dtype = check_compute_dtype(compute_dtype)
+        self.offload_optimizer = check_offload(offload_optimizer)
+        self.offload_params = getattr(self, "offload_params", False)  # stage 3 sets it
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
         if not any(p.requires_grad for p in module.parameters()):
@@ -94,12 +103,15 @@ class ZeroStage1(GradSyncModule):
         # Broadcast from the first rank, gradient hooks, no_sync, the end-of-backward call.
         super().__init__(module, group, tracer)
         self.compute_dtype = compute_dtype
-        self.comm = Comm(self.group, tracer=tracer, algorithm=algorithm)
+        self.comm = Comm(self.group, tracer=tracer, algorithm=algorithm, link=link)
+        self.link = link
         kept = {id(p) for m in keep_modules for p in m.parameters()}
         self.kept_params = [p for p in self.sync_params if id(p) in kept]
         sharded = [p for p in self.sync_params if id(p) not in kept]
+        self.host = host_device() if self.offload_optimizer else None
         self.units = [FlatUnit(i, params, self.rank, self.world_size, self.compute_dtype,
-                               sharded_weights=self.sharded_weights)
+                               sharded_weights=self.sharded_weights, host=self.host,
+                               params_on_host=self.offload_params)
                       for i, params in enumerate(self._group_params(module, sharded, bucket_mb))]
         self._unit_of = {id(p): u for u in self.units for p in u.params}
         # Gradients arrive last layer first; units are launched strictly in that order.
@@ -168,14 +180,18 @@ class ZeroStage1(GradSyncModule):
     def _launch(self, unit: FlatUnit) -> None:
         """Start reducing the unit's gradients; from here on they live in the reduction."""
         parts = self._take_gradients(unit)
-        unit.pending = (self.comm.reduce_scatter(parts.view(-1), async_op=True),
-                        time.perf_counter_ns(), parts)
+        unit.pending = (self._reduce_scatter(unit, parts), time.perf_counter_ns(), parts)
         self._next = self._backward_order.index(unit) + 1
         # At most two in flight: each is as big as its unit's full gradient, and
         # stages 2-3 exist to not hold all of those at once.
         in_flight = [u for u in self._backward_order if u.pending is not None]
         for older in in_flight[:-_MAX_IN_FLIGHT]:
             self._finish(older)
+
+    def _reduce_scatter(self, unit: FlatUnit, parts: torch.Tensor) -> Pending:
+        """Start the reduction of a unit's gradients, (N, part_numel + flags), to this
+        rank's part (stage 3's ZeRO++ quantizes it)."""
+        return self.comm.reduce_scatter(parts.view(-1), async_op=True)
 
     def _take_gradients(self, unit: FlatUnit) -> torch.Tensor:
         """Pack the unit's local gradients (and a used-flag per parameter in every rank's
@@ -204,6 +220,13 @@ class ZeroStage1(GradSyncModule):
         self._next = 0
         if kept is not None:
             self._finish_kept(*kept)
+        self._host_ready()
+
+    def _host_ready(self) -> None:
+        """Offloaded from a GPU: wait for the gradients' copies to the host to land."""
+        if self.host is not None and torch.cuda.is_available() and any(
+                u.full.is_cuda for u in self.units):
+            torch.cuda.current_stream().synchronize()
 
     def _finish(self, unit: FlatUnit) -> None:
         """Wait for one unit's reduce-scatter; add the average into the shards' .grad."""
@@ -213,7 +236,12 @@ class ZeroStage1(GradSyncModule):
         self._comm_span("reduce_scatter", started, unit)
         k = len(unit.params)
         used = part[unit.part_numel:].tolist()
-        grad = part[:unit.part_numel].div_(self.world_size).to(unit.dtype)
+        # Offloaded: to the host, where the masters and the optimizer are (a copy that
+        # overlaps the GPU's work; `_host_ready` waits for it before the host reads).
+        grad = part[:unit.part_numel].div_(self.world_size).to(
+            unit.master.device, unit.dtype, non_blocking=True)
+        if any(sp.grad is not None for sp in unit.shard_params):
+            self._host_ready()
         for i, (sp, count) in enumerate(zip(unit.shard_params, used)):
             if count == 0:  # no rank used it: no gradient, as in one process
                 continue
@@ -285,12 +313,15 @@ class ZeroStage1(GradSyncModule):
         Gradient buffers still being reduced count as "other" (temporary buffers).
         """
         params = [u.full for u in self.units if u.gathered()]
-        masters = [u.master for u in self.units]
         whole = [p for p in self.module.parameters() if id(p) not in self._unit_of]
         grads = [sp.grad for u in self.units for sp in u.shard_params if sp.grad is not None]
         grads += [p.grad for p in self.module.parameters() if p.grad is not None]
         in_flight = [u.pending[2] for u in self.units if u.pending is not None]
         memory = {"params": params + whole, "grads": grads, "other": in_flight}
-        if self.compute_dtype is not None:  # fp32 masters: optimizer state in ZeRO's count
+        # Masters apart from the weights (mixed precision, offload): optimizer state in
+        # ZeRO's count.
+        masters = [u.master for u in self.units
+                   if u.master is not u.full and u.master is not u.compute_shard]
+        if masters:
             memory["optimizer"] = masters
         return memory

@@ -12,6 +12,8 @@ rank's rows of them (the fp32 masters, and their 16-bit copy under mixed precisi
   forward, the one before it in backward.
 
 1.5x DDP's volume: an all-gather in forward, one in backward, a reduce-scatter.
+ZeRO++ (zeropp.py) cuts what of it crosses nodes; ZeRO-Offload's parameter offload
+(offload.py) keeps the shard of the weights on the host between uses.
 """
 
 from __future__ import annotations
@@ -26,15 +28,29 @@ from torch import nn
 
 from parcourse.memory import tensors_in
 from parcourse.trace import Tracer
-from parcourse.comm import Algorithm
+from parcourse.comm import Algorithm, Comm, Pending
+from parcourse.comm.link import Network
 from parcourse.zero.layout import FlatUnit
+from parcourse.zero.offload import OffloadTarget
 from parcourse.zero.stage2 import ZeroStage2
+from parcourse.zero import zeropp
 
 
 class ZeroStage3(ZeroStage2):
-    """`ZeroStage3(module, group=None, *, prefetch=True, ...)`, the arguments of
-    `ZeroStage1` and `prefetch` (start the next module's gather early);
-    `ZeroModel(module, stage=3)` builds one."""
+    """`ZeroStage3(module, group=None, *, prefetch=True, offload_params=False,
+    quantized_weights=False, hpz_partition_size=None, quantized_gradients=False,
+    ranks_per_node=None, ...)`, the arguments of `ZeroStage1` and these;
+    `ZeroModel(module, stage=3)` builds one.
+
+    - `prefetch`: start the next module's gather early.
+    - `offload_params=True` (with `offload_optimizer="cpu"`): the shard of the weights
+      lives on the host too, and comes over a unit at a time to be gathered.
+    - ZeRO++ (zeropp.py): `quantized_weights` (qwZ: weights gathered as int8 with a scale
+      a block), `hpz_partition_size=k` (hpZ: backward gathers from a copy sharded over
+      the k ranks of a node), `quantized_gradients` (qgZ: the reduce-scatter as two
+      quantized all-to-alls, inside then across nodes). `ranks_per_node` says where the
+      nodes are (consecutive global ranks); it defaults to hpZ's k, or one node.
+    """
 
     stage = 3
     sharded_weights = True
@@ -42,10 +58,37 @@ class ZeroStage3(ZeroStage2):
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, *,
                  prefetch: bool = True, bucket_mb: float = 25.0,
                  compute_dtype: torch.dtype | None = None, algorithm: Algorithm = "auto",
-                 keep_modules: Iterable[nn.Module] = (), tracer: Tracer | None = None) -> None:
+                 keep_modules: Iterable[nn.Module] = (),
+                 offload_optimizer: OffloadTarget = None, offload_params: bool = False,
+                 quantized_weights: bool = False, hpz_partition_size: int | None = None,
+                 quantized_gradients: bool = False, ranks_per_node: int | None = None,
+                 link: Network | None = None, tracer: Tracer | None = None) -> None:
+        if offload_params and offload_optimizer != "cpu":
+            raise ValueError("offload_params=True keeps the weights' shard beside the masters "
+                             "on the host: give offload_optimizer='cpu' too")
+        self.offload_params = bool(offload_params)
         super().__init__(module, group, bucket_mb=bucket_mb, compute_dtype=compute_dtype,
-                         algorithm=algorithm, keep_modules=keep_modules, tracer=tracer)
+                         algorithm=algorithm, keep_modules=keep_modules,
+                         offload_optimizer=offload_optimizer, link=link, tracer=tracer)
         self.prefetch = prefetch
+        self.quantized_weights = bool(quantized_weights)
+        self.quantized_gradients = bool(quantized_gradients)
+        self.hpz = hpz_partition_size
+        if hpz_partition_size is not None:
+            if hpz_partition_size < 1 or self.world_size % hpz_partition_size:
+                raise ValueError(f"hpz_partition_size ({hpz_partition_size}) must divide the "
+                                 f"group's {self.world_size} ranks")
+            if ranks_per_node is not None and ranks_per_node != hpz_partition_size:
+                raise ValueError(f"hpz_partition_size ({hpz_partition_size}) is the ranks of a "
+                                 f"node here; ranks_per_node says {ranks_per_node}")
+        per_node = ranks_per_node or hpz_partition_size or dist.get_world_size()
+        self.nodes = zeropp.Nodes.of(self.group, self.rank, self.world_size, per_node) \
+            if quantized_gradients or hpz_partition_size is not None else None
+        self.node_comm: Comm | None = None
+        if hpz_partition_size is not None and hpz_partition_size < self.world_size:
+            assert self.nodes is not None
+            self.node_comm = Comm(zeropp.node_group(self.group, self.nodes), tracer=tracer,
+                                  algorithm=algorithm, link=link)
 
     def _group_params(self, module: nn.Module, params: list[nn.Parameter],
                       bucket_mb: float) -> list[list[nn.Parameter]]:
@@ -81,18 +124,51 @@ class ZeroStage3(ZeroStage2):
     def _start_gather(self, unit: FlatUnit) -> None:
         if unit.gathered() or unit.gathering is not None:
             return
-        unit.gathering = (self.comm.all_gather(*unit.gather_buffers(), async_op=True),
-                          time.perf_counter_ns())
+        started = time.perf_counter_ns()
+        if self._secondary_of(unit) is not None:  # hpZ: from the node's copy, inside it
+            assert self.node_comm is not None
+            whole = torch.empty(unit.padded, dtype=unit.full.dtype, device=unit.full.device)
+            unit.gathering = (self.node_comm.all_gather(unit.secondary, whole, async_op=True),
+                              started, "node")
+            unit.secondary = None  # backward's one use of it
+        elif self.quantized_weights:  # qwZ: int8 and a scale a block
+            part, _ = unit.gather_buffers()
+            message = zeropp.encode(part)
+            whole = torch.empty(self.world_size * message.numel(), dtype=torch.uint8,
+                                device=message.device)
+            unit.gathering = (self.comm.all_gather(message, whole, async_op=True), started,
+                              "int8")
+        else:
+            unit.gathering = (self.comm.all_gather(*unit.gather_buffers(), async_op=True),
+                              started, "whole")
 
-    def _wait_gather(self, unit: FlatUnit) -> None:
+    def _secondary_of(self, unit: FlatUnit) -> torch.Tensor | None:
+        """hpZ's copy of the unit's weights, if it is of the weights as they are now."""
+        if unit.secondary is None:
+            return None
+        if unit.secondary_version != unit.master._version:  # stepped since: stale
+            unit.secondary = None
+        return unit.secondary
+
+    def _wait_gather(self, unit: FlatUnit, keep_secondary: bool = False) -> None:
         self._start_gather(unit)
         if unit.gathering is not None:
-            future, started = unit.gathering
+            future, started, kind = unit.gathering
             whole = future.result()
             unit.gathering = None
+            if kind == "int8":
+                n = whole.numel() // self.world_size
+                whole = torch.stack([zeropp.decode(m, unit.part_numel)[0]
+                                     for m in whole.view(self.world_size, n)]
+                                    ).to(unit.full.dtype)
+            whole = whole.view(self.world_size, unit.part_numel)
             unit.full.untyped_storage().resize_(unit.numel * unit.full.element_size())
-            unit.unpack(whole.view(self.world_size, unit.part_numel))
+            unit.unpack(whole)
             unit.gathered_version = unit.master._version
+            if keep_secondary and self.node_comm is not None and kind != "node":
+                k = self.node_comm.size  # this rank's 1/k of the node's copy
+                mine = whole.view(-1).chunk(k)[self.node_comm.rank]
+                unit.secondary, unit.secondary_version = mine.clone(), unit.master._version
             self._comm_span("all_gather", started, unit)
 
     def _prefetch(self, index: int) -> None:
@@ -101,8 +177,9 @@ class ZeroStage3(ZeroStage2):
 
     def _before_forward(self, needed: list[FlatUnit]) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
+            keep = torch.is_grad_enabled()  # hpZ: backward will gather inside the node
             for unit in needed:
-                self._wait_gather(unit)
+                self._wait_gather(unit, keep_secondary=keep)
             self._prefetch(needed[-1].index + 1)
         return hook
 
@@ -125,6 +202,13 @@ class ZeroStage3(ZeroStage2):
 
     # -- gradients: as stage 2, and the weights freed with them
 
+    def _reduce_scatter(self, unit: FlatUnit, parts: torch.Tensor) -> Pending:
+        if not self.quantized_gradients:
+            return super()._reduce_scatter(unit, parts)
+        assert self.nodes is not None
+        nodes, comm, width = self.nodes, self.comm, unit.part_numel
+        return comm.submit(lambda: zeropp.quantized_reduce_scatter(comm, parts, width, nodes))
+
     def _take_gradients(self, unit: FlatUnit) -> torch.Tensor:
         parts = super()._take_gradients(unit)
         unit.free()  # backward is done with this unit's weights
@@ -135,4 +219,6 @@ class ZeroStage3(ZeroStage2):
         its 16-bit copy."""
         memory = super().memory_tensors()
         memory["params"] += [u.compute_shard for u in self.units]
+        memory["params"] += [u.secondary for u in self.units  # hpZ's copies
+                             if u.secondary is not None]
         return memory

@@ -4,6 +4,7 @@ Tolerance: fp32 on gloo; the sum over ranks' shard gradients is added in another
 order than autograd's in one process (rtol=1e-5, atol=1e-6 after five steps).
 """
 
+import json
 import math
 
 import pytest
@@ -377,13 +378,26 @@ DS_CONFIG = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 2000,
              "train_batch_size": "auto", "gradient_clipping": 0.05}
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_a_ds_config_trains_as_one_process_with_the_same_settings(pools, stage):
+BEYOND = {
+    "offload": {"offload_optimizer": {"device": "cpu", "pin_memory": True}},
+    "infinity": {"offload_optimizer": {"device": "nvme", "nvme_path": "{tmp}"},
+                 "offload_param": {"device": "cpu"}},
+    "zero++": {"zero_hpz_partition_size": 2},
+}
+
+
+@pytest.mark.parametrize("stage,beyond", [(1, None), (2, None), (3, None), (2, "offload"),
+                                          (3, "infinity"), (3, "zero++")])
+def test_a_ds_config_trains_as_one_process_with_the_same_settings(pools, tmp_path, stage,
+                                                                  beyond):
     """DeepSpeed's loop (backward per micro-batch, step at the accumulation boundary,
     clipping by the global norm) on 2 ranks x 2 micro-batches of 4 equals one process
-    stepping on the 16 rows with clip_grad_norm_ (0.05 clips: the norm is above it)."""
+    stepping on the 16 rows with clip_grad_norm_ (0.05 clips: the norm is above it).
+    Offload and Infinity change where the optimizer's side lives, not the numbers (ZeRO++'s
+    quantizing options are tested against their bounds in test_zero_beyond.py)."""
+    extra = json.loads(json.dumps(BEYOND.get(beyond, {})).replace("{tmp}", str(tmp_path)))
     config = {**DS_CONFIG, "zero_optimization": {**DS_CONFIG["zero_optimization"],
-                                                 "stage": stage}}
+                                                 "stage": stage, **extra}}
     from dp_fns import Net, data
 
     results = pools[2].run(Z.from_config_train, config, 3, 16).results
@@ -404,9 +418,19 @@ def test_a_ds_config_trains_as_one_process_with_the_same_settings(pools, stage):
 
 @pytest.mark.parametrize("change,message", [
     ({"steps_per_print": 10}, "unknown key 'steps_per_print'; supported: zero_optimization"),
-    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}},
-     "'offload_optimizer' asks for ZeRO-Offload"),
-    ({"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}}, "ZeRO++"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu",
+                                                              "buffer_count": 4}}},
+     "'buffer_count' asks for DeepSpeed's count of NVMe swap buffers"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}},
+     "needs its nvme_path"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+     "is not built here"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+     "offload_param is stage 3's"),
+    ({"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}},
+     "ZeRO\\+\\+ .* is stage 3's"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "gpu"}}},
+     "must be 'none', 'cpu' or 'nvme'"),
     ({"train_batch_size": 32}, r"train_batch_size 32 != .* 4 x .* 2 x 2 ranks = 16"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, "only you know it"),
     ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "choose one"),

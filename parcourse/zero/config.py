@@ -32,22 +32,23 @@ import torch.distributed as dist
 from torch import nn
 
 from parcourse.comm.common import group_info
+from parcourse.zero.infinity import InfinityOptimizer
 from parcourse.zero.model import ZeroModel
 from parcourse.zero.stage1 import ZeroStage1
 
 TOP_LEVEL = ("zero_optimization", "bf16", "fp16", "optimizer", "train_micro_batch_size_per_gpu",
              "gradient_accumulation_steps", "train_batch_size", "gradient_clipping")
 ZERO_KEYS = ("stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
-             "contiguous_gradients")
+             "contiguous_gradients", "offload_optimizer", "offload_param",
+             "zero_quantized_weights", "zero_hpz_partition_size", "zero_quantized_gradients")
+OFFLOAD_OPTIMIZER_KEYS = ("device", "nvme_path", "pin_memory")
+OFFLOAD_PARAM_KEYS = ("device", "pin_memory")
 OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
-# DeepSpeed keys this course has not built yet: refused with what they would do.
+# DeepSpeed keys this course has not built: refused with what they would do.
 NOT_YET = {
-    "offload_optimizer": "ZeRO-Offload (optimizer state and fp32 masters in host memory)",
-    "offload_param": "ZeRO-Offload of the parameters",
-    "nvme_path": "ZeRO-Infinity (state on disk)",
-    "zero_quantized_weights": "ZeRO++'s quantized weight all-gather (qwZ)",
-    "zero_hpz_partition_size": "ZeRO++'s hierarchical weight partition (hpZ)",
-    "zero_quantized_gradients": "ZeRO++'s quantized gradient reduce-scatter (qgZ)",
+    "buffer_count": "DeepSpeed's count of NVMe swap buffers (the course keeps three units' "
+                    "state in flight)",
+    "max_in_cpu": "a cap on offloaded parameters kept in host memory",
 }
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
@@ -127,7 +128,7 @@ class ZeroEngine:
     micro-batch of a step, `engine.step()` clips (`gradient_clipping`, by the global
     norm) and steps at that boundary only, and zeroes the gradients after."""
 
-    def __init__(self, module: ZeroStage1, optimizer: torch.optim.Optimizer, *,
+    def __init__(self, module: ZeroStage1, optimizer: Any, *,
                  micro_batch: int | None, accumulation_steps: int, clipping: float | None
                  ) -> None:
         self.module, self.optimizer = module, optimizer
@@ -167,8 +168,11 @@ def from_config(model: nn.Module, config: dict[str, Any] | str | Path,
     `contiguous_gradients` (always so here: true only)}, `bf16.enabled` / `fp16.enabled`
     (16-bit compute, fp32 masters), `optimizer` {`type` Adam, AdamW or SGD, `params`},
     `train_micro_batch_size_per_gpu`, `gradient_accumulation_steps`, `train_batch_size`
-    (checked: micro-batch x accumulation x ranks; "auto" fills it), `gradient_clipping`.
-    Offload, NVMe and ZeRO++ keys are refused by name until the course builds them."""
+    (checked: micro-batch x accumulation x ranks; "auto" fills it), `gradient_clipping`;
+    beyond stage 3, `offload_optimizer` {`device` none / cpu / nvme, `nvme_path`,
+    `pin_memory`} (ZeRO-Offload, ZeRO-Infinity), `offload_param` {`device` none / cpu},
+    and ZeRO++'s `zero_quantized_weights`, `zero_hpz_partition_size` (a node's ranks) and
+    `zero_quantized_gradients`."""
     config = _read(config)
     _refuse_unknown(config, TOP_LEVEL, "")
     zero = config.get("zero_optimization")
@@ -217,7 +221,71 @@ def from_config(model: nn.Module, config: dict[str, Any] | str | Path,
         raise ValueError(f"gradient_clipping must be a positive number, got {clipping!r}")
     kind, params = _optimizer(config.get("optimizer"))
 
-    module = ZeroModel(model, stage, group, bucket_mb=_bucket_mb(zero), compute_dtype=dtype)
-    optimizer = kind([p for p in module.parameters() if p.requires_grad], **params)
+    options = _beyond_stage_3(zero, stage)
+    path = options.pop("nvme_path", None)
+    module = ZeroModel(model, stage, group, bucket_mb=_bucket_mb(zero), compute_dtype=dtype,
+                       **options)
+    optimizer: Any = kind([p for p in module.parameters() if p.requires_grad], **params)
+    if path is not None:
+        optimizer = InfinityOptimizer(module, optimizer, path)
     return ZeroEngine(module, optimizer, micro_batch=micro, accumulation_steps=accumulation,
                       clipping=float(clipping) if clipping is not None else None)
+
+
+def _section(zero: dict[str, Any], name: str, known: tuple[str, ...]) -> dict[str, Any]:
+    section = zero.get(name) or {}
+    if not isinstance(section, dict):
+        raise ValueError(f"zero_optimization.{name} takes an object, got {section!r}")
+    _refuse_unknown(section, known, f"zero_optimization.{name}.")
+    if section.get("pin_memory", True) is not True:
+        raise ValueError(f"zero_optimization.{name}.pin_memory false: host buffers are always "
+                         "pinned here when the device is a GPU (and there is nothing to pin "
+                         "without one)")
+    return section
+
+
+def _beyond_stage_3(zero: dict[str, Any], stage: int) -> dict[str, Any]:
+    """ZeroModel's options for ZeRO-Offload, ZeRO-Infinity and ZeRO++ (and `nvme_path`)."""
+    options: dict[str, Any] = {}
+    opt = _section(zero, "offload_optimizer", OFFLOAD_OPTIMIZER_KEYS)
+    device = opt.get("device", "none")
+    if device not in ("none", "cpu", "nvme"):
+        raise ValueError(f"zero_optimization.offload_optimizer.device must be 'none', 'cpu' or "
+                         f"'nvme', got {device!r}")
+    if device == "nvme":
+        if not opt.get("nvme_path"):
+            raise ValueError("zero_optimization.offload_optimizer.device 'nvme' needs its "
+                             "nvme_path (a directory for the optimizer's state)")
+        options["nvme_path"] = opt["nvme_path"]
+    elif "nvme_path" in opt:
+        raise ValueError("zero_optimization.offload_optimizer.nvme_path is for device 'nvme'")
+    if device != "none":
+        options["offload_optimizer"] = "cpu"  # the masters on the host; nvme: state on disk
+    param = _section(zero, "offload_param", OFFLOAD_PARAM_KEYS)
+    param_device = param.get("device", "none")
+    if param_device == "nvme":
+        raise ValueError("zero_optimization.offload_param.device 'nvme' (the weights on "
+                         "disk) is not built here: 'cpu' or 'none'")
+    if param_device not in ("none", "cpu"):
+        raise ValueError(f"zero_optimization.offload_param.device must be 'none' or 'cpu', "
+                         f"got {param_device!r}")
+    if param_device == "cpu":
+        if stage != 3:
+            raise ValueError("zero_optimization.offload_param is stage 3's")
+        if device == "none":
+            raise ValueError("zero_optimization.offload_param needs offload_optimizer on 'cpu' "
+                             "or 'nvme' too (the weights' shard sits beside the masters)")
+        options["offload_params"] = True
+    hpz = zero.get("zero_hpz_partition_size", 1)
+    if isinstance(hpz, bool) or not isinstance(hpz, int) or hpz < 1:
+        raise ValueError(f"zero_optimization.zero_hpz_partition_size must be a whole number "
+                         f">= 1 (a node's ranks), got {hpz!r}")
+    plus = {"quantized_weights": bool(zero.get("zero_quantized_weights", False)),
+            "hpz_partition_size": hpz if hpz > 1 else None,
+            "quantized_gradients": bool(zero.get("zero_quantized_gradients", False))}
+    if any(plus.values()):
+        if stage != 3:
+            raise ValueError("ZeRO++ (zero_quantized_weights, zero_hpz_partition_size, "
+                             f"zero_quantized_gradients) is stage 3's; this is stage {stage}")
+        options.update(plus)
+    return options

@@ -12,11 +12,27 @@
    torch's ZeroRedundancyOptimizer (target <= 1.15), stage 3 vs FSDP2
    fully_shard (target <= 1.0).
 3. Peak memory in a step, stage 3 vs FSDP2, both measured by torch's MemTracker.
+
+Beyond stage 3 (`--only beyond` runs just these):
+
+4. ZeRO-Offload and ZeRO-Infinity, world size 2, bf16 compute: step time against the
+   same stage without offload (the price of the transfers and the host update), and bytes
+   per parameter on the device, the host and the disk, measured beside the formula. On a
+   machine without a GPU the device and the host are the same RAM: the placement is
+   the code's, exact, and the copies between them are memory copies.
+5. The host update: torch's Adam over the offloaded shard (views into the flat fp32
+   masters) against torch.optim.Adam on tensors of its own of the same shapes, foreach
+   and fused. Target <= 1.0.
+6. Infinity's disk traffic per step: bytes read and written, seconds, GB/s.
+7. ZeRO++, world size 4 in two nodes of 2 on a two-level simulated topology: bytes across
+   nodes per step / ZeRO-3's (target <= 0.3) for each switch and all three, step time,
+   and the loss over 50 steps against ZeRO-3 in fp32.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 
@@ -26,6 +42,8 @@ from parcourse.experiments.timing import median_of_slowest
 from parcourse.memory import format_bytes
 from parcourse.experiments.zero import (measured_over_formula, memory_by_stage, peak_memory,
                                         step_times)
+from parcourse.experiments.zero_beyond import (Beyond, across_against_zero3, beyond_run,
+                                               median_update, update_times)
 from parcourse.theory import bytes_sent_per_rank, zero_communication_bytes
 
 
@@ -33,8 +51,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", default="4M")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--only", choices=("stages", "beyond"), default=None,
+                        help="run sections 1-3 (stages) or 4-7 (beyond) only")
+    parser.add_argument("--loss-steps", type=int, default=50)
     args = parser.parse_args()
     params = parse_count(args.params)
+    if args.only != "beyond":
+        stages(params, args.steps)
+    if args.only != "stages":
+        beyond(params, args.steps, args.loss_steps)
+
+
+def stages(params: int, steps: int) -> None:
     print(f"torch {torch.__version__}, gloo on CPU, one thread per rank; MLP of 4 layers, "
           f"{params / 1e6:g} M parameters, Adam, fp32")
 
@@ -64,7 +92,7 @@ def main() -> None:
         "FSDP2 fully_shard": {"kind": "fsdp2"},
     }
     with Pool(2, timeout=3600) as pool:
-        per_rank = pool.run(step_times, configs, args.steps, params=params).results
+        per_rank = pool.run(step_times, configs, steps, params=params).results
         med = {n: median_of_slowest(per_rank, n) for n in configs}
         print("\n2. step time, world size 2 (median, slowest rank)")
         for name, t in med.items():
@@ -82,6 +110,83 @@ def main() -> None:
             print(f"{key:>8}: stage 3 {format_bytes(ours.get(key, 0)):>10}   "
                   f"FSDP2 {format_bytes(theirs.get(key, 0)):>10}")
         print(f"peak, stage 3 / FSDP2 = {ours['total'] / theirs['total']:.2f}")
+
+
+def beyond(params: int, steps: int, loss_steps: int) -> None:
+    print(f"\nBeyond stage 3: torch {torch.__version__}, gloo on CPU (no GPU: device and host "
+          f"are the same RAM), MLP of {params / 1e6:g} M parameters, Adam")
+    configs = [Beyond(stage=2, dtype="bfloat16"), Beyond(stage=2, offload="cpu", dtype="bfloat16"),
+               Beyond(stage=2, offload="nvme", dtype="bfloat16"),
+               Beyond(stage=3, dtype="bfloat16"), Beyond(stage=3, offload="cpu", dtype="bfloat16"),
+               Beyond(stage=3, offload="cpu", offload_params=True, dtype="bfloat16"),
+               Beyond(stage=3, offload="nvme", offload_params=True, dtype="bfloat16")]
+    print("\n4. offload, world size 2, bf16: step time (median of the slowest rank) and bytes "
+          "per parameter by placement, measured (formula)")
+    print(f"{'configuration':>34}{'ms':>8}{'x none':>8}{'device':>14}{'host':>14}{'disk':>14}")
+    disks = {}
+    with Pool(2, timeout=3600) as pool:
+        base: dict[int, float] = {}
+        for s in configs:
+            results = pool.run(beyond_run, s, params, steps=steps + 1).results
+            t = max(statistics.median(r["seconds"][1:]) for r in results)
+            base.setdefault(s.stage, t)
+            r = results[0]
+            cells = ""
+            for where in ("device", "host", "disk"):
+                got = sum(r["placement"][where].values()) / r["params"]
+                want = (sum(r["formula"][where].values()) / r["params"] if r["formula"]
+                        else None)
+                cells += f"{got:>7.2f} ({want:.2f})" if want is not None else f"{got:>14.2f}"
+            print(f"{s.label():>34}{t * 1e3:>8.1f}{t / base[s.stage]:>8.2f}{cells}")
+            if r["disk"]:
+                disks[s.label()] = (r["disk"], r["params"], t)
+
+        print("\n5. the host update, world size 2 (median of the slowest rank)")
+        per_rank = pool.run(update_times, params, steps=steps).results
+        med = {n: median_update(per_rank, n) for n in per_rank[0]}
+        for name, t in med.items():
+            print(f"{name:>22}: {t * 1e3:7.2f} ms")
+        for way in ("foreach", "fused"):
+            ratio = med[f"offloaded, {way}"] / med[f"Adam {way}"]
+            print(f"offloaded / Adam {way} = {ratio:.2f} (target <= 1.0: "
+                  f"{'met' if ratio <= 1.0 else 'MISSED'})")
+
+    print("\n6. Infinity: disk traffic per step (rank 0; the first step reads nothing)")
+    for label, (disk, n, t) in disks.items():
+        per = disk["steps"]
+        written = disk["bytes_written"] / per
+        print(f"{label:>34}: read {format_bytes(disk['bytes_read'] / per)} and wrote "
+              f"{format_bytes(written)} a step ({written / n:.2f} bytes/param), "
+              f"{disk['read_s'] / per * 1e3:.1f} ms reading and "
+              f"{disk['write_s'] / per * 1e3:.1f} ms writing (on threads, beside the update) in a "
+              f"{t * 1e3:.0f} ms step; {disk['read_GBps']:.2f} GB/s read, "
+              f"{disk['write_GBps']:.2f} GB/s written")
+
+    print("\n7. ZeRO++, world size 4, nodes of 2, simulated links (inside 20 us, 4 GB/s; "
+          "between 1000 us, 0.1 GB/s), fp32")
+    link = {"between_us": 1000.0, "between_GBps": 0.1}
+    small = max(params // 8, 200_000)
+    plus = {"ZeRO-3": Beyond(**link), "qwZ": Beyond(quantized_weights=True, **link),
+            "hpZ": Beyond(hpz=True, **link), "qgZ": Beyond(quantized_gradients=True, **link),
+            "qwZ + hpZ + qgZ": Beyond(quantized_weights=True, hpz=True,
+                                      quantized_gradients=True, **link)}
+    print(f"{'':>16}{'across/step':>14}{'formula':>12}{'/ ZeRO-3':>10}{'ms/step':>10}"
+          f"{'loss diff':>11}")
+    with Pool(4, timeout=3600) as pool:
+        losses: dict[str, list[float]] = {}
+        for name, s in plus.items():
+            run = pool.run(beyond_run, s, small, steps=loss_steps)
+            a = across_against_zero3(run.results, 4)
+            t = max(statistics.median(r["seconds"][1:]) for r in run.results)
+            losses[name] = run.results[0]["losses"]
+            diff = max(abs(x - y) / y for x, y in zip(losses[name], losses["ZeRO-3"]))
+            print(f"{name:>16}{format_bytes(a['measured']):>14}{format_bytes(a['formula']):>12}"
+                  f"{a['ratio']:>10.3f}{t * 1e3:>10.1f}{diff:>10.2%}")
+        ratio = across_against_zero3(pool.run(beyond_run, plus["qwZ + hpZ + qgZ"], small,
+                                              steps=1).results, 4)["ratio"]
+        print(f"bytes across nodes, all three / ZeRO-3 = {ratio:.3f} (target <= 0.3: "
+              f"{'met' if ratio <= 0.3 else 'MISSED'}); loss diff: the largest relative "
+              f"difference from ZeRO-3's loss over {loss_steps} steps")
 
 
 if __name__ == "__main__":

@@ -172,7 +172,8 @@ def from_config(model: nn.Module, config: dict[str, Any] | str | Path,
     beyond stage 3, `offload_optimizer` {`device` none / cpu / nvme, `nvme_path`,
     `pin_memory`} (ZeRO-Offload, ZeRO-Infinity), `offload_param` {`device` none / cpu},
     and ZeRO++'s `zero_quantized_weights`, `zero_hpz_partition_size` (a node's ranks) and
-    `zero_quantized_gradients`."""
+    `zero_quantized_gradients`. With the optimizer offloaded, Adam and AdamW are built
+    `fused=True` unless the config says `foreach` or `fused`: their update runs on the host."""
     config = _read(config)
     _refuse_unknown(config, TOP_LEVEL, "")
     zero = config.get("zero_optimization")
@@ -225,6 +226,10 @@ def from_config(model: nn.Module, config: dict[str, Any] | str | Path,
     path = options.pop("nvme_path", None)
     module = ZeroModel(model, stage, group, bucket_mb=_bucket_mb(zero), compute_dtype=dtype,
                        **options)
+    if "offload_optimizer" in options and kind is not torch.optim.SGD and not (
+            {"foreach", "fused"} & set(params)):
+        params["fused"] = True  # the update runs on the host: torch's fused CPU Adam is the
+        #                         fastest there (DeepSpeed uses its own CPU Adam)
     optimizer: Any = kind([p for p in module.parameters() if p.requires_grad], **params)
     if path is not None:
         optimizer = InfinityOptimizer(module, optimizer, path)

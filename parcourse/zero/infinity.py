@@ -124,7 +124,11 @@ class InfinityOptimizer:
                 if k + 1 < len(self.units):  # the next unit's state comes in meanwhile
                     reads[k + 1] = self._reader.submit(self._read, k + 1)
                 state = reads.pop(k).result()
+                began = time.perf_counter_ns()
                 self._step_only(params, grads, state)
+                if self.model.tracer is not None:
+                    self.model.tracer.add_span("update", began, time.perf_counter_ns(),
+                                               kind="compute", unit=k)
                 out = {i: self.optimizer.state.pop(p) for i, p in enumerate(params)
                        if p in self.optimizer.state}
                 writes.append(self._writer.submit(self._write, new / f"unit{k}.pt", out, k))
@@ -163,19 +167,27 @@ class InfinityOptimizer:
         f = self.directory / f"v{self.version}" / f"unit{k}.pt"
         if not f.exists():  # the first step: no state yet
             return {}
-        started = time.perf_counter()
+        started = time.perf_counter_ns()
         state = torch.load(f, weights_only=True)
-        self.stats["read_s"] += time.perf_counter() - started
-        self.stats["bytes_read"] += f.stat().st_size
+        self._span("disk read", started, k, f.stat().st_size)
         return state
 
     def _write(self, f: Path, state: UnitState, k: int) -> None:
-        started = time.perf_counter()
+        started = time.perf_counter_ns()
         torch.save(state, f)
-        self.stats["write_s"] += time.perf_counter() - started
-        self.stats["bytes_written"] += f.stat().st_size
+        self._span("disk write", started, k, f.stat().st_size)
         if self.on_unit_written is not None:
             self.on_unit_written(k)
+
+    def _span(self, name: str, started: int, unit: int, nbytes: int) -> None:
+        """Count a read or a write, and trace it (on the model's tracer, if any)."""
+        ended = time.perf_counter_ns()
+        way = "read" if name == "disk read" else "written"
+        self.stats[f"bytes_{way}"] += nbytes
+        self.stats["read_s" if way == "read" else "write_s"] += (ended - started) / 1e9
+        tracer = self.model.tracer
+        if tracer is not None:
+            tracer.add_span(name, started, ended, kind="other", unit=unit, size=nbytes)
 
     def _commit(self, version: int) -> None:
         """Make `version` the current state: one atomic rename."""

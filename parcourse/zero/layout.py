@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from parcourse.ranges import chunk_bounds
 from parcourse.zero.mixed_precision import compute_copy, own_master
@@ -102,6 +105,7 @@ class FlatUnit:
         self.shard_params = [nn.Parameter(self._mine(i), requires_grad=p.requires_grad)
                              for i, p in enumerate(self.params)]
         self.gathered_version = self.master._version
+        _watch_steps(self)
 
     # -- layout
 
@@ -193,6 +197,11 @@ class FlatUnit:
         """An optimizer (or a load) changed the master since the last gather."""
         return self.master._version != self.gathered_version
 
+    def mark_stepped(self) -> None:
+        """Gather again before the next use, and drop copies of the old weights."""
+        self.gathered_version = -1
+        self.secondary = None
+
     def gather_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's part as the next all-gather sends it, the whole buffer to gather
         into), in the compute dtype; stages 1-2 write the part straight into the whole."""
@@ -218,3 +227,32 @@ class FlatUnit:
             self.gathering[0].result()  # this step): let it land first
             self.gathering = None
         self.full.untyped_storage().resize_(0)
+
+
+# -- steps that leave no trace on the tensors
+#
+# A unit knows its master changed by the master's version counter, which every in-place
+# op bumps, but not torch's fused optimizers (`fused=True`: one kernel writes the
+# parameters and the counter stays put). So every optimizer step also marks the units of
+# the shard parameters it holds as stepped: the next forward gathers them again.
+
+_UNIT = "_parcourse_unit"
+_step_hook_installed = False
+
+
+def _mark_units(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ref = getattr(p, _UNIT, None)
+            unit = ref() if ref is not None else None
+            if unit is not None:
+                unit.mark_stepped()
+
+
+def _watch_steps(unit: FlatUnit) -> None:
+    global _step_hook_installed
+    for sp in unit.shard_params:
+        setattr(sp, _UNIT, weakref.ref(unit))
+    if not _step_hook_installed:
+        register_optimizer_step_post_hook(_mark_units)
+        _step_hook_installed = True

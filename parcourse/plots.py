@@ -36,6 +36,7 @@ SPAN_COLORS = {
     "reduce-scatter": "#C44E52",
     "all-gather": "#55A868",
     "comm": "#937860",
+    "disk": "#DA8BC3",
     "idle": "#BBBBBB",
     "other": "#8C8C8C",
 }
@@ -97,7 +98,7 @@ def span_color_key(span: Span) -> str:
         for phase in ("forward", "backward", "optimizer"):
             if name.startswith(phase):
                 return phase
-        return "compute"
+        return "optimizer" if name.startswith("update") else "compute"
     if span.kind == "comm":
         for said in (span.meta.get("op"), span.meta.get("phase"), span.name):
             words = str(said or "").lower().replace("_", "-")
@@ -105,6 +106,8 @@ def span_color_key(span: Span) -> str:
                 if collective in words:
                     return collective
         return "comm"
+    if span.name.startswith("disk"):
+        return "disk"
     return span.kind if span.kind in SPAN_COLORS else "other"
 
 
@@ -269,6 +272,48 @@ def timeline(trace: Trace, ax: Axes | None = None, *, title: str | None = None,
     ax.grid(axis="x", alpha=0.3)
     if title:
         ax.set_title(title, loc="left")
+    return fig
+
+
+PLACEMENTS = ("device", "host", "disk")
+
+
+def placement(per_config: Mapping[str, Mapping[str, Mapping[str, float]]], params: int,
+              formulas: Mapping[str, Mapping[str, Mapping[str, float]] | None] | None = None,
+              ax: Axes | None = None, *, title: str | None = None) -> Figure:
+    """Bytes per parameter by where they live: for each configuration, a bar for the
+    device, the host and the disk, stacked by category ({label: {placement: {category:
+    bytes}}}, as `zero.bytes_by_placement` gives them). `formulas` (same shape) are drawn
+    as a dashed line over each bar."""
+    labels = list(per_config)
+    fig, ax = _axes(ax, (1.5 + 2.2 * len(labels), 3.6))
+    used: set[str] = set()
+    for g, label in enumerate(labels):
+        for j, where in enumerate(PLACEMENTS):
+            x = g + (j - 1) * 0.27
+            bottom = 0.0
+            for category in CATEGORIES:
+                value = per_config[label].get(where, {}).get(category, 0) / params
+                if value:
+                    ax.bar(x, value, 0.25, bottom=bottom, color=CATEGORY_COLORS[category])
+                    used.add(category)
+                bottom += value
+            ax.text(x, -0.02, where, ha="center", va="top", fontsize=7,
+                    transform=ax.get_xaxis_transform())
+            formula = (formulas or {}).get(label)
+            if formula:
+                want = sum(formula.get(where, {}).values()) / params
+                ax.hlines(want, x - 0.13, x + 0.13, colors="black", linestyles="--", zorder=5)
+    ax.set_xticks(range(len(labels)), [textwrap.fill(label, 16) for label in labels])
+    ax.tick_params(axis="x", pad=14)
+    ax.set_ylabel("bytes per parameter")
+    handles = [Patch(color=CATEGORY_COLORS[c], label=c) for c in CATEGORIES if c in used]
+    if formulas and any(formulas.values()):
+        handles.append(plt.Line2D([], [], color="black", linestyle="--", label="formula"))
+    ax.legend(handles=handles, **LEGEND_OUTSIDE)
+    ax.grid(axis="y", alpha=0.3)
+    if title:
+        ax.set_title(title)
     return fig
 
 

@@ -21,7 +21,7 @@ SMALL = {
                          "latency_us": 100.0, "bandwidth_gbps": 1.0, "ps_updates": 4,
                          "ps_ranks": 4},
     "03_memory_and_zero": {"world_size": 2, "params": 100_000, "bucket_mb": 0.1},
-    "04_zero3": {"world_size": 2, "params": 100_000, "depth": 3, "steps": 2},
+    "04_zero3": {"world_size": 2, "params": 100_000, "depth": 3, "steps": 2, "zpp_steps": 3},
     "05_tensor_parallel": {"world_size": 2, "d_model": 48, "batch": 4, "steps": 1,
                            "timing_steps": 1},
     "06_pipelines": {"world_size": 2, "microbatches": 4, "layers": 4, "forward_ms": 20.0,
@@ -80,7 +80,7 @@ panels = {id(v): v for k, v in globals().items()  # not _, _12: IPython's output
 problems = [p for panel in panels.values() for p in panel.try_edges()]
 assert not problems, "\\n".join(problems)
 """
-EDGES_TRIED = {"05_tensor_parallel", "06_pipelines", "07_1f1b_and_beyond",
+EDGES_TRIED = {"04_zero3", "05_tensor_parallel", "06_pipelines", "07_1f1b_and_beyond",
                "08_activation_checkpointing"}
 
 

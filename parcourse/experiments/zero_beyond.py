@@ -71,7 +71,7 @@ class Beyond:
 
     def check(self, world_size: int) -> None:
         """Refuse, before any rank starts, what this world size cannot run."""
-        if world_size % self.ranks_per_node:
+        if (self.zero_pp or self.link() is not None) and world_size % self.ranks_per_node:
             raise ValueError(f"ranks_per_node ({self.ranks_per_node}) must divide the world "
                              f"size ({world_size})")
 
@@ -175,6 +175,66 @@ def across_against_zero3(results: list[dict[str, Any]], world_size: int) -> dict
     zero3 = zero_pp_bytes_across(units, world_size, s.ranks_per_node)["total"]
     return {"measured": measured, "formula": ours, "zero3": zero3,
             "ratio": measured / zero3 if zero3 else float("nan")}
+
+
+LINKS = {"none": (0.0, 0.0), "1 ms, 0.1 GB/s": (1000.0, 0.1), "5 ms, 0.02 GB/s": (5000.0, 0.02)}
+
+
+def _panel_settings(stage: int, offload: str, offload_params: bool, qwz: bool, hpz: bool,
+                    qgz: bool, link: str, ranks_per_node: int) -> Beyond:
+    if link not in LINKS:
+        raise ValueError(f"link must be one of {', '.join(LINKS)}, got {link!r}")
+    us, gbps = LINKS[link]
+    return Beyond(stage=stage, offload=offload, offload_params=offload_params,
+                  quantized_weights=qwz, hpz=hpz, quantized_gradients=qgz,
+                  ranks_per_node=ranks_per_node, between_us=us, between_GBps=gbps,
+                  dtype="bfloat16" if offload != "none" else "float32")
+
+
+def check_panel(world_size: int, **kwargs: Any) -> None:
+    """Lesson 04's panel: refuse a configuration before any rank starts."""
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("params", "depth", "steps")}
+    _panel_settings(**kwargs).check(world_size)
+
+
+def panel_run(ctx: RankContext, stage: int = 3, offload: str = "none",
+              offload_params: bool = False, qwz: bool = False, hpz: bool = False,
+              qgz: bool = False, link: str = "none", ranks_per_node: int = 2,
+              params: int = 500_000, depth: int = 4, steps: int = 3) -> dict[str, Any]:
+    """`beyond_run` with the panel's controls (16-bit compute when offloading, as
+    ZeRO-Offload is used; fp32 otherwise, so that ZeRO++'s bytes compare with fp32
+    ZeRO-3's)."""
+    settings = _panel_settings(stage, offload, offload_params, qwz, hpz, qgz, link,
+                               ranks_per_node)
+    return beyond_run(ctx, settings, params, depth, steps)
+
+
+def ds_config_run(ctx: RankContext, config: dict[str, Any] | str, params: int = 500_000,
+                  depth: int = 4, steps: int = 3) -> dict[str, Any]:
+    """The MLP trained through `zero.from_config` (DeepSpeed's loop): what it built, the
+    losses, and bytes by placement after the last step."""
+    from parcourse.zero import from_config
+
+    width, depth = mlp_for(params, depth)
+    torch.manual_seed(0)
+    engine = from_config(mlp(width, width, width, depth=depth), config, ctx.group)
+    x, y = local_regression(32, width, width, ctx.rank, ctx.world_size)
+    losses = []
+    for _ in range(steps):
+        loss = nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.optimizer.step()  # not engine.step(): keep the gradients for the count
+        losses.append(float(loss.detach()))
+        if _ < steps - 1:
+            engine.optimizer.zero_grad()
+    placement = bytes_by_placement(engine.module, engine.optimizer)
+    built = {"model": type(engine.module).__name__, "optimizer": type(engine.optimizer).__name__,
+             "offload": engine.module.offload_optimizer,
+             "offload_params": engine.module.offload_params,
+             "compute_dtype": str(engine.module.compute_dtype)}
+    if hasattr(engine.optimizer, "close"):
+        engine.optimizer.close()
+    return {"built": built, "losses": losses, "placement": placement}
 
 
 def update_times(ctx: RankContext, params: int = 4_000_000, depth: int = 4,

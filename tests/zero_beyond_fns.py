@@ -126,7 +126,7 @@ def zeropp_step(ctx, steps, options, ranks_per_node=2, lr=0.05):
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     across = zeropp.bytes_across_nodes(tracer.data().counters, ranks_per_node)
     sizes = [(u.part_numel, len(u.params)) for u in zmodel.units]
     return losses, zmodel.full_state_dict(), across, sizes, seen[0], masters

@@ -171,9 +171,19 @@ def _all_to_all(comm: Comm, blocks: dict[int, torch.Tensor], peers: tuple[int, .
                 me: int, nbytes: int, tag: int) -> dict[int, torch.Tensor]:
     """Send blocks[peer] to each other peer; receive one message of nbytes from each."""
     device = next(iter(blocks.values())).device if blocks else torch.device("cpu")
-    sends = [comm.send(blocks[p], p, tag) for p in peers if p != me]
     got = {p: torch.empty(nbytes, dtype=torch.uint8, device=device)
            for p in peers if p != me}
+    if comm.algorithm == "torch" and dist.get_backend(comm.group) != "gloo":
+        # NCCL runs each send and receive on its stream in the order given: a send waits
+        # for its receive, so all of them go in one group, or the ranks wait on each other.
+        ops = [dist.P2POp(dist.isend, blocks[p], global_rank(comm.group, p), comm.group, tag)
+               for p in got]
+        ops += [dist.P2POp(dist.irecv, got[p], global_rank(comm.group, p), comm.group, tag)
+                for p in got]
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+        return got
+    sends = [comm.send(blocks[p], p, tag) for p in got]
     arrivals = [comm.recv(got[p], p, tag) for p in got]
     for a in arrivals:
         a.wait()

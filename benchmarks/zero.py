@@ -179,14 +179,15 @@ def beyond(params: int, steps: int, loss_steps: int) -> None:
             a = across_against_zero3(run.results, 4)
             t = max(statistics.median(r["seconds"][1:]) for r in run.results)
             losses[name] = run.results[0]["losses"]
-            diff = max(abs(x - y) / y for x, y in zip(losses[name], losses["ZeRO-3"]))
+            base = losses["ZeRO-3"]  # the loss falls 100x: measure against where it starts
+            diff = max(abs(x - y) for x, y in zip(losses[name], base)) / base[0]
             print(f"{name:>16}{format_bytes(a['measured']):>14}{format_bytes(a['formula']):>12}"
                   f"{a['ratio']:>10.3f}{t * 1e3:>10.1f}{diff:>10.2%}")
         ratio = across_against_zero3(pool.run(beyond_run, plus["qwZ + hpZ + qgZ"], small,
                                               steps=1).results, 4)["ratio"]
         print(f"bytes across nodes, all three / ZeRO-3 = {ratio:.3f} (target <= 0.3: "
-              f"{'met' if ratio <= 0.3 else 'MISSED'}); loss diff: the largest relative "
-              f"difference from ZeRO-3's loss over {loss_steps} steps")
+              f"{'met' if ratio <= 0.3 else 'MISSED'}); loss diff: the largest difference "
+              f"from ZeRO-3's loss over {loss_steps} steps, over ZeRO-3's first loss")
 
 
 if __name__ == "__main__":

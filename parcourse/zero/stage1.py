@@ -179,14 +179,15 @@ class ZeroStage1(GradSyncModule):
 
     def _launch(self, unit: FlatUnit) -> None:
         """Start reducing the unit's gradients; from here on they live in the reduction."""
+        # At most two in flight: each is as big as its unit's full gradient, and stages
+        # 2-3 exist to not hold all of those at once. The oldest is finished (its buffer
+        # freed) before this unit's buffer is made, not after.
+        in_flight = [u for u in self._backward_order if u.pending is not None]
+        for older in in_flight[:len(in_flight) + 1 - _MAX_IN_FLIGHT]:
+            self._finish(older)
         parts = self._take_gradients(unit)
         unit.pending = (self._reduce_scatter(unit, parts), time.perf_counter_ns(), parts)
         self._next = self._backward_order.index(unit) + 1
-        # At most two in flight: each is as big as its unit's full gradient, and
-        # stages 2-3 exist to not hold all of those at once.
-        in_flight = [u for u in self._backward_order if u.pending is not None]
-        for older in in_flight[:-_MAX_IN_FLIGHT]:
-            self._finish(older)
 
     def _reduce_scatter(self, unit: FlatUnit, parts: torch.Tensor) -> Pending:
         """Start the reduction of a unit's gradients, (N, part_numel + flags), to this

@@ -210,9 +210,8 @@ class ZeroStage3(ZeroStage2):
         return comm.submit(lambda: zeropp.quantized_reduce_scatter(comm, parts, width, nodes))
 
     def _take_gradients(self, unit: FlatUnit) -> torch.Tensor:
-        parts = super()._take_gradients(unit)
-        unit.free()  # backward is done with this unit's weights
-        return parts
+        unit.free()  # backward is done with this unit's weights: free them before the
+        return super()._take_gradients(unit)  # gradients' buffer is made (as FSDP2 does)
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Stage 2's, and this rank's share of the weights: the fp32 master itself, or

@@ -25,17 +25,24 @@ memory.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
 from parcourse.memory import storage_bytes, tensors_in
 
-if TYPE_CHECKING:
-    from parcourse.zero.stage1 import ZeroStage1
-
 OffloadTarget = Literal["cpu"] | None
 PLACEMENTS: tuple[str, ...] = ("device", "host", "disk")
+
+
+class _Sharded(Protocol):
+    """What the placement counts need of a ZeroModel (stage1.py imports this module)."""
+
+    host: torch.device | None
+    offload_params: bool
+    units: list[Any]
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]: ...
 
 
 def check_offload(target: Any) -> OffloadTarget:
@@ -56,7 +63,7 @@ def host_device() -> torch.device:
     return torch.device("cpu")
 
 
-def host_tensors(model: ZeroStage1, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+def host_tensors(model: _Sharded, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     """What this rank keeps in host memory because of offload: the masters, their
     gradients, the optimizer's state, and stage 3's offloaded shard of the weights."""
     if model.host is None:
@@ -70,7 +77,7 @@ def host_tensors(model: ZeroStage1, optimizer: torch.optim.Optimizer | None) -> 
     return out
 
 
-def bytes_by_placement(model: ZeroStage1, optimizer: Any = None) -> dict[str, dict[str, int]]:
+def bytes_by_placement(model: _Sharded, optimizer: Any = None) -> dict[str, dict[str, int]]:
     """Bytes this rank holds, {placement: {category: bytes}}, placements device, host and
     disk; the categories of `parcourse.memory` (the masters count as optimizer state,
     as ZeRO counts them). An optimizer with its state on disk (`InfinityOptimizer`)

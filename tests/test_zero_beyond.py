@@ -63,6 +63,29 @@ def test_a_fused_optimizer_trains_as_one_process(pools, stage, options):
     _same(results, model.state_dict())
 
 
+@pytest.mark.parametrize("stage,options", [
+    (2, {"offload_optimizer": "cpu"}),
+    (3, {"offload_optimizer": "cpu", "offload_params": True}),
+    (3, {"offload_optimizer": "cpu", "nvme_path": True}),
+    (3, {"hpz_partition_size": 2}),
+])
+def test_a_real_loop_offloaded_trains_as_one_process(pools, tmp_path, stage, options):
+    """The GPT-shaped model with its embedding tied to the head, AdamW with two param
+    groups and an LR scheduler, two micro-batches accumulated under no_sync, clipping by
+    the global norm and a LayerNorm kept whole: as one process, at 4 ranks."""
+    import zero_fns as Z
+
+    if options.get("nvme_path"):
+        options = {**options, "nvme_path": str(tmp_path)}
+    results = pools[4].run(Z.fsdp2_loop, "gpt", stage, 3, 24, 2, True, True, clip=0.05,
+                           **options).results
+    expected = Z.one_process("gpt", 3, 24, 4, microsteps=2, clip=0.05)
+    for rank, (weights, _) in enumerate(results):
+        for name, value in expected.items():
+            torch.testing.assert_close(weights[name], value, **TOL,
+                                       msg=lambda m: f"rank {rank}, {name}: {m}")
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("stage", [1, 3])
 def test_infinity_trains_as_zero_without_it(pools, tmp_path, world_size, stage):
@@ -135,6 +158,12 @@ def test_infinity_counts_its_disk_traffic_and_saves_its_state(pools, tmp_path):
         moments = [t for s in state["optimizer"]["state"].values() for k, t in s.items()
                    if k in ("exp_avg", "exp_avg_sq")]
         assert moments and on_disk >= sum(t.nbytes for t in moments)
+
+
+def test_infinity_saves_and_resumes_bitwise(pools, tmp_path):
+    for uninterrupted, resumed in pools[2].run(B.infinity_resume, str(tmp_path), 2, 3).results:
+        for name in uninterrupted:
+            assert torch.equal(uninterrupted[name], resumed[name]), name
 
 
 def test_offload_and_zero_pp_refuse_what_does_not_fit(pools):

@@ -139,3 +139,21 @@ def fused(ctx, stage, steps, batch, **options):
                              stage=stage, group=ctx.group, bucket_mb=0.0005, **options)
     Z.fit(zmodel, opt, *Z.local_batch(ctx, batch), steps)
     return zmodel.full_state_dict()
+
+
+def infinity_resume(ctx, path, before, after):
+    """Train with the state on disk, save (whole weights, this rank's optimizer state),
+    go on; then a fresh model and InfinityOptimizer load the save and go on alike."""
+    x, y = Z.local_batch(ctx, 16)
+    options = {"offload_optimizer": "nvme", "bucket_mb": 0.0005}
+    zmodel, opt = zero.shard(Net(), Z.factory("adam"), 3, ctx.group,
+                             nvme_path=os.path.join(path, "a"), **options)
+    Z.fit(zmodel, opt, x, y, before)
+    saved = {"model": zmodel.full_state_dict(), "opt": opt.state_dict()}
+    Z.fit(zmodel, opt, x, y, after)
+    fresh, opt2 = zero.shard(Net(), Z.factory("adam"), 3, ctx.group,
+                             nvme_path=os.path.join(path, "b"), **options)
+    fresh.load_full_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    Z.fit(fresh, opt2, x, y, after)
+    return zmodel.full_state_dict(), fresh.full_state_dict()

@@ -186,16 +186,19 @@ def one_process(kind, steps, batch, world_size, microsteps=1, clip=None):
 
 
 def fsdp2_loop(ctx, kind, stage, steps, batch, microsteps=1, no_sync=False, keep_ln=False,
-               mixed_precision=None, clip=None, algorithm="auto"):
+               mixed_precision=None, clip=None, algorithm="auto", nvme_path=None, **options):
     """As a loop written for FSDP2 would drive it: shard, then an ordinary AdamW with
-    param groups over model.named_parameters(), an LR scheduler, accumulation."""
+    param groups over model.named_parameters(), an LR scheduler, accumulation. `options`
+    go to ZeroModel (offload, ZeRO++); `nvme_path` wraps the AdamW in an
+    InfinityOptimizer (the scheduler stays on the AdamW, whose param groups it steps)."""
     net = make_model(kind)
     keep = [net.ln] if keep_ln else []
     model = zero.ZeroModel(net, stage, ctx.group, bucket_mb=0.0005, keep_modules=keep,
                            compute_dtype=mixed_precision and getattr(torch, mixed_precision),
-                           algorithm=algorithm)
-    opt = torch.optim.AdamW(adamw_groups(model.named_parameters()))
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+                           algorithm=algorithm, **options)
+    adamw = torch.optim.AdamW(adamw_groups(model.named_parameters()))
+    sched = torch.optim.lr_scheduler.StepLR(adamw, step_size=1, gamma=0.5)
+    opt = adamw if nvme_path is None else zero.InfinityOptimizer(model, adamw, nvme_path)
     x, y = make_batch(kind, batch)
     x, y = shard_rows(x, ctx.rank, ctx.world_size), shard_rows(y, ctx.rank, ctx.world_size)
     for _ in range(steps):

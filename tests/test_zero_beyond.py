@@ -166,6 +166,32 @@ def test_infinity_saves_and_resumes_bitwise(pools, tmp_path):
             assert torch.equal(uninterrupted[name], resumed[name]), name
 
 
+@pytest.mark.parametrize("options", [{}, {"hpz_partition_size": 2}])
+def test_gathers_started_around_backward_never_leak_old_weights(pools, options):
+    """Activation checkpointing runs forward hooks again during backward, and a forward of
+    one layer may run between backward and the step: either starts a prefetch of a layer
+    whose gradients are already reduced. Before any optimizer step such a gather is
+    settled and dropped, so the next forward gathers the new weights: the same losses and
+    weights as without them. (Before, the step after used the old weights.)"""
+    plain = pools[4].run(B.hazards, "plain", **options).results
+    for case in ("recompute", "peek", "zero_false"):
+        got = pools[4].run(B.hazards, case, **options).results
+        for (losses, weights), (want_losses, want) in zip(got, plain):
+            assert losses == want_losses, case
+            for name in want:
+                torch.testing.assert_close(weights[name], want[name], **TOL, msg=name)
+
+
+def test_infinity_steps_on_after_a_step_that_raised(pools, tmp_path):
+    """A step that raised leaves no half-written step behind to trip the next one."""
+    results = pools[2].run(B.infinity_after_a_failed_step, str(tmp_path)).results
+    expected = pools[2].run(B.train, 2, 3, 16).results
+    for (message, weights), want in zip(results, expected):
+        assert "a transient failure" in message
+        for name in want:
+            assert torch.equal(weights[name], want[name]), name
+
+
 def test_offload_and_zero_pp_refuse_what_does_not_fit(pools):
     def make(ctx, stage, **options):
         from parcourse import zero
@@ -180,6 +206,7 @@ def test_offload_and_zero_pp_refuse_what_does_not_fit(pools):
         ((3,), {"offload_optimizer": "nvme"}, "needs nvme_path"),
         ((3,), {"offload_optimizer": "disk"}, "must be None, 'cpu' or 'nvme'"),
         ((3,), {"nvme_path": "/tmp/x"}, "offload_optimizer is None"),
+        ((3,), {"ranks_per_node": 2}, "neither is on"),
     ]
     for args, options, message in cases:
         with pytest.raises(RankError, match=message):

@@ -113,9 +113,10 @@ def zeropp_step(ctx, steps, options, ranks_per_node=2, lr=0.05):
     tracer = Tracer(ctx.rank)
     model = Wide()
     seen = []
+    if options.get("hpz_partition_size") or options.get("quantized_gradients"):
+        options = {**options, "ranks_per_node": ranks_per_node}
     zmodel, opt = zero.shard(model, lambda ps: torch.optim.SGD(ps, lr=lr), stage=3,
-                             group=ctx.group, tracer=tracer, ranks_per_node=ranks_per_node,
-                             **options)
+                             group=ctx.group, tracer=tracer, **options)
     # After ZeRO's own hook, which gathers the weights this one reads.
     model.up.register_forward_pre_hook(lambda m, a: seen.append(m.weight.detach().clone()))
     masters = zmodel.full_state_dict()["up.weight"]
@@ -157,3 +158,69 @@ def infinity_resume(ctx, path, before, after):
     opt2.load_state_dict(saved["opt"])
     Z.fit(fresh, opt2, x, y, after)
     return zmodel.full_state_dict(), fresh.full_state_dict()
+
+
+class Checkpointed(nn.Module):
+    """dp_fns.Net's layers, its hidden layer under activation checkpointing (recomputed,
+    with ZeRO's forward hooks, during backward) when asked."""
+
+    def __init__(self, checkpointed):
+        super().__init__()
+        self.net = Net()
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.tanh(self.net.inp(x))
+        hidden = self.net.hidden
+        h = torch.tanh(checkpoint(hidden, h, use_reentrant=False) if self.checkpointed
+                       else hidden(h))
+        return self.net.out(h)
+
+
+def hazards(ctx, case, stage=3, steps=4, **options):
+    """What a loop may do around ZeRO's gathers: `recompute` (checkpointing: forward
+    hooks run again during backward), `peek` (a forward of one layer under no_grad between
+    backward and step), `zero_false` (zero_grad(set_to_none=False)), or `plain`. The
+    losses and the weights."""
+    model = Checkpointed(case == "recompute")
+    zmodel, opt = zero.shard(model, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                             stage=stage, group=ctx.group, bucket_mb=0.0005, **options)
+    x, y = Z.local_batch(ctx, 16)
+    losses = []
+    for _ in range(steps):
+        loss = nn.functional.mse_loss(zmodel(x), y)
+        loss.backward()
+        if case == "peek":
+            with torch.no_grad():
+                model.net.inp(x)
+        opt.step()
+        opt.zero_grad(set_to_none=case != "zero_false")
+        losses.append(float(loss.detach()))
+    return losses, zmodel.full_state_dict()
+
+
+def infinity_after_a_failed_step(ctx, path):
+    """A step that raises (a hook of the torch optimizer inside, once), then steps that
+    go on: the same weights as steps that never failed, less the failed one."""
+    zmodel, opt = zero.shard(Net(), Z.factory("adam"), 2, ctx.group, bucket_mb=0.0005,
+                             offload_optimizer="nvme", nvme_path=path)
+    x, y = Z.local_batch(ctx, 16)
+    failed = []
+
+    def once(optimizer, args, kwargs):
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("a transient failure")
+
+    handle = opt.optimizer.register_step_pre_hook(once)
+    nn.functional.mse_loss(zmodel(x), y).backward()
+    try:
+        opt.step()
+    except RuntimeError as e:
+        message = str(e)
+    handle.remove()
+    opt.zero_grad()
+    Z.fit(zmodel, opt, x, y, 3)
+    return message, zmodel.full_state_dict()

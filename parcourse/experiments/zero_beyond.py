@@ -94,8 +94,9 @@ class Beyond:
             out.update(offload_params=self.offload_params,
                        quantized_weights=self.quantized_weights,
                        hpz_partition_size=self.ranks_per_node if self.hpz else None,
-                       quantized_gradients=self.quantized_gradients,
-                       ranks_per_node=self.ranks_per_node)
+                       quantized_gradients=self.quantized_gradients)
+            if self.hpz or self.quantized_gradients:
+                out["ranks_per_node"] = self.ranks_per_node
         return out
 
     def label(self) -> str:

@@ -70,7 +70,9 @@ class InfinityOptimizer:
     swap directory: what an earlier run left there for this rank is replaced. Parameters
     outside the ZeRO units (kept modules) keep their state in memory; they are small.
     Use it as the optimizer: `step()`, `zero_grad()`, `param_groups`, `state_dict()` and
-    `load_state_dict()` (these read or write every unit).
+    `load_state_dict()` (these read or write every unit). It is not a
+    torch.optim.Optimizer: put an LR scheduler on the torch optimizer inside
+    (`opt.optimizer`), whose param groups are these.
     """
 
     def __init__(self, model: ZeroStage1, optimizer: torch.optim.Optimizer,
@@ -116,6 +118,7 @@ class InfinityOptimizer:
         self.model.finish_gradient_sync()
         grads = {id(p): p.grad for g in self.param_groups for p in g["params"]}
         new = self.directory / f"v{self.version + 1}"
+        shutil.rmtree(new, ignore_errors=True)  # what a step that raised left half written
         new.mkdir()
         writes: list[Future[None]] = []
         reads = {0: self._reader.submit(self._read, 0)} if self.units else {}

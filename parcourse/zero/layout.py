@@ -27,7 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
 
 from parcourse.ranges import chunk_bounds
 from parcourse.zero.mixed_precision import compute_copy, own_master
@@ -202,6 +203,16 @@ class FlatUnit:
         self.gathered_version = -1
         self.secondary = None
 
+    def settle(self) -> None:
+        """Before an optimizer writes the master: a gather still in flight (a prefetch
+        that no forward used, e.g. one a recomputation in backward started) reads the old
+        weights, so let it land and drop it; stage 3's gathered weights go too."""
+        if self.gathering is not None:
+            self.gathering[0].result()
+            self.gathering = None
+        if self.sharded_weights:
+            self.full.untyped_storage().resize_(0)
+
     def gather_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's part as the next all-gather sends it, the whole buffer to gather
         into), in the compute dtype; stages 1-2 write the part straight into the whole."""
@@ -240,19 +251,34 @@ _UNIT = "_parcourse_unit"
 _step_hook_installed = False
 
 
-def _mark_units(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _units_of(optimizer: torch.optim.Optimizer) -> list[FlatUnit]:
+    units = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
             ref = getattr(p, _UNIT, None)
             unit = ref() if ref is not None else None
             if unit is not None:
-                unit.mark_stepped()
+                units[id(unit)] = unit
+    return list(units.values())
+
+
+def _settle_units(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for unit in _units_of(optimizer):
+        unit.settle()
+
+
+def _mark_units(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for unit in _units_of(optimizer):
+        unit.mark_stepped()
 
 
 def _watch_steps(unit: FlatUnit) -> None:
+    """Every optimizer step that holds the unit's shard parameters settles its gathers
+    before, and marks it stepped after."""
     global _step_hook_installed
     for sp in unit.shard_params:
         setattr(sp, _UNIT, weakref.ref(unit))
     if not _step_hook_installed:
+        register_optimizer_step_pre_hook(_settle_units)
         register_optimizer_step_post_hook(_mark_units)
         _step_hook_installed = True

@@ -282,8 +282,10 @@ class ZeroStage1(GradSyncModule):
                 continue
             if set_to_none:
                 p.grad = None
-            else:
-                p.grad.detach_().zero_()
+            else:  # as torch's zero_grad, but a shard's gradient is a view: no detach_
+                if p.grad.grad_fn is not None:
+                    p.grad = p.grad.detach()
+                p.grad.zero_()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients by their norm over the whole model (every rank's shards);

@@ -192,6 +192,10 @@ class Hybrid:
             raise ValueError(f"tp ({tp}) must divide the block size ({config.block_size}) "
                              "under sequence parallelism")
         self.plan = schedule_by_name(schedule, pp, microbatches, chunks)
+        if self.plan.copy_of or self.plan.routes:
+            raise ValueError(f"{self.plan.name} holds two copies of every stage, one for each "
+                             "direction: 3D training here runs the other schedules (DualPipe "
+                             "runs on parcourse.pipeline's runtime alone)")
         layers = config.n_layers + 2  # embedding, blocks, head
         if self.plan.stages > layers:
             raise ValueError(f"{self.plan.name} on pp {pp} has {self.plan.stages} stages; the "

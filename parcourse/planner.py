@@ -103,6 +103,10 @@ class Choice:
         if self.schedule not in SCHEDULES:
             out.append(f"unknown schedule {self.schedule!r}")
             return out
+        if self.schedule == "dualpipe":
+            out.append("dualpipe (two copies of every stage) is not modelled by the planner; "
+                       "dualpipe-v holds one")
+            return out
         try:
             plan = schedule_by_name(self.schedule, self.pp, self.microbatches, self.chunks)
         except ValueError as e:

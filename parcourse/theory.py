@@ -561,10 +561,39 @@ def zero_bubble_h1_peak_in_flight(stages: int, microbatches: int) -> int:
 def dualpipe_bubble_time(ranks: int, forward_backward: float, backward: float,
                          weight: float) -> float:
     """DualPipe's bubble as DeepSeek-V3's report gives it (arXiv:2412.19437, table 2):
-    (PP/2 - 1)(F&B + B - 3W), per chunk (half a stage), where F&B is a forward and a
-    backward run overlapped on one device. Without that overlap (F&B = F + B, as in
-    this course's runtime) the schedule's idle time is what `simulate` predicts."""
+    (PP/2 - 1)(F&B + B - 3W) of idle time per rank, where F&B is a forward and a
+    backward of two microbatches run overlapped on one device, F, B and W those of one
+    stage. The course's simulator (`Costs.overlap`, F&B a fraction of F + B) gives the
+    busiest rank exactly this idle time when the input-gradient part of backward takes
+    what a forward takes (F = B - W, as the zero-bubble papers assume) and F&B >= B
+    (tests/test_pipeline_schedules.py); elsewhere its own figure. Run one after the
+    other, as this course's runtime runs a pair, see `dualpipe_apart_bubble_time`."""
     return (ranks / 2 - 1) * (forward_backward + backward - 3 * weight)
+
+
+def dualpipe_apart_bubble_time(ranks: int, forward: float, backward: float,
+                               weight: float) -> float:
+    """DualPipe's idle time per rank when each pair's forward and backward run one after
+    the other (this course's runtime): (PP/2 - 1)(F + B - 2W), half ZB-H1's, for F = B - W.
+    Not from the report: it is what the simulator gives on those costs, for every even
+    PP tried (tests/test_pipeline_schedules.py), the pairs' own overlap aside."""
+    return (ranks / 2 - 1) * (forward + backward - 2 * weight)
+
+
+def deepseek_table(ranks: int, forward: float, backward: float, weight: float,
+                   forward_backward: float) -> dict[str, dict[str, float]]:
+    """DeepSeek-V3's report, table 2: for 1F1B, ZB1P (zero-bubble, ZB-H1 here) and
+    DualPipe, the bubble (idle time per rank), the parameters a rank holds (x one
+    stage's) and the activations (microbatches in flight on a rank, x one stage's)."""
+    p = ranks
+    return {
+        "1F1B": {"bubble": one_f_one_b_bubble_time(p, forward, backward), "parameters": 1,
+                 "activations": p},
+        "ZB1P": {"bubble": zero_bubble_h1_bubble_time(p, forward, backward, weight),
+                 "parameters": 1, "activations": p},
+        "DualPipe": {"bubble": dualpipe_bubble_time(p, forward_backward, backward, weight),
+                     "parameters": 2, "activations": p + 1},
+    }
 
 
 def dualpipe_v_peak_in_flight(ranks: int) -> int:

@@ -283,3 +283,63 @@ def test_zbv_is_complete_on_a_v_and_all_but_bubble_free_when_f_i_w_are_equal():
     assert v.bubble < simulate(zero_bubble_h1(4, 16), costs).bubble
     assert v.bubble < simulate(one_f_one_b(4, 16), costs).bubble < 0.2
     assert max(v.peak_in_flight) <= 2 * 4
+
+
+# --- DualPipe: two directions, two copies of the weights
+
+
+def test_dualpipe_is_complete_and_runs_for_even_ranks():
+    from parcourse.pipeline.schedule import dualpipe
+
+    for p in (2, 4, 6, 8):
+        for m in range(2 * p, 4 * p + 1, 2):
+            s = dualpipe(p, m)
+            check(s)  # every route's F and B (or I and W) once, on its rank, runnable
+            assert s.stages == 2 * p and s.model_stages == p
+            # Rank r holds stage r of the copy the first half goes down, and stage
+            # p-1-r of the copy the second half comes up.
+            for r in range(p):
+                held = sorted(s.model_stage(t) for t, rank in enumerate(s.stage_rank)
+                              if rank == r)
+                assert held == sorted({r, p - 1 - r}) and len(held) == 2
+            assert [s.route(i)[0] for i in range(m)] == [0] * (m // 2) + [p] * (m // 2)
+            for f, b in s.together:  # each pair: a forward, then a backward, on one rank
+                acts = s[s.stage_rank[f.stage]]
+                assert f.kind == "F" and b.kind == "B"
+                assert acts.index(b) == acts.index(f) + 1
+    for p, m, message in ((3, 6, "even number of ranks"), (4, 6, "at least 2 x ranks"),
+                          (4, 9, "even number of microbatches")):
+        with pytest.raises(ValueError, match=message):
+            dualpipe(p, m)
+
+
+@pytest.mark.parametrize("p", [2, 4, 6, 8])
+def test_the_simulated_dualpipe_bubble_is_deepseeks_where_it_applies(p):
+    """DeepSeek-V3's report (table 2): DualPipe idles (PP/2 - 1)(F&B + B - 3W) per rank,
+    F&B a forward and a backward run overlapped. The simulator, costing a pair of
+    `together` as a fraction of F + B, gives the busiest rank exactly that when F = B - W
+    (what the zero-bubble papers assume) and F&B >= B; run apart, as the course's runtime
+    runs them, (PP/2 - 1)(F + B - 2W). The report's 1F1B and ZB1P rows are the simulator's
+    1F1B and ZB-H1 idle time."""
+    from parcourse import theory
+    from parcourse.pipeline.schedule import dualpipe, one_f_one_b, zero_bubble_h1
+
+    f, b, w = 1.0, 2.0, 1.0
+    for overlap in (0.7, 0.85, 1.0, None):
+        for m in (2 * p, 6 * p):
+            t = simulate(dualpipe(p, m), Costs(forward=f, backward=b, weight=w,
+                                               overlap=overlap))
+            idle = max(t.step_time - busy for busy in t.busy)
+            want = (theory.dualpipe_apart_bubble_time(p, f, b, w) if overlap is None else
+                    theory.deepseek_table(p, f, b, w, overlap * (f + b))["DualPipe"]["bubble"])
+            assert idle == pytest.approx(want, abs=1e-9), (overlap, m)
+    for build, row in ((one_f_one_b, "1F1B"), (zero_bubble_h1, "ZB1P")):
+        t = simulate(build(p, 4 * p), Costs(forward=f, backward=b, weight=w))
+        idle = max(t.step_time - busy for busy in t.busy)
+        assert idle == pytest.approx(theory.deepseek_table(p, f, b, w, f + b)[row]["bubble"])
+    # Overlapping pays: the whole step shrinks with the pairs' cost.
+    alone = simulate(dualpipe(p, 4 * p), Costs(forward=f, backward=b, weight=w))
+    paired = simulate(dualpipe(p, 4 * p), Costs(forward=f, backward=b, weight=w, overlap=0.7))
+    assert paired.step_time < alone.step_time
+    with pytest.raises(ValueError, match="overlap must be in"):
+        Costs(overlap=1.5)

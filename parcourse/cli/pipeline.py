@@ -66,14 +66,15 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"pipeline: {e}") from None
     layers = args.layers
-    if schedule.stages > layers:
-        raise SystemExit(f"pipeline: {schedule.name} on {p} ranks has {schedule.stages} stages; "
+    if schedule.model_stages > layers:
+        raise SystemExit(f"pipeline: {schedule.name} on {p} ranks has "
+                         f"{schedule.model_stages} stages; "
                          f"--layers {layers} cannot fill them")
     if args.batch % schedule.microbatches:
         raise SystemExit(f"pipeline: {schedule.microbatches} microbatches do not divide "
                          f"--batch {args.batch}")
     m = schedule.microbatches  # naive runs one
-    per_rank = schedule.stages // p
+    per_rank = schedule.model_stages // p
     weight_ms = args.backward_ms / 2 if args.weight_ms is None else args.weight_ms
     f, b, w = args.forward_ms / 1e3, args.backward_ms / 1e3, weight_ms / 1e3
     predicted = simulate(schedule, Costs(forward=f / per_rank, backward=b / per_rank,

@@ -92,7 +92,7 @@ def train(ctx: RankContext, schedule: str, microbatches: int, steps: int = 2, *,
     with the bytes one microbatch holds on each of this rank's stages (when traced).
     """
     plan = make_schedule(schedule, ctx.world_size, microbatches, chunks)
-    per_rank = plan.stages // plan.ranks
+    per_rank = plan.model_stages // plan.ranks  # a rank's share of the model, in stages
     if compute is None and (forward_ms or backward_ms):
         compute = SimulatedCompute(forward_ms / 1e3, backward_ms / 1e3,
                                    None if weight_ms is None else weight_ms / 1e3
@@ -100,21 +100,24 @@ def train(ctx: RankContext, schedule: str, microbatches: int, steps: int = 2, *,
     ctx.tracer.set_status(f"{plan.name}: building the model")
     layers, whole, x, y, loss_fn = model_and_data(model, depth, width, batch)
     names = {id(p): n for n, p in whole.named_parameters()}
-    cut = partition(layers, plan.stages, by)
-    mine = {s: cut[s].to(ctx.device) for s, r in enumerate(plan.stage_rank) if r == ctx.rank}
+    cut = partition(layers, plan.model_stages, by)  # DualPipe: two copies of each stage
+    mine = {s: cut[plan.model_stage(s)].to(ctx.device)
+            for s, r in enumerate(plan.stage_rank) if r == ctx.rank}
     runtime = PipelineRuntime(plan, mine, ctx.group, loss_fn, tracer=ctx.tracer,
                               compute=compute, link=simulated_link(latency_us, bandwidth_gbps),
                               recompute=recompute, tied=tied_weights(mine, cut))
     params = list({id(p): p for m in mine.values() for p in m.parameters()}.values())
     opt = torch.optim.SGD(params, lr=lr)
-    first, last = plan.stage_rank[0], plan.stage_rank[-1]
+    routes = [plan.route(i) for i in range(plan.microbatches)]
+    first = {plan.stage_rank[r[0]] for r in routes}  # where microbatches enter (DualPipe:
+    last = {plan.stage_rank[r[-1]] for r in routes}  # both ends), and where they leave
     losses = []
     for _ in range(steps):
         torch.distributed.barrier(group=ctx.group)
         spans_before = len(ctx.tracer.data().spans)
         counters_before = len(ctx.tracer.data().counters)
-        loss = runtime.step(x.to(ctx.device) if ctx.rank == first else None,
-                            y.to(ctx.device) if ctx.rank == last else None)
+        loss = runtime.step(x.to(ctx.device) if ctx.rank in first else None,
+                            y.to(ctx.device) if ctx.rank in last else None)
         opt.step()
         opt.zero_grad()
         if loss is not None:
@@ -168,7 +171,9 @@ def step_times(ctx: RankContext, microbatches: int, steps: int = 10, *,
     rank = ctx.rank
     plan = make_schedule(schedule, ctx.world_size, microbatches, chunks)
     x, y = regression_batch(batch, width)
-    first, last = plan.stage_rank[0], plan.stage_rank[-1]
+    routes = [plan.route(i) for i in range(plan.microbatches)]
+    first = {plan.stage_rank[r[0]] for r in routes}  # where microbatches enter (DualPipe:
+    last = {plan.stage_rank[r[-1]] for r in routes}  # both ends), and where they leave
     local = [s for s, r in enumerate(plan.stage_rank) if r == rank]
 
     ours_cut = partition(deep_mlp(depth, width), plan.stages)
@@ -316,7 +321,7 @@ def summarize(results: Sequence[dict[str, Any]], costs: Costs) -> ScheduleSummar
     """`results`: one `train` result per rank; `costs` for one rank's layers (a chunk of a
     schedule with v stages per rank costs a v-th)."""
     plan: Schedule = results[0]["schedule"]
-    predicted = simulate(plan, costs.per_chunk(plan.stages // plan.ranks))
+    predicted = simulate(plan, costs.per_chunk(plan.model_stages // plan.ranks))
     held: dict[int, float] = {}
     for r in results:
         held.update(r["held_per_stage"])

@@ -66,16 +66,61 @@ class Schedule:
 
     `stage_rank[s]` is the rank that holds stage s (several stages per rank for
     interleaved schedules); `actions[r]` is rank r's actions in order.
+
+    Every microbatch goes through every stage in order, unless `routes` says otherwise:
+    `routes[m]` is the stages microbatch m goes through, in order (DualPipe sends half of
+    them down one copy of the model and half up the other). `copy_of[s]` is the stage of
+    the model that stage s holds a copy of (DualPipe: two copies of each); empty, each
+    stage is its own. `together` lists pairs (a forward, then the backward right after
+    it on the same rank) that the schedule means to run overlapped, as DualPipe does;
+    the simulator can cost them as one (`Costs.overlap`).
     """
 
     name: str
     microbatches: int
     stage_rank: tuple[int, ...]
     actions: tuple[tuple[Action, ...], ...]
+    routes: tuple[tuple[int, ...], ...] = ()
+    copy_of: tuple[int, ...] = ()
+    together: tuple[tuple[Action, Action], ...] = ()
 
     @property
     def stages(self) -> int:
         return len(self.stage_rank)
+
+    @property
+    def model_stages(self) -> int:
+        """How many stages the model is cut into (fewer than `stages` when they are copies)."""
+        return len(set(self.copy_of)) if self.copy_of else self.stages
+
+    def model_stage(self, stage: int) -> int:
+        return self.copy_of[stage] if self.copy_of else stage
+
+    def route(self, microbatch: int) -> tuple[int, ...]:
+        """The stages microbatch `microbatch` goes through, in forward order."""
+        return self.routes[microbatch] if self.routes else tuple(range(self.stages))
+
+    @cached_property
+    def _steps(self) -> dict[tuple[int, int], tuple[int | None, int | None]]:
+        """(stage, microbatch) -> (the stage before it, the stage after it) on its route."""
+        out: dict[tuple[int, int], tuple[int | None, int | None]] = {}
+        for m in range(self.microbatches):
+            path = self.route(m)
+            for k, s in enumerate(path):
+                out[(s, m)] = (path[k - 1] if k else None,
+                               path[k + 1] if k + 1 < len(path) else None)
+        return out
+
+    def previous_stage(self, stage: int, microbatch: int) -> int | None:
+        """The stage microbatch `microbatch` comes from into `stage` (None: its first)."""
+        return self._steps[(stage, microbatch)][0]
+
+    def next_stage(self, stage: int, microbatch: int) -> int | None:
+        """The stage microbatch `microbatch` goes to after `stage` (None: its last)."""
+        return self._steps[(stage, microbatch)][1]
+
+    def visits(self, stage: int, microbatch: int) -> bool:
+        return (stage, microbatch) in self._steps
 
     @property
     def ranks(self) -> int:
@@ -113,37 +158,42 @@ class Schedule:
 
 class Message(NamedTuple):
     """What one stage sends another: stage `stage`'s activations (kind F, to the next
-    stage) or the gradient of its input (kind B, to the previous stage; sent by its B,
-    or by its I when its backward is split), for one microbatch."""
+    stage of the microbatch's route) or the gradient of its input (kind B, to the
+    previous one; sent by its B, or by its I when its backward is split), for one
+    microbatch; `to` is the stage that receives it."""
 
     kind: Literal["F", "B"]
     stage: int  # the stage that sends it
     microbatch: int
-
-    @property
-    def to(self) -> int:
-        """The stage that receives it."""
-        return self.stage + 1 if self.kind == "F" else self.stage - 1
+    to: int
 
 
-def incoming(a: Action, stages: int) -> Message | None:
-    """The message `a` waits for from another stage: F(s, m) the activations of stage
-    s - 1; B(s, m) and I(s, m) the gradient of stage s's output, which stage s + 1 sends;
-    None for the first stage's forward, the last stage's backward, and W."""
-    if a.kind == "F" and a.stage > 0:
-        return Message("F", a.stage - 1, a.microbatch)
-    if a.kind in "BI" and a.stage < stages - 1:
-        return Message("B", a.stage + 1, a.microbatch)
+def incoming(a: Action, schedule: Schedule) -> Message | None:
+    """The message `a` waits for from another stage: F(s, m) the activations of the
+    stage before s on m's route; B(s, m) and I(s, m) the gradient of stage s's output,
+    which the stage after it sends; None for a route's first forward, its last
+    backward, and W."""
+    m = a.microbatch
+    if a.kind == "F":
+        before = schedule.previous_stage(a.stage, m)
+        return None if before is None else Message("F", before, m, a.stage)
+    if a.kind in "BI":
+        after = schedule.next_stage(a.stage, m)
+        return None if after is None else Message("B", after, m, a.stage)
     return None
 
 
-def outgoing(a: Action, stages: int) -> Message | None:
-    """The message `a` sends when it is done: a forward its activations (but the last
-    stage's), a B or I the gradient of its input (but the first stage's); W nothing."""
-    if a.kind == "F" and a.stage < stages - 1:
-        return Message("F", a.stage, a.microbatch)
-    if a.kind in "BI" and a.stage > 0:
-        return Message("B", a.stage, a.microbatch)
+def outgoing(a: Action, schedule: Schedule) -> Message | None:
+    """The message `a` sends when it is done: a forward its activations (but a route's
+    last stage's), a B or I the gradient of its input (but a route's first stage's); W
+    nothing."""
+    m = a.microbatch
+    if a.kind == "F":
+        after = schedule.next_stage(a.stage, m)
+        return None if after is None else Message("F", a.stage, m, after)
+    if a.kind in "BI":
+        before = schedule.previous_stage(a.stage, m)
+        return None if before is None else Message("B", a.stage, m, before)
     return None
 
 
@@ -154,10 +204,12 @@ def needs(schedule: Schedule, a: Action) -> list[Action]:
     - B(s, m) and I(s, m) need F(s, m) on this rank and the gradient from
       B(s+1, m) or I(s+1, m) (whichever the schedule runs; sent from stage s+1's rank),
     - W(s, m) needs I(s, m).
+
+    (s-1 and s+1: the stages before and after s on m's route.)
     """
     s, m = a.stage, a.microbatch
     deps = {"F": [], "B": [F(s, m)], "I": [F(s, m)], "W": [I(s, m)]}[a.kind]
-    message = incoming(a, schedule.stages)
+    message = incoming(a, schedule)
     if message is not None:
         deps.append(sender(schedule, message))
     return deps
@@ -192,13 +244,19 @@ Arrival = Callable[[Action, float, int, int], float]
 
 
 def play(schedule: Schedule, duration: Callable[[Action], float],
-         arrival: Arrival | None = None) -> list[Slot]:
+         arrival: Arrival | None = None,
+         together: Callable[[Action, Action], float] | None = None) -> list[Slot]:
     """Each rank runs its actions in order; an action starts when its rank is free and
     what it `needs` has arrived. `duration(a)` is how long `a` lasts; `arrival(dep, end,
     src, at)` when what `dep` made (done at `end` on rank `src`) reaches rank `at`
     (default: at once), asked once per dependency, when it is done. Returns the slots in
     the order they were decided; raises Deadlock naming the ranks and actions that can
-    never start."""
+    never start.
+
+    `together(f, b)`: how long a pair of `schedule.together` lasts when run overlapped.
+    Then a pair starts when both its actions could, shares that time between them (in
+    proportion to their own durations), and what either made is ready when both end."""
+    pairs = dict(schedule.together) if together is not None else {}
     where = schedule.stage_rank
     done: dict[Action, float] = {}  # end time of each finished action
     rank_free = [0.0] * schedule.ranks
@@ -221,15 +279,30 @@ def play(schedule: Schedule, duration: Callable[[Action], float],
         for r, acts in enumerate(schedule.actions):
             while nxt[r] < len(acts):
                 a = acts[nxt[r]]
+                partner = pairs.get(a)
+                if partner is not None and (nxt[r] + 1 >= len(acts) or acts[nxt[r] + 1] != partner):
+                    partner = None  # not right after it: run them apart
                 ready = [ready_at(dep, r) for dep in needs(schedule, a)]
+                if partner is not None:
+                    ready += [ready_at(dep, r) for dep in needs(schedule, partner) if dep != a]
                 if any(t is None for t in ready):
                     break
                 start = max([rank_free[r], *ready])  # type: ignore[list-item]
-                end = start + duration(a)
-                done[a] = rank_free[r] = end
-                slots.append(Slot(r, a, start, end))
-                nxt[r] += 1
-                remaining -= 1
+                if partner is None:
+                    end = start + duration(a)
+                    done[a] = rank_free[r] = end
+                    slots.append(Slot(r, a, start, end))
+                    nxt[r] += 1
+                    remaining -= 1
+                else:
+                    assert together is not None
+                    end = start + together(a, partner)
+                    alone = duration(a) + duration(partner)
+                    middle = start + (end - start) * (duration(a) / alone if alone else 0.5)
+                    done[a] = done[partner] = rank_free[r] = end
+                    slots += [Slot(r, a, start, middle), Slot(r, partner, middle, end)]
+                    nxt[r] += 2
+                    remaining -= 2
                 progressed = True
         if not progressed:
             stuck = [f"rank {r} waits at {acts[nxt[r]]} for "
@@ -249,11 +322,21 @@ def check(schedule: Schedule) -> None:
     B(s, m) after F(s, m) and B(s+1, m); W after I), never for a later action of its
     own rank or a cycle between ranks."""
     p, m = schedule.stages, schedule.microbatches
+    if schedule.routes and len(schedule.routes) != m:
+        raise ValueError(f"{len(schedule.routes)} routes for {m} microbatches")
+    for path in schedule.routes:
+        if not path or len(set(path)) != len(path) or not all(0 <= s < p for s in path):
+            raise ValueError(f"a route must visit stages of 0..{p - 1} once each, got {path}")
+    if schedule.copy_of and len(schedule.copy_of) != p:
+        raise ValueError(f"copy_of names {len(schedule.copy_of)} stages, not {p}")
     seen: dict[tuple[int, str, int], int] = {}
     for rank, acts in enumerate(schedule.actions):
         for a in acts:
             if not (0 <= a.stage < p and 0 <= a.microbatch < m and a.kind in "FBIW"):
                 raise ValueError(f"rank {rank}: {a} is outside {p} stages x {m} microbatches")
+            if not schedule.visits(a.stage, a.microbatch):
+                raise ValueError(f"rank {rank}: {a}, but microbatch {a.microbatch}'s route "
+                                 f"{schedule.route(a.microbatch)} does not go through it")
             if schedule.stage_rank[a.stage] != rank:
                 raise ValueError(f"rank {rank} runs {a}, but stage {a.stage} is on rank "
                                  f"{schedule.stage_rank[a.stage]}")
@@ -261,8 +344,8 @@ def check(schedule: Schedule) -> None:
             if key in seen:
                 raise ValueError(f"rank {rank}: {a} runs twice")
             seen[key] = rank
-    for s in range(p):
-        for i in range(m):
+    for i in range(m):
+        for s in schedule.route(i):
             if (s, "F", i) not in seen:
                 raise ValueError(f"{F(s, i)} never runs")
             split = (s, "I", i) in seen or (s, "W", i) in seen

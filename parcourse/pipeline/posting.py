@@ -45,7 +45,7 @@ def receives_to_post(schedule: Schedule, rank: int) -> dict[int, list[Action]]:
     ends = [s.end for s in timeline.spans if s.rank == rank]  # in this rank's order
     posts: dict[int, list[Action]] = {}
     for j, a in enumerate(schedule.actions[rank]):
-        message = incoming(a, schedule.stages)
+        message = incoming(a, schedule)
         if message is None or schedule.stage_rank[message.stage] == rank:
             continue  # nothing to wait for, or a stage on this rank: handed over in memory
         sent = starts[sender(schedule, message)]

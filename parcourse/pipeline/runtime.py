@@ -101,15 +101,24 @@ class PipelineRuntime:
             for s, name in group.items():
                 if s in stages:
                     stages[s].get_parameter(name)  # raises AttributeError naming it if absent
-        self.tied = [dict(g) for g in tied]
         self.schedule, self.stages, self.loss_fn = schedule, stages, loss_fn
+        # (tag, {stage: parameter name}): the weights whose gradients ranks add up.
+        self.tied = _gradient_groups(schedule, stages, tied)
+        self._loss_tag = len(tied)  # the one offset among the tied groups' tags left free
         # The runtime's own spans (F, B, I, W, waits) go to `tracer`, its messages to the
         # Comm's (the same one unless told otherwise).
         self.tracer = tracer if tracer is not None else comm.tracer
         self.link, self.compute = comm.link, compute
-        self._seconds = compute.of(schedule.stages) if compute is not None else None
+        self._seconds = None
+        if compute is not None:  # copies of a stage (DualPipe) cost what the stage costs
+            per = compute.of(schedule.model_stages)
+            self._seconds = {k: [v[schedule.model_stage(t)] for t in range(schedule.stages)]
+                             for k, v in per.items()}
         self.recompute = recompute  # GPipe's own trick: keep a stage's input, not its insides
-        self.last = schedule.stages - 1
+        routes = [schedule.route(i) for i in range(schedule.microbatches)]
+        self._firsts = {r[0] for r in routes}  # stages where a microbatch enters
+        self._lasts = {r[-1] for r in routes}  # ... and where its loss is taken
+        self._before, self._after = _neighbours(schedule)
         self._shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}  # each stage's input
         self._out_shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}  # ... and output
         self._posts = early_receives(schedule, self.rank, dist.get_backend(self.group))
@@ -127,20 +136,20 @@ class PipelineRuntime:
         if self._peer(message.to) == self.rank:
             self._local[message] = t
             return
-        kind, stage, microbatch = message
+        kind, stage, microbatch, _ = message
         tag = _tag(kind, stage, microbatch, self.schedule.microbatches, self.schedule.stages)
         t = t.detach().contiguous()
         self._sends.append((self.comm.send(t, self._peer(message.to), tag), t))
 
     def _incoming(self, a: Action) -> Message | None:
-        return incoming(a, self.schedule.stages)
+        return incoming(a, self.schedule)
 
     def _post(self, a: Action) -> None:
         """Post the receive `a` needs (a buffer of the agreed shape), once."""
         need = self._incoming(a)
         if need is None or a in self._posted or self._peer(need.stage) == self.rank:
             return
-        kind, stage, _ = need
+        kind, stage = need.kind, need.stage
         shape, dtype = self._shapes[a.stage] if kind == "F" else self._out_shape(a.stage)
         tag = _tag(kind, stage, a.microbatch, self.schedule.microbatches, self.schedule.stages)
         buffer = torch.empty(shape, dtype=dtype, device=self._device)
@@ -153,7 +162,7 @@ class PipelineRuntime:
         need = self._incoming(a)
         if need is None:
             return None
-        kind, stage, _ = need
+        kind, stage = need.kind, need.stage
         if self._peer(stage) == self.rank:
             return self._local.pop(need)
         self._post(a)
@@ -184,26 +193,32 @@ class PipelineRuntime:
     def _agree_on_shapes(self, example: torch.Tensor | None) -> None:
         """Before the first step: each stage learns its input's shape from the previous one
         (shapes found on the meta device, no math), so receives can be posted."""
-        for s in sorted(self.stages):
-            if s == 0:
+        # In the order of the routes, so that no rank waits for a shape not yet sent; the
+        # sends are waited for at the end (DualPipe's two directions cross).
+        sends = []
+        for s in sorted(self.stages, key=lambda t: (_depth(self._before, t), t)):
+            before, after = self._before[s], self._after[s]
+            if before is None:
                 assert example is not None
                 shape, dtype = example.shape, example.dtype
-            elif self._peer(s - 1) == self.rank:
-                shape, dtype = self._out_shape(s - 1)
+            elif self._peer(before) == self.rank:
+                shape, dtype = self._out_shape(before)
             else:
                 header = torch.zeros(10, dtype=torch.int64)
-                self.group.recv([header], self._peer(s - 1), _tag("S", s - 1, 0, 1,
-                                                                   self.schedule.stages)).wait()
+                self.group.recv([header], self._peer(before), _tag("S", before, 0, 1,
+                                                                    self.schedule.stages)).wait()
                 ndim = int(header[0])
                 shape, dtype = torch.Size(header[2:2 + ndim].tolist()), _DTYPES[int(header[1])]
             self._shapes[s] = (shape, dtype)
-            if s < self.last and self._peer(s + 1) != self.rank:
+            if after is not None and self._peer(after) != self.rank:
                 out, out_dtype = self._out_shape(s)
                 header = torch.zeros(10, dtype=torch.int64)
                 header[0], header[1] = len(out), _DTYPES.index(out_dtype)
                 header[2:2 + len(out)] = torch.tensor(list(out))
-                self.group.send([header], self._peer(s + 1),
-                                _tag("S", s, 0, 1, self.schedule.stages)).wait()
+                sends.append((self.group.send([header], self._peer(after),
+                                              _tag("S", s, 0, 1, self.schedule.stages)), header))
+        for work, _ in sends:
+            work.wait()
 
     def _out_shape(self, stage: int) -> tuple[torch.Size, torch.dtype]:
         """The shape and dtype of `stage`'s output, found once on the meta device."""
@@ -220,15 +235,20 @@ class PipelineRuntime:
     # -- the step
 
     def step(self, inputs: torch.Tensor | None = None, targets: Any = None) -> float | None:
-        """Run the schedule once over `inputs` (on stage 0's rank) cut into microbatches."""
+        """Run the schedule once over `inputs` cut into microbatches: the ranks where
+        microbatches enter (stage 0's; DualPipe's two ends) pass the batch's inputs, the
+        ranks where their loss is taken the targets. Returns the mean loss over the whole
+        batch on those ranks (None elsewhere)."""
         if self._failed is not None:
             raise RuntimeError(f"an earlier step failed on rank {self.rank} ({self._failed}); "
                                "its messages may still be in flight: build a new "
                                "PipelineRuntime (and process group) rather than step again")
         m = self.schedule.microbatches
-        has_first, has_last = 0 in self.stages, self.last in self.stages
+        has_first = bool(self._firsts & set(self.stages))
+        has_last = bool(self._lasts & set(self.stages))
         if has_first and inputs is None:
-            raise ValueError(f"rank {self.rank} holds stage 0: pass the batch's inputs")
+            raise ValueError(f"rank {self.rank} holds a stage where microbatches enter: pass "
+                             "the batch's inputs")
         if has_last and targets is None:
             raise ValueError(f"rank {self.rank} holds the last stage: pass the targets")
         for name, batch in (("inputs", inputs if has_first else None),
@@ -243,10 +263,11 @@ class PipelineRuntime:
         self._targets = [c.clone() for c in targets.chunk(m)] if has_last else []
         if not self._shapes:  # once: like torch's PipelineStage, shapes stay fixed after
             self._agree_on_shapes(self._inputs[0] if has_first else None)
-        elif has_first and self._inputs[0].shape != self._shapes[0][0]:
+        elif has_first and self._inputs[0].shape != self._shapes[
+                min(self._firsts & set(self.stages))][0]:
             raise ValueError(f"microbatches of shape {tuple(self._inputs[0].shape)}, but this "
-                             f"pipeline agreed on {tuple(self._shapes[0][0])} at its first "
-                             "step: build a new PipelineRuntime for another shape")
+                             "pipeline agreed on another at its first step: build a new "
+                             "PipelineRuntime for another shape")
         self._local: dict[Message, torch.Tensor] = {}
         self._saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, int]] = {}
         self._later: dict[tuple[int, int], tuple[WeightGradient, int]] = {}
@@ -270,19 +291,45 @@ class PipelineRuntime:
             work.wait()
         self._sends.clear()
         self._add_tied_gradients()
-        return sum(self._losses) if has_last else None
+        loss = sum(self._losses) if has_last else None
+        return self._whole_loss(loss) if has_last else None
+
+    def _whole_loss(self, mine: float) -> float:
+        """Where several ranks take losses (DualPipe: one for each direction), each has
+        its microbatches' part: add them up, so every one of them returns the batch's."""
+        ranks = sorted({self._peer(s) for s in self._lasts})
+        if len(ranks) < 2:
+            return mine
+        tag = _tag("T", 0, 0, self.schedule.microbatches, self.schedule.stages) + self._loss_tag
+        local = torch.tensor([mine], dtype=torch.float64)
+        sends = [self.comm.send(local, r, tag) for r in ranks if r != self.rank]
+        total = 0.0
+        for r in ranks:
+            if r == self.rank:
+                total += mine
+            else:
+                part = torch.empty(1, dtype=torch.float64)
+                self.comm.recv(part, r, tag).wait()
+                total += float(part)
+        for w in sends:
+            w.wait()
+        return total
 
     def _add_tied_gradients(self) -> None:
-        """Each tied weight's gradient summed over the ranks that hold it, in rank order."""
-        for k, group in enumerate(self.tied):
+        """Each tied (or copied) weight's gradient summed over the ranks that hold it, in
+        rank order, so that every copy gets the same bits. A rank holding two of them
+        (DualPipe's embedding of one copy and head of the other) adds its own first."""
+        for k, group in self.tied:
             ranks = sorted({self._peer(s) for s in group})
-            mine = {id(p): p for s, name in group.items() if s in self.stages
+            mine = {id(p): p for s, name in sorted(group.items()) if s in self.stages
                     for p in [self.stages[s].get_parameter(name)]}
-            if len(ranks) < 2 or not mine:
+            if not mine or (len(ranks) < 2 and len(mine) < 2):
                 continue  # on one rank, the stages share one Parameter: nothing to add
-            (weight,) = mine.values()
-            local = (weight.grad if weight.grad is not None
-                     else torch.zeros_like(weight)).detach().clone()
+            weights = list(mine.values())
+            local = torch.zeros_like(weights[0]).detach()
+            for w in weights:
+                if w.grad is not None:
+                    local += w.grad.detach()
             tag = _tag("T", 0, 0, self.schedule.microbatches, self.schedule.stages) + k
             sends = [self.comm.send(local, r, tag) for r in ranks if r != self.rank]
             parts = []
@@ -298,7 +345,8 @@ class PipelineRuntime:
             total = parts[0].clone()
             for part in parts[1:]:
                 total += part
-            weight.grad = total
+            for w in weights:
+                w.grad = total.clone()
 
     def _run(self, a: Action) -> None:
         """Receive what the action needs (a comm span), compute (a compute span, padded
@@ -314,7 +362,7 @@ class PipelineRuntime:
                 rest = self._seconds[a.kind][s] - (time.perf_counter() - start)
                 if rest > 0:
                     time.sleep(rest)
-        message = outgoing(a, self.schedule.stages)
+        message = outgoing(a, self.schedule)
         if message is not None:
             self._send(message, out)
 
@@ -325,7 +373,8 @@ class PipelineRuntime:
         acts = SavedActivations() if self.tracer is not None else None  # measuring only
         with acts if acts is not None else nullcontext():
             y = checkpoint(self.stages[s], x) if self.recompute else self.stages[s](x)
-            if s == self.last:  # scaled, so that microbatches add up to the whole batch's mean
+            if self.schedule.next_stage(s, i) is None:  # the loss, scaled so that the
+                #                        microbatches add up to the whole batch's mean
                 y = self.loss_fn(y, self._targets[i]) / self.schedule.microbatches
                 self._losses.append(float(y.detach()))
         held = live_bytes(self.stages[s], activations=acts)["activations"] if acts else 0
@@ -362,3 +411,55 @@ class PipelineRuntime:
             self.tracer.count("in_flight_bytes", delta, now=self._in_flight_bytes,
                               stage=action.stage, microbatch=action.microbatch)
 
+
+
+def _neighbours(schedule: Schedule) -> tuple[dict[int, int | None], dict[int, int | None]]:
+    """Each stage's one stage before and one after on every route through it (a stage
+    where microbatches enter has None before, one where they leave None after)."""
+    before: dict[int, int | None] = {}
+    after: dict[int, int | None] = {}
+    for m in range(schedule.microbatches):
+        for s in schedule.route(m):
+            for table, other in ((before, schedule.previous_stage(s, m)),
+                                 (after, schedule.next_stage(s, m))):
+                if table.setdefault(s, other) != other:
+                    raise ValueError(f"stage {s} is reached from two stages ({table[s]} and "
+                                     f"{other}): the runtime needs one shape per stage")
+    return before, after
+
+
+def _depth(before: dict[int, int | None], stage: int) -> int:
+    """How many stages come before `stage` on its route."""
+    depth = 0
+    while before.get(stage) is not None:
+        stage = before[stage]  # type: ignore[assignment]
+        depth += 1
+    return depth
+
+
+_PER_MODEL_STAGE = 1 << 12  # tags for the copies' gradients: model stage x this + parameter
+
+
+def _gradient_groups(schedule: Schedule, stages: dict[int, nn.Module],
+                     tied: Sequence[dict[int, str]]) -> list[tuple[int, dict[int, str]]]:
+    """(tag offset, {stage: parameter name}) for every weight whose gradient ranks add up:
+    the tied ones, and, when the schedule holds copies of stages (DualPipe), every other
+    parameter of each copy with its twin. A tied group names stages; under copies it
+    grows to the same weight in every copy."""
+    if not schedule.copy_of:
+        return [(k, dict(g)) for k, g in enumerate(tied)]
+    twins = {s: [t for t in range(schedule.stages)
+                 if schedule.model_stage(t) == schedule.model_stage(s)]
+             for s in range(schedule.stages)}
+    groups = [(k, {t: name for s, name in g.items() for t in twins[s]})
+              for k, g in enumerate(tied)]
+    in_tied = {(schedule.model_stage(s), name) for _, g in groups for s, name in g.items()}
+    for s in sorted(stages):
+        j = schedule.model_stage(s)
+        if s != min(t for t in twins[s] if t in stages):
+            continue  # one entry per model stage this rank holds a copy of
+        for i, (name, _) in enumerate(stages[s].named_parameters()):
+            if (j, name) not in in_tied:
+                groups.append((len(tied) + 1 + j * _PER_MODEL_STAGE + i,
+                               {t: name for t in twins[s]}))
+    return sorted(groups, key=lambda g: g[0])  # the same order on every rank: by tag

@@ -23,7 +23,7 @@ from parcourse.pipeline.actions import (B, F, I, W, Action, Deadlock, Kind, Op, 
                                         check, happens_before)
 
 __all__ = ["SCHEDULES", "Action", "B", "Deadlock", "F", "I", "Kind", "NamedSchedule", "Op",
-           "Schedule", "W", "check", "dualpipe_v", "gpipe", "happens_before",
+           "Schedule", "W", "check", "dualpipe", "dualpipe_v", "gpipe", "happens_before",
            "interleaved_1f1b", "naive", "one_f_one_b", "schedule_by_name", "zbv",
            "zero_bubble_h1"]
 
@@ -236,6 +236,107 @@ def dualpipe_v(ranks: int, microbatches: int) -> Schedule:
     return Schedule("dualpipe-v", m, stage_rank, tuple(tuple(a) for a in per_rank))
 
 
+def dualpipe(ranks: int, microbatches: int) -> Schedule:
+    """DualPipe (DeepSeek-V3 technical report, arXiv:2412.19437 sec. 3.2.1; the schedule
+    of github.com/deepseek-ai/DualPipe): microbatches enter the pipeline from both ends
+    at once. The model is cut into p stages and every rank holds two of them, one of
+    each copy of the weights: rank r holds stage r of the copy the first half of the
+    microbatches goes down (stages 0..p-1 here, on ranks 0..p-1) and stage p-1-r of the
+    copy the second half goes up (stages p..2p-1 here: stage p + j holds the model's
+    stage j, on rank p-1-j). "Double storage for higher utilisation": after the schedule
+    each weight's gradient is summed over its two copies (PipelineRuntime does it, as for
+    tied weights) and both copies step alike.
+
+    Each rank runs the report's eight steps: forwards from the nearer end, then from
+    both; a steady state in which a forward of one direction runs beside a backward of
+    the other (`together`: DeepSeek overlaps the pair, each one's communication hidden
+    under the other's compute; the simulator can model that, this course's runtime runs
+    them one after the other); some backwards split into I and W, the Ws filling gaps.
+
+    Needs an even number of ranks and an even number of microbatches, at least 2 x
+    ranks (half in each direction, at least one per rank)."""
+    _check_sizes(ranks, microbatches)
+    p, m = ranks, microbatches
+    if p % 2:
+        raise ValueError(f"DualPipe needs an even number of ranks (its two directions meet "
+                         f"in the middle), got {p}")
+    if m < 2 * p or m % 2:
+        raise ValueError(f"DualPipe needs an even number of microbatches, at least 2 x ranks "
+                         f"= {2 * p} (half enter at each end), got {m}")
+    half, half_m = p // 2, m // 2
+    per_rank, together = [], []
+    for r in range(p):
+        mid = r in (half - 1, half)
+        near = min(r, p - 1 - r)  # how far this rank is from its nearer end
+        a, b = r, 2 * p - 1 - r  # its stage of each copy: down (first half), up
+        # Phase 0 is the direction whose entry is nearer: down for the first half of
+        # the ranks, up for the second.
+        stage = (a, b) if r < half else (b, a)
+        offset = tuple(0 if st < p else half_m for st in stage)
+        fwd, bwd = [0, 0], [0, 0]
+        acts: list[Action] = []
+        weights: list[Action] = []
+
+        def forward(ph: int) -> Action:
+            acts.append(F(stage[ph], offset[ph] + fwd[ph]))
+            fwd[ph] += 1
+            return acts[-1]
+
+        def backward(ph: int, split: bool = False) -> Action:
+            i = offset[ph] + bwd[ph]
+            bwd[ph] += 1
+            acts.append(I(stage[ph], i) if split else B(stage[ph], i))
+            if split:
+                weights.append(W(stage[ph], i))
+            return acts[-1]
+
+        def weight() -> None:
+            if weights:
+                acts.append(weights.pop(0))
+
+        def pair(f: int, b_: int) -> None:
+            together.append((forward(f), backward(b_)))
+
+        for _ in range((half - near - 1) * 2):  # 1: forwards from the nearer end
+            forward(0)
+        for _ in range(near + 1):  # 2: from both ends
+            forward(0)
+            forward(1)
+        for _ in range(half - near - 1):  # 3: zero bubble
+            backward(1, split=True)
+            weight()
+            forward(1)
+        for i in range(half_m - p + near + 1):  # 4: the steady state, F beside B
+            if i == 0 and mid:  # DeepSeek does not overlap this pair, to shrink the bubble
+                forward(0)
+                backward(1)
+            else:
+                pair(0, 1)
+            pair(1, 0)
+        for _ in range(half - near - 1):  # 5
+            backward(1)
+            pair(1, 0)
+        split = False
+        for i in range(near + 1):  # 6: backwards, the later half split
+            if i == (near + 1) // 2 and near % 2 == 1:
+                split = True
+            backward(1, split)
+            if i == (near + 1) // 2 and near % 2 == 0:
+                split = True
+            backward(0, split)
+        for _ in range(half - near - 1):  # 7
+            weight()
+            backward(0, split=True)
+        while weights:  # 8: the weight gradients still held
+            weight()
+        per_rank.append(acts)
+    stage_rank = tuple(list(range(p)) + list(reversed(range(p))))
+    routes = tuple(tuple(range(p)) if i < half_m else tuple(range(p, 2 * p))
+                   for i in range(m))
+    return Schedule("dualpipe", m, stage_rank, tuple(tuple(a) for a in per_rank),
+                    routes=routes, copy_of=tuple(range(p)) * 2, together=tuple(together))
+
+
 def zbv(ranks: int, microbatches: int) -> Schedule:
     """ZB-V (Qi et al., arXiv:2401.10241 sec. 6; torch's ScheduleZBVZeroBubble): the
     zero-bubble schedule on DualPipeV's V placement, rank r holding stage r and stage
@@ -325,11 +426,14 @@ class NamedSchedule:
     rounds: bool = False
     microbatched: bool = True
     torch: str | None = None
+    even: bool = False  # an even number of ranks and of microbatches (DualPipe's halves)
 
     def accepts(self, ranks: int, microbatches: int) -> bool:
         """Whether `build` takes these sizes (it raises ValueError, saying why, if not)."""
         if not self.microbatched:
             return True
+        if self.even and (ranks % 2 or microbatches % 2):
+            return False
         per_round = min(ranks, microbatches)
         return (microbatches >= self.min_microbatches(ranks)
                 and not (self.rounds and microbatches % per_round))
@@ -344,6 +448,14 @@ def _zero_bubble_h1_formula(p: int, m: int, v: int, f: float, b: float,
     if f + b <= 0:  # real compute: no costs to put in the formula
         return None
     return theory.bubble_fraction(theory.zero_bubble_h1_bubble_time(p, f, b, w), m, f, b)
+
+
+def _dualpipe_formula(p: int, m: int, v: int, f: float, b: float, w: float) -> float | None:
+    """The idle fraction with each pair run one after the other, as the course's runtime
+    runs them; it holds where F = B - W (theory.dualpipe_apart_bubble_time)."""
+    if f + b <= 0 or abs(f - (b - w)) > 1e-9 * (f + b):
+        return None
+    return theory.bubble_fraction(theory.dualpipe_apart_bubble_time(p, f, b, w), m, f, b)
 
 
 SCHEDULES: dict[str, NamedSchedule] = {s.name: s for s in [
@@ -363,6 +475,10 @@ SCHEDULES: dict[str, NamedSchedule] = {s.name: s for s in [
     NamedSchedule("zbv", lambda ranks, m, chunks: zbv(ranks, m),
                   "0 when F = I = W (Qi et al. sec. 6); see the simulator", chunks=2,
                   torch="ScheduleZBVZeroBubble"),
+    NamedSchedule("dualpipe", lambda ranks, m, chunks: dualpipe(ranks, m),
+                  "(p/2-1)(F+B-2W) idle run apart, (p/2-1)(F&B+B-3W) overlapped (DeepSeek)",
+                  _dualpipe_formula, chunks=2, min_microbatches=lambda ranks: 2 * ranks,
+                  even=True),
     NamedSchedule("dualpipe-v", lambda ranks, m, chunks: dualpipe_v(ranks, m),
                   "(DualPipe's table assumes F&B overlapped; see the simulator)",
                   chunks=2, min_microbatches=lambda ranks: 2 * ranks,

@@ -86,6 +86,14 @@ class Costs(SimulatedCompute):
     latency: float = 0.0  # seconds per message
     bandwidth: float = math.inf  # bytes per second
     message_bytes: float = 0.0  # one microbatch's activations (= its gradient)
+    # A forward and a backward the schedule runs together (DualPipe's F&B) last this
+    # fraction of F + B; None: one after the other, as the course's runtime runs them.
+    overlap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.overlap is not None and not 0 < self.overlap <= 1:
+            raise ValueError(f"overlap must be in (0, 1], a fraction of F + B, got "
+                             f"{self.overlap}")
 
 
 @dataclass(frozen=True)
@@ -151,7 +159,11 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     """Every rank's timeline, the step time, the bubble and the peak in-flight
     microbatches; raises Deadlock naming the ranks and actions that can never start."""
     costs = costs or Costs()
-    cost = costs.of(schedule.stages)
+    # Copies of a stage (DualPipe) cost what the stage costs: the model is cut into
+    # model_stages stages, whatever number of copies the ranks hold.
+    per_model_stage = costs.of(schedule.model_stages)
+    cost = {k: [v[schedule.model_stage(s)] for s in range(schedule.stages)]
+            for k, v in per_model_stage.items()}
     link_free: dict[tuple[int, int], float] = {}
     timeline = Timeline(schedule, busy=[0.0] * schedule.ranks)
 
@@ -165,7 +177,15 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
         return link_free[(src, at)] + costs.latency
 
     rank_end = [0.0] * schedule.ranks
-    for slot in play(schedule, lambda a: cost[a.kind][a.stage], arrival):
+    def duration(a: Action) -> float:
+        return cost[a.kind][a.stage]
+
+    def together(f: Action, b: Action) -> float:
+        assert costs.overlap is not None
+        return costs.overlap * (duration(f) + duration(b))
+
+    for slot in play(schedule, duration, arrival,
+                     together if costs.overlap is not None else None):
         timeline.spans.append(SimSpan(slot.rank, slot.action, slot.start, slot.end))
         timeline.busy[slot.rank] += slot.end - slot.start
         rank_end[slot.rank] = slot.end

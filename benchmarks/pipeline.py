@@ -17,6 +17,10 @@
 3. Every schedule's measured bubble and peak in-flight activations under simulated
    compute (F 20 ms, B 40 ms for one rank's layers, W half of B) beside the
    simulator's prediction, at p = 4 and m in {4, 8, 16}.
+4. DeepSeek-V3's table 2 (1F1B, ZB1P, DualPipe: bubble, parameters, activations per
+   rank) beside the simulator's, F&B overlapped at 0.7 and 1.0 of F + B and run apart
+   (as the runtime runs it), and DualPipe measured at p = 4, m = 8: the parameters each
+   rank holds (two copies' stages, x one stage's) and its peak in-flight microbatches.
 """
 
 from __future__ import annotations
@@ -94,12 +98,50 @@ def against_the_simulator() -> None:
                       f"{s.peak_bytes / s.simulated_peak_bytes:>7.2f}")
 
 
+def deepseek_table() -> None:
+    from parcourse.theory import deepseek_table as table
+    from parcourse.pipeline.schedule import dualpipe, one_f_one_b, zero_bubble_h1
+
+    p, m, f, b, w = 4, 16, 1.0, 2.0, 1.0
+    print(f"\n4. DeepSeek-V3's table 2 at PP = {p}, F = {f:g}, B = {b:g}, W = {w:g} (idle time "
+          "per rank; parameters and activations per rank, x one stage's / microbatch's)")
+    print(f"{'':>24}{'formula':>9}{'simulated':>11}{'params':>8}{'activations':>13}")
+    for overlap in (0.7, 1.0, None):
+        fb = (overlap or 1.0) * (f + b)
+        rows = table(p, f, b, w, fb)
+        for name, build in (("1F1B", one_f_one_b), ("ZB1P", zero_bubble_h1),
+                            ("DualPipe", dualpipe)):
+            if name != "DualPipe" and overlap != 0.7:
+                continue
+            t = simulate(build(p, m), Costs(forward=f, backward=b, weight=w,
+                                            overlap=overlap if name == "DualPipe" else None))
+            idle = max(t.step_time - busy for busy in t.busy)
+            label = name if name != "DualPipe" else (
+                f"DualPipe, F&B {overlap:g}(F+B)" if overlap else "DualPipe, run apart")
+            formula = f"{rows[name]['bubble']:.2f}" if overlap else "-"
+            print(f"{label:>24}{formula:>9}{idle:>11.2f}{rows[name]['parameters']:>8}"
+                  f"{max(t.peak_in_flight):>6} ({rows[name]['activations']})")
+    print("run apart, the formula does not apply (F&B = F + B but the pair need not start "
+          "together): theory.dualpipe_apart_bubble_time gives (PP/2-1)(F+B-2W) = "
+          f"{(p / 2 - 1) * (f + b - 2 * w):.2f}")
+    with Pool(p, timeout=3600) as pool:
+        run = pool.run(train, "dualpipe", 8, 1, batch=32, forward_ms=20.0, backward_ms=40.0)
+        per_rank = [sum(t.numel() for t in r["weights"].values()) for r in run.results]
+        stage = per_rank[0] / 2  # the MLP's stages are equal
+        s = summarize(run.results, Costs(forward=0.02, backward=0.04))
+        print(f"DualPipe measured, p = {p}, m = 8: parameters per rank "
+              f"{[round(n / stage, 2) for n in per_rank]} x one stage's (table: 2); peak "
+              f"in-flight microbatches per rank {s.per_rank_in_flight} (table: PP + 1 = "
+              f"{p + 1}); bubble {s.bubble:.3f} measured, {s.simulated_bubble:.3f} simulated")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--only", choices=("torch", "gpipe", "simulator"), default=None)
+    parser.add_argument("--only", choices=("torch", "gpipe", "simulator", "deepseek"),
+                        default=None)
     args = parser.parse_args()
     print(f"torch {torch.__version__}, gloo on CPU, one thread per rank")
     if args.only in (None, "torch"):
@@ -108,6 +150,8 @@ def main() -> None:
         gpipe_bubbles()
     if args.only in (None, "simulator"):
         against_the_simulator()
+    if args.only in (None, "deepseek"):
+        deepseek_table()
 
 
 if __name__ == "__main__":

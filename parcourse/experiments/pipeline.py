@@ -277,20 +277,30 @@ def check_schedule_exercise(fn: Callable[[int, int], Any]) -> bool:
 ALL_SCHEDULES = tuple(name for name, entry in SCHEDULES.items() if entry.microbatched)
 
 
+def runnable(ranks: int) -> tuple[str, ...]:
+    """The schedules of ALL_SCHEDULES that run on `ranks` ranks with some number of
+    microbatches (DualPipe needs an even number of ranks)."""
+    return tuple(name for name in ALL_SCHEDULES
+                 if any(SCHEDULES[name].accepts(ranks, m) for m in range(1, 4 * ranks + 3)))
+
+
 def common_microbatches(ranks: int, microbatches: int) -> int:
-    """The smallest m >= `microbatches` that every schedule accepts on `ranks` ranks
-    (as the registry states: e.g. a multiple of the ranks for interleaved 1F1B's rounds,
-    at least 2 ranks for DualPipeV)."""
+    """The smallest m >= `microbatches` that every schedule that runs on `ranks` ranks
+    accepts (as the registry states: e.g. a multiple of the ranks for interleaved 1F1B's
+    rounds, at least 2 ranks for DualPipeV, an even count for DualPipe)."""
     m = microbatches
-    while not all(SCHEDULES[name].accepts(ranks, m) for name in ALL_SCHEDULES):
+    while not all(SCHEDULES[name].accepts(ranks, m) for name in runnable(ranks)):
         m += 1
     return m
 
 
-def every_schedule(ctx: RankContext, microbatches: int, *, schedules: Sequence[str] =
-                   ALL_SCHEDULES, **kwargs: Any) -> dict[str, dict[str, Any]]:
-    """One step of each schedule in turn on the same ranks (train's keyword arguments);
-    what each `train` returned, by schedule, without the weights."""
+def every_schedule(ctx: RankContext, microbatches: int, *,
+                   schedules: Sequence[str] | None = None, **kwargs: Any
+                   ) -> dict[str, dict[str, Any]]:
+    """One step of each schedule (default: every one that runs on these ranks) in turn on
+    the same ranks (train's keyword arguments); what each `train` returned, by schedule,
+    without the weights."""
+    schedules = runnable(ctx.world_size) if schedules is None else schedules
     out = {}
     for k, name in enumerate(schedules, 1):
         ctx.tracer.set_status(f"{name}, schedule {k} of {len(schedules)}")

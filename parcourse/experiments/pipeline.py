@@ -183,7 +183,7 @@ def step_times(ctx: RankContext, microbatches: int, steps: int = 10, *,
     ours_opt = torch.optim.SGD(ours_params, lr=0.01)
 
     def ours_step() -> None:
-        ours.step(x if rank == first else None, y if rank == last else None)
+        ours.step(x if rank in first else None, y if rank in last else None)
         ours_opt.step()
         ours_opt.zero_grad()
 
@@ -197,8 +197,8 @@ def step_times(ctx: RankContext, microbatches: int, steps: int = 10, *,
                                  lr=0.01)
 
     def theirs_step() -> None:
-        args = (x,) if rank == first else ()
-        kwargs = {"target": y} if rank == last else {}
+        args = (x,) if rank in first else ()
+        kwargs = {"target": y} if rank in last else {}
         theirs.step(*args, **kwargs)
         theirs_opt.step()
         theirs_opt.zero_grad()

@@ -73,11 +73,11 @@ class ZeroStage3(ZeroStage2):
         self.prefetch = prefetch
         self.quantized_weights = bool(quantized_weights)
         self.quantized_gradients = bool(quantized_gradients)
-        if hpz_partition_size == 1:  # a node of one rank: the copy would be whole, as
-            hpz_partition_size = None  # in DeepSpeed, 1 means off
         if ranks_per_node is not None and not (hpz_partition_size or quantized_gradients):
             raise ValueError("ranks_per_node says where the nodes are for hpZ and qgZ; "
                              "neither is on")
+        if hpz_partition_size == 1:  # a node of one rank: the copy would be whole, as
+            hpz_partition_size = None  # in DeepSpeed, 1 means off
         self.hpz = hpz_partition_size
         if hpz_partition_size is not None:
             if hpz_partition_size < 1 or self.world_size % hpz_partition_size:

@@ -1,7 +1,9 @@
 """Matplotlib figures of what ranks did: timelines, memory, tensors.
 
 Every function returns the Figure and takes an optional Axes, so a lesson can
-put several pictures side by side.
+put several pictures side by side. One file because the figures share their colours,
+legends and bar helpers; read it by function: timeline, memory (by rank, and
+`placement`, by where bytes live), memory_against_gpus, tensors_before_after, bandwidth.
 """
 
 from __future__ import annotations
@@ -291,13 +293,7 @@ def placement(per_config: Mapping[str, Mapping[str, Mapping[str, float]]], param
     for g, label in enumerate(labels):
         for j, where in enumerate(PLACEMENTS):
             x = g + (j - 1) * 0.27
-            bottom = 0.0
-            for category in CATEGORIES:
-                value = per_config[label].get(where, {}).get(category, 0) / params
-                if value:
-                    ax.bar(x, value, 0.25, bottom=bottom, color=CATEGORY_COLORS[category])
-                    used.add(category)
-                bottom += value
+            _stacked_bar(ax, x, 0.25, per_config[label].get(where, {}), params, used)
             ax.text(x, -0.02, where, ha="center", va="top", fontsize=7,
                     transform=ax.get_xaxis_transform())
             formula = (formulas or {}).get(label)
@@ -307,14 +303,33 @@ def placement(per_config: Mapping[str, Mapping[str, Mapping[str, float]]], param
     ax.set_xticks(range(len(labels)), [textwrap.fill(label, 16) for label in labels])
     ax.tick_params(axis="x", pad=14)
     ax.set_ylabel("bytes per parameter")
+    _category_legend(ax, used, "formula" if formulas and any(formulas.values()) else None,
+                     title)
+    return fig
+
+
+def _stacked_bar(ax: Axes, x: float, width: float, by_category: Mapping[str, float],
+                 div: float, used: set[str]) -> None:
+    """One bar, its bytes stacked by category (each divided by `div`), in CATEGORIES'
+    order; the categories drawn are added to `used`, for the legend."""
+    bottom = 0.0
+    for category in CATEGORIES:
+        value = by_category.get(category, 0) / div
+        if value:
+            ax.bar(x, value, width, bottom=bottom, color=CATEGORY_COLORS[category])
+            used.add(category)
+        bottom += value
+
+
+def _category_legend(ax: Axes, used: set[str], line: str | None, title: str | None) -> None:
+    """The categories drawn, and the dashed line's meaning (`line`, if one is drawn)."""
     handles = [Patch(color=CATEGORY_COLORS[c], label=c) for c in CATEGORIES if c in used]
-    if formulas and any(formulas.values()):
-        handles.append(plt.Line2D([], [], color="black", linestyle="--", label="formula"))
+    if line:
+        handles.append(plt.Line2D([], [], color="black", linestyle="--", label=line))
     ax.legend(handles=handles, **LEGEND_OUTSIDE)
     ax.grid(axis="y", alpha=0.3)
     if title:
         ax.set_title(title)
-    return fig
 
 
 def memory(trace: Trace, ax: Axes | None = None, *, labels: Sequence[str] | None = None,
@@ -336,13 +351,7 @@ def memory(trace: Trace, ax: Axes | None = None, *, labels: Sequence[str] | None
         samples = trace.memory_at(label)
         for rank, sample in samples.items():
             x = g - 0.4 + width * (rank + 0.5)
-            bottom = 0.0
-            for category in CATEGORIES:
-                value = sample.bytes.get(category, 0) / div
-                if value:
-                    ax.bar(x, value, width * 0.9, bottom=bottom, color=CATEGORY_COLORS[category])
-                    used.add(category)
-                bottom += value
+            _stacked_bar(ax, x, width * 0.9, sample.bytes, div, used)
             if n <= 8:
                 ax.text(x, -0.02, f"r{rank}", ha="center", va="top", fontsize=7,
                         transform=ax.get_xaxis_transform())
@@ -353,13 +362,7 @@ def memory(trace: Trace, ax: Axes | None = None, *, labels: Sequence[str] | None
     ax.set_xticks(range(len(labels)), [textwrap.fill(label, 12) for label in labels])
     ax.tick_params(axis="x", pad=14)
     ax.set_ylabel(f"bytes per rank ({unit})")
-    handles = [Patch(color=CATEGORY_COLORS[c], label=c) for c in CATEGORIES if c in used]
-    if theory:
-        handles.append(plt.Line2D([], [], color="black", linestyle="--", label="theory"))
-    ax.legend(handles=handles, **LEGEND_OUTSIDE)
-    ax.grid(axis="y", alpha=0.3)
-    if title:
-        ax.set_title(title)
+    _category_legend(ax, used, "theory" if theory else None, title)
     return fig
 
 

@@ -120,14 +120,7 @@ def zeropp_step(ctx, steps, options, ranks_per_node=2, lr=0.05):
     # After ZeRO's own hook, which gathers the weights this one reads.
     model.up.register_forward_pre_hook(lambda m, a: seen.append(m.weight.detach().clone()))
     masters = zmodel.full_state_dict()["up.weight"]
-    x, y = wide_batch(ctx, 32)
-    losses = []
-    for _ in range(steps):
-        loss = nn.functional.mse_loss(zmodel(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
+    losses = Z.fit(zmodel, opt, *wide_batch(ctx, 32), steps)
     across = zeropp.bytes_across_nodes(tracer.data().counters, ranks_per_node)
     sizes = [(u.part_numel, len(u.params)) for u in zmodel.units]
     return losses, zmodel.full_state_dict(), across, sizes, seen[0], masters

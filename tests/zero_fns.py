@@ -24,10 +24,15 @@ def local_batch(ctx, batch):
 
 
 def fit(model, opt, x, y, steps):
+    """`steps` steps of MSE on (x, y); the losses."""
+    losses = []
     for _ in range(steps):
-        nn.functional.mse_loss(model(x), y).backward()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
         opt.step()
         opt.zero_grad()
+        losses.append(loss.item())
+    return losses
 
 
 def train(ctx, stage, opt_name, steps, batch, bucket_mb=0.0005):
@@ -89,14 +94,7 @@ def mixed(ctx, stage, steps, batch, dtype):
     model.inp.register_forward_hook(lambda m, a, out: seen.append((m.weight.dtype, out.dtype)))
     zmodel, opt = zero.shard(model, factory("sgd"), stage=stage, group=ctx.group,
                              mixed_precision=getattr(torch, dtype), bucket_mb=0.0005)
-    x, y = local_batch(ctx, batch)
-    losses = []
-    for _ in range(steps):
-        loss = nn.functional.mse_loss(zmodel(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = fit(zmodel, opt, *local_batch(ctx, batch), steps)
     masters = {str(p.dtype) for p in opt.shard_params}
     dtypes = sorted({str(d) for pair in seen for d in pair})
     return zmodel.full_state_dict(), losses, dtypes, masters

@@ -16,6 +16,11 @@ math runs, then the rank waits out the rest), so that ranks sharing a few cores
 behave as separate devices would. Which message an action waits for and sends is
 the rule in `actions` (`incoming`, `outgoing`); when receives are posted, the policy
 in `posting`.
+
+One file because each part serves the one `step`: read `PipelineRuntime` top down
+(point to point, shapes agreed once, the step, the gradients that ranks add up: tied
+weights and DualPipe's copies, then the four kinds of action), then the helpers at the
+end that find each stage's neighbours and the groups of weights to add up.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ the benchmarks and the lessons read.
 A schedule is, for every rank, the ordered list of its compute actions (see `actions`
 for the action type, the dependency rule and `check`). Adding a schedule is one builder
 and one entry in `SCHEDULES`, here, plus its bubble's formula in `parcourse.theory`.
+One file on purpose: each builder is read on its own, in the order the lessons meet them
+(GPipe, 1F1B, interleaved, ZB-H1, DualPipeV, DualPipe, ZB-V), and the registry at the
+end is the one list of them.
 
     >>> print(gpipe(stages=2, microbatches=3))
     step  rank 0  rank 1

@@ -2,8 +2,9 @@
 
 Read in this order: layout.py (which rows each rank keeps), stage1.py, stage2.py,
 stage3.py (each adds to the one before), then mixed_precision.py, state_dict.py,
-clip.py; model.py holds the entry points. Beyond stage 3: offload.py (ZeRO-Offload),
-infinity.py (ZeRO-Infinity), zeropp.py (ZeRO++); config.py reads a DeepSpeed config.
+clip.py; model.py holds the entry points, sharded_optimizer.py the optimizer's half.
+Beyond stage 3: offload.py (ZeRO-Offload), infinity.py (ZeRO-Infinity), zeropp.py
+(ZeRO++); config.py reads a DeepSpeed config.
 """
 
 from parcourse.zero.config import ZeroEngine, from_config

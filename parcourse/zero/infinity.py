@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parcourse.zero.sharded_optimizer import ShardedOptimizer
+
 if TYPE_CHECKING:
     from parcourse.zero.stage1 import ZeroStage1
 
@@ -61,7 +63,7 @@ def read_state(path: str | Path, rank: int) -> dict[int, UnitState]:
             for f in sorted((directory / f"v{version}").glob("unit*.pt"))}
 
 
-class InfinityOptimizer:
+class InfinityOptimizer(ShardedOptimizer):
     """`InfinityOptimizer(model, optimizer, path)`: `optimizer` (a torch optimizer over
     `model.parameters()`, the ZeroModel's shards) with its state kept on disk under
     `path`/rank<r>. `zero.shard(..., offload_optimizer="nvme", nvme_path=path)` builds it.
@@ -80,7 +82,7 @@ class InfinityOptimizer:
         if model.host is None:
             raise ValueError("InfinityOptimizer streams the optimizer's state between disk "
                              "and host memory: build the model with offload_optimizer='cpu'")
-        self.model, self.optimizer = model, optimizer
+        super().__init__(model, lambda _: optimizer)
         self.directory = rank_dir(path, dist.get_rank() if dist.is_initialized() else 0)
         if self.directory.exists():
             shutil.rmtree(self.directory)
@@ -98,19 +100,8 @@ class InfinityOptimizer:
         self._writer = ThreadPoolExecutor(1, "parcourse-disk-write")
         self.on_unit_written: Callable[[int], None] | None = None  # e.g. a progress line
 
-    # -- what an optimizer is
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        """The state in memory now: the kept parameters' only, between steps."""
-        return self.optimizer.state
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.model.zero_grad(set_to_none)
+    # -- the step (param_groups, state: the kept parameters' only between steps, and
+    #    zero_grad are ShardedOptimizer's)
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = closure() if closure is not None else None
@@ -219,9 +210,7 @@ class InfinityOptimizer:
             for i, s in state.items():
                 self.optimizer.state[self.units[k][i]] = s
         try:
-            return {"stage": self.model.stage, "rank": self.model.rank,
-                    "world_size": self.model.world_size,
-                    "optimizer": self.optimizer.state_dict()}
+            return super().state_dict()
         finally:
             for unit in self.units:
                 for p in unit:
@@ -229,12 +218,7 @@ class InfinityOptimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load what `state_dict` (or ShardedOptimizer's) gave, and write it to disk."""
-        expected = (self.model.stage, self.model.rank, self.model.world_size)
-        found = (state["stage"], state["rank"], state["world_size"])
-        if found != expected:
-            raise ValueError(f"this checkpoint holds (stage, rank, world_size) = {found}, "
-                             f"this optimizer is {expected}")
-        self.optimizer.load_state_dict(state["optimizer"])
+        super().load_state_dict(state)  # into memory: written to disk, unit by unit, here
         new = self.directory / f"v{self.version + 1}"
         new.mkdir(exist_ok=True)
         for k, params in enumerate(self.units):

@@ -23,6 +23,7 @@ from parcourse.trace import Tracer
 from parcourse.comm import Algorithm
 from parcourse.comm.link import Network
 from parcourse.zero.infinity import InfinityOptimizer
+from parcourse.zero.sharded_optimizer import ShardedOptimizer
 from parcourse.zero.offload import OffloadTarget
 from parcourse.zero.stage1 import ZeroStage1
 from parcourse.zero.stage2 import ZeroStage2
@@ -73,49 +74,6 @@ class ZeroModel(ABC):  # noqa: B024 (abstract only so that the stages register u
 
 
 ZeroModel.register(ZeroStage1)  # and so its subclasses, the stages 2 and 3
-
-
-class ShardedOptimizer:
-    """The optimizer half of `parcourse.zero.shard(...)`: yours, over the model's shards.
-
-    A thin wrapper: `ZeroModel.parameters()` are already what an optimizer steps.
-    """
-
-    def __init__(self, model: ZeroStage1,
-                 optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> None:
-        self.model = model
-        self.shard_params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = optimizer_factory(self.shard_params)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = closure() if closure is not None else None
-        self.model.finish_gradient_sync()
-        self.optimizer.step()
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.model.zero_grad(set_to_none)
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's shard of the optimizer state (a sharded checkpoint)."""
-        return {"stage": self.model.stage, "rank": self.model.rank,
-                "world_size": self.model.world_size, "optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        expected = (self.model.stage, self.model.rank, self.model.world_size)
-        found = (state["stage"], state["rank"], state["world_size"])
-        if found != expected:
-            raise ValueError(f"this checkpoint holds (stage, rank, world_size) = {found}, "
-                             f"this optimizer is {expected}")
-        self.optimizer.load_state_dict(state["optimizer"])
 
 
 def shard(model: nn.Module,

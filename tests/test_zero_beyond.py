@@ -287,3 +287,26 @@ def test_zero_pp_trains_within_its_bounds(pools):
         assert not torch.equal(seen, masters)  # it did quantize
         for got, want in zip(losses, base_losses):
             assert abs(got - want) <= 0.005 * want
+
+
+def test_quantize_exercise_check(capsys):
+    """Lesson 04's exercise: the library's quantizer passes; truncating instead of rounding
+    gets one line saying which element is off, by how much, and what was expected."""
+    from parcourse.experiments.zero_beyond import check_quantize
+
+    def right(x, block):
+        return zeropp.quantize(x, block)
+
+    def truncates(x, block):
+        q, scales = zeropp.quantize(x, block)
+        rows = torch.zeros(q.numel())
+        rows[:x.numel()] = x
+        return torch.trunc(rows.view(-1, block) / scales[:, None]).to(torch.int8).view(-1), scales
+
+    assert check_quantize(right)
+    assert "correct" in capsys.readouterr().out
+    assert not check_quantize(truncates)
+    out = capsys.readouterr().out
+    assert "more than half a step" in out and "round (not truncate)" in out
+    assert not check_quantize(lambda x, block: x)
+    assert "expected a pair (q, scales)" in capsys.readouterr().out

@@ -76,46 +76,109 @@ def against_the_paper() -> None:
           "(target: within 15%)")
 
 
-def here() -> None:
+def rank_correlation(xs: list[float], ys: list[float]) -> float:
+    """Spearman's: the Pearson correlation of the ranks (ties share their mean rank)."""
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=v.__getitem__)
+        out = [0.0] * len(v)
+        k = 0
+        while k < len(order):
+            j = k
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[k]]:
+                j += 1
+            for i in order[k:j + 1]:
+                out[i] = (k + j) / 2
+            k = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+
+
+def here(world_size: int = 8, batch: int = 16, steps: int = 6) -> None:
+    """Every configuration of the course's GPT that the planner finds fitting on
+    `world_size` ranks here, run for real: memory of the busiest rank and step time
+    (the median of `steps` - 1 after a warm-up, the slowest rank's), each beside the
+    prediction."""
+    import time
+
     from parcourse import Pool
     from parcourse.experiments.hybrid import LESSON_CONFIG
-    from parcourse.planner import (measure, measure_flops, measure_links,
-                                   measured_against_predicted)
+    from parcourse.planner import (measure, measure_costs, measure_links,
+                                   measured_against_predicted, plan)
 
-    batch = 16
-    with Pool(4, timeout=600) as pool:
+    with Pool(world_size, timeout=600) as pool:
         links = pool.run(measure_links).results[0]
-    cluster = Cluster.this_machine(4, flops=measure_flops(LESSON_CONFIG), links=links)
-    choices = [Choice(4, 1, 1, "1f1b", 2), Choice(2, 2, 1, "1f1b", 2),
-               Choice(2, 1, 2, "1f1b", 4), Choice(1, 2, 2, "1f1b", 4, zero=0),
-               Choice(1, 1, 4, "gpipe", 4), Choice(2, 1, 2, "interleaved-1f1b", 4, zero=1)]
-    print(f"\nthe course's GPT here, 4 ranks, global batch {batch}; one rank alone reaches "
-          f"{cluster.peak_flops / 1e9:.2f} GFLOP/s on it, shared {cluster.achievable:g}; gloo: "
-          f"a message {1e3 * links['p2p_s']:.2f} ms, a tiny all-reduce "
+        costs = pool.run(measure_costs, LESSON_CONFIG).results[0]
+    cluster = Cluster.this_machine(world_size, costs=costs, links=links)
+    plans = plan(LESSON_CONFIG, cluster, batch)
+    print(f"\nthe course's GPT here, {world_size} ranks on {cluster.cores} cores, global batch "
+          f"{batch}: {len(plans.ranked)} configurations fit. One rank alone: layers' FLOPs at "
+          f"{costs['flops'] / 1e9:.1f} GFLOP/s, a layer's call {1e3 * costs['forward_layer_s']:.2f}"
+          f" ms forward, {1e3 * costs['backward_layer_s']:.2f} ms backward, Adam "
+          f"{1e6 * costs['optimizer_tensor_s']:.0f} us a tensor; gloo: a message "
+          f"{1e3 * links['p2p_s']:.2f} ms, a tiny all-reduce "
           + ", ".join(f"{1e3 * v:.2f} ms on {k}" for k, v in links["collective_s"].items()))
-    print(f"{'configuration':<40} {'memory pred.':>13} {'measured':>10} {'step pred. ms':>14} "
+    print(f"{'configuration':<44} {'memory pred.':>13} {'measured':>10} {'step pred. ms':>14} "
           f"{'measured':>9} {'ratio':>6}")
-    with Pool(4, timeout=600) as pool:
-        for choice in choices:
-            results = pool.run(measure, LESSON_CONFIG, choice, batch, 6).results
-            rows = measured_against_predicted(results, LESSON_CONFIG, choice, batch)
-            got = max(r["measured"]["total"] for r in rows)
-            want = max(r["predicted"]["total"] for r in rows)
+    rows = []
+    started = time.perf_counter()
+    with Pool(world_size, timeout=600) as pool:
+        for item in plans.ranked:
+            choice = item.choice
+            results = pool.run(measure, LESSON_CONFIG, choice, batch, steps).results
+            memory = measured_against_predicted(results, LESSON_CONFIG, choice, batch)
+            got = max(r["measured"]["total"] for r in memory)
+            want = max(r["predicted"]["total"] for r in memory)
             times = sorted(max(ts) for ts in zip(*(r["times"] for r in results)))
             step = times[len(times) // 2]
-            predicted = predict_time(LESSON_CONFIG, choice, batch, cluster)["step"]
-            print(f"{choice.label():<40} {want / 1024:>10.1f} KiB {got / 1024:>6.1f} KiB "
-                  f"{1e3 * predicted:>14.1f} {1e3 * step:>9.1f} {predicted / step:>6.2f}")
+            predicted = item.time["step"]
+            rows.append((choice, want, got, predicted, step))
+            print(f"{choice.label():<44} {want / 1024:>9.1f} KiB {got / 1024:>6.1f} KiB "
+                  f"{1e3 * predicted:>14.1f} {1e3 * step:>9.1f} {predicted / step:>6.2f}",
+                  flush=True)
+    memory_err = [abs(w / g - 1) for _, w, g, _, _ in rows]
+    time_err = [abs(p / m - 1) for *_, p, m in rows]
+    measured_order = sorted(range(len(rows)), key=lambda k: rows[k][4])
+    best = measured_order.index(0) + 1  # plans.ranked[0]: the planner's best
+    print(f"{len(rows)} configurations measured in {time.perf_counter() - started:.0f} s")
+    print(f"memory: mean error {sum(memory_err) / len(rows):.1%}, worst {max(memory_err):.1%} "
+          "(target: within 5%)")
+    print(f"step time: mean error {sum(time_err) / len(rows):.1%}, worst {max(time_err):.1%}, "
+          f"{sum(e <= 0.15 for e in time_err)} of {len(rows)} within 15% (target: all); "
+          f"rank correlation {rank_correlation([r[3] for r in rows], [r[4] for r in rows]):.2f}")
+    print(f"the predicted best ({rows[0][0].label()}) is measured {best} of {len(rows)} "
+          "(target: among the best two)")
+
+
+def search_time() -> None:
+    """How long the planner takes to search every configuration of a 70B model on 1024
+    H100s (target: under 2 s, so that the panel answers while a slider moves)."""
+    import time
+
+    from parcourse.planner import model, plan
+
+    cluster = Cluster.preset("h100", gpus=1024)
+    start = time.perf_counter()
+    plans = plan(model("70B", seq=4096), cluster, 1024, dtype="bf16")
+    seconds = time.perf_counter() - start
+    print(f"\nsearch: 70B on 1024 H100s, global batch 1024: {len(plans.ranked)} fit, "
+          f"{len(plans.rejected)} turned down, in {seconds:.2f} s (target: under 2 s)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("paper", "here"), default=None)
+    parser.add_argument("--only", choices=("paper", "here", "search"), default=None)
+    parser.add_argument("--world-size", type=int, default=8)
     args = parser.parse_args()
     if args.only in (None, "paper"):
         against_the_paper()
+    if args.only in (None, "search"):
+        search_time()
     if args.only in (None, "here"):
-        here()
+        here(args.world_size)
 
 
 if __name__ == "__main__":

@@ -18,10 +18,12 @@ bits, mixed precision (2 + 2 + 12 bytes a parameter, ZeRO paper) and Korthikanti
 activations (`korthikanti_layer_bytes`).
 
 Step time: each stage's forward and backward from its FLOPs at the cluster's achievable
-rate, plus tensor parallelism's collectives on the link its group uses; the pipeline's
-bubble and point-to-point messages from the course's simulator on those costs; then the
-data-parallel reduction of the gradients (exposed: the 3D step does it after the
-schedule). Not modelled: the optimizer's own time, kernel launch overheads.
+rate (and, here, a fixed cost per layer call: `Overheads`), plus tensor parallelism's
+collectives on the link its group uses; the pipeline's bubble and point-to-point
+messages from the course's simulator on those costs; then the data-parallel reduction
+of the gradients (exposed: the 3D step does it after the schedule) and the optimizer's
+step. On this machine, ranks beyond the cores share them (`predict_time`), and every
+cost is measured: `Cluster.measured_here`.
 
 One file, read top to bottom in four parts marked by rules: the inputs (Choice,
 Cluster, models), memory, time, and the search; then the measured check. Each part
@@ -127,6 +129,33 @@ class Choice:
 
 
 @dataclass(frozen=True)
+class Overheads:
+    """What a step costs beyond its FLOPs and its links, in seconds. On this machine
+    (`measure_costs`), each layer's call in forward and in backward (Python, the
+    runtime's bookkeeping, a CPU's kernel launches: a tiny model spends most of its time
+    there) and each stage's per microbatch (the pipeline runtime's action, the loss);
+    the optimizer's step: per step, per parameter tensor and per parameter. On a real
+    cluster only the last: Adam's update reads and writes about 28 bytes a parameter
+    (fp32 master, two moments, the gradient, the new weights) at the GPU's memory
+    bandwidth."""
+
+    forward_layer_s: float = 0.0
+    backward_layer_s: float = 0.0
+    forward_stage_s: float = 0.0
+    backward_stage_s: float = 0.0
+    optimizer_step_s: float = 0.0
+    optimizer_tensor_s: float = 0.0
+    optimizer_number_s: float = 0.0
+
+    def optimizer_s(self, tensors: float, numbers: float) -> float:
+        """One optimizer step over `tensors` tensors of `numbers` parameters in all."""
+        if not numbers:
+            return 0.0
+        return (self.optimizer_step_s + tensors * self.optimizer_tensor_s
+                + numbers * self.optimizer_number_s)
+
+
+@dataclass(frozen=True)
 class Cluster:
     """GPUs and their links: `memory` bytes per GPU, `peak_flops` (dense, the dtype's),
     `achievable` (the fraction of it a real step reaches), links inside a node and between
@@ -145,11 +174,18 @@ class Cluster:
     # `measure_links`: gloo on shared cores pays milliseconds a call); 0 on a real cluster,
     # whose links' latency already says it.
     collective_s: dict[int, float] = field(default_factory=dict)
+    overheads: Overheads = field(default_factory=Overheads)
+    # The CPU cores the ranks share (this machine); None: a GPU each. With more ranks
+    # than cores, the ranks computing at once share them (`predict_time`).
+    cores: int | None = None
+    # The same for the course's ring all-reduce of messages (data parallelism's on gloo).
+    ring_s: dict[int, float] = field(default_factory=dict)
 
-    PRESETS = {  # memory, dense bf16 peak, NVLink / InfiniBand per GPU (GB/s, one way)
-        "a100": (80 * 10**9, 312e12, 300.0, 25.0),
-        "h100": (80 * 10**9, 989e12, 450.0, 50.0),
-        "h200": (141 * 10**9, 989e12, 450.0, 50.0),
+    PRESETS = {  # memory, dense bf16 peak, NVLink / InfiniBand per GPU (GB/s, one way),
+        #          memory bandwidth (B/s)
+        "a100": (80 * 10**9, 312e12, 300.0, 25.0, 2.0e12),
+        "h100": (80 * 10**9, 989e12, 450.0, 50.0, 3.35e12),
+        "h200": (141 * 10**9, 989e12, 450.0, 50.0, 4.8e12),
     }
 
     @classmethod
@@ -157,28 +193,54 @@ class Cluster:
                achievable: float = 0.5) -> Cluster:
         if name not in cls.PRESETS:
             raise ValueError(f"unknown GPU {name!r}; choose one of {', '.join(cls.PRESETS)}")
-        memory, flops, nvlink, ib = cls.PRESETS[name]
+        memory, flops, nvlink, ib, hbm = cls.PRESETS[name]
         return cls(name, gpus, min(gpus, gpus_per_node), memory, flops, achievable,
-                   SimulatedLink.of(3, nvlink), SimulatedLink.of(10, ib))
+                   SimulatedLink.of(3, nvlink), SimulatedLink.of(10, ib),
+                   overheads=Overheads(optimizer_number_s=28 / hbm))
 
     @classmethod
-    def this_machine(cls, gpus: int, flops: float, memory: float = 64 * GiB,
+    def this_machine(cls, gpus: int, flops: float | None = None, memory: float = 64 * GiB,
                      topology: Topology | None = None, cores: int | None = None,
-                     links: dict[str, Any] | None = None) -> Cluster:
-        """The course's ranks here: `flops` what one rank reaches alone (`measure_flops`),
-        shared when there are more ranks than `cores` (achievable = cores / ranks); the
-        topology's links, or, with `links` (`measure_links` on the ranks), gloo's own: a
-        message's latency and each collective's cost by group size."""
+                     links: dict[str, Any] | None = None,
+                     costs: dict[str, Any] | None = None) -> Cluster:
+        """The course's ranks here, one core's worth each at most: `flops` what one rank
+        reaches alone (`measure_flops`), or, with `costs` (`measure_costs` on the ranks),
+        the rate a layer's FLOPs go at beside what each call and the optimizer cost
+        (`Overheads`). More ranks than `cores` share them. The topology's links, or,
+        with `links` (`measure_links` on the ranks), gloo's own: a message's latency
+        and each collective's cost by group size."""
         import os
 
+        if (flops is None) == (costs is None):
+            raise ValueError("give one of flops (measure_flops) and costs (measure_costs)")
         cores = cores or os.cpu_count() or 1
         if links is not None:
             link = SimulatedLink(links["p2p_s"], links["bandwidth_Bps"])
             topology = Topology(gpus, link, link)
         topology = topology or Topology(gpus, SimulatedLink(), SimulatedLink())
-        return cls("this machine", gpus, topology.ranks_per_node, memory, flops,
-                   min(1.0, cores / gpus), topology.inside, topology.between,
-                   dict(links["collective_s"]) if links is not None else {})
+        overheads = Overheads(**{k: v for k, v in (costs or {}).items()
+                                 if k in Overheads.__dataclass_fields__})
+        return cls("this machine", gpus, topology.ranks_per_node, memory,
+                   costs["flops"] if costs is not None else flops, 1.0,  # type: ignore[arg-type]
+                   topology.inside, topology.between,
+                   dict(links["collective_s"]) if links is not None else {},
+                   overheads, cores,
+                   dict(links.get("ring_s", {})) if links is not None else {})
+
+    @classmethod
+    def measured_here(cls, gpus: int, config: GPTConfig) -> Cluster:
+        """`this_machine` with what a step of `config` costs here measured: one rank
+        alone (`measure_costs`), then `gpus` ranks at once (`measure_links`). A few
+        seconds: two short runs of processes."""
+        from parcourse.launch import Pool
+
+        with Pool(1, timeout=300) as pool:
+            costs = pool.run(measure_costs, config).results[0]
+        links = None
+        if gpus > 1:
+            with Pool(gpus, timeout=300) as pool:
+                links = pool.run(measure_links).results[0]
+        return cls.this_machine(gpus, costs=costs, links=links)
 
     @property
     def flops(self) -> float:
@@ -373,80 +435,157 @@ def _dp_seconds(choice: Choice, memory: list[dict[str, float]], link: SimulatedL
     return max(0.0, halves * ring / 2 - compute)
 
 
+def _layer_tensors(config: GPTConfig, layer: int, head_apart: bool) -> int:
+    """Parameter tensors of one layer of the course's GPT: the two embeddings; a block's
+    two LayerNorms and four Linears, each a weight and a bias; the final LayerNorm and
+    the head, whose weight is the token embedding's when tied, unless the head sits on
+    another stage (`head_apart`), which then holds a copy."""
+    if layer == 0:
+        return 2
+    if layer <= config.n_layers:
+        return 12
+    return 2 + (0 if config.tie_weights and not head_apart else 1)
+
+
 def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: Cluster,
                  dtype: Dtype = "fp32") -> dict[str, float]:
     """Seconds of one step, split: "compute" (the slowest rank's F and B), "tp" (its
     collectives, on the critical path), "bubble" (the rest of the pipeline's step:
-    idle and messages), "dp" (the gradients' reduction after it), and "step"; with
-    "tokens_per_s" and "mfu" (model FLOPs against the dense peak)."""
+    idle and messages, the tied weights' exchange), "dp" (the gradients' reduction after
+    it, and the loss's mean over the replicas), "optimizer" (its step, on the rank with
+    the most parameters) and "step"; with "tokens_per_s" and "mfu" (model FLOPs against
+    the dense peak).
+
+    Where ranks share fewer cores (`cluster.cores`), the ranks computing at once share
+    them: compute is slowed by (ranks busy on average) / cores, read from the simulated
+    timeline itself until it settles (a pipeline's idle ranks leave their core to the
+    others); the optimizer, which every rank runs at once, by ranks / cores."""
     plan = schedule_by_name(choice.schedule, choice.pp, choice.microbatches, choice.chunks)
     layers = stage_layers(config, choice)
     batch = global_batch // (choice.dp * choice.microbatches)
     tokens = batch * config.block_size
+    ov = cluster.overheads
     tp_link = _group_link(cluster, choice, "tp")
     collectives = tp_collectives(config, batch, config.block_size, choice.tp,
                                  choice.sequence_parallel)
-    tp_mb = tp_link_seconds(collectives, choice.tp, tp_link.latency_s,
+    # Where a collective's own cost was measured (`measure_links`), it holds the link's
+    # latency: only the bytes are added to it.
+    measured = choice.tp in cluster.collective_s
+    tp_mb = tp_link_seconds(collectives, choice.tp, 0.0 if measured else tp_link.latency_s,
                             tp_link.bandwidth_Bps) if choice.tp > 1 else 0.0
     tp_mb += len(collectives) * cluster.collective_s.get(choice.tp, 0.0) if choice.tp > 1 else 0
     forward, backward, tp_share = [], [], []
     blocks = config.n_layers + 2
     for ls in layers:
-        f = sum(_layer_flops(config, lay, tokens) for lay in ls) / choice.tp / cluster.flops
+        f = sum(_layer_flops(config, lay, tokens) for lay in ls) / choice.tp / cluster.flops \
+            + ov.forward_layer_s * len(ls)
         again = {"none": 0.0, "full": f, "selective": sum(
             _attention_flops(config, lay, tokens) for lay in ls) / choice.tp / cluster.flops
                  }[choice.recompute]  # backward runs (part of) forward again first
-        share = tp_mb * len(ls) / blocks  # this stage's part of a microbatch's collectives
-        forward.append(f + share / 2)
-        backward.append(2 * f + again + share / 2)
-        tp_share.append(share)
+        forward.append(f + ov.forward_stage_s)
+        backward.append(2 * (f - ov.forward_layer_s * len(ls)) + ov.backward_layer_s * len(ls)
+                        + again + ov.backward_stage_s)
+        tp_share.append(tp_mb * len(ls) / blocks)  # this stage's part of a microbatch's
     pp_link = _group_link(cluster, choice, "pp")
     activation = (2 if dtype == "bf16" else 4) * tokens * config.d_model
     if choice.sequence_parallel:
         activation //= choice.tp
-    timeline = simulate(plan, Costs(forward=forward, backward=backward,
+
+    def simulated(slow: float) -> Any:
+        return simulate(plan, Costs(forward=[slow * f + t / 2 for f, t in zip(forward, tp_share)],
+                                    backward=[slow * b + t / 2
+                                              for b, t in zip(backward, tp_share)],
                                     latency=pp_link.latency_s,
                                     bandwidth=pp_link.bandwidth_Bps,
                                     message_bytes=activation))
-    busiest = max(range(choice.pp), key=lambda r: timeline.busy[r])
+
     m = choice.microbatches
-    tp_s = sum(tp_share[s] for s, r in enumerate(plan.stage_rank) if r == busiest) * m
+    tp_on = [sum(tp_share[s] for s, r in enumerate(plan.stage_rank) if r == rank) * m
+             for rank in range(choice.pp)]
+    slow, timeline = 1.0, simulated(1.0)
+    if cluster.cores is not None and choice.gpus > cluster.cores:
+        for _ in range(6):
+            busy = sum(b - t for b, t in zip(timeline.busy, tp_on))
+            at_once = busy / timeline.step_time * choice.dp * choice.tp
+            want = max(1.0, at_once / cluster.cores)
+            if abs(want - slow) < 1e-3 * slow:
+                break
+            slow, timeline = want, simulated(want)
+    busiest = max(range(choice.pp), key=lambda r: timeline.busy[r])
+    tp_s = tp_on[busiest]
     compute = timeline.busy[busiest] - tp_s
+    pipeline = timeline.step_time
+    head_apart = plan.stages > 1 and _stage_of(layers, 0) != _stage_of(layers, blocks - 1)
+    if config.tie_weights and head_apart and \
+            plan.stage_rank[_stage_of(layers, 0)] != plan.stage_rank[_stage_of(layers, blocks - 1)]:
+        tied = (2 if dtype == "bf16" else 4) * math.ceil(config.vocab / choice.tp) * config.d_model
+        pipeline += pp_link.latency_s + tied / pp_link.bandwidth_Bps  # summed both ways at once
     memory = predict_memory(config, choice, global_batch, dtype)
-    dp_s = _dp_seconds(choice, memory, _group_link(cluster, choice, "dp"), compute)
-    if choice.dp > 1:  # each collective's own cost: one all-reduce, or two under ZeRO
-        dp_s += cluster.collective_s.get(choice.dp, 0.0) * (2 if choice.zero else 1)
-    step = timeline.step_time + dp_s
+    dp_link = _group_link(cluster, choice, "dp")
+    if choice.dp in cluster.ring_s or choice.dp in cluster.collective_s:
+        dp_link = SimulatedLink(0.0, dp_link.bandwidth_Bps)
+    dp_s = _dp_seconds(choice, memory, dp_link, compute)
+    if choice.dp > 1:  # each collective's own cost: the gradients' all-reduce (the
+        # course's ring; under ZeRO a reduce-scatter and an all-gather, half a ring each),
+        # and the loss's mean over the replicas (torch's)
+        dp_s += cluster.ring_s.get(choice.dp, cluster.collective_s.get(choice.dp, 0.0)) \
+            + cluster.collective_s.get(choice.dp, 0.0)
+    weight_bytes = 4 if dtype == "fp32" else 2
+    optimizer = 0.0
+    for rank in range(choice.pp):
+        numbers = memory[rank]["params"] / weight_bytes * (choice.dp if choice.zero >= 3 else 1)
+        mine = [s for s, r in enumerate(plan.stage_rank) if r == rank]
+        tensors = sum(_layer_tensors(config, lay, head_apart) for s in mine for lay in layers[s])
+        if choice.zero:  # ZeRO steps one flat slice a stage
+            numbers, tensors = numbers / choice.dp, len(mine)
+        optimizer = max(optimizer, ov.optimizer_s(tensors, numbers))
+    if cluster.cores is not None:
+        optimizer *= max(1.0, choice.gpus / cluster.cores)
+    step = pipeline + dp_s + optimizer
     model_flops = model_flops_per_token(config) * global_batch * config.block_size
-    return {"compute": compute, "tp": tp_s, "bubble": timeline.step_time - compute - tp_s,
-            "dp": dp_s, "step": step,
+    return {"compute": compute, "tp": tp_s, "bubble": pipeline - compute - tp_s,
+            "dp": dp_s, "optimizer": optimizer, "step": step, "sharing": slow,
             "tokens_per_s": global_batch * config.block_size / step,
             "mfu": model_flops / (step * cluster.peak_flops * choice.gpus)}
 
 
+def _stage_of(layers: list[list[int]], layer: int) -> int:
+    """The stage that holds `layer`."""
+    return next(s for s, ls in enumerate(layers) if layer in ls)
+
+
 def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30) -> dict[str, Any]:
-    """gloo's costs here, on the pool's ranks (a rank function): a message's one-way
-    latency between ranks 0 and 1 (ping-pong), the bandwidth of a large one, and a tiny
-    all-reduce's seconds for each group size 2, 4, 8 up to the world size (what a
-    collective costs beyond its bytes on shared cores)."""
+    """gloo's costs here, on the pool's ranks (a rank function), each measured as a
+    step meets it, with every rank at it at once (on shared cores, a message waits for
+    its receiver to get a core): a message's one-way latency (ping-pong between ranks
+    2k and 2k + 1, all pairs together), the bandwidth of a large one, and a tiny
+    all-reduce's seconds for each group size that divides the world size (the ranks cut
+    into groups of that size, every group reducing at once): what a collective costs
+    beyond its bytes, torch's ("collective_s": tensor parallelism's, the loss's mean)
+    and the course's ring of messages that data parallelism reduces with on gloo
+    ("ring_s", `Comm(algorithm="auto")`). Rank 0's figures, on every rank."""
     import time
 
     import torch
     import torch.distributed as dist
 
-    out: dict[str, Any] = {"collective_s": {}}
+    from parcourse.comm import Comm
+
+    out: dict[str, Any] = {"collective_s": {}, "ring_s": {}}
+    peer = ctx.rank ^ 1
 
     def pingpong(n: int) -> float:
         t = torch.zeros(n)
         dist.barrier(group=ctx.group)
         start = time.perf_counter()
-        for _ in range(repeats):
-            if ctx.rank == 0:
-                dist.send(t, 1, group=ctx.group)
-                dist.recv(t, 1, group=ctx.group)
-            elif ctx.rank == 1:
-                dist.recv(t, 0, group=ctx.group)
-                dist.send(t, 0, group=ctx.group)
+        if peer < ctx.world_size:
+            for _ in range(repeats):
+                if ctx.rank % 2 == 0:
+                    dist.send(t, peer, group=ctx.group)
+                    dist.recv(t, peer, group=ctx.group)
+                else:
+                    dist.recv(t, peer, group=ctx.group)
+                    dist.send(t, peer, group=ctx.group)
         return (time.perf_counter() - start) / repeats / 2
 
     if ctx.world_size > 1:
@@ -455,19 +594,25 @@ def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30) -> dict[str, 
         out["bandwidth_Bps"] = 4 * big / max(large - small, 1e-9)
     else:
         out["p2p_s"], out["bandwidth_Bps"] = 0.0, float("inf")
-    size = 2
-    while size <= ctx.world_size:
-        group = dist.new_group(list(range(size)))
-        if ctx.rank < size:
-            t = torch.zeros(16)
+    for size in range(2, ctx.world_size + 1):
+        if ctx.world_size % size:
+            continue
+        groups = [dist.new_group(list(range(g * size, (g + 1) * size)))
+                  for g in range(ctx.world_size // size)]
+        group = groups[ctx.rank // size]
+        t = torch.zeros(16)
+        for key, reduce in (("collective_s", lambda: dist.all_reduce(t, group=group)),
+                            ("ring_s", Comm(group, algorithm="auto").all_reduce)):
             for _ in range(3):
-                dist.all_reduce(t, group=group)
+                reduce(t) if key == "ring_s" else reduce()
+            dist.barrier(group=ctx.group)
             start = time.perf_counter()
             for _ in range(repeats):
-                dist.all_reduce(t, group=group)
-            out["collective_s"][size] = (time.perf_counter() - start) / repeats
-        size *= 2
-    return out
+                reduce(t) if key == "ring_s" else reduce()
+            out[key][size] = (time.perf_counter() - start) / repeats
+    shared: list[Any] = [out]
+    dist.broadcast_object_list(shared, src=0, group=ctx.group)
+    return shared[0]
 
 
 def measure_flops(config: GPTConfig, batch: int = 4, repeats: int = 5) -> float:
@@ -496,6 +641,104 @@ def measure_flops(config: GPTConfig, batch: int = 4, repeats: int = 5) -> float:
         torch.set_num_threads(threads)
     median = sorted(times[1:])[len(times[1:]) // 2]
     return model_flops_per_token(config) * batch * config.block_size / median
+
+
+def measure_costs(ctx: Any, config: GPTConfig, batches: tuple[int, int] = (1, 16),
+                  repeats: int = 9) -> dict[str, float]:
+    """What the course's 3D step costs here beyond its links, measured alone (a rank
+    function for a pool of one rank, one thread: ranks waiting beside it would share
+    its cores): the FLOP/s a layer's work goes at ("flops") and `Overheads`' fixed
+    costs, which `Cluster.this_machine(costs=...)` takes.
+
+        with Pool(1) as pool:
+            costs = pool.run(measure_costs, config).results[0]
+
+    The step is run as the planner's configurations run it (`Hybrid` on one rank, traced,
+    Adam), and its F and B actions timed: at two batch sizes, the difference is FLOPs at
+    the rate (a tiny model runs far below it otherwise); the rest is fixed, and a model
+    of one block beside one of several splits it into a cost per layer and one per
+    stage. The optimizer: torch's Adam over the model's tensors, over one tensor of as
+    many numbers, and over one number."""
+    import torch
+
+    if ctx.world_size != 1:
+        raise ValueError(f"measure_costs measures one rank alone: run it on a pool of one "
+                         f"rank, not {ctx.world_size} (the others would share its cores)")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _costs_alone(ctx.group, config, batches, repeats)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _costs_alone(group: Any, config: GPTConfig, batches: tuple[int, int],
+                 repeats: int) -> dict[str, float]:
+    import statistics
+    import time
+
+    import torch
+
+    from parcourse.data import progressions
+    from parcourse.hybrid import Hybrid
+    from parcourse.mesh import Mesh
+    from parcourse.models import gpt
+    from parcourse.trace import Tracer
+
+    def actions(cfg: GPTConfig, batch: int) -> tuple[float, float]:
+        """Median seconds of an F and of a B of the whole model, one microbatch."""
+        tracer = Tracer(0)
+        model = Hybrid(gpt(cfg), Mesh({"dp": 1, "tp": 1, "pp": 1}, group), microbatches=1,
+                       tracer=tracer, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
+        x, y = progressions(batch, cfg.block_size, cfg.vocab)
+        for _ in range(repeats + 1):
+            model.step(x, y)
+        spans = [sp for sp in tracer.data().spans if sp.kind == "compute"]
+        return tuple(statistics.median(sp.duration_s for sp in spans  # type: ignore[return-value]
+                                       if sp.meta.get("action") == kind)
+                     for kind in ("F", "B"))
+
+    def forward_flops(cfg: GPTConfig, batch: int) -> float:
+        return sum(_layer_flops(cfg, lay, batch * cfg.block_size)
+                   for lay in range(cfg.n_layers + 2))
+
+    small, large = batches
+    (f1, b1), (f2, b2) = actions(config, small), actions(config, large)
+    rate = 3 * (forward_flops(config, large) - forward_flops(config, small)) / max(
+        (f2 + b2) - (f1 + b1), 1e-9)
+    fixed = {}
+    for layers in sorted({1, max(2, config.n_layers)}):
+        cfg = dataclasses.replace(config, n_layers=layers)
+        f, b = (f1, b1) if layers == config.n_layers else actions(cfg, small)
+        work = forward_flops(cfg, small) / rate
+        fixed[layers] = (f - work, b - 2 * work)
+    (f_one, b_one), (f_many, b_many) = fixed[1], fixed[max(fixed)]
+    many = max(fixed) + 2  # layers: the blocks, the embeddings and the head
+    per_layer = (max(0.0, (f_many - f_one) / (many - 3)), max(0.0, (b_many - b_one) / (many - 3)))
+
+    def adam(tensors: list[torch.Tensor]) -> float:
+        params = [torch.nn.Parameter(t.clone()) for t in tensors]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.Adam(params, lr=1e-3)
+        times = []
+        for _ in range(3 + 2 * repeats):
+            start = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[3:])
+
+    weights = [p.detach() for p in gpt(config).parameters()]
+    numbers = sum(w.numel() for w in weights)
+    t_model, t_flat, t_one = adam(weights), adam([torch.zeros(numbers)]), adam([torch.zeros(1)])
+    per_tensor = max(0.0, (t_model - t_flat) / max(1, len(weights) - 1))
+    return {"flops": rate,
+            "forward_layer_s": per_layer[0], "backward_layer_s": per_layer[1],
+            "forward_stage_s": max(0.0, f_many - many * per_layer[0]),
+            "backward_stage_s": max(0.0, b_many - many * per_layer[1]),
+            "optimizer_step_s": max(0.0, t_one - per_tensor),
+            "optimizer_tensor_s": per_tensor,
+            "optimizer_number_s": max(0.0, (t_flat - t_one) / max(1, numbers - 1))}
 
 
 # --------------------------------------------------------------------------- search
@@ -593,7 +836,7 @@ def plan(config: GPTConfig, cluster: Cluster, global_batch: int, *, dtype: Dtype
 
 def format_plans(plans: Plans, top: int = 10) -> str:
     """The ranked table (what `python -m parcourse plan` prints): each configuration's
-    predicted step split into compute / tp / bubble / dp, tokens/s, MFU and the busiest
+    predicted step split into compute / tp / bubble / dp / optimizer, tokens/s, MFU and the busiest
     pipeline rank's memory; then how many were turned down and why, with the closest
     that ran out of memory."""
     from collections import Counter
@@ -601,13 +844,15 @@ def format_plans(plans: Plans, top: int = 10) -> str:
     from parcourse.memory import format_bytes
 
     lines = [f"{'':>3}  {'configuration':<50} {'step ms':>10} {'compute':>8} {'tp':>7} "
-             f"{'bubble':>7} {'dp':>7} {'tokens/s':>10} {'MFU':>6} {'memory (busiest)':>17}"]
+             f"{'bubble':>7} {'dp':>7} {'opt':>6} {'tokens/s':>10} {'MFU':>6} "
+             f"{'memory (busiest)':>17}"]
     for k, p in enumerate(plans.ranked[:top], 1):
         t, mem = p.time, p.memory[p.busiest]
         lines.append(
             f"{k:>3}  {p.choice.label():<50} {1e3 * t['step']:>10.1f} "
             f"{1e3 * t['compute']:>8.1f} {1e3 * t['tp']:>7.1f} {1e3 * max(0, t['bubble']):>7.1f} "
-            f"{1e3 * t['dp']:>7.1f} {t['tokens_per_s']:>10.0f} {100 * t['mfu']:>5.1f}% "
+            f"{1e3 * t['dp']:>7.1f} {1e3 * t['optimizer']:>6.1f} {t['tokens_per_s']:>10.0f} "
+            f"{100 * t['mfu']:>5.1f}% "
             f"{format_bytes(mem['total']):>10} (pp {p.busiest})")
     if not plans.ranked:
         lines.append("     nothing fits")
@@ -669,7 +914,7 @@ def measured_against_predicted(results: list[dict[str, Any]], config: GPTConfig,
     return rows
 
 
-__all__ = ["MODELS", "Choice", "Cluster", "Planned", "Plans", "choices", "measure",
-           "format_plans", "measure_flops", "measure_links", "measured_against_predicted", "model",
-           "model_flops_per_token",
-           "parameters", "plan", "predict_memory", "predict_time", "stage_layers"]
+__all__ = ["MODELS", "Choice", "Cluster", "Overheads", "Planned", "Plans", "choices",
+           "format_plans", "measure", "measure_costs", "measure_flops", "measure_links",
+           "measured_against_predicted", "model", "model_flops_per_token", "parameters",
+           "plan", "predict_memory", "predict_time", "stage_layers"]

@@ -228,8 +228,8 @@ def planned(s: TrainSettings, flops: float) -> dict[str, float]:
     """The planner's prediction for this run's mesh on this machine (`flops`: one rank's
     FLOP/s on the model, `planner.measure_flops`): `predict_time`'s step, tokens_per_s
     and mfu, with what a measured MFU is computed from on the same scale: tokens/s x
-    "flops_per_token" / "ranks_flops" (the ranks' FLOP/s, each one's share of the cores
-    counted)."""
+    "flops_per_token" / "ranks_flops" (the ranks' FLOP/s: one rank's for each core they
+    share)."""
     from parcourse.planner import Choice, Cluster, model_flops_per_token, predict_time
 
     choice = Choice(dp=s.dp, tp=s.tp, pp=s.pp, schedule=s.schedule,
@@ -237,7 +237,7 @@ def planned(s: TrainSettings, flops: float) -> dict[str, float]:
     cluster = Cluster.this_machine(s.world_size, flops=flops)
     return {**predict_time(s.config, choice, s.batch, cluster),
             "flops_per_token": model_flops_per_token(s.config),
-            "ranks_flops": s.world_size * cluster.flops}
+            "ranks_flops": min(s.world_size, cluster.cores or s.world_size) * cluster.flops}
 
 
 @torch.no_grad()

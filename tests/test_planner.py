@@ -80,7 +80,7 @@ def test_plans_are_ranked_by_predicted_step_time():
     best = plans.ranked[0].time
     assert best["compute"] > 0 and 0 < best["mfu"] <= 1
     assert best["step"] == pytest.approx(best["compute"] + best["tp"] + best["bubble"]
-                                         + best["dp"])
+                                         + best["dp"] + best["optimizer"])
 
 
 def test_the_last_stage_is_not_the_busiest_under_1f1b():
@@ -121,9 +121,38 @@ def test_this_machines_links_are_measured_and_priced(pool2):
     from parcourse.planner import measure_links
 
     links = pool2.run(measure_links, 1 << 14, 10).results[0]
-    assert links["p2p_s"] > 0 and links["bandwidth_Bps"] > 0 and set(links["collective_s"]) == {2}
+    assert links["p2p_s"] > 0 and links["bandwidth_Bps"] > 0
+    assert set(links["collective_s"]) == set(links["ring_s"]) == {2}
     bare = Cluster.this_machine(2, flops=1e9)
     priced = Cluster.this_machine(2, flops=1e9, links=links)
     choice = Choice(1, 2, 1, "1f1b", 2)
     assert predict_time(CONFIG, choice, BATCH, priced)["tp"] > predict_time(
         CONFIG, choice, BATCH, bare)["tp"]
+
+
+def test_this_machines_costs_are_measured_alone_and_priced(pool2):
+    """A layer's fixed cost and the optimizer's, measured on one rank alone (refused on
+    more: they would share its cores), go into every stage's F and B and the step; ranks
+    beyond the cores share them, by how many compute at once."""
+    from parcourse.models import gpt
+    from parcourse.planner import _layer_tensors, measure_costs, stage_layers
+
+    with Pool(1, timeout=120) as pool:
+        costs = pool.run(measure_costs, CONFIG, (1, 8), 2).results[0]
+    assert costs["flops"] > 0 and costs["forward_layer_s"] > 0 and costs["optimizer_tensor_s"] > 0
+    with pytest.raises(Exception, match="pool of one rank"):
+        pool2.run(measure_costs, CONFIG, (1, 8), 2)
+    bare = predict_time(CONFIG, Choice(8), BATCH, Cluster.this_machine(8, flops=costs["flops"],
+                                                                       cores=8))
+    shared = predict_time(CONFIG, Choice(8), BATCH, Cluster.this_machine(8, costs=costs, cores=2))
+    assert shared["sharing"] == 4 and bare["sharing"] == 1 and bare["optimizer"] == 0
+    assert shared["compute"] > 4 * bare["compute"] and shared["optimizer"] > 0
+    piped = predict_time(CONFIG, Choice(1, 1, 4, "1f1b", 16), BATCH,
+                         Cluster.this_machine(4, costs=costs, cores=2))
+    assert 1 < piped["sharing"] < 2  # the pipeline's idle ranks leave their cores to others
+    # the tensors the optimizer steps, counted per layer as the GPT holds them
+    for choice in (Choice(), Choice(1, 1, 2, "1f1b", 2)):
+        layers = stage_layers(CONFIG, choice)
+        apart = len(layers) > 1
+        counted = sum(_layer_tensors(CONFIG, lay, apart) for ls in layers for lay in ls)
+        assert counted == len(list(gpt(CONFIG).parameters())) + apart

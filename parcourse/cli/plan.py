@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _setup(args: argparse.Namespace) -> tuple[GPTConfig, Cluster, int, str]:
     from parcourse.experiments.hybrid import LESSON_CONFIG
-    from parcourse.planner import Cluster, measure_flops, model
+    from parcourse.planner import Cluster, model
 
     if args.model == "course":
         config = LESSON_CONFIG
@@ -49,7 +49,7 @@ def _setup(args: argparse.Namespace) -> tuple[GPTConfig, Cluster, int, str]:
         gpu = args.gpu or "h100"
         batch = args.batch or 1024
     if gpu == "here":
-        cluster = Cluster.this_machine(args.gpus, flops=measure_flops(LESSON_CONFIG))
+        cluster = Cluster.measured_here(args.gpus, LESSON_CONFIG)
     else:
         cluster = Cluster.preset(gpu, args.gpus, args.gpus_per_node)
     return config, cluster, batch, "fp32" if args.model == "course" else "bf16"
@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
           f"{config.block_size} tokens; global batch {batch}; {dtype}")
     print(f"cluster     {cluster.gpus} x {cluster.name}, {cluster.gpus_per_node} a node, "
           f"{_gib(cluster.memory)} each, {cluster.peak_flops / 1e12:.3g} TFLOP/s peak x "
-          f"{cluster.achievable:g} achievable")
+          f"{cluster.achievable:g} achievable"
+          + (f"; {cluster.gpus} ranks share {cluster.cores} cores" if cluster.cores else ""))
     print()
     print(format_plans(plans, args.top))
     if args.check:

@@ -33,6 +33,7 @@ uses the one before, and the formulas themselves live in `parcourse.theory`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -40,7 +41,7 @@ from typing import Any, Literal
 from parcourse.comm import SimulatedLink, Topology
 from parcourse.models import GPTConfig
 from parcourse.pipeline.partition import stage_bounds
-from parcourse.pipeline.schedule import SCHEDULES, schedule_by_name
+from parcourse.pipeline.schedule import SCHEDULES, Schedule, schedule_by_name
 from parcourse.pipeline.simulate import Costs, in_flight, simulate
 from parcourse.theory import (
     CostModel,
@@ -53,6 +54,20 @@ from parcourse.theory import (
 Dtype = Literal["fp32", "bf16"]
 Recompute = Literal["none", "selective", "full"]
 GiB = 2**30
+
+
+@functools.lru_cache(maxsize=1024)
+def _schedule(name: str, ranks: int, microbatches: int, chunks: int) -> Schedule:
+    """A named schedule, built once: a search asks for the same few thousands of times
+    (the planner only reads it)."""
+    return schedule_by_name(name, ranks, microbatches, chunks)
+
+
+@functools.lru_cache(maxsize=1024)
+def _splits_backward(name: str, ranks: int, microbatches: int, chunks: int) -> bool:
+    """Whether the schedule cuts backward into I and W."""
+    return any(a.kind == "I" for acts in _schedule(name, ranks, microbatches, chunks).actions
+               for a in acts)
 
 
 @dataclass(frozen=True)
@@ -110,7 +125,7 @@ class Choice:
                        "dualpipe-v holds one")
             return out
         try:
-            plan = schedule_by_name(self.schedule, self.pp, self.microbatches, self.chunks)
+            plan = _schedule(self.schedule, self.pp, self.microbatches, self.chunks)
         except ValueError as e:
             out.append(str(e))
             return out
@@ -122,8 +137,8 @@ class Choice:
             out.append(f"ZeRO stage {self.zero} does not exist")
         if self.recompute not in ("none", "selective", "full"):
             out.append(f"recompute {self.recompute!r} is none of none, selective, full")
-        elif self.recompute == "full" and any(
-                a.kind == "I" for acts in plan.actions for a in acts):
+        elif self.recompute == "full" and _splits_backward(
+                self.schedule, self.pp, self.microbatches, self.chunks):
             out.append(f"{self.schedule} splits backward into I and W: no full recompute")
         return out
 
@@ -228,18 +243,23 @@ class Cluster:
                    dict(links.get("ring_s", {})) if links is not None else {})
 
     @classmethod
-    def measured_here(cls, gpus: int, config: GPTConfig) -> Cluster:
+    def measured_here(cls, gpus: int, config: GPTConfig, pool: Any = None) -> Cluster:
         """`this_machine` with what a step of `config` costs here measured: one rank
-        alone (`measure_costs`), then `gpus` ranks at once (`measure_links`). A few
-        seconds: two short runs of processes."""
+        alone (`measure_costs`), then `gpus` ranks at once (`measure_links`, on `pool`
+        if given: a pool of `gpus` ranks). A few seconds: short runs of processes."""
         from parcourse.launch import Pool
 
-        with Pool(1, timeout=300) as pool:
-            costs = pool.run(measure_costs, config).results[0]
+        if pool is not None and pool.world_size != gpus:
+            raise ValueError(f"a pool of {pool.world_size} ranks measures {pool.world_size}"
+                             f" GPUs' links, not {gpus}")
+        with Pool(1, timeout=300) as alone:
+            costs = alone.run(measure_costs, config).results[0]
         links = None
-        if gpus > 1:
-            with Pool(gpus, timeout=300) as pool:
-                links = pool.run(measure_links).results[0]
+        if gpus > 1 and pool is not None:
+            links = pool.run(measure_links).results[0]
+        elif gpus > 1:
+            with Pool(gpus, timeout=300) as ranks:
+                links = ranks.run(measure_links).results[0]
         return cls.this_machine(gpus, costs=costs, links=links)
 
     @property
@@ -276,7 +296,7 @@ def parameters(config: GPTConfig) -> int:
 def stage_layers(config: GPTConfig, choice: Choice) -> list[list[int]]:
     """The GPT's layers (0 the embeddings, 1..L the blocks, L + 1 the head) on each
     stage, cut by layer count as the 3D step cuts them (`partition`)."""
-    plan = schedule_by_name(choice.schedule, choice.pp, choice.microbatches, choice.chunks)
+    plan = _schedule(choice.schedule, choice.pp, choice.microbatches, choice.chunks)
     if choice.split == "blocks":
         k = config.n_layers // plan.stages
         stages = [list(range(1 + s * k, 1 + (s + 1) * k)) for s in range(plan.stages)]
@@ -318,12 +338,19 @@ def predict_memory(config: GPTConfig, choice: Choice, global_batch: int,
     "total"."""
     if problems := choice.problems(config, global_batch):
         raise ValueError("; ".join(problems))
-    plan = schedule_by_name(choice.schedule, choice.pp, choice.microbatches, choice.chunks)
+    plan = _schedule(choice.schedule, choice.pp, choice.microbatches, choice.chunks)
     layers = stage_layers(config, choice)
     batch = global_batch // (choice.dp * choice.microbatches)
     pipelined = plan.stage_rank[0] != plan.stage_rank[-1]
-    per_stage = [[_layer_bytes(config, lay, choice, batch, dtype, pipelined) for lay in ls]
-                 for ls in layers]
+    kinds: dict[int, dict[str, float]] = {}  # the blocks are alike: count one of them
+
+    def counted(lay: int) -> dict[str, float]:
+        kind = min(lay, 1) if lay <= config.n_layers else lay
+        if kind not in kinds:
+            kinds[kind] = _layer_bytes(config, lay, choice, batch, dtype, pipelined)
+        return kinds[kind]
+
+    per_stage = [[counted(lay) for lay in ls] for ls in layers]
     params = [sum(b["params"] for b in st) for st in per_stage]
     held = [sum(b["activations"] for b in st) for st in per_stage]
     if choice.recompute == "full":
@@ -435,6 +462,17 @@ def _dp_seconds(choice: Choice, memory: list[dict[str, float]], link: SimulatedL
     return max(0.0, halves * ring / 2 - compute)
 
 
+@functools.lru_cache(maxsize=4096)
+def _simulated(schedule: tuple[str, int, int, int], forward: tuple[float, ...],
+               backward: tuple[float, ...], latency: float, bandwidth: float,
+               message_bytes: float) -> Any:
+    """The simulator's timeline of a schedule on these costs, run once: configurations
+    that differ only in what the pipeline does not see (ZeRO's stage, say) share it."""
+    return simulate(_schedule(*schedule), Costs(forward=list(forward), backward=list(backward),
+                                                latency=latency, bandwidth=bandwidth,
+                                                message_bytes=message_bytes))
+
+
 def _layer_tensors(config: GPTConfig, layer: int, head_apart: bool) -> int:
     """Parameter tensors of one layer of the course's GPT: the two embeddings; a block's
     two LayerNorms and four Linears, each a weight and a bias; the final LayerNorm and
@@ -459,8 +497,9 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     Where ranks share fewer cores (`cluster.cores`), the ranks computing at once share
     them: compute is slowed by (ranks busy on average) / cores, read from the simulated
     timeline itself until it settles (a pipeline's idle ranks leave their core to the
-    others); the optimizer, which every rank runs at once, by ranks / cores."""
-    plan = schedule_by_name(choice.schedule, choice.pp, choice.microbatches, choice.chunks)
+    others; tp's collectives are not idle: every rank of a stage computes and waits in
+    step); the optimizer, which every rank runs at once, by ranks / cores."""
+    plan = _schedule(choice.schedule, choice.pp, choice.microbatches, choice.chunks)
     layers = stage_layers(config, choice)
     batch = global_batch // (choice.dp * choice.microbatches)
     tokens = batch * config.block_size
@@ -492,12 +531,10 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
         activation //= choice.tp
 
     def simulated(slow: float) -> Any:
-        return simulate(plan, Costs(forward=[slow * f + t / 2 for f, t in zip(forward, tp_share)],
-                                    backward=[slow * b + t / 2
-                                              for b, t in zip(backward, tp_share)],
-                                    latency=pp_link.latency_s,
-                                    bandwidth=pp_link.bandwidth_Bps,
-                                    message_bytes=activation))
+        return _simulated((choice.schedule, choice.pp, choice.microbatches, choice.chunks),
+                          tuple(slow * f + t / 2 for f, t in zip(forward, tp_share)),
+                          tuple(slow * b + t / 2 for b, t in zip(backward, tp_share)),
+                          pp_link.latency_s, pp_link.bandwidth_Bps, activation)
 
     m = choice.microbatches
     tp_on = [sum(tp_share[s] for s, r in enumerate(plan.stage_rank) if r == rank) * m
@@ -505,8 +542,11 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     slow, timeline = 1.0, simulated(1.0)
     if cluster.cores is not None and choice.gpus > cluster.cores:
         for _ in range(6):
+            # The replicas and the tp ranks of a stage compute in step with each other,
+            # and wait on their collectives together: those waits are not idle time that
+            # other ranks could use.
             busy = sum(b - t for b, t in zip(timeline.busy, tp_on))
-            at_once = busy / timeline.step_time * choice.dp * choice.tp
+            at_once = busy / (timeline.step_time - max(tp_on)) * choice.dp * choice.tp
             want = max(1.0, at_once / cluster.cores)
             if abs(want - slow) < 1e-3 * slow:
                 break
@@ -525,10 +565,13 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     if choice.dp in cluster.ring_s or choice.dp in cluster.collective_s:
         dp_link = SimulatedLink(0.0, dp_link.bandwidth_Bps)
     dp_s = _dp_seconds(choice, memory, dp_link, compute)
-    if choice.dp > 1:  # each collective's own cost: the gradients' all-reduce (the
-        # course's ring; under ZeRO a reduce-scatter and an all-gather, half a ring each),
+    if choice.dp > 1:  # each collective's own cost: the gradients' (the course's ring:
+        # one all-reduce; under ZeRO-1 a reduce-scatter and an all-gather of each stage on
+        # the rank, half a ring each; under ZeRO-2 and 3 a reduce-scatter per microbatch),
         # and the loss's mean over the replicas (torch's)
-        dp_s += cluster.ring_s.get(choice.dp, cluster.collective_s.get(choice.dp, 0.0)) \
+        units = plan.stages // choice.pp
+        rings = {0: 1.0, 1: units}.get(choice.zero, units * (choice.microbatches + 1) / 2)
+        dp_s += rings * cluster.ring_s.get(choice.dp, cluster.collective_s.get(choice.dp, 0.0)) \
             + cluster.collective_s.get(choice.dp, 0.0)
     weight_bytes = 4 if dtype == "fp32" else 2
     optimizer = 0.0

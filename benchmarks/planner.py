@@ -102,9 +102,9 @@ def rank_correlation(xs: list[float], ys: list[float]) -> float:
 
 def here(world_size: int = 8, batch: int = 16, steps: int = 6) -> None:
     """Every configuration of the course's GPT that the planner finds fitting on
-    `world_size` ranks here (ZeRO 0-2: what the 3D step runs), run for real: memory of the busiest rank and step time
-    (the median of `steps` - 1 after a warm-up, the slowest rank's), each beside the
-    prediction."""
+    `world_size` ranks here (ZeRO 0-2: what the 3D step runs), run for real: memory of
+    the busiest rank and step time (the median of `steps` - 1 after a warm-up, the
+    slowest rank's), each beside the prediction."""
     import time
 
     from parcourse import Pool

@@ -120,6 +120,10 @@ class Choice:
         if self.schedule not in SCHEDULES:
             out.append(f"unknown schedule {self.schedule!r}")
             return out
+        if not SCHEDULES[self.schedule].microbatched and self.microbatches != 1:
+            out.append(f"{self.schedule} runs the batch whole: one microbatch, not "
+                       f"{self.microbatches}")
+            return out
         if self.schedule == "dualpipe":
             out.append("dualpipe (two copies of every stage) is not modelled by the planner; "
                        "dualpipe-v holds one")
@@ -569,7 +573,8 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
         # one all-reduce; under ZeRO-1 a reduce-scatter and an all-gather of each stage on
         # the rank, half a ring each; under ZeRO-2 and 3 a reduce-scatter per microbatch),
         # and the loss's mean over the replicas (torch's)
-        units = plan.stages // choice.pp
+        units = plan.stages // choice.pp + (  # the tied weights: a unit of their own
+            1 if config.tie_weights and plan.stages > 1 else 0)
         rings = {0: 1.0, 1: units}.get(choice.zero, units * (choice.microbatches + 1) / 2)
         dp_s += rings * cluster.ring_s.get(choice.dp, cluster.collective_s.get(choice.dp, 0.0)) \
             + cluster.collective_s.get(choice.dp, 0.0)
@@ -579,8 +584,10 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
         numbers = memory[rank]["params"] / weight_bytes * (choice.dp if choice.zero >= 3 else 1)
         mine = [s for s, r in enumerate(plan.stage_rank) if r == rank]
         tensors = sum(_layer_tensors(config, lay, head_apart) for s in mine for lay in layers[s])
-        if choice.zero:  # ZeRO steps one flat slice a stage
-            numbers, tensors = numbers / choice.dp, len(mine)
+        if choice.zero:  # ZeRO steps one flat slice a stage, and one of the tied weights
+            holds_tied = config.tie_weights and plan.stages > 1 and bool(
+                {0, plan.stages - 1} & set(mine))
+            numbers, tensors = numbers / choice.dp, len(mine) + holds_tied
         optimizer = max(optimizer, ov.optimizer_s(tensors, numbers))
     if cluster.cores is not None:
         optimizer *= max(1.0, choice.gpus / cluster.cores)

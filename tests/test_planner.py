@@ -113,6 +113,9 @@ def test_plan_command_ranks_and_checks_here(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--model", "70B", "--check"])
     assert "only the course's GPT" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # here, the costs are measured on that many ranks
+        main(["plan", "--gpus", "16"])
+    assert "at most 8" in capsys.readouterr().err
 
 
 def test_this_machines_links_are_measured_and_priced(pool2):

@@ -9,6 +9,8 @@ same path.
 
 from __future__ import annotations
 
+import dataclasses
+
 import html
 import time
 
@@ -62,10 +64,8 @@ class PlannerPanel:
         try:
             config = model(self.model.value, self.seq.value)
             preset = Cluster.preset(self.gpu.value, self.gpus.value)
-            cluster = Cluster(preset.name, preset.gpus, preset.gpus_per_node, preset.memory,
-                              preset.peak_flops, preset.achievable, preset.inside,
-                              SimulatedLink.of(preset.between.latency_s * 1e6,
-                                               self.between.value))
+            cluster = dataclasses.replace(preset, between=SimulatedLink.of(
+                preset.between.latency_s * 1e6, self.between.value))
             plans = plan(config, cluster, self.batch.value, dtype="bf16")
             self.text = format_plans(plans, self.top)
             title = (f"{self.model.value} ({parameters(config) / 1e9:.1f}B) on "

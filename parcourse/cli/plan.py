@@ -64,6 +64,10 @@ def check(args: argparse.Namespace) -> str | None:
         return "--check measures here: only the course's GPT (--model course) runs here"
     if args.check and args.gpus > 8:
         return f"--check runs {args.gpus} ranks on this machine: at most 8"
+    here = (args.gpu or ("here" if args.model == "course" else "h100")) == "here"
+    if here and args.gpus > 8:
+        return (f"--gpu here measures what a step costs on {args.gpus} ranks of this "
+                "machine: at most 8")
     if args.model == "course" and args.seq is not None:
         return "the course's GPT has its own sequence length (16): leave --seq out"
     return None

@@ -148,7 +148,7 @@ def plan_bars(plans: object, memory_limit: float, top: int = 6, closest: int = 3
     """The planner's choices (lesson 09, part 2): the busiest rank's memory by category
     for the `top` fastest configurations that fit and the `closest` that did not, against
     the GPU's memory (a line), beside each fitting one's step split into compute, tp,
-    bubble and dp. `plans`: `parcourse.planner.Plans`."""
+    bubble, dp and the optimizer. `plans`: `parcourse.planner.Plans`."""
     ranked = plans.ranked[:top]  # type: ignore[attr-defined]
     out = sorted((p for p in plans.rejected  # type: ignore[attr-defined]
                   if p.why_not.startswith("out of memory")),
@@ -175,7 +175,7 @@ def plan_bars(plans: object, memory_limit: float, top: int = 6, closest: int = 3
     mem_ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     for y, p in enumerate(ranked):
         left = 0.0
-        for k, c in enumerate(("compute", "tp", "bubble", "dp")):
+        for k, c in enumerate(("compute", "tp", "bubble", "dp", "optimizer")):
             seconds = max(0.0, p.time[c])
             time_ax.barh(y, seconds, left=left, color=f"C{k + 4}",
                          label=c if y == 0 else None)
@@ -184,7 +184,7 @@ def plan_bars(plans: object, memory_limit: float, top: int = 6, closest: int = 3
     time_ax.set_yticks(range(len(ranked)), [str(i + 1) for i in range(len(ranked))])
     time_ax.set_ylim(len(rows) - 0.5, -0.5)
     time_ax.set_xlabel("predicted seconds a step")
-    time_ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    time_ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     if title:
         fig.suptitle(title, fontsize=10)
     return fig

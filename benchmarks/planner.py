@@ -109,27 +109,23 @@ def here(world_size: int = 8, batch: int = 16, steps: int = 6) -> None:
 
     from parcourse import Pool
     from parcourse.experiments.hybrid import LESSON_CONFIG
-    from parcourse.planner import (measure, measure_costs, measure_links,
-                                   measured_against_predicted, plan)
+    from parcourse.planner import measure, measured_against_predicted, measured_here, plan
 
-    with Pool(1, timeout=600) as pool:  # alone: other ranks would share its cores
-        costs = pool.run(measure_costs, LESSON_CONFIG).results[0]
     with Pool(world_size, timeout=600) as pool:
-        links = pool.run(measure_links).results[0]
-    cluster = Cluster.this_machine(world_size, costs=costs, links=links)
-    plans = plan(LESSON_CONFIG, cluster, batch)
-    print(f"\nthe course's GPT here, {world_size} ranks on {cluster.cores} cores, global batch "
-          f"{batch}: {len(plans.ranked)} configurations fit. One rank alone: layers' FLOPs at "
-          f"{costs['flops'] / 1e9:.1f} GFLOP/s, a layer's call {1e3 * costs['forward_layer_s']:.2f}"
-          f" ms forward, {1e3 * costs['backward_layer_s']:.2f} ms backward, Adam "
-          f"{1e6 * costs['optimizer_tensor_s']:.0f} us a tensor; gloo: a message "
-          f"{1e3 * links['p2p_s']:.2f} ms, a tiny all-reduce "
-          + ", ".join(f"{1e3 * v:.2f} ms on {k}" for k, v in links["collective_s"].items()))
-    print(f"{'configuration':<44} {'memory pred.':>13} {'measured':>10} {'step pred. ms':>14} "
-          f"{'measured':>9} {'ratio':>6}")
-    rows = []
-    started = time.perf_counter()
-    with Pool(world_size, timeout=600) as pool:
+        cluster = measured_here(world_size, LESSON_CONFIG, pool=pool)
+        plans = plan(LESSON_CONFIG, cluster, batch)
+        ov = cluster.overheads
+        print(f"\nthe course's GPT here, {world_size} ranks on {cluster.cores} cores, global batch "
+              f"{batch}: {len(plans.ranked)} configurations fit. One rank alone: layers' FLOPs at "
+              f"{cluster.flops / 1e9:.1f} GFLOP/s, a layer's call {1e3 * ov.forward_layer_s:.2f}"
+              f" ms forward, {1e3 * ov.backward_layer_s:.2f} ms backward, Adam "
+              f"{1e6 * ov.optimizer_tensor_s:.0f} us a tensor; gloo: a message "
+              f"{1e3 * cluster.inside.latency_s:.2f} ms, a tiny all-reduce "
+              + ", ".join(f"{1e3 * v:.2f} ms on {k}" for k, v in cluster.collective_s.items()))
+        print(f"{'configuration':<44} {'memory pred.':>13} {'measured':>10} {'step pred. ms':>14} "
+              f"{'measured':>9} {'ratio':>6}")
+        rows = []
+        started = time.perf_counter()
         for item in [p for p in plans.ranked if p.choice.zero <= 2]:  # the 3D step's
             choice = item.choice
             results = pool.run(measure, LESSON_CONFIG, choice, batch, steps).results

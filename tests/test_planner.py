@@ -138,7 +138,8 @@ def test_this_machines_costs_are_measured_alone_and_priced(pool2):
     more: they would share its cores), go into every stage's F and B and the step; ranks
     beyond the cores share them, by how many compute at once."""
     from parcourse.models import gpt
-    from parcourse.planner import _layer_tensors, measure_costs, stage_layers
+    from parcourse.planner import measure_costs, stage_layers
+    from parcourse.planner.predict import _layer_tensors
 
     with Pool(1, timeout=120) as pool:
         costs = pool.run(measure_costs, CONFIG, (1, 8), 2).results[0]

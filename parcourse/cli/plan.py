@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _setup(args: argparse.Namespace) -> tuple[GPTConfig, Cluster, int, str]:
     from parcourse.experiments.hybrid import LESSON_CONFIG
-    from parcourse.planner import Cluster, model
+    from parcourse.planner import Cluster, measured_here, model
 
     if args.model == "course":
         config = LESSON_CONFIG
@@ -49,7 +49,7 @@ def _setup(args: argparse.Namespace) -> tuple[GPTConfig, Cluster, int, str]:
         gpu = args.gpu or "h100"
         batch = args.batch or 1024
     if gpu == "here":
-        cluster = Cluster.measured_here(args.gpus, LESSON_CONFIG)
+        cluster = measured_here(args.gpus, LESSON_CONFIG)
     else:
         cluster = Cluster.preset(gpu, args.gpus, args.gpus_per_node)
     return config, cluster, batch, "fp32" if args.model == "course" else "bf16"

@@ -1,0 +1,63 @@
+"""The planner (lesson 09, part 2): for a model, a cluster and a global batch, predict each
+configuration's memory per rank and step time, rank the ones that fit, say why the others
+do not, and check the prediction against a measured run.
+
+    choices = plan(config, Cluster.preset("h100", gpus=64), global_batch=1024)
+    choices.ranked[0]                     # the fastest that fits: its memory and time
+    choices.rejected[:3]                  # and why others do not
+    predict_memory(config, Choice(dp=2, tp=2, pp=2), global_batch=16)  # per pp rank
+
+Memory is counted per pipeline rank (the busiest is not always the last: the first holds
+the embedding and, under 1F1B, the most microbatches), by category, from the formulas in
+`parcourse.theory` (one home each): parameters, gradients and Adam's state layer by layer
+(`gpt_layer_bytes`), divided as ZeRO divides them over dp; the activations one microbatch
+keeps on each stage times the microbatches the schedule holds at once, which the pipeline
+simulator's `in_flight` counts from the schedule's own actions (not a second formula). In
+fp32 this is the course's GPT counted exactly, checked against `Hybrid.memory()`; in 16
+bits, mixed precision (2 + 2 + 12 bytes a parameter, ZeRO paper) and Korthikanti et al.'s
+activations (`korthikanti_layer_bytes`).
+
+Step time: each stage's forward and backward from its FLOPs at the cluster's achievable
+rate (and, here, a fixed cost per layer call: `Overheads`), plus tensor parallelism's
+collectives on the link its group uses; the pipeline's bubble and point-to-point
+messages from the course's simulator on those costs; then the data-parallel reduction
+of the gradients (exposed: the 3D step does it after the schedule) and the optimizer's
+step. On this machine, ranks beyond the cores share them (`predict_time`), and every
+cost is measured: `measured_here`.
+
+Two modules, read in this order: `predict` (the inputs, memory, time and the search, in
+four parts marked by rules, each using the one before; the formulas themselves live in
+`parcourse.theory`) and `here` (what a step costs on this machine, measured, and a
+configuration run for real beside its prediction).
+"""
+
+from parcourse.planner.here import (
+    measure,
+    measure_costs,
+    measure_flops,
+    measure_links,
+    measured_against_predicted,
+    measured_here,
+)
+from parcourse.planner.predict import (
+    MODELS,
+    Choice,
+    Cluster,
+    Overheads,
+    Planned,
+    Plans,
+    choices,
+    format_plans,
+    model,
+    model_flops_per_token,
+    parameters,
+    plan,
+    predict_memory,
+    predict_time,
+    stage_layers,
+)
+
+__all__ = ["MODELS", "Choice", "Cluster", "Overheads", "Planned", "Plans", "choices",
+           "format_plans", "measure", "measure_costs", "measure_flops", "measure_links",
+           "measured_against_predicted", "measured_here", "model", "model_flops_per_token",
+           "parameters", "plan", "predict_memory", "predict_time", "stage_layers"]

@@ -1,0 +1,279 @@
+"""The planner checked on this machine (`parcourse.planner` says what it is): what a step
+costs here, measured (`measure_costs` on one rank alone: a layer call's fixed cost, the
+FLOP rate, the optimizer's step; `measure_links` on every rank at once: gloo's messages
+and collectives; or `measure_flops` alone), the `Cluster` built from them
+(`measured_here`), and a configuration run for real (`measure`) beside its prediction
+(`measured_against_predicted`). The rank functions here run on a `Pool`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from parcourse.models import GPTConfig
+from parcourse.planner.predict import (
+    Choice,
+    Cluster,
+    _layer_flops,
+    model_flops_per_token,
+    predict_memory,
+)
+
+
+def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30) -> dict[str, Any]:
+    """gloo's costs here, on the pool's ranks (a rank function), each measured as a
+    step meets it, with every rank at it at once (on shared cores, a message waits for
+    its receiver to get a core): a message's one-way latency (ping-pong between ranks
+    2k and 2k + 1, all pairs together), the bandwidth of a large one, and a tiny
+    all-reduce's seconds for each group size that divides the world size (the ranks cut
+    into groups of that size, every group reducing at once): what a collective costs
+    beyond its bytes, torch's ("collective_s": tensor parallelism's, the loss's mean)
+    and the course's ring of messages that data parallelism reduces with on gloo
+    ("ring_s", `Comm(algorithm="auto")`). Rank 0's figures, on every rank."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from parcourse.comm import Comm
+
+    out: dict[str, Any] = {"collective_s": {}, "ring_s": {}}
+    peer = ctx.rank ^ 1
+
+    def pingpong(n: int) -> float:
+        t = torch.zeros(n)
+        dist.barrier(group=ctx.group)
+        start = time.perf_counter()
+        if peer < ctx.world_size:
+            for _ in range(repeats):
+                if ctx.rank % 2 == 0:
+                    dist.send(t, peer, group=ctx.group)
+                    dist.recv(t, peer, group=ctx.group)
+                else:
+                    dist.recv(t, peer, group=ctx.group)
+                    dist.send(t, peer, group=ctx.group)
+        return (time.perf_counter() - start) / repeats / 2
+
+    if ctx.world_size > 1:
+        small, large = pingpong(16), pingpong(big)
+        out["p2p_s"] = small
+        out["bandwidth_Bps"] = 4 * big / max(large - small, 1e-9)
+    else:
+        out["p2p_s"], out["bandwidth_Bps"] = 0.0, float("inf")
+    for size in range(2, ctx.world_size + 1):
+        if ctx.world_size % size:
+            continue
+        groups = [dist.new_group(list(range(g * size, (g + 1) * size)))
+                  for g in range(ctx.world_size // size)]
+        group = groups[ctx.rank // size]
+        t = torch.zeros(16)
+        ring = Comm(group, algorithm="auto")
+        for key, reduce in (("collective_s", lambda: dist.all_reduce(t, group=group)),
+                            ("ring_s", lambda: ring.all_reduce(t))):
+            for _ in range(3):
+                reduce()
+            dist.barrier(group=ctx.group)
+            start = time.perf_counter()
+            for _ in range(repeats):
+                reduce()
+            out[key][size] = (time.perf_counter() - start) / repeats
+    shared: list[Any] = [out]
+    dist.broadcast_object_list(shared, src=0, group=ctx.group)
+    return shared[0]
+
+
+def measure_flops(config: GPTConfig, batch: int = 4, repeats: int = 5) -> float:
+    """FLOP/s one rank reaches here (one thread) on the GPT's own forward and backward:
+    `model_flops_per_token` x tokens over the median time of a step in this process.
+    What `Cluster.this_machine` takes: small models run far below a CPU's peak, so the
+    rate is measured on the model itself."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    from parcourse.models import gpt
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        net = gpt(config)
+        x = torch.randint(config.vocab, (batch, config.block_size))
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            F.cross_entropy(net(x).flatten(0, 1), x.flatten()).backward()
+            times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    median = sorted(times[1:])[len(times[1:]) // 2]
+    return model_flops_per_token(config) * batch * config.block_size / median
+
+
+def measure_costs(ctx: Any, config: GPTConfig, batches: tuple[int, int] = (1, 16),
+                  repeats: int = 9) -> dict[str, float]:
+    """What the course's 3D step costs here beyond its links, measured alone (a rank
+    function for a pool of one rank, one thread: ranks waiting beside it would share
+    its cores): the FLOP/s a layer's work goes at ("flops") and `Overheads`' fixed
+    costs, which `Cluster.this_machine(costs=...)` takes.
+
+        with Pool(1) as pool:
+            costs = pool.run(measure_costs, config).results[0]
+
+    The step is run as the planner's configurations run it (`Hybrid` on one rank, traced,
+    Adam), and its F and B actions timed: at two batch sizes, the difference is FLOPs at
+    the rate (a tiny model runs far below it otherwise); the rest is fixed, and a model
+    of one block beside one of several splits it into a cost per layer and one per
+    stage. The optimizer: torch's Adam over the model's tensors, over one tensor of as
+    many numbers, and over one number."""
+    import torch
+
+    if ctx.world_size != 1:
+        raise ValueError(f"measure_costs measures one rank alone: run it on a pool of one "
+                         f"rank, not {ctx.world_size} (the others would share its cores)")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _costs_alone(ctx.group, config, batches, repeats)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _costs_alone(group: Any, config: GPTConfig, batches: tuple[int, int],
+                 repeats: int) -> dict[str, float]:
+    import statistics
+    import time
+
+    import torch
+
+    from parcourse.data import progressions
+    from parcourse.hybrid import Hybrid
+    from parcourse.mesh import Mesh
+    from parcourse.models import gpt
+    from parcourse.trace import Tracer
+
+    def actions(cfg: GPTConfig, batch: int) -> tuple[float, float]:
+        """Median seconds of an F and of a B of the whole model, one microbatch."""
+        tracer = Tracer(0)
+        model = Hybrid(gpt(cfg), Mesh({"dp": 1, "tp": 1, "pp": 1}, group), microbatches=1,
+                       tracer=tracer, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
+        x, y = progressions(batch, cfg.block_size, cfg.vocab)
+        for _ in range(repeats + 1):
+            model.step(x, y)
+        spans = [sp for sp in tracer.data().spans if sp.kind == "compute"]
+        return tuple(statistics.median(sp.duration_s for sp in spans  # type: ignore[return-value]
+                                       if sp.meta.get("action") == kind)
+                     for kind in ("F", "B"))
+
+    def forward_flops(cfg: GPTConfig, batch: int) -> float:
+        return sum(_layer_flops(cfg, lay, batch * cfg.block_size)
+                   for lay in range(cfg.n_layers + 2))
+
+    small, large = batches
+    (f1, b1), (f2, b2) = actions(config, small), actions(config, large)
+    rate = 3 * (forward_flops(config, large) - forward_flops(config, small)) / max(
+        (f2 + b2) - (f1 + b1), 1e-9)
+    fixed = {}
+    for layers in sorted({1, max(2, config.n_layers)}):
+        cfg = dataclasses.replace(config, n_layers=layers)
+        f, b = (f1, b1) if layers == config.n_layers else actions(cfg, small)
+        work = forward_flops(cfg, small) / rate
+        fixed[layers] = (f - work, b - 2 * work)
+    (f_one, b_one), (f_many, b_many) = fixed[1], fixed[max(fixed)]
+    many = max(fixed) + 2  # layers: the blocks, the embeddings and the head
+    per_layer = (max(0.0, (f_many - f_one) / (many - 3)), max(0.0, (b_many - b_one) / (many - 3)))
+
+    def adam(tensors: list[torch.Tensor]) -> float:
+        params = [torch.nn.Parameter(t.clone()) for t in tensors]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.Adam(params, lr=1e-3)
+        times = []
+        for _ in range(3 + 2 * repeats):
+            start = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[3:])
+
+    weights = [p.detach() for p in gpt(config).parameters()]
+    numbers = sum(w.numel() for w in weights)
+    t_model, t_flat, t_one = adam(weights), adam([torch.zeros(numbers)]), adam([torch.zeros(1)])
+    per_tensor = max(0.0, (t_model - t_flat) / max(1, len(weights) - 1))
+    return {"flops": rate,
+            "forward_layer_s": per_layer[0], "backward_layer_s": per_layer[1],
+            "forward_stage_s": max(0.0, f_many - many * per_layer[0]),
+            "backward_stage_s": max(0.0, b_many - many * per_layer[1]),
+            "optimizer_step_s": max(0.0, t_one - per_tensor),
+            "optimizer_tensor_s": per_tensor,
+            "optimizer_number_s": max(0.0, (t_flat - t_one) / max(1, numbers - 1))}
+
+
+def measured_here(gpus: int, config: GPTConfig, pool: Any = None) -> Cluster:
+    """`Cluster.this_machine` with what a step of `config` costs here measured: one rank
+    alone (`measure_costs`), then `gpus` ranks at once (`measure_links`, on `pool` if
+    given: a pool of `gpus` ranks). A few seconds: short runs of processes."""
+    from parcourse.launch import Pool
+
+    if pool is not None and pool.world_size != gpus:
+        raise ValueError(f"a pool of {pool.world_size} ranks measures {pool.world_size}"
+                         f" GPUs' links, not {gpus}")
+    with Pool(1, timeout=300) as alone:
+        costs = alone.run(measure_costs, config).results[0]
+    links = None
+    if gpus > 1 and pool is not None:
+        links = pool.run(measure_links).results[0]
+    elif gpus > 1:
+        with Pool(gpus, timeout=300) as ranks:
+            links = ranks.run(measure_links).results[0]
+    return Cluster.this_machine(gpus, costs=costs, links=links)
+
+
+def measure(ctx: Any, config: GPTConfig, choice: Choice, global_batch: int,
+            steps: int = 2) -> dict[str, Any]:
+    """Run `choice` here (the 3D step, traced, `steps` Adam steps): this rank's memory by
+    category (`Hybrid.memory`), its pipeline coordinate and the step times after the
+    first."""
+    import time
+
+    import torch
+
+    from parcourse.data import progressions
+    from parcourse.hybrid import Hybrid
+    from parcourse.mesh import Mesh
+    from parcourse.models import gpt
+
+    mesh = Mesh(choice.shape, ctx.group)
+    if choice.recompute == "selective":
+        raise ValueError("the course's 3D step recomputes whole stages (recompute='full')")
+    model = Hybrid(gpt(config), mesh, schedule=choice.schedule,
+                   microbatches=choice.microbatches, chunks=choice.chunks,
+                   recompute=choice.recompute == "full",
+                   sequence_parallel=choice.sequence_parallel, zero=choice.zero,  # type: ignore[arg-type]
+                   tracer=ctx.tracer, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
+    x, y = progressions(global_batch, config.block_size, config.vocab)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        model.step(x, y)
+        times.append(time.perf_counter() - start)
+    return {"memory": model.memory(), "pp": mesh.coordinate("pp"), "times": times[1:]}
+
+
+def measured_against_predicted(results: list[dict[str, Any]], config: GPTConfig,
+                               choice: Choice, global_batch: int) -> list[dict[str, Any]]:
+    """Per pipeline rank: the largest measured bytes of each category over its ranks beside
+    the prediction."""
+    predicted = predict_memory(config, choice, global_batch)
+    rows = []
+    for rank, pred in enumerate(predicted):
+        mine = [r["memory"] for r in results if r["pp"] == rank]
+        got = {k: max(m[k] for m in mine) for k in ("params", "grads", "optimizer",
+                                                     "activations")}
+        got["total"] = sum(got.values())
+        rows.append({"pp": rank, "measured": got, "predicted": pred})
+    return rows
+
+
+__all__ = ["measure", "measure_costs", "measure_flops", "measure_links",
+           "measured_against_predicted", "measured_here"]

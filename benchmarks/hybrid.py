@@ -101,7 +101,10 @@ def against_torch(args: argparse.Namespace) -> None:
     while shapes:
         shape = shapes.pop(0)
         failed = False
-        with Pool(math.prod(shape.values()), timeout=600) as pool:
+        # CPU ranks even where there is a GPU: ranks sharing one talk through gloo, and
+        # torch's pipelining sends CUDA tensors point to point, which gloo cannot do
+        # (seen on an H200: the rank aborts in gloo's writev).
+        with Pool(math.prod(shape.values()), timeout=600, device="cpu") as pool:
             for label, data_parallel, zero in AGAINST_TORCH:
                 results = pool.run(compare_steps, shape, args.steps,
                                    data_parallel=data_parallel, zero=zero).results

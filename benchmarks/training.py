@@ -30,6 +30,8 @@ from parcourse.corpus import build_corpus
 from parcourse.experiments.training import checkpoint_costs
 from parcourse.train import TrainSettings, planned, train_on_corpus
 
+WARM_UP = 10  # steps not timed: the first ones build caches and warm the allocator
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -40,6 +42,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     a = p.parse_args()
+    if a.steps <= WARM_UP:
+        p.error(f"--steps must be more than {WARM_UP}: the first {WARM_UP} are not timed")
     s = TrainSettings(dp=a.dp, tp=a.tp, pp=a.pp, steps=a.steps, width=a.width, layers=a.layers,
                       eval_every=a.steps, batch=16 * a.dp)
     if problems := s.problems():
@@ -51,7 +55,7 @@ def main() -> None:
         corpus = build_corpus(work / "corpus")
         run = launch(train_on_corpus, s.world_size, s, str(corpus.directory), timeout=1800)
         steps = [max(r["history"][i]["seconds"] for r in run.results)
-                 for i in range(10, s.steps)]
+                 for i in range(WARM_UP, s.steps)]
         seconds = statistics.median(steps)
         tokens = s.batch * s.block_size
         flops = measure_flops(s.config)

@@ -38,6 +38,7 @@ import torch
 
 from parcourse import Pool
 from parcourse.cli import parse_count
+from parcourse.launch.plan import make_plan
 from parcourse.experiments.timing import median_of_slowest
 from parcourse.memory import format_bytes
 from parcourse.experiments.zero import (measured_over_formula, memory_by_stage, peak_memory,
@@ -54,23 +55,28 @@ def main() -> None:
     parser.add_argument("--only", choices=("stages", "beyond"), default=None,
                         help="run sections 1-3 (stages) or 4-7 (beyond) only")
     parser.add_argument("--loss-steps", type=int, default=50)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="sections 1-3: where the ranks compute (auto: a GPU if there is "
+                             "one; ranks sharing a GPU talk through gloo)")
     args = parser.parse_args()
     params = parse_count(args.params)
     if args.only != "beyond":
-        stages(params, args.steps)
+        stages(params, args.steps, args.device)
     if args.only != "stages":
         beyond(params, args.steps, args.loss_steps)
 
 
-def stages(params: int, steps: int) -> None:
-    print(f"torch {torch.__version__}, gloo on CPU, one thread per rank; MLP of 4 layers, "
-          f"{params / 1e6:g} M parameters, Adam, fp32")
+def stages(params: int, steps: int, device: str = "auto") -> None:
+    plan = make_plan(2, "auto", device, None)
+    where = "CPU" if plan.devices[0] == "cpu" else f"{torch.cuda.get_device_name(0)}"
+    print(f"torch {torch.__version__}, {plan.backend} on {where}, one thread per rank; MLP of "
+          f"4 layers, {params / 1e6:g} M parameters, Adam, fp32")
 
     print("\n1. bytes per rank, world size 4 (largest rank; measured / formula), and bytes "
           "sent per rank in a step / DDP's")
     print(f"{'stage':>5}{'params':>22}{'grads':>22}{'optimizer':>22}  within 2%"
           f"{'sent / DDP':>12}{'theory':>8}")
-    with Pool(4, timeout=3600) as pool:
+    with Pool(4, timeout=3600, device=device) as pool:
         for stage in (0, 1, 2, 3):
             run = pool.run(memory_by_stage, stage, params, bucket_mb=25.0)
             result = run.results[0]
@@ -91,7 +97,7 @@ def stages(params: int, steps: int) -> None:
         "stage 3": {"kind": "zero", "stage": 3},
         "FSDP2 fully_shard": {"kind": "fsdp2"},
     }
-    with Pool(2, timeout=3600) as pool:
+    with Pool(2, timeout=3600, device=device) as pool:
         per_rank = pool.run(step_times, configs, steps, params=params).results
         med = {n: median_of_slowest(per_rank, n) for n in configs}
         print("\n2. step time, world size 2 (median, slowest rank)")
@@ -103,7 +109,8 @@ def stages(params: int, steps: int) -> None:
               f"{'met' if r1 <= 1.15 else 'MISSED'})")
         print(f"stage 3 / FSDP2 = {r3:.2f} (target <= 1.0: {'met' if r3 <= 1.0 else 'MISSED'})")
 
-        print("\n3. peak memory in a step, world size 2, torch's MemTracker (rank 0)")
+        print("\n3. peak memory in a step, world size 2, torch's MemTracker (rank 0"
+              f"{', ranks sharing one GPU' if where != 'CPU' else ''})")
         ours = pool.run(peak_memory, {"kind": "zero", "stage": 3}, params).results[0]
         theirs = pool.run(peak_memory, {"kind": "fsdp2"}, params).results[0]
         for key in ("param", "grad", "opt", "act", "temp", "total"):

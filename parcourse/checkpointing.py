@@ -48,12 +48,29 @@ def _devices(tensors: Sequence[torch.Tensor]) -> list[torch.device]:
 # Generators of their own that code run under checkpoint may draw from (tensor
 # parallelism's dropout keeps two: parcourse.tensor_parallel.random.RNGTracker).
 # Recomputation replays them as well, as Megatron's checkpoint replays its RNG tracker.
-_EXTRA_GENERATORS: weakref.WeakSet[torch.Generator] = weakref.WeakSet()
+# Each is held for as long as its owner lives: torch 2.11's generators (seen on a GPU
+# machine) cannot be weakly referenced themselves; 2.13's can.
+_EXTRA_GENERATORS: weakref.WeakKeyDictionary[Any, list[torch.Generator]] = (
+    weakref.WeakKeyDictionary())
 
 
-def replay_generator(generator: torch.Generator) -> None:
-    """Have every later `checkpoint` replay this generator too when it recomputes."""
-    _EXTRA_GENERATORS.add(generator)
+def replay_generator(generator: torch.Generator, owner: Any = None) -> None:
+    """Have every later `checkpoint` replay this generator too when it recomputes, for
+    as long as `owner` lives (by default the generator itself, where torch lets a
+    generator be weakly referenced; pass the object that keeps it, as `RNGTracker` does)."""
+    owner = generator if owner is None else owner
+    try:
+        held = _EXTRA_GENERATORS.setdefault(owner, [])
+    except TypeError:
+        raise TypeError(
+            f"this {type(owner).__name__} cannot be weakly referenced; pass owner=, the object "
+            "whose lifetime the registration should follow") from None
+    if not any(g is generator for g in held):
+        held.append(generator)
+
+
+def _extra_generators() -> list[torch.Generator]:
+    return [g for held in list(_EXTRA_GENERATORS.values()) for g in held]
 
 
 class _RngState:
@@ -64,7 +81,7 @@ class _RngState:
         self.devices = _devices(tensors)
         self.cpu = torch.get_rng_state()
         self.cuda = [torch.cuda.get_rng_state(d) for d in self.devices]
-        self.extra = [(g, g.get_state()) for g in list(_EXTRA_GENERATORS)]
+        self.extra = [(g, g.get_state()) for g in _extra_generators()]
 
     @contextmanager
     def replay(self) -> Iterator[None]:

@@ -296,3 +296,25 @@ def test_backward_exercise_check_names_the_mistake(capsys):
     assert not check_backward_exercise(no_grad_leaves)
     out = capsys.readouterr().out
     assert "the input is missing" in out and "fresh leaves" in out
+
+
+def test_replayed_generators_live_as_long_as_what_keeps_them():
+    """Tensor parallelism's dropout generators stay registered for replay while a dropout
+    module keeps them (the tracker that made them may go), and not after; torch 2.11's
+    generators cannot be weakly referenced, so the registration follows an owner."""
+    import gc
+
+    from parcourse.checkpointing import _extra_generators, replay_generator
+    from parcourse.tensor_parallel import RNGTracker, TrackedDropout
+
+    tracker = RNGTracker(0, 0)
+    dropout = TrackedDropout(0.1, tracker, "sharded")
+    generator = dropout.generator
+    del tracker
+    gc.collect()
+    assert any(g is generator for g in _extra_generators())
+    del dropout
+    gc.collect()
+    assert not any(g is generator for g in _extra_generators())
+    with pytest.raises(TypeError, match="owner="):
+        replay_generator(torch.Generator(), owner=1)

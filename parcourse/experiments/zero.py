@@ -120,11 +120,11 @@ def step_times(ctx: RankContext, configs: dict[str, dict[str, Any]], steps: int 
     {"kind": "fsdp2"} | {"kind": "ddp"}.
     """
     width, depth = mlp_for(params, depth)
-    x, y = local_regression(batch, width, width, ctx.rank, ctx.world_size)
+    x, y = local_regression(batch, width, width, ctx.rank, ctx.world_size, ctx.device)
     runs = {}
     ctx.tracer.set_status("building the models")
     for name, cfg in configs.items():
-        model = mlp(width, width, width, depth=depth)
+        model = mlp(width, width, width, depth=depth).to(ctx.device)
         runs[name] = _build(cfg, model, ctx)
     return alternate_steps(ctx, runs, x, y, steps)
 
@@ -164,9 +164,9 @@ def peak_memory(ctx: RankContext, cfg: dict[str, Any], params: int = 4_000_000, 
     from torch.distributed._tools.mem_tracker import MemTracker
 
     width, depth = mlp_for(params, depth)
-    x, y = local_regression(batch, width, width, ctx.rank, ctx.world_size)
+    x, y = local_regression(batch, width, width, ctx.rank, ctx.world_size, ctx.device)
     ctx.tracer.set_status("building the model")
-    model, opt = _build(cfg, mlp(width, width, width, depth=depth), ctx)
+    model, opt = _build(cfg, mlp(width, width, width, depth=depth).to(ctx.device), ctx)
     nn.functional.mse_loss(model(x), y).backward()  # a first step creates the optimizer state
     opt.step()
     opt.zero_grad()

@@ -43,7 +43,7 @@ class RNGTracker:
             "sharded": torch.Generator(device).manual_seed(seed + _SHARDED_OFFSET + rank),
         }
         for g in self.generators.values():  # recomputed dropout draws the same masks
-            replay_generator(g)
+            replay_generator(g, owner=self)
 
     def generator(self, region: Region) -> torch.Generator:
         if region not in self.generators:
@@ -63,6 +63,7 @@ class TrackedDropout(nn.Module):
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
         self.p, self.region = p, region
         self.generator = tracker.generator(region)
+        self.tracker = tracker  # its generators are replayed under checkpoint while it lives
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:

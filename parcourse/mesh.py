@@ -29,7 +29,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from parcourse.comm.common import global_rank, group_info
+from parcourse.comm.common import backend_for, global_rank, group_info
 
 Axis = Literal["dp", "tp", "pp", "cp", "ep"]
 AXES: tuple[str, ...] = ("dp", "tp", "pp", "cp", "ep")
@@ -268,7 +268,7 @@ class Mesh:
         if self._device_mesh is None:
             from torch.distributed.device_mesh import DeviceMesh
 
-            device_type = "cuda" if dist.get_backend(self.parent) == "nccl" else "cpu"
+            device_type = "cuda" if backend_for(self.parent, "cuda") == "nccl" else "cpu"
             mesh = torch.tensor(self._global).view(*self.layout.sizes)
             self._device_mesh = DeviceMesh.from_group(
                 [self._create(a) for a in self.layout.axes], device_type, mesh=mesh,

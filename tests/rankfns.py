@@ -13,8 +13,12 @@ def rank_and_sum(ctx, offset=0):
     t = torch.tensor([float(ctx.rank)])
     with ctx.tracer.span("all_reduce", kind="comm"):
         dist.all_reduce(t, group=ctx.group)
+    from parcourse.comm import backend_for
+
     return {"rank": ctx.rank, "world": ctx.world_size, "sum": t.item() + offset,
-            "pid": os.getpid(), "threads": torch.get_num_threads(), "device": str(ctx.device)}
+            "pid": os.getpid(), "threads": torch.get_num_threads(), "device": str(ctx.device),
+            "backend": ctx.backend,
+            "moves": {d: backend_for(ctx.group, d) for d in ("cpu", "cuda")}}
 
 
 def _note_pid(pid_dir):

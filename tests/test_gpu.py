@@ -129,3 +129,20 @@ def test_tensor_parallel_trains_on_gpu_ranks():
     assert plain == checked  # recomputation replays the dropout generators
     assert all(torch.isfinite(torch.tensor(r)).all() for r in plain)
     assert plain[0][-1] < plain[0][0]
+
+
+def _reduce_on_both(ctx):
+    import torch.distributed as dist
+
+    on_cpu, on_gpu = torch.ones(3), torch.ones(3, device=ctx.device)
+    dist.all_reduce(on_cpu, group=ctx.group)
+    dist.all_reduce(on_gpu, group=ctx.group)
+    return ctx.backend, on_cpu.tolist(), on_gpu.tolist()
+
+
+def test_a_run_on_its_own_gpus_reduces_cpu_tensors_too():
+    """One GPU per rank gives NCCL, with gloo beside it for CPU tensors: a loss or a count
+    kept on the CPU reduces as on the GPU (NCCL alone refused them at world size 1)."""
+    n = torch.cuda.device_count()
+    for r in launch(_reduce_on_both, n).results:
+        assert r == ("nccl", [float(n)] * 3, [float(n)] * 3)

@@ -19,7 +19,7 @@ from parcourse.experiments.torch_3d import compare_steps
 
 @pytest.fixture(scope="module")
 def pool4():
-    with Pool(4, timeout=120) as pool:
+    with Pool(4, timeout=120, device="cpu") as pool:
         yield pool
 
 

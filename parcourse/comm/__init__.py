@@ -10,7 +10,7 @@
 - messenger.py: send / recv that count bytes, stage CUDA tensors over gloo and
   apply the simulated link (link.py: `SimulatedLink`, and `Topology`, fast inside a
   node and slow between nodes).
-- common.py: argument checks, `group_info`, `global_rank`; `chunk_bounds` (how a
+- common.py: argument checks, `group_info`, `global_rank`, `backend_for`; `chunk_bounds` (how a
   range is cut into n parts) is parcourse.ranges', shared with the data.
 """
 
@@ -19,6 +19,7 @@ from parcourse.comm.common import (
     DTYPES,
     OPS,
     Op,
+    backend_for,
     check_args,
     global_rank,
     group_info,
@@ -53,6 +54,7 @@ __all__ = [
     "SimulatedLink",
     "Topology",
     "link_between",
+    "backend_for",
     "check_args",
     "chunk_bounds",
     "global_rank",

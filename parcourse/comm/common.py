@@ -57,6 +57,17 @@ def group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int,
     return group, group.rank(), group.size()
 
 
+def backend_for(group: dist.ProcessGroup, device: torch.device | str) -> str:
+    """The backend that moves `device`'s tensors in `group`: "gloo" or "nccl". An NCCL run
+    joins its group as "cpu:gloo,cuda:nccl" (parcourse.launch: CPU tensors work there too),
+    so which one carries a tensor depends on where it lives."""
+    name = str(dist.get_backend(group))
+    if ":" not in name:
+        return name
+    by_device = dict(part.split(":", 1) for part in name.split(","))
+    return by_device.get(torch.device(device).type, name)
+
+
 def global_rank(group: dist.ProcessGroup, group_rank: int) -> int:
     """The global rank of a rank in `group`: what torch.distributed's functions take
     (broadcast's src, isend/irecv's peer); the group's own send/recv take group ranks."""

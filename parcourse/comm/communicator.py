@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from parcourse._compat import all_gather_single, reduce_scatter_single
-from parcourse.comm.common import Op, group_info
+from parcourse.comm.common import Op, backend_for, group_info
 from parcourse.comm.link import Network
 from parcourse.comm.messenger import Messenger, messenger
 from parcourse.comm.ring_fast import ring_all_gather, ring_all_reduce, ring_reduce_scatter
@@ -87,14 +87,14 @@ class Comm:
             raise ValueError(f"unknown algorithm {algorithm!r}; choose 'torch', 'ring' or 'auto'")
         self.group, self.rank, self.size = group_info(group)
         if algorithm == "auto":  # gloo's own reduce-scatter and all-gather are slow (README)
-            ring = link is not None or dist.get_backend(self.group) == "gloo"
+            ring = link is not None or backend_for(self.group, "cuda") == "gloo"  # gloo alone
             algorithm = "ring" if ring else "torch"
         if link is not None and algorithm != "ring":
             raise ValueError("a simulated link needs algorithm='ring' (torch's collectives "
                              "cannot be slowed down)")
         self.algorithm: Literal["torch", "ring"] = algorithm
         self.tracer, self.link, self.timed = tracer, link, timed
-        self._gloo = dist.get_backend(self.group) == "gloo"
+        self._gloo = backend_for(self.group, "cuda") == "gloo"  # CUDA tensors staged
         self._wires: dict[bool, dist.ProcessGroup | Messenger] = {}
         self._thread: ThreadPoolExecutor | None = None
 

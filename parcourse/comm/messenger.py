@@ -16,7 +16,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from parcourse.comm.common import global_rank
+from parcourse.comm.common import backend_for, global_rank
 from parcourse.comm.link import Network, Wire, link_between, sleep_until, wire_for
 from parcourse.trace import Tracer
 
@@ -128,7 +128,7 @@ def messenger(group: dist.ProcessGroup, like: torch.Tensor, tracer: Tracer | Non
     bytes are counted (tracer), a link is simulated, or CUDA tensors go over
     gloo (which moves CPU tensors only, so they are staged through host memory).
     `link`: one `SimulatedLink` for every pair of ranks, or a `Topology`."""
-    staged = like.is_cuda and dist.get_backend(group) == "gloo"
+    staged = like.is_cuda and backend_for(group, like.device) == "gloo"
     if tracer is None and link is None and not staged:
         return group
     return Messenger(group, tracer, link, staged)

@@ -206,7 +206,14 @@ def compare_steps(ctx: RankContext, shape: dict[str, int], steps: int = 5, *,
     round). Returns each one's times, losses (the warm-up's included; None off the last
     stage) and bytes held after the last step (parameters, gradients, optimizer state);
     if torch's composition raised while being built or in its first step, `error` holds
-    its type, message and traceback, and only ours is timed."""
+    its type, message and traceback, and only ours is timed.
+
+    On CPU ranks (`Pool(n, device="cpu")`), where both are built: on ranks sharing a GPU,
+    torch's pipelining sends CUDA tensors point to point through gloo, which aborts the
+    process (seen on an H200)."""
+    if ctx.device.type != "cpu":
+        raise ValueError(f"compare_steps runs on CPU ranks (Pool(n, device='cpu')); this rank "
+                         f"is on {ctx.device}")
     mesh = Mesh(shape, ctx.group)  # type: ignore[arg-type]
     ours = Hybrid(gpt(config), mesh, schedule=schedule, microbatches=microbatches, zero=zero,
                   optimizer=adam)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from parcourse.comm.common import backend_for
 from parcourse.launch.plan import Plan, RankContext, Run
 from parcourse.launch.worker import PG_TIMEOUT, to_cpu
 from parcourse.trace import Trace, Tracer
@@ -45,11 +46,11 @@ def init_external(plan: Plan) -> None:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                               world_size, is_master=False, timeout=PG_TIMEOUT)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(plan.backend, store=dist.PrefixStore(
+        dist.init_process_group(plan.group_backend, store=dist.PrefixStore(
             f"/parcourse/attempt_{attempt}", store), rank=rank, world_size=world_size,
             timeout=PG_TIMEOUT)
     else:
-        dist.init_process_group(plan.backend, rank=rank, world_size=world_size,
+        dist.init_process_group(plan.group_backend, rank=rank, world_size=world_size,
                                 timeout=PG_TIMEOUT)
     # We created it, so we tear it down: a gloo group still alive at interpreter exit
     # aborts the process ("terminate called without an active exception").
@@ -77,8 +78,9 @@ def run_external(plan: Plan, fn: Callable[..., Any], args: tuple[Any, ...],
     if plan.devices[0] == "cpu":
         torch.set_num_threads(plan.threads)
     tracer = Tracer(rank)
-    ctx = RankContext(rank, world_size, _device(plan), dist.group.WORLD, tracer,
-                      dist.get_backend())
+    device = _device(plan)
+    backend = backend_for(dist.group.WORLD, device)  # the group may be the user's own
+    ctx = RankContext(rank, world_size, device, dist.group.WORLD, tracer, backend)
     t0 = time.perf_counter()
     value = fn(ctx, *args, **kwargs)
     rank_s = time.perf_counter() - t0
@@ -86,4 +88,4 @@ def run_external(plan: Plan, fn: Callable[..., Any], args: tuple[Any, ...],
     dist.all_gather_object(gathered, (to_cpu(value), tracer.data(), rank_s))
     wall = time.perf_counter() - t0
     return Run([g[0] for g in gathered], Trace.merge(world_size, [g[1] for g in gathered]), wall,
-               world_size, dist.get_backend(), 0.0, [g[2] for g in gathered])
+               world_size, backend, 0.0, [g[2] for g in gathered])

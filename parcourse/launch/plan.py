@@ -24,6 +24,14 @@ class Plan:
     devices: tuple[str, ...]
     threads: int
 
+    @property
+    def group_backend(self) -> str:
+        """What the process group is made with. An NCCL run keeps gloo beside NCCL for CPU
+        tensors ("cpu:gloo,cuda:nccl", torch's form): NCCL alone refuses them ("No backend
+        type associated with device type cpu", seen on one GPU at world size 1), and much of
+        the course keeps a model, a loss or a count on the CPU."""
+        return "cpu:gloo,cuda:nccl" if self.backend == "nccl" else self.backend
+
 
 def make_plan(world_size: int, backend: str, device: str, threads: int | None) -> Plan:
     """The backend and a device for each rank: gloo on CPU; NCCL when each rank has its own

@@ -86,8 +86,8 @@ def rank_main(rank: int, plan: Plan, port: int, prefix: str, conn: Any, lifeline
     status.value = b"joining the process group"
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=PG_TIMEOUT)
-        dist.init_process_group(plan.backend, store=dist.PrefixStore(prefix, store), rank=rank,
-                                world_size=plan.world_size, timeout=PG_TIMEOUT)
+        dist.init_process_group(plan.group_backend, store=dist.PrefixStore(prefix, store),
+                                rank=rank, world_size=plan.world_size, timeout=PG_TIMEOUT)
     except BaseException as e:  # noqa: BLE001
         conn.send(Failed(rank, time.perf_counter_ns(), type(e).__name__, str(e),
                          traceback.format_exc(), TraceData(rank)))

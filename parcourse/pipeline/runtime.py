@@ -37,7 +37,7 @@ from torch.func import functional_call
 
 from parcourse.checkpointing import checkpoint
 from parcourse.comm import Comm, SimulatedLink
-from parcourse.comm.common import global_rank
+from parcourse.comm.common import backend_for, global_rank
 from parcourse.comm.link import link_between
 from parcourse.memory import SavedActivations, live_bytes
 from parcourse.pipeline.actions import Action, Message, Schedule, check, incoming, outgoing
@@ -126,7 +126,9 @@ class PipelineRuntime:
         self._before, self._after = _neighbours(schedule)
         self._shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}  # each stage's input
         self._out_shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}  # ... and output
-        self._posts = early_receives(schedule, self.rank, dist.get_backend(self.group))
+        device = next((p.device for m in self.stages.values() for p in m.parameters()),
+                      torch.device("cpu"))
+        self._posts = early_receives(schedule, self.rank, backend_for(self.group, device))
         self._failed: str | None = None
         self.on_weight_gradients = on_weight_gradients
         self.peak_in_flight_bytes = 0  # of the last step, when a tracer measures them

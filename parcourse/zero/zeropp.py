@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from parcourse.comm import Comm, global_rank
+from parcourse.comm import Comm, backend_for, global_rank
 
 BLOCK = 256  # elements that share one scale
 
@@ -173,7 +173,7 @@ def _all_to_all(comm: Comm, blocks: dict[int, torch.Tensor], peers: tuple[int, .
     device = next(iter(blocks.values())).device if blocks else torch.device("cpu")
     got = {p: torch.empty(nbytes, dtype=torch.uint8, device=device)
            for p in peers if p != me}
-    if comm.algorithm == "torch" and dist.get_backend(comm.group) != "gloo":
+    if comm.algorithm == "torch" and backend_for(comm.group, device) != "gloo":
         # NCCL runs each send and receive on its stream in the order given: a send waits
         # for its receive, so all of them go in one group, or the ranks wait on each other.
         ops = [dist.P2POp(dist.isend, blocks[p], global_rank(comm.group, p), comm.group, tag)

@@ -1,6 +1,9 @@
 """The planner: its memory predictions against measured 3D runs (exact counts, fp32), the
 ZeRO paper's worked example, and why configurations are turned down."""
 
+import dataclasses
+import os
+
 import pytest
 
 from parcourse import Pool
@@ -23,23 +26,28 @@ MEASURED = [
 ]
 
 
-def test_memory_per_rank_is_predicted_exactly():
+@pytest.fixture(scope="module")
+def pool8():
+    with Pool(8, timeout=300) as pool:
+        yield pool
+
+
+def test_memory_per_rank_is_predicted_exactly(pool8):
     """Parameters, gradients and activations are counted exactly (the same tensors the
     3D step keeps: `gpt_layer_bytes` layer by layer, the microbatches in flight from the
     schedule's own actions); Adam's state is off by its step counters (4 bytes a tensor,
     which the formula leaves out). ZeRO-2's gradients peak at a moment the schedule
     decides (a stage's whole gradient beside the slices so far), walked along its
     actions. Every pipeline rank, eight configurations."""
-    with Pool(8, timeout=300) as pool:
-        for choice in MEASURED:
-            results = pool.run(measure, CONFIG, choice, BATCH, 1).results
-            for row in measured_against_predicted(results, CONFIG, choice, BATCH):
-                got, want = row["measured"], row["predicted"]
-                where = (choice.label(), row["pp"])
-                for category in ("params", "grads", "activations"):
-                    assert got[category] == want[category], (*where, category)
-                assert got["optimizer"] == pytest.approx(want["optimizer"], rel=5e-3), where
-                assert got["total"] == pytest.approx(want["total"], rel=5e-3), where
+    for choice in MEASURED:
+        results = pool8.run(measure, CONFIG, choice, BATCH, 1).results
+        for row in measured_against_predicted(results, CONFIG, choice, BATCH):
+            got, want = row["measured"], row["predicted"]
+            where = (choice.label(), row["pp"])
+            for category in ("params", "grads", "activations"):
+                assert got[category] == want[category], (*where, category)
+            assert got["optimizer"] == pytest.approx(want["optimizer"], rel=5e-3), where
+            assert got["total"] == pytest.approx(want["total"], rel=5e-3), where
 
 
 def test_the_zero_papers_example():
@@ -131,6 +139,26 @@ def test_this_machines_links_are_measured_and_priced(pool2):
     choice = Choice(1, 2, 1, "1f1b", 2)
     assert predict_time(CONFIG, choice, BATCH, priced)["tp"] > predict_time(
         CONFIG, choice, BATCH, bare)["tp"]
+
+
+def test_links_under_load_price_a_pipelines_hops(pool8):
+    """With more ranks than cores, a message and tp's collectives are measured again while
+    the other ranks compute, and a pipeline's hops and collectives are priced so; a
+    configuration without a pipeline (every rank computing and reducing in step) is not."""
+    from parcourse.planner import measure_links
+
+    if (os.cpu_count() or 1) >= 8:
+        pytest.skip("no more ranks than cores here: nothing is measured under load")
+    links = pool8.run(measure_links, 1 << 12, 5, 0.05, 1).results[0]
+    loaded = links["loaded"]
+    assert loaded["p2p_s"] > 0 and set(loaded["collective_s"]) == {2, 4}
+    cluster = Cluster.this_machine(8, flops=1e9, links=links, cores=2)
+    assert cluster.loaded_p2p_s == loaded["p2p_s"]
+    slow = dataclasses.replace(cluster, loaded_p2p_s=0.05, loaded_collective_s={2: 0.05})
+    for choice, priced in ((Choice(2, 2, 2, "1f1b", 2), True),
+                           (Choice(4, 2, 1, "1f1b", 1), False)):
+        a, b = (predict_time(CONFIG, choice, BATCH, c) for c in (cluster, slow))
+        assert (b["step"] > a["step"] + 0.05) is priced, choice.label()
 
 
 def test_this_machines_costs_are_measured_alone_and_priced(pool2):

@@ -9,6 +9,7 @@ and collectives; or `measure_flops` alone), the `Cluster` built from them
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from parcourse.models import GPTConfig
@@ -21,7 +22,8 @@ from parcourse.planner.predict import (
 )
 
 
-def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30) -> dict[str, Any]:
+def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,
+                  loaded_window_s: float = 0.2, loaded_windows: int = 3) -> dict[str, Any]:
     """gloo's costs here, on the pool's ranks (a rank function), each measured as a
     step meets it, with every rank at it at once (on shared cores, a message waits for
     its receiver to get a core): a message's one-way latency (ping-pong between ranks
@@ -30,7 +32,12 @@ def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30) -> dict[str, 
     into groups of that size, every group reducing at once): what a collective costs
     beyond its bytes, torch's ("collective_s": tensor parallelism's, the loss's mean)
     and the course's ring of messages that data parallelism reduces with on gloo
-    ("ring_s", `Comm(algorithm="auto")`). Rank 0's figures, on every rank."""
+    ("ring_s", `Comm(algorithm="auto")`). Rank 0's figures, on every rank.
+
+    With more ranks than cores, the same again while the other ranks compute, as a
+    pipeline's stages do while one of them sends or reduces: a woken receiver waits for a
+    core ("loaded": "p2p_s", and "collective_s" for each group size below the world's).
+    `loaded_windows` windows of `loaded_window_s` seconds each, their median."""
     import time
 
     import torch
@@ -78,9 +85,66 @@ def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30) -> dict[str, 
             for _ in range(repeats):
                 reduce()
             out[key][size] = (time.perf_counter() - start) / repeats
+    if ctx.world_size > (os.cpu_count() or 1) and ctx.world_size > 2:
+        loaded: dict[str, Any] = {"collective_s": {}}
+
+        def ping(go: torch.Tensor) -> None:  # rank 0 carries the flag, rank 1 returns it
+            if ctx.rank == 0:
+                dist.send(go, 1, group=ctx.group)
+                dist.recv(go, 1, group=ctx.group)
+            else:
+                dist.recv(go, 0, group=ctx.group)
+                dist.send(go, 0, group=ctx.group)
+
+        windows: list[tuple[Any, int, Any, int]] = [("p2p_s", 2, ping, 2)]
+        for size in range(2, ctx.world_size):
+            if ctx.world_size % size == 0:
+                group = dist.new_group(list(range(size)))
+                windows.append((size, size,  # the sum carries rank 0's flag
+                                lambda go, g=group: dist.all_reduce(go, group=g), 1))
+        for key, members, op, per_op in windows:
+            seconds = sorted(_while_others_compute(ctx, members, op, loaded_window_s) / per_op
+                             for _ in range(loaded_windows))
+            value = seconds[len(seconds) // 2]
+            if key == "p2p_s":
+                loaded["p2p_s"] = value
+            else:
+                loaded["collective_s"][key] = value
+        out["loaded"] = loaded
     shared: list[Any] = [out]
     dist.broadcast_object_list(shared, src=0, group=ctx.group)
     return shared[0]
+
+
+def _while_others_compute(ctx: Any, members: int, op: Any, window_s: float,
+                          lag_s: float = 0.03) -> float:
+    """Seconds per call of `op(flag)` on ranks below `members`, called for `window_s`
+    while every other rank multiplies matrices (from just before the window to just
+    after it). Rank 0 says when to stop: the flag it passes through `op` turns 0."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier(group=ctx.group)
+    start = time.perf_counter()
+    seconds = 0.0
+    if ctx.rank < members:
+        time.sleep(lag_s)  # the others are computing by now
+        calls, t0 = 0, time.perf_counter()
+        while True:
+            go = torch.tensor([float(ctx.rank == 0 and time.perf_counter() - t0 < window_s)])
+            op(go)
+            if go.item() == 0:
+                break
+            calls += 1
+        seconds = (time.perf_counter() - t0) / max(calls, 1)
+    else:
+        a = torch.randn(96, 96)
+        while time.perf_counter() - start < window_s + 3 * lag_s:
+            a @ a
+    dist.barrier(group=ctx.group)
+    return seconds
 
 
 def measure_flops(config: GPTConfig, batch: int = 4, repeats: int = 5) -> float:

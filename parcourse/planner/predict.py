@@ -173,6 +173,11 @@ class Cluster:
     cores: int | None = None
     # The same for the course's ring all-reduce of messages (data parallelism's on gloo).
     ring_s: dict[int, float] = field(default_factory=dict)
+    # With more ranks than cores: a message's latency, and tp's collective by group size,
+    # measured while the other ranks compute (as a pipeline's other stages do); what a
+    # pipeline's hops and its stages' collectives cost here. None / empty: as above.
+    loaded_p2p_s: float | None = None
+    loaded_collective_s: dict[int, float] = field(default_factory=dict)
 
     PRESETS = {  # memory, dense bf16 peak, NVLink / InfiniBand per GPU (GB/s, one way),
         #          memory bandwidth (B/s)
@@ -213,12 +218,14 @@ class Cluster:
         topology = topology or Topology(gpus, SimulatedLink(), SimulatedLink())
         overheads = Overheads(**{k: v for k, v in (costs or {}).items()
                                  if k in Overheads.__dataclass_fields__})
+        loaded = (links or {}).get("loaded", {})
         return cls("this machine", gpus, topology.ranks_per_node, memory,
                    costs["flops"] if costs is not None else flops, 1.0,  # type: ignore[arg-type]
                    topology.inside, topology.between,
                    dict(links["collective_s"]) if links is not None else {},
                    overheads, cores,
-                   dict(links.get("ring_s", {})) if links is not None else {})
+                   dict(links.get("ring_s", {})) if links is not None else {},
+                   loaded.get("p2p_s"), dict(loaded.get("collective_s", {})))
 
     @property
     def flops(self) -> float:
@@ -462,15 +469,21 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     batch = global_batch // (choice.dp * choice.microbatches)
     tokens = batch * config.block_size
     ov = cluster.overheads
+    # Ranks sharing cores, a pipeline's other stages computing: a woken receiver waits
+    # for a core, and hops and tp's collectives cost what they were measured to cost so.
+    loaded = cluster.cores is not None and choice.gpus > cluster.cores and choice.pp > 1
+    collective_s = cluster.collective_s
+    if loaded and choice.tp in cluster.loaded_collective_s:
+        collective_s = {**collective_s, choice.tp: cluster.loaded_collective_s[choice.tp]}
     tp_link = _group_link(cluster, choice, "tp")
     collectives = tp_collectives(config, batch, config.block_size, choice.tp,
                                  choice.sequence_parallel)
     # Where a collective's own cost was measured (`measure_links`), it holds the link's
     # latency: only the bytes are added to it.
-    measured = choice.tp in cluster.collective_s
+    measured = choice.tp in collective_s
     tp_mb = tp_link_seconds(collectives, choice.tp, 0.0 if measured else tp_link.latency_s,
                             tp_link.bandwidth_Bps) if choice.tp > 1 else 0.0
-    tp_mb += len(collectives) * cluster.collective_s.get(choice.tp, 0.0) if choice.tp > 1 else 0
+    tp_mb += len(collectives) * collective_s.get(choice.tp, 0.0) if choice.tp > 1 else 0
     forward, backward, tp_share = [], [], []
     blocks = config.n_layers + 2
     for ls in layers:
@@ -484,6 +497,8 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
                         + again + ov.backward_stage_s)
         tp_share.append(tp_mb * len(ls) / blocks)  # this stage's part of a microbatch's
     pp_link = _group_link(cluster, choice, "pp")
+    if loaded and cluster.loaded_p2p_s is not None:
+        pp_link = SimulatedLink(cluster.loaded_p2p_s, pp_link.bandwidth_Bps)
     activation = (2 if dtype == "bf16" else 4) * tokens * config.d_model
     if choice.sequence_parallel:
         activation //= choice.tp

@@ -123,7 +123,8 @@ def here(world_size: int = 8, batch: int = 16, steps: int = 6) -> None:
               f"{1e3 * cluster.inside.latency_s:.2f} ms, a tiny all-reduce "
               + ", ".join(f"{1e3 * v:.2f} ms on {k}" for k, v in cluster.collective_s.items()))
         if cluster.loaded_p2p_s is not None:
-            print(f"while the other ranks compute: a message {1e3 * cluster.loaded_p2p_s:.2f} ms"
+            print(f"a message's processor time, both ends: {1e3 * cluster.message_cpu_s:.2f} ms;"
+                  f" while the other ranks compute: a message {1e3 * cluster.loaded_p2p_s:.2f} ms"
                   + "".join(f", a tiny all-reduce {1e3 * v:.2f} ms on {k}"
                             for k, v in cluster.loaded_collective_s.items()))
         print(f"{'configuration':<44} {'memory pred.':>13} {'measured':>10} {'step pred. ms':>14} "

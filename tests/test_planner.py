@@ -143,8 +143,10 @@ def test_this_machines_links_are_measured_and_priced(pool2):
 
 def test_links_under_load_price_a_pipelines_hops(pool8):
     """With more ranks than cores, a message and tp's collectives are measured again while
-    the other ranks compute, and a pipeline's hops and collectives are priced so; a
-    configuration without a pipeline (every rank computing and reducing in step) is not."""
+    the other ranks compute, and a message's processor time; a pipeline's hops,
+    collectives and messages are priced so (its messages take cores from the stages
+    computing); a configuration without a pipeline (every rank computing and reducing in
+    step) is not."""
     from parcourse.planner import measure_links
 
     if (os.cpu_count() or 1) >= 8:
@@ -152,9 +154,12 @@ def test_links_under_load_price_a_pipelines_hops(pool8):
     links = pool8.run(measure_links, 1 << 12, 5, 0.05, 1).results[0]
     loaded = links["loaded"]
     assert loaded["p2p_s"] > 0 and set(loaded["collective_s"]) == {2, 4}
+    assert links["message_cpu_s"] > 0
     cluster = Cluster.this_machine(8, flops=1e9, links=links, cores=2)
     assert cluster.loaded_p2p_s == loaded["p2p_s"]
-    slow = dataclasses.replace(cluster, loaded_p2p_s=0.05, loaded_collective_s={2: 0.05})
+    assert cluster.message_cpu_s == links["message_cpu_s"]
+    slow = dataclasses.replace(cluster, loaded_p2p_s=0.05, loaded_collective_s={2: 0.05},
+                               message_cpu_s=0.05)
     for choice, priced in ((Choice(2, 2, 2, "1f1b", 2), True),
                            (Choice(4, 2, 1, "1f1b", 1), False)):
         a, b = (predict_time(CONFIG, choice, BATCH, c) for c in (cluster, slow))

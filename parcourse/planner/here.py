@@ -32,7 +32,10 @@ def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,
     into groups of that size, every group reducing at once): what a collective costs
     beyond its bytes, torch's ("collective_s": tensor parallelism's, the loss's mean)
     and the course's ring of messages that data parallelism reduces with on gloo
-    ("ring_s", `Comm(algorithm="auto")`). Rank 0's figures, on every rank.
+    ("ring_s", `Comm(algorithm="auto")`). Rank 0's figures, on every rank; and the
+    processor time a small message takes, its sender's and receiver's together
+    ("message_cpu_s", over every rank): on shared cores, a pipeline's messages take
+    cores from the stages computing.
 
     With more ranks than cores, the same again while the other ranks compute, as a
     pipeline's stages do while one of them sends or reduces: a woken receiver waits for a
@@ -48,10 +51,12 @@ def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,
     out: dict[str, Any] = {"collective_s": {}, "ring_s": {}}
     peer = ctx.rank ^ 1
 
+    cpu = [0.0]
+
     def pingpong(n: int) -> float:
         t = torch.zeros(n)
         dist.barrier(group=ctx.group)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         if peer < ctx.world_size:
             for _ in range(repeats):
                 if ctx.rank % 2 == 0:
@@ -60,10 +65,15 @@ def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,
                 else:
                     dist.recv(t, peer, group=ctx.group)
                     dist.send(t, peer, group=ctx.group)
+        cpu[0] = (time.process_time() - cpu_start) / repeats  # a send and a receive
         return (time.perf_counter() - start) / repeats / 2
 
     if ctx.world_size > 1:
-        small, large = pingpong(16), pingpong(big)
+        small = pingpong(16)
+        mean = torch.tensor([cpu[0] / ctx.world_size])
+        dist.all_reduce(mean, group=ctx.group)
+        out["message_cpu_s"] = mean.item()  # the processor time of a message, both ends
+        large = pingpong(big)
         out["p2p_s"] = small
         out["bandwidth_Bps"] = 4 * big / max(large - small, 1e-9)
     else:

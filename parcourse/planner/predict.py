@@ -178,6 +178,9 @@ class Cluster:
     # pipeline's hops and its stages' collectives cost here. None / empty: as above.
     loaded_p2p_s: float | None = None
     loaded_collective_s: dict[int, float] = field(default_factory=dict)
+    # The processor time of a message, both ends (`measure_links`): on shared cores a
+    # pipeline's sends and receives take it from the stages computing.
+    message_cpu_s: float = 0.0
 
     PRESETS = {  # memory, dense bf16 peak, NVLink / InfiniBand per GPU (GB/s, one way),
         #          memory bandwidth (B/s)
@@ -225,7 +228,8 @@ class Cluster:
                    dict(links["collective_s"]) if links is not None else {},
                    overheads, cores,
                    dict(links.get("ring_s", {})) if links is not None else {},
-                   loaded.get("p2p_s"), dict(loaded.get("collective_s", {})))
+                   loaded.get("p2p_s"), dict(loaded.get("collective_s", {})),
+                   (links or {}).get("message_cpu_s", 0.0))
 
     @property
     def flops(self) -> float:
@@ -486,15 +490,19 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     tp_mb += len(collectives) * collective_s.get(choice.tp, 0.0) if choice.tp > 1 else 0
     forward, backward, tp_share = [], [], []
     blocks = config.n_layers + 2
-    for ls in layers:
+    # On shared cores, each action's sends and receives (one from the stage before and one
+    # to the stage after) take processor time, half a message's at each end.
+    message = cluster.message_cpu_s / 2 if loaded else 0.0
+    for s, ls in enumerate(layers):
+        hops = message * ((s > 0) + (s < len(layers) - 1))
         f = sum(_layer_flops(config, lay, tokens) for lay in ls) / choice.tp / cluster.flops \
             + ov.forward_layer_s * len(ls)
         again = {"none": 0.0, "full": f, "selective": sum(
             _attention_flops(config, lay, tokens) for lay in ls) / choice.tp / cluster.flops
                  }[choice.recompute]  # backward runs (part of) forward again first
-        forward.append(f + ov.forward_stage_s)
+        forward.append(f + ov.forward_stage_s + hops)
         backward.append(2 * (f - ov.forward_layer_s * len(ls)) + ov.backward_layer_s * len(ls)
-                        + again + ov.backward_stage_s)
+                        + again + ov.backward_stage_s + hops)
         tp_share.append(tp_mb * len(ls) / blocks)  # this stage's part of a microbatch's
     pp_link = _group_link(cluster, choice, "pp")
     if loaded and cluster.loaded_p2p_s is not None:

@@ -86,15 +86,15 @@ class Comm:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; choose 'torch', 'ring' or 'auto'")
         self.group, self.rank, self.size = group_info(group)
+        self._gloo = backend_for(self.group, "cuda") == "gloo"  # gloo alone: CUDA staged
         if algorithm == "auto":  # gloo's own reduce-scatter and all-gather are slow (README)
-            ring = link is not None or backend_for(self.group, "cuda") == "gloo"  # gloo alone
+            ring = link is not None or self._gloo
             algorithm = "ring" if ring else "torch"
         if link is not None and algorithm != "ring":
             raise ValueError("a simulated link needs algorithm='ring' (torch's collectives "
                              "cannot be slowed down)")
         self.algorithm: Literal["torch", "ring"] = algorithm
         self.tracer, self.link, self.timed = tracer, link, timed
-        self._gloo = backend_for(self.group, "cuda") == "gloo"  # CUDA tensors staged
         self._wires: dict[bool, dist.ProcessGroup | Messenger] = {}
         self._thread: ThreadPoolExecutor | None = None
 

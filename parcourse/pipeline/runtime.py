@@ -126,9 +126,10 @@ class PipelineRuntime:
         self._before, self._after = _neighbours(schedule)
         self._shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}  # each stage's input
         self._out_shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}  # ... and output
-        device = next((p.device for m in self.stages.values() for p in m.parameters()),
-                      torch.device("cpu"))
-        self._posts = early_receives(schedule, self.rank, backend_for(self.group, device))
+        # Which receives go early depends on the backend that carries the stages' tensors,
+        # known at a step (the model may move after it was wrapped): decided there, once.
+        self._posts: dict[int, list[Action]] = {}
+        self._posts_device: torch.device | None = None
         self._failed: str | None = None
         self.on_weight_gradients = on_weight_gradients
         self.peak_in_flight_bytes = 0  # of the last step, when a tracer measures them
@@ -264,6 +265,10 @@ class PipelineRuntime:
                 raise ValueError(f"{m} microbatches do not divide the batch of "
                                  f"{batch.shape[0]} {name}")
         self._device = next(next(iter(self.stages.values())).parameters()).device
+        if self._posts_device != self._device:
+            self._posts = early_receives(self.schedule, self.rank,
+                                         backend_for(self.group, self._device))
+            self._posts_device = self._device
         # Each microbatch its own storage: saved for backward (the loss saves its
         # targets), it counts as one microbatch's bytes, not the whole batch's.
         self._inputs = [c.clone() for c in inputs.chunk(m)] if has_first else []

@@ -41,6 +41,7 @@ def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,
     pipeline's stages do while one of them sends or reduces: a woken receiver waits for a
     core ("loaded": "p2p_s", and "collective_s" for each group size below the world's).
     `loaded_windows` windows of `loaded_window_s` seconds each, their median."""
+    import statistics
     import time
 
     import torch
@@ -96,8 +97,6 @@ def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,
                 reduce()
             out[key][size] = (time.perf_counter() - start) / repeats
     if ctx.world_size > (os.cpu_count() or 1) and ctx.world_size > 2:
-        loaded: dict[str, Any] = {"collective_s": {}}
-
         def ping(go: torch.Tensor) -> None:  # rank 0 carries the flag, rank 1 returns it
             if ctx.rank == 0:
                 dist.send(go, 1, group=ctx.group)
@@ -106,20 +105,16 @@ def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,
                 dist.recv(go, 0, group=ctx.group)
                 dist.send(go, 0, group=ctx.group)
 
-        windows: list[tuple[Any, int, Any, int]] = [("p2p_s", 2, ping, 2)]
+        def median(members: int, op: Any) -> float:
+            return statistics.median(_while_others_compute(ctx, members, op, loaded_window_s)
+                                     for _ in range(loaded_windows))
+
+        loaded: dict[str, Any] = {"p2p_s": median(2, ping) / 2, "collective_s": {}}
         for size in range(2, ctx.world_size):
             if ctx.world_size % size == 0:
-                group = dist.new_group(list(range(size)))
-                windows.append((size, size,  # the sum carries rank 0's flag
-                                lambda go, g=group: dist.all_reduce(go, group=g), 1))
-        for key, members, op, per_op in windows:
-            seconds = sorted(_while_others_compute(ctx, members, op, loaded_window_s) / per_op
-                             for _ in range(loaded_windows))
-            value = seconds[len(seconds) // 2]
-            if key == "p2p_s":
-                loaded["p2p_s"] = value
-            else:
-                loaded["collective_s"][key] = value
+                group = dist.new_group(list(range(size)))  # the sum carries rank 0's flag
+                loaded["collective_s"][size] = median(
+                    size, lambda go, g=group: dist.all_reduce(go, group=g))
         out["loaded"] = loaded
     shared: list[Any] = [out]
     dist.broadcast_object_list(shared, src=0, group=ctx.group)

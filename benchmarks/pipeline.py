@@ -6,7 +6,9 @@
    runtime) against torch.distributed.pipelining's counterparts on the same stages
    of a deep MLP (gloo, 2 ranks, real compute), alternating step by step in one run:
    GPipe / ScheduleGPipe, 1F1B / Schedule1F1B, interleaved 1F1B (2 chunks per rank) /
-   ScheduleInterleaved1F1B, DualPipeV / ScheduleDualPipeV. Time: medians of the
+   ScheduleInterleaved1F1B, DualPipeV / ScheduleDualPipeV, on CPU ranks even where
+   there is a GPU (on ranks sharing one, torch's pipelining sends CUDA tensors through
+   gloo, which aborts: seen on an H200). Time: medians of the
    slowest rank. Memory: the peak bytes autograd holds for backward (PeakSavedBytes,
    a step of each), the larger rank. Targets: ours / torch <= 1.0 for both.
    ZB-H1 has no counterpart in torch (its zero-bubble schedules, ZBV and interleaved
@@ -43,7 +45,7 @@ def compare_with_torch(args: argparse.Namespace) -> None:
           "slowest rank; peak saved activations, larger rank)")
     print(f"{'schedule':>18}{'ours ms':>9}{'torch ms':>10}{'time ratio':>12}"
           f"{'ours act.':>11}{'torch act.':>12}{'memory ratio':>14}")
-    with Pool(2, timeout=3600) as pool:
+    with Pool(2, device="cpu", timeout=3600) as pool:
         for schedule, theirs in TORCH_SCHEDULES.items():
             try:
                 per_rank = pool.run(step_times, args.microbatches, args.steps,
@@ -69,7 +71,7 @@ def gpipe_bubbles() -> None:
           "measured, simulated, formula")
     print(f"{'p':>3}{'m':>4}{'measured':>10}{'simulated':>11}{'formula':>9}")
     for p in (2, 4):
-        with Pool(p, timeout=3600) as pool:
+        with Pool(p, device="cpu", timeout=3600) as pool:
             for m in (1, 2, 4, 8, 16):
                 run = pool.run(train, "gpipe", m, 1, batch=32, forward_ms=f, backward_ms=b)
                 predicted = simulate(gpipe(p, m), Costs(forward=f / 1e3, backward=b / 1e3)).bubble
@@ -83,7 +85,7 @@ def against_the_simulator() -> None:
           "for one rank's layers, W half of B)")
     print(f"{'schedule':>18}{'m':>4}{'bubble':>8}{'simulated':>11}{'peak act.':>11}"
           f"{'simulated':>11}{'ratio':>7}")
-    with Pool(4, timeout=3600) as pool:
+    with Pool(4, device="cpu", timeout=3600) as pool:
         for schedule in ALL_SCHEDULES:
             for m in (4, 8, 16):
                 try:
@@ -124,7 +126,7 @@ def deepseek_table() -> None:
     print("run apart, the formula does not apply (F&B = F + B but the pair need not start "
           "together): theory.dualpipe_apart_bubble_time gives (PP/2-1)(F+B-2W) = "
           f"{(p / 2 - 1) * (f + b - 2 * w):.2f}")
-    with Pool(p, timeout=3600) as pool:
+    with Pool(p, device="cpu", timeout=3600) as pool:
         run = pool.run(train, "dualpipe", 8, 1, batch=32, forward_ms=20.0, backward_ms=40.0)
         per_rank = [sum(t.numel() for t in r["weights"].values()) for r in run.results]
         stage = per_rank[0] / 2  # the MLP's stages are equal

@@ -162,7 +162,13 @@ def step_times(ctx: RankContext, microbatches: int, steps: int = 10, *,
     """Step times (forward, backward and SGD step) and peak saved-activation bytes of our
     `schedule` and of torch.distributed.pipelining's counterpart on the same stages
     (the same cut, on the same ranks), step by step in alternation. Activations are
-    measured by PeakSavedBytes over a separate step of each, so timing runs unhooked."""
+    measured by PeakSavedBytes over a separate step of each, so timing runs unhooked.
+
+    On CPU ranks (`Pool(n, device="cpu")`): on ranks sharing a GPU, torch's stages
+    receive into CUDA buffers through gloo, which aborts the process (seen on an H200)."""
+    if ctx.device.type != "cpu":
+        raise ValueError(f"step_times runs on CPU ranks (Pool(n, device='cpu')); this rank "
+                         f"is on {ctx.device}")
 
     import torch.distributed.pipelining as pipelining
 

@@ -114,9 +114,11 @@ class TorchComposition:
         from torch.distributed.tensor.parallel import loss_parallel
 
         dp, replica = self.mesh.size("dp"), self.mesh.coordinate("dp")
-        args = (shard_rows(inputs, replica, dp),) if self.first else ()
+        # Contiguous: torch's pipelining checks its inputs' strides against the first
+        # batch's (torch 2.11 refuses x = tokens[:, :-1], a view with a row of 17)
+        args = (shard_rows(inputs, replica, dp).contiguous(),) if self.first else ()
         losses: list[torch.Tensor] = []
-        kwargs: dict[str, Any] = {"target": shard_rows(targets, replica, dp),
+        kwargs: dict[str, Any] = {"target": shard_rows(targets, replica, dp).contiguous(),
                                   "losses": losses} if self.last else {}
         if self.mesh.size("tp") > 1:
             with loss_parallel():  # the vocabulary-parallel cross entropy, forward and back

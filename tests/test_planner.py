@@ -10,6 +10,7 @@ from parcourse import Pool
 from parcourse.models import GPTConfig
 from parcourse.planner import Choice, Cluster, measure, measured_against_predicted, plan
 from parcourse.planner import predict_memory, predict_time
+from parcourse.theory import tp_collectives
 
 CONFIG = GPTConfig(vocab=64, block_size=16, n_layers=4, n_heads=4, d_model=32)
 BATCH = 16
@@ -114,7 +115,7 @@ def test_plans_are_ranked_by_predicted_step_time():
     best = plans.ranked[0].time
     assert best["compute"] > 0 and 0 < best["mfu"] <= 1
     assert best["step"] == pytest.approx(best["compute"] + best["tp"] + best["bubble"]
-                                         + best["dp"] + best["optimizer"])
+                                         + best["dp"] + best["optimizer"] + best["cores"])
 
 
 def test_the_last_stage_is_not_the_busiest_under_1f1b():
@@ -190,6 +191,20 @@ def test_links_under_load_price_a_pipelines_hops(pool8):
                            (Choice(4, 2, 1, "1f1b", 1), False)):
         a, b = (predict_time(CONFIG, choice, BATCH, c) for c in (cluster, slow))
         assert (b["step"] > a["step"] + 0.05) is priced, choice.label()
+    # A collective's processor time on each member, gloo's threads too: a step cannot beat
+    # its ranks' processor time over the cores, where tp reduces at every layer
+    assert set(links["collective_cpu_s"]) == {2, 4, 8} and set(links["ring_cpu_s"]) == {2, 4, 8}
+    assert all(v > 0 for v in [*links["collective_cpu_s"].values(), *links["ring_cpu_s"].values()])
+    busy = dataclasses.replace(cluster, collective_cpu_s={**cluster.collective_cpu_s, 2: 0.01})
+    for choice in (Choice(4, 2, 1, "1f1b", 1), Choice(2, 2, 2, "1f1b", 2)):
+        got = predict_time(CONFIG, choice, BATCH, busy)
+        ops = len(tp_collectives(CONFIG, BATCH // choice.dp // choice.microbatches,
+                                 CONFIG.block_size, 2)) * choice.microbatches
+        assert got["cores"] > 0 and got["step"] >= 8 * ops * 0.01 / 2 / choice.pp, choice.label()
+        assert got["step"] == pytest.approx(sum(got[k] for k in (
+            "compute", "tp", "bubble", "dp", "optimizer", "cores")))
+    assert predict_time(CONFIG, Choice(8), BATCH, busy)["cores"] == pytest.approx(
+        predict_time(CONFIG, Choice(8), BATCH, cluster)["cores"])  # no tp of 2 in it
 
 
 def test_this_machines_costs_are_measured_alone_and_priced(pool2):

@@ -175,8 +175,8 @@ def plan_bars(plans: object, memory_limit: float, top: int = 6, closest: int = 3
     mem_ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     for y, p in enumerate(ranked):
         left = 0.0
-        for k, c in enumerate(("compute", "tp", "bubble", "dp", "optimizer")):
-            seconds = max(0.0, p.time[c])
+        for k, c in enumerate(("compute", "tp", "bubble", "dp", "optimizer", "cores")):
+            seconds = max(0.0, p.time.get(c, 0.0))
             time_ax.barh(y, seconds, left=left, color=f"C{k + 4}",
                          label=c if y == 0 else None)
             left += seconds

@@ -34,8 +34,9 @@ def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,
     and the course's ring of messages that data parallelism reduces with on gloo
     ("ring_s", `Comm(algorithm="auto")`). Rank 0's figures, on every rank; and the
     processor time a small message takes, its sender's and receiver's together
-    ("message_cpu_s", over every rank): on shared cores, a pipeline's messages take
-    cores from the stages computing.
+    ("message_cpu_s", over every rank), and a collective's on each member
+    ("collective_cpu_s", "ring_cpu_s": gloo's threads too): on shared cores they take
+    cores from the ranks computing.
 
     With more ranks than cores, the same again while the other ranks compute, as a
     pipeline's stages do while one of them sends or reduces: a woken receiver waits for a
@@ -49,7 +50,8 @@ def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,
 
     from parcourse.comm import Comm
 
-    out: dict[str, Any] = {"collective_s": {}, "ring_s": {}}
+    out: dict[str, Any] = {"collective_s": {}, "ring_s": {}, "collective_cpu_s": {},
+                           "ring_cpu_s": {}}
     peer = ctx.rank ^ 1
 
     cpu = [0.0]
@@ -92,10 +94,13 @@ def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,
             for _ in range(3):
                 reduce()
             dist.barrier(group=ctx.group)
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             for _ in range(repeats):
                 reduce()
             out[key][size] = (time.perf_counter() - start) / repeats
+            spent = torch.tensor([(time.process_time() - cpu_start) / repeats / ctx.world_size])
+            dist.all_reduce(spent, group=ctx.group)  # a member's processor time, the mean
+            out[key.replace("_s", "_cpu_s")][size] = spent.item()
     if ctx.world_size > (os.cpu_count() or 1) and ctx.world_size > 2:
         def ping(go: torch.Tensor) -> None:  # rank 0 carries the flag, rank 1 returns it
             if ctx.rank == 0:
@@ -240,9 +245,17 @@ def _costs_alone(group: Any, config: GPTConfig, batches: tuple[int, int],
                    for lay in range(cfg.n_layers + 2))
 
     small, large = batches
-    (f1, b1), (f2, b2) = actions(config, small), actions(config, large)
-    rate = 3 * (forward_flops(config, large) - forward_flops(config, small)) / max(
-        (f2 + b2) - (f1 + b1), 1e-9)
+    for _ in range(3):  # the larger batch must take visibly longer: a busy moment can hide it
+        (f1, b1), (f2, b2) = actions(config, small), actions(config, large)
+        if (f2 + b2) - (f1 + b1) > 0.1 * (f1 + b1):
+            break
+    else:
+        raise RuntimeError(
+            f"batch {large} took {1e3 * (f2 + b2):.2f} ms a forward and backward, batch "
+            f"{small} {1e3 * (f1 + b1):.2f} ms, three times over: something else is using "
+            "this machine's cores, so its FLOP rate cannot be told apart; measure again later")
+    rate = 3 * (forward_flops(config, large) - forward_flops(config, small)) / (
+        (f2 + b2) - (f1 + b1))
     fixed = {}
     for layers in sorted({1, max(2, config.n_layers)}):
         cfg = dataclasses.replace(config, n_layers=layers)

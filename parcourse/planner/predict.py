@@ -181,6 +181,11 @@ class Cluster:
     # The processor time of a message, both ends (`measure_links`): on shared cores a
     # pipeline's sends and receives take it from the stages computing.
     message_cpu_s: float = 0.0
+    # A collective's processor time on each member, by group size (gloo's threads too):
+    # torch's and the course's ring. On shared cores a step cannot beat its ranks'
+    # processor time over the cores.
+    collective_cpu_s: dict[int, float] = field(default_factory=dict)
+    ring_cpu_s: dict[int, float] = field(default_factory=dict)
 
     PRESETS = {  # memory, dense bf16 peak, NVLink / InfiniBand per GPU (GB/s, one way),
         #          memory bandwidth (B/s)
@@ -229,7 +234,9 @@ class Cluster:
                    overheads, cores,
                    dict(links.get("ring_s", {})) if links is not None else {},
                    loaded.get("p2p_s"), dict(loaded.get("collective_s", {})),
-                   (links or {}).get("message_cpu_s", 0.0))
+                   (links or {}).get("message_cpu_s", 0.0),
+                   dict((links or {}).get("collective_cpu_s", {})),
+                   dict((links or {}).get("ring_cpu_s", {})))
 
     @property
     def flops(self) -> float:
@@ -460,8 +467,9 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     collectives, on the critical path), "bubble" (the rest of the pipeline's step:
     idle and messages, the tied weights' exchange), "dp" (the gradients' reduction after
     it, and the loss's mean over the replicas), "optimizer" (its step, on the rank with
-    the most parameters) and "step"; with "tokens_per_s" and "mfu" (model FLOPs against
-    the dense peak).
+    the most parameters), "cores" (on shared cores, waiting for one: what the ranks'
+    processor time over the cores adds beyond the rest; 0 with a GPU each) and "step";
+    with "tokens_per_s" and "mfu" (model FLOPs against the dense peak).
 
     Where ranks share fewer cores (`cluster.cores`), the ranks computing at once share
     them: compute is slowed by (ranks busy on average) / cores, read from the simulated
@@ -546,6 +554,7 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     if choice.dp in cluster.ring_s or choice.dp in cluster.collective_s:
         dp_link = SimulatedLink(0.0, dp_link.bandwidth_Bps)
     dp_s = _dp_seconds(choice, memory, dp_link, compute)
+    rings = 0.0
     if choice.dp > 1:  # each collective's own cost: the gradients' (the course's ring:
         # one all-reduce; under ZeRO-1 a reduce-scatter and an all-gather of each stage on
         # the rank, half a ring each; under ZeRO-2 and 3 a reduce-scatter per microbatch),
@@ -556,7 +565,7 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
         dp_s += rings * cluster.ring_s.get(choice.dp, cluster.collective_s.get(choice.dp, 0.0)) \
             + cluster.collective_s.get(choice.dp, 0.0)
     weight_bytes = 4 if dtype == "fp32" else 2
-    optimizer = 0.0
+    optimizers = []  # each pipeline rank's step
     for rank in range(choice.pp):
         numbers = memory[rank]["params"] / weight_bytes * (choice.dp if choice.zero >= 3 else 1)
         mine = [s for s, r in enumerate(plan.stage_rank) if r == rank]
@@ -565,13 +574,32 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
             holds_tied = config.tie_weights and plan.stages > 1 and bool(
                 {0, plan.stages - 1} & set(mine))
             numbers, tensors = numbers / choice.dp, len(mine) + holds_tied
-        optimizer = max(optimizer, ov.optimizer_s(tensors, numbers))
+        optimizers.append(ov.optimizer_s(tensors, numbers))
+    optimizer = max(optimizers)
     if cluster.cores is not None:
         optimizer *= max(1.0, choice.gpus / cluster.cores)
     step = pipeline + dp_s + optimizer
+    waiting = 0.0
+    if cluster.cores is not None and choice.gpus > cluster.cores and cluster.collective_cpu_s:
+        # On shared cores a step cannot beat its ranks' processor time over the cores:
+        # each rank's layers at one core's speed (its messages' share with them), its
+        # collectives' (gloo's threads too: tp's per microbatch, dp's rings and the loss's
+        # mean) and its optimizer. Where that is longer, the ranks wait for a core.
+        tp_ops = len(collectives) * m if choice.tp > 1 else 0
+        dp_cpu = (rings * cluster.ring_cpu_s.get(choice.dp, 0.0)
+                  + cluster.collective_cpu_s.get(choice.dp, 0.0)) if choice.dp > 1 else 0.0
+        cpu = 0.0
+        for rank in range(choice.pp):
+            mine = [s for s, r in enumerate(plan.stage_rank) if r == rank]
+            share = sum(len(layers[s]) for s in mine) / blocks
+            cpu += (m * sum(forward[s] + backward[s] for s in mine) + dp_cpu + optimizers[rank]
+                    + tp_ops * share * cluster.collective_cpu_s.get(choice.tp, 0.0))
+        waiting = max(0.0, cpu * choice.dp * choice.tp / cluster.cores - step)
+        step += waiting
     model_flops = model_flops_per_token(config) * global_batch * config.block_size
     return {"compute": compute, "tp": tp_s, "bubble": pipeline - compute - tp_s,
-            "dp": dp_s, "optimizer": optimizer, "step": step, "sharing": slow,
+            "dp": dp_s, "optimizer": optimizer, "cores": waiting, "step": step,
+            "sharing": slow,
             "tokens_per_s": global_batch * config.block_size / step,
             "mfu": model_flops / (step * cluster.peak_flops * choice.gpus)}
 
@@ -676,7 +704,8 @@ def plan(config: GPTConfig, cluster: Cluster, global_batch: int, *, dtype: Dtype
 
 def format_plans(plans: Plans, top: int = 10) -> str:
     """The ranked table (what `python -m parcourse plan` prints): each configuration's
-    predicted step split into compute / tp / bubble / dp / optimizer, tokens/s, MFU and the busiest
+    predicted step split into compute / tp / bubble / dp / optimizer / waiting for a core,
+    tokens/s, MFU and the busiest
     pipeline rank's memory; then how many were turned down and why, with the closest
     that ran out of memory."""
     from collections import Counter
@@ -684,14 +713,15 @@ def format_plans(plans: Plans, top: int = 10) -> str:
     from parcourse.memory import format_bytes
 
     lines = [f"{'':>3}  {'configuration':<50} {'step ms':>10} {'compute':>8} {'tp':>7} "
-             f"{'bubble':>7} {'dp':>7} {'opt':>6} {'tokens/s':>10} {'MFU':>6} "
+             f"{'bubble':>7} {'dp':>7} {'opt':>6} {'cores':>6} {'tokens/s':>10} {'MFU':>6} "
              f"{'memory (busiest)':>17}"]
     for k, p in enumerate(plans.ranked[:top], 1):
         t, mem = p.time, p.memory[p.busiest]
         lines.append(
             f"{k:>3}  {p.choice.label():<50} {1e3 * t['step']:>10.1f} "
             f"{1e3 * t['compute']:>8.1f} {1e3 * t['tp']:>7.1f} {1e3 * max(0, t['bubble']):>7.1f} "
-            f"{1e3 * t['dp']:>7.1f} {1e3 * t['optimizer']:>6.1f} {t['tokens_per_s']:>10.0f} "
+            f"{1e3 * t['dp']:>7.1f} {1e3 * t['optimizer']:>6.1f} {1e3 * t['cores']:>6.1f} "
+            f"{t['tokens_per_s']:>10.0f} "
             f"{100 * t['mfu']:>5.1f}% "
             f"{format_bytes(mem['total']):>10} (pp {p.busiest})")
     if not plans.ranked:

@@ -34,8 +34,8 @@
 4. Here: the course's GPT on 8 ranks (--world-size), every configuration the planner
    finds fitting, run for real: the busiest rank's memory and the step time (the median
    of 5 after a warm-up, the slowest rank's), each beside the prediction, with what it
-   costs here measured first (`measure_costs` on one rank alone, `measure_links` on
-   all). Targets: memory within 5%, time within 15%, the predicted best among the
+   costs here measured first (`measure_costs` on one rank alone, `measure_links` and
+   `measure_sharing` on all). Targets: memory within 5%, time within 15%, the predicted best among the
    measured best two; mean and worst error and the rank correlation are printed.
 """
 
@@ -248,6 +248,11 @@ def here(world_size: int = 8, batch: int = 16, steps: int = 6) -> None:
                   f" while the other ranks compute: a message {1e3 * cluster.loaded_p2p_s:.2f} ms"
                   + "".join(f", a tiny all-reduce {1e3 * v:.2f} ms on {k}"
                             for k, v in cluster.loaded_collective_s.items()))
+        if cluster.collective_cpu_s:
+            print("a tiny all-reduce's processor time on each member: " + ", ".join(
+                f"{1e3 * v:.2f} ms on {k}" for k, v in cluster.collective_cpu_s.items())
+                + f"; a rank's own work, every rank at it: x {cluster.shared_cpu:.2f} the "
+                "processor time of a pool of one")
         print(f"{'configuration':<44} {'memory pred.':>13} {'measured':>10} {'step pred. ms':>14} "
               f"{'measured':>9} {'ratio':>6}")
         rows = []

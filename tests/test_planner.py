@@ -205,6 +205,14 @@ def test_links_under_load_price_a_pipelines_hops(pool8):
             "compute", "tp", "bubble", "dp", "optimizer", "cores")))
     assert predict_time(CONFIG, Choice(8), BATCH, busy)["cores"] == pytest.approx(
         predict_time(CONFIG, Choice(8), BATCH, cluster)["cores"])  # no tp of 2 in it
+    # A rank's own work, every rank at it at once: its processor time, which sharing the
+    # cores raises over a pool of one's, and the step's compute and optimizer with it
+    from parcourse.planner import measure_sharing
+
+    assert pool8.run(measure_sharing, CONFIG).results[0] > 0
+    worse = dataclasses.replace(cluster, shared_cpu=2.0)
+    a, b = (predict_time(CONFIG, Choice(8), BATCH, c) for c in (cluster, worse))
+    assert b["compute"] == pytest.approx(2 * a["compute"])
 
 
 def test_this_machines_costs_are_measured_alone_and_priced(pool2):
@@ -218,6 +226,7 @@ def test_this_machines_costs_are_measured_alone_and_priced(pool2):
     with Pool(1, timeout=120) as pool:
         costs = pool.run(measure_costs, CONFIG, (1, 8), 2).results[0]
     assert costs["flops"] > 0 and costs["forward_layer_s"] > 0 and costs["optimizer_tensor_s"] > 0
+    assert costs["probe_cpu_s"] > 0
     with pytest.raises(Exception, match="pool of one rank"):
         pool2.run(measure_costs, CONFIG, (1, 8), 2)
     bare = predict_time(CONFIG, Choice(8), BATCH, Cluster.this_machine(8, flops=costs["flops"],

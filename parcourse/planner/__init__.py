@@ -36,6 +36,7 @@ from parcourse.planner.here import (
     measure_costs,
     measure_flops,
     measure_links,
+    measure_sharing,
     measured_against_predicted,
     measured_here,
 )
@@ -59,5 +60,6 @@ from parcourse.planner.predict import (
 
 __all__ = ["MODELS", "Choice", "Cluster", "Overheads", "Planned", "Plans", "choices",
            "format_plans", "measure", "measure_costs", "measure_flops", "measure_links",
-           "measured_against_predicted", "measured_here", "model", "model_flops_per_token",
-           "parameters", "plan", "predict_memory", "predict_time", "stage_layers"]
+           "measure_sharing", "measured_against_predicted", "measured_here", "model",
+           "model_flops_per_token", "parameters", "plan", "predict_memory", "predict_time",
+           "stage_layers"]

@@ -282,7 +282,7 @@ def _costs_alone(group: Any, config: GPTConfig, batches: tuple[int, int],
     numbers = sum(w.numel() for w in weights)
     t_model, t_flat, t_one = adam(weights), adam([torch.zeros(numbers)]), adam([torch.zeros(1)])
     per_tensor = max(0.0, (t_model - t_flat) / max(1, len(weights) - 1))
-    return {"flops": rate,
+    return {"flops": rate, "probe_cpu_s": _probe_cpu(group, config),
             "forward_layer_s": per_layer[0], "backward_layer_s": per_layer[1],
             "forward_stage_s": max(0.0, f_many - many * per_layer[0]),
             "backward_stage_s": max(0.0, b_many - many * per_layer[1]),
@@ -291,10 +291,58 @@ def _costs_alone(group: Any, config: GPTConfig, batches: tuple[int, int],
             "optimizer_number_s": max(0.0, (t_flat - t_one) / max(1, numbers - 1))}
 
 
+def _probe_cpu(group: Any, config: GPTConfig, batch: int = 2, steps: int = 8) -> float:
+    """The processor time of one step of `config`'s 3D step on a rank by itself (`group`
+    of one), the median of `steps` after two."""
+    import statistics
+    import time
+
+    import torch
+
+    from parcourse.data import progressions
+    from parcourse.hybrid import Hybrid
+    from parcourse.mesh import Mesh
+    from parcourse.models import gpt
+
+    model = Hybrid(gpt(config), Mesh({"dp": 1, "tp": 1, "pp": 1}, group), microbatches=1,
+                   optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
+    x, y = progressions(batch, config.block_size, config.vocab)
+    times = []
+    for _ in range(steps + 2):
+        start = time.thread_time()
+        model.step(x, y)
+        times.append(time.thread_time() - start)
+    return statistics.median(times[2:])
+
+
+def measure_sharing(ctx: Any, config: GPTConfig) -> float:
+    """What a rank's own work costs here when every rank of the pool works at once (a
+    rank function): each runs `config`'s 3D step on a group of its own, all together,
+    and the mean over the ranks of a step's processor time comes back. `measure_costs`
+    times the same step on a pool of one ("probe_cpu_s"); the ratio is what sharing the
+    cores costs the work itself (`Cluster.shared_cpu`): with more ranks than cores, the
+    cores switch between them and lose their caches, and the course's step, mostly
+    Python at these sizes, takes more processor time (seen here: 1.4 to 1.7 times)."""
+    import torch
+    import torch.distributed as dist
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        groups = [dist.new_group([r]) for r in range(ctx.world_size)]  # every rank, in order
+        dist.barrier(group=ctx.group)
+        spent = torch.tensor([_probe_cpu(groups[ctx.rank], config) / ctx.world_size])
+        dist.all_reduce(spent, group=ctx.group)
+        return spent.item()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def measured_here(gpus: int, config: GPTConfig, pool: Any = None) -> Cluster:
     """`Cluster.this_machine` with what a step of `config` costs here measured: one rank
-    alone (`measure_costs`), then `gpus` ranks at once (`measure_links`, on `pool` if
-    given: a pool of `gpus` ranks). A few seconds: short runs of processes."""
+    alone (`measure_costs`), then `gpus` ranks at once (`measure_links` and
+    `measure_sharing`, on `pool` if given: a pool of `gpus` ranks). A few seconds: short
+    runs of processes."""
     from parcourse.launch import Pool
 
     if pool is not None and pool.world_size != gpus:
@@ -302,13 +350,16 @@ def measured_here(gpus: int, config: GPTConfig, pool: Any = None) -> Cluster:
                          f" GPUs' links, not {gpus}")
     with Pool(1, timeout=300) as alone:
         costs = alone.run(measure_costs, config).results[0]
-    links = None
+    links, together = None, costs["probe_cpu_s"]
     if gpus > 1 and pool is not None:
         links = pool.run(measure_links).results[0]
+        together = pool.run(measure_sharing, config).results[0]
     elif gpus > 1:
         with Pool(gpus, timeout=300) as ranks:
             links = ranks.run(measure_links).results[0]
-    return Cluster.this_machine(gpus, costs=costs, links=links)
+            together = ranks.run(measure_sharing, config).results[0]
+    return Cluster.this_machine(gpus, costs=costs, links=links,
+                                shared_cpu=max(1.0, together / costs["probe_cpu_s"]))
 
 
 def measure(ctx: Any, config: GPTConfig, choice: Choice, global_batch: int,

@@ -186,6 +186,10 @@ class Cluster:
     # processor time over the cores.
     collective_cpu_s: dict[int, float] = field(default_factory=dict)
     ring_cpu_s: dict[int, float] = field(default_factory=dict)
+    # With more ranks than cores: a rank's own work in processor time when every rank
+    # works at once, per its time alone (`measure_sharing`: cores switching between ranks
+    # lose their caches). 1.0: no loss.
+    shared_cpu: float = 1.0
 
     PRESETS = {  # memory, dense bf16 peak, NVLink / InfiniBand per GPU (GB/s, one way),
         #          memory bandwidth (B/s)
@@ -208,13 +212,15 @@ class Cluster:
     def this_machine(cls, gpus: int, flops: float | None = None, memory: float = 64 * GiB,
                      topology: Topology | None = None, cores: int | None = None,
                      links: dict[str, Any] | None = None,
-                     costs: dict[str, Any] | None = None) -> Cluster:
+                     costs: dict[str, Any] | None = None,
+                     shared_cpu: float = 1.0) -> Cluster:
         """The course's ranks here, one core's worth each at most: `flops` what one rank
         reaches alone (`measure_flops`), or, with `costs` (`measure_costs` on one rank),
         the rate a layer's FLOPs go at beside what each call and the optimizer cost
         (`Overheads`). More ranks than `cores` share them. The topology's links, or,
         with `links` (`measure_links` on the ranks), gloo's own: a message's latency
-        and each collective's cost by group size."""
+        and each collective's cost by group size; `shared_cpu` what sharing the cores
+        costs a rank's own work (`measure_sharing`)."""
         import os
 
         if (flops is None) == (costs is None):
@@ -236,7 +242,7 @@ class Cluster:
                    loaded.get("p2p_s"), dict(loaded.get("collective_s", {})),
                    (links or {}).get("message_cpu_s", 0.0),
                    dict((links or {}).get("collective_cpu_s", {})),
-                   dict((links or {}).get("ring_cpu_s", {})))
+                   dict((links or {}).get("ring_cpu_s", {})), shared_cpu)
 
     @property
     def flops(self) -> float:
@@ -501,6 +507,9 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     # On shared cores, each action's sends and receives (one from the stage before and one
     # to the stage after) take processor time, half a message's at each end.
     message = cluster.message_cpu_s / 2 if loaded else 0.0
+    # More ranks than cores: each one's own work costs more processor time (`shared_cpu`)
+    shared = cluster.cores is not None and choice.gpus > cluster.cores
+    worse = cluster.shared_cpu if shared else 1.0
     for s, ls in enumerate(layers):
         hops = message * ((s > 0) + (s < len(layers) - 1))
         f = sum(_layer_flops(config, lay, tokens) for lay in ls) / choice.tp / cluster.flops \
@@ -508,9 +517,10 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
         again = {"none": 0.0, "full": f, "selective": sum(
             _attention_flops(config, lay, tokens) for lay in ls) / choice.tp / cluster.flops
                  }[choice.recompute]  # backward runs (part of) forward again first
-        forward.append(f + ov.forward_stage_s + hops)
-        backward.append(2 * (f - ov.forward_layer_s * len(ls)) + ov.backward_layer_s * len(ls)
-                        + again + ov.backward_stage_s + hops)
+        forward.append(worse * (f + ov.forward_stage_s) + hops)
+        backward.append(worse * (2 * (f - ov.forward_layer_s * len(ls))
+                                 + ov.backward_layer_s * len(ls) + again + ov.backward_stage_s)
+                        + hops)
         tp_share.append(tp_mb * len(ls) / blocks)  # this stage's part of a microbatch's
     pp_link = _group_link(cluster, choice, "pp")
     if loaded and cluster.loaded_p2p_s is not None:
@@ -574,7 +584,7 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
             holds_tied = config.tie_weights and plan.stages > 1 and bool(
                 {0, plan.stages - 1} & set(mine))
             numbers, tensors = numbers / choice.dp, len(mine) + holds_tied
-        optimizers.append(ov.optimizer_s(tensors, numbers))
+        optimizers.append(worse * ov.optimizer_s(tensors, numbers))
     optimizer = max(optimizers)
     if cluster.cores is not None:
         optimizer *= max(1.0, choice.gpus / cluster.cores)

@@ -206,6 +206,9 @@ class Mesh:
         """This rank's group of `axes`: every rank creates every such group, in order."""
         if axes in self._groups:
             return self._groups[axes]
+        if self.layout.world_size == 1:  # one rank: its group is every axis' group, and
+            self._groups[axes] = self.parent  # no other process need take part
+            return self.parent
         groups = (self.layout.embedding_groups() if axes == ("embedding",)
                   else self.layout.groups(*axes))
         mine = None

@@ -195,21 +195,40 @@ def test_links_under_load_price_a_pipelines_hops(pool8):
     # its ranks' processor time over the cores, where tp reduces at every layer
     assert set(links["collective_cpu_s"]) == {2, 4, 8} and set(links["ring_cpu_s"]) == {2, 4, 8}
     assert all(v > 0 for v in [*links["collective_cpu_s"].values(), *links["ring_cpu_s"].values()])
-    busy = dataclasses.replace(cluster, collective_cpu_s={**cluster.collective_cpu_s, 2: 0.01})
+    def cpu(collective: dict[int, float], ring: dict[int, float]) -> Cluster:
+        return dataclasses.replace(cluster, collective_cpu_s={**cluster.collective_cpu_s,
+                                                              **collective},
+                                   ring_cpu_s={**cluster.ring_cpu_s, **ring})
+
+    # Where the floor holds, each rank's share of it adds up: tp's collectives per
+    # microbatch over all ranks; dp's ring once on every rank (ZeRO 0); the loss's mean
+    # on the last stage's ranks alone. Over 2 cores.
     for choice in (Choice(4, 2, 1, "1f1b", 1), Choice(2, 2, 2, "1f1b", 2)):
-        got = predict_time(CONFIG, choice, BATCH, busy)
         ops = len(tp_collectives(CONFIG, BATCH // choice.dp // choice.microbatches,
                                  CONFIG.block_size, 2)) * choice.microbatches
-        assert got["cores"] > 0 and got["step"] >= 8 * ops * 0.01 / 2 / choice.pp, choice.label()
-        assert got["step"] == pytest.approx(sum(got[k] for k in (
+        a, b = (predict_time(CONFIG, choice, BATCH, cpu({2: x}, {})) for x in (0.05, 0.06))
+        loss = choice.dp == 2  # dp 2's loss mean is a collective of 2 too (the last stage)
+        assert a["cores"] > 0 and b["step"] - a["step"] == pytest.approx(
+            choice.dp * choice.tp * (ops + loss) * 0.01 / 2), choice.label()
+        assert a["step"] == pytest.approx(sum(a[k] for k in (
             "compute", "tp", "bubble", "dp", "optimizer", "cores")))
-    assert predict_time(CONFIG, Choice(8), BATCH, busy)["cores"] == pytest.approx(
-        predict_time(CONFIG, Choice(8), BATCH, cluster)["cores"])  # no tp of 2 in it
+    dp_pp = Choice(2, 1, 2, "1f1b", 2)
+    a, b = (predict_time(CONFIG, dp_pp, BATCH, cpu({}, {2: x})) for x in (0.5, 0.6))
+    assert b["step"] - a["step"] == pytest.approx(4 * 0.1 / 2)  # every rank's ring
+    a, b = (predict_time(CONFIG, dp_pp, BATCH, cpu({2: x}, {2: 0.5})) for x in (0.5, 0.6))
+    assert b["step"] - a["step"] == pytest.approx(2 * 0.1 / 2)  # the last stage's two
+    assert predict_time(CONFIG, Choice(8), BATCH, cpu({2: 0.05}, {}))["cores"] == pytest.approx(
+        predict_time(CONFIG, Choice(8), BATCH, cluster)["cores"])  # no group of 2 in it
     # A rank's own work, every rank at it at once: its processor time, which sharing the
     # cores raises over a pool of one's, and the step's compute and optimizer with it
     from parcourse.planner import measure_sharing
+    from parcourse.planner.here import _probe_cpu
 
-    assert pool8.run(measure_sharing, CONFIG).results[0] > 0
+    with Pool(1, timeout=120) as one:  # what measure_costs times on a pool of one
+        alone = one.run(lambda ctx: _probe_cpu(ctx.group, CONFIG)).results[0]
+    together = pool8.run(measure_sharing, CONFIG).results[0]
+    assert alone / 2 < together < 10 * alone  # the same step, every rank at it: about as
+    # long or longer, never a multiple of the ranks (its processor time, not its wall)
     worse = dataclasses.replace(cluster, shared_cpu=2.0)
     a, b = (predict_time(CONFIG, Choice(8), BATCH, c) for c in (cluster, worse))
     assert b["compute"] == pytest.approx(2 * a["compute"])

@@ -477,8 +477,9 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     processor time over the cores adds beyond the rest; 0 with a GPU each) and "step";
     with "tokens_per_s" and "mfu" (model FLOPs against the dense peak).
 
-    Where ranks share fewer cores (`cluster.cores`), the ranks computing at once share
-    them: compute is slowed by (ranks busy on average) / cores, read from the simulated
+    Where ranks share fewer cores (`cluster.cores`), each rank's own work costs
+    `cluster.shared_cpu` times its processor time alone, and the ranks computing at once
+    share the cores: compute is slowed by (ranks busy on average) / cores, read from the simulated
     timeline itself until it settles (a pipeline's idle ranks leave their core to the
     others; tp's collectives are not idle: every rank of a stage computes and waits in
     step); the optimizer, which every rank runs at once, by ranks / cores."""
@@ -564,7 +565,6 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     if choice.dp in cluster.ring_s or choice.dp in cluster.collective_s:
         dp_link = SimulatedLink(0.0, dp_link.bandwidth_Bps)
     dp_s = _dp_seconds(choice, memory, dp_link, compute)
-    rings = 0.0
     if choice.dp > 1:  # each collective's own cost: the gradients' (the course's ring:
         # one all-reduce; under ZeRO-1 a reduce-scatter and an all-gather of each stage on
         # the rank, half a ring each; under ZeRO-2 and 3 a reduce-scatter per microbatch),
@@ -590,20 +590,29 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
         optimizer *= max(1.0, choice.gpus / cluster.cores)
     step = pipeline + dp_s + optimizer
     waiting = 0.0
-    if cluster.cores is not None and choice.gpus > cluster.cores and cluster.collective_cpu_s:
+    if shared:
         # On shared cores a step cannot beat its ranks' processor time over the cores:
-        # each rank's layers at one core's speed (its messages' share with them), its
-        # collectives' (gloo's threads too: tp's per microbatch, dp's rings and the loss's
-        # mean) and its optimizer. Where that is longer, the ranks wait for a core.
+        # each rank's layers (its messages' share with them), its collectives' (gloo's
+        # threads too: tp's per microbatch; dp's rings, a stage's or the tied weights'
+        # each under ZeRO, and the loss's mean on the last stage) and its optimizer.
+        # Where that is longer, the ranks wait for a core. A collective whose processor
+        # time was not measured (`measure_links`) counts none.
         tp_ops = len(collectives) * m if choice.tp > 1 else 0
-        dp_cpu = (rings * cluster.ring_cpu_s.get(choice.dp, 0.0)
-                  + cluster.collective_cpu_s.get(choice.dp, 0.0)) if choice.dp > 1 else 0.0
+        last = plan.stage_rank[-1]
+        tied_on = {plan.stage_rank[0], last} if config.tie_weights and plan.stages > 1 \
+            else set()
         cpu = 0.0
         for rank in range(choice.pp):
             mine = [s for s, r in enumerate(plan.stage_rank) if r == rank]
             share = sum(len(layers[s]) for s in mine) / blocks
-            cpu += (m * sum(forward[s] + backward[s] for s in mine) + dp_cpu + optimizers[rank]
+            cpu += (m * sum(forward[s] + backward[s] for s in mine) + optimizers[rank]
                     + tp_ops * share * cluster.collective_cpu_s.get(choice.tp, 0.0))
+            if choice.dp > 1:
+                units = len(mine) + (rank in tied_on)
+                rank_rings = {0: 1.0, 1: units}.get(choice.zero,
+                                                    units * (choice.microbatches + 1) / 2)
+                cpu += (rank_rings * cluster.ring_cpu_s.get(choice.dp, 0.0)
+                        + (rank == last) * cluster.collective_cpu_s.get(choice.dp, 0.0))
         waiting = max(0.0, cpu * choice.dp * choice.tp / cluster.cores - step)
         step += waiting
     model_flops = model_flops_per_token(config) * global_batch * config.block_size

@@ -54,9 +54,8 @@ def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,
                            "ring_cpu_s": {}}
     peer = ctx.rank ^ 1
 
-    cpu = [0.0]
-
-    def pingpong(n: int) -> float:
+    def pingpong(n: int) -> tuple[float, float]:
+        """A message's one-way seconds, and a send's and a receive's processor time."""
         t = torch.zeros(n)
         dist.barrier(group=ctx.group)
         start, cpu_start = time.perf_counter(), time.process_time()
@@ -68,15 +67,15 @@ def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,
                 else:
                     dist.recv(t, peer, group=ctx.group)
                     dist.send(t, peer, group=ctx.group)
-        cpu[0] = (time.process_time() - cpu_start) / repeats  # a send and a receive
-        return (time.perf_counter() - start) / repeats / 2
+        return ((time.perf_counter() - start) / repeats / 2,
+                (time.process_time() - cpu_start) / repeats)
 
     if ctx.world_size > 1:
-        small = pingpong(16)
-        mean = torch.tensor([cpu[0] / ctx.world_size])
+        small, cpu = pingpong(16)
+        mean = torch.tensor([cpu / ctx.world_size])
         dist.all_reduce(mean, group=ctx.group)
         out["message_cpu_s"] = mean.item()  # the processor time of a message, both ends
-        large = pingpong(big)
+        large, _ = pingpong(big)
         out["p2p_s"] = small
         out["bandwidth_Bps"] = 4 * big / max(large - small, 1e-9)
     else:
@@ -286,8 +285,7 @@ def _costs_alone(group: Any, config: GPTConfig, batches: tuple[int, int],
     per_tensor = max(0.0, (t_model - t_flat) / max(1, len(weights) - 1))
     # The step alone, its quickest of three takes: a busy moment elsewhere on the machine
     # slows it as sharing would, and that is what `measure_sharing` is set against
-    probe = min(_probe_cpu(group, config) for _ in range(3))
-    return {"flops": rate, "probe_cpu_s": probe,
+    return {"flops": rate, "probe_cpu_s": _probe_cpu(group, config, takes=3),
             "forward_layer_s": per_layer[0], "backward_layer_s": per_layer[1],
             "forward_stage_s": max(0.0, f_many - many * per_layer[0]),
             "backward_stage_s": max(0.0, b_many - many * per_layer[1]),
@@ -296,9 +294,10 @@ def _costs_alone(group: Any, config: GPTConfig, batches: tuple[int, int],
             "optimizer_number_s": max(0.0, (t_flat - t_one) / max(1, numbers - 1))}
 
 
-def _probe_cpu(group: Any, config: GPTConfig, batch: int = 2, steps: int = 8) -> float:
+def _probe_cpu(group: Any, config: GPTConfig, batch: int = 2, steps: int = 8,
+               takes: int = 1) -> float:
     """The processor time of one step of `config`'s 3D step on a rank by itself (`group`
-    of one), the median of `steps` after two."""
+    of one): the median of `steps` after two, the least of `takes` such medians."""
     import statistics
     import time
 
@@ -313,11 +312,12 @@ def _probe_cpu(group: Any, config: GPTConfig, batch: int = 2, steps: int = 8) ->
                    optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
     x, y = progressions(batch, config.block_size, config.vocab)
     times = []
-    for _ in range(steps + 2):
+    for _ in range(2 + steps * takes):
         start = time.thread_time()
         model.step(x, y)
         times.append(time.thread_time() - start)
-    return statistics.median(times[2:])
+    return min(statistics.median(times[2 + k * steps:2 + (k + 1) * steps])
+               for k in range(takes))
 
 
 def measure_sharing(ctx: Any, config: GPTConfig) -> float:

@@ -445,6 +445,14 @@ def _dp_seconds(choice: Choice, memory: list[dict[str, float]], link: SimulatedL
 
 
 @functools.lru_cache(maxsize=4096)
+def _dp_rings(choice: Choice, units: int) -> float:
+    """How many of the course's rings data parallelism runs in a step over a rank's
+    `units` (its stages, and the tied weights where it holds them): one all-reduce of
+    everything under ZeRO 0; under ZeRO-1 a reduce-scatter and an all-gather of each
+    unit, half a ring each; under ZeRO-2 and 3 also a reduce-scatter per microbatch."""
+    return {0: 1.0, 1: float(units)}.get(choice.zero, units * (choice.microbatches + 1) / 2)
+
+
 def _simulated(schedule: tuple[str, int, int, int], forward: tuple[float, ...],
                backward: tuple[float, ...], latency: float, bandwidth: float,
                message_bytes: float) -> Any:
@@ -479,8 +487,8 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
 
     Where ranks share fewer cores (`cluster.cores`), each rank's own work costs
     `cluster.shared_cpu` times its processor time alone, and the ranks computing at once
-    share the cores: compute is slowed by (ranks busy on average) / cores, read from the simulated
-    timeline itself until it settles (a pipeline's idle ranks leave their core to the
+    share the cores: compute is slowed by (ranks busy on average) / cores, read from the
+    simulated timeline itself until it settles (a pipeline's idle ranks leave their core to the
     others; tp's collectives are not idle: every rank of a stage computes and waits in
     step); the optimizer, which every rank runs at once, by ranks / cores."""
     plan = _schedule(choice.schedule, choice.pp, choice.microbatches, choice.chunks)
@@ -488,9 +496,12 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     batch = global_batch // (choice.dp * choice.microbatches)
     tokens = batch * config.block_size
     ov = cluster.overheads
-    # Ranks sharing cores, a pipeline's other stages computing: a woken receiver waits
-    # for a core, and hops and tp's collectives cost what they were measured to cost so.
-    loaded = cluster.cores is not None and choice.gpus > cluster.cores and choice.pp > 1
+    # More ranks than cores: each one's own work costs more processor time (`shared_cpu`),
+    # and, a pipeline's other stages computing, a woken receiver waits for a core: hops
+    # and tp's collectives cost what they were measured to cost so ("loaded").
+    cores = cluster.cores or choice.gpus
+    shared = choice.gpus > cores
+    loaded = shared and choice.pp > 1
     collective_s = cluster.collective_s
     if loaded and choice.tp in cluster.loaded_collective_s:
         collective_s = {**collective_s, choice.tp: cluster.loaded_collective_s[choice.tp]}
@@ -508,8 +519,6 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     # On shared cores, each action's sends and receives (one from the stage before and one
     # to the stage after) take processor time, half a message's at each end.
     message = cluster.message_cpu_s / 2 if loaded else 0.0
-    # More ranks than cores: each one's own work costs more processor time (`shared_cpu`)
-    shared = cluster.cores is not None and choice.gpus > cluster.cores
     worse = cluster.shared_cpu if shared else 1.0
     for s, ls in enumerate(layers):
         hops = message * ((s > 0) + (s < len(layers) - 1))
@@ -537,17 +546,18 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
                           pp_link.latency_s, pp_link.bandwidth_Bps, activation)
 
     m = choice.microbatches
-    tp_on = [sum(tp_share[s] for s, r in enumerate(plan.stage_rank) if r == rank) * m
-             for rank in range(choice.pp)]
+    on_rank = [[s for s, r in enumerate(plan.stage_rank) if r == rank]
+               for rank in range(choice.pp)]  # each pipeline rank's stages
+    tp_on = [sum(tp_share[s] for s in mine) * m for mine in on_rank]
     slow, timeline = 1.0, simulated(1.0)
-    if cluster.cores is not None and choice.gpus > cluster.cores:
+    if shared:
         for _ in range(6):
             # The replicas and the tp ranks of a stage compute in step with each other,
             # and wait on their collectives together: those waits are not idle time that
             # other ranks could use.
             busy = sum(b - t for b, t in zip(timeline.busy, tp_on))
             at_once = busy / (timeline.step_time - max(tp_on)) * choice.dp * choice.tp
-            want = max(1.0, at_once / cluster.cores)
+            want = max(1.0, at_once / cores)
             if abs(want - slow) < 1e-3 * slow:
                 break
             slow, timeline = want, simulated(want)
@@ -565,29 +575,26 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     if choice.dp in cluster.ring_s or choice.dp in cluster.collective_s:
         dp_link = SimulatedLink(0.0, dp_link.bandwidth_Bps)
     dp_s = _dp_seconds(choice, memory, dp_link, compute)
-    if choice.dp > 1:  # each collective's own cost: the gradients' (the course's ring:
-        # one all-reduce; under ZeRO-1 a reduce-scatter and an all-gather of each stage on
-        # the rank, half a ring each; under ZeRO-2 and 3 a reduce-scatter per microbatch),
+    if choice.dp > 1:  # each collective's own cost: the gradients' rings (`_dp_rings`)
         # and the loss's mean over the replicas (torch's)
         units = plan.stages // choice.pp + (  # the tied weights: a unit of their own
             1 if config.tie_weights and plan.stages > 1 else 0)
-        rings = {0: 1.0, 1: units}.get(choice.zero, units * (choice.microbatches + 1) / 2)
-        dp_s += rings * cluster.ring_s.get(choice.dp, cluster.collective_s.get(choice.dp, 0.0)) \
+        dp_s += _dp_rings(choice, units) * cluster.ring_s.get(
+            choice.dp, cluster.collective_s.get(choice.dp, 0.0)) \
             + cluster.collective_s.get(choice.dp, 0.0)
+    last = plan.stage_rank[-1]  # the ranks holding the tied embedding and head
+    tied_on = {plan.stage_rank[0], last} if config.tie_weights and plan.stages > 1 else set()
     weight_bytes = 4 if dtype == "fp32" else 2
     optimizers = []  # each pipeline rank's step
-    for rank in range(choice.pp):
+    for rank, mine in enumerate(on_rank):
         numbers = memory[rank]["params"] / weight_bytes * (choice.dp if choice.zero >= 3 else 1)
-        mine = [s for s, r in enumerate(plan.stage_rank) if r == rank]
         tensors = sum(_layer_tensors(config, lay, head_apart) for s in mine for lay in layers[s])
         if choice.zero:  # ZeRO steps one flat slice a stage, and one of the tied weights
-            holds_tied = config.tie_weights and plan.stages > 1 and bool(
-                {0, plan.stages - 1} & set(mine))
-            numbers, tensors = numbers / choice.dp, len(mine) + holds_tied
+            numbers, tensors = numbers / choice.dp, len(mine) + (rank in tied_on)
         optimizers.append(worse * ov.optimizer_s(tensors, numbers))
     optimizer = max(optimizers)
-    if cluster.cores is not None:
-        optimizer *= max(1.0, choice.gpus / cluster.cores)
+    if shared:
+        optimizer *= choice.gpus / cores
     step = pipeline + dp_s + optimizer
     waiting = 0.0
     if shared:
@@ -598,22 +605,16 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
         # Where that is longer, the ranks wait for a core. A collective whose processor
         # time was not measured (`measure_links`) counts none.
         tp_ops = len(collectives) * m if choice.tp > 1 else 0
-        last = plan.stage_rank[-1]
-        tied_on = {plan.stage_rank[0], last} if config.tie_weights and plan.stages > 1 \
-            else set()
         cpu = 0.0
-        for rank in range(choice.pp):
-            mine = [s for s, r in enumerate(plan.stage_rank) if r == rank]
+        for rank, mine in enumerate(on_rank):
             share = sum(len(layers[s]) for s in mine) / blocks
             cpu += (m * sum(forward[s] + backward[s] for s in mine) + optimizers[rank]
                     + tp_ops * share * cluster.collective_cpu_s.get(choice.tp, 0.0))
             if choice.dp > 1:
-                units = len(mine) + (rank in tied_on)
-                rank_rings = {0: 1.0, 1: units}.get(choice.zero,
-                                                    units * (choice.microbatches + 1) / 2)
-                cpu += (rank_rings * cluster.ring_cpu_s.get(choice.dp, 0.0)
+                cpu += (_dp_rings(choice, len(mine) + (rank in tied_on))
+                        * cluster.ring_cpu_s.get(choice.dp, 0.0)
                         + (rank == last) * cluster.collective_cpu_s.get(choice.dp, 0.0))
-        waiting = max(0.0, cpu * choice.dp * choice.tp / cluster.cores - step)
+        waiting = max(0.0, cpu * choice.dp * choice.tp / cores - step)
         step += waiting
     model_flops = model_flops_per_token(config) * global_batch * config.block_size
     return {"compute": compute, "tp": tp_s, "bubble": pipeline - compute - tp_s,
@@ -724,9 +725,8 @@ def plan(config: GPTConfig, cluster: Cluster, global_batch: int, *, dtype: Dtype
 def format_plans(plans: Plans, top: int = 10) -> str:
     """The ranked table (what `python -m parcourse plan` prints): each configuration's
     predicted step split into compute / tp / bubble / dp / optimizer / waiting for a core,
-    tokens/s, MFU and the busiest
-    pipeline rank's memory; then how many were turned down and why, with the closest
-    that ran out of memory."""
+    tokens/s, MFU and the busiest pipeline rank's memory; then how many were turned down
+    and why, with the closest that ran out of memory."""
     from collections import Counter
 
     from parcourse.memory import format_bytes

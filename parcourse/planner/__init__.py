@@ -25,10 +25,11 @@ of the gradients (exposed: the 3D step does it after the schedule) and the optim
 step. On this machine, ranks beyond the cores share them (`predict_time`), and every
 cost is measured: `measured_here`.
 
-Two modules, read in this order: `predict` (the inputs, memory, time and the search, in
-four parts marked by rules, each using the one before; the formulas themselves live in
-`parcourse.theory`) and `here` (what a step costs on this machine, measured, and a
-configuration run for real beside its prediction).
+Three modules, read in this order: `inputs` (a configuration, the cluster and the named
+models, with their checks), `predict` (memory, time and the search, in three parts marked
+by rules, each using the one before; the formulas themselves live in `parcourse.theory`)
+and `here` (what a step costs on this machine, measured, and a configuration run for real
+beside its prediction).
 """
 
 from parcourse.planner.here import (
@@ -40,18 +41,13 @@ from parcourse.planner.here import (
     measured_against_predicted,
     measured_here,
 )
+from parcourse.planner.inputs import MODELS, Choice, Cluster, Overheads, model, parameters
 from parcourse.planner.predict import (
-    MODELS,
-    Choice,
-    Cluster,
-    Overheads,
     Planned,
     Plans,
     choices,
     format_plans,
-    model,
     model_flops_per_token,
-    parameters,
     plan,
     predict_memory,
     predict_time,

@@ -13,13 +13,8 @@ import os
 from typing import Any
 
 from parcourse.models import GPTConfig
-from parcourse.planner.predict import (
-    Choice,
-    Cluster,
-    _layer_flops,
-    model_flops_per_token,
-    predict_memory,
-)
+from parcourse.planner.inputs import Choice, Cluster
+from parcourse.planner.predict import _layer_flops, model_flops_per_token, predict_memory
 
 
 def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,

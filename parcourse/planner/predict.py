@@ -1,7 +1,8 @@
-"""The planner's predictions (`parcourse.planner` says what it is): the inputs (Choice,
-Cluster, models), memory, time, and the search, read top to bottom in four parts marked by
-rules, each using the one before. The formulas themselves live in `parcourse.theory`;
-what is measured on this machine, in `parcourse.planner.here`.
+"""The planner's predictions (`parcourse.planner` says what it is) from its inputs
+(`parcourse.planner.inputs`: Choice, Cluster, models): memory, time, and the search,
+read top to bottom in three parts marked by rules, each using the one before. The
+formulas themselves live in `parcourse.theory`; what is measured on this machine, in
+`parcourse.planner.here`.
 """
 
 from __future__ import annotations
@@ -10,13 +11,24 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from parcourse.comm import SimulatedLink, Topology
+from parcourse.comm import SimulatedLink
 from parcourse.models import GPTConfig
 from parcourse.pipeline.partition import stage_bounds
-from parcourse.pipeline.schedule import SCHEDULES, Schedule, schedule_by_name
 from parcourse.pipeline.simulate import Costs, in_flight, simulate
+from parcourse.planner.inputs import (
+    MODELS,
+    Choice,
+    Cluster,
+    Dtype,
+    GiB,
+    Overheads,
+    Recompute,
+    _schedule,
+    model,
+    parameters,
+)
 from parcourse.theory import (
     CostModel,
     gpt_layer_bytes,
@@ -24,253 +36,6 @@ from parcourse.theory import (
     tp_collectives,
     tp_link_seconds,
 )
-
-Dtype = Literal["fp32", "bf16"]
-Recompute = Literal["none", "selective", "full"]
-GiB = 2**30
-
-
-@functools.lru_cache(maxsize=1024)
-def _schedule(name: str, ranks: int, microbatches: int, chunks: int) -> Schedule:
-    """A named schedule, built once: a search asks for the same few thousands of times
-    (the planner only reads it)."""
-    return schedule_by_name(name, ranks, microbatches, chunks)
-
-
-@functools.lru_cache(maxsize=1024)
-def _splits_backward(name: str, ranks: int, microbatches: int, chunks: int) -> bool:
-    """Whether the schedule cuts backward into I and W."""
-    return any(a.kind == "I" for acts in _schedule(name, ranks, microbatches, chunks).actions
-               for a in acts)
-
-
-@dataclass(frozen=True)
-class Choice:
-    """One configuration: the mesh (dp x tp x pp), the pipeline schedule and its
-    microbatches per replica (`chunks`: stages per rank, interleaved 1F1B), ZeRO's stage
-    over dp, sequence parallelism, and what backward recomputes: "none", "selective"
-    (attention's core, Korthikanti et al.; what FlashAttention does too) or "full" (each
-    stage keeps only its input, as `Hybrid(recompute=True)`). `split`: how the layers
-    are cut into stages: "layers" as the course's 3D step (`partition` by layer count, the
-    embeddings and the head counting as layers), or "blocks" as Megatron-LM (the blocks
-    evenly, the embeddings added to the first stage and the head to the last)."""
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    schedule: str = "1f1b"
-    microbatches: int = 1
-    chunks: int = 2
-    zero: int = 0
-    sequence_parallel: bool = False
-    recompute: Recompute = "none"
-    split: Literal["layers", "blocks"] = "layers"
-
-    @property
-    def shape(self) -> dict[str, int]:
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp}
-
-    @property
-    def gpus(self) -> int:
-        return self.dp * self.tp * self.pp
-
-    def label(self) -> str:
-        extra = [f"ZeRO-{self.zero}"] if self.zero else []
-        extra += ["SP"] if self.sequence_parallel else []
-        extra += [f"recompute {self.recompute}"] if self.recompute != "none" else []
-        return (f"dp{self.dp} tp{self.tp} pp{self.pp} {self.schedule} m{self.microbatches}"
-                + "".join(f" {e}" for e in extra))
-
-    def problems(self, config: GPTConfig, global_batch: int) -> list[str]:
-        """Why this choice cannot run the model at all (empty if it can)."""
-        out = []
-        if config.n_heads % self.tp:
-            out.append(f"tp {self.tp} does not divide the {config.n_heads} heads")
-        if self.sequence_parallel and config.block_size % self.tp:
-            out.append(f"tp {self.tp} does not divide the sequence ({config.block_size})")
-        if global_batch % (self.dp * self.microbatches):
-            out.append(f"the global batch {global_batch} is not dp {self.dp} x "
-                       f"{self.microbatches} microbatches equal parts")
-        if self.schedule not in SCHEDULES:
-            out.append(f"unknown schedule {self.schedule!r}")
-            return out
-        if not SCHEDULES[self.schedule].microbatched and self.microbatches != 1:
-            out.append(f"{self.schedule} runs the batch whole: one microbatch, not "
-                       f"{self.microbatches}")
-            return out
-        if self.schedule == "dualpipe":
-            out.append("dualpipe (two copies of every stage) is not modelled by the planner; "
-                       "dualpipe-v holds one")
-            return out
-        try:
-            plan = _schedule(self.schedule, self.pp, self.microbatches, self.chunks)
-        except ValueError as e:
-            out.append(str(e))
-            return out
-        if plan.stages > config.n_layers + 2:
-            out.append(f"{plan.stages} stages for {config.n_layers + 2} layers")
-        if self.split == "blocks" and config.n_layers % plan.stages:
-            out.append(f"{plan.stages} stages do not split {config.n_layers} blocks evenly")
-        if self.zero not in (0, 1, 2, 3):
-            out.append(f"ZeRO stage {self.zero} does not exist")
-        if self.recompute not in ("none", "selective", "full"):
-            out.append(f"recompute {self.recompute!r} is none of none, selective, full")
-        elif self.recompute == "full" and _splits_backward(
-                self.schedule, self.pp, self.microbatches, self.chunks):
-            out.append(f"{self.schedule} splits backward into I and W: no full recompute")
-        return out
-
-
-@dataclass(frozen=True)
-class Overheads:
-    """What a step costs beyond its FLOPs and its links, in seconds. On this machine
-    (`measure_costs`), each layer's call in forward and in backward (Python, the
-    runtime's bookkeeping, a CPU's kernel launches: a tiny model spends most of its time
-    there) and each stage's per microbatch (the pipeline runtime's action, the loss);
-    the optimizer's step: per step, per parameter tensor and per parameter. On a real
-    cluster only the last: Adam's update reads and writes about 28 bytes a parameter
-    (fp32 master, two moments, the gradient, the new weights) at the GPU's memory
-    bandwidth."""
-
-    forward_layer_s: float = 0.0
-    backward_layer_s: float = 0.0
-    forward_stage_s: float = 0.0
-    backward_stage_s: float = 0.0
-    optimizer_step_s: float = 0.0
-    optimizer_tensor_s: float = 0.0
-    optimizer_number_s: float = 0.0
-
-    def optimizer_s(self, tensors: float, numbers: float) -> float:
-        """One optimizer step over `tensors` tensors of `numbers` parameters in all."""
-        if not numbers:
-            return 0.0
-        return (self.optimizer_step_s + tensors * self.optimizer_tensor_s
-                + numbers * self.optimizer_number_s)
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """GPUs and their links: `memory` bytes per GPU, `peak_flops` (dense, the dtype's),
-    `achievable` (the fraction of it a real step reaches), links inside a node and between
-    nodes. `Cluster.preset("h100", gpus=64)`; `Cluster.this_machine(world_size, ...)`
-    for the laptop the course runs on."""
-
-    name: str
-    gpus: int
-    gpus_per_node: int
-    memory: float
-    peak_flops: float
-    achievable: float = 0.5
-    inside: SimulatedLink = field(default_factory=lambda: SimulatedLink.of(3, 300.0))
-    between: SimulatedLink = field(default_factory=lambda: SimulatedLink.of(10, 25.0))
-    # Seconds a collective costs beyond its bytes, by group size (measured here by
-    # `measure_links`: gloo on shared cores pays milliseconds a call); 0 on a real cluster,
-    # whose links' latency already says it.
-    collective_s: dict[int, float] = field(default_factory=dict)
-    overheads: Overheads = field(default_factory=Overheads)
-    # The CPU cores the ranks share (this machine); None: a GPU each. With more ranks
-    # than cores, the ranks computing at once share them (`predict_time`).
-    cores: int | None = None
-    # The same for the course's ring all-reduce of messages (data parallelism's on gloo).
-    ring_s: dict[int, float] = field(default_factory=dict)
-    # With more ranks than cores: a message's latency, and tp's collective by group size,
-    # measured while the other ranks compute (as a pipeline's other stages do); what a
-    # pipeline's hops and its stages' collectives cost here. None / empty: as above.
-    loaded_p2p_s: float | None = None
-    loaded_collective_s: dict[int, float] = field(default_factory=dict)
-    # The processor time of a message, both ends (`measure_links`): on shared cores a
-    # pipeline's sends and receives take it from the stages computing.
-    message_cpu_s: float = 0.0
-    # A collective's processor time on each member, by group size (gloo's threads too):
-    # torch's and the course's ring. On shared cores a step cannot beat its ranks'
-    # processor time over the cores.
-    collective_cpu_s: dict[int, float] = field(default_factory=dict)
-    ring_cpu_s: dict[int, float] = field(default_factory=dict)
-    # With more ranks than cores: a rank's own work in processor time when every rank
-    # works at once, per its time alone (`measure_sharing`: cores switching between ranks
-    # lose their caches). 1.0: no loss.
-    shared_cpu: float = 1.0
-
-    PRESETS = {  # memory, dense bf16 peak, NVLink / InfiniBand per GPU (GB/s, one way),
-        #          memory bandwidth (B/s)
-        "a100": (80 * 10**9, 312e12, 300.0, 25.0, 2.0e12),
-        "h100": (80 * 10**9, 989e12, 450.0, 50.0, 3.35e12),
-        "h200": (141 * 10**9, 989e12, 450.0, 50.0, 4.8e12),
-    }
-
-    @classmethod
-    def preset(cls, name: str, gpus: int, gpus_per_node: int = 8,
-               achievable: float = 0.5) -> Cluster:
-        if name not in cls.PRESETS:
-            raise ValueError(f"unknown GPU {name!r}; choose one of {', '.join(cls.PRESETS)}")
-        memory, flops, nvlink, ib, hbm = cls.PRESETS[name]
-        return cls(name, gpus, min(gpus, gpus_per_node), memory, flops, achievable,
-                   SimulatedLink.of(3, nvlink), SimulatedLink.of(10, ib),
-                   overheads=Overheads(optimizer_number_s=28 / hbm))
-
-    @classmethod
-    def this_machine(cls, gpus: int, flops: float | None = None, memory: float = 64 * GiB,
-                     topology: Topology | None = None, cores: int | None = None,
-                     links: dict[str, Any] | None = None,
-                     costs: dict[str, Any] | None = None,
-                     shared_cpu: float = 1.0) -> Cluster:
-        """The course's ranks here, one core's worth each at most: `flops` what one rank
-        reaches alone (`measure_flops`), or, with `costs` (`measure_costs` on one rank),
-        the rate a layer's FLOPs go at beside what each call and the optimizer cost
-        (`Overheads`). More ranks than `cores` share them. The topology's links, or,
-        with `links` (`measure_links` on the ranks), gloo's own: a message's latency
-        and each collective's cost by group size; `shared_cpu` what sharing the cores
-        costs a rank's own work (`measure_sharing`)."""
-        import os
-
-        if (flops is None) == (costs is None):
-            raise ValueError("give one of flops (measure_flops) and costs (measure_costs)")
-        cores = cores or os.cpu_count() or 1
-        if links is not None:
-            link = SimulatedLink(links["p2p_s"], links["bandwidth_Bps"])
-            topology = Topology(gpus, link, link)
-        topology = topology or Topology(gpus, SimulatedLink(), SimulatedLink())
-        overheads = Overheads(**{k: v for k, v in (costs or {}).items()
-                                 if k in Overheads.__dataclass_fields__})
-        loaded = (links or {}).get("loaded", {})
-        return cls("this machine", gpus, topology.ranks_per_node, memory,
-                   costs["flops"] if costs is not None else flops, 1.0,  # type: ignore[arg-type]
-                   topology.inside, topology.between,
-                   dict(links["collective_s"]) if links is not None else {},
-                   overheads, cores,
-                   dict(links.get("ring_s", {})) if links is not None else {},
-                   loaded.get("p2p_s"), dict(loaded.get("collective_s", {})),
-                   (links or {}).get("message_cpu_s", 0.0),
-                   dict((links or {}).get("collective_cpu_s", {})),
-                   dict((links or {}).get("ring_cpu_s", {})), shared_cpu)
-
-    @property
-    def flops(self) -> float:
-        return self.peak_flops * self.achievable
-
-
-# GPT-style shapes (4h MLP, GELU, learned positions, a vocabulary of 51200 as Megatron-LM's
-# GPT runs), named by their size: (layers, width, heads).
-MODELS: dict[str, tuple[int, int, int]] = {
-    "1.3B": (24, 2048, 16), "6.7B": (32, 4096, 32), "13B": (40, 5120, 40),
-    "70B": (80, 8192, 64), "175B": (96, 12288, 96),
-}
-
-
-def model(name: str, seq: int = 2048, vocab: int = 51200) -> GPTConfig:
-    """A named GPT-style shape (`MODELS`) at sequence length `seq`."""
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
-    layers, width, heads = MODELS[name]
-    return GPTConfig(vocab=vocab, block_size=seq, n_layers=layers, n_heads=heads,
-                     d_model=width)
-
-
-def parameters(config: GPTConfig) -> int:
-    """The model's parameters (numbers; a tied head counted once)."""
-    return sum(gpt_layer_bytes(config, lay)["params"]
-               for lay in range(config.n_layers + 2)) // 4
-
 
 # --------------------------------------------------------------------------- memory
 

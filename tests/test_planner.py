@@ -219,6 +219,29 @@ def test_links_under_load_price_a_pipelines_hops(pool8):
     assert b["step"] - a["step"] == pytest.approx(2 * 0.1 / 2)  # the last stage's two
     assert predict_time(CONFIG, Choice(8), BATCH, cpu({2: 0.05}, {}))["cores"] == pytest.approx(
         predict_time(CONFIG, Choice(8), BATCH, cluster)["cores"])  # no group of 2 in it
+    # The same waits where a step meets them: after a stage's or a layer's work, every
+    # rank working; they take the tight loop's place in the cluster, and sequence
+    # parallelism's all-gathers and reduce-scatters are priced apart from all-reduces
+    from parcourse.planner import measure_waits
+
+    waits = pool8.run(measure_waits, CONFIG, 2).results[0]
+    assert waits["message_cpu_s"] > 0 and set(waits["collective_cpu_s"]) == {2, 4, 8}
+    assert set(waits["gather_cpu_s"]) == set(waits["scatter_cpu_s"]) == {2, 4}  # tp's sizes
+    assert all(v > 0 for v in [*waits["collective_cpu_s"].values(),
+                               *waits["gather_cpu_s"].values(),
+                               *waits["scatter_cpu_s"].values()])
+    in_step = Cluster.this_machine(8, flops=1e9, links={**links, **waits}, cores=2)
+    assert in_step.message_cpu_s == waits["message_cpu_s"]
+    assert in_step.collective_cpu("all_gather", 4) == waits["gather_cpu_s"][4]
+    assert in_step.collective_cpu("reduce_scatter", 2) == waits["scatter_cpu_s"][2]
+    assert in_step.collective_cpu("all_reduce", 8) == waits["collective_cpu_s"][8]
+    assert cluster.collective_cpu("all_gather", 2) == links["collective_cpu_s"][2]  # unmeasured
+    sp = Choice(4, 2, 1, "1f1b", 1, sequence_parallel=True)
+    gathers = sum(op == "all_gather" for op, *_ in tp_collectives(
+        CONFIG, BATCH // 4, CONFIG.block_size, 2, sequence_parallel=True))
+    a, b = (predict_time(CONFIG, sp, BATCH, dataclasses.replace(in_step, gather_cpu_s={2: x}))
+            for x in (0.05, 0.06))
+    assert a["cores"] > 0 and b["step"] - a["step"] == pytest.approx(8 * gathers * 0.01 / 2)
     # A rank's own work, every rank at it at once: its processor time, which sharing the
     # cores raises over a pool of one's, and the step's compute and optimizer with it
     from parcourse.planner import measure_sharing

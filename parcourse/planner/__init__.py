@@ -38,6 +38,7 @@ from parcourse.planner.here import (
     measure_flops,
     measure_links,
     measure_sharing,
+    measure_waits,
     measured_against_predicted,
     measured_here,
 )
@@ -56,6 +57,7 @@ from parcourse.planner.predict import (
 
 __all__ = ["MODELS", "Choice", "Cluster", "Overheads", "Planned", "Plans", "choices",
            "format_plans", "measure", "measure_costs", "measure_flops", "measure_links",
-           "measure_sharing", "measured_against_predicted", "measured_here", "model",
+           "measure_sharing", "measure_waits", "measured_against_predicted", "measured_here",
+           "model",
            "model_flops_per_token", "parameters", "plan", "predict_memory", "predict_time",
            "stage_layers"]

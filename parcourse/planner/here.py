@@ -1,7 +1,8 @@
 """The planner checked on this machine (`parcourse.planner` says what it is): what a step
 costs here, measured (`measure_costs` on one rank alone: a layer call's fixed cost, the
 FLOP rate, the optimizer's step; `measure_links` on every rank at once: gloo's messages
-and collectives; or `measure_flops` alone), the `Cluster` built from them
+and collectives; `measure_sharing` and `measure_waits`: what sharing the cores costs a
+rank's work and its waits; or `measure_flops` alone), the `Cluster` built from them
 (`measured_here`), and a configuration run for real (`measure`) beside its prediction
 (`measured_against_predicted`). The rank functions here run on a `Pool`.
 """
@@ -339,11 +340,109 @@ def measure_sharing(ctx: Any, config: GPTConfig) -> float:
         torch.set_num_threads(threads)
 
 
+def measure_waits(ctx: Any, config: GPTConfig, steps: int = 6) -> dict[str, Any]:
+    """What a message and a collective cost a step in processor time here, where they
+    meet it (a rank function, for more ranks than cores): after the course's own work,
+    with every rank working at once. `measure_links` times them back to back, where
+    each finds the last one's caches warm; in a step each follows Python work, and the
+    rank that waited wakes to cold caches, on a core another rank just left. So every
+    rank runs rounds of work, once alone and once with a wait after each round; the
+    difference per round, over the ranks, is the wait's processor time:
+
+    - a message after a stage's action (the GPT's forward and backward, batch 2),
+      both ends: "message_cpu_s" (ranks 2k and 2k + 1 in ping-pong);
+    - a tiny collective after a layer's forward and backward (one block's), by group
+      size (each that divides the world size, every group at once), as tensor
+      parallelism calls it (`Comm`, torch's): "collective_cpu_s" (all-reduce),
+      "gather_cpu_s" (all-gather), "scatter_cpu_s" (reduce-scatter).
+
+    Seen here: a message and a collective of 2 cost 1.5 to 3 times what they cost back
+    to back; an all-gather of 4 two thirds of an all-reduce."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from parcourse.comm import Comm
+    from parcourse.models import gpt
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    net = gpt(config)
+    tokens = torch.randint(config.vocab, (2, config.block_size))
+    hidden = torch.randn(2, config.block_size, config.d_model, requires_grad=True)
+    flag = torch.zeros(16)
+    peer = ctx.rank ^ 1
+
+    def action() -> None:
+        F.cross_entropy(net(tokens).flatten(0, 1), tokens.flatten()).backward()
+
+    def layer() -> None:
+        net.blocks[0](hidden).sum().backward()
+
+    def message() -> None:
+        if peer >= ctx.world_size:
+            return
+        if ctx.rank % 2 == 0:
+            dist.send(flag, peer, group=ctx.group)
+            dist.recv(flag, peer, group=ctx.group)
+        else:
+            dist.recv(flag, peer, group=ctx.group)
+            dist.send(flag, peer, group=ctx.group)
+
+    def per_wait(work: Any, wait: Any, rounds: int, takes: int = steps) -> float:
+        """A wait's processor time after `work`: rounds of work alone, then as many with
+        a wait after each, in turn (so a busy moment elsewhere falls on both), the
+        median difference per round, the mean over the ranks."""
+        extra = []
+        for step in range(2 + takes):
+            spent = []
+            for then in (None, wait):
+                dist.barrier(group=ctx.group)
+                start = time.process_time()
+                for _ in range(rounds):
+                    work()
+                    if then is not None:
+                        then()
+                spent.append(time.process_time() - start)
+            if step >= 2:
+                extra.append((spent[1] - spent[0]) / rounds)
+        mean = torch.tensor([max(0.0, statistics.median(extra)) / ctx.world_size])
+        dist.all_reduce(mean, group=ctx.group)
+        return mean.item()
+
+    try:
+        out: dict[str, Any] = {"collective_cpu_s": {}, "gather_cpu_s": {}, "scatter_cpu_s": {}}
+        if ctx.world_size > 1:
+            out["message_cpu_s"] = per_wait(action, message, 6, 2 * steps)
+        for size in range(2, ctx.world_size + 1):
+            if ctx.world_size % size:
+                continue
+            groups = [dist.new_group(list(range(g * size, (g + 1) * size)))
+                      for g in range(ctx.world_size // size)]
+            comm = Comm(groups[ctx.rank // size])
+            whole = torch.zeros(16 * size)
+            waits = {"collective_cpu_s": lambda c=comm: c.all_reduce(flag)}
+            if config.n_heads % size == 0:  # a size tensor parallelism can take
+                waits["gather_cpu_s"] = lambda c=comm, w=whole: c.all_gather(flag, w)
+                waits["scatter_cpu_s"] = lambda c=comm, w=whole: c.reduce_scatter(w)
+            for key, wait in waits.items():
+                out[key][size] = per_wait(layer, wait, 12)
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
 def measured_here(gpus: int, config: GPTConfig, pool: Any = None) -> Cluster:
     """`Cluster.this_machine` with what a step of `config` costs here measured: one rank
     alone (`measure_costs`), then `gpus` ranks at once (`measure_links` and
-    `measure_sharing`, on `pool` if given: a pool of `gpus` ranks). A few seconds: short
-    runs of processes."""
+    `measure_sharing`, on `pool` if given: a pool of `gpus` ranks; with more ranks than
+    cores `measure_waits` too, whose in-step costs of a message and a collective take
+    the place of `measure_links`' back-to-back ones). Seconds: short runs of processes
+    (about 30 s for 8 ranks on 2 cores)."""
     from parcourse.launch import Pool
 
     if pool is not None and pool.world_size != gpus:
@@ -352,13 +451,19 @@ def measured_here(gpus: int, config: GPTConfig, pool: Any = None) -> Cluster:
     with Pool(1, timeout=300) as alone:
         costs = alone.run(measure_costs, config).results[0]
     links, together = None, costs["probe_cpu_s"]
+
+    def on(ranks: Any) -> tuple[dict[str, Any], float]:
+        links = ranks.run(measure_links).results[0]
+        if gpus > (os.cpu_count() or 1):  # on shared cores: a wait's processor time in a step
+            waits = ranks.run(measure_waits, config).results[0]
+            links = {**links, **waits}
+        return links, ranks.run(measure_sharing, config).results[0]
+
     if gpus > 1 and pool is not None:
-        links = pool.run(measure_links).results[0]
-        together = pool.run(measure_sharing, config).results[0]
+        links, together = on(pool)
     elif gpus > 1:
         with Pool(gpus, timeout=300) as ranks:
-            links = ranks.run(measure_links).results[0]
-            together = ranks.run(measure_sharing, config).results[0]
+            links, together = on(ranks)
     return Cluster.this_machine(gpus, costs=costs, links=links,
                                 shared_cpu=max(1.0, together / costs["probe_cpu_s"]))
 
@@ -410,4 +515,4 @@ def measured_against_predicted(results: list[dict[str, Any]], config: GPTConfig,
 
 
 __all__ = ["measure", "measure_costs", "measure_flops", "measure_links", "measure_sharing",
-           "measured_against_predicted", "measured_here"]
+           "measure_waits", "measured_against_predicted", "measured_here"]

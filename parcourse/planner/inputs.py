@@ -168,18 +168,24 @@ class Cluster:
     # pipeline's hops and its stages' collectives cost here. None / empty: as above.
     loaded_p2p_s: float | None = None
     loaded_collective_s: dict[int, float] = field(default_factory=dict)
-    # The processor time of a message, both ends (`measure_links`): on shared cores a
+    # The processor time of a message, both ends (`measure_links`; with more ranks than
+    # cores `measure_waits`: after a stage's work, as a step meets it): on shared cores a
     # pipeline's sends and receives take it from the stages computing.
     message_cpu_s: float = 0.0
     # A collective's processor time on each member, by group size (gloo's threads too):
-    # torch's and the course's ring. On shared cores a step cannot beat its ranks'
-    # processor time over the cores.
+    # torch's all-reduce and the course's ring (`measure_links`; with more ranks than
+    # cores, torch's after a layer's work, `measure_waits`, and its all-gather and
+    # reduce-scatter, which sequence parallelism calls: `gather_cpu_s`, `scatter_cpu_s`;
+    # where not measured, an all-reduce's). On shared cores a step cannot beat its
+    # ranks' processor time over the cores.
     collective_cpu_s: dict[int, float] = field(default_factory=dict)
     ring_cpu_s: dict[int, float] = field(default_factory=dict)
     # With more ranks than cores: a rank's own work in processor time when every rank
     # works at once, per its time alone (`measure_sharing`: cores switching between ranks
     # lose their caches). 1.0: no loss.
     shared_cpu: float = 1.0
+    gather_cpu_s: dict[int, float] = field(default_factory=dict)
+    scatter_cpu_s: dict[int, float] = field(default_factory=dict)
 
     PRESETS = {  # memory, dense bf16 peak, NVLink / InfiniBand per GPU (GB/s, one way),
         #          memory bandwidth (B/s)
@@ -232,7 +238,16 @@ class Cluster:
                    loaded.get("p2p_s"), dict(loaded.get("collective_s", {})),
                    (links or {}).get("message_cpu_s", 0.0),
                    dict((links or {}).get("collective_cpu_s", {})),
-                   dict((links or {}).get("ring_cpu_s", {})), shared_cpu)
+                   dict((links or {}).get("ring_cpu_s", {})), shared_cpu,
+                   dict((links or {}).get("gather_cpu_s", {})),
+                   dict((links or {}).get("scatter_cpu_s", {})))
+
+    def collective_cpu(self, op: str, size: int) -> float:
+        """The processor time of one of torch's collectives (`op`: "all_reduce",
+        "all_gather", "reduce_scatter") on each member of a group of `size`; 0 where
+        none was measured."""
+        by_op = {"all_gather": self.gather_cpu_s, "reduce_scatter": self.scatter_cpu_s}
+        return by_op.get(op, {}).get(size, self.collective_cpu_s.get(size, 0.0))
 
     @property
     def flops(self) -> float:

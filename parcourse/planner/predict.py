@@ -369,12 +369,13 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
         # each under ZeRO, and the loss's mean on the last stage) and its optimizer.
         # Where that is longer, the ranks wait for a core. A collective whose processor
         # time was not measured (`measure_links`) counts none.
-        tp_ops = len(collectives) * m if choice.tp > 1 else 0
+        tp_cpu = m * sum(cluster.collective_cpu(op, choice.tp) for op, *_ in collectives) \
+            if choice.tp > 1 else 0.0
         cpu = 0.0
         for rank, mine in enumerate(on_rank):
             share = sum(len(layers[s]) for s in mine) / blocks
             cpu += (m * sum(forward[s] + backward[s] for s in mine) + optimizers[rank]
-                    + tp_ops * share * cluster.collective_cpu_s.get(choice.tp, 0.0))
+                    + tp_cpu * share)
             if choice.dp > 1:
                 cpu += (_dp_rings(choice, len(mine) + (rank in tied_on))
                         * cluster.ring_cpu_s.get(choice.dp, 0.0)

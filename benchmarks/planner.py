@@ -251,15 +251,21 @@ def here(world_size: int = 8, batch: int = 16, steps: int = 6, passes: int = 2) 
               f"{1e3 * cluster.inside.latency_s:.2f} ms, a tiny all-reduce "
               + ", ".join(f"{1e3 * v:.2f} ms on {k}" for k, v in cluster.collective_s.items()))
         if cluster.loaded_p2p_s is not None:
-            print(f"a message's processor time, both ends: {1e3 * cluster.message_cpu_s:.2f} ms;"
+            print(f"a message's processor time after a stage's work, both ends: "
+                  f"{1e3 * cluster.message_cpu_s:.2f} ms;"
                   f" while the other ranks compute: a message {1e3 * cluster.loaded_p2p_s:.2f} ms"
                   + "".join(f", a tiny all-reduce {1e3 * v:.2f} ms on {k}"
                             for k, v in cluster.loaded_collective_s.items()))
         if cluster.collective_cpu_s and world_size > (cluster.cores or world_size):
-            print("a tiny all-reduce's processor time on each member: " + ", ".join(
-                f"{1e3 * v:.2f} ms on {k}" for k, v in cluster.collective_cpu_s.items())
-                + f"; a rank's own work, every rank at it: x {cluster.shared_cpu:.2f} the "
-                "processor time of a pool of one")
+            print("after a layer's work, a tiny collective's processor time on each member: "
+                  + "; ".join(f"{name} " + ", ".join(f"{1e3 * v:.2f} ms on {k}"
+                                                     for k, v in by_size.items())
+                              for name, by_size in (("all-reduce", cluster.collective_cpu_s),
+                                                    ("all-gather", cluster.gather_cpu_s),
+                                                    ("reduce-scatter", cluster.scatter_cpu_s))
+                              if by_size)
+                  + f"; a rank's own work, every rank at it: x {cluster.shared_cpu:.2f} the "
+                  "processor time of a pool of one")
         print(f"{'configuration':<44} {'memory pred.':>13} {'measured':>10} {'step pred. ms':>14} "
               f"{'measured':>9} {'ratio':>6}")
         fitting = [p for p in plans.ranked if p.choice.zero <= 2]  # the 3D step's

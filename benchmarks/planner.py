@@ -316,7 +316,8 @@ def here(world_size: int = 8, batch: int = 16, steps: int = 6, passes: int = 2) 
               f"{max(err):.1%}, {sum(e <= 0.15 for e in err)} of {n} within 15% (target: all); "
               f"rank correlation {rank_correlation(predicted, measured):.2f}; the predicted "
               f"best ({fitting[0].choice.label()}) is measured {order.index(0) + 1} of {n} "
-              "(target: among the best two)")
+              f"(target: among the best two), {measured[0] / measured[order[0]] - 1:.0%} "
+              f"slower than the measured best ({fitting[order[0]].choice.label()})")
 
 
 def _step(results: list[dict]) -> float:

@@ -236,6 +236,8 @@ def test_links_under_load_price_a_pipelines_hops(pool8):
     assert in_step.collective_cpu("reduce_scatter", 2) == waits["scatter_cpu_s"][2]
     assert in_step.collective_cpu("all_reduce", 8) == waits["collective_cpu_s"][8]
     assert cluster.collective_cpu("all_gather", 2) == links["collective_cpu_s"][2]  # unmeasured
+    with pytest.raises(ValueError, match="unknown collective 'all_to_all'"):
+        in_step.collective_cpu("all_to_all", 2)
     sp = Choice(4, 2, 1, "1f1b", 1, sequence_parallel=True)
     gathers = sum(op == "all_gather" for op, *_ in tp_collectives(
         CONFIG, BATCH // 4, CONFIG.block_size, 2, sequence_parallel=True))

@@ -340,24 +340,27 @@ def measure_sharing(ctx: Any, config: GPTConfig) -> float:
         torch.set_num_threads(threads)
 
 
-def measure_waits(ctx: Any, config: GPTConfig, steps: int = 6) -> dict[str, Any]:
+def measure_waits(ctx: Any, config: GPTConfig, steps: int = 4) -> dict[str, Any]:
     """What a message and a collective cost a step in processor time here, where they
     meet it (a rank function, for more ranks than cores): after the course's own work,
     with every rank working at once. `measure_links` times them back to back, where
     each finds the last one's caches warm; in a step each follows Python work, and the
-    rank that waited wakes to cold caches, on a core another rank just left. So every
-    rank runs rounds of work, once alone and once with a wait after each round; the
-    difference per round, over the ranks, is the wait's processor time:
+    rank that waited likely wakes to cold caches, on a core another rank just left. So
+    every rank runs rounds of work, once alone and once with a wait after each round;
+    the difference per round, over the ranks, is the wait's processor time (what the
+    wait does to the work around it included):
 
-    - a message after a stage's action (the GPT's forward and backward, batch 2),
-      both ends: "message_cpu_s" (ranks 2k and 2k + 1 in ping-pong);
+    - a message after a stage's work (the whole GPT's forward and backward, batch 2:
+      about a stage's two actions here), both ends: "message_cpu_s" (ranks 2k and
+      2k + 1 in ping-pong, the mean over the ranks paired);
     - a tiny collective after a layer's forward and backward (one block's), by group
       size (each that divides the world size, every group at once), as tensor
       parallelism calls it (`Comm`, torch's): "collective_cpu_s" (all-reduce),
       "gather_cpu_s" (all-gather), "scatter_cpu_s" (reduce-scatter).
 
-    Seen here: a message and a collective of 2 cost 1.5 to 3 times what they cost back
-    to back; an all-gather of 4 two thirds of an all-reduce."""
+    Seen here: a message and a collective of 2 up to 2.5 times what they cost back to
+    back (`measure_links`), a collective of 4 about as much; an all-gather of 4 about
+    two thirds of an all-reduce."""
     import statistics
     import time
 
@@ -393,31 +396,34 @@ def measure_waits(ctx: Any, config: GPTConfig, steps: int = 6) -> dict[str, Any]
             dist.recv(flag, peer, group=ctx.group)
             dist.send(flag, peer, group=ctx.group)
 
-    def per_wait(work: Any, wait: Any, rounds: int, takes: int = steps) -> float:
-        """A wait's processor time after `work`: rounds of work alone, then as many with
-        a wait after each, in turn (so a busy moment elsewhere falls on both), the
-        median difference per round, the mean over the ranks."""
+    def per_wait(work: Any, wait: Any, rounds: int, takes: int = steps,
+                 members: int | None = None) -> float:
+        """A wait's processor time after `work`: rounds of work alone and as many with a
+        wait after each, in turn, the first of the two alternating (so a busy moment
+        elsewhere falls on both), the median difference per round; its mean over the
+        ranks that wait (`members`, all by default), clipped at 0 only then."""
         extra = []
-        for step in range(2 + takes):
-            spent = []
-            for then in (None, wait):
+        for take in range(2 + takes):
+            spent = {}
+            for then in ((None, wait) if take % 2 else (wait, None)):
                 dist.barrier(group=ctx.group)
                 start = time.process_time()
                 for _ in range(rounds):
                     work()
                     if then is not None:
                         then()
-                spent.append(time.process_time() - start)
-            if step >= 2:
-                extra.append((spent[1] - spent[0]) / rounds)
-        mean = torch.tensor([max(0.0, statistics.median(extra)) / ctx.world_size])
-        dist.all_reduce(mean, group=ctx.group)
-        return mean.item()
+                spent[then is None] = time.process_time() - start
+            if take >= 2:
+                extra.append((spent[False] - spent[True]) / rounds)
+        total = torch.tensor([statistics.median(extra)])
+        dist.all_reduce(total, group=ctx.group)
+        return max(0.0, total.item() / (members or ctx.world_size))
 
     try:
         out: dict[str, Any] = {"collective_cpu_s": {}, "gather_cpu_s": {}, "scatter_cpu_s": {}}
         if ctx.world_size > 1:
-            out["message_cpu_s"] = per_wait(action, message, 6, 2 * steps)
+            paired = ctx.world_size - ctx.world_size % 2  # an odd world's last rank waits not
+            out["message_cpu_s"] = per_wait(action, message, 6, 3 * steps, paired)
         for size in range(2, ctx.world_size + 1):
             if ctx.world_size % size:
                 continue
@@ -430,7 +436,7 @@ def measure_waits(ctx: Any, config: GPTConfig, steps: int = 6) -> dict[str, Any]
                 waits["gather_cpu_s"] = lambda c=comm, w=whole: c.all_gather(flag, w)
                 waits["scatter_cpu_s"] = lambda c=comm, w=whole: c.reduce_scatter(w)
             for key, wait in waits.items():
-                out[key][size] = per_wait(layer, wait, 12)
+                out[key][size] = per_wait(layer, wait, 8)
         return out
     finally:
         torch.set_num_threads(threads)

@@ -244,10 +244,14 @@ class Cluster:
 
     def collective_cpu(self, op: str, size: int) -> float:
         """The processor time of one of torch's collectives (`op`: "all_reduce",
-        "all_gather", "reduce_scatter") on each member of a group of `size`; 0 where
-        none was measured."""
-        by_op = {"all_gather": self.gather_cpu_s, "reduce_scatter": self.scatter_cpu_s}
-        return by_op.get(op, {}).get(size, self.collective_cpu_s.get(size, 0.0))
+        "all_gather", "reduce_scatter") on each member of a group of `size`: an
+        all-gather or a reduce-scatter not measured costs an all-reduce's, and an
+        all-reduce not measured 0."""
+        by_op = {"all_reduce": {}, "all_gather": self.gather_cpu_s,
+                 "reduce_scatter": self.scatter_cpu_s}
+        if op not in by_op:
+            raise ValueError(f"unknown collective {op!r}; choose one of {', '.join(by_op)}")
+        return by_op[op].get(size, self.collective_cpu_s.get(size, 0.0))
 
     @property
     def flops(self) -> float:

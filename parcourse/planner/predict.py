@@ -367,8 +367,9 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
         # each rank's layers (its messages' share with them), its collectives' (gloo's
         # threads too: tp's per microbatch; dp's rings, a stage's or the tied weights'
         # each under ZeRO, and the loss's mean on the last stage) and its optimizer.
-        # Where that is longer, the ranks wait for a core. A collective whose processor
-        # time was not measured (`measure_links`) counts none.
+        # Where that is longer, the ranks wait for a core. A collective's processor time
+        # is measured (`measure_links`, `measure_waits`) or counts none
+        # (`Cluster.collective_cpu`).
         tp_cpu = m * sum(cluster.collective_cpu(op, choice.tp) for op, *_ in collectives) \
             if choice.tp > 1 else 0.0
         cpu = 0.0

@@ -36,9 +36,10 @@
    finds fitting, run for real: the busiest rank's memory and the step time (the median
    of 5 after a warm-up, the slowest rank's), each beside the prediction, with what it
    costs here measured first (`measure_costs` on one rank alone, `measure_links` and
-   `measure_sharing` and `measure_waits` on all). Then every configuration again, in the
-   opposite order (--passes 2, the default): how far a measurement moves by itself on
-   this shared machine, and the prediction against the mean of the passes. Targets:
+   `measure_sharing` and `measure_waits` on all). Then the costs again and every
+   configuration again, in the opposite order (--passes 2, the default): how far a
+   measurement moves by itself on this shared machine, each pass's prediction against
+   it, and the means. Targets:
    memory within 5%, time within 15%, the predicted best among the measured best two;
    mean and worst error and the rank correlation are printed.
 """
@@ -229,10 +230,11 @@ def here(world_size: int = 8, batch: int = 16, steps: int = 6, passes: int = 2) 
     """Every configuration of the course's GPT that the planner finds fitting on
     `world_size` ranks here (ZeRO 0-2: what the 3D step runs), run for real: memory of
     the busiest rank and step time (the median of `steps` - 1 after a warm-up, the
-    slowest rank's), each beside the prediction. `passes` > 1: every configuration is
-    measured again, in the opposite order, and the two passes set against each other
-    (how far a measurement on this shared machine moves by itself) and the prediction
-    against their mean."""
+    slowest rank's), each beside the prediction. `passes` > 1: the costs measured again
+    and every configuration with them, in the opposite order: the passes set against
+    each other (how far a measurement on this shared machine moves by itself), each
+    pass's prediction against it, and the mean prediction against the mean. The
+    predicted best is the first pass's."""
     import time
 
     from parcourse import Pool
@@ -269,7 +271,10 @@ def here(world_size: int = 8, batch: int = 16, steps: int = 6, passes: int = 2) 
         print(f"{'configuration':<44} {'memory pred.':>13} {'measured':>10} {'step pred. ms':>14} "
               f"{'measured':>9} {'ratio':>6}")
         fitting = [p for p in plans.ranked if p.choice.zero <= 2]  # the 3D step's
-        rows, memory_err = {}, {}
+        # per pass: each configuration's predicted and measured step
+        predicted: list[dict] = [{p.choice: p.time["step"] for p in fitting}]
+        measured: list[dict] = [{}]
+        memory_err = {}
         started = time.perf_counter()
         for item in fitting:
             choice = item.choice
@@ -278,46 +283,55 @@ def here(world_size: int = 8, batch: int = 16, steps: int = 6, passes: int = 2) 
             got = max(r["measured"]["total"] for r in memory)
             want = max(r["predicted"]["total"] for r in memory)
             memory_err[choice] = abs(want / got - 1)
-            rows[choice] = [item.time["step"], _step(results)]
+            measured[0][choice] = _step(results)
             print(f"{choice.label():<44} {want / 1024:>9.1f} KiB {got / 1024:>6.1f} KiB "
-                  f"{1e3 * item.time['step']:>14.1f} {1e3 * rows[choice][1]:>9.1f} "
-                  f"{item.time['step'] / rows[choice][1]:>6.2f}", flush=True)
+                  f"{1e3 * item.time['step']:>14.1f} {1e3 * measured[0][choice]:>9.1f} "
+                  f"{item.time['step'] / measured[0][choice]:>6.2f}", flush=True)
         first = time.perf_counter() - started
-        if passes > 1:
-            print(f"\nagain, {passes - 1} more time(s), the last configuration first: the "
-                  "measurement's own spread; the prediction set against the mean")
+        for k in range(1, passes):
+            again = measured_here(world_size, LESSON_CONFIG, pool=pool)
+            predicted.append({p.choice: predict_time(LESSON_CONFIG, p.choice, batch,
+                                                     again)["step"] for p in fitting})
+            measured.append({})
+            print(f"\npass {k + 1}, the last configuration first, with the costs measured "
+                  f"again (a layer's call {1e3 * again.overheads.forward_layer_s:.2f} ms "
+                  f"forward; a message after a stage's work {1e3 * again.message_cpu_s:.2f}"
+                  f" ms; sharing x {again.shared_cpu:.2f}): how far a measurement moves by "
+                  "itself, and the prediction against it")
             print(f"{'configuration':<44} {'step pred. ms':>14} {'first':>9} {'again':>9} "
                   f"{'ratio':>6}")
-        for _ in range(passes - 1):
             for item in reversed(fitting):
                 choice = item.choice
-                rows[choice].append(_step(pool.run(measure, LESSON_CONFIG, choice, batch,
-                                                   steps).results))
-                mean = sum(rows[choice][1:]) / len(rows[choice][1:])
-                print(f"{choice.label():<44} {1e3 * rows[choice][0]:>14.1f} "
-                      f"{1e3 * rows[choice][1]:>9.1f} {1e3 * rows[choice][-1]:>9.1f} "
-                      f"{rows[choice][0] / mean:>6.2f}", flush=True)
+                measured[k][choice] = _step(pool.run(measure, LESSON_CONFIG, choice, batch,
+                                                     steps).results)
+                print(f"{choice.label():<44} {1e3 * predicted[k][choice]:>14.1f} "
+                      f"{1e3 * measured[0][choice]:>9.1f} {1e3 * measured[k][choice]:>9.1f} "
+                      f"{predicted[k][choice] / measured[k][choice]:>6.2f}", flush=True)
     n = len(fitting)
     print(f"{n} configurations measured {passes} time(s), {first:.0f} s a pass")
     print(f"memory: mean error {sum(memory_err.values()) / n:.1%}, worst "
           f"{max(memory_err.values()):.1%} (target: within 5%)")
     if passes > 1:  # how far the measurement itself moves between passes
-        spread = [abs(r[-1] / r[1] - 1) for r in rows.values()]
-        print(f"the measurement itself, again / first: mean difference "
+        spread = [abs(measured[-1][c] / measured[0][c] - 1) for c in measured[0]]
+        print(f"the measurement itself, the last pass / the first: mean difference "
               f"{sum(spread) / n:.1%}, worst {max(spread):.1%}, {sum(e <= 0.15 for e in spread)}"
               f" of {n} within 15% of each other")
-    predicted = [rows[p.choice][0] for p in fitting]
-    for name, measured in (("first pass", [rows[p.choice][1] for p in fitting]),
-                           (f"mean of {passes}", [sum(rows[p.choice][1:]) / passes
-                                                  for p in fitting]))[:passes]:
-        err = [abs(p / m - 1) for p, m in zip(predicted, measured)]
-        order = sorted(range(n), key=lambda k: measured[k])
-        print(f"step time against the {name}: mean error {sum(err) / n:.1%}, worst "
-              f"{max(err):.1%}, {sum(e <= 0.15 for e in err)} of {n} within 15% (target: all); "
-              f"rank correlation {rank_correlation(predicted, measured):.2f}; the predicted "
-              f"best ({fitting[0].choice.label()}) is measured {order.index(0) + 1} of {n} "
-              f"(target: among the best two), {measured[0] / measured[order[0]] - 1:.0%} "
-              f"slower than the measured best ({fitting[order[0]].choice.label()})")
+    mean = [{c: sum(by[c] for by in got) / passes for c in got[0]}
+            for got in (predicted, measured)]
+    compared = [(f"pass {k + 1}", predicted[k], measured[k]) for k in range(passes)]
+    if passes > 1:
+        compared.append((f"mean of {passes}", *mean))
+    for name, want, got in compared:
+        p = [want[item.choice] for item in fitting]
+        m = [got[item.choice] for item in fitting]
+        err = [abs(a / b - 1) for a, b in zip(p, m)]
+        order = sorted(range(n), key=lambda i: m[i])
+        print(f"step time, {name}: mean error {sum(err) / n:.1%}, worst {max(err):.1%}, "
+              f"{sum(e <= 0.15 for e in err)} of {n} within 15% (target: all); rank "
+              f"correlation {rank_correlation(p, m):.2f}; the predicted best "
+              f"({fitting[0].choice.label()}) is measured {order.index(0) + 1} of {n} "
+              f"(target: among the best two), {m[0] / m[order[0]] - 1:.0%} slower than the "
+              f"measured best ({fitting[order[0]].choice.label()})")
 
 
 def _step(results: list[dict]) -> float:

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from parcourse.models import GPTConfig
 from parcourse.planner.inputs import Choice, Cluster
 from parcourse.planner.predict import _layer_flops, model_flops_per_token, predict_memory
+
+if TYPE_CHECKING:
+    import torch
 
 
 def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,
@@ -48,21 +51,14 @@ def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,
 
     out: dict[str, Any] = {"collective_s": {}, "ring_s": {}, "collective_cpu_s": {},
                            "ring_cpu_s": {}}
-    peer = ctx.rank ^ 1
 
     def pingpong(n: int) -> tuple[float, float]:
         """A message's one-way seconds, and a send's and a receive's processor time."""
         t = torch.zeros(n)
         dist.barrier(group=ctx.group)
         start, cpu_start = time.perf_counter(), time.process_time()
-        if peer < ctx.world_size:
-            for _ in range(repeats):
-                if ctx.rank % 2 == 0:
-                    dist.send(t, peer, group=ctx.group)
-                    dist.recv(t, peer, group=ctx.group)
-                else:
-                    dist.recv(t, peer, group=ctx.group)
-                    dist.send(t, peer, group=ctx.group)
+        for _ in range(repeats):
+            _round_trip(ctx, t)
         return ((time.perf_counter() - start) / repeats / 2,
                 (time.process_time() - cpu_start) / repeats)
 
@@ -97,19 +93,13 @@ def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,
             dist.all_reduce(spent, group=ctx.group)  # a member's processor time, the mean
             out[key.replace("_s", "_cpu_s")][size] = spent.item()
     if ctx.world_size > (os.cpu_count() or 1) and ctx.world_size > 2:
-        def ping(go: torch.Tensor) -> None:  # rank 0 carries the flag, rank 1 returns it
-            if ctx.rank == 0:
-                dist.send(go, 1, group=ctx.group)
-                dist.recv(go, 1, group=ctx.group)
-            else:
-                dist.recv(go, 0, group=ctx.group)
-                dist.send(go, 0, group=ctx.group)
-
         def median(members: int, op: Any) -> float:
             return statistics.median(_while_others_compute(ctx, members, op, loaded_window_s)
                                      for _ in range(loaded_windows))
 
-        loaded: dict[str, Any] = {"p2p_s": median(2, ping) / 2, "collective_s": {}}
+        # ranks 0 and 1: rank 0 carries the flag, rank 1 returns it
+        loaded: dict[str, Any] = {"p2p_s": median(2, lambda go: _round_trip(ctx, go)) / 2,
+                                  "collective_s": {}}
         for size in range(2, ctx.world_size):
             if ctx.world_size % size == 0:
                 group = dist.new_group(list(range(size)))  # the sum carries rank 0's flag
@@ -119,6 +109,19 @@ def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,
     shared: list[Any] = [out]
     dist.broadcast_object_list(shared, src=0, group=ctx.group)
     return shared[0]
+
+
+def _round_trip(ctx: Any, tensor: torch.Tensor) -> None:
+    """`tensor` there and back between ranks 2k and 2k + 1 (the even one sends first);
+    the last rank of an odd world has no partner and does nothing."""
+    import torch.distributed as dist
+
+    peer = ctx.rank ^ 1
+    if peer >= ctx.world_size:
+        return
+    first, then = (dist.send, dist.recv) if ctx.rank % 2 == 0 else (dist.recv, dist.send)
+    first(tensor, peer, group=ctx.group)
+    then(tensor, peer, group=ctx.group)
 
 
 def _while_others_compute(ctx: Any, members: int, op: Any, window_s: float,
@@ -378,23 +381,12 @@ def measure_waits(ctx: Any, config: GPTConfig, steps: int = 4) -> dict[str, Any]
     tokens = torch.randint(config.vocab, (2, config.block_size))
     hidden = torch.randn(2, config.block_size, config.d_model, requires_grad=True)
     flag = torch.zeros(16)
-    peer = ctx.rank ^ 1
 
     def action() -> None:
         F.cross_entropy(net(tokens).flatten(0, 1), tokens.flatten()).backward()
 
     def layer() -> None:
         net.blocks[0](hidden).sum().backward()
-
-    def message() -> None:
-        if peer >= ctx.world_size:
-            return
-        if ctx.rank % 2 == 0:
-            dist.send(flag, peer, group=ctx.group)
-            dist.recv(flag, peer, group=ctx.group)
-        else:
-            dist.recv(flag, peer, group=ctx.group)
-            dist.send(flag, peer, group=ctx.group)
 
     def per_wait(work: Any, wait: Any, rounds: int, takes: int = steps,
                  members: int | None = None) -> float:
@@ -423,7 +415,8 @@ def measure_waits(ctx: Any, config: GPTConfig, steps: int = 4) -> dict[str, Any]
         out: dict[str, Any] = {"collective_cpu_s": {}, "gather_cpu_s": {}, "scatter_cpu_s": {}}
         if ctx.world_size > 1:
             paired = ctx.world_size - ctx.world_size % 2  # an odd world's last rank waits not
-            out["message_cpu_s"] = per_wait(action, message, 6, 3 * steps, paired)
+            out["message_cpu_s"] = per_wait(action, lambda: _round_trip(ctx, flag), 6, 3 * steps,
+                                            paired)
         for size in range(2, ctx.world_size + 1):
             if ctx.world_size % size:
                 continue

@@ -247,7 +247,7 @@ def test_links_under_load_price_a_pipelines_hops(pool8):
     # A rank's own work, every rank at it at once: its processor time, which sharing the
     # cores raises over a pool of one's, and the step's compute and optimizer with it
     from parcourse.planner import measure_sharing
-    from parcourse.planner.here import _probe_cpu
+    from parcourse.planner.costs import _probe_cpu
 
     with Pool(1, timeout=120) as one:  # what measure_costs times on a pool of one
         alone = one.run(lambda ctx: _probe_cpu(ctx.group, CONFIG)).results[0]

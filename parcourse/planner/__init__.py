@@ -25,23 +25,21 @@ of the gradients (exposed: the 3D step does it after the schedule) and the optim
 step. On this machine, ranks beyond the cores share them (`predict_time`), and every
 cost is measured: `measured_here`.
 
-Three modules, read in this order: `inputs` (a configuration, the cluster and the named
+Four modules, read in this order: `inputs` (a configuration, the cluster and the named
 models, with their checks), `predict` (memory, time and the search, in three parts marked
-by rules, each using the one before; the formulas themselves live in `parcourse.theory`)
-and `here` (what a step costs on this machine, measured, and a configuration run for real
-beside its prediction).
+by rules, each using the one before; the formulas themselves live in `parcourse.theory`),
+`costs` (what a step costs on this machine, measured) and `here` (the cluster built from
+those costs, and a configuration run for real beside its prediction).
 """
 
-from parcourse.planner.here import (
-    measure,
+from parcourse.planner.costs import (
     measure_costs,
     measure_flops,
     measure_links,
     measure_sharing,
     measure_waits,
-    measured_against_predicted,
-    measured_here,
 )
+from parcourse.planner.here import measure, measured_against_predicted, measured_here
 from parcourse.planner.inputs import MODELS, Choice, Cluster, Overheads, model, parameters
 from parcourse.planner.predict import (
     Planned,

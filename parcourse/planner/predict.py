@@ -2,7 +2,7 @@
 (`parcourse.planner.inputs`: Choice, Cluster, models): memory, time, and the search,
 read top to bottom in three parts marked by rules, each using the one before. The
 formulas themselves live in `parcourse.theory`; what is measured on this machine, in
-`parcourse.planner.here`.
+`parcourse.planner.costs` (and `here`).
 """
 
 from __future__ import annotations

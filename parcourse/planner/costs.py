@@ -1,0 +1,441 @@
+"""What a step of the course's 3D training costs on this machine, measured: the rank
+functions the planner's "this machine" cluster is built from (`here.measured_here`), run
+on a `Pool`.
+
+- One rank alone: `measure_costs` (a layer call's fixed cost, the FLOP rate, Adam's
+  step; the one-rank probe step `measure_sharing` is set against) or `measure_flops`.
+- Every rank at once: `measure_links` (gloo's messages and collectives, back to back, and
+  with more ranks than cores, while the others compute), `measure_sharing` (what sharing
+  the cores costs a rank's own work) and `measure_waits` (a message's and a collective's
+  processor time where a step meets them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import TYPE_CHECKING, Any
+
+from parcourse.models import GPTConfig
+from parcourse.planner.predict import _layer_flops, model_flops_per_token
+
+if TYPE_CHECKING:
+    import torch
+
+
+def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,
+                  loaded_window_s: float = 0.2, loaded_windows: int = 3) -> dict[str, Any]:
+    """gloo's costs here, on the pool's ranks (a rank function), each measured as a
+    step meets it, with every rank at it at once (on shared cores, a message waits for
+    its receiver to get a core): a message's one-way latency (ping-pong between ranks
+    2k and 2k + 1, all pairs together), the bandwidth of a large one, and a tiny
+    all-reduce's seconds for each group size that divides the world size (the ranks cut
+    into groups of that size, every group reducing at once): what a collective costs
+    beyond its bytes, torch's ("collective_s": tensor parallelism's, the loss's mean)
+    and the course's ring of messages that data parallelism reduces with on gloo
+    ("ring_s", `Comm(algorithm="auto")`). Rank 0's figures, on every rank; and the
+    processor time a small message takes, its sender's and receiver's together
+    ("message_cpu_s", over every rank), and a collective's on each member
+    ("collective_cpu_s", "ring_cpu_s": gloo's threads too): on shared cores they take
+    cores from the ranks computing.
+
+    With more ranks than cores, the same again while the other ranks compute, as a
+    pipeline's stages do while one of them sends or reduces: a woken receiver waits for a
+    core ("loaded": "p2p_s", and "collective_s" for each group size below the world's).
+    `loaded_windows` windows of `loaded_window_s` seconds each, their median."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from parcourse.comm import Comm
+
+    out: dict[str, Any] = {"collective_s": {}, "ring_s": {}, "collective_cpu_s": {},
+                           "ring_cpu_s": {}}
+
+    def pingpong(n: int) -> tuple[float, float]:
+        """A message's one-way seconds, and a send's and a receive's processor time."""
+        t = torch.zeros(n)
+        dist.barrier(group=ctx.group)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        for _ in range(repeats):
+            _round_trip(ctx, t)
+        return ((time.perf_counter() - start) / repeats / 2,
+                (time.process_time() - cpu_start) / repeats)
+
+    if ctx.world_size > 1:
+        small, cpu = pingpong(16)
+        mean = torch.tensor([cpu / ctx.world_size])
+        dist.all_reduce(mean, group=ctx.group)
+        out["message_cpu_s"] = mean.item()  # the processor time of a message, both ends
+        large, _ = pingpong(big)
+        out["p2p_s"] = small
+        out["bandwidth_Bps"] = 4 * big / max(large - small, 1e-9)
+    else:
+        out["p2p_s"], out["bandwidth_Bps"] = 0.0, float("inf")
+    for size in range(2, ctx.world_size + 1):
+        if ctx.world_size % size:
+            continue
+        groups = [dist.new_group(list(range(g * size, (g + 1) * size)))
+                  for g in range(ctx.world_size // size)]
+        group = groups[ctx.rank // size]
+        t = torch.zeros(16)
+        ring = Comm(group, algorithm="auto")
+        for key, reduce in (("collective_s", lambda: dist.all_reduce(t, group=group)),
+                            ("ring_s", lambda: ring.all_reduce(t))):
+            for _ in range(3):
+                reduce()
+            dist.barrier(group=ctx.group)
+            start, cpu_start = time.perf_counter(), time.process_time()
+            for _ in range(repeats):
+                reduce()
+            out[key][size] = (time.perf_counter() - start) / repeats
+            spent = torch.tensor([(time.process_time() - cpu_start) / repeats / ctx.world_size])
+            dist.all_reduce(spent, group=ctx.group)  # a member's processor time, the mean
+            out[key.replace("_s", "_cpu_s")][size] = spent.item()
+    if ctx.world_size > (os.cpu_count() or 1) and ctx.world_size > 2:
+        def median(members: int, op: Any) -> float:
+            return statistics.median(_while_others_compute(ctx, members, op, loaded_window_s)
+                                     for _ in range(loaded_windows))
+
+        # ranks 0 and 1: rank 0 carries the flag, rank 1 returns it
+        loaded: dict[str, Any] = {"p2p_s": median(2, lambda go: _round_trip(ctx, go)) / 2,
+                                  "collective_s": {}}
+        for size in range(2, ctx.world_size):
+            if ctx.world_size % size == 0:
+                group = dist.new_group(list(range(size)))  # the sum carries rank 0's flag
+                loaded["collective_s"][size] = median(
+                    size, lambda go, g=group: dist.all_reduce(go, group=g))
+        out["loaded"] = loaded
+    shared: list[Any] = [out]
+    dist.broadcast_object_list(shared, src=0, group=ctx.group)
+    return shared[0]
+
+
+def _round_trip(ctx: Any, tensor: torch.Tensor) -> None:
+    """`tensor` there and back between ranks 2k and 2k + 1 (the even one sends first);
+    the last rank of an odd world has no partner and does nothing."""
+    import torch.distributed as dist
+
+    peer = ctx.rank ^ 1
+    if peer >= ctx.world_size:
+        return
+    first, then = (dist.send, dist.recv) if ctx.rank % 2 == 0 else (dist.recv, dist.send)
+    first(tensor, peer, group=ctx.group)
+    then(tensor, peer, group=ctx.group)
+
+
+def _while_others_compute(ctx: Any, members: int, op: Any, window_s: float,
+                          lag_s: float = 0.03) -> float:
+    """Seconds per call of `op(flag)` on ranks below `members`, called for `window_s`
+    while every other rank multiplies matrices (from just before the window to just
+    after it). Rank 0 says when to stop: the flag it passes through `op` turns 0."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier(group=ctx.group)
+    start = time.perf_counter()
+    seconds = 0.0
+    if ctx.rank < members:
+        time.sleep(lag_s)  # the others are computing by now
+        calls, t0 = 0, time.perf_counter()
+        while True:
+            go = torch.tensor([float(ctx.rank == 0 and time.perf_counter() - t0 < window_s)])
+            op(go)
+            if go.item() == 0:
+                break
+            calls += 1
+        seconds = (time.perf_counter() - t0) / max(calls, 1)
+    else:
+        a = torch.randn(96, 96)
+        while time.perf_counter() - start < window_s + 3 * lag_s:
+            a @ a
+    dist.barrier(group=ctx.group)
+    return seconds
+
+
+def measure_flops(config: GPTConfig, batch: int = 4, repeats: int = 5) -> float:
+    """FLOP/s one rank reaches here (one thread) on the GPT's own forward and backward:
+    `model_flops_per_token` x tokens over the median time of a step in this process.
+    What `Cluster.this_machine` takes: small models run far below a CPU's peak, so the
+    rate is measured on the model itself."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    from parcourse.models import gpt
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        net = gpt(config)
+        x = torch.randint(config.vocab, (batch, config.block_size))
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            F.cross_entropy(net(x).flatten(0, 1), x.flatten()).backward()
+            times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    median = sorted(times[1:])[len(times[1:]) // 2]
+    return model_flops_per_token(config) * batch * config.block_size / median
+
+
+def measure_costs(ctx: Any, config: GPTConfig, batches: tuple[int, int] = (1, 16),
+                  repeats: int = 9) -> dict[str, float]:
+    """What the course's 3D step costs here beyond its links, measured alone (a rank
+    function for a pool of one rank, one thread: ranks waiting beside it would share
+    its cores): the FLOP/s a layer's work goes at ("flops") and `Overheads`' fixed
+    costs, which `Cluster.this_machine(costs=...)` takes.
+
+        with Pool(1) as pool:
+            costs = pool.run(measure_costs, config).results[0]
+
+    The step is run as the planner's configurations run it (`Hybrid` on one rank, traced,
+    Adam), and its F and B actions timed: at two batch sizes, the difference is FLOPs at
+    the rate (a tiny model runs far below it otherwise); the rest is fixed, and a model
+    of one block beside one of several splits it into a cost per layer and one per
+    stage. The optimizer: torch's Adam over the model's tensors, over one tensor of as
+    many numbers, and over one number."""
+    import torch
+
+    if ctx.world_size != 1:
+        raise ValueError(f"measure_costs measures one rank alone: run it on a pool of one "
+                         f"rank, not {ctx.world_size} (the others would share its cores)")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _costs_alone(ctx.group, config, batches, repeats)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _costs_alone(group: Any, config: GPTConfig, batches: tuple[int, int],
+                 repeats: int) -> dict[str, float]:
+    import statistics
+    import time
+
+    import torch
+
+    from parcourse.data import progressions
+    from parcourse.hybrid import Hybrid
+    from parcourse.mesh import Mesh
+    from parcourse.models import gpt
+    from parcourse.trace import Tracer
+
+    def actions(cfg: GPTConfig, batch: int) -> tuple[float, float]:
+        """Median seconds of an F and of a B of the whole model, one microbatch."""
+        tracer = Tracer(0)
+        model = Hybrid(gpt(cfg), Mesh({"dp": 1, "tp": 1, "pp": 1}, group), microbatches=1,
+                       tracer=tracer, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
+        x, y = progressions(batch, cfg.block_size, cfg.vocab)
+        for _ in range(repeats + 1):
+            model.step(x, y)
+        spans = [sp for sp in tracer.data().spans if sp.kind == "compute"]
+        return tuple(statistics.median(sp.duration_s for sp in spans  # type: ignore[return-value]
+                                       if sp.meta.get("action") == kind)
+                     for kind in ("F", "B"))
+
+    def forward_flops(cfg: GPTConfig, batch: int) -> float:
+        return sum(_layer_flops(cfg, lay, batch * cfg.block_size)
+                   for lay in range(cfg.n_layers + 2))
+
+    small, large = batches
+    tries = []
+    for _ in range(3):  # the larger batch must take visibly longer: a busy moment can hide it
+        (f1, b1), (f2, b2) = actions(config, small), actions(config, large)
+        tries.append(((f2 + b2) - (f1 + b1), (f1, b1), (f2, b2)))
+        if tries[-1][0] > 0.1 * (f1 + b1):
+            break
+    extra, (f1, b1), (f2, b2) = max(tries, key=lambda t: t[0])
+    if extra <= 0:
+        raise RuntimeError(
+            f"batch {large} took {1e3 * (f2 + b2):.2f} ms a forward and backward, batch "
+            f"{small} {1e3 * (f1 + b1):.2f} ms, three times over: something else is using "
+            "this machine's cores, so its FLOP rate cannot be told apart; measure again later")
+    rate = 3 * (forward_flops(config, large) - forward_flops(config, small)) / extra
+    fixed = {}
+    for layers in sorted({1, max(2, config.n_layers)}):
+        cfg = dataclasses.replace(config, n_layers=layers)
+        f, b = (f1, b1) if layers == config.n_layers else actions(cfg, small)
+        work = forward_flops(cfg, small) / rate
+        fixed[layers] = (f - work, b - 2 * work)
+    (f_one, b_one), (f_many, b_many) = fixed[1], fixed[max(fixed)]
+    many = max(fixed) + 2  # layers: the blocks, the embeddings and the head
+    per_layer = (max(0.0, (f_many - f_one) / (many - 3)), max(0.0, (b_many - b_one) / (many - 3)))
+
+    def adam(tensors: list[torch.Tensor]) -> float:
+        params = [torch.nn.Parameter(t.clone()) for t in tensors]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.Adam(params, lr=1e-3)
+        times = []
+        for _ in range(3 + 2 * repeats):
+            start = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[3:])
+
+    weights = [p.detach() for p in gpt(config).parameters()]
+    numbers = sum(w.numel() for w in weights)
+    t_model, t_flat, t_one = adam(weights), adam([torch.zeros(numbers)]), adam([torch.zeros(1)])
+    per_tensor = max(0.0, (t_model - t_flat) / max(1, len(weights) - 1))
+    # The step alone, its quickest of three takes: a busy moment elsewhere on the machine
+    # slows it as sharing would, and that is what `measure_sharing` is set against
+    return {"flops": rate, "probe_cpu_s": _probe_cpu(group, config, takes=3),
+            "forward_layer_s": per_layer[0], "backward_layer_s": per_layer[1],
+            "forward_stage_s": max(0.0, f_many - many * per_layer[0]),
+            "backward_stage_s": max(0.0, b_many - many * per_layer[1]),
+            "optimizer_step_s": max(0.0, t_one - per_tensor),
+            "optimizer_tensor_s": per_tensor,
+            "optimizer_number_s": max(0.0, (t_flat - t_one) / max(1, numbers - 1))}
+
+
+def _probe_cpu(group: Any, config: GPTConfig, batch: int = 2, steps: int = 8,
+               takes: int = 1) -> float:
+    """The processor time of one step of `config`'s 3D step on a rank by itself (`group`
+    of one): the median of `steps` after two, the least of `takes` such medians."""
+    import statistics
+    import time
+
+    import torch
+
+    from parcourse.data import progressions
+    from parcourse.hybrid import Hybrid
+    from parcourse.mesh import Mesh
+    from parcourse.models import gpt
+
+    model = Hybrid(gpt(config), Mesh({"dp": 1, "tp": 1, "pp": 1}, group), microbatches=1,
+                   optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
+    x, y = progressions(batch, config.block_size, config.vocab)
+    times = []
+    for _ in range(2 + steps * takes):
+        start = time.thread_time()
+        model.step(x, y)
+        times.append(time.thread_time() - start)
+    return min(statistics.median(times[2 + k * steps:2 + (k + 1) * steps])
+               for k in range(takes))
+
+
+def measure_sharing(ctx: Any, config: GPTConfig) -> float:
+    """What a rank's own work costs here when every rank of the pool works at once (a
+    rank function): each runs `config`'s 3D step on a group of its own, all together,
+    and the mean over the ranks of a step's processor time comes back. `measure_costs`
+    times the same step on a pool of one ("probe_cpu_s"); the ratio is what sharing the
+    cores costs the work itself (`Cluster.shared_cpu`): with more ranks than cores, the
+    cores switch between them and lose their caches, and the course's step, mostly
+    Python at these sizes, takes more processor time (seen here: 1.1 to 1.7 times)."""
+    import torch
+    import torch.distributed as dist
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    own = dist.new_group([ctx.rank], use_local_synchronization=True)  # this rank's alone
+    try:
+        dist.barrier(group=ctx.group)
+        spent = torch.tensor([_probe_cpu(own, config) / ctx.world_size])
+        dist.all_reduce(spent, group=ctx.group)
+        return spent.item()
+    finally:
+        dist.destroy_process_group(own)
+        torch.set_num_threads(threads)
+
+
+def measure_waits(ctx: Any, config: GPTConfig, steps: int = 4) -> dict[str, Any]:
+    """What a message and a collective cost a step in processor time here, where they
+    meet it (a rank function, for more ranks than cores): after the course's own work,
+    with every rank working at once. `measure_links` times them back to back, where
+    each finds the last one's caches warm; in a step each follows Python work, and the
+    rank that waited likely wakes to cold caches, on a core another rank just left. So
+    every rank runs rounds of work, once alone and once with a wait after each round;
+    the difference per round, over the ranks, is the wait's processor time (what the
+    wait does to the work around it included):
+
+    - a message after a stage's work (the whole GPT's forward and backward, batch 2:
+      about a stage's two actions here), both ends: "message_cpu_s" (ranks 2k and
+      2k + 1 in ping-pong, the mean over the ranks paired);
+    - a tiny collective after a layer's forward and backward (one block's), by group
+      size (each that divides the world size, every group at once), as tensor
+      parallelism calls it (`Comm`, torch's): "collective_cpu_s" (all-reduce),
+      "gather_cpu_s" (all-gather), "scatter_cpu_s" (reduce-scatter).
+
+    Seen here: a message and a collective of 2 up to 2.5 times what they cost back to
+    back (`measure_links`), a collective of 4 about as much; an all-gather of 4 about
+    two thirds of an all-reduce."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from parcourse.comm import Comm
+    from parcourse.models import gpt
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    net = gpt(config)
+    tokens = torch.randint(config.vocab, (2, config.block_size))
+    hidden = torch.randn(2, config.block_size, config.d_model, requires_grad=True)
+    flag = torch.zeros(16)
+
+    def action() -> None:
+        F.cross_entropy(net(tokens).flatten(0, 1), tokens.flatten()).backward()
+
+    def layer() -> None:
+        net.blocks[0](hidden).sum().backward()
+
+    def per_wait(work: Any, wait: Any, rounds: int, takes: int = steps,
+                 members: int | None = None) -> float:
+        """A wait's processor time after `work`: rounds of work alone and as many with a
+        wait after each, in turn, the first of the two alternating (so a busy moment
+        elsewhere falls on both), the median difference per round; its mean over the
+        ranks that wait (`members`, all by default), clipped at 0 only then."""
+        extra = []
+        for take in range(2 + takes):
+            spent = {}
+            for then in ((None, wait) if take % 2 else (wait, None)):
+                dist.barrier(group=ctx.group)
+                start = time.process_time()
+                for _ in range(rounds):
+                    work()
+                    if then is not None:
+                        then()
+                spent[then is None] = time.process_time() - start
+            if take >= 2:
+                extra.append((spent[False] - spent[True]) / rounds)
+        total = torch.tensor([statistics.median(extra)])
+        dist.all_reduce(total, group=ctx.group)
+        return max(0.0, total.item() / (members or ctx.world_size))
+
+    try:
+        out: dict[str, Any] = {"collective_cpu_s": {}, "gather_cpu_s": {}, "scatter_cpu_s": {}}
+        if ctx.world_size > 1:
+            paired = ctx.world_size - ctx.world_size % 2  # an odd world's last rank waits not
+            out["message_cpu_s"] = per_wait(action, lambda: _round_trip(ctx, flag), 6, 3 * steps,
+                                            paired)
+        for size in range(2, ctx.world_size + 1):
+            if ctx.world_size % size:
+                continue
+            groups = [dist.new_group(list(range(g * size, (g + 1) * size)))
+                      for g in range(ctx.world_size // size)]
+            comm = Comm(groups[ctx.rank // size])
+            whole = torch.zeros(16 * size)
+            waits = {"collective_cpu_s": lambda c=comm: c.all_reduce(flag)}
+            if config.n_heads % size == 0:  # a size tensor parallelism can take
+                waits["gather_cpu_s"] = lambda c=comm, w=whole: c.all_gather(flag, w)
+                waits["scatter_cpu_s"] = lambda c=comm, w=whole: c.reduce_scatter(w)
+            for key, wait in waits.items():
+                out[key][size] = per_wait(layer, wait, 8)
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
+__all__ = ["measure_costs", "measure_flops", "measure_links", "measure_sharing",
+           "measure_waits"]

@@ -162,7 +162,11 @@ def check_ranks_per_node(world_size: int, ranks_per_node: int | None) -> None:
                          f"({world_size})")
 
 
-_GROUPS: dict[tuple[Any, ...], dict[tuple[str, ...], dist.ProcessGroup]] = {}
+# (parent's name, layout) -> (the parent, its groups by axes). The parent is kept to be
+# compared: a group made again under a name used before (`new_group` with local
+# synchronisation names a group by its ranks) is a new group, and a destroyed one's
+# groups must not be handed out for it.
+_GROUPS: dict[tuple[Any, ...], tuple[Any, dict[tuple[str, ...], dist.ProcessGroup]]] = {}
 
 
 class Mesh:
@@ -196,7 +200,10 @@ class Mesh:
         # Created once per layout and parent group in this process: new_group is a
         # collective, and a panel that builds the same mesh again should not pay it again.
         key = (getattr(self.parent, "group_name", id(self.parent)), self.layout)
-        self._groups = _GROUPS.setdefault(key, {})
+        parent, self._groups = _GROUPS.get(key, (None, {}))
+        if parent is not self.parent:  # first seen, or a new group under an old name
+            self._groups = {}
+            _GROUPS[key] = (self.parent, self._groups)
         for axis in self.layout.axes:  # every axis a strategy may ask for, 1-rank ones too
             if axis in ("dp", "tp", "pp") or self.layout.size(axis) > 1:
                 self._create(axis)

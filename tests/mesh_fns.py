@@ -29,6 +29,22 @@ def wrong_product(ctx):
     Mesh({"dp": 2, "tp": 2}, ctx.group)
 
 
+def a_group_made_again(ctx, times=2):
+    """A group of this rank alone made, meshed, used and destroyed `times` times: local
+    synchronisation names it by its ranks, so each is a new group under the same name.
+    Whether the mesh's group is the new one, and the sum its all-reduce gave, come back."""
+    sums = []
+    for _ in range(times):
+        own = dist.new_group([ctx.rank], use_local_synchronization=True)
+        mesh = Mesh({"dp": 1, "tp": 1, "pp": 1}, own)
+        x = torch.ones(1)
+        dist.all_reduce(x, group=mesh.group("tp"))
+        dist.get_backend(mesh.group("dp"))  # raises for a destroyed group
+        sums.append((mesh.group("pp") is own, x.item()))
+        dist.destroy_process_group(own)
+    return sums
+
+
 def ring_times_over_a_topology(ctx, between_latency_s):
     """Seconds of one ring all-reduce over the world (its ring crosses nodes: 2 ranks a
     node) and over this rank's node alone, on a topology whose inside link is free; and

@@ -9,7 +9,7 @@ import torch
 
 from parcourse import Pool, RankError
 from parcourse.mesh import ORDERS, Layout, nodes_of
-from mesh_fns import groups_on_ranks, wrong_product
+from mesh_fns import a_group_made_again, groups_on_ranks, wrong_product
 
 
 def factorisations(n):
@@ -101,6 +101,12 @@ def test_groups_on_eight_ranks():
 def test_a_mesh_that_does_not_fill_the_group_says_so(pool2):
     with pytest.raises(RankError, match="the mesh dp 2 x tp 2 holds 4 ranks, the group has 2"):
         pool2.run(wrong_product)
+
+
+def test_a_group_made_again_under_its_old_name_gets_its_own_groups(pool2):
+    # A mesh's groups are kept per parent group's name; a destroyed group's must not be
+    # handed to a new group of the same name (they raised "not initialized").
+    assert pool2.run(a_group_made_again, 3).results == [[(True, 1.0)] * 3] * 2
 
 
 def test_cli_prints_the_grid_and_marks_groups_across_nodes(capsys):

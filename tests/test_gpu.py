@@ -1,5 +1,7 @@
 """CUDA paths: skipped without a GPU (CI has none); run them on a GPU machine."""
 
+import math
+
 import pytest
 import torch
 
@@ -89,6 +91,25 @@ def test_zero_pp_runs_on_gpu():
     for p, q in zip(plain, plus):
         for a, b in zip(p["losses"], q["losses"]):
             assert abs(a - b) <= 1e-2 * abs(a)
+
+
+def test_lesson_04s_runs_beyond_stage_3_keep_their_weights_on_the_gpu():
+    """Lesson 04's runs (Offload, and Infinity with the weights offloaded) on CUDA ranks:
+    the bytes on the device and on the host are the formula's, but Adam's step counters
+    (4 bytes a parameter tensor on the host, which the formula leaves out); on a CPU the
+    device is the host, so only a GPU shows the split."""
+    from parcourse.experiments.zero_beyond import Beyond, beyond_run
+
+    for settings in (Beyond(offload="cpu", dtype="bfloat16"),
+                     Beyond(offload="nvme", offload_params=True, dtype="bfloat16")):
+        for r in launch(beyond_run, 2, settings, 200_000, 2, 2).results:
+            tensors = sum(n for _, n in r["units"])  # parameter tensors
+            for where in ("device", "host"):
+                got = sum(r["placement"][where].values())
+                want = sum(r["formula"][where].values())
+                assert 0 <= got - want <= 4 * tensors, (settings.label(), where, got, want)
+            assert (sum(r["placement"]["disk"].values()) > 0) == (settings.offload == "nvme")
+            assert all(math.isfinite(x) for x in r["losses"])
 
 
 def _tensor_parallel_on(ctx, device, checkpointed):

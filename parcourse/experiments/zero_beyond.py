@@ -122,12 +122,12 @@ def beyond_run(ctx: RankContext, settings: Beyond | dict[str, Any], params: int 
     tracer = ctx.tracer
     width, depth = mlp_for(params, depth)
     ctx.tracer.set_status("building the model")
-    model = mlp(width, width, width, depth=depth)
+    model = mlp(width, width, width, depth=depth).to(ctx.device)  # a GPU's when it has one
     with tempfile.TemporaryDirectory(prefix="parcourse-nvme-") as path:
         zmodel, opt = shard(model, lambda ps: torch.optim.Adam(ps, lr=lr), settings.stage,
                             ctx.group, bucket_mb=1.0, tracer=tracer,
                             **settings.options(path))
-        x, y = local_regression(batch, width, width, ctx.rank, ctx.world_size)
+        x, y = local_regression(batch, width, width, ctx.rank, ctx.world_size, ctx.device)
         losses, seconds = [], []
         for step in range(steps):
             dist.barrier(group=ctx.group)  # a common start, for the timeline
@@ -138,6 +138,8 @@ def beyond_run(ctx: RankContext, settings: Beyond | dict[str, Any], params: int 
             loss.backward()
             with tracer.span("optimizer", step=step):
                 opt.step()
+            if x.is_cuda:  # the clock stops when the GPU has finished
+                torch.cuda.synchronize()
             seconds.append(time.perf_counter() - started)
             losses.append(float(loss.detach()))
             if step < steps - 1:
@@ -218,8 +220,9 @@ def ds_config_run(ctx: RankContext, config: dict[str, Any] | str, params: int = 
 
     width, depth = mlp_for(params, depth)
     torch.manual_seed(0)
-    engine = from_config(mlp(width, width, width, depth=depth), config, ctx.group)
-    x, y = local_regression(32, width, width, ctx.rank, ctx.world_size)
+    engine = from_config(mlp(width, width, width, depth=depth).to(ctx.device), config,
+                         ctx.group)
+    x, y = local_regression(32, width, width, ctx.rank, ctx.world_size, ctx.device)
     losses = []
     for _ in range(steps):
         loss = nn.functional.mse_loss(engine(x), y)

@@ -322,16 +322,79 @@ def here(world_size: int = 8, batch: int = 16, steps: int = 6, passes: int = 2) 
     if passes > 1:
         compared.append((f"mean of {passes}", *mean))
     for name, want, got in compared:
-        p = [want[item.choice] for item in fitting]
-        m = [got[item.choice] for item in fitting]
-        err = [abs(a / b - 1) for a, b in zip(p, m)]
-        order = sorted(range(n), key=lambda i: m[i])
-        print(f"step time, {name}: mean error {sum(err) / n:.1%}, worst {max(err):.1%}, "
-              f"{sum(e <= 0.15 for e in err)} of {n} within 15% (target: all); rank "
-              f"correlation {rank_correlation(p, m):.2f}; the predicted best "
-              f"({fitting[0].choice.label()}) is measured {order.index(0) + 1} of {n} "
-              f"(target: among the best two), {m[0] / m[order[0]] - 1:.0%} slower than the "
-              f"measured best ({fitting[order[0]].choice.label()})")
+        _step_summary(name, fitting, want, got)
+
+
+def _step_summary(name: str, fitting: list, want: dict, got: dict) -> None:
+    """Predicted step times (`want`, by choice) against measured (`got`) over `fitting`
+    (ranked by the prediction), against the targets."""
+    n = len(fitting)
+    p = [want[item.choice] for item in fitting]
+    m = [got[item.choice] for item in fitting]
+    err = [abs(a / b - 1) for a, b in zip(p, m)]
+    order = sorted(range(n), key=lambda i: m[i])
+    print(f"step time, {name}: mean error {sum(err) / n:.1%}, worst {max(err):.1%}, "
+          f"{sum(e <= 0.15 for e in err)} of {n} within 15% (target: all); rank "
+          f"correlation {rank_correlation(p, m):.2f}; the predicted best "
+          f"({fitting[0].choice.label()}) is measured {order.index(0) + 1} of {n} "
+          f"(target: among the best two), {m[0] / m[order[0]] - 1:.0%} slower than the "
+          f"measured best ({fitting[order[0]].choice.label()})")
+
+
+def scaled_here(world_size: int = 8, batch: int = 16, steps: int = 3,
+                alone_s: float = 24.0) -> None:
+    """Every configuration that fits, as in `here`, run with its compute simulated
+    (`planner.scaled`: one rank alone would take `alone_s` seconds a step; each stage's
+    forward and backward padded to the planner's compute seconds, `stage_compute`) and
+    its links, collectives and optimizer real: the schedule, tp's collectives, dp's
+    reduction and the messages checked, with the ranks asleep through their compute
+    instead of sharing the cores. Step: the slowest rank's, the median of `steps` - 1
+    after a warm-up."""
+    import time
+
+    from parcourse import Pool
+    from parcourse.experiments.hybrid import LESSON_CONFIG
+    from parcourse.planner import (measure, measured_against_predicted, measured_here, plan,
+                                   scaled, stage_compute)
+
+    with Pool(world_size, timeout=900) as pool:
+        cluster = scaled(measured_here(world_size, LESSON_CONFIG, pool=pool), LESSON_CONFIG,
+                         batch, alone_s)
+        plans = plan(LESSON_CONFIG, cluster, batch)
+        fitting = [p for p in plans.ranked if p.choice.zero <= 2]  # the 3D step's
+        print(f"\nthe course's GPT here, compute simulated: {world_size} ranks, global batch "
+              f"{batch}, a step {alone_s:.0f} s on one rank alone ({cluster.flops / 1e9:.2f}"
+              f" GFLOP/s); gloo's real costs: a message {1e3 * cluster.inside.latency_s:.2f}"
+              " ms, a tiny collective "
+              + "; ".join(f"{op} " + ", ".join(f"{1e3 * cluster.collective(op, k):.2f} ms on {k}"
+                                                for k in sorted(cluster.collective_s))
+                          for op in ("all_reduce", "all_gather", "reduce_scatter"))
+              + f". {len(fitting)} configurations fit")
+        print(f"{'configuration':<44} {'memory pred.':>13} {'measured':>10} {'step pred. ms':>14} "
+              f"{'measured':>9} {'ratio':>6}  compute / tp / bubble / dp / optimizer ms")
+        predicted = {p.choice: p.time["step"] for p in fitting}
+        measured, memory_err = {}, {}
+        started = time.perf_counter()
+        for item in fitting:
+            choice = item.choice
+            compute = stage_compute(LESSON_CONFIG, choice, batch, cluster.flops)
+            results = pool.run(measure, LESSON_CONFIG, choice, batch, steps, compute).results
+            memory = measured_against_predicted(results, LESSON_CONFIG, choice, batch)
+            got = max(r["measured"]["total"] for r in memory)
+            want = max(r["predicted"]["total"] for r in memory)
+            memory_err[choice] = abs(want / got - 1)
+            measured[choice] = _step(results)
+            t = item.time
+            print(f"{choice.label():<44} {want / 1024:>9.1f} KiB {got / 1024:>6.1f} KiB "
+                  f"{1e3 * t['step']:>14.1f} {1e3 * measured[choice]:>9.1f} "
+                  f"{t['step'] / measured[choice]:>6.2f}  " + " / ".join(
+                      f"{1e3 * t[k]:.0f}" for k in ("compute", "tp", "bubble", "dp",
+                                                     "optimizer")), flush=True)
+    n = len(fitting)
+    print(f"{n} configurations in {time.perf_counter() - started:.0f} s")
+    print(f"memory: mean error {sum(memory_err.values()) / n:.1%}, worst "
+          f"{max(memory_err.values()):.1%} (target: within 5%)")
+    _step_summary("compute simulated", fitting, predicted, measured)
 
 
 def _step(results: list[dict]) -> float:
@@ -362,14 +425,18 @@ def search_time() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("paper", "korthikanti", "here", "search"),
-                        default=None)
+    parser.add_argument("--only", choices=("paper", "korthikanti", "here", "search",
+                                           "scaled"), default=None)
     parser.add_argument("--world-size", type=int, default=8)
     parser.add_argument("--passes", type=int, default=2,
                         help="how many times --only here measures each configuration")
+    parser.add_argument("--alone", type=float, default=24.0,
+                        help="--only scaled: seconds of a step on one rank alone")
     args = parser.parse_args()
     if args.passes < 1:
         parser.error("--passes must be at least 1")
+    if not args.alone > 0:
+        parser.error("--alone must be a positive number of seconds")
     if args.only in (None, "paper"):
         against_the_paper()
     if args.only in (None, "korthikanti"):
@@ -378,6 +445,8 @@ def main() -> None:
         search_time()
     if args.only in (None, "here"):
         here(args.world_size, passes=args.passes)
+    if args.only in (None, "scaled"):
+        scaled_here(args.world_size, alone_s=args.alone)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ from parcourse.pipeline.partition import partition
 from parcourse.ranges import chunk_bounds
 from parcourse.pipeline.runtime import PipelineRuntime
 from parcourse.pipeline.schedule import schedule_by_name
+from parcourse.pipeline.simulate import SimulatedCompute
 from parcourse.tensor_parallel import GPT_PLAN, apply_tensor_parallel
 from parcourse.tensor_parallel.comm import TPComm
 from parcourse.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -174,14 +175,18 @@ class Hybrid:
     them), as `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)` in one
     process; the norm before clipping is `grad_norm` after each step.
     `link`: a `SimulatedLink` or a two-level `Topology` (fast inside a node, slow between
-    nodes) for every message of every axis.
+    nodes) for every message of every axis. `compute`: a `SimulatedCompute`, the seconds
+    of each stage's forward and backward of one microbatch (a list over the schedule's
+    stages): the real math runs, then the rank waits out the rest, tensor parallelism's
+    collectives on top (a GPU's time on a laptop: the planner's check, lesson 09).
     """
 
     def __init__(self, model: GPT, mesh: Mesh, *, schedule: str = "1f1b",
                  microbatches: int = 4, chunks: int = 2, sequence_parallel: bool = False,
                  recompute: bool = False, optimizer: OptimizerFactory | None = None,
                  zero: Literal[0, 1, 2] = 0, max_norm: float | None = None,
-                 link: Network | None = None, tracer: Tracer | None = None) -> None:
+                 link: Network | None = None, compute: SimulatedCompute | None = None,
+                 tracer: Tracer | None = None) -> None:
         config = model.config
         self.mesh, self.config, self.microbatches = mesh, config, microbatches
         self.sequence_parallel = sequence_parallel
@@ -224,7 +229,9 @@ class Hybrid:
                                        comm=Comm(mesh.group("pp"), tracer=on("pp"), link=link,
                                                  algorithm="auto"),
                                        on_weight_gradients=self._reduce_stage if zero == 2
-                                       else None)
+                                       else None, compute=compute,
+                                       apart=(lambda: self.tp_comm.comm.blocked_s)
+                                       if tp > 1 else None)
         self.first = self.plan.stage_rank[0] == stage
         self.last = self.plan.stage_rank[-1] == stage
         self.params = list({id(p): p for m in mine.values() for p in m.parameters()}.values())

@@ -86,3 +86,19 @@ def dp_bytes_by_zero(ctx, shape, zero, microbatches):
     units = [u.padded for u in model.sharded.units]
     tied = model._tied_unit.padded if model._tied_unit is not None else 0
     return bytes_by_axis(ctx.tracer.data().counters)["dp"], units, tied
+
+
+def padded_spans(ctx, shape, compute, link):
+    """One traced step with `compute` simulated: each compute span of this rank (its
+    stage, kind, seconds) and the seconds of tp's collectives inside it."""
+    mesh = Mesh(shape, ctx.group)
+    model = Hybrid(gpt(CONFIG), mesh, microbatches=2, tracer=ctx.tracer, compute=compute,
+                   link=link)
+    x, y = progressions(BATCH, CONFIG.block_size, CONFIG.vocab)
+    model.step(x, y)
+    spans = ctx.tracer.data().spans
+    tp = [s for s in spans if s.kind == "comm" and s.meta.get("axis") == "tp"
+          and s.meta.get("phase") in ("forward", "backward")]  # TPComm's, not the ring's
+    return [(s.meta["stage"], s.meta["action"], s.duration_s,
+             sum(t.duration_s for t in tp if s.start_ns <= t.start_ns and t.end_ns <= s.end_ns))
+            for s in spans if s.kind == "compute" and "action" in s.meta]

@@ -160,6 +160,27 @@ def test_clipping_by_the_global_norm_equals_one_process(pool8, shape, kwargs):
     check(pool8.run(train, shape, max_norm=CLIP, **kwargs).results, CLIP)
 
 
+def test_simulated_compute_pads_each_action_leaving_tps_collectives_on_top(pool4):
+    """Hybrid(compute=...): the same weights as one process, and each stage's forward
+    and backward last at least their simulated seconds with tp's collectives inside
+    them on top (a slow simulated link makes those milliseconds long: padded over, the
+    action would last its simulated seconds alone)."""
+    from hybrid_fns import padded_spans
+    from parcourse.comm import SimulatedLink
+    from parcourse.pipeline.simulate import SimulatedCompute
+
+    shape = {"dp": 1, "tp": 2, "pp": 2}
+    compute = SimulatedCompute(forward=[0.02, 0.03], backward=[0.04, 0.06])
+    check(pool4.run(train, shape, compute=compute).results)
+    seconds = compute.of(2)
+    runs = pool4.run(padded_spans, shape, compute, SimulatedLink.of(latency_us=2000)).results
+    for spans in runs:
+        assert len(spans) == 2 * 2  # a forward and a backward of each microbatch
+        for stage, kind, lasted, tp in spans:
+            assert tp > 4e-3  # at least a collective: a ring of 2 hops of 2 ms
+            assert lasted >= seconds[kind][stage] + 0.9 * tp, (stage, kind, lasted, tp)
+
+
 def test_a_traced_step_says_each_messages_axis(pool8):
     from hybrid_fns import traced_step
 

@@ -21,6 +21,7 @@ step is a span; torch's collectives cannot be looked into.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -73,11 +74,28 @@ class Pending:
     wait = result
 
 
+def _blocking(collective: Callable[..., Any]) -> Callable[..., Any]:
+    """A collective that adds the seconds its blocking calls take to `Comm.blocked_s`."""
+    @functools.wraps(collective)
+    def timed(self: Comm, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+        if async_op:
+            return collective(self, *args, async_op=True, **kwargs)
+        start = time.perf_counter()
+        try:
+            return collective(self, *args, **kwargs)
+        finally:
+            self.blocked_s += time.perf_counter() - start
+    return timed
+
+
 class Comm:
     """The collectives and messages of one process group, torch's or the course's ring.
 
     `timed=True`: torch's async collectives record when they finish (a callback on
     the backend's thread), for a trace that shows them overlapping other work.
+    `blocked_s`: the seconds this rank has spent in its blocking collectives (all-reduce,
+    reduce-scatter, all-gather) through this object, so that simulated compute can leave
+    them out of the work it pads (`PipelineRuntime(apart=...)`).
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, tracer: Tracer | None = None,
@@ -97,6 +115,7 @@ class Comm:
         self.tracer, self.link, self.timed = tracer, link, timed
         self._wires: dict[bool, dist.ProcessGroup | Messenger] = {}
         self._thread: ThreadPoolExecutor | None = None
+        self.blocked_s = 0.0
 
     def __repr__(self) -> str:
         return (f"Comm(rank {self.rank} of {self.size}, algorithm={self.algorithm!r}, "
@@ -111,6 +130,7 @@ class Comm:
     def all_reduce(self, tensor: torch.Tensor, op: Op = ..., *,
                    async_op: Literal[True]) -> Pending: ...
 
+    @_blocking
     def all_reduce(self, tensor: torch.Tensor, op: Op = "sum", *,
                    async_op: bool = False) -> torch.Tensor | Pending:
         """`tensor` reduced over the group, in place (and returned)."""
@@ -134,6 +154,7 @@ class Comm:
     @overload
     def reduce_scatter(self, buffer: torch.Tensor, *, async_op: Literal[True]) -> Pending: ...
 
+    @_blocking
     def reduce_scatter(self, buffer: torch.Tensor, *,
                        async_op: bool = False) -> torch.Tensor | Pending:
         """This rank's part of `buffer` summed over ranks: rank r's is chunk r of N equal
@@ -157,6 +178,7 @@ class Comm:
     def all_gather(self, part: torch.Tensor, whole: torch.Tensor, *,
                    async_op: Literal[True]) -> Pending: ...
 
+    @_blocking
     def all_gather(self, part: torch.Tensor, whole: torch.Tensor, *,
                    async_op: bool = False) -> torch.Tensor | Pending:
         """Every rank's `part`, in rank order, into the contiguous 1-D `whole` (returned);

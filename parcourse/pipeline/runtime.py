@@ -77,6 +77,10 @@ class PipelineRuntime:
     `on_weight_gradients(stage, microbatch)`: called after each action that adds a
     microbatch's gradients to a stage's weights (B, or W when the backward is split), so
     that a caller can take them away at once (ZeRO-2 over data parallelism does).
+
+    `apart()`: a clock of seconds within an action that are not its compute (tensor
+    parallelism's collectives: `Comm.blocked_s`); simulated `compute` pads the rest of the
+    action to its seconds, and these come on top, as on a GPU that waits for them.
     """
 
     def __init__(self, schedule: Schedule, stages: dict[int, nn.Module],
@@ -84,7 +88,8 @@ class PipelineRuntime:
                  tracer: Tracer | None = None, link: SimulatedLink | None = None,
                  compute: SimulatedCompute | None = None, recompute: bool = False,
                  tied: Sequence[dict[int, str]] = (), comm: Comm | None = None,
-                 on_weight_gradients: Callable[[int, int], None] | None = None) -> None:
+                 on_weight_gradients: Callable[[int, int], None] | None = None,
+                 apart: Callable[[], float] | None = None) -> None:
         check(schedule)
         if recompute and any(a.kind == "I" for acts in schedule.actions for a in acts):
             raise ValueError(f"recompute=True runs each stage's backward whole; {schedule.name} "
@@ -113,7 +118,7 @@ class PipelineRuntime:
         # The runtime's own spans (F, B, I, W, waits) go to `tracer`, its messages to the
         # Comm's (the same one unless told otherwise).
         self.tracer = tracer if tracer is not None else comm.tracer
-        self.link, self.compute = comm.link, compute
+        self.link, self.compute, self._apart = comm.link, compute, apart
         self._seconds = None
         if compute is not None:  # copies of a stage (DualPipe) cost what the stage costs
             per = compute.of(schedule.model_stages)
@@ -366,11 +371,14 @@ class PipelineRuntime:
         s, i = a.stage, a.microbatch
         received = self._receive(a)
         start = time.perf_counter()
+        apart = self._apart() if self._apart is not None else 0.0
         with (self.tracer.span(str(a), kind="compute", stage=s, microbatch=i, action=a.kind)
               if self.tracer is not None else nullcontext()):
             out = {"F": self._forward, "B": self._backward, "I": self._input_gradient,
                    "W": self._weight_gradient}[a.kind](a, received)
             if self._seconds is not None:  # the rest of this action's simulated time
+                if self._apart is not None:  # what is not compute comes on top of it
+                    start += self._apart() - apart
                 rest = self._seconds[a.kind][s] - (time.perf_counter() - start)
                 if rest > 0:
                     time.sleep(rest)

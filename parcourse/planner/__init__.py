@@ -23,7 +23,10 @@ collectives on the link its group uses; the pipeline's bubble and point-to-point
 messages from the course's simulator on those costs; then the data-parallel reduction
 of the gradients (exposed: the 3D step does it after the schedule) and the optimizer's
 step. On this machine, ranks beyond the cores share them (`predict_time`), and every
-cost is measured: `measured_here`.
+cost is measured: `measured_here`. `scaled` gives that cluster a simulated compute, as
+a GPU's beside this machine's real links: a run pads each stage's forward and backward to
+the planner's compute seconds (`stage_compute`), and the check sees the schedule, the
+collectives and the messages, with no ranks sharing cores for their compute.
 
 Four modules, read in this order: `inputs` (a configuration, the cluster and the named
 models, with their checks), `predict` (memory, time and the search, in three parts marked
@@ -39,7 +42,7 @@ from parcourse.planner.costs import (
     measure_sharing,
     measure_waits,
 )
-from parcourse.planner.here import measure, measured_against_predicted, measured_here
+from parcourse.planner.here import measure, measured_against_predicted, measured_here, scaled
 from parcourse.planner.inputs import MODELS, Choice, Cluster, Overheads, model, parameters
 from parcourse.planner.predict import (
     Planned,
@@ -50,12 +53,12 @@ from parcourse.planner.predict import (
     plan,
     predict_memory,
     predict_time,
+    stage_compute,
     stage_layers,
 )
 
 __all__ = ["MODELS", "Choice", "Cluster", "Overheads", "Planned", "Plans", "choices",
            "format_plans", "measure", "measure_costs", "measure_flops", "measure_links",
            "measure_sharing", "measure_waits", "measured_against_predicted", "measured_here",
-           "model",
-           "model_flops_per_token", "parameters", "plan", "predict_memory", "predict_time",
-           "stage_layers"]
+           "model", "model_flops_per_token", "parameters", "plan", "predict_memory",
+           "predict_time", "scaled", "stage_compute", "stage_layers"]

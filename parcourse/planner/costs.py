@@ -31,9 +31,10 @@ def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,
     2k and 2k + 1, all pairs together), the bandwidth of a large one, and a tiny
     all-reduce's seconds for each group size that divides the world size (the ranks cut
     into groups of that size, every group reducing at once): what a collective costs
-    beyond its bytes, torch's ("collective_s": tensor parallelism's, the loss's mean)
-    and the course's ring of messages that data parallelism reduces with on gloo
-    ("ring_s", `Comm(algorithm="auto")`). Rank 0's figures, on every rank; and the
+    beyond its bytes, torch's ("collective_s": tensor parallelism's, the loss's mean;
+    its all-gather and reduce-scatter, "gather_s" and "scatter_s", which sequence
+    parallelism calls) and the course's ring of messages that data parallelism reduces
+    with on gloo ("ring_s", `Comm(algorithm="auto")`). Rank 0's figures, on every rank; and the
     processor time a small message takes, its sender's and receiver's together
     ("message_cpu_s", over every rank), and a collective's on each member
     ("collective_cpu_s", "ring_cpu_s": gloo's threads too): on shared cores they take
@@ -82,18 +83,24 @@ def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,
         group = groups[ctx.rank // size]
         t = torch.zeros(16)
         ring = Comm(group, algorithm="auto")
+        tp = Comm(group)  # torch's, as tensor parallelism calls them
+        whole = torch.zeros(16 * size)
         for key, reduce in (("collective_s", lambda: dist.all_reduce(t, group=group)),
-                            ("ring_s", lambda: ring.all_reduce(t))):
+                            ("ring_s", lambda: ring.all_reduce(t)),
+                            ("gather_s", lambda: tp.all_gather(t, whole)),
+                            ("scatter_s", lambda: tp.reduce_scatter(whole.clone()))):
             for _ in range(3):
                 reduce()
             dist.barrier(group=ctx.group)
             start, cpu_start = time.perf_counter(), time.process_time()
             for _ in range(repeats):
                 reduce()
-            out[key][size] = (time.perf_counter() - start) / repeats
-            spent = torch.tensor([(time.process_time() - cpu_start) / repeats / ctx.world_size])
-            dist.all_reduce(spent, group=ctx.group)  # a member's processor time, the mean
-            out[key.replace("_s", "_cpu_s")][size] = spent.item()
+            out.setdefault(key, {})[size] = (time.perf_counter() - start) / repeats
+            if key in ("collective_s", "ring_s"):
+                spent = torch.tensor([(time.process_time() - cpu_start) / repeats
+                                      / ctx.world_size])
+                dist.all_reduce(spent, group=ctx.group)  # a member's processor time, the mean
+                out[key.replace("_s", "_cpu_s")][size] = spent.item()
     if ctx.world_size > (os.cpu_count() or 1) and ctx.world_size > 2:
         def median(members: int, op: Any) -> float:
             return statistics.median(_while_others_compute(ctx, members, op, loaded_window_s)

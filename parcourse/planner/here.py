@@ -6,13 +6,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
 from parcourse.models import GPTConfig
+from parcourse.pipeline.simulate import SimulatedCompute
 from parcourse.planner.costs import measure_costs, measure_links, measure_sharing, measure_waits
-from parcourse.planner.inputs import Choice, Cluster
-from parcourse.planner.predict import predict_memory
+from parcourse.planner.inputs import Choice, Cluster, Overheads
+from parcourse.planner.predict import model_flops_per_token, predict_memory
 
 
 def measured_here(gpus: int, config: GPTConfig, pool: Any = None) -> Cluster:
@@ -48,10 +50,10 @@ def measured_here(gpus: int, config: GPTConfig, pool: Any = None) -> Cluster:
 
 
 def measure(ctx: Any, config: GPTConfig, choice: Choice, global_batch: int,
-            steps: int = 2) -> dict[str, Any]:
+            steps: int = 2, compute: SimulatedCompute | None = None) -> dict[str, Any]:
     """Run `choice` here (the 3D step, traced, `steps` Adam steps): this rank's memory by
     category (`Hybrid.memory`), its pipeline coordinate and the step times after the
-    first."""
+    first. `compute`: each stage's simulated seconds (`stage_compute`; see `scaled`)."""
     import time
 
     import torch
@@ -68,7 +70,8 @@ def measure(ctx: Any, config: GPTConfig, choice: Choice, global_batch: int,
                    microbatches=choice.microbatches, chunks=choice.chunks,
                    recompute=choice.recompute == "full",
                    sequence_parallel=choice.sequence_parallel, zero=choice.zero,  # type: ignore[arg-type]
-                   tracer=ctx.tracer, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
+                   tracer=ctx.tracer, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3),
+                   compute=compute)
     x, y = progressions(global_batch, config.block_size, config.vocab)
     times = []
     for _ in range(steps):
@@ -76,6 +79,28 @@ def measure(ctx: Any, config: GPTConfig, choice: Choice, global_batch: int,
         model.step(x, y)
         times.append(time.perf_counter() - start)
     return {"memory": model.memory(), "pp": mesh.coordinate("pp"), "times": times[1:]}
+
+
+def scaled(cluster: Cluster, config: GPTConfig, global_batch: int,
+           alone_s: float = 24.0) -> Cluster:
+    """`cluster` (`measured_here`) with its compute simulated, as a GPU's next to its
+    links: a FLOP rate at which one rank alone would take `alone_s` seconds for a step of
+    `config` on `global_batch` sequences. A run pads each stage's forward and backward to
+    those seconds (`measure(compute=stage_compute(...))`): the real math runs, then the
+    rank sleeps, freeing its core, so ranks no longer share cores for their compute,
+    and what the check sees is the schedule, the collectives and the messages. The
+    layers' own call costs go into the padding; the optimizer's stay (it is not
+    padded)."""
+    if not alone_s > 0:
+        raise ValueError(f"alone_s must be > 0 seconds, got {alone_s}")
+    flops = model_flops_per_token(config) * global_batch * config.block_size / alone_s
+    ov = cluster.overheads
+    return dataclasses.replace(
+        cluster, name="this machine, compute simulated", peak_flops=flops, achievable=1.0,
+        cores=None, shared_cpu=1.0,
+        overheads=Overheads(optimizer_step_s=ov.optimizer_step_s,
+                            optimizer_tensor_s=ov.optimizer_tensor_s,
+                            optimizer_number_s=ov.optimizer_number_s))
 
 
 def measured_against_predicted(results: list[dict[str, Any]], config: GPTConfig,
@@ -93,4 +118,4 @@ def measured_against_predicted(results: list[dict[str, Any]], config: GPTConfig,
     return rows
 
 
-__all__ = ["measure", "measured_against_predicted", "measured_here"]
+__all__ = ["measure", "measured_against_predicted", "measured_here", "scaled"]

@@ -186,6 +186,10 @@ class Cluster:
     shared_cpu: float = 1.0
     gather_cpu_s: dict[int, float] = field(default_factory=dict)
     scatter_cpu_s: dict[int, float] = field(default_factory=dict)
+    # torch's tiny all-gather and reduce-scatter by group size, as `collective_s` is its
+    # all-reduce (`measure_links`); where not measured, an all-reduce's.
+    gather_s: dict[int, float] = field(default_factory=dict)
+    scatter_s: dict[int, float] = field(default_factory=dict)
 
     PRESETS = {  # memory, dense bf16 peak, NVLink / InfiniBand per GPU (GB/s, one way),
         #          memory bandwidth (B/s)
@@ -240,7 +244,9 @@ class Cluster:
                    dict((links or {}).get("collective_cpu_s", {})),
                    dict((links or {}).get("ring_cpu_s", {})), shared_cpu,
                    dict((links or {}).get("gather_cpu_s", {})),
-                   dict((links or {}).get("scatter_cpu_s", {})))
+                   dict((links or {}).get("scatter_cpu_s", {})),
+                   dict((links or {}).get("gather_s", {})),
+                   dict((links or {}).get("scatter_s", {})))
 
     def collective_cpu(self, op: str, size: int) -> float:
         """The processor time of one of torch's collectives (`op`: "all_reduce",
@@ -252,6 +258,16 @@ class Cluster:
         if op not in by_op:
             raise ValueError(f"unknown collective {op!r}; choose one of {', '.join(by_op)}")
         return by_op[op].get(size, self.collective_cpu_s.get(size, 0.0))
+
+    def collective(self, op: str, size: int) -> float:
+        """What one of torch's collectives costs beyond its bytes (`op` as in
+        `collective_cpu`) in a group of `size`: an all-gather or a reduce-scatter not
+        measured costs an all-reduce's, and an all-reduce not measured 0."""
+        by_op = {"all_reduce": {}, "all_gather": self.gather_s,
+                 "reduce_scatter": self.scatter_s}
+        if op not in by_op:
+            raise ValueError(f"unknown collective {op!r}; choose one of {', '.join(by_op)}")
+        return by_op[op].get(size, self.collective_s.get(size, 0.0))
 
     @property
     def flops(self) -> float:

@@ -16,7 +16,7 @@ from typing import Any
 from parcourse.comm import SimulatedLink
 from parcourse.models import GPTConfig
 from parcourse.pipeline.partition import stage_bounds
-from parcourse.pipeline.simulate import Costs, in_flight, simulate
+from parcourse.pipeline.simulate import Costs, SimulatedCompute, in_flight, simulate
 from parcourse.planner.inputs import (
     MODELS,
     Choice,
@@ -174,6 +174,24 @@ def _attention_flops(config: GPTConfig, layer: int, tokens: int) -> float:
         if 1 <= layer <= config.n_layers else 0.0
 
 
+def stage_compute(config: GPTConfig, choice: Choice, global_batch: int,
+                  flops: float) -> SimulatedCompute:
+    """Seconds of each stage's forward and backward of one microbatch at `flops` FLOP/s:
+    the planner's compute alone (backward twice forward, and what recompute runs again
+    first). `Hybrid(compute=...)` pads a run's actions to them: the planner's check
+    here, a GPU's compute on a laptop (`scaled_here`)."""
+    tokens = global_batch // (choice.dp * choice.microbatches) * config.block_size
+    forward, backward = [], []
+    for ls in stage_layers(config, choice):
+        f = sum(_layer_flops(config, lay, tokens) for lay in ls) / choice.tp / flops
+        again = {"none": 0.0, "full": f, "selective": sum(
+            _attention_flops(config, lay, tokens) for lay in ls) / choice.tp / flops
+                 }[choice.recompute]
+        forward.append(f)
+        backward.append(2 * f + again)
+    return SimulatedCompute(forward=forward, backward=backward)
+
+
 def model_flops_per_token(config: GPTConfig) -> float:
     """Forward + backward FLOPs of one token (3 x forward: backward is twice), the model's
     own (no recompute): what MFU counts."""
@@ -267,35 +285,36 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     cores = cluster.cores or choice.gpus
     shared = choice.gpus > cores
     loaded = shared and choice.pp > 1
-    collective_s = cluster.collective_s
-    if loaded and choice.tp in cluster.loaded_collective_s:
-        collective_s = {**collective_s, choice.tp: cluster.loaded_collective_s[choice.tp]}
+    loaded_tp = cluster.loaded_collective_s.get(choice.tp) if loaded else None
     tp_link = _group_link(cluster, choice, "tp")
     collectives = tp_collectives(config, batch, config.block_size, choice.tp,
                                  choice.sequence_parallel)
     # Where a collective's own cost was measured (`measure_links`), it holds the link's
     # latency: only the bytes are added to it.
-    measured = choice.tp in collective_s
+    measured = choice.tp in cluster.collective_s or loaded_tp is not None
     tp_mb = tp_link_seconds(collectives, choice.tp, 0.0 if measured else tp_link.latency_s,
                             tp_link.bandwidth_Bps) if choice.tp > 1 else 0.0
-    tp_mb += len(collectives) * collective_s.get(choice.tp, 0.0) if choice.tp > 1 else 0
+    if choice.tp > 1:  # each collective's own cost: by its op, or an all-reduce's as
+        # measured while the other ranks compute
+        tp_mb += sum(cluster.collective(op, choice.tp) if loaded_tp is None else loaded_tp
+                     for op, *_ in collectives)
     forward, backward, tp_share = [], [], []
     blocks = config.n_layers + 2
     # On shared cores, each action's sends and receives (one from the stage before and one
     # to the stage after) take processor time, half a message's at each end.
     message = cluster.message_cpu_s / 2 if loaded else 0.0
     worse = cluster.shared_cpu if shared else 1.0
+    flop_s = stage_compute(config, choice, global_batch, cluster.flops)
     for s, ls in enumerate(layers):
         hops = message * ((s > 0) + (s < len(layers) - 1))
-        f = sum(_layer_flops(config, lay, tokens) for lay in ls) / choice.tp / cluster.flops \
-            + ov.forward_layer_s * len(ls)
-        again = {"none": 0.0, "full": f, "selective": sum(
-            _attention_flops(config, lay, tokens) for lay in ls) / choice.tp / cluster.flops
-                 }[choice.recompute]  # backward runs (part of) forward again first
+        f = flop_s.forward[s] + ov.forward_layer_s * len(ls)  # type: ignore[index]
+        # backward runs (part of) forward again first: its calls too when all of it
+        again = flop_s.backward[s] - 2 * flop_s.forward[s]  # type: ignore[index]
+        if choice.recompute == "full":
+            again = f
         forward.append(worse * (f + ov.forward_stage_s) + hops)
-        backward.append(worse * (2 * (f - ov.forward_layer_s * len(ls))
-                                 + ov.backward_layer_s * len(ls) + again + ov.backward_stage_s)
-                        + hops)
+        backward.append(worse * (2 * flop_s.forward[s] + ov.backward_layer_s * len(ls)  # type: ignore[index]
+                                 + again + ov.backward_stage_s) + hops)
         tp_share.append(tp_mb * len(ls) / blocks)  # this stage's part of a microbatch's
     pp_link = _group_link(cluster, choice, "pp")
     if loaded and cluster.loaded_p2p_s is not None:

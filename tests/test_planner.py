@@ -161,11 +161,52 @@ def test_this_machines_links_are_measured_and_priced(pool2):
     links = pool2.run(measure_links, 1 << 14, 10).results[0]
     assert links["p2p_s"] > 0 and links["bandwidth_Bps"] > 0
     assert set(links["collective_s"]) == set(links["ring_s"]) == {2}
+    assert set(links["gather_s"]) == set(links["scatter_s"]) == {2}
     bare = Cluster.this_machine(2, flops=1e9)
     priced = Cluster.this_machine(2, flops=1e9, links=links)
     choice = Choice(1, 2, 1, "1f1b", 2)
     assert predict_time(CONFIG, choice, BATCH, priced)["tp"] > predict_time(
         CONFIG, choice, BATCH, bare)["tp"]
+    # Each of tp's collectives costs its own op's figure: sequence parallelism's
+    # all-gathers and reduce-scatters theirs, the rest an all-reduce's
+    assert priced.collective("all_gather", 2) == links["gather_s"][2]
+    assert priced.collective("reduce_scatter", 2) == links["scatter_s"][2]
+    assert priced.collective("all_reduce", 2) == links["collective_s"][2]
+    assert bare.collective("all_gather", 2) == 0.0  # nothing measured
+    with pytest.raises(ValueError, match="unknown collective 'broadcast'"):
+        priced.collective("broadcast", 2)
+    sp = Choice(1, 2, 1, "1f1b", 2, sequence_parallel=True)
+    ops = [op for op, *_ in tp_collectives(CONFIG, BATCH // 2, CONFIG.block_size, 2,
+                                           sequence_parallel=True)]
+    a, b = (predict_time(CONFIG, sp, BATCH, dataclasses.replace(priced, gather_s={2: x}))
+            for x in (0.01, 0.02))
+    assert b["tp"] - a["tp"] == pytest.approx(2 * ops.count("all_gather") * 0.01)
+
+
+def test_compute_simulated_is_the_planners_own():
+    """`scaled`: one rank alone takes `alone_s` for a step's model FLOPs; `stage_compute`
+    gives each stage's forward and backward of a microbatch at that rate (backward twice
+    forward, plus what recompute runs again), which is the prediction's compute; the
+    layers' call costs go into the padding, the optimizer's stay, and no cores are
+    shared (the ranks sleep through their compute)."""
+    from parcourse.planner import Overheads, scaled, stage_compute
+
+    costs = {"flops": 1e9, "forward_layer_s": 1e-3, "backward_layer_s": 2e-3,
+             "optimizer_tensor_s": 1e-5}
+    here = Cluster.this_machine(8, costs=costs, cores=2, shared_cpu=1.5)
+    sim = scaled(here, CONFIG, BATCH, alone_s=6.0)
+    assert sim.cores is None and sim.shared_cpu == 1.0
+    assert sim.overheads == Overheads(optimizer_tensor_s=1e-5)
+    one = stage_compute(CONFIG, Choice(1), BATCH, sim.flops)
+    assert sum(one.forward) + sum(one.backward) == pytest.approx(6.0)
+    full = stage_compute(CONFIG, Choice(1, recompute="full"), BATCH, sim.flops)
+    assert sum(full.backward) == pytest.approx(sum(one.backward) + sum(one.forward))
+    cut = stage_compute(CONFIG, Choice(1, 2, 2, "1f1b", 4), BATCH, sim.flops)
+    assert len(cut.forward) == 2 and sum(cut.forward) == pytest.approx(sum(one.forward) / 8)
+    t = predict_time(CONFIG, Choice(8), BATCH, sim)
+    assert t["compute"] == pytest.approx(6.0 / 8) and t["cores"] == 0
+    with pytest.raises(ValueError, match="alone_s must be > 0"):
+        scaled(here, CONFIG, BATCH, alone_s=0)
 
 
 def test_links_under_load_price_a_pipelines_hops(pool8):

@@ -1,7 +1,7 @@
 """The planner against the published record and against runs here.
 
-    python benchmarks/planner.py [--only paper|korthikanti|search|here] [--world-size 8]
-                                 [--passes 2]
+    python benchmarks/planner.py [--only paper|korthikanti|search|here|scaled]
+                                 [--world-size 8] [--passes 2] [--alone 12]
 
 1. Narayanan et al. 2021 (arXiv:2104.04473), Table 1: GPT models of 1.7B to 1T parameters
    on 32 to 3072 A100s (80 GB, 312 TFLOP/s dense bf16 peak), with the paper's own tensor-
@@ -42,6 +42,13 @@
    it, and the means. Targets:
    memory within 5%, time within 15%, the predicted best among the measured best two;
    mean and worst error and the rank correlation are printed.
+5. Scaled (--only scaled): the same configurations with the compute simulated: a GPU's
+   compute, scaled down, beside this machine's real links and collectives. One rank
+   alone would take --alone seconds (12) a step; each stage's forward and backward is
+   padded to the planner's compute seconds (`planner.scaled`, `stage_compute`), the rank
+   sleeping through the rest, so the ranks no longer share cores for their compute, and
+   what is checked is the schedule, tp's collectives, dp's reduction, the messages and
+   the optimizer, all real. Same targets. About 13 minutes.
 """
 
 from __future__ import annotations
@@ -342,7 +349,7 @@ def _step_summary(name: str, fitting: list, want: dict, got: dict) -> None:
 
 
 def scaled_here(world_size: int = 8, batch: int = 16, steps: int = 3,
-                alone_s: float = 24.0) -> None:
+                alone_s: float = 12.0) -> None:
     """Every configuration that fits, as in `here`, run with its compute simulated
     (`planner.scaled`: one rank alone would take `alone_s` seconds a step; each stage's
     forward and backward padded to the planner's compute seconds, `stage_compute`) and
@@ -363,8 +370,8 @@ def scaled_here(world_size: int = 8, batch: int = 16, steps: int = 3,
         plans = plan(LESSON_CONFIG, cluster, batch)
         fitting = [p for p in plans.ranked if p.choice.zero <= 2]  # the 3D step's
         print(f"\nthe course's GPT here, compute simulated: {world_size} ranks, global batch "
-              f"{batch}, a step {alone_s:.0f} s on one rank alone ({cluster.flops / 1e9:.2f}"
-              f" GFLOP/s); gloo's real costs: a message {1e3 * cluster.inside.latency_s:.2f}"
+              f"{batch}, a step {alone_s:.0f} s on one rank alone ({cluster.flops / 1e6:.1f}"
+              f" MFLOP/s); gloo's real costs: a message {1e3 * cluster.inside.latency_s:.2f}"
               " ms, a tiny collective "
               + "; ".join(f"{op} " + ", ".join(f"{1e3 * cluster.collective(op, k):.2f} ms on {k}"
                                                 for k in sorted(cluster.collective_s))
@@ -430,7 +437,7 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=8)
     parser.add_argument("--passes", type=int, default=2,
                         help="how many times --only here measures each configuration")
-    parser.add_argument("--alone", type=float, default=24.0,
+    parser.add_argument("--alone", type=float, default=12.0,
                         help="--only scaled: seconds of a step on one rank alone")
     args = parser.parse_args()
     if args.passes < 1:

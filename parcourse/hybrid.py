@@ -232,6 +232,8 @@ class Hybrid:
                                        else None, compute=compute,
                                        apart=(lambda: self.tp_comm.comm.blocked_s)
                                        if tp > 1 else None)
+        if compute is not None and tp > 1:  # tp's collectives meet at their share of it
+            self.tp_comm.comm.before_blocking = self.runtime.pace
         self.first = self.plan.stage_rank[0] == stage
         self.last = self.plan.stage_rank[-1] == stage
         self.params = list({id(p): p for m in mine.values() for p in m.parameters()}.values())

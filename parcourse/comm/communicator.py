@@ -95,7 +95,9 @@ class Comm:
     the backend's thread), for a trace that shows them overlapping other work.
     `blocked_s`: the seconds this rank has spent in its blocking collectives (all-reduce,
     reduce-scatter, all-gather) through this object, so that simulated compute can leave
-    them out of the work it pads (`PipelineRuntime(apart=...)`).
+    them out of the work it pads (`PipelineRuntime(apart=...)`); `before_blocking()`, if
+    set, is what tensor parallelism calls before each of its collectives, outside their
+    span and not counted (the runtime's `pace`).
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, tracer: Tracer | None = None,
@@ -116,6 +118,7 @@ class Comm:
         self._wires: dict[bool, dist.ProcessGroup | Messenger] = {}
         self._thread: ThreadPoolExecutor | None = None
         self.blocked_s = 0.0
+        self.before_blocking: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
         return (f"Comm(rank {self.rank} of {self.size}, algorithm={self.algorithm!r}, "

@@ -89,6 +89,8 @@ class TPComm:
 
     def _traced(self, op: CollectiveOp, phase: Phase, where: str,
                 nbytes: int) -> AbstractContextManager[None]:
+        if self.comm.before_blocking is not None:  # simulated compute's pacing
+            self.comm.before_blocking()
         tracer = self.comm.tracer
         if tracer is None:
             return nullcontext()

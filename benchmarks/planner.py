@@ -48,7 +48,7 @@
    padded to the planner's compute seconds (`planner.scaled`, `stage_compute`), the rank
    sleeping through the rest, so the ranks no longer share cores for their compute, and
    what is checked is the schedule, tp's collectives, dp's reduction, the messages and
-   the optimizer, all real. Same targets. About 13 minutes.
+   the optimizer, all real. Same targets. About 17 minutes.
 """
 
 from __future__ import annotations
@@ -348,7 +348,7 @@ def _step_summary(name: str, fitting: list, want: dict, got: dict) -> None:
           f"measured best ({fitting[order[0]].choice.label()})")
 
 
-def scaled_here(world_size: int = 8, batch: int = 16, steps: int = 3,
+def scaled_here(world_size: int = 8, batch: int = 16, steps: int = 4,
                 alone_s: float = 12.0) -> None:
     """Every configuration that fits, as in `here`, run with its compute simulated
     (`planner.scaled`: one rank alone would take `alone_s` seconds a step; each stage's

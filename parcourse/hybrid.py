@@ -224,15 +224,17 @@ class Hybrid:
             raise ValueError(f"zero must be 0 (replicated optimizer), 1 (its state sharded "
                              f"over dp) or 2 (the gradients too), got {zero!r}")
         self.zero = zero
+        # Simulated compute pads each action, tp's collectives on top, met at their share
+        paced = (lambda: self.tp_comm.comm.blocked_s) if compute is not None and tp > 1 \
+            else None
         self.runtime = PipelineRuntime(self.plan, mine, None, self._loss, tracer=tracer,
                                        recompute=recompute, tied=_stages_tied(cut),
                                        comm=Comm(mesh.group("pp"), tracer=on("pp"), link=link,
                                                  algorithm="auto"),
                                        on_weight_gradients=self._reduce_stage if zero == 2
-                                       else None, compute=compute,
-                                       apart=(lambda: self.tp_comm.comm.blocked_s)
-                                       if tp > 1 else None)
-        if compute is not None and tp > 1:  # tp's collectives meet at their share of it
+                                       else None,
+                                       compute=compute, apart=paced)
+        if paced is not None:
             self.tp_comm.comm.before_blocking = self.runtime.pace
         self.first = self.plan.stage_rank[0] == stage
         self.last = self.plan.stage_rank[-1] == stage

@@ -90,7 +90,8 @@ def dp_bytes_by_zero(ctx, shape, zero, microbatches):
 
 def padded_spans(ctx, shape, compute, link):
     """One traced step with `compute` simulated: each compute span of this rank (its
-    stage, kind, seconds) and the seconds of tp's collectives inside it."""
+    stage, kind, microbatch, seconds), the seconds of tp's collectives inside it, how many
+    there are and when the first began, from the span's start."""
     mesh = Mesh(shape, ctx.group)
     model = Hybrid(gpt(CONFIG), mesh, microbatches=2, tracer=ctx.tracer, compute=compute,
                    link=link)
@@ -99,6 +100,11 @@ def padded_spans(ctx, shape, compute, link):
     spans = ctx.tracer.data().spans
     tp = [s for s in spans if s.kind == "comm" and s.meta.get("axis") == "tp"
           and s.meta.get("phase") in ("forward", "backward")]  # TPComm's, not the ring's
-    return [(s.meta["stage"], s.meta["action"], s.duration_s,
-             sum(t.duration_s for t in tp if s.start_ns <= t.start_ns and t.end_ns <= s.end_ns))
-            for s in spans if s.kind == "compute" and "action" in s.meta]
+    out = []
+    for s in spans:
+        if s.kind == "compute" and "action" in s.meta:
+            inside = [t for t in tp if s.start_ns <= t.start_ns and t.end_ns <= s.end_ns]
+            out.append((s.meta["stage"], s.meta["action"], s.meta["microbatch"], s.duration_s,
+                        sum(t.duration_s for t in inside), len(inside),
+                        (min(t.start_ns for t in inside) - s.start_ns) / 1e9))
+    return out

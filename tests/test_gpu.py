@@ -93,7 +93,7 @@ def test_zero_pp_runs_on_gpu():
             assert abs(a - b) <= 1e-2 * abs(a)
 
 
-def test_lesson_04s_runs_beyond_stage_3_keep_their_weights_on_the_gpu():
+def test_lesson_04s_runs_beyond_stage_3_put_each_byte_on_the_gpu_or_the_host():
     """Lesson 04's runs (Offload, and Infinity with the weights offloaded) on CUDA ranks:
     the bytes on the device and on the host are the formula's, but Adam's step counters
     (4 bytes a parameter tensor on the host, which the formula leaves out); on a CPU the

@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,6 +56,17 @@ def _tag(kind: str, stage: int, microbatch: int, microbatches: int, stages: int)
     return (("FBST".index(kind) * stages + stage) * microbatches + microbatch) + 1
 
 
+@dataclass
+class _Pacing:
+    """A padded action under way (`PipelineRuntime.pace`): when it started, the `apart`
+    clock then, its (stage, kind), and the collectives it has reached."""
+
+    start: float
+    apart: float
+    key: tuple[int, str]
+    done: int = 0
+
+
 class PipelineRuntime:
     """`PipelineRuntime(schedule, stages, group, loss_fn)`: `stages` maps each stage this
     rank holds (as `schedule.stage_rank` says) to its module. `recompute=True` checkpoints
@@ -80,9 +92,10 @@ class PipelineRuntime:
 
     `apart()`: a clock of seconds within an action that are not its compute (tensor
     parallelism's collectives: `Comm.blocked_s`); simulated `compute` pads the rest of the
-    action to its seconds, and these come on top, as on a GPU that waits for them. Their
-    Comm calls `pace` before each (`Comm.before_blocking`), so that the padding is spread
-    over the action and a group meets at each of them together.
+    action to its seconds, and these come on top, as on a GPU that waits for them.
+    Tensor parallelism calls `pace` before each of its collectives (through
+    `Comm.before_blocking`, which `Hybrid` sets), so that the padding is spread over the
+    action and a group meets at each of them together.
     """
 
     def __init__(self, schedule: Schedule, stages: dict[int, nn.Module],
@@ -121,9 +134,9 @@ class PipelineRuntime:
         # Comm's (the same one unless told otherwise).
         self.tracer = tracer if tracer is not None else comm.tracer
         self.link, self.compute, self._apart = comm.link, compute, apart
-        # An action padded with `apart` collectives in it: [its start, `apart` then, its
-        # (stage, kind), collectives so far]; and how many each (stage, kind) had (`pace`).
-        self._pacing: list[Any] | None = None
+        # The padded action under way, and how many collectives the last one of each
+        # (stage, kind) had (`pace`).
+        self._pacing: _Pacing | None = None
         self._paces: dict[tuple[int, str], int] = {}
         self._seconds = None
         if compute is not None:  # copies of a stage (DualPipe) cost what the stage costs
@@ -379,16 +392,18 @@ class PipelineRuntime:
         start = time.perf_counter()
         apart = self._apart() if self._apart is not None else 0.0
         if self._seconds is not None and self._apart is not None:
-            self._pacing = [start, apart, (s, a.kind), 0]
+            self._pacing = _Pacing(start, apart, (s, a.kind))
         with (self.tracer.span(str(a), kind="compute", stage=s, microbatch=i, action=a.kind)
               if self.tracer is not None else nullcontext()):
-            out = {"F": self._forward, "B": self._backward, "I": self._input_gradient,
-                   "W": self._weight_gradient}[a.kind](a, received)
+            try:
+                out = {"F": self._forward, "B": self._backward, "I": self._input_gradient,
+                       "W": self._weight_gradient}[a.kind](a, received)
+            finally:
+                pacing, self._pacing = self._pacing, None
             if self._seconds is not None:  # the rest of this action's simulated time
-                if self._apart is not None:  # what is not compute comes on top of it
-                    start += self._apart() - apart
-                    self._paces[(s, a.kind)] = self._pacing[3]  # type: ignore[index]
-                    self._pacing = None
+                if self._apart is not None and pacing is not None:  # what is not compute
+                    start += self._apart() - apart  # comes on top of it
+                    self._paces[(s, a.kind)] = pacing.done
                 rest = self._seconds[a.kind][s] - (time.perf_counter() - start)
                 if rest > 0:
                     time.sleep(rest)
@@ -399,22 +414,23 @@ class PipelineRuntime:
     def pace(self) -> None:
         """Before each of the `apart` collectives of an action padded to simulated
         seconds: wait until its share of them has passed (the action's seconds cut
-        evenly at its collectives, as many as the same action had the step before),
-        so that a group's ranks, each computing as fast as its simulated device, meet
-        there together. Padding only at the end, a rank whose real math ran late on
-        shared cores would keep the others waiting at each collective, and that wait
-        would count as the collective's. A no-op outside a padded action."""
+        evenly at its collectives, as many as the last action of the same stage and
+        kind had; none the first time), so that a group's ranks, each computing as fast
+        as its simulated device, meet there together. Padding only at the end, a rank
+        whose real math ran late on shared cores would keep the others waiting at each
+        collective, and that wait would count as the collective's. A no-op outside a
+        padded action."""
         pacing = self._pacing
         if pacing is None:
             return
-        start, apart, key, done = pacing
-        pacing[3] = done = done + 1
-        expected = self._paces.get(key)
-        if not expected or done > expected:
+        pacing.done += 1
+        expected = self._paces.get(pacing.key)
+        if not expected or pacing.done > expected:
             return
         assert self._apart is not None and self._seconds is not None
-        share = self._seconds[key[1]][key[0]] * done / (expected + 1)
-        rest = start + share + (self._apart() - apart) - time.perf_counter()
+        stage, kind = pacing.key
+        share = self._seconds[kind][stage] * pacing.done / (expected + 1)
+        rest = pacing.start + share + (self._apart() - pacing.apart) - time.perf_counter()
         if rest > 0:
             time.sleep(rest)
 

@@ -52,8 +52,8 @@ def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,
 
     from parcourse.comm import Comm
 
-    out: dict[str, Any] = {"collective_s": {}, "ring_s": {}, "collective_cpu_s": {},
-                           "ring_cpu_s": {}}
+    out: dict[str, Any] = {"collective_s": {}, "ring_s": {}, "gather_s": {}, "scatter_s": {},
+                           "collective_cpu_s": {}, "ring_cpu_s": {}}
 
     def pingpong(n: int) -> tuple[float, float]:
         """A message's one-way seconds, and a send's and a receive's processor time."""
@@ -88,14 +88,14 @@ def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,
         for key, reduce in (("collective_s", lambda: dist.all_reduce(t, group=group)),
                             ("ring_s", lambda: ring.all_reduce(t)),
                             ("gather_s", lambda: tp.all_gather(t, whole)),
-                            ("scatter_s", lambda: tp.reduce_scatter(whole.clone()))):
+                            ("scatter_s", lambda: tp.reduce_scatter(whole))):  # scratch
             for _ in range(3):
                 reduce()
             dist.barrier(group=ctx.group)
             start, cpu_start = time.perf_counter(), time.process_time()
             for _ in range(repeats):
                 reduce()
-            out.setdefault(key, {})[size] = (time.perf_counter() - start) / repeats
+            out[key][size] = (time.perf_counter() - start) / repeats
             if key in ("collective_s", "ring_s"):
                 spent = torch.tensor([(time.process_time() - cpu_start) / repeats
                                       / ctx.world_size])

@@ -82,7 +82,7 @@ def measure(ctx: Any, config: GPTConfig, choice: Choice, global_batch: int,
 
 
 def scaled(cluster: Cluster, config: GPTConfig, global_batch: int,
-           alone_s: float = 24.0) -> Cluster:
+           alone_s: float = 12.0) -> Cluster:
     """`cluster` (`measured_here`) with its compute simulated, as a GPU's next to its
     links: a FLOP rate at which one rank alone would take `alone_s` seconds for a step of
     `config` on `global_batch` sequences. A run pads each stage's forward and backward to
@@ -90,7 +90,9 @@ def scaled(cluster: Cluster, config: GPTConfig, global_batch: int,
     rank sleeps, freeing its core, so ranks no longer share cores for their compute,
     and what the check sees is the schedule, the collectives and the messages. The
     layers' own call costs go into the padding; the optimizer's stay (it is not
-    padded)."""
+    padded). No cores are counted as shared (`cores=None`): what is not padded, the
+    optimizer, dp's reduction and the messages, still runs on every rank at once, which
+    is small for the course's GPT but not for a large model here."""
     if not alone_s > 0:
         raise ValueError(f"alone_s must be > 0 seconds, got {alone_s}")
     flops = model_flops_per_token(config) * global_batch * config.block_size / alone_s

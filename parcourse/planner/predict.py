@@ -179,7 +179,7 @@ def stage_compute(config: GPTConfig, choice: Choice, global_batch: int,
     """Seconds of each stage's forward and backward of one microbatch at `flops` FLOP/s:
     the planner's compute alone (backward twice forward, and what recompute runs again
     first). `Hybrid(compute=...)` pads a run's actions to them: the planner's check
-    here, a GPU's compute on a laptop (`scaled_here`)."""
+    here, a GPU's compute on a laptop (`scaled`)."""
     tokens = global_batch // (choice.dp * choice.microbatches) * config.block_size
     forward, backward = [], []
     for ls in stage_layers(config, choice):
@@ -304,16 +304,14 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     # to the stage after) take processor time, half a message's at each end.
     message = cluster.message_cpu_s / 2 if loaded else 0.0
     worse = cluster.shared_cpu if shared else 1.0
-    flop_s = stage_compute(config, choice, global_batch, cluster.flops)
+    flop_s = stage_compute(config, choice, global_batch, cluster.flops).of(len(layers))
     for s, ls in enumerate(layers):
         hops = message * ((s > 0) + (s < len(layers) - 1))
-        f = flop_s.forward[s] + ov.forward_layer_s * len(ls)  # type: ignore[index]
+        f = flop_s["F"][s] + ov.forward_layer_s * len(ls)
         # backward runs (part of) forward again first: its calls too when all of it
-        again = flop_s.backward[s] - 2 * flop_s.forward[s]  # type: ignore[index]
-        if choice.recompute == "full":
-            again = f
+        again = f if choice.recompute == "full" else flop_s["B"][s] - 2 * flop_s["F"][s]
         forward.append(worse * (f + ov.forward_stage_s) + hops)
-        backward.append(worse * (2 * flop_s.forward[s] + ov.backward_layer_s * len(ls)  # type: ignore[index]
+        backward.append(worse * (2 * flop_s["F"][s] + ov.backward_layer_s * len(ls)
                                  + again + ov.backward_stage_s) + hops)
         tp_share.append(tp_mb * len(ls) / blocks)  # this stage's part of a microbatch's
     pp_link = _group_link(cluster, choice, "pp")
@@ -542,4 +540,4 @@ def format_plans(plans: Plans, top: int = 10) -> str:
 
 __all__ = ["MODELS", "Choice", "Cluster", "Overheads", "Planned", "Plans", "choices",
            "format_plans", "model", "model_flops_per_token", "parameters", "plan",
-           "predict_memory", "predict_time", "stage_layers"]
+           "predict_memory", "predict_time", "stage_compute", "stage_layers"]

@@ -246,7 +246,7 @@ def here(world_size: int = 8, batch: int = 16, steps: int = 6, passes: int = 2) 
 
     from parcourse import Pool
     from parcourse.experiments.hybrid import LESSON_CONFIG
-    from parcourse.planner import measure, measured_against_predicted, measured_here, plan
+    from parcourse.planner import measure, measured_here, plan
 
     with Pool(world_size, timeout=600) as pool:
         cluster = measured_here(world_size, LESSON_CONFIG, pool=pool)
@@ -284,16 +284,8 @@ def here(world_size: int = 8, batch: int = 16, steps: int = 6, passes: int = 2) 
         memory_err = {}
         started = time.perf_counter()
         for item in fitting:
-            choice = item.choice
-            results = pool.run(measure, LESSON_CONFIG, choice, batch, steps).results
-            memory = measured_against_predicted(results, LESSON_CONFIG, choice, batch)
-            got = max(r["measured"]["total"] for r in memory)
-            want = max(r["predicted"]["total"] for r in memory)
-            memory_err[choice] = abs(want / got - 1)
-            measured[0][choice] = _step(results)
-            print(f"{choice.label():<44} {want / 1024:>9.1f} KiB {got / 1024:>6.1f} KiB "
-                  f"{1e3 * item.time['step']:>14.1f} {1e3 * measured[0][choice]:>9.1f} "
-                  f"{item.time['step'] / measured[0][choice]:>6.2f}", flush=True)
+            memory_err[item.choice], measured[0][item.choice] = _run_one(pool, item, batch,
+                                                                         steps)
         first = time.perf_counter() - started
         for k in range(1, passes):
             again = measured_here(world_size, LESSON_CONFIG, pool=pool)
@@ -361,8 +353,7 @@ def scaled_here(world_size: int = 8, batch: int = 16, steps: int = 4,
 
     from parcourse import Pool
     from parcourse.experiments.hybrid import LESSON_CONFIG
-    from parcourse.planner import (measure, measured_against_predicted, measured_here, plan,
-                                   scaled, stage_compute)
+    from parcourse.planner import measured_here, plan, scaled, stage_compute
 
     with Pool(world_size, timeout=900) as pool:
         cluster = scaled(measured_here(world_size, LESSON_CONFIG, pool=pool), LESSON_CONFIG,
@@ -383,25 +374,36 @@ def scaled_here(world_size: int = 8, batch: int = 16, steps: int = 4,
         measured, memory_err = {}, {}
         started = time.perf_counter()
         for item in fitting:
-            choice = item.choice
-            compute = stage_compute(LESSON_CONFIG, choice, batch, cluster.flops)
-            results = pool.run(measure, LESSON_CONFIG, choice, batch, steps, compute).results
-            memory = measured_against_predicted(results, LESSON_CONFIG, choice, batch)
-            got = max(r["measured"]["total"] for r in memory)
-            want = max(r["predicted"]["total"] for r in memory)
-            memory_err[choice] = abs(want / got - 1)
-            measured[choice] = _step(results)
-            t = item.time
-            print(f"{choice.label():<44} {want / 1024:>9.1f} KiB {got / 1024:>6.1f} KiB "
-                  f"{1e3 * t['step']:>14.1f} {1e3 * measured[choice]:>9.1f} "
-                  f"{t['step'] / measured[choice]:>6.2f}  " + " / ".join(
-                      f"{1e3 * t[k]:.0f}" for k in ("compute", "tp", "bubble", "dp",
-                                                     "optimizer")), flush=True)
+            compute = stage_compute(LESSON_CONFIG, item.choice, batch, cluster.flops)
+            memory_err[item.choice], measured[item.choice] = _run_one(
+                pool, item, batch, steps, compute, split=True)
     n = len(fitting)
     print(f"{n} configurations in {time.perf_counter() - started:.0f} s")
     print(f"memory: mean error {sum(memory_err.values()) / n:.1%}, worst "
           f"{max(memory_err.values()):.1%} (target: within 5%)")
     _step_summary("compute simulated", fitting, predicted, measured)
+
+
+def _run_one(pool, item, batch: int, steps: int, compute=None,
+             split: bool = False) -> tuple[float, float]:
+    """Run one planned configuration (`item`) on `pool` and print its row: memory of the
+    busiest rank and step, each beside the prediction (`split`: and the predicted
+    step's parts). Returns the memory's relative error and the measured step."""
+    from parcourse.experiments.hybrid import LESSON_CONFIG
+    from parcourse.planner import measure, measured_against_predicted
+
+    results = pool.run(measure, LESSON_CONFIG, item.choice, batch, steps, compute).results
+    memory = measured_against_predicted(results, LESSON_CONFIG, item.choice, batch)
+    got = max(r["measured"]["total"] for r in memory)
+    want = max(r["predicted"]["total"] for r in memory)
+    step, t = _step(results), item.time
+    parts = ("  " + " / ".join(f"{1e3 * t[k]:.0f}" for k in ("compute", "tp", "bubble",
+                                                              "dp", "optimizer"))
+             if split else "")
+    print(f"{item.choice.label():<44} {want / 1024:>9.1f} KiB {got / 1024:>6.1f} KiB "
+          f"{1e3 * t['step']:>14.1f} {1e3 * step:>9.1f} {t['step'] / step:>6.2f}{parts}",
+          flush=True)
+    return abs(want / got - 1), step
 
 
 def _step(results: list[dict]) -> float:

@@ -48,7 +48,12 @@
    padded to the planner's compute seconds (`planner.scaled`, `stage_compute`), the rank
    sleeping through the rest, so the ranks no longer share cores for their compute, and
    what is checked is the schedule, tp's collectives, dp's reduction, the messages and
-   the optimizer, all real. Same targets. About 17 minutes.
+   the optimizer, all real. tp's collectives are priced as such a step meets them, each
+   after an idle gap (`measure_paced`), measured with the other costs before the first
+   configuration, and again, for that configuration's tp size, just before each
+   (gloo's collectives on 2 shared cores drift by 20% over the run): the row gives both
+   predictions and both ratios, and the targets are printed for each. Same targets.
+   About 20 minutes.
 """
 
 from __future__ import annotations
@@ -353,11 +358,13 @@ def scaled_here(world_size: int = 8, batch: int = 16, steps: int = 4,
 
     from parcourse import Pool
     from parcourse.experiments.hybrid import LESSON_CONFIG
-    from parcourse.planner import measured_here, plan, scaled, stage_compute
+    from parcourse.planner import (measure_paced, measured_here, plan, predict_time, scaled,
+                                   stage_compute)
 
     with Pool(world_size, timeout=900) as pool:
-        cluster = scaled(measured_here(world_size, LESSON_CONFIG, pool=pool), LESSON_CONFIG,
-                         batch, alone_s)
+        here = measured_here(world_size, LESSON_CONFIG, pool=pool)
+        paced = pool.run(measure_paced).results[0]  # tp's collectives as a scaled step
+        cluster = scaled(here, LESSON_CONFIG, batch, alone_s, paced)  # meets them
         plans = plan(LESSON_CONFIG, cluster, batch)
         fitting = [p for p in plans.ranked if p.choice.zero <= 2]  # the 3D step's
         print(f"\nthe course's GPT here, compute simulated: {world_size} ranks, global batch "
@@ -367,28 +374,40 @@ def scaled_here(world_size: int = 8, batch: int = 16, steps: int = 4,
               + "; ".join(f"{op} " + ", ".join(f"{1e3 * cluster.collective(op, k):.2f} ms on {k}"
                                                 for k in sorted(cluster.collective_s))
                           for op in ("all_reduce", "all_gather", "reduce_scatter"))
-              + f". {len(fitting)} configurations fit")
+              + f" (each after an idle gap). {len(fitting)} configurations fit")
         print(f"{'configuration':<44} {'memory pred.':>13} {'measured':>10} {'step pred. ms':>14} "
-              f"{'measured':>9} {'ratio':>6}  compute / tp / bubble / dp / optimizer ms")
+              f"{'measured':>9} {'ratio':>6}  compute / tp / bubble / dp / optimizer ms"
+              "  | tp's collectives again: step pred. ms, ratio")
         predicted = {p.choice: p.time["step"] for p in fitting}
+        again = dict(predicted)  # tp's collectives measured again just before each
         measured, memory_err = {}, {}
         started = time.perf_counter()
         for item in fitting:
             compute = stage_compute(LESSON_CONFIG, item.choice, batch, cluster.flops)
+            if item.choice.tp > 1:
+                now = pool.run(measure_paced, (item.choice.tp,)).results[0]
+                again[item.choice] = predict_time(
+                    LESSON_CONFIG, item.choice, batch,
+                    scaled(here, LESSON_CONFIG, batch, alone_s,
+                           {key: {**paced[key], **now[key]} for key in paced}))["step"]
             memory_err[item.choice], measured[item.choice] = _run_one(
-                pool, item, batch, steps, compute, split=True)
+                pool, item, batch, steps, compute, split=True, again=again[item.choice])
     n = len(fitting)
     print(f"{n} configurations in {time.perf_counter() - started:.0f} s")
     print(f"memory: mean error {sum(memory_err.values()) / n:.1%}, worst "
           f"{max(memory_err.values()):.1%} (target: within 5%)")
-    _step_summary("compute simulated", fitting, predicted, measured)
+    _step_summary("compute simulated, tp's collectives measured once before the first",
+                  fitting, predicted, measured)
+    _step_summary("compute simulated, tp's collectives measured again before each",
+                  fitting, again, measured)
 
 
-def _run_one(pool, item, batch: int, steps: int, compute=None,
-             split: bool = False) -> tuple[float, float]:
+def _run_one(pool, item, batch: int, steps: int, compute=None, split: bool = False,
+             again: float | None = None) -> tuple[float, float]:
     """Run one planned configuration (`item`) on `pool` and print its row: memory of the
     busiest rank and step, each beside the prediction (`split`: and the predicted
-    step's parts). Returns the memory's relative error and the measured step."""
+    step's parts; `again`: a second predicted step, and its ratio). Returns the memory's
+    relative error and the measured step."""
     from parcourse.experiments.hybrid import LESSON_CONFIG
     from parcourse.planner import measure, measured_against_predicted
 
@@ -400,6 +419,8 @@ def _run_one(pool, item, batch: int, steps: int, compute=None,
     parts = ("  " + " / ".join(f"{1e3 * t[k]:.0f}" for k in ("compute", "tp", "bubble",
                                                               "dp", "optimizer"))
              if split else "")
+    if again is not None:
+        parts += f"  | {1e3 * again:7.1f} {again / step:5.2f}"
     print(f"{item.choice.label():<44} {want / 1024:>9.1f} KiB {got / 1024:>6.1f} KiB "
           f"{1e3 * t['step']:>14.1f} {1e3 * step:>9.1f} {t['step'] / step:>6.2f}{parts}",
           flush=True)

@@ -209,6 +209,37 @@ def test_compute_simulated_is_the_planners_own():
         scaled(here, CONFIG, BATCH, alone_s=0)
 
 
+def test_tps_collectives_priced_as_a_scaled_step_meets_them(pool4):
+    """`measure_paced`: torch's tiny all-reduce, all-gather and reduce-scatter, each after
+    an idle gap, by group size; `scaled` prices tp's collectives with those figures in
+    place of the back-to-back ones, for the sizes given, and keeps the rest."""
+    from parcourse.launch import RankError
+    from parcourse.planner import measure_links, measure_paced, scaled
+
+    paced = pool4.run(measure_paced, None, 0.002, 3).results[0]
+    assert set(paced) == {"collective_s", "gather_s", "scatter_s"}
+    assert all(set(by_size) == {2, 4} and min(by_size.values()) > 0
+               for by_size in paced.values())
+    links = pool4.run(measure_links, 1 << 12, 5, 0.05, 1).results[0]
+    here = Cluster.this_machine(4, flops=1e9, links=links)
+    sim = scaled(here, CONFIG, BATCH, 6.0, {k: {2: v[2]} for k, v in paced.items()})
+    assert sim.collective("all_reduce", 2) == paced["collective_s"][2]
+    assert sim.collective("all_gather", 2) == paced["gather_s"][2]
+    assert sim.collective("reduce_scatter", 2) == paced["scatter_s"][2]
+    assert sim.collective("all_gather", 4) == links["gather_s"][4]  # not given: kept
+    sp = Choice(2, 2, 1, "1f1b", 2, sequence_parallel=True)
+    ops = [op for op, *_ in tp_collectives(CONFIG, BATCH // 4, CONFIG.block_size, 2,
+                                           sequence_parallel=True)]
+    plain = scaled(here, CONFIG, BATCH, 6.0)
+    assert predict_time(CONFIG, sp, BATCH, sim)["tp"] - predict_time(
+        CONFIG, sp, BATCH, plain)["tp"] == pytest.approx(sp.microbatches * sum(
+            sim.collective(op, 2) - plain.collective(op, 2) for op in ops))
+    with pytest.raises(ValueError, match="unknown ring_s"):
+        scaled(here, CONFIG, BATCH, 6.0, {"ring_s": {2: 1.0}})
+    with pytest.raises(RankError, match="a group of 3 does not cut 4 ranks"):
+        pool4.run(measure_paced, (3,))
+
+
 def test_links_under_load_price_a_pipelines_hops(pool8):
     """With more ranks than cores, a message and tp's collectives are measured again while
     the other ranks compute, and a message's processor time; a pipeline's hops,

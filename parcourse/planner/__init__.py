@@ -39,6 +39,7 @@ from parcourse.planner.costs import (
     measure_costs,
     measure_flops,
     measure_links,
+    measure_paced,
     measure_sharing,
     measure_waits,
 )
@@ -59,6 +60,6 @@ from parcourse.planner.predict import (
 
 __all__ = ["MODELS", "Choice", "Cluster", "Overheads", "Planned", "Plans", "choices",
            "format_plans", "measure", "measure_costs", "measure_flops", "measure_links",
-           "measure_sharing", "measure_waits", "measured_against_predicted", "measured_here",
-           "model", "model_flops_per_token", "parameters", "plan", "predict_memory",
-           "predict_time", "scaled", "stage_compute", "stage_layers"]
+           "measure_paced", "measure_sharing", "measure_waits", "measured_against_predicted",
+           "measured_here", "model", "model_flops_per_token", "parameters", "plan",
+           "predict_memory", "predict_time", "scaled", "stage_compute", "stage_layers"]

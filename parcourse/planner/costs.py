@@ -7,7 +7,8 @@ on a `Pool`.
 - Every rank at once: `measure_links` (gloo's messages and collectives, back to back, and
   with more ranks than cores, while the others compute), `measure_sharing` (what sharing
   the cores costs a rank's own work) and `measure_waits` (a message's and a collective's
-  processor time where a step meets them).
+  processor time where a step meets them); with the compute simulated (`here.scaled`),
+  `measure_paced` (tp's collectives as such a step meets them, each after an idle gap).
 """
 
 from __future__ import annotations
@@ -352,6 +353,62 @@ def measure_sharing(ctx: Any, config: GPTConfig) -> float:
         torch.set_num_threads(threads)
 
 
+def measure_paced(ctx: Any, sizes: tuple[int, ...] | None = None, gap_s: float = 0.005,
+                  repeats: int = 40) -> dict[str, dict[int, float]]:
+    """torch's tiny all-reduce, all-gather and reduce-scatter as tensor parallelism meets
+    them in a step with its compute simulated (a rank function; `here.scaled`): each
+    call after `gap_s` asleep, the simulated device computing while the core idles, the
+    three in turn (so a slow moment of the machine falls on all three), every group of
+    each size in `sizes` at once (by default each size that divides the world size).
+    `measure_links` times them back to back, each finding the last one's threads awake
+    and its caches warm; after a sleep, gloo's threads wake first. Seen here: a group of 2
+    about 1.5 times its back-to-back figures, a group of 4 about the same, and those
+    figures, measured just before a configuration, within about 10% of what its step's
+    collectives cost (`benchmarks/planner.py --only scaled`). The mean seconds a call over
+    every rank, by size, under `measure_links`' keys: {"collective_s", "gather_s",
+    "scatter_s"}."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from parcourse.comm import Comm
+
+    if not gap_s >= 0 or repeats < 1:
+        raise ValueError(f"gap_s must be >= 0 and repeats >= 1, got {gap_s} and {repeats}")
+    if sizes is None:
+        sizes = tuple(k for k in range(2, ctx.world_size + 1) if ctx.world_size % k == 0)
+    for size in sizes:
+        if not 1 < size <= ctx.world_size or ctx.world_size % size:
+            raise ValueError(f"a group of {size} does not cut {ctx.world_size} ranks into "
+                             "equal groups of 2 or more")
+    out: dict[str, dict[int, float]] = {"collective_s": {}, "gather_s": {}, "scatter_s": {}}
+    for size in sizes:
+        groups = [dist.new_group(list(range(g * size, (g + 1) * size)))
+                  for g in range(ctx.world_size // size)]
+        comm = Comm(groups[ctx.rank // size])  # torch's, as tensor parallelism calls them
+        part, whole = torch.zeros(16), torch.zeros(16 * size)
+        ops = {"collective_s": lambda c=comm: c.all_reduce(part),
+               "gather_s": lambda c=comm: c.all_gather(part, whole),
+               "scatter_s": lambda c=comm: c.reduce_scatter(whole)}  # scratch
+        for op in ops.values():
+            op()
+            op()
+        seconds = dict.fromkeys(ops, 0.0)
+        dist.barrier(group=ctx.group)
+        for _ in range(repeats):
+            for key, op in ops.items():
+                time.sleep(gap_s)
+                start = time.perf_counter()
+                op()
+                seconds[key] += time.perf_counter() - start
+        mean = torch.tensor([seconds[key] / repeats / ctx.world_size for key in ops])
+        dist.all_reduce(mean, group=ctx.group)  # the mean over every rank
+        for key, value in zip(ops, mean.tolist()):
+            out[key][size] = value
+    return out
+
+
 def measure_waits(ctx: Any, config: GPTConfig, steps: int = 4) -> dict[str, Any]:
     """What a message and a collective cost a step in processor time here, where they
     meet it (a rank function, for more ranks than cores): after the course's own work,
@@ -444,5 +501,5 @@ def measure_waits(ctx: Any, config: GPTConfig, steps: int = 4) -> dict[str, Any]
         torch.set_num_threads(threads)
 
 
-__all__ = ["measure_costs", "measure_flops", "measure_links", "measure_sharing",
-           "measure_waits"]
+__all__ = ["measure_costs", "measure_flops", "measure_links", "measure_paced",
+           "measure_sharing", "measure_waits"]

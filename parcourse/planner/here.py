@@ -82,7 +82,8 @@ def measure(ctx: Any, config: GPTConfig, choice: Choice, global_batch: int,
 
 
 def scaled(cluster: Cluster, config: GPTConfig, global_batch: int,
-           alone_s: float = 12.0) -> Cluster:
+           alone_s: float = 12.0, collectives: dict[str, dict[int, float]] | None = None
+           ) -> Cluster:
     """`cluster` (`measured_here`) with its compute simulated, as a GPU's next to its
     links: a FLOP rate at which one rank alone would take `alone_s` seconds for a step of
     `config` on `global_batch` sequences. A run pads each stage's forward and backward to
@@ -92,14 +93,24 @@ def scaled(cluster: Cluster, config: GPTConfig, global_batch: int,
     layers' own call costs go into the padding; the optimizer's stay (it is not
     padded). No cores are counted as shared (`cores=None`): what is not padded, the
     optimizer, dp's reduction and the messages, still runs on every rank at once, which
-    is small for the course's GPT but not for a large model here."""
+    is small for the course's GPT but not for a large model here.
+
+    `collectives`: tp's collectives as such a step meets them, each after an idle gap
+    (`measure_paced` on the ranks), in place of `cluster`'s back-to-back figures for the
+    sizes they give; a group of 2 costs about 1.5 times as much so."""
     if not alone_s > 0:
         raise ValueError(f"alone_s must be > 0 seconds, got {alone_s}")
+    paced = collectives or {}
+    unknown = set(paced) - {"collective_s", "gather_s", "scatter_s"}
+    if unknown:
+        raise ValueError(f"collectives: unknown {', '.join(sorted(unknown))}; give "
+                         "measure_paced's collective_s, gather_s and scatter_s")
     flops = model_flops_per_token(config) * global_batch * config.block_size / alone_s
     ov = cluster.overheads
     return dataclasses.replace(
         cluster, name="this machine, compute simulated", peak_flops=flops, achievable=1.0,
         cores=None, shared_cpu=1.0,
+        **{key: {**getattr(cluster, key), **by_size} for key, by_size in paced.items()},
         overheads=Overheads(optimizer_step_s=ov.optimizer_step_s,
                             optimizer_tensor_s=ov.optimizer_tensor_s,
                             optimizer_number_s=ov.optimizer_number_s))

@@ -50,9 +50,10 @@
    what is checked is the schedule, tp's collectives, dp's reduction, the messages and
    the optimizer, all real. tp's collectives are priced as such a step meets them, each
    after an idle gap (`measure_paced`), measured with the other costs before the first
-   configuration, and again, for that configuration's tp size, just before each
-   (gloo's collectives on 2 shared cores drift by 20% over the run): the row gives both
-   predictions and both ratios, and the targets are printed for each. Same targets.
+   configuration, and again, for that configuration's tp size, just before it runs and
+   just after (their mean; gloo's collectives on 2 shared cores drift by 20% and more
+   over the run): the row gives both predictions and both ratios, and the targets are
+   printed for each. Same targets.
    About 20 minutes.
 """
 
@@ -377,37 +378,47 @@ def scaled_here(world_size: int = 8, batch: int = 16, steps: int = 4,
               + f" (each after an idle gap). {len(fitting)} configurations fit")
         print(f"{'configuration':<44} {'memory pred.':>13} {'measured':>10} {'step pred. ms':>14} "
               f"{'measured':>9} {'ratio':>6}  compute / tp / bubble / dp / optimizer ms"
-              "  | tp's collectives again: step pred. ms, ratio")
+              "  | tp's collectives around it: step pred. ms, ratio")
         predicted = {p.choice: p.time["step"] for p in fitting}
-        again = dict(predicted)  # tp's collectives measured again just before each
+        again = dict(predicted)  # tp's collectives measured again around each
         measured, memory_err = {}, {}
         started = time.perf_counter()
+
+        def around(choice, before) -> float:
+            """The step predicted with tp's collectives at the mean of their figures
+            measured just before `choice` ran and just after."""
+            after = pool.run(measure_paced, (choice.tp,)).results[0]
+            now = {key: {**paced[key], choice.tp: (before[key][choice.tp]
+                                                   + after[key][choice.tp]) / 2}
+                   for key in paced}
+            again[choice] = predict_time(LESSON_CONFIG, choice, batch,
+                                         scaled(here, LESSON_CONFIG, batch, alone_s, now))["step"]
+            return again[choice]
+
         for item in fitting:
             compute = stage_compute(LESSON_CONFIG, item.choice, batch, cluster.flops)
-            if item.choice.tp > 1:
-                now = pool.run(measure_paced, (item.choice.tp,)).results[0]
-                again[item.choice] = predict_time(
-                    LESSON_CONFIG, item.choice, batch,
-                    scaled(here, LESSON_CONFIG, batch, alone_s,
-                           {key: {**paced[key], **now[key]} for key in paced}))["step"]
+            before = (pool.run(measure_paced, (item.choice.tp,)).results[0]
+                      if item.choice.tp > 1 else None)
             memory_err[item.choice], measured[item.choice] = _run_one(
-                pool, item, batch, steps, compute, split=True, again=again[item.choice])
+                pool, item, batch, steps, compute, split=True,
+                again=(lambda c=item.choice, b=before: around(c, b)) if before else
+                (lambda c=item.choice: again[c]))
     n = len(fitting)
     print(f"{n} configurations in {time.perf_counter() - started:.0f} s")
     print(f"memory: mean error {sum(memory_err.values()) / n:.1%}, worst "
           f"{max(memory_err.values()):.1%} (target: within 5%)")
     _step_summary("compute simulated, tp's collectives measured once before the first",
                   fitting, predicted, measured)
-    _step_summary("compute simulated, tp's collectives measured again before each",
+    _step_summary("compute simulated, tp's collectives measured again around each",
                   fitting, again, measured)
 
 
 def _run_one(pool, item, batch: int, steps: int, compute=None, split: bool = False,
-             again: float | None = None) -> tuple[float, float]:
+             again=None) -> tuple[float, float]:
     """Run one planned configuration (`item`) on `pool` and print its row: memory of the
     busiest rank and step, each beside the prediction (`split`: and the predicted
-    step's parts; `again`: a second predicted step, and its ratio). Returns the memory's
-    relative error and the measured step."""
+    step's parts; `again`: called after the run, a second predicted step, printed with
+    its ratio). Returns the memory's relative error and the measured step."""
     from parcourse.experiments.hybrid import LESSON_CONFIG
     from parcourse.planner import measure, measured_against_predicted
 
@@ -420,7 +431,8 @@ def _run_one(pool, item, batch: int, steps: int, compute=None, split: bool = Fal
                                                               "dp", "optimizer"))
              if split else "")
     if again is not None:
-        parts += f"  | {1e3 * again:7.1f} {again / step:5.2f}"
+        second = again()
+        parts += f"  | {1e3 * second:7.1f} {second / step:5.2f}"
     print(f"{item.choice.label():<44} {want / 1024:>9.1f} KiB {got / 1024:>6.1f} KiB "
           f"{1e3 * t['step']:>14.1f} {1e3 * step:>9.1f} {t['step'] / step:>6.2f}{parts}",
           flush=True)

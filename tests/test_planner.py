@@ -211,12 +211,20 @@ def test_compute_simulated_is_the_planners_own():
 
 def test_tps_collectives_priced_as_a_scaled_step_meets_them(pool4):
     """`measure_paced`: torch's tiny all-reduce, all-gather and reduce-scatter, each after
-    an idle gap, by group size; `scaled` prices tp's collectives with those figures in
-    place of the back-to-back ones, for the sizes given, and keeps the rest."""
+    an idle gap, by group size, leaving no group behind (a gloo group's threads live until
+    it is destroyed: a benchmark measuring before each configuration piled up hundreds a
+    rank); `scaled` prices tp's collectives with those figures in place of the
+    back-to-back ones, for the sizes given, and keeps the rest."""
     from parcourse.launch import RankError
     from parcourse.planner import measure_links, measure_paced, scaled
 
+    def threads(ctx):  # gloo's threads too
+        return len(os.listdir(f"/proc/{os.getpid()}/task")) if os.path.isdir("/proc") else 0
+
+    before = pool4.run(threads).results
     paced = pool4.run(measure_paced, None, 0.002, 3).results[0]
+    pool4.run(measure_paced, (2,), 0.0, 1)
+    assert pool4.run(threads).results == before  # its groups destroyed, threads and all
     assert set(paced) == {"collective_s", "gather_s", "scatter_s"}
     assert all(set(by_size) == {2, 4} and min(by_size.values()) > 0
                for by_size in paced.values())

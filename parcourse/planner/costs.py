@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from parcourse.models import GPTConfig
@@ -79,29 +81,27 @@ def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,
     for size in range(2, ctx.world_size + 1):
         if ctx.world_size % size:
             continue
-        groups = [dist.new_group(list(range(g * size, (g + 1) * size)))
-                  for g in range(ctx.world_size // size)]
-        group = groups[ctx.rank // size]
-        t = torch.zeros(16)
-        ring = Comm(group, algorithm="auto")
-        tp = Comm(group)  # torch's, as tensor parallelism calls them
-        whole = torch.zeros(16 * size)
-        for key, reduce in (("collective_s", lambda: dist.all_reduce(t, group=group)),
-                            ("ring_s", lambda: ring.all_reduce(t)),
-                            ("gather_s", lambda: tp.all_gather(t, whole)),
-                            ("scatter_s", lambda: tp.reduce_scatter(whole))):  # scratch
-            for _ in range(3):
-                reduce()
-            dist.barrier(group=ctx.group)
-            start, cpu_start = time.perf_counter(), time.process_time()
-            for _ in range(repeats):
-                reduce()
-            out[key][size] = (time.perf_counter() - start) / repeats
-            if key in ("collective_s", "ring_s"):
-                spent = torch.tensor([(time.process_time() - cpu_start) / repeats
-                                      / ctx.world_size])
-                dist.all_reduce(spent, group=ctx.group)  # a member's processor time, the mean
-                out[key.replace("_s", "_cpu_s")][size] = spent.item()
+        with _groups_of(ctx, size) as group:
+            t = torch.zeros(16)
+            ring = Comm(group, algorithm="auto")
+            tp = Comm(group)  # torch's, as tensor parallelism calls them
+            whole = torch.zeros(16 * size)
+            for key, reduce in (("collective_s", lambda: dist.all_reduce(t, group=group)),
+                                ("ring_s", lambda: ring.all_reduce(t)),
+                                ("gather_s", lambda: tp.all_gather(t, whole)),
+                                ("scatter_s", lambda: tp.reduce_scatter(whole))):  # scratch
+                for _ in range(3):
+                    reduce()
+                dist.barrier(group=ctx.group)
+                start, cpu_start = time.perf_counter(), time.process_time()
+                for _ in range(repeats):
+                    reduce()
+                out[key][size] = (time.perf_counter() - start) / repeats
+                if key in ("collective_s", "ring_s"):
+                    spent = torch.tensor([(time.process_time() - cpu_start) / repeats
+                                          / ctx.world_size])
+                    dist.all_reduce(spent, group=ctx.group)  # a member's processor time
+                    out[key.replace("_s", "_cpu_s")][size] = spent.item()  # the mean
     if ctx.world_size > (os.cpu_count() or 1) and ctx.world_size > 2:
         def median(members: int, op: Any) -> float:
             return statistics.median(_while_others_compute(ctx, members, op, loaded_window_s)
@@ -112,9 +112,9 @@ def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,
                                   "collective_s": {}}
         for size in range(2, ctx.world_size):
             if ctx.world_size % size == 0:
-                group = dist.new_group(list(range(size)))  # the sum carries rank 0's flag
-                loaded["collective_s"][size] = median(
-                    size, lambda go, g=group: dist.all_reduce(go, group=g))
+                with _groups_of(ctx, size, list(range(size))) as group:  # the sum carries
+                    loaded["collective_s"][size] = median(  # rank 0's flag
+                        size, lambda go, g=group: dist.all_reduce(go, group=g))
         out["loaded"] = loaded
     shared: list[Any] = [out]
     dist.broadcast_object_list(shared, src=0, group=ctx.group)
@@ -132,6 +132,28 @@ def _round_trip(ctx: Any, tensor: torch.Tensor) -> None:
     first, then = (dist.send, dist.recv) if ctx.rank % 2 == 0 else (dist.recv, dist.send)
     first(tensor, peer, group=ctx.group)
     then(tensor, peer, group=ctx.group)
+
+
+@contextmanager
+def _groups_of(ctx: Any, size: int, ranks: list[int] | None = None) -> Iterator[Any]:
+    """This rank's group with the pool's ranks cut into groups of `size` (every group made
+    on every rank, as `new_group` asks), or, with `ranks`, the one group of those ranks
+    (None on the others); destroyed on leaving, every rank there first: a gloo group
+    keeps its threads and connections until it is destroyed, and a benchmark that
+    measures before each of a hundred configurations would otherwise pile up thousands
+    of threads and slow the machine it measures."""
+    import torch.distributed as dist
+
+    cuts = [ranks] if ranks is not None else [
+        list(range(g * size, (g + 1) * size)) for g in range(ctx.world_size // size)]
+    groups = [dist.new_group(cut) for cut in cuts]
+    mine = next((g for g, cut in zip(groups, cuts) if ctx.rank in cut), None)
+    try:
+        yield mine
+    finally:
+        dist.barrier(group=ctx.group)
+        if mine is not None:
+            dist.destroy_process_group(mine)
 
 
 def _while_others_compute(ctx: Any, members: int, op: Any, window_s: float,
@@ -384,27 +406,26 @@ def measure_paced(ctx: Any, sizes: tuple[int, ...] | None = None, gap_s: float =
                              "equal groups of 2 or more")
     out: dict[str, dict[int, float]] = {"collective_s": {}, "gather_s": {}, "scatter_s": {}}
     for size in sizes:
-        groups = [dist.new_group(list(range(g * size, (g + 1) * size)))
-                  for g in range(ctx.world_size // size)]
-        comm = Comm(groups[ctx.rank // size])  # torch's, as tensor parallelism calls them
-        part, whole = torch.zeros(16), torch.zeros(16 * size)
-        ops = {"collective_s": lambda c=comm: c.all_reduce(part),
-               "gather_s": lambda c=comm: c.all_gather(part, whole),
-               "scatter_s": lambda c=comm: c.reduce_scatter(whole)}  # scratch
-        for op in ops.values():
-            op()
-            op()
-        seconds = dict.fromkeys(ops, 0.0)
-        dist.barrier(group=ctx.group)
-        for _ in range(repeats):
-            for key, op in ops.items():
-                time.sleep(gap_s)
-                start = time.perf_counter()
+        seconds = dict.fromkeys(out, 0.0)
+        with _groups_of(ctx, size) as group:
+            comm = Comm(group)  # torch's, as tensor parallelism calls them
+            part, whole = torch.zeros(16), torch.zeros(16 * size)
+            ops = {"collective_s": lambda c=comm: c.all_reduce(part),
+                   "gather_s": lambda c=comm: c.all_gather(part, whole),
+                   "scatter_s": lambda c=comm: c.reduce_scatter(whole)}  # scratch
+            for op in ops.values():
                 op()
-                seconds[key] += time.perf_counter() - start
-        mean = torch.tensor([seconds[key] / repeats / ctx.world_size for key in ops])
+                op()
+            dist.barrier(group=ctx.group)
+            for _ in range(repeats):
+                for key, op in ops.items():
+                    time.sleep(gap_s)
+                    start = time.perf_counter()
+                    op()
+                    seconds[key] += time.perf_counter() - start
+        mean = torch.tensor([seconds[key] / repeats / ctx.world_size for key in out])
         dist.all_reduce(mean, group=ctx.group)  # the mean over every rank
-        for key, value in zip(ops, mean.tolist()):
+        for key, value in zip(out, mean.tolist()):
             out[key][size] = value
     return out
 
@@ -486,16 +507,15 @@ def measure_waits(ctx: Any, config: GPTConfig, steps: int = 4) -> dict[str, Any]
         for size in range(2, ctx.world_size + 1):
             if ctx.world_size % size:
                 continue
-            groups = [dist.new_group(list(range(g * size, (g + 1) * size)))
-                      for g in range(ctx.world_size // size)]
-            comm = Comm(groups[ctx.rank // size])
-            whole = torch.zeros(16 * size)
-            waits = {"collective_cpu_s": lambda c=comm: c.all_reduce(flag)}
-            if config.n_heads % size == 0:  # a size tensor parallelism can take
-                waits["gather_cpu_s"] = lambda c=comm, w=whole: c.all_gather(flag, w)
-                waits["scatter_cpu_s"] = lambda c=comm, w=whole: c.reduce_scatter(w)
-            for key, wait in waits.items():
-                out[key][size] = per_wait(layer, wait, 8)
+            with _groups_of(ctx, size) as group:
+                comm = Comm(group)
+                whole = torch.zeros(16 * size)
+                waits = {"collective_cpu_s": lambda c=comm: c.all_reduce(flag)}
+                if config.n_heads % size == 0:  # a size tensor parallelism can take
+                    waits["gather_cpu_s"] = lambda c=comm, w=whole: c.all_gather(flag, w)
+                    waits["scatter_cpu_s"] = lambda c=comm, w=whole: c.reduce_scatter(w)
+                for key, wait in waits.items():
+                    out[key][size] = per_wait(layer, wait, 8)
         return out
     finally:
         torch.set_num_threads(threads)

@@ -410,7 +410,7 @@ def scaled_here(world_size: int = 8, batch: int = 16, steps: int = 4,
     _step_summary("compute simulated, tp's collectives measured once before the first",
                   fitting, predicted, measured)
     _step_summary("compute simulated, tp's collectives measured again around each",
-                  fitting, again, measured)
+                  sorted(fitting, key=lambda p: again[p.choice]), again, measured)
 
 
 def _run_one(pool, item, batch: int, steps: int, compute=None, split: bool = False,

@@ -112,8 +112,8 @@ def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,
                                   "collective_s": {}}
         for size in range(2, ctx.world_size):
             if ctx.world_size % size == 0:
-                with _groups_of(ctx, size, list(range(size))) as group:  # the sum carries
-                    loaded["collective_s"][size] = median(  # rank 0's flag
+                with _groups_of(ctx, size, ranks=list(range(size))) as group:  # the sum
+                    loaded["collective_s"][size] = median(  # carries rank 0's flag
                         size, lambda go, g=group: dist.all_reduce(go, group=g))
         out["loaded"] = loaded
     shared: list[Any] = [out]
@@ -138,22 +138,21 @@ def _round_trip(ctx: Any, tensor: torch.Tensor) -> None:
 def _groups_of(ctx: Any, size: int, ranks: list[int] | None = None) -> Iterator[Any]:
     """This rank's group with the pool's ranks cut into groups of `size` (every group made
     on every rank, as `new_group` asks), or, with `ranks`, the one group of those ranks
-    (None on the others); destroyed on leaving, every rank there first: a gloo group
-    keeps its threads and connections until it is destroyed, and a benchmark that
-    measures before each of a hundred configurations would otherwise pile up thousands
-    of threads and slow the machine it measures."""
+    (None on the others); destroyed on leaving normally, every rank there first: a gloo
+    group keeps its threads and connections until it is destroyed, and a benchmark that
+    measures before each of a hundred configurations would otherwise pile up hundreds of
+    threads a rank and slow the machine it measures. On an error nothing waits for the
+    other ranks (the pool replaces every rank after a failure)."""
     import torch.distributed as dist
 
     cuts = [ranks] if ranks is not None else [
         list(range(g * size, (g + 1) * size)) for g in range(ctx.world_size // size)]
     groups = [dist.new_group(cut) for cut in cuts]
     mine = next((g for g, cut in zip(groups, cuts) if ctx.rank in cut), None)
-    try:
-        yield mine
-    finally:
-        dist.barrier(group=ctx.group)
-        if mine is not None:
-            dist.destroy_process_group(mine)
+    yield mine
+    dist.barrier(group=ctx.group)
+    if mine is not None:
+        dist.destroy_process_group(mine)
 
 
 def _while_others_compute(ctx: Any, members: int, op: Any, window_s: float,
@@ -384,11 +383,12 @@ def measure_paced(ctx: Any, sizes: tuple[int, ...] | None = None, gap_s: float =
     each size in `sizes` at once (by default each size that divides the world size).
     `measure_links` times them back to back, each finding the last one's threads awake
     and its caches warm; after a sleep, gloo's threads wake first. Seen here: a group of 2
-    about 1.5 times its back-to-back figures, a group of 4 about the same, and those
-    figures, measured just before a configuration, within about 10% of what its step's
-    collectives cost (`benchmarks/planner.py --only scaled`). The mean seconds a call over
-    every rank, by size, under `measure_links`' keys: {"collective_s", "gather_s",
-    "scatter_s"}."""
+    up to twice its back-to-back figures, a group of 4 about the same; measured just
+    before a configuration runs and just after, they put every configuration of one run
+    of `benchmarks/planner.py --only scaled` within 10% of its measured step. The mean
+    seconds a call over every rank, by size, under `measure_links`' keys:
+    {"collective_s", "gather_s", "scatter_s"} (an all-reduce's figure also prices the
+    loss's mean over data parallelism's replicas)."""
     import time
 
     import torch

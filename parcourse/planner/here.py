@@ -95,9 +95,10 @@ def scaled(cluster: Cluster, config: GPTConfig, global_batch: int,
     optimizer, dp's reduction and the messages, still runs on every rank at once, which
     is small for the course's GPT but not for a large model here.
 
-    `collectives`: tp's collectives as such a step meets them, each after an idle gap
+    `collectives`: torch's collectives as such a step meets them, each after an idle gap
     (`measure_paced` on the ranks), in place of `cluster`'s back-to-back figures for the
-    sizes they give; a group of 2 costs about 1.5 times as much so."""
+    sizes they give: tp's, and, an all-reduce's, the loss's mean over dp (on this
+    machine a group of 2 costs up to twice as much so)."""
     if not alone_s > 0:
         raise ValueError(f"alone_s must be > 0 seconds, got {alone_s}")
     paced = collectives or {}

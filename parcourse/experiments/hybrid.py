@@ -258,7 +258,8 @@ def mesh_step_figure(run: Any, title: str) -> Any:
         left = [a + b for a, b in zip(left, kib)]
     mem_ax.set_title("KiB held", loc="left", fontsize=9)
     for ax in (sent_ax, mem_ax):
-        ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.12))
+        if ax.get_legend_handles_labels()[0]:  # one rank sends nothing: no legend
+            ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.12))
         ax.set_yticks(range(n), [f"rank {r}" for r in range(n)], fontsize=8)
         ax.invert_yaxis()
     return fig

@@ -386,7 +386,9 @@ def scaled_here(world_size: int = 8, batch: int = 16, steps: int = 4,
 
         def around(choice, before) -> float:
             """The step predicted with tp's collectives at the mean of their figures
-            measured just before `choice` ran and just after."""
+            measured just before `choice` ran and just after (without tp, the first)."""
+            if before is None:
+                return again[choice]
             after = pool.run(measure_paced, (choice.tp,)).results[0]
             now = {key: {**paced[key], choice.tp: (before[key][choice.tp]
                                                    + after[key][choice.tp]) / 2}
@@ -401,8 +403,7 @@ def scaled_here(world_size: int = 8, batch: int = 16, steps: int = 4,
                       if item.choice.tp > 1 else None)
             memory_err[item.choice], measured[item.choice] = _run_one(
                 pool, item, batch, steps, compute, split=True,
-                again=(lambda c=item.choice, b=before: around(c, b)) if before else
-                (lambda c=item.choice: again[c]))
+                again=lambda c=item.choice, b=before: around(c, b))
     n = len(fitting)
     print(f"{n} configurations in {time.perf_counter() - started:.0f} s")
     print(f"memory: mean error {sum(memory_err.values()) / n:.1%}, worst "

@@ -28,21 +28,16 @@ a GPU's beside this machine's real links: a run pads each stage's forward and ba
 the planner's compute seconds (`stage_compute`), and the check sees the schedule, the
 collectives and the messages, with no ranks sharing cores for their compute.
 
-Four modules, read in this order: `inputs` (a configuration, the cluster and the named
+Five modules, read in this order: `inputs` (a configuration, the cluster and the named
 models, with their checks), `predict` (memory, time and the search, in three parts marked
 by rules, each using the one before; the formulas themselves live in `parcourse.theory`),
-`costs` (what a step costs on this machine, measured) and `here` (the cluster built from
-those costs, and a configuration run for real beside its prediction).
+`links` and `costs` (what this machine's messages and collectives cost, and what a rank's
+own work costs, measured) and `here` (the cluster built from those costs, and a
+configuration run for real beside its prediction).
 """
 
-from parcourse.planner.costs import (
-    measure_costs,
-    measure_flops,
-    measure_links,
-    measure_paced,
-    measure_sharing,
-    measure_waits,
-)
+from parcourse.planner.costs import measure_costs, measure_flops, measure_sharing, measure_waits
+from parcourse.planner.links import measure_links, measure_paced
 from parcourse.planner.here import measure, measured_against_predicted, measured_here, scaled
 from parcourse.planner.inputs import MODELS, Choice, Cluster, Overheads, model, parameters
 from parcourse.planner.predict import (

@@ -1,6 +1,6 @@
 """The planner checked on this machine (`parcourse.planner` says what it is): the
 `Cluster` built from what a step costs here (`measured_here`, from the measurements in
-`costs`), and a configuration run for real (`measure`) beside its prediction
+`links` and `costs`), and a configuration run for real (`measure`) beside its prediction
 (`measured_against_predicted`). `measure` runs on a `Pool`.
 """
 
@@ -12,7 +12,8 @@ from typing import Any
 
 from parcourse.models import GPTConfig
 from parcourse.pipeline.simulate import SimulatedCompute
-from parcourse.planner.costs import measure_costs, measure_links, measure_sharing, measure_waits
+from parcourse.planner.costs import measure_costs, measure_sharing, measure_waits
+from parcourse.planner.links import measure_links
 from parcourse.planner.inputs import Choice, Cluster, Overheads
 from parcourse.planner.predict import model_flops_per_token, predict_memory
 

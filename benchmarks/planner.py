@@ -53,8 +53,11 @@
    configuration, and again, for that configuration's tp size, just before it runs and
    just after (their mean; gloo's collectives on 2 shared cores drift by 20% and more
    over the run): the row gives both predictions and both ratios, and the targets are
-   printed for each. Same targets.
-   About 20 minutes.
+   printed for each. Same targets. Then the contenders (the best two by each
+   prediction and by the measurement) are run again, in turn, --rounds times (5): their
+   mean with its standard error, and where the predicted best stands by it, read beside
+   the noise of a single measurement when the best configurations are a near tie.
+   About 22 minutes.
 """
 
 from __future__ import annotations
@@ -347,20 +350,21 @@ def _step_summary(name: str, fitting: list, want: dict, got: dict) -> None:
 
 
 def scaled_here(world_size: int = 8, batch: int = 16, steps: int = 4,
-                alone_s: float = 12.0) -> None:
+                alone_s: float = 12.0, rounds: int = 5) -> None:
     """Every configuration that fits, as in `here`, run with its compute simulated
     (`planner.scaled`: one rank alone would take `alone_s` seconds a step; each stage's
     forward and backward padded to the planner's compute seconds, `stage_compute`) and
     its links, collectives and optimizer real: the schedule, tp's collectives, dp's
     reduction and the messages checked, with the ranks asleep through their compute
     instead of sharing the cores. Step: the slowest rank's, the median of `steps` - 1
-    after a warm-up."""
+    after a warm-up. Then the contenders, the best two by each prediction and by the
+    measurement, run again in turn `rounds` times."""
     import time
 
     from parcourse import Pool
     from parcourse.experiments.hybrid import LESSON_CONFIG
-    from parcourse.planner import (measure_paced, measured_here, plan, predict_time, scaled,
-                                   stage_compute)
+    from parcourse.planner import (measure, measure_paced, measured_here, plan, predict_time,
+                                   scaled, stage_compute)
 
     with Pool(world_size, timeout=900) as pool:
         here = measured_here(world_size, LESSON_CONFIG, pool=pool)
@@ -404,6 +408,16 @@ def scaled_here(world_size: int = 8, batch: int = 16, steps: int = 4,
             memory_err[item.choice], measured[item.choice] = _run_one(
                 pool, item, batch, steps, compute, split=True,
                 again=lambda c=item.choice, b=before: around(c, b))
+        contenders: dict = {}  # the best two by each prediction and by the measurement
+        for want in (predicted, again, measured):
+            for c in sorted(want, key=want.__getitem__)[:2]:
+                contenders.setdefault(c, [])
+        for k in range(rounds):
+            print(f"the contenders again: round {k + 1} of {rounds}", flush=True)
+            for c in contenders:
+                contenders[c].append(_step(pool.run(
+                    measure, LESSON_CONFIG, c, batch, steps,
+                    stage_compute(LESSON_CONFIG, c, batch, cluster.flops)).results))
     n = len(fitting)
     print(f"{n} configurations in {time.perf_counter() - started:.0f} s")
     print(f"memory: mean error {sum(memory_err.values()) / n:.1%}, worst "
@@ -412,6 +426,33 @@ def scaled_here(world_size: int = 8, batch: int = 16, steps: int = 4,
                   fitting, predicted, measured)
     _step_summary("compute simulated, tp's collectives measured again around each",
                   sorted(fitting, key=lambda p: again[p.choice]), again, measured)
+    if rounds:
+        _contenders_summary(fitting, predicted, again, measured, contenders, rounds)
+
+
+def _contenders_summary(fitting: list, predicted: dict, again: dict, measured: dict,
+                        runs: dict, rounds: int) -> None:
+    """The contenders measured again (`runs`: their steps, round by round): each one's
+    mean and standard error beside its predictions and first measurement, and where each
+    prediction's best stands among them by the mean."""
+    mean = {c: sum(t) / len(t) for c, t in runs.items()}
+    error = {c: (sum((x - mean[c]) ** 2 for x in t) / (len(t) - 1) / len(t)) ** 0.5
+             if len(t) > 1 else float("nan") for c, t in runs.items()}
+    order = sorted(runs, key=mean.__getitem__)
+    print(f"\nthe contenders again, {rounds} rounds in turn ({len(runs)} configurations: the "
+          "best two by each prediction and by the measurement)")
+    print(f"{'configuration':<44} {'pred. once':>10} {'around':>8} {'first':>8} "
+          f"{'mean again':>11} {'std. error':>10}")
+    for c in order:
+        print(f"{c.label():<44} {1e3 * predicted[c]:>10.1f} {1e3 * again[c]:>8.1f} "
+              f"{1e3 * measured[c]:>8.1f} {1e3 * mean[c]:>11.1f} {1e3 * error[c]:>10.1f}")
+    for name, want in (("once before the first", predicted), ("again around each", again)):
+        best = min((p.choice for p in fitting), key=want.__getitem__)
+        print(f"tp's collectives measured {name}: the predicted best ({best.label()}) is "
+              f"{order.index(best) + 1} of {len(runs)} by the contenders' means "
+              f"(target: among the best two), {mean[best] / mean[order[0]] - 1:+.1%} from the "
+              f"best mean; the best two are {mean[order[1]] / mean[order[0]] - 1:.1%} apart, "
+              f"a mean's standard error {max(error.values()) / mean[order[0]]:.1%} at most")
 
 
 def _run_one(pool, item, batch: int, steps: int, compute=None, split: bool = False,
@@ -475,9 +516,13 @@ def main() -> None:
                         help="how many times --only here measures each configuration")
     parser.add_argument("--alone", type=float, default=12.0,
                         help="--only scaled: seconds of a step on one rank alone")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="--only scaled: how many times the contenders run again")
     args = parser.parse_args()
     if args.passes < 1:
         parser.error("--passes must be at least 1")
+    if args.rounds < 0:
+        parser.error("--rounds must be 0 or more")
     if not args.alone > 0:
         parser.error("--alone must be a positive number of seconds")
     if args.only in (None, "paper"):
@@ -489,7 +534,7 @@ def main() -> None:
     if args.only in (None, "here"):
         here(args.world_size, passes=args.passes)
     if args.only in (None, "scaled"):
-        scaled_here(args.world_size, alone_s=args.alone)
+        scaled_here(args.world_size, alone_s=args.alone, rounds=args.rounds)
 
 
 if __name__ == "__main__":

@@ -187,15 +187,17 @@ def test_compute_simulated_is_the_planners_own():
     """`scaled`: one rank alone takes `alone_s` for a step's model FLOPs; `stage_compute`
     gives each stage's forward and backward of a microbatch at that rate (backward twice
     forward, plus what recompute runs again), which is the prediction's compute; the
-    layers' call costs go into the padding, the optimizer's stay, and no cores are
-    shared (the ranks sleep through their compute)."""
+    layers' call costs go into the padding, the optimizer's stay, and the ranks share
+    the cores for the optimizer only (they sleep through their compute)."""
+    import dataclasses
+
     from parcourse.planner import Overheads, scaled, stage_compute
 
     costs = {"flops": 1e9, "forward_layer_s": 1e-3, "backward_layer_s": 2e-3,
              "optimizer_tensor_s": 1e-5}
     here = Cluster.this_machine(8, costs=costs, cores=2, shared_cpu=1.5)
     sim = scaled(here, CONFIG, BATCH, alone_s=6.0)
-    assert sim.cores is None and sim.shared_cpu == 1.0
+    assert sim.cores == 2 and sim.compute_simulated and sim.shared_cpu == 1.0
     assert sim.overheads == Overheads(optimizer_tensor_s=1e-5)
     one = stage_compute(CONFIG, Choice(1), BATCH, sim.flops)
     assert sum(one.forward) + sum(one.backward) == pytest.approx(6.0)
@@ -205,8 +207,36 @@ def test_compute_simulated_is_the_planners_own():
     assert len(cut.forward) == 2 and sum(cut.forward) == pytest.approx(sum(one.forward) / 8)
     t = predict_time(CONFIG, Choice(8), BATCH, sim)
     assert t["compute"] == pytest.approx(6.0 / 8) and t["cores"] == 0
+    # 8 ranks step at once on 2 cores: 4 times a GPU each's optimizer, and nothing else
+    apart = predict_time(CONFIG, Choice(8), BATCH, dataclasses.replace(sim, cores=None))
+    assert t["optimizer"] == pytest.approx(4 * apart["optimizer"]) and t["optimizer"] > 0
+    assert t["step"] - apart["step"] == pytest.approx(3 * apart["optimizer"])
     with pytest.raises(ValueError, match="alone_s must be > 0"):
         scaled(here, CONFIG, BATCH, alone_s=0)
+
+
+def test_zero_2_waits_only_for_its_last_reduce_scatter():
+    """ZeRO-2 reduce-scatters a stage's gradients after each microbatch's backward while
+    the rank's next actions run (`Hybrid(zero=2)`): a step waits only for the last one,
+    the tied weights' and the all-gathers of the updated weights, one ring's fixed cost
+    for a rank with one stage, as ZeRO-1's, however many microbatches. All of them are
+    counted where they take processor time on shared cores."""
+    here = dataclasses.replace(Cluster.this_machine(4, flops=1e12, cores=4),
+                               ring_s={2: 0.01}, ring_cpu_s={2: 0.001})
+    tied = dataclasses.replace(CONFIG, tie_weights=True)
+    for config, units in ((dataclasses.replace(CONFIG, tie_weights=False), 1), (tied, 2)):
+        for m in (2, 4, 8):
+            one, two = (predict_time(config, Choice(2, 1, 2, "1f1b", m, zero=z), BATCH,
+                                     here)["dp"] for z in (1, 2))
+            # ZeRO-1: a reduce-scatter and an all-gather of each unit (one ring each);
+            # ZeRO-2: the all-gathers, the last stage's and the tied weights' scatters
+            assert one == pytest.approx(units * 0.01, abs=1e-4)
+            assert two == pytest.approx((units + 1 + (units - 1)) / 2 * 0.01, abs=1e-4)
+    # on 2 cores the processor time counts every reduce-scatter: more microbatches, more
+    shared = dataclasses.replace(here, cores=1, ring_cpu_s={2: 1.0})
+    cores = [predict_time(tied, Choice(2, 1, 2, "1f1b", m, zero=2), BATCH, shared)["cores"]
+             for m in (2, 8)]
+    assert cores[1] > cores[0] + 2
 
 
 def test_tps_collectives_priced_as_a_scaled_step_meets_them(pool4):

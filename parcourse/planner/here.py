@@ -92,9 +92,10 @@ def scaled(cluster: Cluster, config: GPTConfig, global_batch: int,
     rank sleeps, freeing its core, so ranks no longer share cores for their compute,
     and what the check sees is the schedule, the collectives and the messages. The
     layers' own call costs go into the padding; the optimizer's stay (it is not
-    padded). No cores are counted as shared (`cores=None`): what is not padded, the
-    optimizer, dp's reduction and the messages, still runs on every rank at once, which
-    is small for the course's GPT but not for a large model here.
+    padded), and as every rank steps at once, the ranks share the cores for it
+    (`Cluster.compute_simulated`). dp's reduction and the messages run on every rank at
+    once too, and are priced as measured with the ranks idle; no cores are counted as
+    shared for them, which is small for the course's GPT but not for a large model here.
 
     `collectives`: torch's collectives as such a step meets them, each after an idle gap
     (`measure_paced` on the ranks), in place of `cluster`'s back-to-back figures for the
@@ -111,7 +112,7 @@ def scaled(cluster: Cluster, config: GPTConfig, global_batch: int,
     ov = cluster.overheads
     return dataclasses.replace(
         cluster, name="this machine, compute simulated", peak_flops=flops, achievable=1.0,
-        cores=None, shared_cpu=1.0,
+        compute_simulated=True, shared_cpu=1.0,
         **{key: {**getattr(cluster, key), **by_size} for key, by_size in paced.items()},
         overheads=Overheads(optimizer_step_s=ov.optimizer_step_s,
                             optimizer_tensor_s=ov.optimizer_tensor_s,

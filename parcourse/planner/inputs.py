@@ -190,6 +190,9 @@ class Cluster:
     # all-reduce (`measure_links`); where not measured, an all-reduce's.
     gather_s: dict[int, float] = field(default_factory=dict)
     scatter_s: dict[int, float] = field(default_factory=dict)
+    # Each rank's compute simulated (`scaled`): it sleeps through it, freeing its core,
+    # so the ranks share `cores` only for what is not padded, the optimizer.
+    compute_simulated: bool = False
 
     PRESETS = {  # memory, dense bf16 peak, NVLink / InfiniBand per GPU (GB/s, one way),
         #          memory bandwidth (B/s)

@@ -209,13 +209,16 @@ def _group_link(cluster: Cluster, choice: Choice, axis: str) -> SimulatedLink:
 
 
 def _dp_seconds(choice: Choice, memory: list[dict[str, float]], link: SimulatedLink,
-                compute: float) -> float:
+                compute: float, stages: int = 1) -> float:
     """Data parallelism's exposed seconds. The gradients are as many bytes as the weights
     (both fp32, or both 16-bit); a reduce-scatter or an all-gather moves half of what the
     ring all-reduce moves. ZeRO 0-1: one all-reduce (or reduce-scatter and all-gather)
     after the schedule, all of it exposed (the course's 3D step). ZeRO-2: a reduce-scatter
-    per microbatch in backward (DeepSpeed's), ZeRO-3 also two all-gathers of the weights
-    (forward and backward); both overlap compute, so only what exceeds it is exposed."""
+    per microbatch of each of a rank's `stages`, issued after its backward, which the
+    rank's next actions hide; the last one has none after it, and the all-gather of the
+    updated weights comes after the optimizer: both exposed (the course's 3D step).
+    ZeRO-3 also two all-gathers of the weights (forward and backward), which overlap
+    compute: only what exceeds it is exposed."""
     if choice.dp == 1:
         return 0.0
     weights = max(mem["params"] for mem in memory) * (choice.dp if choice.zero >= 3 else 1)
@@ -223,16 +226,25 @@ def _dp_seconds(choice: Choice, memory: list[dict[str, float]], link: SimulatedL
                                                                        choice.dp)
     if choice.zero < 2:
         return ring
-    halves = choice.microbatches * (1 if choice.zero == 2 else 3) + 1  # + the last gather
+    if choice.zero == 2:
+        last = ring / 2 / stages  # the last stage's reduce-scatter
+        return ring / 2 + last + max(0.0, choice.microbatches * ring / 2 - last - compute)
+    halves = choice.microbatches * 3 + 1  # + the last gather
     return max(0.0, halves * ring / 2 - compute)
 
 
 @functools.lru_cache(maxsize=4096)
-def _dp_rings(choice: Choice, units: int) -> float:
+def _dp_rings(choice: Choice, units: int, tied: bool = False, exposed: bool = False) -> float:
     """How many of the course's rings data parallelism runs in a step over a rank's
-    `units` (its stages, and the tied weights where it holds them): one all-reduce of
-    everything under ZeRO 0; under ZeRO-1 a reduce-scatter and an all-gather of each
-    unit, half a ring each; under ZeRO-2 and 3 also a reduce-scatter per microbatch."""
+    `units` (its stages, and the tied weights where it holds them: `tied`): one
+    all-reduce of everything under ZeRO 0; under ZeRO-1 a reduce-scatter and an
+    all-gather of each unit, half a ring each; under ZeRO-2 and 3 also a reduce-scatter
+    per microbatch. `exposed`: only those a step waits for; under ZeRO-2 a stage's
+    reduce-scatter goes on while the rank's next actions run, so only its last stage's
+    last one, the tied weights' (after the schedule) and the all-gathers are waited for
+    (`_dp_seconds`)."""
+    if exposed and choice.zero == 2:
+        return (units + 1 + tied) / 2
     return {0: 1.0, 1: float(units)}.get(choice.zero, units * (choice.microbatches + 1) / 2)
 
 
@@ -273,7 +285,8 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     share the cores: compute is slowed by (ranks busy on average) / cores, read from the
     simulated timeline itself until it settles (a pipeline's idle ranks leave their core to the
     others; tp's collectives are not idle: every rank of a stage computes and waits in
-    step); the optimizer, which every rank runs at once, by ranks / cores."""
+    step); the optimizer, which every rank runs at once, by ranks / cores. With the
+    compute simulated (`cluster.compute_simulated`, `scaled`), only the optimizer."""
     plan = _schedule(choice.schedule, choice.pp, choice.microbatches, choice.chunks)
     layers = stage_layers(config, choice)
     batch = global_batch // (choice.dp * choice.microbatches)
@@ -283,7 +296,7 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     # and, a pipeline's other stages computing, a woken receiver waits for a core: hops
     # and tp's collectives cost what they were measured to cost so ("loaded").
     cores = cluster.cores or choice.gpus
-    shared = choice.gpus > cores
+    shared = choice.gpus > cores and not cluster.compute_simulated
     loaded = shared and choice.pp > 1
     loaded_tp = cluster.loaded_collective_s.get(choice.tp) if loaded else None
     tp_link = _group_link(cluster, choice, "tp")
@@ -356,12 +369,12 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     dp_link = _group_link(cluster, choice, "dp")
     if choice.dp in cluster.ring_s or choice.dp in cluster.collective_s:
         dp_link = SimulatedLink(0.0, dp_link.bandwidth_Bps)
-    dp_s = _dp_seconds(choice, memory, dp_link, compute)
+    dp_s = _dp_seconds(choice, memory, dp_link, compute, plan.stages // choice.pp)
     if choice.dp > 1:  # each collective's own cost: the gradients' rings (`_dp_rings`)
-        # and the loss's mean over the replicas (torch's)
-        units = plan.stages // choice.pp + (  # the tied weights: a unit of their own
-            1 if config.tie_weights and plan.stages > 1 else 0)
-        dp_s += _dp_rings(choice, units) * cluster.ring_s.get(
+        # that the step waits for, and the loss's mean over the replicas (torch's)
+        tied = config.tie_weights and plan.stages > 1  # the tied weights: a unit of their own
+        units = plan.stages // choice.pp + tied
+        dp_s += _dp_rings(choice, units, tied, exposed=True) * cluster.ring_s.get(
             choice.dp, cluster.collective_s.get(choice.dp, 0.0)) \
             + cluster.collective_s.get(choice.dp, 0.0)
     last = plan.stage_rank[-1]  # the ranks holding the tied embedding and head
@@ -375,7 +388,7 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
             numbers, tensors = numbers / choice.dp, len(mine) + (rank in tied_on)
         optimizers.append(worse * ov.optimizer_s(tensors, numbers))
     optimizer = max(optimizers)
-    if shared:
+    if choice.gpus > cores:  # every rank steps at once, on the cores there are
         optimizer *= choice.gpus / cores
     step = pipeline + dp_s + optimizer
     waiting = 0.0

@@ -408,25 +408,27 @@ def scaled_here(world_size: int = 8, batch: int = 16, steps: int = 4,
             memory_err[item.choice], measured[item.choice] = _run_one(
                 pool, item, batch, steps, compute, split=True,
                 again=lambda c=item.choice, b=before: around(c, b))
+        swept = time.perf_counter() - started
         contenders: dict = {}  # the best two by each prediction and by the measurement
         for want in (predicted, again, measured):
             for c in sorted(want, key=want.__getitem__)[:2]:
                 contenders.setdefault(c, [])
-        for k in range(rounds):
+        for k in range(max(0, rounds)):
             print(f"the contenders again: round {k + 1} of {rounds}", flush=True)
             for c in contenders:
                 contenders[c].append(_step(pool.run(
                     measure, LESSON_CONFIG, c, batch, steps,
                     stage_compute(LESSON_CONFIG, c, batch, cluster.flops)).results))
     n = len(fitting)
-    print(f"{n} configurations in {time.perf_counter() - started:.0f} s")
+    print(f"{n} configurations in {swept:.0f} s, the contenders again in "
+          f"{time.perf_counter() - started - swept:.0f} s")
     print(f"memory: mean error {sum(memory_err.values()) / n:.1%}, worst "
           f"{max(memory_err.values()):.1%} (target: within 5%)")
     _step_summary("compute simulated, tp's collectives measured once before the first",
                   fitting, predicted, measured)
     _step_summary("compute simulated, tp's collectives measured again around each",
                   sorted(fitting, key=lambda p: again[p.choice]), again, measured)
-    if rounds:
+    if rounds > 0:
         _contenders_summary(fitting, predicted, again, measured, contenders, rounds)
 
 
@@ -437,7 +439,7 @@ def _contenders_summary(fitting: list, predicted: dict, again: dict, measured: d
     prediction's best stands among them by the mean."""
     mean = {c: sum(t) / len(t) for c, t in runs.items()}
     error = {c: (sum((x - mean[c]) ** 2 for x in t) / (len(t) - 1) / len(t)) ** 0.5
-             if len(t) > 1 else float("nan") for c, t in runs.items()}
+             for c, t in runs.items()} if rounds > 1 else {}
     order = sorted(runs, key=mean.__getitem__)
     print(f"\nthe contenders again, {rounds} rounds in turn ({len(runs)} configurations: the "
           "best two by each prediction and by the measurement)")
@@ -445,14 +447,18 @@ def _contenders_summary(fitting: list, predicted: dict, again: dict, measured: d
           f"{'mean again':>11} {'std. error':>10}")
     for c in order:
         print(f"{c.label():<44} {1e3 * predicted[c]:>10.1f} {1e3 * again[c]:>8.1f} "
-              f"{1e3 * measured[c]:>8.1f} {1e3 * mean[c]:>11.1f} {1e3 * error[c]:>10.1f}")
+              f"{1e3 * measured[c]:>8.1f} {1e3 * mean[c]:>11.1f} "
+              + (f"{1e3 * error[c]:>10.1f}" if error else f"{'one round':>10}"))
     for name, want in (("once before the first", predicted), ("again around each", again)):
         best = min((p.choice for p in fitting), key=want.__getitem__)
         print(f"tp's collectives measured {name}: the predicted best ({best.label()}) is "
               f"{order.index(best) + 1} of {len(runs)} by the contenders' means "
               f"(target: among the best two), {mean[best] / mean[order[0]] - 1:+.1%} from the "
-              f"best mean; the best two are {mean[order[1]] / mean[order[0]] - 1:.1%} apart, "
-              f"a mean's standard error {max(error.values()) / mean[order[0]]:.1%} at most")
+              "best mean"
+              + (f"; the best two are {mean[order[1]] / mean[order[0]] - 1:.1%} apart"
+                 if len(order) > 1 else "")
+              + (f", a mean's standard error {max(error.values()) / mean[order[0]]:.1%} at "
+                 "most" if error else ""))
 
 
 def _run_one(pool, item, batch: int, steps: int, compute=None, split: bool = False,

@@ -216,27 +216,51 @@ def test_compute_simulated_is_the_planners_own():
 
 
 def test_zero_2_waits_only_for_its_last_reduce_scatter():
-    """ZeRO-2 reduce-scatters a stage's gradients after each microbatch's backward while
-    the rank's next actions run (`Hybrid(zero=2)`): a step waits only for the last one,
-    the tied weights' and the all-gathers of the updated weights, one ring's fixed cost
-    for a rank with one stage, as ZeRO-1's, however many microbatches. All of them are
-    counted where they take processor time on shared cores."""
-    here = dataclasses.replace(Cluster.this_machine(4, flops=1e12, cores=4),
-                               ring_s={2: 0.01}, ring_cpu_s={2: 0.001})
+    """ZeRO-2 reduce-scatters a stage's gradients after each microbatch's backward, one
+    at a time, while the rank's next actions run (`Hybrid(zero=2)`): with compute enough
+    to hide them, a step waits only for the last one, the tied weights' and the
+    all-gathers of the updated weights, however many microbatches; with too little, for
+    each one's cost too. All of them take processor time on shared cores (the tied
+    weights' once)."""
+    from parcourse.comm import SimulatedLink
+
+    ring_s = 0.01  # a ring's own cost; a reduce-scatter or an all-gather half of it
+    slow = dataclasses.replace(Cluster.this_machine(4, flops=1e8, cores=4), ring_s={2: ring_s},
+                               inside=SimulatedLink(0.0, 1e7))  # 10 MB/s: bytes count
+    assert predict_time(CONFIG, Choice(2, 1, 2, "1f1b", 8, zero=2), BATCH,
+                        slow)["compute"] > 0.2  # hides seven reduce-scatters of 2
     tied = dataclasses.replace(CONFIG, tie_weights=True)
-    for config, units in ((dataclasses.replace(CONFIG, tie_weights=False), 1), (tied, 2)):
+    untied = dataclasses.replace(CONFIG, tie_weights=False)
+    for config in (untied, tied):
         for m in (2, 4, 8):
+            # one stage a rank: ZeRO-1's reduce-scatter and all-gather of each unit (a
+            # ring's bytes and cost each) are what ZeRO-2 waits for, to the bytes
             one, two = (predict_time(config, Choice(2, 1, 2, "1f1b", m, zero=z), BATCH,
-                                     here)["dp"] for z in (1, 2))
-            # ZeRO-1: a reduce-scatter and an all-gather of each unit (one ring each);
-            # ZeRO-2: the all-gathers, the last stage's and the tied weights' scatters
-            assert one == pytest.approx(units * 0.01, abs=1e-4)
-            assert two == pytest.approx((units + 1 + (units - 1)) / 2 * 0.01, abs=1e-4)
-    # on 2 cores the processor time counts every reduce-scatter: more microbatches, more
-    shared = dataclasses.replace(here, cores=1, ring_cpu_s={2: 1.0})
-    cores = [predict_time(tied, Choice(2, 1, 2, "1f1b", m, zero=2), BATCH, shared)["cores"]
+                                     slow)["dp"] for z in (1, 2))
+            assert two == pytest.approx(one, rel=1e-9) and one > ring_s * (
+                1 + config.tie_weights)
+    # two stages a rank (interleaved) and the tied weights: ZeRO-1 three rings' cost and
+    # a ring's bytes; ZeRO-2 the all-gathers (1.5), the last scatter and the tied
+    # weights' (1), and of the bytes the gathers' half and the last stage's quarter
+    fast = dataclasses.replace(slow, inside=SimulatedLink())
+    one, two = (predict_time(tied, Choice(2, 1, 2, "interleaved-1f1b", 4, 2, zero=z), BATCH,
+                             fast)["dp"] for z in (1, 2))
+    assert (one, two) == (pytest.approx(3 * ring_s), pytest.approx(2.5 * ring_s))
+    bytes_one, bytes_two = (predict_time(tied, Choice(2, 1, 2, "interleaved-1f1b", 4, 2,
+                                                      zero=z), BATCH, slow)["dp"] - d
+                            for z, d in ((1, one), (2, two)))
+    assert bytes_two == pytest.approx(0.75 * bytes_one) and bytes_one > 0
+    # compute too short to hide them: each of the seven before the last costs its own
+    quick = dataclasses.replace(fast, peak_flops=1e15)
+    two, eight = (predict_time(untied, Choice(2, 1, 2, "1f1b", m, zero=2), BATCH,
+                               quick)["dp"] for m in (2, 8))
+    assert eight - two == pytest.approx(6 * ring_s / 2, rel=1e-3)
+    # on 1 core, processor time: a stage's reduce-scatter per microbatch and an
+    # all-gather, the tied weights' scatter and gather once (4 ranks, each holding them)
+    shared = dataclasses.replace(quick, cores=1, ring_s={}, ring_cpu_s={2: 1.0})
+    waits = [predict_time(tied, Choice(2, 1, 2, "1f1b", m, zero=2), BATCH, shared)["cores"]
              for m in (2, 8)]
-    assert cores[1] > cores[0] + 2
+    assert waits[1] - waits[0] == pytest.approx(4 * (8 - 2) / 2, abs=0.01)
 
 
 def test_tps_collectives_priced_as_a_scaled_step_meets_them(pool4):

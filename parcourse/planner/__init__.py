@@ -21,12 +21,14 @@ Step time: each stage's forward and backward from its FLOPs at the cluster's ach
 rate (and, here, a fixed cost per layer call: `Overheads`), plus tensor parallelism's
 collectives on the link its group uses; the pipeline's bubble and point-to-point
 messages from the course's simulator on those costs; then the data-parallel reduction
-of the gradients (exposed: the 3D step does it after the schedule) and the optimizer's
-step. On this machine, ranks beyond the cores share them (`predict_time`), and every
-cost is measured: `measured_here`. `scaled` gives that cluster a simulated compute, as
-a GPU's beside this machine's real links: a run pads each stage's forward and backward to
-the planner's compute seconds (`stage_compute`), and the check sees the schedule, the
-collectives and the messages, with no ranks sharing cores for their compute.
+of the gradients (exposed: the 3D step does it after the schedule, but for ZeRO-2's
+reduce-scatters during it, which what follows hides) and the optimizer's step. On this
+machine, ranks beyond the cores share them (`predict_time`), and every cost is measured:
+`measured_here`. `scaled` gives that cluster a simulated compute, as a GPU's beside this
+machine's real links: a run pads each stage's forward and backward to the planner's
+compute seconds (`stage_compute`), and the check sees the schedule, the collectives and
+the messages, with no ranks sharing cores for their compute (for the optimizer, they
+still do).
 
 Five modules, read in this order: `inputs` (a configuration, the cluster and the named
 models, with their checks), `predict` (memory, time and the search, in three parts marked

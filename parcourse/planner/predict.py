@@ -209,28 +209,37 @@ def _group_link(cluster: Cluster, choice: Choice, axis: str) -> SimulatedLink:
 
 
 def _dp_seconds(choice: Choice, memory: list[dict[str, float]], link: SimulatedLink,
-                compute: float, stages: int = 1) -> float:
-    """Data parallelism's exposed seconds. The gradients are as many bytes as the weights
-    (both fp32, or both 16-bit); a reduce-scatter or an all-gather moves half of what the
-    ring all-reduce moves. ZeRO 0-1: one all-reduce (or reduce-scatter and all-gather)
-    after the schedule, all of it exposed (the course's 3D step). ZeRO-2: a reduce-scatter
-    per microbatch of each of a rank's `stages`, issued after its backward, which the
-    rank's next actions hide; the last one has none after it, and the all-gather of the
-    updated weights comes after the optimizer: both exposed (the course's 3D step).
-    ZeRO-3 also two all-gathers of the weights (forward and backward), which overlap
-    compute: only what exceeds it is exposed."""
+                compute: float, stages: int = 1, tied: bool = False,
+                fixed: float = 0.0) -> float:
+    """Data parallelism's exposed seconds for the gradients, over a rank's `stages` (and
+    the tied weights' unit where `tied`): the bytes over `link` and `fixed` seconds a ring
+    of the course's beyond them (`_dp_rings`). The gradients are as many bytes as the
+    weights (both fp32, or both 16-bit); a reduce-scatter or an all-gather moves half of
+    what the ring all-reduce moves. ZeRO 0-1: one all-reduce (or a reduce-scatter and an
+    all-gather of each unit) after the schedule, all of it exposed (the course's 3D step).
+    ZeRO-2: a reduce-scatter of a stage's gradients after each microbatch's backward of
+    it, one at a time, which the rank's actions after it hide as far as their compute
+    goes (the busiest rank's `compute`, less a microbatch's stage before the first); the
+    last one has nothing after it, and the tied weights' reduce-scatter and the
+    all-gathers of the updated weights come after the schedule: exposed (the course's 3D
+    step). ZeRO-3 also two all-gathers of the weights (forward and backward), which
+    overlap compute: only what exceeds it is exposed."""
     if choice.dp == 1:
         return 0.0
     weights = max(mem["params"] for mem in memory) * (choice.dp if choice.zero >= 3 else 1)
     ring = CostModel(link.latency_s, link.bandwidth_Bps).all_reduce_s("ring", weights,
                                                                        choice.dp)
+    units = stages + tied
+    rings = _dp_rings(choice, units, tied, exposed=True) * fixed
     if choice.zero < 2:
-        return ring
+        return ring + rings
     if choice.zero == 2:
-        last = ring / 2 / stages  # the last stage's reduce-scatter
-        return ring / 2 + last + max(0.0, choice.microbatches * ring / 2 - last - compute)
+        after = choice.microbatches * stages - 1  # the reduce-scatters with actions after
+        scatter = ring / 2 / stages + fixed / 2  # a stage's
+        hidden = max(0.0, after * scatter - compute * after / (after + 1))
+        return ring / 2 + ring / 2 / stages + rings + hidden
     halves = choice.microbatches * 3 + 1  # + the last gather
-    return max(0.0, halves * ring / 2 - compute)
+    return max(0.0, halves * ring / 2 - compute) + rings
 
 
 @functools.lru_cache(maxsize=4096)
@@ -238,14 +247,15 @@ def _dp_rings(choice: Choice, units: int, tied: bool = False, exposed: bool = Fa
     """How many of the course's rings data parallelism runs in a step over a rank's
     `units` (its stages, and the tied weights where it holds them: `tied`): one
     all-reduce of everything under ZeRO 0; under ZeRO-1 a reduce-scatter and an
-    all-gather of each unit, half a ring each; under ZeRO-2 and 3 also a reduce-scatter
-    per microbatch. `exposed`: only those a step waits for; under ZeRO-2 a stage's
-    reduce-scatter goes on while the rank's next actions run, so only its last stage's
-    last one, the tied weights' (after the schedule) and the all-gathers are waited for
-    (`_dp_seconds`)."""
-    if exposed and choice.zero == 2:
-        return (units + 1 + tied) / 2
-    return {0: 1.0, 1: float(units)}.get(choice.zero, units * (choice.microbatches + 1) / 2)
+    all-gather of each unit, half a ring each; under ZeRO-2 also a reduce-scatter of each
+    stage per microbatch (the tied weights' once), under ZeRO-3 of each unit. `exposed`:
+    under ZeRO-2 only those a step waits for after the schedule, the last stage's last
+    reduce-scatter, the tied weights' and the all-gathers (the others go on while the
+    rank's next actions run: `_dp_seconds`)."""
+    m = choice.microbatches
+    if choice.zero == 2:
+        return (units + 1 + tied) / 2 if exposed else (units - tied) * (m + 1) / 2 + tied
+    return {0: 1.0, 1: float(units)}.get(choice.zero, units * (m + 1) / 2)
 
 
 def _simulated(schedule: tuple[str, int, int, int], forward: tuple[float, ...],
@@ -274,8 +284,9 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
                  dtype: Dtype = "fp32") -> dict[str, float]:
     """Seconds of one step, split: "compute" (the slowest rank's F and B), "tp" (its
     collectives, on the critical path), "bubble" (the rest of the pipeline's step:
-    idle and messages, the tied weights' exchange), "dp" (the gradients' reduction after
-    it, and the loss's mean over the replicas), "optimizer" (its step, on the rank with
+    idle and messages, the tied weights' exchange), "dp" (what the step waits for of the
+    gradients' reduction, after it or, ZeRO-2's, during it, and the loss's mean over the
+    replicas), "optimizer" (its step, on the rank with
     the most parameters), "cores" (on shared cores, waiting for one: what the ranks'
     processor time over the cores adds beyond the rest; 0 with a GPU each) and "step";
     with "tokens_per_s" and "mfu" (model FLOPs against the dense peak).
@@ -286,7 +297,8 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     simulated timeline itself until it settles (a pipeline's idle ranks leave their core to the
     others; tp's collectives are not idle: every rank of a stage computes and waits in
     step); the optimizer, which every rank runs at once, by ranks / cores. With the
-    compute simulated (`cluster.compute_simulated`, `scaled`), only the optimizer."""
+    compute simulated (`cluster.compute_simulated`, `scaled`), only the optimizer, which
+    a stage's dp x tp ranks run at once (a pipeline's stages end apart)."""
     plan = _schedule(choice.schedule, choice.pp, choice.microbatches, choice.chunks)
     layers = stage_layers(config, choice)
     batch = global_batch // (choice.dp * choice.microbatches)
@@ -369,14 +381,13 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     dp_link = _group_link(cluster, choice, "dp")
     if choice.dp in cluster.ring_s or choice.dp in cluster.collective_s:
         dp_link = SimulatedLink(0.0, dp_link.bandwidth_Bps)
-    dp_s = _dp_seconds(choice, memory, dp_link, compute, plan.stages // choice.pp)
-    if choice.dp > 1:  # each collective's own cost: the gradients' rings (`_dp_rings`)
-        # that the step waits for, and the loss's mean over the replicas (torch's)
-        tied = config.tie_weights and plan.stages > 1  # the tied weights: a unit of their own
-        units = plan.stages // choice.pp + tied
-        dp_s += _dp_rings(choice, units, tied, exposed=True) * cluster.ring_s.get(
-            choice.dp, cluster.collective_s.get(choice.dp, 0.0)) \
-            + cluster.collective_s.get(choice.dp, 0.0)
+    # the gradients (the tied weights a unit of their own), each ring's own cost as
+    # measured, and the loss's mean over the replicas (torch's all-reduce)
+    dp_s = _dp_seconds(choice, memory, dp_link, compute, plan.stages // choice.pp,
+                       config.tie_weights and plan.stages > 1,
+                       cluster.ring_s.get(choice.dp, cluster.collective_s.get(choice.dp, 0.0)))
+    if choice.dp > 1:
+        dp_s += cluster.collective_s.get(choice.dp, 0.0)
     last = plan.stage_rank[-1]  # the ranks holding the tied embedding and head
     tied_on = {plan.stage_rank[0], last} if config.tie_weights and plan.stages > 1 else set()
     weight_bytes = 4 if dtype == "fp32" else 2
@@ -388,7 +399,9 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
             numbers, tensors = numbers / choice.dp, len(mine) + (rank in tied_on)
         optimizers.append(worse * ov.optimizer_s(tensors, numbers))
     optimizer = max(optimizers)
-    if choice.gpus > cores:  # every rank steps at once, on the cores there are
+    if cluster.compute_simulated:  # the ranks of a stage step at once, the others asleep
+        optimizer *= max(1.0, choice.dp * choice.tp / cores)  # (a pipeline's stages end
+    elif shared:  # apart); every rank steps at once              # one backward apart)
         optimizer *= choice.gpus / cores
     step = pipeline + dp_s + optimizer
     waiting = 0.0
@@ -408,7 +421,7 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
             cpu += (m * sum(forward[s] + backward[s] for s in mine) + optimizers[rank]
                     + tp_cpu * share)
             if choice.dp > 1:
-                cpu += (_dp_rings(choice, len(mine) + (rank in tied_on))
+                cpu += (_dp_rings(choice, len(mine) + (rank in tied_on), rank in tied_on)
                         * cluster.ring_cpu_s.get(choice.dp, 0.0)
                         + (rank == last) * cluster.collective_cpu_s.get(choice.dp, 0.0))
         waiting = max(0.0, cpu * choice.dp * choice.tp / cores - step)

@@ -135,6 +135,12 @@ class Schedule:
         return frozenset((a.stage, a.microbatch) for acts in self.actions for a in acts
                          if a.kind == "I")
 
+    @cached_property
+    def needed(self) -> dict[Action, tuple[Action, ...]]:
+        """Each action's `needs`, worked out once: `play` asks again each time it looks
+        at an action still waiting, and the planner plays one schedule on many costs."""
+        return {a: tuple(needs(self, a)) for acts in self.actions for a in acts}
+
     def __str__(self) -> str:
         """A step x rank grid: every action takes one step (I and W half a step each) and
         starts as soon as its rank and its inputs are ready; blank cells are the bubble."""
@@ -263,6 +269,7 @@ def play(schedule: Schedule, duration: Callable[[Action], float],
     nxt = [0] * schedule.ranks
     slots: list[Slot] = []
     arrived: dict[tuple[Action, int], float] = {}
+    needed = schedule.needed
 
     def ready_at(dep: Action, at: int) -> float | None:
         if dep not in done:
@@ -282,9 +289,9 @@ def play(schedule: Schedule, duration: Callable[[Action], float],
                 partner = pairs.get(a)
                 if partner is not None and (nxt[r] + 1 >= len(acts) or acts[nxt[r] + 1] != partner):
                     partner = None  # not right after it: run them apart
-                ready = [ready_at(dep, r) for dep in needs(schedule, a)]
+                ready = [ready_at(dep, r) for dep in needed[a]]
                 if partner is not None:
-                    ready += [ready_at(dep, r) for dep in needs(schedule, partner) if dep != a]
+                    ready += [ready_at(dep, r) for dep in needed[partner] if dep != a]
                 if any(t is None for t in ready):
                     break
                 start = max([rank_free[r], *ready])  # type: ignore[list-item]

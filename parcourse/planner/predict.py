@@ -242,7 +242,6 @@ def _dp_seconds(choice: Choice, memory: list[dict[str, float]], link: SimulatedL
     return max(0.0, halves * ring / 2 - compute) + rings
 
 
-@functools.lru_cache(maxsize=4096)
 def _dp_rings(choice: Choice, units: int, tied: bool = False, exposed: bool = False) -> float:
     """How many of the course's rings data parallelism runs in a step over a rank's
     `units` (its stages, and the tied weights where it holds them: `tied`): one
@@ -258,6 +257,7 @@ def _dp_rings(choice: Choice, units: int, tied: bool = False, exposed: bool = Fa
     return {0: 1.0, 1: float(units)}.get(choice.zero, units * (m + 1) / 2)
 
 
+@functools.lru_cache(maxsize=4096)
 def _simulated(schedule: tuple[str, int, int, int], forward: tuple[float, ...],
                backward: tuple[float, ...], latency: float, bandwidth: float,
                message_bytes: float) -> Any:

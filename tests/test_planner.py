@@ -148,6 +148,18 @@ def test_plan_command_ranks_and_checks_here(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--model", "70B", "--check"])
     assert "only the course's GPT" in capsys.readouterr().err
+    # the compute simulated: planned and measured so, within a few percent
+    assert main(["plan", "--gpus", "2", "--top", "1", "--check", "--scaled", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "this machine, compute simulated" in out
+    (line,) = out[out.index("compute simulated: one rank alone 0.5 s"):].splitlines()[2:]
+    predicted, got = float(line.split()[-2]), float(line.split()[-1])
+    assert predicted == pytest.approx(got, rel=0.3) and got > 200  # 0.5 s over 2 ranks
+    for bad, why in ((["--scaled", "0"], "positive number of seconds"),
+                     (["--model", "70B", "--scaled", "1"], "--model course, --gpu here")):
+        with pytest.raises(SystemExit):
+            main(["plan", *bad])
+        assert why in capsys.readouterr().err
     with pytest.raises(SystemExit):  # here, the costs are measured on that many ranks
         main(["plan", "--gpus", "16"])
     assert "at most 8" in capsys.readouterr().err

@@ -2,7 +2,9 @@
 microbatches, ZeRO, recompute, sequence parallel) for a model on a cluster, with the
 memory of each configuration's busiest pipeline rank, its predicted step time split into
 compute / tp / bubble / dp, tokens/s and MFU, then the reasons the closest others were
-turned down. `--check` (the course's GPT on this machine) measures the top ones here."""
+turned down. `--check` (the course's GPT on this machine) measures the top ones here;
+with `--scaled S`, with the compute simulated (one rank alone S seconds a step, as
+`benchmarks/planner.py --only scaled`), where the prediction is within a few percent."""
 
 from __future__ import annotations
 
@@ -34,11 +36,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--check", action="store_true",
                    help="measure the top configurations here (the course's GPT only)")
+    p.add_argument("--scaled", type=float, default=None, metavar="SECONDS",
+                   help="the course's GPT here with its compute simulated, as a GPU's beside "
+                        "this machine's links: one rank alone takes SECONDS a step; each "
+                        "stage's forward and backward is padded to the planner's compute "
+                        "(planned and, with --check, measured so)")
 
 
-def _setup(args: argparse.Namespace) -> tuple[GPTConfig, Cluster, int, str]:
+def _setup(args: argparse.Namespace, pool: object = None
+           ) -> tuple[GPTConfig, Cluster, int, str]:
     from parcourse.experiments.hybrid import LESSON_CONFIG
-    from parcourse.planner import Cluster, measured_here, model
+    from parcourse.planner import Cluster, measure_paced, measured_here, model, scaled
 
     if args.model == "course":
         config = LESSON_CONFIG
@@ -49,7 +57,10 @@ def _setup(args: argparse.Namespace) -> tuple[GPTConfig, Cluster, int, str]:
         gpu = args.gpu or "h100"
         batch = args.batch or 1024
     if gpu == "here":
-        cluster = measured_here(args.gpus, LESSON_CONFIG)
+        cluster = measured_here(args.gpus, LESSON_CONFIG, pool=pool)
+        if args.scaled is not None:  # tp's collectives as such a step meets them
+            paced = pool.run(measure_paced).results[0] if args.gpus > 1 else {}  # type: ignore[attr-defined]
+            cluster = scaled(cluster, config, batch, args.scaled, paced)
     else:
         cluster = Cluster.preset(gpu, args.gpus, args.gpus_per_node)
     return config, cluster, batch, "fp32" if args.model == "course" else "bf16"
@@ -68,6 +79,10 @@ def check(args: argparse.Namespace) -> str | None:
     if here and args.gpus > 8:
         return (f"--gpu here measures what a step costs on {args.gpus} ranks of this "
                 "machine: at most 8")
+    if args.scaled is not None and not (args.model == "course" and here):
+        return "--scaled simulates the course's GPT's compute here: --model course, --gpu here"
+    if args.scaled is not None and not args.scaled > 0:
+        return f"--scaled must be a positive number of seconds, got {args.scaled}"
     if args.model == "course" and args.seq is not None:
         return "the course's GPT has its own sequence length (16): leave --seq out"
     return None
@@ -80,9 +95,20 @@ def _gib(n: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from contextlib import nullcontext
+
+    from parcourse.launch import Pool
+
+    # With --scaled, one pool of ranks measures the links, prices the collectives and
+    # runs the check
+    with Pool(args.gpus, timeout=600) if args.scaled is not None else nullcontext() as pool:
+        return _run(args, pool)
+
+
+def _run(args: argparse.Namespace, pool: object) -> int:
     from parcourse.planner import format_plans, parameters, plan
 
-    config, cluster, batch, dtype = _setup(args)
+    config, cluster, batch, dtype = _setup(args, pool)
     plans = plan(config, cluster, batch, dtype=dtype)  # type: ignore[arg-type]
     print(f"plan        {args.model}: {parameters(config) / 1e9:.3g}B parameters, "
           f"{config.n_layers} layers, width {config.d_model}, {config.n_heads} heads, "
@@ -94,24 +120,32 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(format_plans(plans, args.top))
     if args.check:
-        _check(args, config, plans, batch)
+        _check(args, config, cluster, plans, batch, pool)
     return 0
 
 
-def _check(args: argparse.Namespace, config: GPTConfig, plans: object, batch: int) -> None:
+def _check(args: argparse.Namespace, config: GPTConfig, cluster: Cluster, plans: object,
+           batch: int, pool: object = None) -> None:
     """The top configurations the course's 3D step runs, measured here beside the
-    prediction: the busiest rank's memory and the step time."""
+    prediction: the busiest rank's memory and the step time (with --scaled, each stage's
+    compute padded to the planner's: `stage_compute`)."""
+    from contextlib import nullcontext
+
     from parcourse.launch import Pool
-    from parcourse.planner import measure, measured_against_predicted
+    from parcourse.planner import measure, measured_against_predicted, stage_compute
 
     runnable = [p for p in plans.ranked  # type: ignore[attr-defined]
                 if p.choice.zero <= 2][:min(3, args.top)]
-    print(f"\nmeasured here ({args.gpus} ranks), the top {len(runnable)}:")
+    print(f"\nmeasured here ({args.gpus} ranks"
+          + (f", compute simulated: one rank alone {args.scaled:g} s a step"
+             if args.scaled is not None else "") + f"), the top {len(runnable)}:")
     print(f"{'':>3}  {'configuration':<44} {'memory pred.':>13} {'measured':>10} "
           f"{'step pred. ms':>14} {'measured':>9}")
-    with Pool(args.gpus, timeout=600) as pool:
+    with nullcontext(pool) if pool is not None else Pool(args.gpus, timeout=600) as ranks:
         for k, p in enumerate(runnable, 1):
-            results = pool.run(measure, config, p.choice, batch, 4).results
+            compute = (stage_compute(config, p.choice, batch, cluster.flops)
+                       if args.scaled is not None else None)
+            results = ranks.run(measure, config, p.choice, batch, 4, compute).results  # type: ignore[attr-defined]
             rows = measured_against_predicted(results, config, p.choice, batch)
             got = max(r["measured"]["total"] for r in rows)
             want = max(r["predicted"]["total"] for r in rows)

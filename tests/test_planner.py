@@ -156,6 +156,7 @@ def test_plan_command_ranks_and_checks_here(capsys):
     predicted, got = float(line.split()[-2]), float(line.split()[-1])
     assert predicted == pytest.approx(got, rel=0.3) and got > 200  # 0.5 s over 2 ranks
     for bad, why in ((["--scaled", "0"], "positive number of seconds"),
+                     (["--scaled", "inf"], "positive number of seconds"),
                      (["--model", "70B", "--scaled", "1"], "--model course, --gpu here")):
         with pytest.raises(SystemExit):
             main(["plan", *bad])
@@ -223,7 +224,7 @@ def test_compute_simulated_is_the_planners_own():
     apart = predict_time(CONFIG, Choice(8), BATCH, dataclasses.replace(sim, cores=None))
     assert t["optimizer"] == pytest.approx(4 * apart["optimizer"]) and t["optimizer"] > 0
     assert t["step"] - apart["step"] == pytest.approx(3 * apart["optimizer"])
-    with pytest.raises(ValueError, match="alone_s must be > 0"):
+    with pytest.raises(ValueError, match="alone_s must be a finite number of seconds > 0"):
         scaled(here, CONFIG, BATCH, alone_s=0)
 
 

@@ -9,11 +9,13 @@ with `--scaled S`, with the compute simulated (one rank alone S seconds a step, 
 from __future__ import annotations
 
 import argparse
+import math
 from typing import TYPE_CHECKING
 
 from parcourse.cli.options import at_least_one
 
 if TYPE_CHECKING:
+    from parcourse.launch import Pool
     from parcourse.models import GPTConfig
     from parcourse.planner import Cluster
 
@@ -43,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(planned and, with --check, measured so)")
 
 
-def _setup(args: argparse.Namespace, pool: object = None
+def _setup(args: argparse.Namespace, pool: Pool | None = None
            ) -> tuple[GPTConfig, Cluster, int, str]:
     from parcourse.experiments.hybrid import LESSON_CONFIG
     from parcourse.planner import Cluster, measure_paced, measured_here, model, scaled
@@ -59,7 +61,10 @@ def _setup(args: argparse.Namespace, pool: object = None
     if gpu == "here":
         cluster = measured_here(args.gpus, LESSON_CONFIG, pool=pool)
         if args.scaled is not None:  # tp's collectives as such a step meets them
-            paced = pool.run(measure_paced).results[0] if args.gpus > 1 else {}  # type: ignore[attr-defined]
+            paced = {}
+            if args.gpus > 1:
+                assert pool is not None, "--scaled measures on a pool of --gpus ranks"
+                paced = pool.run(measure_paced).results[0]
             cluster = scaled(cluster, config, batch, args.scaled, paced)
     else:
         cluster = Cluster.preset(gpu, args.gpus, args.gpus_per_node)
@@ -81,7 +86,7 @@ def check(args: argparse.Namespace) -> str | None:
                 "machine: at most 8")
     if args.scaled is not None and not (args.model == "course" and here):
         return "--scaled simulates the course's GPT's compute here: --model course, --gpu here"
-    if args.scaled is not None and not args.scaled > 0:
+    if args.scaled is not None and not (math.isfinite(args.scaled) and args.scaled > 0):
         return f"--scaled must be a positive number of seconds, got {args.scaled}"
     if args.model == "course" and args.seq is not None:
         return "the course's GPT has its own sequence length (16): leave --seq out"
@@ -100,12 +105,14 @@ def run(args: argparse.Namespace) -> int:
     from parcourse.launch import Pool
 
     # With --scaled, one pool of ranks measures the links, prices the collectives and
-    # runs the check
-    with Pool(args.gpus, timeout=600) if args.scaled is not None else nullcontext() as pool:
+    # runs the check (a step of the check: about --scaled / --gpus seconds)
+    shared = args.scaled is not None and (args.gpus > 1 or args.check)
+    with (Pool(args.gpus, timeout=max(600, 8 * args.scaled)) if shared
+          else nullcontext()) as pool:
         return _run(args, pool)
 
 
-def _run(args: argparse.Namespace, pool: object) -> int:
+def _run(args: argparse.Namespace, pool: Pool | None) -> int:
     from parcourse.planner import format_plans, parameters, plan
 
     config, cluster, batch, dtype = _setup(args, pool)
@@ -116,7 +123,8 @@ def _run(args: argparse.Namespace, pool: object) -> int:
     print(f"cluster     {cluster.gpus} x {cluster.name}, {cluster.gpus_per_node} a node, "
           f"{_gib(cluster.memory)} each, {cluster.peak_flops / 1e12:.3g} TFLOP/s peak x "
           f"{cluster.achievable:g} achievable"
-          + (f"; {cluster.gpus} ranks share {cluster.cores} cores" if cluster.cores else ""))
+          + (f"; {cluster.gpus} ranks share {cluster.cores} cores" if cluster.cores else "")
+          + (" (for the optimizer)" if cluster.compute_simulated else ""))
     print()
     print(format_plans(plans, args.top))
     if args.check:
@@ -125,7 +133,7 @@ def _run(args: argparse.Namespace, pool: object) -> int:
 
 
 def _check(args: argparse.Namespace, config: GPTConfig, cluster: Cluster, plans: object,
-           batch: int, pool: object = None) -> None:
+           batch: int, pool: Pool | None = None) -> None:
     """The top configurations the course's 3D step runs, measured here beside the
     prediction: the busiest rank's memory and the step time (with --scaled, each stage's
     compute padded to the planner's: `stage_compute`)."""
@@ -145,7 +153,7 @@ def _check(args: argparse.Namespace, config: GPTConfig, cluster: Cluster, plans:
         for k, p in enumerate(runnable, 1):
             compute = (stage_compute(config, p.choice, batch, cluster.flops)
                        if args.scaled is not None else None)
-            results = ranks.run(measure, config, p.choice, batch, 4, compute).results  # type: ignore[attr-defined]
+            results = ranks.run(measure, config, p.choice, batch, 4, compute).results
             rows = measured_against_predicted(results, config, p.choice, batch)
             got = max(r["measured"]["total"] for r in rows)
             want = max(r["predicted"]["total"] for r in rows)

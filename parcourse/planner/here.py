@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any
 
@@ -92,8 +93,8 @@ def scaled(cluster: Cluster, config: GPTConfig, global_batch: int,
     rank sleeps, freeing its core, so ranks no longer share cores for their compute,
     and what the check sees is the schedule, the collectives and the messages. The
     layers' own call costs go into the padding; the optimizer's stay (it is not
-    padded), and as every rank steps at once, the ranks share the cores for it
-    (`Cluster.compute_simulated`). dp's reduction and the messages run on every rank at
+    padded), and the ranks of a stage (dp x tp) step at once and share the cores for
+    it (`Cluster.compute_simulated`). dp's reduction and the messages run on every rank at
     once too, and are priced as measured with the ranks idle; no cores are counted as
     shared for them, which is small for the course's GPT but not for a large model here.
 
@@ -101,8 +102,8 @@ def scaled(cluster: Cluster, config: GPTConfig, global_batch: int,
     (`measure_paced` on the ranks), in place of `cluster`'s back-to-back figures for the
     sizes they give: tp's, and, an all-reduce's, the loss's mean over dp (on this
     machine a group of 2 costs up to twice as much so)."""
-    if not alone_s > 0:
-        raise ValueError(f"alone_s must be > 0 seconds, got {alone_s}")
+    if not (math.isfinite(alone_s) and alone_s > 0):
+        raise ValueError(f"alone_s must be a finite number of seconds > 0, got {alone_s}")
     paced = collectives or {}
     unknown = set(paced) - {"collective_s", "gather_s", "scatter_s"}
     if unknown:

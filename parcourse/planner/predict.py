@@ -222,8 +222,9 @@ def _dp_seconds(choice: Choice, memory: list[dict[str, float]], link: SimulatedL
     goes (the busiest rank's `compute`, less a microbatch's stage before the first); the
     last one has nothing after it, and the tied weights' reduce-scatter and the
     all-gathers of the updated weights come after the schedule: exposed (the course's 3D
-    step). ZeRO-3 also two all-gathers of the weights (forward and backward), which
-    overlap compute: only what exceeds it is exposed."""
+    step; the tied weights' bytes are counted with their stages', their own cost apart).
+    ZeRO-3 also two all-gathers of the weights (forward and backward), which overlap
+    compute: only what exceeds it is exposed."""
     if choice.dp == 1:
         return 0.0
     weights = max(mem["params"] for mem in memory) * (choice.dp if choice.zero >= 3 else 1)
@@ -236,8 +237,8 @@ def _dp_seconds(choice: Choice, memory: list[dict[str, float]], link: SimulatedL
     if choice.zero == 2:
         after = choice.microbatches * stages - 1  # the reduce-scatters with actions after
         scatter = ring / 2 / stages + fixed / 2  # a stage's
-        hidden = max(0.0, after * scatter - compute * after / (after + 1))
-        return ring / 2 + ring / 2 / stages + rings + hidden
+        spill = max(0.0, after * scatter - compute * after / (after + 1))  # not hidden
+        return ring / 2 + ring / 2 / stages + rings + spill
     halves = choice.microbatches * 3 + 1  # + the last gather
     return max(0.0, halves * ring / 2 - compute) + rings
 
@@ -260,12 +261,14 @@ def _dp_rings(choice: Choice, units: int, tied: bool = False, exposed: bool = Fa
 @functools.lru_cache(maxsize=4096)
 def _simulated(schedule: tuple[str, int, int, int], forward: tuple[float, ...],
                backward: tuple[float, ...], latency: float, bandwidth: float,
-               message_bytes: float) -> Any:
-    """The simulator's timeline of a schedule on these costs, run once: configurations
-    that differ only in what the pipeline does not see (ZeRO's stage, say) share it."""
-    return simulate(_schedule(*schedule), Costs(forward=list(forward), backward=list(backward),
-                                                latency=latency, bandwidth=bandwidth,
-                                                message_bytes=message_bytes))
+               message_bytes: float) -> tuple[tuple[float, ...], float]:
+    """The simulator's timeline of a schedule on these costs, run once (configurations
+    that differ only in what the pipeline does not see, ZeRO's stage say, share it): what
+    the planner reads of it, each rank's busy seconds and the step's."""
+    timeline = simulate(_schedule(*schedule), Costs(
+        forward=list(forward), backward=list(backward), latency=latency,
+        bandwidth=bandwidth, message_bytes=message_bytes))
+    return tuple(timeline.busy), timeline.step_time
 
 
 def _layer_tensors(config: GPTConfig, layer: int, head_apart: bool) -> int:
@@ -346,7 +349,7 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     if choice.sequence_parallel:
         activation //= choice.tp
 
-    def simulated(slow: float) -> Any:
+    def simulated(slow: float) -> tuple[tuple[float, ...], float]:
         return _simulated((choice.schedule, choice.pp, choice.microbatches, choice.chunks),
                           tuple(slow * f + t / 2 for f, t in zip(forward, tp_share)),
                           tuple(slow * b + t / 2 for b, t in zip(backward, tp_share)),
@@ -356,22 +359,22 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     on_rank = [[s for s, r in enumerate(plan.stage_rank) if r == rank]
                for rank in range(choice.pp)]  # each pipeline rank's stages
     tp_on = [sum(tp_share[s] for s in mine) * m for mine in on_rank]
-    slow, timeline = 1.0, simulated(1.0)
+    slow, (busy_s, step_s) = 1.0, simulated(1.0)
     if shared:
         for _ in range(6):
             # The replicas and the tp ranks of a stage compute in step with each other,
             # and wait on their collectives together: those waits are not idle time that
             # other ranks could use.
-            busy = sum(b - t for b, t in zip(timeline.busy, tp_on))
-            at_once = busy / (timeline.step_time - max(tp_on)) * choice.dp * choice.tp
+            busy = sum(b - t for b, t in zip(busy_s, tp_on))
+            at_once = busy / (step_s - max(tp_on)) * choice.dp * choice.tp
             want = max(1.0, at_once / cores)
             if abs(want - slow) < 1e-3 * slow:
                 break
-            slow, timeline = want, simulated(want)
-    busiest = max(range(choice.pp), key=lambda r: timeline.busy[r])
+            slow, (busy_s, step_s) = want, simulated(want)
+    busiest = max(range(choice.pp), key=lambda r: busy_s[r])
     tp_s = tp_on[busiest]
-    compute = timeline.busy[busiest] - tp_s
-    pipeline = timeline.step_time
+    compute = busy_s[busiest] - tp_s
+    pipeline = step_s
     head_apart = plan.stages > 1 and _stage_of(layers, 0) != _stage_of(layers, blocks - 1)
     if config.tie_weights and head_apart and \
             plan.stage_rank[_stage_of(layers, 0)] != plan.stage_rank[_stage_of(layers, blocks - 1)]:
@@ -399,9 +402,10 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
             numbers, tensors = numbers / choice.dp, len(mine) + (rank in tied_on)
         optimizers.append(worse * ov.optimizer_s(tensors, numbers))
     optimizer = max(optimizers)
-    if cluster.compute_simulated:  # the ranks of a stage step at once, the others asleep
-        optimizer *= max(1.0, choice.dp * choice.tp / cores)  # (a pipeline's stages end
-    elif shared:  # apart); every rank steps at once              # one backward apart)
+    if cluster.compute_simulated:  # a stage's dp x tp ranks step at once, the others
+        # asleep: a pipeline's stages end a backward apart
+        optimizer *= max(1.0, choice.dp * choice.tp / cores)
+    elif shared:  # every rank steps at once
         optimizer *= choice.gpus / cores
     step = pipeline + dp_s + optimizer
     waiting = 0.0

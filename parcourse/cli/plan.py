@@ -45,19 +45,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(planned and, with --check, measured so)")
 
 
+def _gpu(args: argparse.Namespace) -> str:
+    """The GPU asked for: here (this machine's ranks) for the course's GPT by default,
+    else h100."""
+    return args.gpu or ("here" if args.model == "course" else "h100")
+
+
 def _setup(args: argparse.Namespace, pool: Pool | None = None
            ) -> tuple[GPTConfig, Cluster, int, str]:
     from parcourse.experiments.hybrid import LESSON_CONFIG
     from parcourse.planner import Cluster, measure_paced, measured_here, model, scaled
 
     if args.model == "course":
-        config = LESSON_CONFIG
-        gpu = args.gpu or "here"
-        batch = args.batch or 16
+        config, batch = LESSON_CONFIG, args.batch or 16
     else:
-        config = model(args.model, args.seq or 2048)
-        gpu = args.gpu or "h100"
-        batch = args.batch or 1024
+        config, batch = model(args.model, args.seq or 2048), args.batch or 1024
+    gpu = _gpu(args)
     if gpu == "here":
         cluster = measured_here(args.gpus, LESSON_CONFIG, pool=pool)
         if args.scaled is not None:  # tp's collectives as such a step meets them
@@ -80,7 +83,7 @@ def check(args: argparse.Namespace) -> str | None:
         return "--check measures here: only the course's GPT (--model course) runs here"
     if args.check and args.gpus > 8:
         return f"--check runs {args.gpus} ranks on this machine: at most 8"
-    here = (args.gpu or ("here" if args.model == "course" else "h100")) == "here"
+    here = _gpu(args) == "here"
     if here and args.gpus > 8:
         return (f"--gpu here measures what a step costs on {args.gpus} ranks of this "
                 "machine: at most 8")
@@ -100,15 +103,14 @@ def _gib(n: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from contextlib import nullcontext
-
     from parcourse.launch import Pool
 
-    # With --scaled, one pool of ranks measures the links, prices the collectives and
-    # runs the check (a step of the check: about --scaled / --gpus seconds)
-    shared = args.scaled is not None and (args.gpus > 1 or args.check)
-    with (Pool(args.gpus, timeout=max(600, 8 * args.scaled)) if shared
-          else nullcontext()) as pool:
+    # One pool of ranks measures this machine's links, prices the collectives (--scaled)
+    # and runs the check (a step of it, scaled: about --scaled / --gpus seconds)
+    here = args.gpus > 1 and _gpu(args) == "here"
+    if not (args.check or args.scaled is not None and here):
+        return _run(args, None)
+    with Pool(args.gpus, timeout=max(600, 8 * (args.scaled or 0))) as pool:
         return _run(args, pool)
 
 
@@ -128,18 +130,16 @@ def _run(args: argparse.Namespace, pool: Pool | None) -> int:
     print()
     print(format_plans(plans, args.top))
     if args.check:
+        assert pool is not None, "run() gives --check its pool"
         _check(args, config, cluster, plans, batch, pool)
     return 0
 
 
 def _check(args: argparse.Namespace, config: GPTConfig, cluster: Cluster, plans: object,
-           batch: int, pool: Pool | None = None) -> None:
+           batch: int, pool: Pool) -> None:
     """The top configurations the course's 3D step runs, measured here beside the
     prediction: the busiest rank's memory and the step time (with --scaled, each stage's
     compute padded to the planner's: `stage_compute`)."""
-    from contextlib import nullcontext
-
-    from parcourse.launch import Pool
     from parcourse.planner import measure, measured_against_predicted, stage_compute
 
     runnable = [p for p in plans.ranked  # type: ignore[attr-defined]
@@ -149,14 +149,13 @@ def _check(args: argparse.Namespace, config: GPTConfig, cluster: Cluster, plans:
              if args.scaled is not None else "") + f"), the top {len(runnable)}:")
     print(f"{'':>3}  {'configuration':<44} {'memory pred.':>13} {'measured':>10} "
           f"{'step pred. ms':>14} {'measured':>9}")
-    with nullcontext(pool) if pool is not None else Pool(args.gpus, timeout=600) as ranks:
-        for k, p in enumerate(runnable, 1):
-            compute = (stage_compute(config, p.choice, batch, cluster.flops)
-                       if args.scaled is not None else None)
-            results = ranks.run(measure, config, p.choice, batch, 4, compute).results
-            rows = measured_against_predicted(results, config, p.choice, batch)
-            got = max(r["measured"]["total"] for r in rows)
-            want = max(r["predicted"]["total"] for r in rows)
-            times = sorted(max(ts) for ts in zip(*(r["times"] for r in results)))
-            print(f"{k:>3}  {p.choice.label():<44} {_gib(want):>13} {_gib(got):>10} "
-                  f"{1e3 * p.time['step']:>14.1f} {1e3 * times[len(times) // 2]:>9.1f}")
+    for k, p in enumerate(runnable, 1):
+        compute = (stage_compute(config, p.choice, batch, cluster.flops)
+                   if args.scaled is not None else None)
+        results = pool.run(measure, config, p.choice, batch, 4, compute).results
+        rows = measured_against_predicted(results, config, p.choice, batch)
+        got = max(r["measured"]["total"] for r in rows)
+        want = max(r["predicted"]["total"] for r in rows)
+        times = sorted(max(ts) for ts in zip(*(r["times"] for r in results)))
+        print(f"{k:>3}  {p.choice.label():<44} {_gib(want):>13} {_gib(got):>10} "
+              f"{1e3 * p.time['step']:>14.1f} {1e3 * times[len(times) // 2]:>9.1f}")

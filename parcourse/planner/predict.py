@@ -230,8 +230,7 @@ def _dp_seconds(choice: Choice, memory: list[dict[str, float]], link: SimulatedL
     weights = max(mem["params"] for mem in memory) * (choice.dp if choice.zero >= 3 else 1)
     ring = CostModel(link.latency_s, link.bandwidth_Bps).all_reduce_s("ring", weights,
                                                                        choice.dp)
-    units = stages + tied
-    rings = _dp_rings(choice, units, tied, exposed=True) * fixed
+    rings = _dp_rings(choice, stages, tied, exposed=True) * fixed
     if choice.zero < 2:
         return ring + rings
     if choice.zero == 2:
@@ -243,18 +242,18 @@ def _dp_seconds(choice: Choice, memory: list[dict[str, float]], link: SimulatedL
     return max(0.0, halves * ring / 2 - compute) + rings
 
 
-def _dp_rings(choice: Choice, units: int, tied: bool = False, exposed: bool = False) -> float:
+def _dp_rings(choice: Choice, stages: int, tied: bool = False, exposed: bool = False) -> float:
     """How many of the course's rings data parallelism runs in a step over a rank's
-    `units` (its stages, and the tied weights where it holds them: `tied`): one
+    units, its `stages` and the tied weights where it holds them (`tied`): one
     all-reduce of everything under ZeRO 0; under ZeRO-1 a reduce-scatter and an
     all-gather of each unit, half a ring each; under ZeRO-2 also a reduce-scatter of each
     stage per microbatch (the tied weights' once), under ZeRO-3 of each unit. `exposed`:
     under ZeRO-2 only those a step waits for after the schedule, the last stage's last
     reduce-scatter, the tied weights' and the all-gathers (the others go on while the
     rank's next actions run: `_dp_seconds`)."""
-    m = choice.microbatches
+    m, units = choice.microbatches, stages + tied
     if choice.zero == 2:
-        return (units + 1 + tied) / 2 if exposed else (units - tied) * (m + 1) / 2 + tied
+        return (units + 1 + tied) / 2 if exposed else stages * (m + 1) / 2 + tied
     return {0: 1.0, 1: float(units)}.get(choice.zero, units * (m + 1) / 2)
 
 
@@ -384,15 +383,15 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     dp_link = _group_link(cluster, choice, "dp")
     if choice.dp in cluster.ring_s or choice.dp in cluster.collective_s:
         dp_link = SimulatedLink(0.0, dp_link.bandwidth_Bps)
-    # the gradients (the tied weights a unit of their own), each ring's own cost as
-    # measured, and the loss's mean over the replicas (torch's all-reduce)
-    dp_s = _dp_seconds(choice, memory, dp_link, compute, plan.stages // choice.pp,
-                       config.tie_weights and plan.stages > 1,
+    # the gradients (the tied weights, cut apart, a unit of their own), each ring's own
+    # cost as measured, and the loss's mean over the replicas (torch's all-reduce)
+    apart = config.tie_weights and plan.stages > 1
+    dp_s = _dp_seconds(choice, memory, dp_link, compute, plan.stages // choice.pp, apart,
                        cluster.ring_s.get(choice.dp, cluster.collective_s.get(choice.dp, 0.0)))
     if choice.dp > 1:
         dp_s += cluster.collective_s.get(choice.dp, 0.0)
     last = plan.stage_rank[-1]  # the ranks holding the tied embedding and head
-    tied_on = {plan.stage_rank[0], last} if config.tie_weights and plan.stages > 1 else set()
+    tied_on = {plan.stage_rank[0], last} if apart else set()
     weight_bytes = 4 if dtype == "fp32" else 2
     optimizers = []  # each pipeline rank's step
     for rank, mine in enumerate(on_rank):
@@ -425,7 +424,7 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
             cpu += (m * sum(forward[s] + backward[s] for s in mine) + optimizers[rank]
                     + tp_cpu * share)
             if choice.dp > 1:
-                cpu += (_dp_rings(choice, len(mine) + (rank in tied_on), rank in tied_on)
+                cpu += (_dp_rings(choice, len(mine), rank in tied_on)
                         * cluster.ring_cpu_s.get(choice.dp, 0.0)
                         + (rank == last) * cluster.collective_cpu_s.get(choice.dp, 0.0))
         waiting = max(0.0, cpu * choice.dp * choice.tp / cores - step)

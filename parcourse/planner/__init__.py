@@ -30,10 +30,11 @@ compute seconds (`stage_compute`), and the check sees the schedule, the collecti
 the messages, with no ranks sharing cores for their compute (for the optimizer, they
 still do).
 
-Five modules, read in this order: `inputs` (a configuration, the cluster and the named
-models, with their checks), `predict` (memory, time and the search, in three parts marked
-by rules, each using the one before; the formulas themselves live in `parcourse.theory`),
-`links` and `costs` (what this machine's messages and collectives cost, and what a rank's
+Six modules, read in this order: `inputs` (a configuration, the cluster and the named
+models, with their checks), `predict` (one configuration's memory and time, in two parts
+marked by rules, the second using the first; the formulas themselves live in
+`parcourse.theory`), `search` (every configuration predicted, ranked, and why the others
+are out), `links` and `costs` (what this machine's messages and collectives cost, and what a rank's
 own work costs, measured) and `here` (the cluster built from those costs, and a
 configuration run for real beside its prediction).
 """
@@ -43,17 +44,13 @@ from parcourse.planner.links import measure_links, measure_paced
 from parcourse.planner.here import measure, measured_against_predicted, measured_here, scaled
 from parcourse.planner.inputs import MODELS, Choice, Cluster, Overheads, model, parameters
 from parcourse.planner.predict import (
-    Planned,
-    Plans,
-    choices,
-    format_plans,
     model_flops_per_token,
-    plan,
     predict_memory,
     predict_time,
     stage_compute,
     stage_layers,
 )
+from parcourse.planner.search import Planned, Plans, choices, format_plans, plan
 
 __all__ = ["MODELS", "Choice", "Cluster", "Overheads", "Planned", "Plans", "choices",
            "format_plans", "measure", "measure_costs", "measure_flops", "measure_links",

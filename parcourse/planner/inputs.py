@@ -1,7 +1,7 @@
 """The planner's inputs: a configuration (`Choice`) with its checks, the cluster
 (`Cluster`, with `Overheads`: presets for A100, H100 and H200 nodes, and this machine),
-and the named model shapes (`model`). `parcourse.planner.predict` predicts from them;
-`parcourse.planner.costs` measures this machine's.
+and the named model shapes (`model`). `parcourse.planner.predict` predicts from them
+and `search` ranks every configuration; `links` and `costs` measure this machine's.
 """
 
 from __future__ import annotations

@@ -1,0 +1,141 @@
+"""The planner's search (`parcourse.planner` says what it is): every configuration of
+dp x tp x pp, schedule, microbatches, ZeRO stage, sequence parallelism and recompute on
+a cluster (`choices`), each one checked, then predicted (`parcourse.planner.predict`),
+those that fit ranked by step time and the others with the reason (`plan`), and the
+ranked table (`format_plans`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from parcourse.models import GPTConfig
+from parcourse.planner.inputs import Choice, Cluster, Dtype, GiB, Recompute
+from parcourse.planner.predict import predict_memory, predict_time
+
+
+@dataclass
+class Planned:
+    """A configuration with its prediction, or why it is out."""
+
+    choice: Choice
+    memory: list[dict[str, float]] = field(default_factory=list)
+    time: dict[str, float] = field(default_factory=dict)
+    why_not: str = ""
+
+    @property
+    def busiest(self) -> int:
+        return max(range(len(self.memory)), key=lambda r: self.memory[r]["total"])
+
+
+@dataclass
+class Plans:
+    ranked: list[Planned]
+    rejected: list[Planned]
+
+
+def choices(gpus: int, *, schedules: tuple[str, ...] = ("1f1b", "interleaved-1f1b"),
+            microbatches: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+            zero: tuple[int, ...] = (0, 1, 2, 3),
+            sequence_parallel: tuple[bool, ...] = (False, True),
+            recompute: tuple[Recompute, ...] = ("none",)) -> list[Choice]:
+    """Every factorisation of `gpus` into dp x tp x pp with each schedule, number of
+    microbatches, ZeRO stage and sequence parallelism asked for (sequence parallelism
+    only with tp > 1; one schedule when pp is 1; ZeRO over dp > 1 only, stages 2 and 3
+    only without a pipeline, as DeepSpeed allows them)."""
+    out = []
+    for tp in range(1, gpus + 1):
+        for pp in range(1, gpus // tp + 1):
+            if gpus % (tp * pp):
+                continue
+            dp = gpus // (tp * pp)
+            stages = [z for z in zero if z < 2 or pp == 1] if dp > 1 else [0]
+            for schedule in (schedules if pp > 1 else schedules[:1]):
+                for m in microbatches:
+                    for z in stages:
+                        for sp in sequence_parallel if tp > 1 else (False,):
+                            for r in recompute:
+                                out.append(Choice(dp, tp, pp, schedule, m, zero=z,
+                                                  sequence_parallel=sp, recompute=r))
+    return out
+
+
+def plan(config: GPTConfig, cluster: Cluster, global_batch: int, *, dtype: Dtype = "fp32",
+         candidates: list[Choice] | None = None) -> Plans:
+    """Every candidate predicted (by default `choices(cluster.gpus)`, with selective and
+    full recompute too in 16 bits); the ones that fit ranked by step time, the others with
+    the reason."""
+    ranked, rejected = [], []
+    if candidates is None:
+        candidates = choices(cluster.gpus, recompute=("none",) if dtype == "fp32"
+                             else ("none", "selective", "full"))
+    for choice in candidates:
+        item = Planned(choice)
+        if problems := choice.problems(config, global_batch):
+            item.why_not = "; ".join(problems)
+        elif choice.tp > cluster.gpus_per_node:
+            item.why_not = (f"tp {choice.tp} spans nodes of {cluster.gpus_per_node}: every "
+                            "layer would wait on the slow link")
+        elif choice.microbatches < choice.pp:
+            item.why_not = (f"{choice.microbatches} microbatches for {choice.pp} stages: "
+                            "some stage always idles")
+        if item.why_not:
+            rejected.append(item)
+            continue
+        item.memory = predict_memory(config, choice, global_batch, dtype)
+        worst = item.memory[item.busiest]
+        if worst["total"] > cluster.memory:
+            item.why_not = (f"out of memory by {(worst['total'] - cluster.memory) / GiB:.1f} "
+                            f"GiB on pipeline rank {item.busiest}")
+            rejected.append(item)
+            continue
+        item.time = predict_time(config, choice, global_batch, cluster, dtype)
+        ranked.append(item)
+    # Fastest first; among equally fast, the lighter. Without a pipeline the number of
+    # microbatches changes only memory (gradient accumulation): keep the lightest.
+    ranked.sort(key=lambda p: (round(p.time["step"], 9), p.memory[p.busiest]["total"]))
+    kept: list[Planned] = []
+    seen: set[tuple[Any, ...]] = set()
+    for p in ranked:
+        key = (dataclasses.replace(p.choice, microbatches=0), round(p.time["step"], 9))
+        if p.choice.pp > 1 or key not in seen:
+            kept.append(p)
+            seen.add(key)
+    return Plans(kept, rejected)
+
+
+def format_plans(plans: Plans, top: int = 10) -> str:
+    """The ranked table (what `python -m parcourse plan` prints): each configuration's
+    predicted step split into compute / tp / bubble / dp / optimizer / waiting for a core,
+    tokens/s, MFU and the busiest pipeline rank's memory; then how many were turned down
+    and why, with the closest that ran out of memory."""
+    from collections import Counter
+
+    from parcourse.memory import format_bytes
+
+    lines = [f"{'':>3}  {'configuration':<50} {'step ms':>10} {'compute':>8} {'tp':>7} "
+             f"{'bubble':>7} {'dp':>7} {'opt':>6} {'cores':>6} {'tokens/s':>10} {'MFU':>6} "
+             f"{'memory (busiest)':>17}"]
+    for k, p in enumerate(plans.ranked[:top], 1):
+        t, mem = p.time, p.memory[p.busiest]
+        lines.append(
+            f"{k:>3}  {p.choice.label():<50} {1e3 * t['step']:>10.1f} "
+            f"{1e3 * t['compute']:>8.1f} {1e3 * t['tp']:>7.1f} {1e3 * max(0, t['bubble']):>7.1f} "
+            f"{1e3 * t['dp']:>7.1f} {1e3 * t['optimizer']:>6.1f} {1e3 * t['cores']:>6.1f} "
+            f"{t['tokens_per_s']:>10.0f} "
+            f"{100 * t['mfu']:>5.1f}% "
+            f"{format_bytes(mem['total']):>10} (pp {p.busiest})")
+    if not plans.ranked:
+        lines.append("     nothing fits")
+    lines.append(f"\n{len(plans.ranked)} fit, {len(plans.rejected)} turned down:")
+    kinds = Counter(p.why_not.split(" by ")[0].split(":")[0] for p in plans.rejected)
+    lines += [f"  {n:>5} x {why}" for why, n in kinds.most_common(6)]
+    closest = sorted((p for p in plans.rejected if p.why_not.startswith("out of memory")),
+                     key=lambda p: p.memory[p.busiest]["total"])[:3]
+    lines += [f"  e.g. {p.choice.label()}: {p.why_not}" for p in closest]
+    return "\n".join(lines)
+
+
+__all__ = ["Planned", "Plans", "choices", "format_plans", "plan"]

@@ -199,6 +199,43 @@ def test_a_runtime_that_failed_refuses_to_step_again(pool2):
         assert "an earlier step failed" in messages[1]
 
 
+def _prepares_before_the_first_step(ctx):
+    from parcourse.pipeline.runtime import PipelineRuntime
+    from parcourse.pipeline.schedule import gpipe
+
+    torch.manual_seed(0)
+    runtime = PipelineRuntime(gpipe(2, 4), {ctx.rank: nn.Linear(4, 4)}, ctx.group,
+                              nn.functional.mse_loss)
+    x, first = torch.randn(8, 4), ctx.rank == 0
+    refused = []
+    for wrong in ((None, torch.randn(6, 4)) if first else ()):
+        try:
+            runtime.prepare(wrong)
+        except ValueError as e:
+            refused.append(str(e))
+    runtime.prepare(x if first else None)
+    runtime.prepare(x if first else None)  # again: nothing left to agree on, no message
+    losses = [runtime.step(x if first else None, None if first else x) for _ in range(2)]
+    if first:
+        try:
+            runtime.step(torch.randn(16, 4))
+        except ValueError as e:
+            refused.append(str(e))
+    return refused, losses
+
+
+def test_prepare_agrees_on_shapes_before_the_first_step(pool2):
+    """`prepare` does what a first step does before its first action (the stages agree
+    on their messages' shapes), so that a step timed after it is the schedule's alone;
+    it refuses what `step` refuses, and the shapes it agreed on hold for every step."""
+    first, last = pool2.run(_prepares_before_the_first_step).results
+    assert "pass the batch's inputs" in first[0][0]
+    assert "4 microbatches do not divide the batch of 6 inputs" in first[0][1]
+    assert "agreed on another before its first step" in first[0][2]
+    assert last[0] == [] and first[1] == [None, None]
+    assert all(loss > 0 for loss in last[1])
+
+
 def test_partition():
     layers = [nn.Linear(4, 4) for _ in range(5)] + [nn.Linear(4, 64)]
     assert [len(s) for s in partition(layers, 3)] == [2, 2, 2]

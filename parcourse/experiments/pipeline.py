@@ -112,6 +112,9 @@ def train(ctx: RankContext, schedule: str, microbatches: int, steps: int = 2, *,
     first = {plan.stage_rank[r[0]] for r in routes}  # where microbatches enter (DualPipe:
     last = {plan.stage_rank[r[-1]] for r in routes}  # both ends), and where they leave
     losses = []
+    # The stages agree on their messages' shapes before the first step, not in it, so
+    # that a one-step run's bubble is the schedule's (PipelineRuntime.prepare).
+    runtime.prepare(x.to(ctx.device) if ctx.rank in first else None)
     for _ in range(steps):
         torch.distributed.barrier(group=ctx.group)
         spans_before = len(ctx.tracer.data().spans)

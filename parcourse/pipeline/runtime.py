@@ -276,34 +276,18 @@ class PipelineRuntime:
                                "its messages may still be in flight: build a new "
                                "PipelineRuntime (and process group) rather than step again")
         m = self.schedule.microbatches
-        has_first = bool(self._firsts & set(self.stages))
-        has_last = bool(self._lasts & set(self.stages))
-        if has_first and inputs is None:
-            raise ValueError(f"rank {self.rank} holds a stage where microbatches enter: pass "
-                             "the batch's inputs")
+        has_first, has_last = self._ends()
+        self._check_inputs(inputs)
         if has_last and targets is None:
             raise ValueError(f"rank {self.rank} holds the last stage: pass the targets")
-        for name, batch in (("inputs", inputs if has_first else None),
-                            ("targets", targets if has_last else None)):
-            if batch is not None and batch.shape[0] % m:
-                raise ValueError(f"{m} microbatches do not divide the batch of "
-                                 f"{batch.shape[0]} {name}")
-        self._device = next(next(iter(self.stages.values())).parameters()).device
-        if self._posts_device != self._device:
-            self._posts = early_receives(self.schedule, self.rank,
-                                         backend_for(self.group, self._device))
-            self._posts_device = self._device
+        if has_last and targets.shape[0] % m:
+            raise ValueError(f"{m} microbatches do not divide the batch of "
+                             f"{targets.shape[0]} targets")
+        self.prepare(inputs)
         # Each microbatch its own storage: saved for backward (the loss saves its
         # targets), it counts as one microbatch's bytes, not the whole batch's.
         self._inputs = [c.clone() for c in inputs.chunk(m)] if has_first else []
         self._targets = [c.clone() for c in targets.chunk(m)] if has_last else []
-        if not self._shapes:  # once: like torch's PipelineStage, shapes stay fixed after
-            self._agree_on_shapes(self._inputs[0] if has_first else None)
-        elif has_first and self._inputs[0].shape != self._shapes[
-                min(self._firsts & set(self.stages))][0]:
-            raise ValueError(f"microbatches of shape {tuple(self._inputs[0].shape)}, but this "
-                             "pipeline agreed on another at its first step: build a new "
-                             "PipelineRuntime for another shape")
         self._local: dict[Message, torch.Tensor] = {}
         self._saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, int]] = {}
         self._later: dict[tuple[int, int], tuple[WeightGradient, int]] = {}
@@ -329,6 +313,49 @@ class PipelineRuntime:
         self._add_tied_gradients()
         loss = sum(self._losses) if has_last else None
         return self._whole_loss(loss) if has_last else None
+
+    def _ends(self) -> tuple[bool, bool]:
+        """Whether this rank holds a stage where microbatches enter, and one where their
+        loss is taken."""
+        return bool(self._firsts & set(self.stages)), bool(self._lasts & set(self.stages))
+
+    def _check_inputs(self, inputs: torch.Tensor | None) -> bool:
+        """Raises unless the ranks where microbatches enter have inputs that the
+        microbatches divide; whether this rank is one of them."""
+        m, (has_first, _) = self.schedule.microbatches, self._ends()
+        if has_first and inputs is None:
+            raise ValueError(f"rank {self.rank} holds a stage where microbatches enter: pass "
+                             "the batch's inputs")
+        if has_first and inputs.shape[0] % m:
+            raise ValueError(f"{m} microbatches do not divide the batch of "
+                             f"{inputs.shape[0]} inputs")
+        return has_first
+
+    def prepare(self, inputs: torch.Tensor | None = None) -> None:
+        """Before the first step, what it would do first: the stages agree on the shapes
+        they send each other, and the receives to post early are chosen for the stages'
+        device. Every rank of the pipeline calls it; those where microbatches enter pass
+        a batch of the steps' shape. Optional (`step` does it when needed), but call it
+        before timing a first step: agreeing passes a message from each stage to the next
+        in turn, after a meta-device forward of the stage, so it starts each rank later
+        than the one before it (tens of ms on shared cores) and the step's time and
+        bubble are no longer the schedule's. Shapes stay fixed after, as with torch's
+        PipelineStage."""
+        m = self.schedule.microbatches
+        has_first = self._check_inputs(inputs)
+        self._device = next(next(iter(self.stages.values())).parameters()).device
+        if self._posts_device != self._device:
+            self._posts = early_receives(self.schedule, self.rank,
+                                         backend_for(self.group, self._device))
+            self._posts_device = self._device
+        first = inputs[:inputs.shape[0] // m] if has_first else None
+        if not self._shapes:
+            self._agree_on_shapes(first)
+        elif first is not None and first.shape != self._shapes[
+                min(self._firsts & set(self.stages))][0]:
+            raise ValueError(f"microbatches of shape {tuple(first.shape)}, but this "
+                             "pipeline agreed on another before its first step: build a "
+                             "new PipelineRuntime for another shape")
 
     def _whole_loss(self, mine: float) -> float:
         """Where several ranks take losses (DualPipe: one for each direction), each has

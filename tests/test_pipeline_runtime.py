@@ -183,9 +183,10 @@ def _steps_again_after_a_failure(ctx):
                               nn.functional.mse_loss)
     x = torch.randn(8, 4)
     messages = []
-    for _ in range(2):
+    for again in (lambda: runtime.step(x, x), lambda: runtime.step(x, x),
+                  lambda: runtime.prepare(x)):
         try:
-            runtime.step(x, x)
+            again()
         except RuntimeError as e:
             messages.append(str(e))
     return messages
@@ -197,6 +198,7 @@ def test_a_runtime_that_failed_refuses_to_step_again(pool2):
     for messages in pool2.run(_steps_again_after_a_failure).results:
         assert "failed at 0F0: ValueError: a bad microbatch" in messages[0]
         assert "an earlier step failed" in messages[1]
+        assert "an earlier step failed" in messages[2]  # prepare refuses too
 
 
 def _prepares_before_the_first_step(ctx):
@@ -214,14 +216,16 @@ def _prepares_before_the_first_step(ctx):
         except ValueError as e:
             refused.append(str(e))
     runtime.prepare(x if first else None)
+    agreed = dict(runtime._shapes)  # rank 1's can only have come in a message from rank 0
     runtime.prepare(x if first else None)  # again: nothing left to agree on, no message
-    losses = [runtime.step(x if first else None, None if first else x) for _ in range(2)]
+    for _ in range(2):
+        runtime.step(x if first else None, None if first else x)
     if first:
         try:
             runtime.step(torch.randn(16, 4))
         except ValueError as e:
             refused.append(str(e))
-    return refused, losses
+    return refused, agreed
 
 
 def test_prepare_agrees_on_shapes_before_the_first_step(pool2):
@@ -231,9 +235,10 @@ def test_prepare_agrees_on_shapes_before_the_first_step(pool2):
     first, last = pool2.run(_prepares_before_the_first_step).results
     assert "pass the batch's inputs" in first[0][0]
     assert "4 microbatches do not divide the batch of 6 inputs" in first[0][1]
-    assert "agreed on another before its first step" in first[0][2]
-    assert last[0] == [] and first[1] == [None, None]
-    assert all(loss > 0 for loss in last[1])
+    assert "microbatches of shape (4, 4), but this pipeline agreed on (2, 4)" in first[0][2]
+    assert last[0] == []
+    assert first[1] == {0: (torch.Size([2, 4]), torch.float32)}
+    assert last[1] == {1: (torch.Size([2, 4]), torch.float32)}
 
 
 def test_partition():

@@ -75,6 +75,8 @@ class PipelineRuntime:
 
     `step(inputs, targets)` runs one schedule: rank of stage 0 passes the batch, rank
     of the last stage the targets; it returns the mean loss there (None elsewhere).
+    `prepare(inputs)` does beforehand what a first step does first (the stages agree on
+    their messages' shapes), so that a first step timed after it is the schedule's alone.
 
     `tied` lists weights that several stages share, each as {stage: parameter name in
     that stage's module}: a GPT's token embedding (stage 0) and its LM head (the last
@@ -151,7 +153,8 @@ class PipelineRuntime:
         self._shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}  # each stage's input
         self._out_shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}  # ... and output
         # Which receives go early depends on the backend that carries the stages' tensors,
-        # known at a step (the model may move after it was wrapped): decided there, once.
+        # known at `prepare` (the model may move after it was wrapped): decided there,
+        # again only if the stages have moved to another device.
         self._posts: dict[int, list[Action]] = {}
         self._posts_device: torch.device | None = None
         self._failed: str | None = None
@@ -222,28 +225,30 @@ class PipelineRuntime:
             tracer.add_span(f"wait for {name}", start, split, kind="idle", bytes=nbytes)
         tracer.add_span(f"receive {name}", split, end, kind="comm", bytes=nbytes)
 
-    def _agree_on_shapes(self, example: torch.Tensor | None) -> None:
+    def _agree_on_shapes(self, example: torch.Tensor | None
+                         ) -> dict[int, tuple[torch.Size, torch.dtype]]:
         """Before the first step: each stage learns its input's shape from the previous one
-        (shapes found on the meta device, no math), so receives can be posted."""
+        (shapes found on the meta device, no math), so receives can be posted. Returns
+        each of this rank's stages' input shape and dtype."""
         # In the order of the routes, so that no rank waits for a shape not yet sent; the
         # sends are waited for at the end (DualPipe's two directions cross).
-        sends = []
+        sends, shapes = [], {}
         for s in sorted(self.stages, key=lambda t: (_depth(self._before, t), t)):
             before, after = self._before[s], self._after[s]
             if before is None:
                 assert example is not None
                 shape, dtype = example.shape, example.dtype
             elif self._peer(before) == self.rank:
-                shape, dtype = self._out_shape(before)
+                shape, dtype = self._out_shape(before, shapes)
             else:
                 header = torch.zeros(10, dtype=torch.int64)
                 self.group.recv([header], self._peer(before), _tag("S", before, 0, 1,
                                                                     self.schedule.stages)).wait()
                 ndim = int(header[0])
                 shape, dtype = torch.Size(header[2:2 + ndim].tolist()), _DTYPES[int(header[1])]
-            self._shapes[s] = (shape, dtype)
+            shapes[s] = (shape, dtype)
             if after is not None and self._peer(after) != self.rank:
-                out, out_dtype = self._out_shape(s)
+                out, out_dtype = self._out_shape(s, shapes)
                 header = torch.zeros(10, dtype=torch.int64)
                 header[0], header[1] = len(out), _DTYPES.index(out_dtype)
                 header[2:2 + len(out)] = torch.tensor(list(out))
@@ -251,11 +256,14 @@ class PipelineRuntime:
                                               _tag("S", s, 0, 1, self.schedule.stages)), header))
         for work, _ in sends:
             work.wait()
+        return shapes
 
-    def _out_shape(self, stage: int) -> tuple[torch.Size, torch.dtype]:
-        """The shape and dtype of `stage`'s output, found once on the meta device."""
+    def _out_shape(self, stage: int, inputs: dict[int, tuple[torch.Size, torch.dtype]]
+                   | None = None) -> tuple[torch.Size, torch.dtype]:
+        """The shape and dtype of `stage`'s output, found once on the meta device from its
+        input's (in `inputs`, else as agreed)."""
         if stage not in self._out_shapes:
-            shape, dtype = self._shapes[stage]
+            shape, dtype = (self._shapes if inputs is None else inputs)[stage]
             module = self.stages[stage]
             meta = {n: torch.empty_like(t, device="meta")
                     for n, t in [*module.named_parameters(), *module.named_buffers()]}
@@ -271,18 +279,10 @@ class PipelineRuntime:
         microbatches enter (stage 0's; DualPipe's two ends) pass the batch's inputs, the
         ranks where their loss is taken the targets. Returns the mean loss over the whole
         batch on those ranks (None elsewhere)."""
-        if self._failed is not None:
-            raise RuntimeError(f"an earlier step failed on rank {self.rank} ({self._failed}); "
-                               "its messages may still be in flight: build a new "
-                               "PipelineRuntime (and process group) rather than step again")
+        self._refuse_if_failed()
         m = self.schedule.microbatches
         has_first, has_last = self._ends()
-        self._check_inputs(inputs)
-        if has_last and targets is None:
-            raise ValueError(f"rank {self.rank} holds the last stage: pass the targets")
-        if has_last and targets.shape[0] % m:
-            raise ValueError(f"{m} microbatches do not divide the batch of "
-                             f"{targets.shape[0]} targets")
+        self._check_batch(inputs, targets, with_targets=True)
         self.prepare(inputs)
         # Each microbatch its own storage: saved for backward (the loss saves its
         # targets), it counts as one microbatch's bytes, not the whole batch's.
@@ -319,30 +319,44 @@ class PipelineRuntime:
         loss is taken."""
         return bool(self._firsts & set(self.stages)), bool(self._lasts & set(self.stages))
 
-    def _check_inputs(self, inputs: torch.Tensor | None) -> bool:
-        """Raises unless the ranks where microbatches enter have inputs that the
-        microbatches divide; whether this rank is one of them."""
-        m, (has_first, _) = self.schedule.microbatches, self._ends()
+    def _refuse_if_failed(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(f"an earlier step failed on rank {self.rank} ({self._failed}); "
+                               "its messages may still be in flight: build a new "
+                               "PipelineRuntime (and process group) rather than step again")
+
+    def _check_batch(self, inputs: torch.Tensor | None, targets: Any,
+                     with_targets: bool) -> None:
+        """Raises unless this rank has the inputs (if microbatches enter here) and, with
+        `with_targets`, the targets (if their loss is taken here) that it needs, each a
+        batch that the microbatches divide."""
+        m, (has_first, has_last) = self.schedule.microbatches, self._ends()
+        has_last = has_last and with_targets
         if has_first and inputs is None:
             raise ValueError(f"rank {self.rank} holds a stage where microbatches enter: pass "
                              "the batch's inputs")
-        if has_first and inputs.shape[0] % m:
-            raise ValueError(f"{m} microbatches do not divide the batch of "
-                             f"{inputs.shape[0]} inputs")
-        return has_first
+        if has_last and targets is None:
+            raise ValueError(f"rank {self.rank} holds the last stage: pass the targets")
+        for name, batch in (("inputs", inputs if has_first else None),
+                            ("targets", targets if has_last else None)):
+            if batch is not None and batch.shape[0] % m:
+                raise ValueError(f"{m} microbatches do not divide the batch of "
+                                 f"{batch.shape[0]} {name}")
 
     def prepare(self, inputs: torch.Tensor | None = None) -> None:
         """Before the first step, what it would do first: the stages agree on the shapes
-        they send each other, and the receives to post early are chosen for the stages'
-        device. Every rank of the pipeline calls it; those where microbatches enter pass
-        a batch of the steps' shape. Optional (`step` does it when needed), but call it
-        before timing a first step: agreeing passes a message from each stage to the next
-        in turn, after a meta-device forward of the stage, so it starts each rank later
-        than the one before it (tens of ms on shared cores) and the step's time and
-        bubble are no longer the schedule's. Shapes stay fixed after, as with torch's
-        PipelineStage."""
-        m = self.schedule.microbatches
-        has_first = self._check_inputs(inputs)
+        and dtypes they send each other, and the receives to post early are chosen for
+        the stages' device. Every rank of the pipeline calls it; those where microbatches
+        enter pass a batch of the steps' shape. Optional (`step` does it when needed),
+        but call it before timing a first step: agreeing passes a message from each stage
+        to the next in turn, after a meta-device forward of the stage, so it starts each
+        rank later than the one before it (tens of ms on shared cores) and the step's
+        time and bubble are no longer the schedule's. Shapes and dtypes stay fixed after,
+        as with torch's PipelineStage: cast the stages before calling it (moving them to
+        another device later is fine)."""
+        self._refuse_if_failed()
+        self._check_batch(inputs, None, with_targets=False)
+        m, (has_first, _) = self.schedule.microbatches, self._ends()
         self._device = next(next(iter(self.stages.values())).parameters()).device
         if self._posts_device != self._device:
             self._posts = early_receives(self.schedule, self.rank,
@@ -350,12 +364,17 @@ class PipelineRuntime:
             self._posts_device = self._device
         first = inputs[:inputs.shape[0] // m] if has_first else None
         if not self._shapes:
-            self._agree_on_shapes(first)
-        elif first is not None and first.shape != self._shapes[
-                min(self._firsts & set(self.stages))][0]:
-            raise ValueError(f"microbatches of shape {tuple(first.shape)}, but this "
-                             "pipeline agreed on another before its first step: build a "
-                             "new PipelineRuntime for another shape")
+            try:
+                self._shapes = self._agree_on_shapes(first)
+            except Exception as e:  # the other ranks may wait for a shape never sent
+                self._failed = f"agreeing on shapes: {type(e).__name__}: {e}"
+                raise
+        elif first is not None:
+            agreed = self._shapes[min(self._firsts & set(self.stages))][0]
+            if first.shape != agreed:
+                raise ValueError(f"microbatches of shape {tuple(first.shape)}, but this "
+                                 f"pipeline agreed on {tuple(agreed)} (at prepare or its "
+                                 "first step): build a new PipelineRuntime for another shape")
 
     def _whole_loss(self, mine: float) -> float:
         """Where several ranks take losses (DualPipe: one for each direction), each has

@@ -149,6 +149,9 @@ class PipelineRuntime:
         routes = [schedule.route(i) for i in range(schedule.microbatches)]
         self._firsts = {r[0] for r in routes}  # stages where a microbatch enters
         self._lasts = {r[-1] for r in routes}  # ... and where its loss is taken
+        # This rank's stage where microbatches enter (None: none), and whether it takes a loss
+        self._entry = min(self._firsts & set(stages), default=None)
+        self._has_last = bool(self._lasts & set(stages))
         self._before, self._after = _neighbours(schedule)
         self._shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}  # each stage's input
         self._out_shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}  # ... and output
@@ -280,10 +283,10 @@ class PipelineRuntime:
         ranks where their loss is taken the targets. Returns the mean loss over the whole
         batch on those ranks (None elsewhere)."""
         self._refuse_if_failed()
-        m = self.schedule.microbatches
-        has_first, has_last = self._ends()
+        m, has_first, has_last = (self.schedule.microbatches, self._entry is not None,
+                                  self._has_last)
         self._check_batch(inputs, targets, with_targets=True)
-        self.prepare(inputs)
+        self._prepare(inputs)
         # Each microbatch its own storage: saved for backward (the loss saves its
         # targets), it counts as one microbatch's bytes, not the whole batch's.
         self._inputs = [c.clone() for c in inputs.chunk(m)] if has_first else []
@@ -314,11 +317,6 @@ class PipelineRuntime:
         loss = sum(self._losses) if has_last else None
         return self._whole_loss(loss) if has_last else None
 
-    def _ends(self) -> tuple[bool, bool]:
-        """Whether this rank holds a stage where microbatches enter, and one where their
-        loss is taken."""
-        return bool(self._firsts & set(self.stages)), bool(self._lasts & set(self.stages))
-
     def _refuse_if_failed(self) -> None:
         if self._failed is not None:
             raise RuntimeError(f"an earlier step failed on rank {self.rank} ({self._failed}); "
@@ -330,8 +328,8 @@ class PipelineRuntime:
         """Raises unless this rank has the inputs (if microbatches enter here) and, with
         `with_targets`, the targets (if their loss is taken here) that it needs, each a
         batch that the microbatches divide."""
-        m, (has_first, has_last) = self.schedule.microbatches, self._ends()
-        has_last = has_last and with_targets
+        m, has_first = self.schedule.microbatches, self._entry is not None
+        has_last = self._has_last and with_targets
         if has_first and inputs is None:
             raise ValueError(f"rank {self.rank} holds a stage where microbatches enter: pass "
                              "the batch's inputs")
@@ -356,13 +354,17 @@ class PipelineRuntime:
         another device later is fine)."""
         self._refuse_if_failed()
         self._check_batch(inputs, None, with_targets=False)
-        m, (has_first, _) = self.schedule.microbatches, self._ends()
+        self._prepare(inputs)
+
+    def _prepare(self, inputs: torch.Tensor | None) -> None:
+        """`prepare` on a checked batch (`step` has checked it already)."""
+        m = self.schedule.microbatches
         self._device = next(next(iter(self.stages.values())).parameters()).device
         if self._posts_device != self._device:
             self._posts = early_receives(self.schedule, self.rank,
                                          backend_for(self.group, self._device))
             self._posts_device = self._device
-        first = inputs[:inputs.shape[0] // m] if has_first else None
+        first = inputs[:inputs.shape[0] // m] if self._entry is not None else None
         if not self._shapes:
             try:
                 self._shapes = self._agree_on_shapes(first)
@@ -370,7 +372,7 @@ class PipelineRuntime:
                 self._failed = f"agreeing on shapes: {type(e).__name__}: {e}"
                 raise
         elif first is not None:
-            agreed = self._shapes[min(self._firsts & set(self.stages))][0]
+            agreed = self._shapes[self._entry][0]
             if first.shape != agreed:
                 raise ValueError(f"microbatches of shape {tuple(first.shape)}, but this "
                                  f"pipeline agreed on {tuple(agreed)} (at prepare or its "

@@ -43,6 +43,12 @@ def test_prints_as_torch_pipelining_does():
     text = str(gpipe(2, 2))
     assert text.splitlines()[0].split() == ["step", "rank", "0", "rank", "1"]
     assert "0F1" in text and "1B0" in text
+    # A malformed schedule still prints (each rank's order), for `check` to say what is wrong.
+    off_route = Schedule("bad", 2, (0, 1), ((Action(0, "F", 0), Action(0, "F", 2)),
+                                           (Action(1, "F", 0), Action(1, "B", 0))))
+    assert "0F2" in str(off_route)
+    with pytest.raises(ValueError, match="0F2 is outside 2 stages x 2 microbatches"):
+        check(off_route)
 
 
 def test_happens_before():

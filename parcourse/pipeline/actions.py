@@ -146,7 +146,8 @@ class Schedule:
         starts as soon as its rank and its inputs are ready; blank cells are the bubble."""
         try:
             spans = play(self, lambda a: 0.5 if a.kind in "IW" else 1.0)
-        except Deadlock:  # not runnable: show each rank's order instead
+        except (Deadlock, LookupError):  # not runnable, or an action off every route
+            # (`check` says which): show each rank's order instead
             spans = [Slot(r, a, k, k + 1) for r, acts in enumerate(self.actions)
                      for k, a in enumerate(acts)]
         starts = sorted({s.start for s in spans})

@@ -147,11 +147,15 @@ def memory_by_tp_size(ctx: RankContext, config: GPTConfig = TINY, batch: int = 8
                            if config.n_heads % k == 0 and config.block_size % k == 0))
     out: dict[tuple[int, bool], Any] = {}
     x, _ = batch_for(0, batch, config)
+    made = []  # groups of ranks 0 .. k-1 this rank is in, destroyed at the end: a pool's
+    # ranks live on between runs, and a gloo group keeps its threads and sockets until then
     for k in sizes:
         # Every rank creates every group (torch.distributed asks it), members or not.
         group = ctx.group if k == ctx.world_size else dist.new_group(list(range(k)))
         if ctx.rank >= k:
             continue
+        if group is not ctx.group:
+            made.append(group)
         for sp in (False, True):
             model = apply_tensor_parallel(gpt(config), GPT_PLAN, group, sequence_parallel=sp)
             acts = SavedActivations()
@@ -167,6 +171,9 @@ def memory_by_tp_size(ctx: RankContext, config: GPTConfig = TINY, batch: int = 8
                                                             k, sp)["total"],
                 },
             }
+    dist.barrier(group=ctx.group)  # every rank done with every group before any goes
+    for group in made:
+        dist.destroy_process_group(group)
     return out
 
 

@@ -265,6 +265,17 @@ def test_clip_grad_norm_over_every_rank(pools, world_size, stage):
 
 
 @pytest.mark.parametrize("stage", [1, 3])
+def test_clip_grad_norm_by_the_largest_gradient(pools, stage):
+    """norm_type=inf: the largest |gradient| over every rank, shards and kept parameters,
+    as torch's inf norm over one process (it had taken 0 ** 0: a norm of 1, whatever the
+    gradients). 0.01 clips: the largest gradient is about 0.09."""
+    results = pools[4].run(Z.fsdp2_loop, "gpt", stage, 3, 24, keep_ln=True, clip=0.01,
+                           norm_type=float("inf")).results
+    assert_same_weights(results, Z.one_process("gpt", 3, 24, 4, clip=0.01,
+                                               norm_type=float("inf")))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
 def test_state_dict_points_to_full_state_dict(pools, stage):
     # The module's own tensors are gathered copies (freed at stage 3): saving them would
     # save the wrong weights, or read freed memory.

@@ -161,7 +161,7 @@ def make_batch(kind, batch):
     return tokens(batch) if kind == "gpt" else data(batch)
 
 
-def one_process(kind, steps, batch, world_size, microsteps=1, clip=None):
+def one_process(kind, steps, batch, world_size, microsteps=1, clip=None, norm_type=2.0):
     """One process, the same loss as the ranks together: per step, the mean over
     ranks of their microsteps' losses (each scaled by 1/microsteps)."""
     model = make_model(kind)
@@ -176,7 +176,7 @@ def one_process(kind, steps, batch, world_size, microsteps=1, clip=None):
                 total = total + step_loss(model, kind, xm, ym) / microsteps
         (total / world_size).backward()
         if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip, norm_type)
         opt.step()
         sched.step()
         opt.zero_grad()
@@ -184,7 +184,8 @@ def one_process(kind, steps, batch, world_size, microsteps=1, clip=None):
 
 
 def fsdp2_loop(ctx, kind, stage, steps, batch, microsteps=1, no_sync=False, keep_ln=False,
-               mixed_precision=None, clip=None, algorithm="auto", nvme_path=None, **options):
+               mixed_precision=None, clip=None, algorithm="auto", nvme_path=None,
+               norm_type=2.0, **options):
     """As a loop written for FSDP2 would drive it: shard, then an ordinary AdamW with
     param groups over model.named_parameters(), an LR scheduler, accumulation. `options`
     go to ZeroModel (offload, ZeRO++); `nvme_path` wraps the AdamW in an
@@ -205,7 +206,7 @@ def fsdp2_loop(ctx, kind, stage, steps, batch, microsteps=1, no_sync=False, keep
             with model.no_sync() if skip else contextlib.nullcontext():
                 (step_loss(model, kind, xm, ym) / microsteps).backward()
         if clip is not None:
-            model.clip_grad_norm_(clip)
+            model.clip_grad_norm_(clip, norm_type)
         opt.step()
         sched.step()
         opt.zero_grad()

@@ -24,14 +24,24 @@ def clip_grad_norm_(units: list[FlatUnit], kept_params: list[nn.Parameter],
     shard_grads = [sp.grad for u in units for sp in u.shard_params if sp.grad is not None]
     kept = [p.grad for p in kept_params if p.grad is not None]
     p = float(norm_type)
-    local = torch.zeros((), dtype=torch.float64)
-    for g in shard_grads:
-        local += g.double().abs().pow(p).sum().cpu()
-    total = local.clone()
-    dist.all_reduce(total, group=group)
-    for g in kept:  # replicated: count once, not once per rank
-        total += g.double().abs().pow(p).sum().cpu()
-    norm = total.pow(1 / p)
+    if p <= 0 or p != p:
+        raise ValueError(f"norm_type must be positive (inf for the largest |gradient|), "
+                         f"got {norm_type}")
+    if p == float("inf"):  # the largest |gradient| anywhere, as torch's inf norm
+        total = torch.zeros((), dtype=torch.float64)
+        for g in [*shard_grads, *kept]:
+            if g.numel():
+                total = torch.maximum(total, g.double().abs().max().cpu())
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        norm = total
+    else:
+        total = torch.zeros((), dtype=torch.float64)
+        for g in shard_grads:
+            total += g.double().abs().pow(p).sum().cpu()
+        dist.all_reduce(total, group=group)
+        for g in kept:  # replicated: count once, not once per rank
+            total += g.double().abs().pow(p).sum().cpu()
+        norm = total.pow(1 / p)
     scale = float(max_norm) / (float(norm) + 1e-6)
     if scale < 1:
         for g in [*shard_grads, *kept]:

@@ -147,10 +147,21 @@ class Nodes:
         return tuple(m[self.local] for m in self.members)
 
 
+# Node groups made in this process, by parent group and ranks: a panel builds a model
+# again on ranks that live on, and each new group would keep its gloo threads and sockets.
+_NODE_GROUPS: dict[tuple[str, tuple[int, ...]], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
 def node_group(group: dist.ProcessGroup, nodes: Nodes) -> dist.ProcessGroup:
-    """A process group of this rank's node (only its members call this)."""
-    ranks = [global_rank(group, r) for r in nodes.mates()]
-    return dist.new_group(ranks, use_local_synchronization=True)
+    """A process group of this rank's node (only its members call this), made once per
+    parent group in this process."""
+    ranks = tuple(global_rank(group, r) for r in nodes.mates())
+    key = (getattr(group, "group_name", str(id(group))), ranks)
+    parent, made = _NODE_GROUPS.get(key, (None, None))
+    if parent is not group or made is None:  # first asked, or a new group under an old name
+        made = dist.new_group(list(ranks), use_local_synchronization=True)
+        _NODE_GROUPS[key] = (group, made)
+    return made
 
 
 def bytes_across_nodes(counters: Iterable[object], ranks_per_node: int) -> int:

@@ -217,3 +217,10 @@ def infinity_after_a_failed_step(ctx, path):
     opt.zero_grad()
     Z.fit(zmodel, opt, x, y, 3)
     return message, zmodel.full_state_dict()
+
+
+def node_groups_twice(ctx):
+    """Two models with hpZ over the same ranks: do they share one node group?"""
+    made = [zero.ZeroModel(Wide(), 3, ctx.group, hpz_partition_size=2, ranks_per_node=2)
+            for _ in range(2)]
+    return made[0].node_comm.group is made[1].node_comm.group

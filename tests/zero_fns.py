@@ -324,3 +324,29 @@ def from_config_error(ctx, config):
     except ValueError as e:
         return str(e)
     return None
+
+
+def dropped_models_are_freed(ctx):
+    """Each wrapper built, stepped and dropped: is it freed (a weak reference dead after
+    a collection)? A pool's ranks live on between runs; a wrapper never freed keeps its
+    model, optimizer state and communication threads for good."""
+    import gc
+    import weakref
+
+    from parcourse.data_parallel import BucketedDataParallel, NaiveDataParallel
+
+    makers = {"naive": lambda net: NaiveDataParallel(net, ctx.group),
+              "bucketed": lambda net: BucketedDataParallel(net, ctx.group),
+              **{f"zero {s}": (lambda net, s=s: zero.ZeroModel(net, s, ctx.group,
+                                                              bucket_mb=0.0005))
+                 for s in (1, 2, 3)}}
+    freed = {}
+    for name, make in makers.items():
+        model = make(Net())
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        fit(model, opt, *local_batch(ctx, 8), 2)
+        ref = weakref.ref(model)
+        del model, opt
+        gc.collect()
+        freed[name] = ref() is None
+    return freed

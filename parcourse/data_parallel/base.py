@@ -16,8 +16,9 @@
 from __future__ import annotations
 
 import time
+import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -29,6 +30,20 @@ from parcourse.comm import global_rank, group_info
 from parcourse.memory import tensors_in
 from parcourse.trace import Tracer
 
+
+
+def _weakly(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    """A parameter's post-accumulate-grad hook that holds its wrapper weakly. Held
+    strongly, the cycle (wrapper -> module -> parameter -> hook -> wrapper) passes
+    through a hook list the garbage collector cannot see, so a wrapper would never be
+    freed: a pool's ranks, which live on between runs, would keep every model built."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(param: torch.Tensor) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(param)
+    return hook
 
 
 def broadcast_module(module: nn.Module, group: dist.ProcessGroup) -> None:
@@ -54,7 +69,7 @@ class GradSyncModule(nn.Module, ABC):
         broadcast_module(module, self.group)
         # Frozen parameters never get gradients; they take no part in synchronization.
         self.sync_params = [p for p in module.parameters() if p.requires_grad]
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook)
+        self._hooks = [p.register_post_accumulate_grad_hook(_weakly(self._hook))
                        for p in self.sync_params]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -275,6 +275,22 @@ def test_clip_grad_norm_by_the_largest_gradient(pools, stage):
                                                norm_type=float("inf")))
 
 
+def test_a_load_after_a_forward_is_what_the_next_forward_uses(pools):
+    """A prefetch still in flight at load_full_state_dict (started by a forward before it,
+    for a unit that forward never used) had given the next forward the old weights."""
+    assert pools[2].run(Z.load_after_a_forward).results == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_state_of_other_keys_or_shapes_is_refused(pools, stage):
+    """Strict, as torch's load_state_dict: a key the model lacks, or a weight of another
+    shape (copy_ broadcasts, and a flat unit takes any shape of the same size)."""
+    extra = pools[2].run(Z.load_refused, stage, "extra").results[0]
+    assert extra == "KeyError: \"the model has no ['extra.weight']\"", extra
+    shape = pools[2].run(Z.load_refused, stage, "shape").results[0]
+    assert shape.startswith("ValueError: shapes differ from the model's: ") and " for " in shape
+
+
 def test_a_dropped_model_is_freed(pools):
     """A wrapper dropped after training is freed, as torch's are. Its gradient hooks had
     held it through a list the garbage collector cannot see, so a pool's ranks, which

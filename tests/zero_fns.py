@@ -350,3 +350,47 @@ def dropped_models_are_freed(ctx):
         gc.collect()
         freed[name] = ref() is None
     return freed
+
+
+class Backwards(nn.Module):
+    """`head` registered before `body` but called after it: a prefetch that follows the
+    registration order gathers a unit forward has not reached yet."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.head = nn.Linear(13, 5)
+        self.body = nn.Linear(7, 13)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)))
+
+
+def load_after_a_forward(ctx):
+    """Stage 3 with prefetch: a no_grad forward, then load other weights, then a forward:
+    how far the output is from the loaded weights' own."""
+    x = data(4, seed=5)[0]
+    target = Backwards(seed=1)
+    model = zero.ZeroModel(Backwards(seed=0), 3, ctx.group, prefetch=True)
+    with torch.no_grad():
+        model(x)
+        model.load_full_state_dict(target.state_dict())
+        return float((model(x) - target(x)).abs().max())
+
+
+def load_refused(ctx, stage, change):
+    """load_full_state_dict given a state with one key too many, or one shape changed:
+    the error's text (None if it loaded)."""
+    model = zero.ZeroModel(Net(), stage, ctx.group, bucket_mb=0.0005)
+    state = model.full_state_dict()
+    name = next(iter(state))
+    if change == "extra":
+        state["extra.weight"] = torch.zeros(3)
+    else:
+        state[name] = state[name].t().contiguous() if state[name].dim() == 2 \
+            else state[name][:1]
+    try:
+        model.load_full_state_dict(state)
+    except (KeyError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None

@@ -58,15 +58,25 @@ def load_full_state_dict(module: nn.Module, units: list[FlatUnit],
                          state: dict[str, torch.Tensor]) -> None:
     """Load unsharded weights (as `full_state_dict` returns them): every rank takes its
     own rows, so no rank waits for another. The next forward gathers them."""
-    missing = set(module.state_dict()) - set(state)
-    if missing:
-        raise KeyError(f"the state lacks {sorted(missing)}")
+    mine = module.state_dict(keep_vars=True)
+    missing, unexpected = set(mine) - set(state), set(state) - set(mine)
+    if missing or unexpected:  # strict, as torch's load_state_dict
+        raise KeyError(" and ".join(
+            f"{what} {sorted(keys)}" for what, keys in
+            (("the state lacks", missing), ("the model has no", unexpected)) if keys))
     sharded = {id(p) for u in units for p in u.params}
     names = _names(module)
-    for name, value in module.state_dict(keep_vars=True).items():
+    shapes = {names[id(p)]: shape for u in units for p, shape in zip(u.params, u.shapes)}
+    wrong = [f"{name}: {tuple(state[name].shape)} for {tuple(shapes.get(name, value.shape))}"
+             for name, value in mine.items()
+             if tuple(state[name].shape) != tuple(shapes.get(name, value.shape))]
+    if wrong:  # copy_ would broadcast, and a flat unit would take any shape of its size
+        raise ValueError("shapes differ from the model's: " + "; ".join(wrong))
+    for name, value in mine.items():
         if id(value) not in sharded:  # buffers, kept and frozen parameters
             value.copy_(state[name])
     for unit in units:
+        unit.settle()  # a gather in flight (a prefetch no forward used) reads old weights
         full = torch.cat([state[names[id(p)]].reshape(-1).to(unit.dtype)
                           for p in unit.params])
         if unit.master is unit.full and unit.gathered():

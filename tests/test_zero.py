@@ -206,6 +206,17 @@ def test_zero_optimizer_keeps_param_groups(pools, world_size):
         assert hyper == [(0.02 / 8, 0.1), (0.005 / 8, 0.0)]
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_zero_optimizer_trains_a_group_added_later(pools, world_size):
+    """add_param_group, as torch's: the added group is trained at its own lr (it had been
+    left out of every rank's optimizer and never moved)."""
+    want = Z.added_group(None, 24)
+    for got in pools[world_size].run(Z.added_group, 24).results:
+        assert not torch.equal(got["out.weight"], Z.Net().state_dict()["out.weight"])
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("kind", ["plain", "gpt"])

@@ -394,3 +394,27 @@ def load_refused(ctx, stage, change):
     except (KeyError, ValueError) as e:
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def added_group(ctx, batch, world_size=None):
+    """SGD over `inp` alone for a step, then `out` added as a group of its own (another
+    lr), two more steps; ZeroOptimizer under our DDP, or (ctx None) one process over the
+    ranks' rows together. The weights."""
+    from parcourse.data_parallel import NaiveDataParallel
+    from parcourse.zero import ZeroOptimizer
+
+    net = Net()
+    x, y = data(batch)
+    if ctx is None:
+        model, opt = net, torch.optim.SGD(net.inp.parameters(), lr=0.1)
+    else:
+        model = NaiveDataParallel(net, ctx.group)
+        opt = ZeroOptimizer(net.inp.parameters(), torch.optim.SGD, group=ctx.group, lr=0.1)
+        x, y = shard_rows(x, ctx.rank, ctx.world_size), shard_rows(y, ctx.rank, ctx.world_size)
+    for step in range(3):
+        if step == 1:
+            opt.add_param_group({"params": list(net.out.parameters()), "lr": 0.3})
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.clone() for k, v in net.state_dict().items()}

@@ -39,17 +39,47 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable[nn.Parameter], optimizer_class: type[torch.optim.Optimizer],
                  group: dist.ProcessGroup | None = None, **defaults: Any) -> None:
         self.group, self.rank, self.world_size = group_info(group)
+        self._built = False
         super().__init__(params, defaults)
         self._all = [p for g in self.param_groups for p in g["params"]]
         self.owners = assign_owners([p.numel() for p in self._all], self.world_size)
+        self._class, self._defaults = optimizer_class, defaults
+        self.local: torch.optim.Optimizer | None = None
+        self._make_local()
+        self._built = True
+
+    def _make_local(self) -> None:
+        """The same param groups with their own hyperparameters, holding only what this
+        rank owns (a group may be empty here). A rank may own nothing at all (more ranks
+        than tensors); it keeps no optimizer until it does."""
         owner = {id(p): r for p, r in zip(self._all, self.owners)}
-        # The same param groups with their own hyperparameters, holding only what this
-        # rank owns (a group may be empty here). A rank may own nothing at all (more
-        # ranks than tensors); it keeps no optimizer.
         local_groups = [{**g, "params": [p for p in g["params"] if owner[id(p)] == self.rank]}
                         for g in self.param_groups]
-        owns_any = any(g["params"] for g in local_groups)
-        self.local = optimizer_class(local_groups, **defaults) if owns_any else None
+        if any(g["params"] for g in local_groups):
+            self.local = self._class(local_groups, **self._defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As torch's: a group added later (unfrozen layers, say) is trained too. Its
+        tensors go to owners as at construction (largest first, to the least-loaded
+        rank), where the others already are."""
+        super().add_param_group(param_group)
+        if not self._built:  # the constructor's own groups: owners are assigned after
+            return
+        new = self.param_groups[-1]["params"]
+        load = [0] * self.world_size
+        for p, r in zip(self._all, self.owners):
+            load[r] += p.numel()
+        owners = [0] * len(new)
+        for i in sorted(range(len(new)), key=lambda i: -new[i].numel()):
+            owners[i] = min(range(self.world_size), key=lambda r: (load[r], r))
+            load[owners[i]] += new[i].numel()
+        self._all += new
+        self.owners += owners
+        mine = [p for p, r in zip(new, owners) if r == self.rank]
+        if self.local is not None:
+            self.local.add_param_group({**self.param_groups[-1], "params": mine})
+        else:
+            self._make_local()
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = closure() if closure is not None else None

@@ -302,6 +302,17 @@ def test_a_state_of_other_keys_or_shapes_is_refused(pools, stage):
     assert shape.startswith("ValueError: shapes differ from the model's: ") and " for " in shape
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_kept_modules_some_ranks_did_not_use(pools, stage):
+    """Each rank runs one of two kept LayerNorms (a branch chosen by its data): their
+    gradients are all-reduced in one layout with a used-flag each, as the shards' are
+    (each rank had sent only those it had, so ln_a's summed with ln_b's)."""
+    want = Z.kept_branches(None, stage, 16, world_size=2)
+    for got in pools[2].run(Z.kept_branches, stage, 16).results:
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_a_dropped_model_is_freed(pools):
     """A wrapper dropped after training is freed, as torch's are. Its gradient hooks had
     held it through a list the garbage collector cannot see, so a pool's ranks, which

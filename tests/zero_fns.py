@@ -418,3 +418,47 @@ def added_group(ctx, batch, world_size=None):
         opt.step()
         opt.zero_grad()
     return {k: v.clone() for k, v in net.state_dict().items()}
+
+
+class Branches(nn.Module):
+    """Two LayerNorms, each rank using one (a branch chosen by the data, as a router's)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(7, 13)
+        self.ln_a, self.ln_b = nn.LayerNorm(13), nn.LayerNorm(13)
+        self.out = nn.Linear(13, 5)
+        with torch.no_grad():
+            for ln in (self.ln_a, self.ln_b):
+                ln.weight.uniform_(0.5, 1.5)
+                ln.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x, which):
+        h = self.inp(x)
+        return self.out(torch.tanh(self.ln_a(h) if which == 0 else self.ln_b(h)))
+
+
+def kept_branches(ctx, stage, batch, steps=3, world_size=None):
+    """Branches with both LayerNorms kept whole, rank r using ln_a if r is even; SGD.
+    With ctx None, one process over the ranks' rows, the same loss. The weights."""
+    net = Branches()
+    x, y = data(batch)
+    if ctx is None:
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for _ in range(steps):
+            sum(nn.functional.mse_loss(net(shard_rows(x, r, world_size), r % 2),
+                                       shard_rows(y, r, world_size))
+                for r in range(world_size)).div(world_size).backward()
+            opt.step()
+            opt.zero_grad()
+        return {k: v.clone() for k, v in net.state_dict().items()}
+    model = zero.ZeroModel(net, stage, ctx.group, bucket_mb=0.0005,
+                           keep_modules=[net.ln_a, net.ln_b])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xs, ys = shard_rows(x, ctx.rank, ctx.world_size), shard_rows(y, ctx.rank, ctx.world_size)
+    for _ in range(steps):
+        nn.functional.mse_loss(model(xs, ctx.rank % 2), ys).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.full_state_dict()

@@ -256,22 +256,34 @@ class ZeroStage1(GradSyncModule):
     # -- kept modules: replicated, their gradients all-reduced as in DDP
 
     def _start_kept_all_reduce(self) -> tuple[Pending, list[nn.Parameter]] | None:
-        if not self._kept_ready:
-            return None
+        """All-reduce every kept parameter's gradient (zeros where this rank has none) and
+        a used-flag each: every rank sends the same layout whichever modules it ran, and a
+        parameter no rank used keeps no gradient, as in one process."""
         self._kept_ready = False
-        with_grad = [p for p in self.kept_params if p.grad is not None]
-        flat = torch.cat([p.grad.reshape(-1) for p in with_grad]) if with_grad else None
-        if flat is None:
+        if not self.kept_params:
             return None
-        return self.comm.all_reduce(flat, async_op=True), with_grad
+        first = self.kept_params[0]
+        pieces = [p.grad.reshape(-1).to(first.dtype) if p.grad is not None
+                  else torch.zeros(p.numel(), dtype=first.dtype, device=first.device)
+                  for p in self.kept_params]
+        used = torch.tensor([float(p.grad is not None) for p in self.kept_params],
+                            dtype=first.dtype, device=first.device)
+        return self.comm.all_reduce(torch.cat([*pieces, used]), async_op=True), self.kept_params
 
     def _finish_kept(self, future: Pending, params: list[nn.Parameter]) -> None:
-        # Every rank had a gradient for the same kept parameters: they ran the same modules.
-        flat = future.result().div_(self.world_size)
+        flat = future.result()
+        used = flat[-len(params):]
+        flat = flat[:-len(params)].div_(self.world_size)
         offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+        for p, count in zip(params, used.tolist()):
+            piece = flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
+            if count == 0:  # no rank used it
+                continue
+            if p.grad is None:
+                p.grad = piece.to(p.dtype, copy=True)
+            else:
+                p.grad.copy_(piece)
 
     # -- helpers an ordinary training loop needs
 

@@ -313,6 +313,17 @@ def test_kept_modules_some_ranks_did_not_use(pools, stage):
             torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_module_called_itself_after_a_step_has_the_new_weights(pools, stage):
+    """As with FSDP2, the module may be called itself: at stages 1-2 the gather of the
+    stepped rows had hung on the wrapper, so the module computed with this rank's new
+    rows beside the others' old ones (and differed from rank to rank)."""
+    results = pools[2].run(Z.module_called_itself, stage).results
+    for itself, wrapped in results:
+        assert torch.equal(itself, wrapped)
+    assert torch.equal(results[0][0], results[1][0])
+
+
 def test_a_dropped_model_is_freed(pools):
     """A wrapper dropped after training is freed, as torch's are. Its gradient hooks had
     held it through a list the garbage collector cannot see, so a pool's ranks, which

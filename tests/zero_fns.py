@@ -462,3 +462,17 @@ def kept_branches(ctx, stage, batch, steps=3, world_size=None):
         opt.step()
         opt.zero_grad()
     return model.full_state_dict()
+
+
+def module_called_itself(ctx, stage):
+    """After a step, the module called itself (as FSDP2's loops do), then the wrapper:
+    the two outputs."""
+    net = Net()
+    model = zero.ZeroModel(net, stage, ctx.group, bucket_mb=0.0005)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = local_batch(ctx, 8)
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    with torch.no_grad():
+        x = data(4, seed=5)[0]
+        return net(x), model(x)

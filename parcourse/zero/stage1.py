@@ -135,8 +135,10 @@ class ZeroStage1(GradSyncModule):
 
     def _install_gathers(self, module: nn.Module) -> None:
         """The weights stay whole on every rank: before a forward, gather the rows that
-        an optimizer stepped since the last one."""
-        self.register_forward_pre_hook(self._gather_if_stepped)
+        an optimizer stepped since the last one. The hook is the module's, not the
+        wrapper's: a loop that calls the module itself, as FSDP2's `fully_shard` allows,
+        sees the new weights too."""
+        module.register_forward_pre_hook(self._gather_if_stepped)
 
     def _gather_if_stepped(self, module: nn.Module, args: Any) -> None:
         """Before a forward, gather the units whose master an optimizer changed."""

@@ -324,6 +324,27 @@ def test_the_module_called_itself_after_a_step_has_the_new_weights(pools, stage)
     assert torch.equal(results[0][0], results[1][0])
 
 
+@pytest.mark.parametrize("how", ["shards 1", "shards 2", "shards 3", "module 3"])
+def test_a_layer_frozen_midway_stops_training(pools, how):
+    """Freezing a layer after two steps, through the wrapper's named_parameters() (the
+    shards) or the module's own parameters: the layer stops, the rest trains on, as in
+    one process (a frozen shard had gone on training from its module parameter's
+    gradient)."""
+    want = Z.frozen_midway(None, how)
+    for got in pools[2].run(Z.frozen_midway, how).results:
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["ddp", "zero"])
+def test_a_layer_unfrozen_after_wrapping_is_refused(pools, kind):
+    """Frozen parameters are in no bucket or shard; unfrozen later, each rank would train
+    its own copy. The next forward raises, naming them."""
+    with pytest.raises(RankError, match="inp.weight, inp.bias did not require a gradient "
+                                        "when the model was wrapped"):
+        pools[2].run(Z.thawed_after_wrapping, kind)
+
+
 def test_a_dropped_model_is_freed(pools):
     """A wrapper dropped after training is freed, as torch's are. Its gradient hooks had
     held it through a list the garbage collector cannot see, so a pool's ranks, which

@@ -476,3 +476,41 @@ def module_called_itself(ctx, stage):
     with torch.no_grad():
         x = data(4, seed=5)[0]
         return net(x), model(x)
+
+
+def frozen_midway(ctx, how, batch=16, steps=4, world_size=2):
+    """Adam; after two steps `inp` is frozen through the wrapper's named_parameters()
+    ("shards") or the module's own ("module"). ctx None: one process, the module's. The
+    weights."""
+    net = Net()
+    x, y = data(batch)
+    if ctx is None:
+        model, named = net, net.named_parameters
+    else:
+        stage = int(how[-1])
+        model = zero.ZeroModel(net, stage, ctx.group, bucket_mb=0.0005)
+        named = model.named_parameters if how.startswith("shards") else net.named_parameters
+        x, y = shard_rows(x, ctx.rank, ctx.world_size), shard_rows(y, ctx.rank, ctx.world_size)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for step in range(steps):
+        if step == 2:
+            for name, p in named():
+                if "inp" in name:
+                    p.requires_grad_(False)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    out = model.full_state_dict() if ctx is not None else net.state_dict()
+    return {k: v.detach().clone() for k, v in out.items()}
+
+
+def thawed_after_wrapping(ctx, kind):
+    """`inp` frozen when wrapped (our DDP, or ZeRO-1), then unfrozen: the first forward."""
+    from parcourse.data_parallel import NaiveDataParallel
+
+    net = Net()
+    net.inp.requires_grad_(False)
+    model = NaiveDataParallel(net, ctx.group) if kind == "ddp" else \
+        zero.ZeroModel(net, 1, ctx.group)
+    net.inp.requires_grad_(True)
+    model(data(4)[0])

@@ -71,6 +71,20 @@ class GradSyncModule(nn.Module, ABC):
         self.sync_params = [p for p in module.parameters() if p.requires_grad]
         self._hooks = [p.register_post_accumulate_grad_hook(_weakly(self._hook))
                        for p in self.sync_params]
+        synced = {id(p) for p in self.sync_params}
+        self._frozen = [(name, p) for name, p in module.named_parameters()
+                        if id(p) not in synced]
+        module.register_forward_pre_hook(self._check_frozen)
+
+    def _check_frozen(self, module: nn.Module, args: Any) -> None:
+        """A parameter frozen when the wrapper was made has no hook and is in no bucket
+        or shard: unfrozen later, each rank would train its own copy. Refuse."""
+        thawed = [name for name, p in self._frozen if p.requires_grad]
+        if thawed:
+            raise ValueError(
+                f"{', '.join(thawed)} did not require a gradient when the model was wrapped "
+                f"and {'do' if len(thawed) > 1 else 'does'} now: wrap the model after "
+                "unfreezing (frozen parameters take no part in synchronization)")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self.module(*args, **kwargs)

@@ -119,6 +119,8 @@ class ZeroStage1(GradSyncModule):
         self._next = 0
         self._kept_ready = False
         mark_sharded_away(sharded)
+        self._follows = {id(p): True for p in sharded}
+        module.register_forward_pre_hook(self._follow_requires_grad)
         self._install_gathers(module)
         if self.compute_dtype is not None:  # run in their own dtype; hand back 16 bits
             keep_in_own_dtype(keep_modules, self.compute_dtype)
@@ -139,6 +141,21 @@ class ZeroStage1(GradSyncModule):
         wrapper's: a loop that calls the module itself, as FSDP2's `fully_shard` allows,
         sees the new weights too."""
         module.register_forward_pre_hook(self._gather_if_stepped)
+
+    def _follow_requires_grad(self, module: nn.Module, args: Any) -> None:
+        """A shard and its module parameter are two tensors: whichever one's
+        requires_grad was changed since the last forward (freezing layers through
+        `named_parameters()`, or the module's own), the other follows. A frozen
+        parameter then makes no gradient, and its shard gets none, as in one process."""
+        for unit in self.units:
+            for p, sp in zip(unit.params, unit.shard_params):
+                last = self._follows[id(p)]
+                now = p.requires_grad if p.requires_grad != last else sp.requires_grad
+                if p.requires_grad != now:
+                    p.requires_grad_(now)
+                if sp.requires_grad != now:
+                    sp.requires_grad_(now)
+                self._follows[id(p)] = now
 
     def _gather_if_stepped(self, module: nn.Module, args: Any) -> None:
         """Before a forward, gather the units whose master an optimizer changed."""

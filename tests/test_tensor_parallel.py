@@ -213,6 +213,14 @@ def test_split_matmul_is_exact_and_shows_each_rank_its_shard(pools, world_size, 
         assert torch.equal(sum(r["mine"] for r in results), results[0]["expected"])
 
 
+@SP
+def test_a_weight_frozen_before_splitting_stays_frozen(pools, sequence_parallel):
+    """As torch's parallelize_module keeps requires_grad: a split layer's weight had come
+    out as a new, trainable Parameter."""
+    for got in pools[2].run(TP.frozen_before_splitting, sequence_parallel).results:
+        assert got == dict.fromkeys(got, False), got
+
+
 def test_memory_by_tp_size_equals_the_formulas_at_every_size(pools):
     # TP.CONFIG's 4 heads do not split over 3 ranks.
     results = pools[4].run(memory_by_tp_size, TP.CONFIG, TP.B, (1, 2, 4)).results

@@ -408,3 +408,16 @@ class StubG(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         raise NotImplementedError
+
+
+def frozen_before_splitting(ctx, sequence_parallel):
+    """Weights of each kind of split layer (column, row, vocab embedding and its tied
+    head) frozen before apply_tensor_parallel: which require a gradient after."""
+    model = gpt(CONFIG)
+    names = ("blocks.0.mlp.up.weight", "blocks.0.mlp.up.bias", "blocks.0.attn.proj.weight",
+             "tok_emb.weight")
+    for name in names:
+        model.get_parameter(name).requires_grad_(False)
+    split = apply_tensor_parallel(model, GPT_PLAN, ctx.group,
+                                  sequence_parallel=sequence_parallel)
+    return {name: split.get_parameter(name).requires_grad for name in (*names, "head.weight")}

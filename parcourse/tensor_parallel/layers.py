@@ -80,11 +80,12 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output, self.sequence_parallel, self.vocab = (gather_output,
                                                                   sequence_parallel, vocab)
         shard = _vocab_shard(linear.weight, comm) if vocab else _chunk(linear.weight, 0, comm)
-        self.weight = nn.Parameter(shard)
+        # A frozen weight stays frozen once split (as torch's parallelize_module keeps it).
+        self.weight = nn.Parameter(shard, requires_grad=linear.weight.requires_grad)
         self.bias = None
         if linear.bias is not None:
             bias = (_vocab_shard(linear.bias, comm) if vocab else _chunk(linear.bias, 0, comm))
-            self.bias = nn.Parameter(bias)
+            self.bias = nn.Parameter(bias, requires_grad=linear.bias.requires_grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -121,7 +122,8 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.comm, self.name = comm, name
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
-        self.weight = nn.Parameter(_chunk(linear.weight, 1, comm))
+        self.weight = nn.Parameter(_chunk(linear.weight, 1, comm),
+                                   requires_grad=linear.weight.requires_grad)
         # Replicated: the same on every rank (its gradient too, except under sequence
         # parallelism; see `apply_tensor_parallel`).
         self.bias = linear.bias
@@ -158,7 +160,8 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
         self.comm, self.name, self.sequence_parallel = comm, name, sequence_parallel
         self.start, self.end = vocab_range(self.num_embeddings, comm.rank, comm.size)
-        self.weight = nn.Parameter(_vocab_shard(embedding.weight, comm))
+        self.weight = nn.Parameter(_vocab_shard(embedding.weight, comm),
+                                   requires_grad=embedding.weight.requires_grad)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         outside = (idx < self.start) | (idx >= self.end)  # (B, T) tokens another rank holds

@@ -50,6 +50,32 @@ def test_every_schedule_trains_like_one_process(pools, world_size, model, schedu
         torch.testing.assert_close(got[name], expected[name], **TOL, msg=name)
 
 
+@pytest.mark.parametrize("schedule,model", [("1f1b", "gpt"), ("zb-h1", "gpt"),
+                                            ("dualpipe", "mlp")])
+def test_gradients_accumulate_over_steps_as_in_one_process(pools, schedule, model):
+    """Two runtime steps (the batch's halves) before each optimizer step: a weight held
+    on two ranks (the GPT's tied embedding and head, DualPipe's two copies of every
+    stage) gets this step's gradients summed over them, added to what it held (each
+    step had summed the whole gradient again, counting the first half's twice)."""
+    run = pools[2].run(train, schedule, 4, 2, model=model, accumulate=2)
+    expected = one_process(2, model=model, accumulate=2)
+    got = gathered(run)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], **TOL, msg=name)
+
+
+def test_a_frozen_tied_weight_stays_as_it_was(pools):
+    """The GPT's embedding, tied to its head on the other rank, frozen: it gets no
+    gradient and SGD leaves it, as in one process (the sum over its ranks had given it
+    zeros, and an optimizer with weight decay or momentum moved it)."""
+    run = pools[2].run(train, "1f1b", 4, 2, model="gpt", frozen=("tok_emb.weight",),
+                       weight_decay=0.1)
+    expected = one_process(2, model="gpt", frozen=("tok_emb.weight",), weight_decay=0.1)
+    got = gathered(run)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], **TOL, msg=name)
+
+
 @pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb-h1", "zbv", "dualpipe-v",
                                       "dualpipe"])
 def test_uneven_stages_train_like_one_process(pools, schedule):

@@ -81,8 +81,12 @@ def train(ctx: RankContext, schedule: str, microbatches: int, steps: int = 2, *,
           batch: int = 16, by: By = "layers", lr: float = 0.05,
           compute: SimulatedCompute | None = None, forward_ms: float = 0.0,
           backward_ms: float = 0.0, weight_ms: float | None = None, recompute: bool = False,
-          latency_us: float = 0.0, bandwidth_gbps: float | None = None) -> dict[str, Any]:
-    """`steps` SGD steps of a deep MLP or a small GPT cut into the schedule's stages.
+          latency_us: float = 0.0, bandwidth_gbps: float | None = None,
+          accumulate: int = 1, frozen: tuple[str, ...] = (),
+          weight_decay: float = 0.0) -> dict[str, Any]:
+    """`steps` SGD steps of a deep MLP or a small GPT cut into the schedule's stages;
+    each over `accumulate` runtime steps (the batch cut in as many parts, gradients added
+    up), with the parameters named in `frozen` frozen first; SGD with `weight_decay`.
 
     Simulated compute: `compute`, or `forward_ms` / `backward_ms` / `weight_ms` (W's part
     of backward; default half) for one rank's share of the model: a stage of a schedule
@@ -99,6 +103,8 @@ def train(ctx: RankContext, schedule: str, microbatches: int, steps: int = 2, *,
                                    ).per_chunk(per_rank)
     ctx.tracer.set_status(f"{plan.name}: building the model")
     layers, whole, x, y, loss_fn = model_and_data(model, depth, width, batch)
+    for name in frozen:
+        whole.get_parameter(name).requires_grad_(False)
     names = {id(p): n for n, p in whole.named_parameters()}
     cut = partition(layers, plan.model_stages, by)  # DualPipe: two copies of each stage
     mine = {s: cut[plan.model_stage(s)].to(ctx.device)
@@ -107,20 +113,22 @@ def train(ctx: RankContext, schedule: str, microbatches: int, steps: int = 2, *,
                               compute=compute, link=simulated_link(latency_us, bandwidth_gbps),
                               recompute=recompute, tied=tied_weights(mine, cut))
     params = list({id(p): p for m in mine.values() for p in m.parameters()}.values())
-    opt = torch.optim.SGD(params, lr=lr)
+    opt = torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
     routes = [plan.route(i) for i in range(plan.microbatches)]
     first = {plan.stage_rank[r[0]] for r in routes}  # where microbatches enter (DualPipe:
     last = {plan.stage_rank[r[-1]] for r in routes}  # both ends), and where they leave
     losses = []
     # The stages agree on their messages' shapes before the first step, not in it, so
     # that a one-step run's bubble is the schedule's (PipelineRuntime.prepare).
-    runtime.prepare(x.to(ctx.device) if ctx.rank in first else None)
+    parts = list(zip(x.chunk(accumulate), y.chunk(accumulate)))
+    runtime.prepare(parts[0][0].to(ctx.device) if ctx.rank in first else None)
     for _ in range(steps):
         torch.distributed.barrier(group=ctx.group)
         spans_before = len(ctx.tracer.data().spans)
         counters_before = len(ctx.tracer.data().counters)
-        loss = runtime.step(x.to(ctx.device) if ctx.rank in first else None,
-                            y.to(ctx.device) if ctx.rank in last else None)
+        for xs, ys in parts:
+            loss = runtime.step(xs.to(ctx.device) if ctx.rank in first else None,
+                                ys.to(ctx.device) if ctx.rank in last else None)
         opt.step()
         opt.zero_grad()
         if loss is not None:
@@ -138,12 +146,18 @@ def train(ctx: RankContext, schedule: str, microbatches: int, steps: int = 2, *,
 
 
 def one_process(steps: int = 2, *, model: Model = "mlp", depth: int = 8, width: int = 16,
-                batch: int = 16, lr: float = 0.05) -> dict[str, torch.Tensor]:
-    """The same training in one process, on the whole batch."""
+                batch: int = 16, lr: float = 0.05, accumulate: int = 1,
+                frozen: tuple[str, ...] = (), weight_decay: float = 0.0
+                ) -> dict[str, torch.Tensor]:
+    """The same training in one process, on the whole batch (or its `accumulate` parts,
+    gradients added up)."""
     _, whole, x, y, loss_fn = model_and_data(model, depth, width, batch)
-    opt = torch.optim.SGD(whole.parameters(), lr=lr)
+    for name in frozen:
+        whole.get_parameter(name).requires_grad_(False)
+    opt = torch.optim.SGD(whole.parameters(), lr=lr, weight_decay=weight_decay)
     for _ in range(steps):
-        loss_fn(whole(x), y).backward()
+        for xs, ys in zip(x.chunk(accumulate), y.chunk(accumulate)):
+            loss_fn(whole(xs), ys).backward()
         opt.step()
         opt.zero_grad()
     return {n: p.detach().clone() for n, p in whole.named_parameters()}

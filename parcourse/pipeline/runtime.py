@@ -298,6 +298,10 @@ class PipelineRuntime:
         self._in_flight_bytes = self.peak_in_flight_bytes = 0
         self._losses: list[float] = []
         self._posted: dict[Action, tuple[Any, torch.Tensor]] = {}
+        # What the tied weights' gradients held before this step (accumulation over
+        # steps): only what this step adds is summed over their ranks.
+        self._tied_before = {id(w): w.grad.detach().clone() for _, ws in self._tied_here()
+                             for w in ws if w.grad is not None}
         actions = self.schedule.actions[self.rank]
         for k, action in enumerate(actions):
             try:
@@ -399,21 +403,38 @@ class PipelineRuntime:
             w.wait()
         return total
 
-    def _add_tied_gradients(self) -> None:
-        """Each tied (or copied) weight's gradient summed over the ranks that hold it, in
-        rank order, so that every copy gets the same bits. A rank holding two of them
-        (DualPipe's embedding of one copy and head of the other) adds its own first."""
+    def _tied_here(self) -> list[tuple[int, list[torch.nn.Parameter]]]:
+        """(k, this rank's copies) of each tied (or copied) weight whose gradient is
+        summed over ranks; a frozen one is left alone, as one process leaves it."""
+        out = []
         for k, group in self.tied:
-            ranks = sorted({self._peer(s) for s in group})
+            ranks = {self._peer(s) for s in group}
             mine = {id(p): p for s, name in sorted(group.items()) if s in self.stages
                     for p in [self.stages[s].get_parameter(name)]}
             if not mine or (len(ranks) < 2 and len(mine) < 2):
                 continue  # on one rank, the stages share one Parameter: nothing to add
             weights = list(mine.values())
+            if weights[0].requires_grad:
+                out.append((k, weights))
+        return out
+
+    def _add_tied_gradients(self) -> None:
+        """Each tied (or copied) weight's gradient summed over the ranks that hold it, in
+        rank order, so that every copy gets the same bits. A rank holding two of them
+        (DualPipe's embedding of one copy and head of the other) adds its own first.
+        Only what this step added is summed: a gradient kept from an earlier step
+        (accumulation) was summed then, and is the same on every copy."""
+        for k, weights in self._tied_here():
+            group = dict(self.tied)[k]
+            ranks = sorted({self._peer(s) for s in group})
+            before = next((self._tied_before[id(w)] for w in weights
+                           if id(w) in self._tied_before), None)
             local = torch.zeros_like(weights[0]).detach()
             for w in weights:
                 if w.grad is not None:
                     local += w.grad.detach()
+                    if id(w) in self._tied_before:
+                        local -= self._tied_before[id(w)]
             tag = _tag("T", 0, 0, self.schedule.microbatches, self.schedule.stages) + k
             sends = [self.comm.send(local, r, tag) for r in ranks if r != self.rank]
             parts = []
@@ -429,6 +450,8 @@ class PipelineRuntime:
             total = parts[0].clone()
             for part in parts[1:]:
                 total += part
+            if before is not None:
+                total = before + total
             for w in weights:
                 w.grad = total.clone()
 

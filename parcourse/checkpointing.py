@@ -27,7 +27,7 @@ import functools
 import math
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any, Literal
 
 import torch
@@ -103,6 +103,24 @@ class _RngState:
 
 def _replay(rng: _RngState | None) -> AbstractContextManager[None]:
     return nullcontext() if rng is None else rng.replay()
+
+
+def _autocast_now() -> list[tuple[str, dict[str, Any]]]:
+    """The autocast regions the first run is in (CPU, and CUDA where there is one): the
+    recomputation runs in the same, as torch's checkpoint does; without them it would
+    compute in other dtypes than the forward it stands in for."""
+    devices = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+    return [(d, {"enabled": True, "dtype": torch.get_autocast_dtype(d),
+                 "cache_enabled": torch.is_autocast_cache_enabled()})
+            for d in devices if torch.is_autocast_enabled(d)]
+
+
+@contextmanager
+def _autocast_as(regions: list[tuple[str, dict[str, Any]]]) -> Iterator[None]:
+    with ExitStack() as stack:
+        for device, kwargs in regions:
+            stack.enter_context(torch.autocast(device, **kwargs))
+        yield
 
 
 # --------------------------------------------------------------------------- checkpoint
@@ -195,6 +213,7 @@ class _Run:
         self.n_tensors = len(tensors)  # the tensors themselves: autograd saves them, and
         # frees them once this segment's backward is done; a reference here would not
         self.rng = _RngState(tensors) if preserve_rng_state else None
+        self.autocast = _autocast_now()
         self.out_spec: Any = None
         self.out_constants: list[Any] = []
         self.out_is_tensor: list[bool] = []
@@ -216,7 +235,7 @@ class _Run:
         return tuple(x for x in leaves if isinstance(x, torch.Tensor))
 
     def recompute(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        with _replay(self.rng):
+        with _replay(self.rng), _autocast_as(self.autocast):
             leaves = self._call(tensors[:self.n_tensors])
         return [x for x in leaves if isinstance(x, torch.Tensor)]
 
@@ -293,7 +312,7 @@ class _FromInput(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, layers: list[nn.Module], rng: _RngState | None, x: torch.Tensor,
                 anchor: torch.Tensor) -> torch.Tensor:
-        ctx.layers, ctx.rng = layers, rng
+        ctx.layers, ctx.rng, ctx.autocast = layers, rng, _autocast_now()
         ctx.save_for_backward(x)
         with torch.no_grad():
             return run_layers(layers, x)
@@ -305,7 +324,7 @@ class _FromInput(torch.autograd.Function):
         for i in reversed(range(len(layers))):
             # Layer i's input, rebuilt from the start (i layer forwards, nothing saved),
             # with the random numbers the first run drew up to layer i.
-            with _replay(ctx.rng):
+            with _replay(ctx.rng), _autocast_as(ctx.autocast):
                 with torch.no_grad():
                     inp = run_layers(layers[:i], x)
                 inp = inp.detach().requires_grad_(True)

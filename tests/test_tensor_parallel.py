@@ -213,6 +213,13 @@ def test_split_matmul_is_exact_and_shows_each_rank_its_shard(pools, world_size, 
         assert torch.equal(sum(r["mine"] for r in results), results[0]["expected"])
 
 
+def test_a_backward_after_one_that_raised_sums_the_replicated_gradients(pools):
+    """Sequence parallelism sums the LayerNorms' and biases' gradients at a backward's
+    end; a backward that raised never reached it, and every later one had then skipped
+    the sum, training each rank on its own tokens' part."""
+    pools[2].run(TP.after_a_failed_backward)
+
+
 @SP
 def test_a_weight_frozen_before_splitting_stays_frozen(pools, sequence_parallel):
     """As torch's parallelize_module keeps requires_grad: a split layer's weight had come

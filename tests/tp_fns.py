@@ -421,3 +421,30 @@ def frozen_before_splitting(ctx, sequence_parallel):
     split = apply_tensor_parallel(model, GPT_PLAN, ctx.group,
                                   sequence_parallel=sequence_parallel)
     return {name: split.get_parameter(name).requires_grad for name in (*names, "head.weight")}
+
+
+def after_a_failed_backward(ctx):
+    """Sequence parallelism: a backward that raises half way (a hook on the embedding's
+    output), then an ordinary one: its gradients against one process's."""
+    reference = gpt(CONFIG)
+    split = apply_tensor_parallel(gpt(CONFIG), GPT_PLAN, ctx.group, sequence_parallel=True)
+    x, y = progressions(B, T, CONFIG.vocab)
+
+    def boom(grad):
+        raise RuntimeError("boom")
+
+    def on_output(module, inputs, out):
+        out.register_hook(boom)
+
+    hook = split.tok_emb.register_forward_hook(on_output)
+    try:
+        vocab_parallel_cross_entropy(split(x), y, ctx.group, CONFIG.vocab).backward()
+    except RuntimeError as e:
+        assert "boom" in str(e)
+    else:
+        raise AssertionError("the backward did not raise")
+    hook.remove()
+    split.zero_grad(set_to_none=True)
+    F.cross_entropy(reference(x).flatten(0, 1), y.flatten()).backward()
+    vocab_parallel_cross_entropy(split(x), y, ctx.group, CONFIG.vocab).backward()
+    check_params(ctx, split, reference)

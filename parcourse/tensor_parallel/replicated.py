@@ -32,10 +32,14 @@ class ReplicatedGradSync:
         self.params, self.comm = params, comm
         self._new: dict[int, torch.Tensor] = {}  # this backward's contribution, by param
         self._before: dict[int, torch.Tensor | None] = {}  # .grad before this backward
+        self._backward: int | None = None  # the backward whose end will sum them
         self.handles = [p.register_hook(functools.partial(self._arrived, p)) for p in params]
 
     def _arrived(self, p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
-        if not self._new and not self._before:
+        now = torch._C._current_graph_task_id()
+        if self._backward != now:  # this backward's first: sum at its end. What an
+            # earlier backward left (one that raised, so its end never came) is dropped.
+            self._new, self._before, self._backward = {}, {}, now
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if id(p) not in self._before:
             self._before[id(p)] = None if p.grad is None else p.grad.clone()
@@ -61,4 +65,4 @@ class ReplicatedGradSync:
                 p.grad = grad.clone()
             else:
                 p.grad.copy_(grad)
-        self._new, self._before = {}, {}
+        self._new, self._before, self._backward = {}, {}, None

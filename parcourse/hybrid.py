@@ -179,6 +179,8 @@ class Hybrid:
     of each stage's forward and backward of one microbatch (a list over the schedule's
     stages): the real math runs, then the rank waits out the rest, tensor parallelism's
     collectives on top (a GPU's time on a laptop: the planner's check, lesson 09).
+    `seed`: dropout's; each pipeline stage and each data-parallel replica draws its own
+    masks from it, the ranks of a tp group the same where their activation is whole.
     """
 
     def __init__(self, model: GPT, mesh: Mesh, *, schedule: str = "1f1b",
@@ -186,7 +188,7 @@ class Hybrid:
                  recompute: bool = False, optimizer: OptimizerFactory | None = None,
                  zero: Literal[0, 1, 2] = 0, max_norm: float | None = None,
                  link: Network | None = None, compute: SimulatedCompute | None = None,
-                 tracer: Tracer | None = None) -> None:
+                 tracer: Tracer | None = None, seed: int = 0) -> None:
         config = model.config
         self.mesh, self.config, self.microbatches = mesh, config, microbatches
         self.sequence_parallel = sequence_parallel
@@ -214,9 +216,13 @@ class Hybrid:
         self.tp_comm = TPComm(Comm(mesh.group("tp"), tracer=on("tp"), link=link,
                                    algorithm="ring" if link is not None else "torch"))
         self.dp_comm = Comm(mesh.group("dp"), tracer=on("dp"), link=link, algorithm="auto")
-        self.model = apply_tensor_parallel(model, GPT_PLAN, mesh.group("tp"),
-                                           sequence_parallel=sequence_parallel,
-                                           comm=self.tp_comm.comm)
+        # Dropout: each pipeline stage (as Megatron offsets its seed by 100 a stage) and
+        # each data-parallel replica (which sees other rows) draws its own masks; the
+        # ranks of a tp group agree where the activation is replicated (RNGTracker).
+        self.model = apply_tensor_parallel(
+            model, GPT_PLAN, mesh.group("tp"), sequence_parallel=sequence_parallel,
+            comm=self.tp_comm.comm,
+            seed=seed + 100 * mesh.coordinate("pp") + 10007 * mesh.coordinate("dp"))
         cut = partition(gpt_layers(self.model), self.plan.stages)
         stage = mesh.coordinate("pp")
         mine = {s: cut[s] for s, r in enumerate(self.plan.stage_rank) if r == stage}

@@ -108,3 +108,26 @@ def padded_spans(ctx, shape, compute, link):
                         sum(t.duration_s for t in inside), len(inside),
                         (min(t.start_ns for t in inside) - s.start_ns) / 1e9))
     return out
+
+
+def dropout_masks(ctx, shape):
+    """The masks every dropout of this rank draws in one step (dropout 0.5), by module
+    name, with this rank's mesh coordinates."""
+    from parcourse.tensor_parallel.random import TrackedDropout
+
+    config = GPTConfig(**{**CONFIG.__dict__, "dropout": 0.5})
+    mesh = Mesh(shape, ctx.group)
+    model = Hybrid(gpt(config), mesh, microbatches=2,
+                   optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0))
+    names = {id(m): n for n, m in model.model.named_modules()}
+    drawn = []
+
+    def record(module, inputs, out):
+        if out.device.type != "meta":
+            drawn.append((names[id(module)], (out == 0) & (inputs[0] != 0)))
+
+    for m in model.model.modules():
+        if isinstance(m, TrackedDropout):
+            m.register_forward_hook(record)
+    model.step(*progressions(BATCH, config.block_size, config.vocab))
+    return {a: mesh.coordinate(a) for a in ("dp", "pp", "tp")}, drawn

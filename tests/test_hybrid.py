@@ -10,7 +10,7 @@ stay below 1e-5.
 import pytest
 import torch
 
-from hybrid_fns import one_process, train
+from hybrid_fns import dropout_masks, one_process, train
 from parcourse import Pool
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
@@ -260,3 +260,19 @@ def test_what_each_group_reduces_follows_the_model(pool4):
         assert axes["dp"] == [rank - rank % 2, rank - rank % 2 + 1]
         assert "tp" not in axes and ("dp", "all-reduce (mean)") in {
             (r["axis"], r["op"]) for r in mine if r["when"] == "finalize 1"}
+
+
+@pytest.mark.parametrize("shape", [{"dp": 2}, {"pp": 2}, {"tp": 2}], ids=["dp", "pp", "tp"])
+def test_dropout_masks_differ_across_replicas_and_stages(pools, shape):
+    """Each data-parallel replica and each pipeline stage draws its own dropout masks (all
+    had been seeded alike: replicas dropped the same positions, stage 1 redrew stage 0's);
+    the two ranks of a tp group drop the same elements of a whole activation."""
+    (_, first), (_, second) = pools[2].run(dropout_masks, shape).results
+    assert first and second
+    same = [(a, b) for a, ma in first for b, mb in second
+            if ma.shape == mb.shape and torch.equal(ma, mb)]
+    if "tp" in shape:  # the residual stream's dropouts are whole on both ranks
+        assert any(a == b and "attn_drop" not in a for a, b in same), same
+        assert not any("attn_drop" in a for a, _ in same)  # each rank's own heads
+    else:
+        assert not same, same

@@ -57,6 +57,14 @@ def test_3d_with_interleaving_and_sequence_parallelism(pool8):
                     sequence_parallel=True).results)
 
 
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
+def test_sequence_parallelism_with_a_split_backward_equals_one_process(pools, schedule):
+    """Zero-bubble schedules compute the weights' gradients (W) apart from the input's:
+    the replicated weights' (LayerNorms') parts are summed over tp there too (W had added
+    them with autograd.grad after the sum, 4e-2 off one process)."""
+    check(pools[4].run(train, {"tp": 2, "pp": 2}, schedule, sequence_parallel=True).results)
+
+
 def test_3d_with_dualpipe_v_and_clipping_equals_one_process(pool8):
     """DualPipeV's V: rank 0 holds the first and the last stage, so the tied embedding and
     head sit on one rank (one Parameter, counted once in the norm)."""

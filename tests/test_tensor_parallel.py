@@ -220,6 +220,13 @@ def test_a_backward_after_one_that_raised_sums_the_replicated_gradients(pools):
     pools[2].run(TP.after_a_failed_backward)
 
 
+def test_autograd_grad_of_a_replicated_weight_is_refused(pools):
+    """Under sequence parallelism a LayerNorm's gradient is summed over the ranks at the
+    end of loss.backward(); torch.autograd.grad had returned this rank's part silently."""
+    for error in pools[2].run(TP.autograd_grad_refused).results:
+        assert error is not None and "call loss.backward() and read .grad" in error, error
+
+
 @SP
 def test_a_weight_frozen_before_splitting_stays_frozen(pools, sequence_parallel):
     """As torch's parallelize_module keeps requires_grad: a split layer's weight had come

@@ -448,3 +448,15 @@ def after_a_failed_backward(ctx):
     F.cross_entropy(reference(x).flatten(0, 1), y.flatten()).backward()
     vocab_parallel_cross_entropy(split(x), y, ctx.group, CONFIG.vocab).backward()
     check_params(ctx, split, reference)
+
+
+def autograd_grad_refused(ctx):
+    """Sequence parallelism: torch.autograd.grad of a replicated weight. Its error."""
+    split = apply_tensor_parallel(gpt(CONFIG), GPT_PLAN, ctx.group, sequence_parallel=True)
+    x, y = progressions(B, T, CONFIG.vocab)
+    loss = vocab_parallel_cross_entropy(split(x), y, ctx.group, CONFIG.vocab)
+    try:
+        torch.autograd.grad(loss, [split.ln_f.weight])
+    except RuntimeError as e:
+        return str(e)
+    return None

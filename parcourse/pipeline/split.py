@@ -11,7 +11,7 @@ gradient. W needs the gradient that reached each operation using a weight, the
 only to weights. A hook on each keeps the gradients that reach it during I; W then
 runs those nodes again from the kept gradients, for their weight edges only:
 
-    W:  torch.autograd.grad(boundary outputs, weights, kept gradients)
+    W:  torch.autograd.backward(boundary outputs, kept gradients, inputs=weights)
 
 one call per group of boundary nodes that share weights (one call for all would
 also run the input path between them again). The graph stays alive from I to W:
@@ -74,10 +74,13 @@ class WeightGradient:
 
     def __call__(self) -> None:
         """W: accumulate every weight's gradient into `.grad`, then let the graph go."""
+        # Into .grad through backward(inputs=...), not autograd.grad and an addition: a
+        # weight's hooks then see a backward, as without the split (sequence
+        # parallelism sums its replicated weights' gradients at a backward's end).
         if self.output is not None:
             leaves = [w for w in self.weights if w.requires_grad]
-            grads = torch.autograd.grad(self.output, leaves, self.grad, allow_unused=True)
-            _accumulate(leaves, grads)
+            if leaves:
+                torch.autograd.backward(self.output, self.grad, inputs=leaves)
         for boundary, leaf_nodes in self.groups:
             outputs, grads_out = [], []
             for node in boundary:
@@ -92,25 +95,13 @@ class WeightGradient:
             pins = [node.register_prehook(lambda _, kept=self.kept[node]: kept)
                     for node in boundary if node in self.kept] if len(boundary) > 1 else []
             try:
-                leaves = [self.of_node[n] for n in leaf_nodes]
-                grads = torch.autograd.grad(outputs, [GradientEdge(n, 0) for n in leaf_nodes],
-                                            grads_out, retain_graph=True, allow_unused=True)
+                torch.autograd.backward(outputs, grads_out, retain_graph=True,
+                                        inputs=[self.of_node[n] for n in leaf_nodes])
             finally:
                 for pin in pins:
                     pin.remove()
-            _accumulate(leaves, grads)
         self.output = self.grad = None
         self.groups, self.kept, self.of_node = [], {}, {}
-
-
-def _accumulate(weights: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
-    for w, g in zip(weights, grads):
-        if g is None:
-            continue
-        if w.grad is None:
-            w.grad = g.detach().clone() if g.requires_grad else g
-        else:
-            w.grad += g
 
 
 def input_gradient(output: torch.Tensor, grad: torch.Tensor | None, input: torch.Tensor,

@@ -17,6 +17,8 @@ sum over ranks of this backward's contributions.
 from __future__ import annotations
 
 import functools
+import weakref
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -32,15 +34,37 @@ class ReplicatedGradSync:
         self.params, self.comm = params, comm
         self._new: dict[int, torch.Tensor] = {}  # this backward's contribution, by param
         self._before: dict[int, torch.Tensor | None] = {}  # .grad before this backward
-        self._backward: int | None = None  # the backward whose end will sum them
+        self._queued: weakref.ref[Callable[[], None]] | None = None  # the sum to come
         self.handles = [p.register_hook(functools.partial(self._arrived, p)) for p in params]
 
     def _arrived(self, p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
-        now = torch._C._current_graph_task_id()
-        if self._backward != now:  # this backward's first: sum at its end. What an
-            # earlier backward left (one that raised, so its end never came) is dropped.
-            self._new, self._before, self._backward = {}, {}, now
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        # Asked whether this backward will run the parameter's gradient accumulator, the
+        # engine refuses when it is torch.autograd.grad, which returns gradients instead
+        # of accumulating them (the accumulator is looked up, not held: held, it would
+        # keep the parameter, and the model, alive through a reference gc cannot see).
+        with torch.enable_grad():  # backward runs hooks without it
+            accumulator = p.view_as(p).grad_fn.next_functions[0][0]
+        try:
+            torch._C._will_engine_execute_node(accumulator)
+        except RuntimeError as e:  # raised for a leaf under torch.autograd.grad only
+            raise RuntimeError(
+                "under sequence parallelism a replicated parameter's gradient (a "
+                "LayerNorm's, a bias's, the position embedding's) is this rank's tokens' "
+                "part until loss.backward() sums it over the ranks at its end; "
+                "torch.autograd.grad would return that part alone: call loss.backward() "
+                "and read .grad") from e
+        if self._queued is None or self._queued() is None:
+            # The first gradient since the last sum: sum at this backward's end. A sum
+            # queued by a backward that raised is gone with it (autograd drops a failed
+            # backward's callbacks): what that backward left is dropped too. (Held
+            # weakly, a queued sum lives as long as its backward: a checkpoint's
+            # backward inside it adds to it, and does not start another.)
+            def end_of_backward() -> None:
+                self._end_of_backward()
+
+            self._new, self._before = {}, {}
+            self._queued = weakref.ref(end_of_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(end_of_backward)
         if id(p) not in self._before:
             self._before[id(p)] = None if p.grad is None else p.grad.clone()
             self._new[id(p)] = grad
@@ -65,4 +89,4 @@ class ReplicatedGradSync:
                 p.grad = grad.clone()
             else:
                 p.grad.copy_(grad)
-        self._new, self._before, self._backward = {}, {}, None
+        self._new, self._before, self._queued = {}, {}, None

@@ -6,7 +6,11 @@ runs the stage and sends the output on; a backward receives the gradient of
 that output, backpropagates through the saved graph, sends the gradient of the
 input back and frees the microbatch's activations. The loss of each microbatch
 is divided by the number of microbatches, so the gradients add up to those of
-one process on the whole batch; the caller steps the optimizer afterwards.
+one process on the whole batch when the loss is a mean over its rows (as torch's
+schedules do with scale_grads; a loss with reduction="sum" comes out 1/m of one
+process's, and so do its gradients); the caller steps the optimizer afterwards.
+Gradients accumulate over steps until the caller zeroes them, as with backward().
+A step always runs backward: there is no forward-only (evaluation) step.
 
 Messages go through a `parcourse.comm.Comm` (`send`, `recv`): bytes counted on the
 tracer, a simulated link when one is given, CUDA tensors staged through host

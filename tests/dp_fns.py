@@ -119,3 +119,38 @@ def traced_step(ctx, overlap, latency_us=2000.0):
     for _ in range(2):
         ddp(x).square().mean().backward()
     return len(ddp.buckets)
+
+
+class BatchNormNet(nn.Module):
+    """A BatchNorm between two layers: running statistics that each rank updates from
+    its own rows."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.bn, self.out = nn.Linear(7, 13), nn.BatchNorm1d(13), nn.Linear(13, 5)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.bn(self.inp(x))))
+
+
+def buffers_after_training(ctx, impl, steps=3):
+    """Three SGD steps of BatchNormNet under `impl` (ours, or torch's DDP), then an
+    evaluation forward: the state (buffers included) and the evaluation's output."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    net = BatchNormNet()
+    wrap = {"naive": NaiveDataParallel, "bucketed": BucketedDataParallel,
+            "torch": lambda m, g: DistributedDataParallel(m, process_group=g)}[impl]
+    model = wrap(net, ctx.group)
+    x, y = data(16)
+    x, y = shard(x, ctx.rank, ctx.world_size), shard(y, ctx.rank, ctx.world_size)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        out = model(data(4, seed=5)[0])
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}, out

@@ -124,3 +124,18 @@ def test_bad_arguments_are_refused(pools):
         pools[2].run(make, algorithm="tree")
     with pytest.raises(RankError, match="simulated link needs algorithm='ring'"):
         pools[2].run(make, link=SimulatedLink(0.001))
+
+
+@pytest.mark.parametrize("impl", ["naive", "bucketed"])
+def test_buffers_follow_the_first_rank_as_with_ddp(pools, impl):
+    """broadcast_buffers, as DDP's default: each forward after a training forward starts
+    from the first rank's BatchNorm statistics, so every rank ends with torch's DDP's
+    buffers and evaluates alike (each rank had kept its own)."""
+    want = pools[2].run(F.buffers_after_training, "torch").results
+    got = pools[2].run(F.buffers_after_training, impl).results
+    for (state, out), (want_state, want_out) in zip(got, want):
+        for name in want_state:
+            torch.testing.assert_close(state[name], want_state[name], rtol=1e-5, atol=1e-6,
+                                       msg=name)
+        torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[0][1], got[1][1])

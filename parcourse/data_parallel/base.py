@@ -1,7 +1,9 @@
 """What every data-parallel wrapper here shares with torch's DistributedDataParallel.
 
 - The same weights everywhere: parameters and buffers are broadcast from the
-  group's first rank when the wrapper is made.
+  group's first rank when the wrapper is made; with `broadcast_buffers` (the data-
+  parallel wrappers' default, as DDP's) the buffers again before each forward that follows
+  a training forward.
 - `forward` passes through to `.module`.
 - Gradients are synchronized when `loss.backward()` returns. A hook on each
   parameter (`register_post_accumulate_grad_hook`) tells the wrapper when that
@@ -58,9 +60,11 @@ class GradSyncModule(nn.Module, ABC):
     """Base of the data-parallel wrappers: hooks, no_sync, the end-of-backward callback."""
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None,
-                 tracer: Tracer | None) -> None:
+                 tracer: Tracer | None, broadcast_buffers: bool = False) -> None:
         super().__init__()
         self.module = module
+        self.broadcast_buffers = broadcast_buffers
+        self._buffers_due = False  # broadcast at construction; again after a training forward
         self.group, self.rank, self.world_size = group_info(group)
         self.tracer = tracer
         self.sync_enabled = True
@@ -87,6 +91,14 @@ class GradSyncModule(nn.Module, ABC):
                 "unfreezing (frozen parameters take no part in synchronization)")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.broadcast_buffers and self._buffers_due:
+            # As DDP's broadcast_buffers: a forward after a training forward (evaluation
+            # too) starts from the first rank's buffers (BatchNorm's running statistics).
+            src = global_rank(self.group, 0)
+            with torch.no_grad():
+                for b in self.module.buffers():
+                    dist.broadcast(b, src=src, group=self.group)
+        self._buffers_due = torch.is_grad_enabled() and self.sync_enabled
         out = self.module(*args, **kwargs)
         if self.tracer is not None and torch.is_grad_enabled():
             first = next((t for t in tensors_in(out) if t.requires_grad), None)

@@ -93,13 +93,13 @@ class BucketedDataParallel(GradSyncModule):
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, *,
                  bucket_mb: float = 25.0, overlap: bool = True,
                  algorithm: Algorithm = "torch", link: SimulatedLink | None = None,
-                 tracer: Tracer | None = None) -> None:
+                 tracer: Tracer | None = None, broadcast_buffers: bool = True) -> None:
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
         # The end time of each bucket's all-reduce only for a trace: timing it is a
         # callback on the backend's thread.
         comm = Comm(group, link=link, algorithm=algorithm, timed=tracer is not None)
-        super().__init__(module, group, tracer)
+        super().__init__(module, group, tracer, broadcast_buffers)
         self.comm = comm
         self.bucket_mb, self.overlap = bucket_mb, overlap
         self.buckets = make_buckets(self.sync_params, bucket_mb)

@@ -31,9 +31,9 @@ class NaiveDataParallel(GradSyncModule):
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, *,
                  algorithm: Algorithm = "torch", link: SimulatedLink | None = None,
-                 tracer: Tracer | None = None) -> None:
+                 tracer: Tracer | None = None, broadcast_buffers: bool = True) -> None:
         comm = Comm(group, link=link, algorithm=algorithm)  # checks them before anything moves
-        super().__init__(module, group, tracer)
+        super().__init__(module, group, tracer, broadcast_buffers)
         self.comm = comm
         self._pending = False
 

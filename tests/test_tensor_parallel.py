@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import tp_fns as TP
+from parcourse import RankError
 from parcourse.comm import SimulatedLink
 from parcourse.experiments.tensor_parallel import (
     check_g,
@@ -225,6 +226,13 @@ def test_autograd_grad_of_a_replicated_weight_is_refused(pools):
     end of loss.backward(); torch.autograd.grad had returned this rank's part silently."""
     for error in pools[2].run(TP.autograd_grad_refused).results:
         assert error is not None and "call loss.backward() and read .grad" in error, error
+
+
+def test_a_replicated_weight_unfrozen_after_splitting_is_refused(pools):
+    """Under sequence parallelism a LayerNorm frozen at the split has no hook to sum its
+    gradient over tp; unfrozen later it would train on this rank's tokens alone."""
+    with pytest.raises(RankError, match="ln_f.weight, ln_f.bias did not require a gradient"):
+        pools[2].run(TP.thawed_after_splitting)
 
 
 @SP

@@ -460,3 +460,12 @@ def autograd_grad_refused(ctx):
     except RuntimeError as e:
         return str(e)
     return None
+
+
+def thawed_after_splitting(ctx):
+    """Sequence parallelism: ln_f frozen at the split, unfrozen after, then a forward."""
+    model = gpt(CONFIG)
+    model.ln_f.requires_grad_(False)
+    split = apply_tensor_parallel(model, GPT_PLAN, ctx.group, sequence_parallel=True)
+    split.ln_f.requires_grad_(True)
+    split(progressions(B, T, CONFIG.vocab)[0])

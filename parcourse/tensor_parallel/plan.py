@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -246,3 +246,17 @@ def _sum_replicated_grads(model: nn.Module, comm: TPComm) -> None:
     split = {id(p) for p in sharded_parameters(model)}
     ReplicatedGradSync([p for p in model.parameters() if id(p) not in split and p.requires_grad],
                        comm)
+    frozen = [(n, p) for n, p in model.named_parameters()
+              if id(p) not in split and not p.requires_grad]
+
+    def check_frozen(module: nn.Module, args: Any) -> None:
+        # A replicated parameter frozen at the split has no hook: unfrozen, its gradient
+        # would stay this rank's tokens' part. Refuse rather than train on it.
+        thawed = [n for n, p in frozen if p.requires_grad]
+        if thawed:
+            raise ValueError(f"{', '.join(thawed)} did not require a gradient when the model "
+                             "was split with sequence parallelism and now does: split it "
+                             "after unfreezing (its gradient would not be summed over tp)")
+
+    if frozen:
+        model.register_forward_pre_hook(check_frozen)

@@ -106,13 +106,13 @@ def _replay(rng: _RngState | None) -> AbstractContextManager[None]:
 
 
 def _autocast_now() -> list[tuple[str, dict[str, Any]]]:
-    """The autocast regions the first run is in (CPU, and CUDA where there is one): the
-    recomputation runs in the same, as torch's checkpoint does; without them it would
-    compute in other dtypes than the forward it stands in for."""
+    """Autocast as the first run found it, on or off (CPU, and CUDA where there is one):
+    the recomputation runs the same, as torch's checkpoint does, whatever region the
+    backward is called in; else it would compute in other dtypes than the forward it
+    stands in for."""
     devices = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
-    return [(d, {"enabled": True, "dtype": torch.get_autocast_dtype(d),
-                 "cache_enabled": torch.is_autocast_cache_enabled()})
-            for d in devices if torch.is_autocast_enabled(d)]
+    return [(d, {"enabled": torch.is_autocast_enabled(d), "dtype": torch.get_autocast_dtype(d),
+                 "cache_enabled": torch.is_autocast_cache_enabled()}) for d in devices]
 
 
 @contextmanager

@@ -134,7 +134,8 @@ def train_on_corpus(ctx: Any, s: TrainSettings, corpus_dir: str, out: str | None
     model = Hybrid(gpt(config, seed=s.seed), mesh, schedule=s.schedule,
                    microbatches=s.microbatches, zero=s.zero, max_norm=s.clip,  # type: ignore[arg-type]
                    optimizer=lambda ps: torch.optim.AdamW(ps, lr=s.lr,
-                                                          weight_decay=s.weight_decay))
+                                                          weight_decay=s.weight_decay),
+                   seed=s.seed)
     loader = ShardedLoader(corpus.train, s.block_size, s.batch, replica=mesh.coordinate("dp"),
                            replicas=s.dp, seed=s.seed)
     val_x, val_y = ShardedLoader(corpus.val if len(corpus.val) > s.block_size * s.eval_batch

@@ -131,3 +131,14 @@ def dropout_masks(ctx, shape):
             m.register_forward_hook(record)
     model.step(*progressions(BATCH, config.block_size, config.vocab))
     return {a: mesh.coordinate(a) for a in ("dp", "pp", "tp")}, drawn
+
+
+def thawed_after_hybrid(ctx):
+    """tp 2 with sequence parallelism: ln_f frozen when Hybrid is built, unfrozen after,
+    then a step."""
+    model = gpt(CONFIG)
+    model.ln_f.requires_grad_(False)
+    hybrid = Hybrid(model, Mesh({"tp": 2}, ctx.group), microbatches=2,
+                    sequence_parallel=True)
+    hybrid.model.ln_f.requires_grad_(True)
+    hybrid.step(*progressions(BATCH, CONFIG.block_size, CONFIG.vocab))

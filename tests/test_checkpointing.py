@@ -345,3 +345,20 @@ def test_recomputation_runs_in_the_first_runs_autocast(how):
         got = grads(lambda: recompute_from_input(layers, x))
     for a, b in zip(got, plain):
         assert torch.equal(a, b)
+
+
+def test_recomputation_leaves_out_an_autocast_the_first_run_was_not_in():
+    """A forward outside autocast, its backward called inside one: the recomputation runs
+    as the forward did (autocast off), as torch's checkpoint does."""
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    x = torch.randn(8, 16, requires_grad=True)
+
+    def grad(wrapped):
+        layer.zero_grad(set_to_none=True)
+        y = wrapped()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y.square().sum().backward()
+        return layer[0].weight.grad.clone()
+
+    assert torch.equal(grad(lambda: checkpoint(layer, x)), grad(lambda: layer(x)))

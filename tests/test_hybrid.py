@@ -10,8 +10,8 @@ stay below 1e-5.
 import pytest
 import torch
 
-from hybrid_fns import dropout_masks, one_process, train
-from parcourse import Pool
+from hybrid_fns import dropout_masks, one_process, thawed_after_hybrid, train
+from parcourse import Pool, RankError
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 EXPECTED = {}
@@ -284,3 +284,11 @@ def test_dropout_masks_differ_across_replicas_and_stages(pools, shape):
         assert not any("attn_drop" in a for a, _ in same)  # each rank's own heads
     else:
         assert not same, same
+
+
+def test_a_replicated_weight_unfrozen_after_building_is_refused(pools):
+    """The refusal sits on the module that holds the weight, so a pipeline's stages (which
+    never run the whole model) meet it: unfrozen after the split, ln_f's gradient would
+    be each tp rank's own tokens' part."""
+    with pytest.raises(RankError, match="ln_f.weight, ln_f.bias did not require a gradient"):
+        pools[2].run(thawed_after_hybrid)

@@ -345,6 +345,15 @@ def test_a_layer_unfrozen_after_wrapping_is_refused(pools, kind):
         pools[2].run(Z.thawed_after_wrapping, kind)
 
 
+@pytest.mark.parametrize("kind", ["ddp", "zero"])
+def test_wrapping_again_after_unfreezing_works(pools, kind):
+    """What the refusal says to do: drop the wrapper, unfreeze, wrap again. The dropped
+    wrapper's hooks on the module go with it (held strongly, they had kept it alive,
+    refusing and syncing on the new one's forwards)."""
+    first, second = pools[2].run(Z.rewrapped_after_unfreezing, kind).results
+    assert (first is second is None) if kind == "zero" else torch.equal(first, second)
+
+
 def test_a_dropped_model_is_freed(pools):
     """A wrapper dropped after training is freed, as torch's are. Its gradient hooks had
     held it through a list the garbage collector cannot see, so a pool's ranks, which

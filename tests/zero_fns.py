@@ -514,3 +514,32 @@ def thawed_after_wrapping(ctx, kind):
         zero.ZeroModel(net, 1, ctx.group)
     net.inp.requires_grad_(True)
     model(data(4)[0])
+
+
+def rewrapped_after_unfreezing(ctx, kind):
+    """`inp` frozen when wrapped (our DDP, or ZeRO-1), a step, the wrapper dropped, `inp`
+    unfrozen and the module wrapped again (as the refusal says to): under DDP `inp`'s
+    gradient after a backward, which must be the same on every rank (ZeRO: None)."""
+    import gc
+
+    from parcourse.data_parallel import NaiveDataParallel
+
+    def wrap(net):
+        return NaiveDataParallel(net, ctx.group) if kind == "ddp" else \
+            zero.ZeroModel(net, 1, ctx.group)
+
+    net = Net()
+    net.inp.requires_grad_(False)
+    x, y = local_batch(ctx, 8)
+    model = wrap(net)
+    nn.functional.mse_loss(model(x), y).backward()
+    del model
+    gc.collect()
+    net.inp.requires_grad_(True)
+    for p in net.parameters():
+        p.grad = None
+    model = wrap(net)
+    nn.functional.mse_loss(model(x), y).backward()
+    if kind != "ddp":  # each rank holds its own rows' gradient: the forward ran, unrefused
+        return None
+    return net.inp.weight.grad.clone()

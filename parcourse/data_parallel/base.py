@@ -34,17 +34,18 @@ from parcourse.trace import Tracer
 
 
 
-def _weakly(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
-    """A parameter's post-accumulate-grad hook that holds its wrapper weakly. Held
-    strongly, the cycle (wrapper -> module -> parameter -> hook -> wrapper) passes
-    through a hook list the garbage collector cannot see, so a wrapper would never be
-    freed: a pool's ranks, which live on between runs, would keep every model built."""
+def weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A hook that calls a wrapper's method through a weak reference. A parameter's
+    post-accumulate-grad hook held strongly closes a cycle (wrapper -> module ->
+    parameter -> hook -> wrapper) through a list the garbage collector cannot see, so a
+    wrapper would never be freed, and a pool's ranks, which live on between runs, would
+    keep every model built; a module's forward hook held strongly keeps a dropped
+    wrapper alive as long as its module, still syncing and checking it."""
     ref = weakref.WeakMethod(method)
 
-    def hook(param: torch.Tensor) -> None:
+    def hook(*args: Any) -> Any:
         bound = ref()
-        if bound is not None:
-            bound(param)
+        return None if bound is None else bound(*args)
     return hook
 
 
@@ -73,12 +74,12 @@ class GradSyncModule(nn.Module, ABC):
         broadcast_module(module, self.group)
         # Frozen parameters never get gradients; they take no part in synchronization.
         self.sync_params = [p for p in module.parameters() if p.requires_grad]
-        self._hooks = [p.register_post_accumulate_grad_hook(_weakly(self._hook))
+        self._hooks = [p.register_post_accumulate_grad_hook(weakly(self._hook))
                        for p in self.sync_params]
         synced = {id(p) for p in self.sync_params}
         self._frozen = [(name, p) for name, p in module.named_parameters()
                         if id(p) not in synced]
-        module.register_forward_pre_hook(self._check_frozen)
+        module.register_forward_pre_hook(weakly(self._check_frozen))
 
     def _check_frozen(self, module: nn.Module, args: Any) -> None:
         """A parameter frozen when the wrapper was made has no hook and is in no bucket

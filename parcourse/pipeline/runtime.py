@@ -409,7 +409,7 @@ class PipelineRuntime:
 
     def _tied_here(self) -> list[tuple[int, list[torch.nn.Parameter]]]:
         """(k, this rank's copies) of each tied (or copied) weight whose gradient is
-        summed over ranks; a frozen one is left alone, as one process leaves it."""
+        summed over ranks."""
         out = []
         for k, group in self.tied:
             ranks = {self._peer(s) for s in group}
@@ -417,9 +417,7 @@ class PipelineRuntime:
                     for p in [self.stages[s].get_parameter(name)]}
             if not mine or (len(ranks) < 2 and len(mine) < 2):
                 continue  # on one rank, the stages share one Parameter: nothing to add
-            weights = list(mine.values())
-            if weights[0].requires_grad:
-                out.append((k, weights))
+            out.append((k, list(mine.values())))
         return out
 
     def _add_tied_gradients(self) -> None:
@@ -433,12 +431,18 @@ class PipelineRuntime:
             ranks = sorted({self._peer(s) for s in group})
             before = next((self._tied_before[id(w)] for w in weights
                            if id(w) in self._tied_before), None)
-            local = torch.zeros_like(weights[0]).detach()
+            # Flat, with one more element: 1 where this rank's copy is trainable. The ranks
+            # must agree: frozen everywhere, it keeps no gradient, as in one process.
+            flat = torch.zeros(weights[0].numel() + 1, dtype=weights[0].dtype,
+                               device=weights[0].device)
+            local, flag = flat[:-1].view_as(weights[0]), flat[-1:]
+            flag.fill_(float(weights[0].requires_grad))
             for w in weights:
                 if w.grad is not None:
                     local += w.grad.detach()
                     if id(w) in self._tied_before:
                         local -= self._tied_before[id(w)]
+            local = flat
             tag = _tag("T", 0, 0, self.schedule.microbatches, self.schedule.stages) + k
             sends = [self.comm.send(local, r, tag) for r in ranks if r != self.rank]
             parts = []
@@ -454,6 +458,14 @@ class PipelineRuntime:
             total = parts[0].clone()
             for part in parts[1:]:
                 total += part
+            trainable = round(float(total[-1]))
+            if trainable == 0:
+                continue  # frozen on every rank that holds it
+            if trainable != len(ranks):
+                name = next(iter(group.values()))
+                raise RuntimeError(f"the tied weight {name} is frozen on some of ranks "
+                                   f"{ranks} and not on others: freeze it on all or none")
+            total = total[:-1].view_as(weights[0])
             if before is not None:
                 total = before + total
             for w in weights:

@@ -246,17 +246,21 @@ def _sum_replicated_grads(model: nn.Module, comm: TPComm) -> None:
     split = {id(p) for p in sharded_parameters(model)}
     ReplicatedGradSync([p for p in model.parameters() if id(p) not in split and p.requires_grad],
                        comm)
-    frozen = [(n, p) for n, p in model.named_parameters()
-              if id(p) not in split and not p.requires_grad]
+    # A replicated parameter frozen at the split has no hook: unfrozen, its gradient would
+    # stay this rank's tokens' part. The module holding it refuses to run then (its own
+    # module, not the root: a pipeline runs stages, never the whole model).
+    owners: dict[str, list[tuple[str, nn.Parameter]]] = {}
+    for n, p in model.named_parameters():
+        if id(p) not in split and not p.requires_grad:
+            owners.setdefault(n.rpartition(".")[0], []).append((n, p))
+    for owner, frozen in owners.items():
+        def check_frozen(module: nn.Module, args: Any,
+                         frozen: list[tuple[str, nn.Parameter]] = frozen) -> None:
+            thawed = [n for n, p in frozen if p.requires_grad]
+            if thawed:
+                raise ValueError(f"{', '.join(thawed)} did not require a gradient when the "
+                                 "model was split with sequence parallelism and now does: "
+                                 "split it after unfreezing (its gradient would not be "
+                                 "summed over tp)")
 
-    def check_frozen(module: nn.Module, args: Any) -> None:
-        # A replicated parameter frozen at the split has no hook: unfrozen, its gradient
-        # would stay this rank's tokens' part. Refuse rather than train on it.
-        thawed = [n for n, p in frozen if p.requires_grad]
-        if thawed:
-            raise ValueError(f"{', '.join(thawed)} did not require a gradient when the model "
-                             "was split with sequence parallelism and now does: split it "
-                             "after unfreezing (its gradient would not be summed over tp)")
-
-    if frozen:
-        model.register_forward_pre_hook(check_frozen)
+        model.get_submodule(owner).register_forward_pre_hook(check_frozen)

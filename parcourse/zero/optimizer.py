@@ -59,9 +59,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.local = self._class(local_groups, **self._defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """As torch's: a group added later (unfrozen layers, say) is trained too. Its
-        tensors go to owners as at construction (largest first, to the least-loaded
-        rank), where the others already are."""
+        """As torch's: a group added later (layers a fine-tuning schedule hands to the
+        optimizer part way, say) is trained too. Its tensors go to owners as at
+        construction (largest first, to the least-loaded rank), where the others are."""
         super().add_param_group(param_group)
         if not self._built:  # the constructor's own groups: owners are assigned after
             return

@@ -43,7 +43,7 @@ from torch import nn
 
 from parcourse.comm import Algorithm, Comm, Pending
 from parcourse.comm.link import Network
-from parcourse.data_parallel.base import GradSyncModule
+from parcourse.data_parallel.base import GradSyncModule, weakly
 from parcourse.data_parallel.bucketed import group_by_size
 from parcourse.trace import Tracer
 import parcourse.zero.clip as clip
@@ -120,7 +120,7 @@ class ZeroStage1(GradSyncModule):
         self._kept_ready = False
         mark_sharded_away(sharded)
         self._follows = {id(p): True for p in sharded}
-        module.register_forward_pre_hook(self._follow_requires_grad)
+        module.register_forward_pre_hook(weakly(self._follow_requires_grad))
         self._install_gathers(module)
         if self.compute_dtype is not None:  # run in their own dtype; hand back 16 bits
             keep_in_own_dtype(keep_modules, self.compute_dtype)
@@ -140,7 +140,7 @@ class ZeroStage1(GradSyncModule):
         an optimizer stepped since the last one. The hook is the module's, not the
         wrapper's: a loop that calls the module itself, as FSDP2's `fully_shard` allows,
         sees the new weights too."""
-        module.register_forward_pre_hook(self._gather_if_stepped)
+        module.register_forward_pre_hook(weakly(self._gather_if_stepped), prepend=True)
 
     def _follow_requires_grad(self, module: nn.Module, args: Any) -> None:
         """A shard and its module parameter are two tensors: whichever one's

@@ -135,6 +135,7 @@ class PipelineRuntime:
         self.schedule, self.stages, self.loss_fn = schedule, stages, loss_fn
         # (tag, {stage: parameter name}): the weights whose gradients ranks add up.
         self.tied = _gradient_groups(schedule, stages, tied)
+        self._tied_local = self._tied_here()  # fixed with the stages: found once
         self._loss_tag = len(tied)  # the one offset among the tied groups' tags left free
         # The runtime's own spans (F, B, I, W, waits) go to `tracer`, its messages to the
         # Comm's (the same one unless told otherwise).
@@ -304,8 +305,9 @@ class PipelineRuntime:
         self._posted: dict[Action, tuple[Any, torch.Tensor]] = {}
         # What the tied weights' gradients held before this step (accumulation over
         # steps): only what this step adds is summed over their ranks.
-        self._tied_before = {id(w): w.grad.detach().clone() for _, ws in self._tied_here()
-                             for w in ws if w.grad is not None}
+        self._tied_before = {id(w): w.grad.detach().clone()
+                             for *_, weights in self._tied_local
+                             for w in weights if w.grad is not None}
         actions = self.schedule.actions[self.rank]
         for k, action in enumerate(actions):
             try:
@@ -407,17 +409,17 @@ class PipelineRuntime:
             w.wait()
         return total
 
-    def _tied_here(self) -> list[tuple[int, list[torch.nn.Parameter]]]:
-        """(k, this rank's copies) of each tied (or copied) weight whose gradient is
-        summed over ranks."""
+    def _tied_here(self) -> list[tuple[int, list[int], str, list[torch.nn.Parameter]]]:
+        """(tag offset, the ranks that hold it, a name, this rank's copies) of each tied
+        (or copied) weight whose gradient is summed over ranks and held here."""
         out = []
         for k, group in self.tied:
-            ranks = {self._peer(s) for s in group}
+            ranks = sorted({self._peer(s) for s in group})
             mine = {id(p): p for s, name in sorted(group.items()) if s in self.stages
                     for p in [self.stages[s].get_parameter(name)]}
             if not mine or (len(ranks) < 2 and len(mine) < 2):
                 continue  # on one rank, the stages share one Parameter: nothing to add
-            out.append((k, list(mine.values())))
+            out.append((k, ranks, next(iter(group.values())), list(mine.values())))
         return out
 
     def _add_tied_gradients(self) -> None:
@@ -426,23 +428,20 @@ class PipelineRuntime:
         (DualPipe's embedding of one copy and head of the other) adds its own first.
         Only what this step added is summed: a gradient kept from an earlier step
         (accumulation) was summed then, and is the same on every copy."""
-        for k, weights in self._tied_here():
-            group = dict(self.tied)[k]
-            ranks = sorted({self._peer(s) for s in group})
+        for k, ranks, name, weights in self._tied_local:
             before = next((self._tied_before[id(w)] for w in weights
                            if id(w) in self._tied_before), None)
             # Flat, with one more element: 1 where this rank's copy is trainable. The ranks
             # must agree: frozen everywhere, it keeps no gradient, as in one process.
-            flat = torch.zeros(weights[0].numel() + 1, dtype=weights[0].dtype,
-                               device=weights[0].device)
-            local, flag = flat[:-1].view_as(weights[0]), flat[-1:]
-            flag.fill_(float(weights[0].requires_grad))
+            local = torch.zeros(weights[0].numel() + 1, dtype=weights[0].dtype,
+                                device=weights[0].device)
+            grad = local[:-1].view_as(weights[0])
+            local[-1] = float(weights[0].requires_grad)
             for w in weights:
                 if w.grad is not None:
-                    local += w.grad.detach()
+                    grad += w.grad.detach()
                     if id(w) in self._tied_before:
-                        local -= self._tied_before[id(w)]
-            local = flat
+                        grad -= self._tied_before[id(w)]
             tag = _tag("T", 0, 0, self.schedule.microbatches, self.schedule.stages) + k
             sends = [self.comm.send(local, r, tag) for r in ranks if r != self.rank]
             parts = []
@@ -462,7 +461,6 @@ class PipelineRuntime:
             if trainable == 0:
                 continue  # frozen on every rank that holds it
             if trainable != len(ranks):
-                name = next(iter(group.values()))
                 raise RuntimeError(f"the tied weight {name} is frozen on some of ranks "
                                    f"{ranks} and not on others: freeze it on all or none")
             total = total[:-1].view_as(weights[0])

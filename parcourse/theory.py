@@ -1,7 +1,7 @@
 """Every formula that a lesson's chart, an exercise check or a benchmark compares a
 measurement with, in one place. Pure arithmetic: no processes, nothing sent.
 
-One file on purpose, about 500 lines: it is not read front to back but looked up, by
+One file on purpose, about 600 lines: it is not read front to back but looked up, by
 the section headers below (collectives, ZeRO, checkpointing, tensor parallelism and
 the mesh, pipelines), and keeping every formula together is what lets a
 learner see that each chart's dashed line is arithmetic and nothing else.

@@ -142,3 +142,18 @@ def thawed_after_hybrid(ctx):
                     sequence_parallel=True)
     hybrid.model.ln_f.requires_grad_(True)
     hybrid.step(*progressions(BATCH, CONFIG.block_size, CONFIG.vocab))
+
+
+def bad_sizes(ctx):
+    """What Hybrid says to three shapes the GPT cannot take, caught on every rank (each is
+    refused alike everywhere before any message), so one run answers all three."""
+    said = []
+    for shape, microbatches in (({"dp": 1, "tp": 8, "pp": 1}, 2), ({"dp": 1, "tp": 1, "pp": 8}, 2),
+                                ({"dp": 4, "tp": 2, "pp": 1}, 4)):
+        try:
+            train(ctx, shape, microbatches=microbatches, steps=1)
+        except ValueError as e:
+            said.append(str(e))
+        else:
+            said.append("trained")
+    return said

@@ -39,8 +39,10 @@ def pytest_collection_modifyitems(config, items):
     """A lesson that tests/test_browser.py runs (small parameters at world size 3, in a
     real kernel, failing on any cell's error) is not also executed by papermill: nbval
     still runs it at its defaults (world size 4), and papermill's two runs (world sizes
-    2 and 3) would cost CI about 35 s a lesson. Without Chromium the browser test module
-    skips, collects nothing, and papermill's runs stay."""
+    2 and 3) would cost CI about 35 s a lesson. The browser test also tries the panels at
+    their controls' ends in its kernel, so papermill's run of the lesson for that goes
+    too (15-25 s a lesson). Without Chromium the browser test module skips, collects
+    nothing, and papermill's runs stay."""
     def name(item):
         return getattr(item, "originalname", None)
 
@@ -48,7 +50,10 @@ def pytest_collection_modifyitems(config, items):
                   if name(item) == "test_lesson_in_the_browser"}
     for item in items:
         if (name(item) in ("test_lesson_executes_with_small_parameters",
-                           "test_lesson_executes_at_world_size_3")
+                           "test_lesson_executes_at_world_size_3",
+                           "test_panels_run_at_their_controls_ends")
                 and item.callspec.id in in_browser):
-            item.add_marker(pytest.mark.skip(
-                reason="tests/test_browser.py runs this lesson (small, world size 3)"))
+            reason = "tests/test_browser.py runs this lesson (small, world size 3)"
+            if name(item) == "test_panels_run_at_their_controls_ends":
+                reason = "tests/test_browser.py tries these panels at their ends"
+            item.add_marker(pytest.mark.skip(reason=reason))

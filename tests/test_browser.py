@@ -8,7 +8,9 @@ and the test checks:
 
 - no cell shows an error, and every cell that ends in plt.show() shows a loaded image;
 - every RunPanel renders; one of its controls is moved, Run is clicked, and the panel's
-  output shows a figure and its status line a finished run (ranks, backend, time).
+  output shows a figure and its status line a finished run (ranks, backend, time);
+- in the lessons of tests/test_lessons.py's EDGES_TRIED, every panel then runs at each
+  control's ends, in the same kernel (in CI this stands in for papermill's run of it).
 
 Screenshots go to out/browser/ (git-ignored; CI keeps it): the whole notebook after Run All,
 each panel after its run, and the page at a failure. Progress lines (lesson, cell, seconds)
@@ -35,7 +37,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_lessons import AWKWARD, LESSONS, SMALL
+from test_lessons import AWKWARD, EDGES_TRIED, LESSONS, PANELS_AT_THEIR_EDGES, SMALL
 
 sync_api = pytest.importorskip(
     "playwright.sync_api", reason="playwright is not installed (pip install -e '.[test]')"
@@ -55,6 +57,7 @@ KERNEL_START_S = 120
 CELL_TIMEOUT_S = 180
 LESSON_TIMEOUT_S = 420
 PANEL_RUN_S = 120
+EDGES_S = 300  # every panel of lesson 07 at its controls' ends: about 80 s on 2 cores
 VIEWPORT = {"width": 1280, "height": 1000}
 SHOT_MAX_H = 8000  # taller notebooks are saved in parts of this height
 
@@ -292,6 +295,19 @@ PANEL_DONE = """([name, index, before]) => {""" + FIND + """
     return output.innerHTML !== before && !button.disabled
         && w.sessionContext.session.kernel.status === 'idle';
 }""".replace("PANEL", json.dumps(PANEL))
+# Code run in the lesson's kernel, out of the notebook's sight (no cell, no history): its
+# status and any error, or 'timeout' after `ms`.
+EXECUTE = """async ([name, code, ms]) => {""" + FIND + """
+    const future = w.sessionContext.session.kernel.requestExecute(
+        {code, store_history: false, silent: false});
+    const done = future.done.then(reply => ({
+        status: reply.content.status,
+        error: reply.content.status === 'error'
+            ? `${reply.content.ename}: ${reply.content.evalue}` : null}));
+    const late = new Promise(resolve => setTimeout(
+        () => resolve({status: 'timeout', error: null}), ms));
+    return await Promise.race([done, late]);
+}"""
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 EXPLORER = "Zoom into the timeline, read each span, export"  # widgets/explorer.py's title
 
@@ -492,6 +508,24 @@ def run_panels(page, name: str, lesson: str, expected: int, log: Progress) -> No
             log(f"panel {title!r}: span explorer open")
 
 
+def try_the_panels_ends(page, name: str, lesson: str, log: Progress) -> None:
+    """Where this test runs a lesson, tests/test_lessons.py's trial of every panel at each
+    control's ends runs here, in the lesson's kernel after the clicks (tests/conftest.py
+    skips papermill's run of the whole lesson for it)."""
+    log("every panel at its controls' ends")
+    t0 = time.monotonic()
+    # A launcher tab over the notebook while they run: the page then draws none of the
+    # panels' many figures (a third of the time on 2 cores); the kernel is the same.
+    page.evaluate("() => { window.jupyterapp.commands.execute('launcher:create'); }")
+    result = page.evaluate(EXECUTE, [name, PANELS_AT_THEIR_EDGES, EDGES_S * 1000])
+    if result["status"] == "timeout":
+        fail(page, lesson, f"the panels at their ends: not done after {EDGES_S} s")
+    if result["status"] != "ok":
+        fail(page, lesson, f"the panels at their ends: {ANSI.sub('', result['error'] or '')}")
+    log(f"every panel ran (or refused in one line) at its controls' ends in "
+        f"{time.monotonic() - t0:.1f} s")
+
+
 def open_lesson(page, lab: Lab, name: str, lesson: str, log: Progress) -> None:
     page.goto(f"{lab.url}/lab/tree/{name}?reset&token={lab.token}", timeout=90_000)
     try:
@@ -522,6 +556,8 @@ def test_lesson_in_the_browser(path, lab, browser):
         shots = screenshot_notebook(page, lesson)
         log(f"screenshot {', '.join(p.name for p in shots)}")
         run_panels(page, name, lesson, panels, log)
+        if lesson in EDGES_TRIED:
+            try_the_panels_ends(page, name, lesson, log)
     finally:
         page.close()
         lab.shutdown_kernels()  # and with each kernel, its pool's ranks

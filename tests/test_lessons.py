@@ -72,12 +72,21 @@ def execute(path, out, parameters, then=None):
 
 
 # After a lesson has run, every panel it made runs with each control at each end (one
-# at a time): a panel must run there, or refuse in one line before starting ranks.
+# at a time): a panel must run there, or refuse in one line before starting ranks. The
+# ends are tried from the cheapest start: two ranks (the fewest that talk) and every
+# simulated duration (a control named *_ms) at its minimum, so that an end costs what it
+# adds itself; the start runs first.
 PANELS_AT_THEIR_EDGES = """
 from parcourse.widgets import RunPanel
+def _cheapest(panel):
+    start = {name: c.min for name, c in panel.controls.items() if name.endswith("_ms")}
+    if "world_size" in panel.controls:
+        start["world_size"] = min(max(2, panel.controls["world_size"].min),
+                                  panel.controls["world_size"].max)
+    return start
 panels = {id(v): v for k, v in globals().items()  # not _, _12: IPython's output history
           if isinstance(v, RunPanel) and not k.startswith("_")}
-problems = [p for panel in panels.values() for p in panel.try_edges()]
+problems = [p for panel in panels.values() for p in panel.try_edges(_cheapest(panel))]
 assert not problems, "\\n".join(problems)
 """
 EDGES_TRIED = {"04_zero3", "05_tensor_parallel", "06_pipelines", "07_1f1b_and_beyond",
@@ -98,8 +107,8 @@ def test_lesson_executes_with_small_parameters(path, tmp_path):
                          ids=lambda p: p.stem)
 def test_panels_run_at_their_controls_ends(path, tmp_path):
     """The lesson at its small parameters, then every panel it made at each control's
-    ends (PANELS_AT_THEIR_EDGES). Runs with or without the browser test, which clicks
-    one control of each panel only."""
+    ends (PANELS_AT_THEIR_EDGES). Where tests/test_browser.py runs the lesson, it tries
+    the ends in its own kernel instead (tests/conftest.py)."""
     execute(path, tmp_path / path.name, SMALL[path.stem], then=PANELS_AT_THEIR_EDGES)
 
 

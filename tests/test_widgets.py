@@ -65,6 +65,14 @@ def test_trying_a_panel_at_its_edges_names_what_failed_and_accepts_refusals():
     problems = panel.try_edges()
     assert len(problems) == 1 and problems[0].startswith("edges, bad_rank = 0: ")
     assert panel.params() == {"bad_rank": 5, "flag": False, "op": "fine"}
+    # From a start of its own, which runs first; each end is one move from it (bad_rank 5
+    # now too, and flag fails there: rank 1 still fails).
+    problems = panel.try_edges(start={"bad_rank": 1})
+    assert [p.split(":")[0] for p in problems] == [
+        "edges, bad_rank = 1", "edges, bad_rank = 0", "edges, flag = True"]
+    assert panel.params() == {"bad_rank": 5, "flag": False, "op": "fine"}
+    with pytest.raises(ValueError, match="no control named rank"):
+        panel.try_edges(start={"rank": 1})
 
 
 def test_world_size_control_picks_a_shared_pool():

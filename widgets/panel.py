@@ -176,25 +176,42 @@ class RunPanel:
             ends += [(name, v) for v in dict.fromkeys(values) if v != control.value]
         return ends
 
-    def try_edges(self) -> list[str]:
-        """Run the panel with each control at each of its ends, one at a time from the
-        current values (restored after): what went wrong, one line per failure. A
-        refusal before any rank starts (the panel's `check`: a ValueError in one line)
-        is a right answer; a traceback, or a rank that failed, is not."""
-        start = {name: c.value for name, c in self.controls.items()}
-        problems = []
+    def try_edges(self, start: Mapping[str, Any] | None = None) -> list[str]:
+        """Run the panel with each control at each of its ends, one at a time, from
+        `start` (values for some controls; the others keep their current values), which
+        runs first where it moves a control; every value is restored after. Returns what
+        went wrong, one line per failure. A refusal before any rank starts (the panel's
+        `check`: a ValueError in one line) is a right answer; a traceback, or a rank
+        that failed, is not."""
+        current = {name: c.value for name, c in self.controls.items()}
+        unknown = sorted(set(start or {}) - set(current))
+        if unknown:
+            raise ValueError(f"no control named {', '.join(unknown)}; the panel has "
+                             f"{', '.join(current)}")
+        base = {**current, **(start or {})}
+        problems: list[str] = []
+
+        def attempt(what: str) -> None:
+            self.run()
+            error = self.last_error
+            if error is not None and not (error.startswith("ValueError: ")
+                                          and "\n" not in error.strip()):
+                problems.append(f"{self.title or 'panel'}, {what}: "
+                                f"{error.strip().splitlines()[-1]}")
+
         try:
+            for name, value in base.items():
+                self.controls[name].value = value
+            moved = [f"{name} = {value!r}" for name, value in base.items()
+                     if value != current[name]]
+            if moved:
+                attempt(", ".join(moved))
             for name, value in self.edges():
                 self.controls[name].value = value
-                self.run()
-                error = self.last_error
-                if error is not None and not (error.startswith("ValueError: ")
-                                              and "\n" not in error.strip()):
-                    problems.append(f"{self.title or 'panel'}, {name} = {value!r}: "
-                                    f"{error.strip().splitlines()[-1]}")
-                self.controls[name].value = start[name]
+                attempt(f"{name} = {value!r}")
+                self.controls[name].value = base[name]
         finally:
-            for name, value in start.items():
+            for name, value in current.items():
                 self.controls[name].value = value
         return problems
 

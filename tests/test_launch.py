@@ -1,5 +1,6 @@
 """The launcher: real processes, real process groups, every failure mode."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -264,6 +265,23 @@ def test_ranks_exit_when_the_caller_is_killed(tmp_path):
     while time.time() < deadline and any(psutil.pid_exists(p) for p in pids):
         time.sleep(0.1)
     assert not any(psutil.pid_exists(p) for p in pids), "ranks outlived a killed caller"
+
+
+def test_a_start_removes_the_stack_folders_of_callers_that_are_gone(tmp_path, monkeypatch):
+    """Each start's ranks write their stacks (at a timeout) in parcourse-<pid>-...; a
+    caller killed with its ranks leaves its folder, and the next start anywhere removes
+    it. A live caller's folder stays, and a run's own folder goes with its ranks."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    for pid in (gone.pid, os.getppid()):
+        (tmp_path / f"parcourse-{pid}-left").mkdir()
+        (tmp_path / f"parcourse-{pid}-left" / "rank0.txt").write_text("")
+    assert launch(rank_and_sum, 2).results
+    left = sorted(p.name for p in tmp_path.glob("parcourse-*"))
+    assert left == [f"parcourse-{os.getppid()}-left"]
 
 
 def test_same_function_runs_under_torchrun(tmp_path):

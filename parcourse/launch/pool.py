@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import signal
-import tempfile
 import threading
 import time
 import weakref
@@ -37,7 +36,7 @@ from parcourse.launch.external import external_env, init_external, run_external
 from parcourse.launch.messages import Answer, Done, Failed, Ready, Stop, Task, Unpicklable
 from parcourse.launch.plan import Backend, Device, Plan, Run, make_plan
 from parcourse.launch.processes import (RankProcess, kill_all, main_not_reimported,
-                                        start_context)
+                                        stack_folder, start_context)
 from parcourse.launch.progress import LiveStatus, Progress
 from parcourse.launch.worker import PG_TIMEOUT, STATUS_BYTES, rank_main
 from parcourse.trace import Trace, TraceData
@@ -133,7 +132,7 @@ class Pool:
                                         wait_for_workers=False)
         self._generation += 1
         prefix = f"pool{os.getpid()}-{id(self)}-{self._generation}"
-        stack_dir = tempfile.mkdtemp(prefix="parcourse-")
+        stack_dir = stack_folder()
         for rank in range(self.world_size):
             parent_conn, child_conn = ctx.Pipe()
             life_read, life_write = ctx.Pipe(duplex=False)

@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import shutil
 import sys
+import tempfile
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -56,6 +57,24 @@ def main_not_reimported() -> Iterator[None]:
         yield
     finally:
         sys.modules["__main__"] = main
+
+
+def stack_folder() -> str:
+    """A new folder for one start's stack files, named after this process
+    (parcourse-<pid>-...). Folders that processes now gone left behind are removed
+    first: a caller killed together with its ranks (a kernel and its process group) has
+    no one left to tidy up after it."""
+    for name in os.listdir(tempfile.gettempdir()):
+        parts = name.split("-")
+        if len(parts) != 3 or parts[0] != "parcourse" or not parts[1].isdigit():
+            continue
+        try:
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:  # gone (another user's process raises PermissionError)
+            shutil.rmtree(os.path.join(tempfile.gettempdir(), name), ignore_errors=True)
+        except (PermissionError, OverflowError):
+            pass
+    return tempfile.mkdtemp(prefix=f"parcourse-{os.getpid()}-")
 
 
 def kill_all(ranks: list[RankProcess]) -> None:

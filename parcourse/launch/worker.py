@@ -67,6 +67,7 @@ def _exit_when_parent_dies(lifeline: Any, stack_file: str) -> None:
         pass
     with contextlib.suppress(OSError):
         os.remove(stack_file)
+    with contextlib.suppress(OSError):
         os.rmdir(os.path.dirname(stack_file))  # the last rank out removes the folder
     os._exit(1)
 

@@ -467,6 +467,28 @@ def test_one_mixed_precision_step_is_the_16_bit_reference(pools, stage, dtype):
             assert ((state[name] - value).abs() <= bound).all(), name
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_layer_frozen_before_wrapping_runs_in_16_bits_and_exports_in_32(pools, stage):
+    """Mixed precision with a layer frozen before sharding (fine-tuning's usual start), as
+    fully_shard runs it: the frozen layer's forward sees bf16 weights, the module keeps
+    them in fp32, one step equals the 16-bit reference (the frozen weights exactly as
+    they were) and a reload's new frozen weights are what the next forward uses."""
+    results = pools[2].run(Z.mixed_one_step_frozen, stage, "bfloat16").results
+    expected, grads = Z.mixed_reference("bfloat16", 2, kind="frozen")
+    eps = torch.finfo(torch.bfloat16).eps
+    for seen, kept, state, doubled, x, out in results:
+        assert seen == ["torch.bfloat16", "torch.bfloat16"] and kept == {"torch.float32"}
+        for name, value in expected.items():
+            assert state[name].dtype == torch.float32, name
+            bound = 0.1 * eps * grads[name].abs() + 2**-23 * value.abs()
+            assert ((state[name] - value).abs() <= bound).all(), name
+        assert torch.equal(state["hidden.weight"], expected["hidden.weight"])
+        half = Z.Net("frozen").to(torch.bfloat16)
+        half.load_state_dict({k: v.to(torch.bfloat16) for k, v in doubled.items()})
+        with torch.no_grad():
+            assert torch.equal(out, half(x.to(torch.bfloat16)).float())
+
+
 # --- a DeepSpeed configuration
 
 DS_CONFIG = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 2000,

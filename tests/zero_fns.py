@@ -279,15 +279,15 @@ def mixed_one_step(ctx, stage, dtype, lr=0.1):
     return zmodel.full_state_dict()
 
 
-def mixed_reference(dtype, world_size, lr=0.1):
+def mixed_reference(dtype, world_size, lr=0.1, kind="plain"):
     """What mixed precision means, in one process: fp32 masters; each rank's forward and
     backward on the masters cast to 16 bits; the ranks' 16-bit gradients averaged (in
     fp32); an SGD step on the fp32 masters. Returns the masters and the gradients."""
     torch.manual_seed(0)
-    master = Net()
+    master = Net(kind)
     grads = {n: torch.zeros_like(p) for n, p in master.named_parameters()}
     for rank in range(world_size):
-        half = Net().to(getattr(torch, dtype))
+        half = Net(kind).to(getattr(torch, dtype))
         half.load_state_dict({k: v.to(getattr(torch, dtype))
                               for k, v in master.state_dict().items()})
         x, y = data(16)
@@ -543,3 +543,25 @@ def rewrapped_after_unfreezing(ctx, kind):
     if kind != "ddp":  # each rank holds its own rows' gradient: the forward ran, unrefused
         return None
     return net.inp.weight.grad.clone()
+
+
+def mixed_one_step_frozen(ctx, stage, dtype, lr=0.1):
+    """One SGD step under ZeRO with 16-bit compute, the hidden layer frozen before
+    wrapping: the dtype its forward saw, the export, and the export once reloaded and
+    run again (the frozen weight's 16-bit copy made again from what was loaded)."""
+    torch.manual_seed(0)
+    seen = []
+    model = Net("frozen")
+    model.hidden.register_forward_hook(lambda m, a, out: seen.append(str(m.weight.dtype)))
+    zmodel, opt = zero.shard(model, lambda ps: torch.optim.SGD(ps, lr=lr), stage=stage,
+                             group=ctx.group, mixed_precision=getattr(torch, dtype),
+                             bucket_mb=0.0005)
+    x, y = local_batch(ctx, 16)
+    nn.functional.mse_loss(zmodel(x), y).backward()
+    opt.step()
+    state = zmodel.full_state_dict()
+    doubled = {k: v * 2 if k.startswith("hidden.") else v for k, v in state.items()}
+    zmodel.load_full_state_dict(doubled)
+    with torch.no_grad():
+        out = zmodel(x)
+    return seen, {str(p.dtype) for p in model.hidden.parameters()}, state, doubled, x, out

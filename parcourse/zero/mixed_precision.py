@@ -107,3 +107,46 @@ def keep_in_own_dtype(modules: Iterable[nn.Module], compute_dtype: torch.dtype) 
     for m in modules:
         m.register_forward_pre_hook(_cast_inputs_to_params, with_kwargs=True)
         m.register_forward_hook(cast_output)
+
+
+def frozen_in_compute_dtype(module: nn.Module, leave: Iterable[nn.Parameter],
+                            compute_dtype: torch.dtype) -> None:
+    """Weights frozen before wrapping are not sharded: they stay whole in the module, in
+    their own dtype (what an export and a reload see), and each forward of the module
+    that holds them runs on a copy in the compute dtype, made again only after the
+    weight changed (a load), as FSDP2's `param_dtype` casts every weight. `leave`: the
+    sharded weights and the kept modules' (those run in their own dtype)."""
+    left = {id(p) for p in leave}
+    for owner in module.modules():
+        names = [name for name, p in owner.named_parameters(recurse=False)
+                 if id(p) not in left and p.is_floating_point() and p.dtype != compute_dtype]
+        if names:
+            _FrozenCopies(owner, names, compute_dtype)
+
+
+class _FrozenCopies:
+    """One module's frozen weights swapped for their compute-dtype copies during its
+    forward, and back after it (a forward that raises included)."""
+
+    def __init__(self, owner: nn.Module, names: list[str], compute_dtype: torch.dtype) -> None:
+        self.names, self.dtype = names, compute_dtype
+        self.copies: dict[str, tuple[tuple[int, int], nn.Parameter]] = {}
+        self.originals: list[dict[str, nn.Parameter]] = []
+        owner.register_forward_pre_hook(self.swap_in)
+        owner.register_forward_hook(self.swap_back, always_call=True)
+
+    def swap_in(self, owner: nn.Module, args: Any) -> None:
+        originals = {name: owner._parameters[name] for name in self.names}
+        self.originals.append(originals)
+        for name, p in originals.items():
+            if p is None or p.requires_grad:  # unfrozen since: refused by the wrapper
+                continue
+            key = (id(p), p._version)
+            if self.copies.get(name, (None,))[0] != key:
+                self.copies[name] = (key, nn.Parameter(p.detach().to(self.dtype),
+                                                       requires_grad=False))
+            owner._parameters[name] = self.copies[name][1]
+
+    def swap_back(self, owner: nn.Module, args: Any, output: Any) -> None:
+        if self.originals:
+            owner._parameters.update(self.originals.pop())

@@ -50,7 +50,8 @@ import parcourse.zero.clip as clip
 import parcourse.zero.state_dict as checkpoint
 from parcourse.zero.layout import FlatUnit
 from parcourse.zero.misuse import mark_sharded_away
-from parcourse.zero.mixed_precision import check_compute_dtype, forward_in, keep_in_own_dtype
+from parcourse.zero.mixed_precision import (check_compute_dtype, forward_in,
+                                            frozen_in_compute_dtype, keep_in_own_dtype)
 from parcourse.zero.offload import OffloadTarget, check_offload, host_device
 
 _MAX_IN_FLIGHT = 2
@@ -66,7 +67,8 @@ class ZeroStage1(GradSyncModule):
     - `bucket_mb`: parameters travel in units of about this size, in backward order.
     - `compute_dtype=torch.bfloat16` (or float16): parameters, gradients and messages
       in 16 bits; the optimizer steps fp32 masters and gets fp32 gradients (as FSDP2
-      with a bf16 `param_dtype`; mixed_precision.py).
+      with a bf16 `param_dtype`; mixed_precision.py). Weights frozen before wrapping
+      stay whole and in their own dtype, and each forward uses a 16-bit copy of them.
     - `algorithm`: "ring" (this course's, built from send/recv, which counts the bytes
       it sends), "torch" (torch.distributed's collectives), or "auto": the ring on
       gloo, torch's otherwise.
@@ -124,6 +126,8 @@ class ZeroStage1(GradSyncModule):
         self._install_gathers(module)
         if self.compute_dtype is not None:  # run in their own dtype; hand back 16 bits
             keep_in_own_dtype(keep_modules, self.compute_dtype)
+            frozen_in_compute_dtype(module, [*self.sync_params, *(
+                p for m in keep_modules for p in m.parameters())], self.compute_dtype)
 
     # -- how parameters are grouped, and when they are gathered (stage 3 changes both)
 

@@ -64,14 +64,15 @@ def stack_folder() -> str:
     (parcourse-<pid>-...). Folders that processes now gone left behind are removed
     first: a caller killed together with its ranks (a kernel and its process group) has
     no one left to tidy up after it."""
-    for name in os.listdir(tempfile.gettempdir()):
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
         parts = name.split("-")
         if len(parts) != 3 or parts[0] != "parcourse" or not parts[1].isdigit():
             continue
         try:
             os.kill(int(parts[1]), 0)
         except ProcessLookupError:  # gone (another user's process raises PermissionError)
-            shutil.rmtree(os.path.join(tempfile.gettempdir(), name), ignore_errors=True)
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         except (PermissionError, OverflowError):
             pass
     return tempfile.mkdtemp(prefix=f"parcourse-{os.getpid()}-")

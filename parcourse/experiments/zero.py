@@ -293,7 +293,8 @@ def check_unpack(fn: Callable[[torch.Tensor, list[tuple[int, ...]], int], list[t
             for shape, e, o in zip(shapes, expected, list(got) + [None] * len(shapes)):
                 if not (torch.is_tensor(o) and o.shape == e.shape and torch.equal(o, e)):
                     seen = tuple(o.shape) if torch.is_tensor(o) else type(o).__name__
-                    print(f"Not quite: with {world_size} ranks, the parameter of shape {shape} "
+                    ranks = f"{world_size} rank{'s' * (world_size != 1)}"
+                    print(f"Not quite: with {ranks}, the parameter of shape {shape} "
                           f"came back as {seen}, or with other values. Hint: each rank's row "
                           "holds ceil(rows / N) rows of every parameter, padding included; "
                           "stack the ranks' chunks, then drop the padding rows.")

@@ -474,12 +474,13 @@ class PipelineRuntime:
         to its simulated time), send what it made."""
         s, i = a.stage, a.microbatch
         received = self._receive(a)
-        start = time.perf_counter()
-        apart = self._apart() if self._apart is not None else 0.0
-        if self._seconds is not None and self._apart is not None:
-            self._pacing = _Pacing(start, apart, (s, a.kind))
         with (self.tracer.span(str(a), kind="compute", stage=s, microbatch=i, action=a.kind)
               if self.tracer is not None else nullcontext()):
+            # Taken inside the span: a collective's paced share counts from its start.
+            start = time.perf_counter()
+            apart = self._apart() if self._apart is not None else 0.0
+            if self._seconds is not None and self._apart is not None:
+                self._pacing = _Pacing(start, apart, (s, a.kind))
             try:
                 out = {"F": self._forward, "B": self._backward, "I": self._input_gradient,
                        "W": self._weight_gradient}[a.kind](a, received)

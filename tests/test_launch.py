@@ -284,6 +284,41 @@ def test_a_start_removes_the_stack_folders_of_callers_that_are_gone(tmp_path, mo
     assert left == [f"parcourse-{os.getppid()}-left"]
 
 
+def test_a_kernel_that_ran_ranks_shuts_down_by_itself(tmp_path):
+    """A Jupyter kernel asked to shut down, its pool still open (a lesson's panels keep
+    theirs), ends by itself: exit code 0, not the SIGTERM its client sends after 2.5 s,
+    and with its exit handlers run, so nothing is left in the temporary folder (before,
+    multiprocessing's pymp-* folder and the ranks' stack folder stayed)."""
+    from jupyter_client.manager import KernelManager
+
+    km = KernelManager(kernel_name="python3")
+    km.start_kernel(env={**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"})
+    kernel = km.provisioner.process
+    client = km.client()
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=60)
+        code = ("from parcourse import Pool\npool = Pool(2)\n"
+                "print(*pool.pids, sum(pool.run(lambda ctx: ctx.rank + 1).results))")
+        out = []
+        reply = client.execute_interactive(
+            code, timeout=120,
+            output_hook=lambda m: out.append(m["content"].get("text", "")))
+        assert reply["content"]["status"] == "ok", reply["content"]
+        *pids, total = map(int, "".join(out).split())
+        assert total == 3 and len(pids) == 2
+        assert any(tmp_path.glob("pymp-*")) and any(tmp_path.glob("parcourse-*"))
+    finally:
+        client.stop_channels()
+        km.shutdown_kernel(now=False)
+    assert kernel.wait(timeout=10) == 0, "the kernel was killed by its client"
+    deadline = time.time() + 10
+    while time.time() < deadline and any(psutil.pid_exists(p) for p in pids):
+        time.sleep(0.1)
+    assert not any(psutil.pid_exists(p) for p in pids), [psutil.Process(p) for p in pids]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_same_function_runs_under_torchrun(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(

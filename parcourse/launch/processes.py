@@ -7,14 +7,16 @@ children in OpenMP, and CUDA cannot be used after fork."""
 
 from __future__ import annotations
 
+import inspect
 import multiprocessing as mp
 import os
 import shutil
 import sys
 import tempfile
+import threading
 import types
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,12 +36,61 @@ class RankProcess:
 
 
 def start_context() -> mp.context.BaseContext:
+    quick_kernel_shutdown()
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
         # Takes effect only if the forkserver is not running yet; later calls are harmless.
         ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", "parcourse"])
         return ctx
     return mp.get_context("spawn")
+
+
+_WRAPPED: list[bool] = [False]
+
+
+def quick_kernel_shutdown() -> None:
+    """In a Jupyter kernel, let its shutdown end at once, and cleanly.
+
+    At a shutdown request ipykernel signals every process below the kernel, SIGTERM and
+    then SIGKILL, and sleeps between rounds until none is left. The forkserver is the
+    kernel's own child, and nothing waits for it once it is gone, so it stays on the
+    list as a zombie; multiprocessing's resource tracker ignores SIGTERM. The kernel was
+    still at it when the client, after 2.5 s, sent it SIGTERM: every shutdown of a
+    kernel that had run ranks took 5 s and more, and the kernel died without its exit
+    handlers (multiprocessing's pymp-* folder stayed in the temporary folder). So the
+    kernel's `do_shutdown`, which runs before the signals, first asks both to end."""
+    ipython = sys.modules.get("IPython")  # never imported here: only if already loaded
+    kernel = getattr(ipython.get_ipython(), "kernel", None) if ipython is not None else None
+    if kernel is None or _WRAPPED[0] or not hasattr(kernel, "do_shutdown"):
+        return
+    _WRAPPED[0] = True
+    original = kernel.do_shutdown
+
+    async def do_shutdown(restart: bool) -> Any:
+        stop_helpers()
+        result = original(restart)
+        return await result if inspect.isawaitable(result) else result
+
+    kernel.do_shutdown = do_shutdown
+
+
+def stop_helpers() -> None:
+    """Ask multiprocessing's forkserver and resource tracker of this process to end,
+    each from a thread of its own that then waits for it (neither stays a zombie): the
+    forkserver ends at once, the tracker once the ranks, which hold its pipe too, are
+    gone. A later start starts them again."""
+    from multiprocessing import forkserver, resource_tracker
+
+    for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
+        stop = getattr(helper, "_stop", None)  # private; Python's own tests call it
+        if stop is not None:
+            threading.Thread(target=_quietly, args=(stop,), daemon=True,
+                             name="parcourse-stop-helper").start()
+
+
+def _quietly(stop: Any) -> None:
+    with suppress(OSError):
+        stop()
 
 
 @contextmanager

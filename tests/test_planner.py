@@ -138,7 +138,7 @@ def test_plan_command_ranks_and_checks_here(capsys):
     out = capsys.readouterr().out
     assert "16 x h100, 8 a node" in out and "turned down" in out
     assert len([ln for ln in out.splitlines() if ln[:3].strip() in ("1", "2", "3")]) == 3
-    assert main(["plan", "--gpus", "4", "--top", "2", "--check"]) == 0
+    assert main(["plan", "--gpus", "2", "--top", "2", "--check"]) == 0  # as on 4, 10 s sooner
     out = capsys.readouterr().out
     measured = out[out.index("measured here"):].splitlines()[2:]
     assert len(measured) == 2  # the two best, each predicted beside measured

@@ -58,7 +58,10 @@ def quick_kernel_shutdown() -> None:
     still at it when the client, after 2.5 s, sent it SIGTERM: every shutdown of a
     kernel that had run ranks took 5 s and more, and the kernel died without its exit
     handlers (multiprocessing's pymp-* folder stayed in the temporary folder). So the
-    kernel's `do_shutdown`, which runs before the signals, first asks both to end."""
+    kernel's `do_shutdown`, which runs before the signals, first closes the pools (their
+    ranks killed and waited for: none is left for a signal to be slow on) and asks both
+    helpers to end, from threads that wait for them. It does not wait itself: the
+    forkserver ends sooner by ipykernel's SIGTERM than by tearing torch down."""
     ipython = sys.modules.get("IPython")  # never imported here: only if already loaded
     kernel = getattr(ipython.get_ipython(), "kernel", None) if ipython is not None else None
     if kernel is None or _WRAPPED[0] or not hasattr(kernel, "do_shutdown"):
@@ -67,6 +70,9 @@ def quick_kernel_shutdown() -> None:
     original = kernel.do_shutdown
 
     async def do_shutdown(restart: bool) -> Any:
+        from parcourse.launch.registry import close_pools
+
+        close_pools()
         stop_helpers()
         result = original(restart)
         return await result if inspect.isawaitable(result) else result
@@ -74,18 +80,21 @@ def quick_kernel_shutdown() -> None:
     kernel.do_shutdown = do_shutdown
 
 
-def stop_helpers() -> None:
+def stop_helpers() -> list[threading.Thread]:
     """Ask multiprocessing's forkserver and resource tracker of this process to end,
-    each from a thread of its own that then waits for it (neither stays a zombie): the
-    forkserver ends at once, the tracker once the ranks, which hold its pipe too, are
-    gone. A later start starts them again."""
+    each from a thread of its own that then waits for it (neither stays a zombie); returns
+    the threads. The forkserver ends at once, the tracker once the ranks, which hold its
+    pipe too, are gone. A later start starts them again."""
     from multiprocessing import forkserver, resource_tracker
 
+    threads = []
     for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
         stop = getattr(helper, "_stop", None)  # private; Python's own tests call it
         if stop is not None:
-            threading.Thread(target=_quietly, args=(stop,), daemon=True,
-                             name="parcourse-stop-helper").start()
+            threads.append(threading.Thread(target=_quietly, args=(stop,), daemon=True,
+                                            name="parcourse-stop-helper"))
+            threads[-1].start()
+    return threads
 
 
 def _quietly(stop: Any) -> None:

@@ -56,7 +56,7 @@ def quick_kernel_shutdown() -> None:
     kernel's own child, and nothing waits for it once it is gone, so it stays on the
     list as a zombie; multiprocessing's resource tracker ignores SIGTERM. The kernel was
     still at it when the client, after 2.5 s, sent it SIGTERM: every shutdown of a
-    kernel that had run ranks took 5 s and more, and the kernel died without its exit
+    kernel that had run ranks took 2.6 s instead of under one, and it died without its exit
     handlers (multiprocessing's pymp-* folder stayed in the temporary folder). So the
     kernel's `do_shutdown`, which runs before the signals, first closes the pools (their
     ranks killed and waited for: none is left for a signal to be slow on) and asks both
@@ -80,21 +80,18 @@ def quick_kernel_shutdown() -> None:
     kernel.do_shutdown = do_shutdown
 
 
-def stop_helpers() -> list[threading.Thread]:
+def stop_helpers() -> None:
     """Ask multiprocessing's forkserver and resource tracker of this process to end,
-    each from a thread of its own that then waits for it (neither stays a zombie); returns
-    the threads. The forkserver ends at once, the tracker once the ranks, which hold its
-    pipe too, are gone. A later start starts them again."""
+    each from a thread of its own that then waits for it (neither stays a zombie). The
+    forkserver ends at once, the tracker once the ranks, which hold its pipe too, are
+    gone. A later start starts them again."""
     from multiprocessing import forkserver, resource_tracker
 
-    threads = []
     for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
         stop = getattr(helper, "_stop", None)  # private; Python's own tests call it
         if stop is not None:
-            threads.append(threading.Thread(target=_quietly, args=(stop,), daemon=True,
-                                            name="parcourse-stop-helper"))
-            threads[-1].start()
-    return threads
+            threading.Thread(target=_quietly, args=(stop,), daemon=True,
+                             name="parcourse-stop-helper").start()
 
 
 def _quietly(stop: Any) -> None:

@@ -58,12 +58,19 @@
    mean with its standard error, and where the predicted best stands by it, read beside
    the noise of a single measurement when the best configurations are a near tie.
    About 21 minutes.
+In 4 and 5 each row also says what else held the processors while it ran: "steal", the
+host's other tenants (the time this virtual machine's processors were ready to run and
+the host ran something else, /proc/stat), and "others", this machine's processes other
+than the ranks and the benchmark; 5 then sets the rows outside 15% beside the rest by
+both. They explain a miss or do not; no row is dropped or run again for them.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
+from pathlib import Path
 
 from parcourse.models import GPTConfig
 from parcourse.planner import Choice, Cluster, predict_memory, predict_time
@@ -222,6 +229,60 @@ def against_korthikanti() -> None:
           f"{got['mfu']:.1%}, paper 54.2%")
 
 
+STOLEN = f"{'steal':>5} {'others':>6}"  # Contention's columns
+
+
+class Contention:
+    """What else held the processors while a configuration ran on `pool` (a context
+    manager): the host's other tenants (steal: time this virtual machine's processors
+    were ready to run but the host ran something else; /proc/stat, Linux) and this
+    machine's other processes (busy time that is neither the ranks' nor this
+    process's), each a share of all the processors' time. Both read 0 on a machine of
+    one's own; a run on a shared one can be slowed by either. None where /proc/stat is
+    missing."""
+
+    TICK_S = 1 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
+        self.steal: float | None = None
+        self.others: float | None = None
+
+    def _sample(self) -> tuple[int, int, int, float] | None:
+        import psutil
+
+        try:
+            ticks = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        except (OSError, ValueError):
+            return None
+        user, nice, system, idle, iowait, irq, softirq, steal = ticks
+        own = 0.0
+        for pid in [os.getpid(), *self.pool.pids]:
+            try:
+                t = psutil.Process(pid).cpu_times()
+                own += t.user + t.system
+            except psutil.Error:
+                pass
+        return user + nice + system + irq + softirq, steal, sum(ticks), own
+
+    def __enter__(self) -> Contention:
+        self._start = self._sample()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        end = self._sample()
+        if self._start is None or end is None or end[2] <= self._start[2]:
+            return
+        busy, steal, total, own = (b - a for a, b in zip(self._start, end))
+        self.steal = steal / total
+        self.others = max(0.0, busy * self.TICK_S - own) / (total * self.TICK_S)
+
+    def __str__(self) -> str:
+        if self.steal is None:
+            return f"{'-':>5} {'-':>6}"
+        return f"{self.steal:>5.0%} {self.others:>6.0%}"
+
+
 def rank_correlation(xs: list[float], ys: list[float]) -> float:
     """Spearman's: the Pearson correlation of the ranks (ties share their mean rank)."""
     def ranks(v: list[float]) -> list[float]:
@@ -286,7 +347,7 @@ def here(world_size: int = 8, batch: int = 16, steps: int = 6, passes: int = 2) 
                   + f"; a rank's own work, every rank at it: x {cluster.shared_cpu:.2f} the "
                   "processor time of a pool of one")
         print(f"{'configuration':<44} {'memory pred.':>13} {'measured':>10} {'step pred. ms':>14} "
-              f"{'measured':>9} {'ratio':>6}")
+              f"{'measured':>9} {'ratio':>6} {STOLEN}")
         fitting = [p for p in plans.ranked if p.choice.zero <= 2]  # the 3D step's
         # per pass: each configuration's predicted and measured step
         predicted: list[dict] = [{p.choice: p.time["step"] for p in fitting}]
@@ -294,8 +355,8 @@ def here(world_size: int = 8, batch: int = 16, steps: int = 6, passes: int = 2) 
         memory_err = {}
         started = time.perf_counter()
         for item in fitting:
-            memory_err[item.choice], measured[0][item.choice] = _run_one(pool, item, batch,
-                                                                         steps)
+            memory_err[item.choice], measured[0][item.choice], _ = _run_one(pool, item, batch,
+                                                                            steps)
         first = time.perf_counter() - started
         for k in range(1, passes):
             again = measured_here(world_size, LESSON_CONFIG, pool=pool)
@@ -382,11 +443,11 @@ def scaled_here(world_size: int = 8, batch: int = 16, steps: int = 4,
                           for op in ("all_reduce", "all_gather", "reduce_scatter"))
               + f" (each after an idle gap). {len(fitting)} configurations fit")
         print(f"{'configuration':<44} {'memory pred.':>13} {'measured':>10} {'step pred. ms':>14} "
-              f"{'measured':>9} {'ratio':>6}  compute / tp / bubble / dp / optimizer ms"
-              "  | tp's collectives around it: step pred. ms, ratio")
+              f"{'measured':>9} {'ratio':>6} {STOLEN}  compute / tp / bubble / dp / optimizer"
+              " ms  | tp's collectives around it: step pred. ms, ratio")
         predicted = {p.choice: p.time["step"] for p in fitting}
         again = dict(predicted)  # tp's collectives measured again around each
-        measured, memory_err = {}, {}
+        measured, memory_err, contention = {}, {}, {}
         started = time.perf_counter()
 
         def around(choice, before) -> float:
@@ -406,7 +467,7 @@ def scaled_here(world_size: int = 8, batch: int = 16, steps: int = 4,
             compute = stage_compute(LESSON_CONFIG, item.choice, batch, cluster.flops)
             before = (pool.run(measure_paced, (item.choice.tp,)).results[0]
                       if item.choice.tp > 1 else None)
-            memory_err[item.choice], measured[item.choice] = _run_one(
+            memory_err[item.choice], measured[item.choice], contention[item.choice] = _run_one(
                 pool, item, batch, steps, compute, split=True,
                 again=lambda c=item.choice, b=before: around(c, b))
         swept = time.perf_counter() - started
@@ -429,8 +490,27 @@ def scaled_here(world_size: int = 8, batch: int = 16, steps: int = 4,
                   fitting, predicted, measured)
     _step_summary("compute simulated, tp's collectives measured again around each",
                   sorted(fitting, key=lambda p: again[p.choice]), again, measured)
+    _contention_summary(fitting, again, measured, contention)
     if rounds > 0:
         _contenders_summary(fitting, predicted, again, measured, contenders, rounds)
+
+
+def _contention_summary(fitting: list, want: dict, got: dict, contention: dict) -> None:
+    """What else held the processors during the rows outside 15% of their prediction
+    (`want`, against `got`) and during the others: read beside the misses, not used to
+    drop or repeat any."""
+    rows = [(abs(want[p.choice] / got[p.choice] - 1) > 0.15, contention[p.choice])
+            for p in fitting if contention[p.choice].steal is not None]
+    if not rows:
+        return
+    for outside in (True, False):
+        part = [c for o, c in rows if o == outside]
+        if part:
+            print(f"{'outside' if outside else 'within'} 15% ({len(part)} rows): the host's "
+                  f"other tenants took {sum(c.steal for c in part) / len(part):.1%} of the "
+                  f"processors (worst {max(c.steal for c in part):.0%}), this machine's other "
+                  f"processes {sum(c.others for c in part) / len(part):.1%} (worst "
+                  f"{max(c.others for c in part):.0%})")
 
 
 def _contenders_summary(fitting: list, predicted: dict, again: dict, measured: dict,
@@ -463,15 +543,17 @@ def _contenders_summary(fitting: list, predicted: dict, again: dict, measured: d
 
 
 def _run_one(pool, item, batch: int, steps: int, compute=None, split: bool = False,
-             again=None) -> tuple[float, float]:
+             again=None) -> tuple[float, float, Contention]:
     """Run one planned configuration (`item`) on `pool` and print its row: memory of the
-    busiest rank and step, each beside the prediction (`split`: and the predicted
-    step's parts; `again`: called after the run, a second predicted step, printed with
-    its ratio). Returns the memory's relative error and the measured step."""
+    busiest rank and step, each beside the prediction, and what else held the
+    processors meanwhile (`Contention`); `split`: and the predicted step's parts;
+    `again`: called after the run, a second predicted step, printed with its ratio.
+    Returns the memory's relative error, the measured step and the contention."""
     from parcourse.experiments.hybrid import LESSON_CONFIG
     from parcourse.planner import measure, measured_against_predicted
 
-    results = pool.run(measure, LESSON_CONFIG, item.choice, batch, steps, compute).results
+    with Contention(pool) as contention:
+        results = pool.run(measure, LESSON_CONFIG, item.choice, batch, steps, compute).results
     memory = measured_against_predicted(results, LESSON_CONFIG, item.choice, batch)
     got = max(r["measured"]["total"] for r in memory)
     want = max(r["predicted"]["total"] for r in memory)
@@ -483,9 +565,9 @@ def _run_one(pool, item, batch: int, steps: int, compute=None, split: bool = Fal
         second = again()
         parts += f"  | {1e3 * second:7.1f} {second / step:5.2f}"
     print(f"{item.choice.label():<44} {want / 1024:>9.1f} KiB {got / 1024:>6.1f} KiB "
-          f"{1e3 * t['step']:>14.1f} {1e3 * step:>9.1f} {t['step'] / step:>6.2f}{parts}",
-          flush=True)
-    return abs(want / got - 1), step
+          f"{1e3 * t['step']:>14.1f} {1e3 * step:>9.1f} {t['step'] / step:>6.2f} "
+          f"{contention}{parts}", flush=True)
+    return abs(want / got - 1), step, contention
 
 
 def _step(results: list[dict]) -> float:

@@ -247,6 +247,7 @@ class Contention:
         self.pool = pool
         self.steal: float | None = None
         self.others: float | None = None
+        self.cpu_s: float | None = None  # all the processors' seconds in the window
 
     def _sample(self) -> tuple[int, int, int, float] | None:
         import psutil
@@ -274,8 +275,9 @@ class Contention:
         if self._start is None or end is None or end[2] <= self._start[2]:
             return
         busy, steal, total, own = (b - a for a, b in zip(self._start, end))
+        self.cpu_s = total * self.TICK_S
         self.steal = steal / total
-        self.others = max(0.0, busy * self.TICK_S - own) / (total * self.TICK_S)
+        self.others = max(0.0, busy * self.TICK_S - own) / self.cpu_s
 
     def __str__(self) -> str:
         if self.steal is None:

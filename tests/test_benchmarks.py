@@ -1,4 +1,5 @@
-"""The collectives benchmark runs end to end on tiny sizes and prints its table."""
+"""The collectives and training benchmarks run end to end on tiny sizes and print their
+tables; the planner benchmark reads what else held the processors."""
 
 import importlib.util
 import re

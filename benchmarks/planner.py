@@ -69,11 +69,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-from pathlib import Path
 
 from parcourse.models import GPTConfig
-from parcourse.planner import Choice, Cluster, predict_memory, predict_time
+from parcourse.planner import Choice, Cluster, Contention, predict_memory, predict_time
 
 # (parameters in billions, heads, width, layers, tp, pp, GPUs, global batch, achieved
 # TFLOP/s per GPU), Narayanan et al. 2021, Table 1.
@@ -229,62 +227,6 @@ def against_korthikanti() -> None:
           f"{got['mfu']:.1%}, paper 54.2%")
 
 
-STOLEN = f"{'steal':>5} {'others':>6}"  # Contention's columns
-
-
-class Contention:
-    """What else held the processors while a configuration ran on `pool` (a context
-    manager): the host's other tenants (steal: time this virtual machine's processors
-    were ready to run but the host ran something else; /proc/stat, Linux) and this
-    machine's other processes (busy time that is neither the ranks' nor this
-    process's), each a share of all the processors' time. Both read 0 on a machine of
-    one's own; a run on a shared one can be slowed by either. None where /proc/stat is
-    missing."""
-
-    TICK_S = 1 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
-
-    def __init__(self, pool) -> None:
-        self.pool = pool
-        self.steal: float | None = None
-        self.others: float | None = None
-        self.cpu_s: float | None = None  # all the processors' seconds in the window
-
-    def _sample(self) -> tuple[int, int, int, float] | None:
-        import psutil
-
-        try:
-            ticks = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-        except (OSError, ValueError):
-            return None
-        user, nice, system, idle, iowait, irq, softirq, steal = ticks
-        own = 0.0
-        for pid in [os.getpid(), *self.pool.pids]:
-            try:
-                t = psutil.Process(pid).cpu_times()
-                own += t.user + t.system
-            except psutil.Error:
-                pass
-        return user + nice + system + irq + softirq, steal, sum(ticks), own
-
-    def __enter__(self) -> Contention:
-        self._start = self._sample()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        end = self._sample()
-        if self._start is None or end is None or end[2] <= self._start[2]:
-            return
-        busy, steal, total, own = (b - a for a, b in zip(self._start, end))
-        self.cpu_s = total * self.TICK_S
-        self.steal = steal / total
-        self.others = max(0.0, busy * self.TICK_S - own) / self.cpu_s
-
-    def __str__(self) -> str:
-        if self.steal is None:
-            return f"{'-':>5} {'-':>6}"
-        return f"{self.steal:>5.0%} {self.others:>6.0%}"
-
-
 def rank_correlation(xs: list[float], ys: list[float]) -> float:
     """Spearman's: the Pearson correlation of the ranks (ties share their mean rank)."""
     def ranks(v: list[float]) -> list[float]:
@@ -349,7 +291,7 @@ def here(world_size: int = 8, batch: int = 16, steps: int = 6, passes: int = 2) 
                   + f"; a rank's own work, every rank at it: x {cluster.shared_cpu:.2f} the "
                   "processor time of a pool of one")
         print(f"{'configuration':<44} {'memory pred.':>13} {'measured':>10} {'step pred. ms':>14} "
-              f"{'measured':>9} {'ratio':>6} {STOLEN}")
+              f"{'measured':>9} {'ratio':>6} {Contention.HEADER}")
         fitting = [p for p in plans.ranked if p.choice.zero <= 2]  # the 3D step's
         # per pass: each configuration's predicted and measured step
         predicted: list[dict] = [{p.choice: p.time["step"] for p in fitting}]
@@ -445,8 +387,8 @@ def scaled_here(world_size: int = 8, batch: int = 16, steps: int = 4,
                           for op in ("all_reduce", "all_gather", "reduce_scatter"))
               + f" (each after an idle gap). {len(fitting)} configurations fit")
         print(f"{'configuration':<44} {'memory pred.':>13} {'measured':>10} {'step pred. ms':>14} "
-              f"{'measured':>9} {'ratio':>6} {STOLEN}  compute / tp / bubble / dp / optimizer"
-              " ms  | tp's collectives around it: step pred. ms, ratio")
+              f"{'measured':>9} {'ratio':>6} {Contention.HEADER}  compute / tp / bubble / dp / "
+              "optimizer ms  | tp's collectives around it: step pred. ms, ratio")
         predicted = {p.choice: p.time["step"] for p in fitting}
         again = dict(predicted)  # tp's collectives measured again around each
         measured, memory_err, contention = {}, {}, {}

@@ -1,14 +1,10 @@
 """The collectives and training benchmarks run end to end on tiny sizes and print their
-tables; the planner benchmark reads what else held the processors."""
+tables."""
 
-import importlib.util
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
-
-import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "collectives.py"
 
@@ -58,38 +54,3 @@ def test_training_benchmark_prints_the_plan_and_the_checkpoint_costs():
                   "gather + torch.save on rank 0"):
         assert re.search(rf"{re.escape(label)}\s+\d+\.\d+\s+\d+\.\d\d", done.stdout), label
     assert "bytes written per rank: rank 0:" in done.stdout
-
-
-def _spin(ctx, seconds: float) -> None:
-    end = time.process_time() + seconds
-    while time.process_time() < end:
-        pass
-
-
-BURN = "import time\nend = time.process_time() + 0.6\nwhile time.process_time() < end: pass"
-
-
-@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads /proc/stat (Linux)")
-def test_the_planner_benchmark_tells_other_processes_from_its_ranks():
-    """benchmarks/planner.py's Contention, printed beside each measured row: the ranks'
-    and the benchmark's own processor time is not counted as other processes'; the
-    0.6 s of a process outside the pool is (its start's time too, hence "at least")."""
-    from parcourse import Pool
-
-    spec = importlib.util.spec_from_file_location(
-        "planner_benchmark", SCRIPT.with_name("planner.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    with Pool(2, timeout=60) as pool:
-        pool.run(_spin, 0.01)  # the ranks started
-        with bench.Contention(pool) as alone:
-            pool.run(_spin, 0.6)
-        with bench.Contention(pool) as beside:
-            burner = subprocess.Popen([sys.executable, "-c", BURN])
-            pool.run(_spin, 0.6)
-            burner.wait(timeout=60)
-    for c in (alone, beside):
-        assert 0 <= c.steal <= 1 and 0 <= c.others <= 1, (c.steal, c.others)
-    # 1.2 s of the ranks' own spinning (and the pool's messages) read as nobody else's
-    assert alone.others * alone.cpu_s < 0.15, (alone.others, alone.cpu_s)
-    assert beside.others * beside.cpu_s > 0.5, (beside.others, beside.cpu_s)

@@ -3,6 +3,10 @@ ZeRO paper's worked example, and why configurations are turned down."""
 
 import dataclasses
 import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -141,9 +145,11 @@ def test_plan_command_ranks_and_checks_here(capsys):
     assert main(["plan", "--gpus", "2", "--top", "2", "--check"]) == 0  # as on 4, 10 s sooner
     out = capsys.readouterr().out
     measured = out[out.index("measured here"):].splitlines()[2:]
-    assert len(measured) == 2  # the two best, each predicted beside measured
-    for line in measured:
-        predicted, got = line.split()[-6], line.split()[-4]  # "1.4 MiB    1.4 MiB  7.1  22.8"
+    assert len(measured) == 3 and measured[-1].startswith("steal: the host's")
+    for line in measured[:2]:  # the two best, each predicted beside measured, and what
+        *row, steal, others = line.split()  # else held the processors meanwhile
+        assert steal.endswith("%") and others.endswith("%")
+        predicted, got = row[-6], row[-4]  # "1.4 MiB    1.4 MiB  7.1  22.8"
         assert float(predicted) == pytest.approx(float(got), rel=0.01)
     with pytest.raises(SystemExit):
         main(["plan", "--model", "70B", "--check"])
@@ -152,8 +158,8 @@ def test_plan_command_ranks_and_checks_here(capsys):
     assert main(["plan", "--gpus", "2", "--top", "1", "--check", "--scaled", "0.5"]) == 0
     out = capsys.readouterr().out
     assert "this machine, compute simulated" in out
-    (line,) = out[out.index("compute simulated: one rank alone 0.5 s"):].splitlines()[2:]
-    predicted, got = float(line.split()[-2]), float(line.split()[-1])
+    line, _ = out[out.index("compute simulated: one rank alone 0.5 s"):].splitlines()[2:]
+    predicted, got = map(float, line.split()[-4:-2])
     assert predicted == pytest.approx(got, rel=0.3) and got > 200  # 0.5 s over 2 ranks
     for bad, why in ((["--scaled", "0"], "positive number of seconds"),
                      (["--scaled", "inf"], "positive number of seconds"),
@@ -164,6 +170,38 @@ def test_plan_command_ranks_and_checks_here(capsys):
     with pytest.raises(SystemExit):  # here, the costs are measured on that many ranks
         main(["plan", "--gpus", "16"])
     assert "at most 8" in capsys.readouterr().err
+
+
+def _spin(ctx, seconds: float) -> None:
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+BURN = "import time\nend = time.process_time() + 0.6\nwhile time.process_time() < end: pass"
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads /proc/stat (Linux)")
+def test_what_else_held_the_processors_is_told_from_the_ranks(pool2):
+    """`Contention`, printed beside each configuration measured here (`plan --check`,
+    benchmarks/planner.py): the ranks' and this process's own processor time is no one
+    else's; the 0.6 s of a process outside the pool is counted (its start's too, hence
+    "more than")."""
+    from parcourse.planner import Contention
+
+    pool2.run(_spin, 0.01)  # the ranks started
+    with Contention(pool2) as alone:
+        pool2.run(_spin, 0.6)
+    with Contention(pool2) as beside:
+        burner = subprocess.Popen([sys.executable, "-c", BURN])
+        pool2.run(_spin, 0.6)
+        burner.wait(timeout=60)
+    for c in (alone, beside):
+        assert 0 <= c.steal <= 1 and 0 <= c.others <= 1, (c.steal, c.others)
+        assert str(c).endswith("%") and len(str(c)) == len(Contention.HEADER)
+    # the ranks' 1.2 s of spinning (and the pool's messages) read as no one else's
+    assert alone.others * alone.cpu_s < 0.15, (alone.others, alone.cpu_s)
+    assert beside.others * beside.cpu_s > 0.5, (beside.others, beside.cpu_s)
 
 
 def test_this_machines_links_are_measured_and_priced(pool2):

@@ -140,7 +140,7 @@ def _check(args: argparse.Namespace, config: GPTConfig, cluster: Cluster, plans:
     """The top configurations the course's 3D step runs, measured here beside the
     prediction: the busiest rank's memory and the step time (with --scaled, each stage's
     compute padded to the planner's: `stage_compute`)."""
-    from parcourse.planner import measure, measured_against_predicted, stage_compute
+    from parcourse.planner import Contention, measure, measured_against_predicted, stage_compute
 
     runnable = [p for p in plans.ranked  # type: ignore[attr-defined]
                 if p.choice.zero <= 2][:min(3, args.top)]
@@ -148,14 +148,22 @@ def _check(args: argparse.Namespace, config: GPTConfig, cluster: Cluster, plans:
           + (f", compute simulated: one rank alone {args.scaled:g} s a step"
              if args.scaled is not None else "") + f"), the top {len(runnable)}:")
     print(f"{'':>3}  {'configuration':<44} {'memory pred.':>13} {'measured':>10} "
-          f"{'step pred. ms':>14} {'measured':>9}")
+          f"{'step pred. ms':>14} {'measured':>9}  {Contention.HEADER}")
+    busy = []
     for k, p in enumerate(runnable, 1):
         compute = (stage_compute(config, p.choice, batch, cluster.flops)
                    if args.scaled is not None else None)
-        results = pool.run(measure, config, p.choice, batch, 4, compute).results
+        with Contention(pool) as contention:
+            results = pool.run(measure, config, p.choice, batch, 4, compute).results
+        busy.append(max(contention.steal or 0, contention.others or 0))
         rows = measured_against_predicted(results, config, p.choice, batch)
         got = max(r["measured"]["total"] for r in rows)
         want = max(r["predicted"]["total"] for r in rows)
         times = sorted(max(ts) for ts in zip(*(r["times"] for r in results)))
         print(f"{k:>3}  {p.choice.label():<44} {_gib(want):>13} {_gib(got):>10} "
-              f"{1e3 * p.time['step']:>14.1f} {1e3 * times[len(times) // 2]:>9.1f}")
+              f"{1e3 * p.time['step']:>14.1f} {1e3 * times[len(times) // 2]:>9.1f}  "
+              f"{contention}")
+    print("steal: the host's other tenants' share of the processors while the row ran; "
+          "others: this machine's other processes'"
+          + (". Where either is large, that row's step reads slower than it is."
+             if max(busy, default=0) >= 0.05 else ""))

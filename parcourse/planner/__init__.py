@@ -36,12 +36,14 @@ marked by rules, the second using the first; the formulas themselves live in
 `parcourse.theory`), `search` (every configuration predicted, ranked, and why the others
 are out), `links` and `costs` (what this machine's messages and collectives cost, and what a rank's
 own work costs, measured) and `here` (the cluster built from those costs, and a
-configuration run for real beside its prediction).
+configuration run for real beside its prediction, and what else held the processors
+meanwhile).
 """
 
 from parcourse.planner.costs import measure_costs, measure_flops, measure_sharing, measure_waits
 from parcourse.planner.links import measure_links, measure_paced
-from parcourse.planner.here import measure, measured_against_predicted, measured_here, scaled
+from parcourse.planner.here import (Contention, measure, measured_against_predicted,
+                                    measured_here, scaled)
 from parcourse.planner.inputs import MODELS, Choice, Cluster, Overheads, model, parameters
 from parcourse.planner.predict import (
     model_flops_per_token,
@@ -52,7 +54,7 @@ from parcourse.planner.predict import (
 )
 from parcourse.planner.search import Planned, Plans, choices, format_plans, plan
 
-__all__ = ["MODELS", "Choice", "Cluster", "Overheads", "Planned", "Plans", "choices",
+__all__ = ["MODELS", "Choice", "Cluster", "Contention", "Overheads", "Planned", "Plans", "choices",
            "format_plans", "measure", "measure_costs", "measure_flops", "measure_links",
            "measure_paced", "measure_sharing", "measure_waits", "measured_against_predicted",
            "measured_here", "model", "model_flops_per_token", "parameters", "plan",

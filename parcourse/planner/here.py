@@ -1,7 +1,8 @@
 """The planner checked on this machine (`parcourse.planner` says what it is): the
 `Cluster` built from what a step costs here (`measured_here`, from the measurements in
 `links` and `costs`), and a configuration run for real (`measure`) beside its prediction
-(`measured_against_predicted`). `measure` runs on a `Pool`.
+(`measured_against_predicted`), with what else held the processors meanwhile
+(`Contention`). `measure` runs on a `Pool`.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from pathlib import Path
 from typing import Any
 
 from parcourse.models import GPTConfig
@@ -136,3 +138,64 @@ def measured_against_predicted(results: list[dict[str, Any]], config: GPTConfig,
 
 
 __all__ = ["measure", "measured_against_predicted", "measured_here", "scaled"]
+
+
+class Contention:
+    """What else held the processors while `pool`'s ranks ran (a context manager around
+    the run), each a share of all the processors' time in that window:
+
+    - `steal`: the host's other tenants, the time this machine's processors were ready
+      to run and the host ran something else (a virtual machine on a shared host);
+    - `others`: this machine's other processes, busy time neither the ranks' nor this
+      process's (a browser, a second notebook, a build).
+
+    Both read near 0 on a quiet machine of one's own; either makes a measured step
+    slower than predicted, and the planner cannot know of it. Linux (/proc/stat); both
+    stay None elsewhere."""
+
+    HEADER = f"{'steal':>5} {'others':>6}"  # the columns `str` fills
+    _TICK_S = 1 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.steal: float | None = None
+        self.others: float | None = None
+        self.cpu_s: float | None = None  # all the processors' seconds in the window
+
+    def _sample(self) -> tuple[float, float, float, float] | None:
+        """(busy, steal, all) processor ticks since boot, and the seconds this process
+        and the ranks have run."""
+        import psutil
+
+        try:
+            line = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+            user, nice, system, idle, iowait, irq, softirq, steal = map(int, line[1:9])
+        except (OSError, ValueError):
+            return None
+        own = 0.0
+        for pid in [os.getpid(), *self.pool.pids]:
+            try:
+                t = psutil.Process(pid).cpu_times()
+            except psutil.Error:  # a rank gone: its time is not anyone else's either
+                continue
+            own += t.user + t.system
+        every = user + nice + system + idle + iowait + irq + softirq + steal
+        return user + nice + system + irq + softirq, steal, every, own
+
+    def __enter__(self) -> Contention:
+        self._start = self._sample()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        end = self._sample()
+        if self._start is None or end is None or end[2] <= self._start[2]:
+            return
+        busy, steal, every, own = (b - a for a, b in zip(self._start, end))
+        self.cpu_s = every * self._TICK_S
+        self.steal = steal / every
+        self.others = max(0.0, busy * self._TICK_S - own) / self.cpu_s
+
+    def __str__(self) -> str:
+        if self.steal is None or self.others is None:
+            return f"{'-':>5} {'-':>6}"
+        return f"{self.steal:>5.0%} {self.others:>6.0%}"

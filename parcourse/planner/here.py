@@ -199,3 +199,10 @@ class Contention:
         if self.steal is None or self.others is None:
             return f"{'-':>5} {'-':>6}"
         return f"{self.steal:>5.0%} {self.others:>6.0%}"
+
+    def said(self) -> str:
+        """The same in words, for a line of its own."""
+        if self.steal is None or self.others is None:
+            return "what else held the processors: unknown here (no /proc/stat)"
+        return (f"other processes held {self.others:.0%} of the processors, the host's "
+                f"other tenants {self.steal:.0%}")

@@ -199,6 +199,7 @@ def test_what_else_held_the_processors_is_told_from_the_ranks(pool2):
     for c in (alone, beside):
         assert 0 <= c.steal <= 1 and 0 <= c.others <= 1, (c.steal, c.others)
         assert str(c).endswith("%") and len(str(c)) == len(Contention.HEADER)
+        assert c.said().startswith("other processes held ")
     # the ranks' 1.2 s of spinning (and the pool's messages) read as no one else's
     assert alone.others * alone.cpu_s < 0.15, (alone.others, alone.cpu_s)
     assert beside.others * beside.cpu_s > 0.5, (beside.others, beside.cpu_s)

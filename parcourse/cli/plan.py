@@ -165,5 +165,5 @@ def _check(args: argparse.Namespace, config: GPTConfig, cluster: Cluster, plans:
               f"{contention}")
     print("steal: the host's other tenants' share of the processors while the row ran; "
           "others: this machine's other processes'"
-          + (". Where either is large, that row's step reads slower than it is."
+          + (". Where either is large, that row's step may read slower than it is."
              if max(busy, default=0) >= 0.05 else ""))

@@ -101,6 +101,12 @@ class Pool:
         return [r.process.pid for r in self._ranks]
 
     @property
+    def external(self) -> bool:
+        """Whether a launcher (torchrun, Slurm) started the ranks, this process one of
+        them: then `pids` is empty, and `run` runs here."""
+        return self._external is not None
+
+    @property
     def holds_ranks(self) -> bool:
         return bool(self._ranks)
 

@@ -140,6 +140,20 @@ def measured_against_predicted(results: list[dict[str, Any]], config: GPTConfig,
 __all__ = ["measure", "measured_against_predicted", "measured_here", "scaled"]
 
 
+def proc_stat(text: str) -> tuple[int, int, int]:
+    """(busy, steal, all) processor ticks since boot from /proc/stat's text, all the
+    processors together: busy is user, nice and system time (what processes' own
+    times add up to; interrupts are left out, as they are of those), steal the
+    time the host ran something else, all of it from user to steal (guest time is
+    already in user)."""
+    fields = text.split("\n", 1)[0].split()
+    if fields[:1] != ["cpu"] or len(fields) < 9:
+        raise ValueError(f"not /proc/stat's first line: {text[:80]!r}")
+    user, nice, system, idle, iowait, irq, softirq, steal = map(int, fields[1:9])
+    return (user + nice + system, steal,
+            user + nice + system + idle + iowait + irq + softirq + steal)
+
+
 class Contention:
     """What else held the processors while `pool`'s ranks ran (a context manager around
     the run), each a share of all the processors' time in that window:
@@ -149,9 +163,13 @@ class Contention:
     - `others`: this machine's other processes, busy time neither the ranks' nor this
       process's (a browser, a second notebook, a build).
 
-    Both read near 0 on a quiet machine of one's own; either makes a measured step
-    slower than predicted, and the planner cannot know of it. Linux (/proc/stat); both
-    stay None elsewhere."""
+    Both read near 0 on a quiet machine of one's own; either may make a measured step
+    slower than predicted (others only once the cores are all busy), and the planner
+    cannot know of it. Both stay None where they cannot be told: without /proc/stat
+    (Linux only), for a pool of ranks started by a launcher (the other local ranks
+    are not this process's to tell apart), or when a rank ended within the window or
+    the run raised. `others` is not clamped: tick rounding makes it a little negative
+    at times."""
 
     HEADER = f"{'steal':>5} {'others':>6}"  # the columns `str` fills
     _TICK_S = 1 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
@@ -162,47 +180,53 @@ class Contention:
         self.others: float | None = None
         self.cpu_s: float | None = None  # all the processors' seconds in the window
 
-    def _sample(self) -> tuple[float, float, float, float] | None:
-        """(busy, steal, all) processor ticks since boot, and the seconds this process
-        and the ranks have run."""
+    def _sample(self) -> tuple[tuple[int, int, int], dict[int, float]] | None:
+        """/proc/stat's ticks, and the seconds each of this process and the ranks has
+        run (processes, not their children: the ranks' start in the forkserver is
+        not theirs)."""
         import psutil
 
-        try:
-            line = Path("/proc/stat").read_text().split("\n", 1)[0].split()
-            user, nice, system, idle, iowait, irq, softirq, steal = map(int, line[1:9])
-        except (OSError, ValueError):
+        if getattr(self.pool, "external", False):
             return None
-        own = 0.0
-        for pid in [os.getpid(), *self.pool.pids]:
+        try:
+            ticks = proc_stat(Path("/proc/stat").read_text())
+            pids = [os.getpid(), *self.pool.pids]
+        except Exception:  # noqa: BLE001 - a reading, never a reason to stop a run
+            return None
+        seconds = {}
+        for pid in pids:
             try:
                 t = psutil.Process(pid).cpu_times()
-            except psutil.Error:  # a rank gone: its time is not anyone else's either
-                continue
-            own += t.user + t.system
-        every = user + nice + system + idle + iowait + irq + softirq + steal
-        return user + nice + system + irq + softirq, steal, every, own
+            except psutil.Error:
+                return None  # gone: its time in the window is not known
+            seconds[pid] = t.user + t.system
+        return ticks, seconds
 
     def __enter__(self) -> Contention:
         self._start = self._sample()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        end = self._sample()
-        if self._start is None or end is None or end[2] <= self._start[2]:
+    def __exit__(self, kind: object, *exc: object) -> None:
+        end = None if kind is not None or self._start is None else self._sample()
+        if end is None or self._start is None:
             return
-        busy, steal, every, own = (b - a for a, b in zip(self._start, end))
-        self.cpu_s = every * self._TICK_S
-        self.steal = steal / every
-        self.others = max(0.0, busy * self._TICK_S - own) / self.cpu_s
+        (busy0, steal0, every0), before = self._start
+        (busy1, steal1, every1), after = end
+        if every1 <= every0 or set(before) - set(after):
+            return  # no tick went by, or a process ended within the window
+        own = sum(s - before.get(pid, 0.0) for pid, s in after.items())  # new: all of it
+        self.cpu_s = (every1 - every0) * self._TICK_S
+        self.steal = (steal1 - steal0) / (every1 - every0)
+        self.others = ((busy1 - busy0) * self._TICK_S - own) / self.cpu_s
 
     def __str__(self) -> str:
         if self.steal is None or self.others is None:
             return f"{'-':>5} {'-':>6}"
-        return f"{self.steal:>5.0%} {self.others:>6.0%}"
+        return f"{self.steal:>5.0%} {max(0.0, self.others):>6.0%}"
 
     def said(self) -> str:
         """The same in words, for a line of its own."""
         if self.steal is None or self.others is None:
-            return "what else held the processors: unknown here (no /proc/stat)"
-        return (f"other processes held {self.others:.0%} of the processors, the host's "
-                f"other tenants {self.steal:.0%}")
+            return "what else held the processors: not known here"
+        return (f"other processes held {max(0.0, self.others):.0%} of the processors, the "
+                f"host's other tenants {self.steal:.0%}")

@@ -329,18 +329,20 @@ def test_same_function_runs_under_torchrun(tmp_path):
         """
         import os, sys
         sys.path.insert(0, sys.argv[1])
-        from parcourse import launch
+        from parcourse import Pool, launch
         from rankfns import rank_and_sum
         run = launch(rank_and_sum, 2, 10)
         if os.environ["RANK"] == "0":  # every rank has every result; print once
-            print("RESULT", run.backend, [r["sum"] for r in run.results], len(run.trace.spans))
+            print("RESULT", run.backend, [r["sum"] for r in run.results], len(run.trace.spans),
+                  Pool(2).external)
         """
     ))
     code, stdout, stderr = torchrun("--standalone", "--nproc-per-node", "2", str(script),
                                     str(Path(__file__).parent), timeout=120)
     assert code == 0, stderr[-3000:]
     lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT")]
-    assert lines == ["RESULT gloo [11.0, 11.0] 2"], stdout
+    assert lines == ["RESULT gloo [11.0, 11.0] 2 True"], stdout
+    assert not parcourse.Pool(2).external  # started here, its ranks are this process's
 
 
 def test_public_api_is_exported():

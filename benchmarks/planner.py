@@ -313,14 +313,16 @@ def here(world_size: int = 8, batch: int = 16, steps: int = 6, passes: int = 2) 
                   f" ms; sharing x {again.shared_cpu:.2f}): how far a measurement moves by "
                   "itself, and the prediction against it")
             print(f"{'configuration':<44} {'step pred. ms':>14} {'first':>9} {'again':>9} "
-                  f"{'ratio':>6}")
+                  f"{'ratio':>6} {Contention.HEADER}")
             for item in reversed(fitting):
                 choice = item.choice
-                measured[k][choice] = _step(pool.run(measure, LESSON_CONFIG, choice, batch,
-                                                     steps).results)
+                with Contention(pool) as contention:
+                    measured[k][choice] = _step(pool.run(measure, LESSON_CONFIG, choice, batch,
+                                                         steps).results)
                 print(f"{choice.label():<44} {1e3 * predicted[k][choice]:>14.1f} "
                       f"{1e3 * measured[0][choice]:>9.1f} {1e3 * measured[k][choice]:>9.1f} "
-                      f"{predicted[k][choice] / measured[k][choice]:>6.2f}", flush=True)
+                      f"{predicted[k][choice] / measured[k][choice]:>6.2f} {contention}",
+                      flush=True)
     n = len(fitting)
     print(f"{n} configurations measured {passes} time(s), {first:.0f} s a pass")
     print(f"memory: mean error {sum(memory_err.values()) / n:.1%}, worst "

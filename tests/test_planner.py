@@ -178,37 +178,47 @@ def _spin(ctx, seconds: float) -> None:
         pass
 
 
-BURN = "import time\nend = time.process_time() + 0.6\nwhile time.process_time() < end: pass"
+BURN = "print('on', flush=True)\nwhile True: pass"  # a process spinning until killed
 
 
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads /proc/stat (Linux)")
 def test_what_else_held_the_processors_is_told_from_the_ranks(pool2):
     """`Contention`, printed beside each configuration measured here (`plan --check`,
     benchmarks/planner.py): the ranks' and this process's own processor time is no one
-    else's; the 0.6 s of a process outside the pool is counted (its start's too, hence
-    "more than"). A window in which a rank ended reads as unknown, not as others'."""
+    else's, also where the ranks end within the window; a process outside the pool,
+    spinning throughout (three processes on two cores: about 2/3 of a core while the
+    ranks spin 0.6 s each), is counted."""
     from parcourse.planner import Contention
 
     pool2.run(_spin, 0.01)  # the ranks started
     with Contention(pool2) as alone:
         pool2.run(_spin, 0.6)
-    with Contention(pool2) as beside:
-        burner = subprocess.Popen([sys.executable, "-c", BURN])
-        pool2.run(_spin, 0.6)
+    burner = subprocess.Popen([sys.executable, "-c", BURN], stdout=subprocess.PIPE)
+    try:
+        assert burner.stdout.readline() == b"on\n"
+        with Contention(pool2) as beside:
+            pool2.run(_spin, 0.6)
+    finally:
+        burner.kill()
         burner.wait(timeout=60)
     for c in (alone, beside):
-        assert 0 <= c.steal <= 1 and -0.05 <= c.others <= 1, (c.steal, c.others)
+        assert 0 <= c.steal <= 1 and 0 <= c.others <= 1, (c.steal, c.others)
         assert str(c).endswith("%") and len(str(c)) == len(Contention.HEADER)
         assert c.said().startswith("other processes held ")
     # the ranks' 1.2 s of spinning (and the pool's messages) read as no one else's
-    assert abs(alone.others * alone.cpu_s) < 0.15, (alone.others, alone.cpu_s)
-    assert beside.others * beside.cpu_s > 0.5, (beside.others, beside.cpu_s)
+    assert alone.others * alone.cpu_s < 0.15, (alone.others, alone.cpu_s)
+    assert beside.others * beside.cpu_s > 0.4, (beside.others, beside.cpu_s)
     with Pool(2, timeout=30) as pool:
         pool.run(_spin, 0.01)
         with Contention(pool) as gone:
-            pool.close()  # its ranks' time in the window is lost with them
-    assert gone.others is None and gone.steal is None and str(gone).split() == ["-", "-"]
-    assert "not known" in gone.said()
+            pool.run(_spin, 0.6)
+            pool.close()
+    assert gone.others * gone.cpu_s < 0.15, (gone.others, gone.cpu_s)
+    with pytest.raises(RuntimeError), Contention(pool2) as failed:
+        pool2.run(_spin, 0.01)
+        raise RuntimeError("the run failed")  # its figures: not known
+    assert failed.others is None and str(failed).split() == ["-", "-"]
+    assert "not known" in failed.said()
 
 
 def test_proc_stat_is_read_by_field():
@@ -216,7 +226,7 @@ def test_proc_stat_is_read_by_field():
 
     #         user nice system idle iowait irq softirq steal guest guest_nice
     line = "cpu  100 2 30 500 7 1 3 40 9 0\ncpu0 1 2 3 4 5 6 7 8 9 0\n"
-    assert proc_stat(line) == (132, 40, 683)  # guest is inside user already
+    assert proc_stat(line) == (40, 683)  # guest is inside user already
     for bad in ("", "cpu0 1 2 3 4 5 6 7 8", "cpu 1 2 3"):
         with pytest.raises(ValueError):
             proc_stat(bad)

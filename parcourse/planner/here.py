@@ -140,18 +140,15 @@ def measured_against_predicted(results: list[dict[str, Any]], config: GPTConfig,
 __all__ = ["measure", "measured_against_predicted", "measured_here", "scaled"]
 
 
-def proc_stat(text: str) -> tuple[int, int, int]:
-    """(busy, steal, all) processor ticks since boot from /proc/stat's text, all the
-    processors together: busy is user, nice and system time (what processes' own
-    times add up to; interrupts are left out, as they are of those), steal the
-    time the host ran something else, all of it from user to steal (guest time is
-    already in user)."""
+def proc_stat(text: str) -> tuple[int, int]:
+    """(steal, all) processor ticks since boot from /proc/stat's text, all the
+    processors together: steal, the time the host ran something else; all, every
+    field from user to steal (guest time is already in user)."""
     fields = text.split("\n", 1)[0].split()
     if fields[:1] != ["cpu"] or len(fields) < 9:
         raise ValueError(f"not /proc/stat's first line: {text[:80]!r}")
-    user, nice, system, idle, iowait, irq, softirq, steal = map(int, fields[1:9])
-    return (user + nice + system, steal,
-            user + nice + system + idle + iowait + irq + softirq + steal)
+    ticks = [int(f) for f in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    return ticks[7], sum(ticks)
 
 
 class Contention:
@@ -159,17 +156,20 @@ class Contention:
     the run), each a share of all the processors' time in that window:
 
     - `steal`: the host's other tenants, the time this machine's processors were ready
-      to run and the host ran something else (a virtual machine on a shared host);
-    - `others`: this machine's other processes, busy time neither the ranks' nor this
-      process's (a browser, a second notebook, a build).
+      to run and the host ran something else (a virtual machine on a shared host;
+      /proc/stat);
+    - `others`: this machine's other processes (a browser, a second notebook, a
+      build), the processor time of every process but this one and the ranks, each
+      read from its own counters. A process that both starts and ends within the
+      window is missed, so a build of many short processes reads low. (Busy time
+      from /proc/stat less the ranks' own would read low too: it is sampled at each
+      tick, and misses much of ranks that run in bursts shorter than one.)
 
     Both read near 0 on a quiet machine of one's own; either may make a measured step
-    slower than predicted (others only once the cores are all busy), and the planner
-    cannot know of it. Both stay None where they cannot be told: without /proc/stat
+    slower than predicted (others' work once the cores are all busy), and the planner
+    cannot know of it. Both stay None where they cannot be read: without /proc/stat
     (Linux only), for a pool of ranks started by a launcher (the other local ranks
-    are not this process's to tell apart), or when a rank ended within the window or
-    the run raised. `others` is not clamped: tick rounding makes it a little negative
-    at times."""
+    are not this process's to tell apart), or when the run raised."""
 
     HEADER = f"{'steal':>5} {'others':>6}"  # the columns `str` fills
     _TICK_S = 1 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
@@ -180,27 +180,24 @@ class Contention:
         self.others: float | None = None
         self.cpu_s: float | None = None  # all the processors' seconds in the window
 
-    def _sample(self) -> tuple[tuple[int, int, int], dict[int, float]] | None:
-        """/proc/stat's ticks, and the seconds each of this process and the ranks has
-        run (processes, not their children: the ranks' start in the forkserver is
-        not theirs)."""
+    def _sample(self) -> tuple[tuple[int, int], set[int], dict[tuple[int, float], float]] | None:
+        """/proc/stat's ticks, this process's and the ranks' pids, and the seconds every
+        process has run, by (pid, start time)."""
         import psutil
 
         if getattr(self.pool, "external", False):
             return None
         try:
             ticks = proc_stat(Path("/proc/stat").read_text())
-            pids = [os.getpid(), *self.pool.pids]
+            own = {os.getpid(), *self.pool.pids}
         except Exception:  # noqa: BLE001 - a reading, never a reason to stop a run
             return None
         seconds = {}
-        for pid in pids:
-            try:
-                t = psutil.Process(pid).cpu_times()
-            except psutil.Error:
-                return None  # gone: its time in the window is not known
-            seconds[pid] = t.user + t.system
-        return ticks, seconds
+        for p in psutil.process_iter(["create_time", "cpu_times"]):
+            times = p.info["cpu_times"]
+            if times is not None:  # None: gone, or not ours to read
+                seconds[p.pid, p.info["create_time"]] = times.user + times.system
+        return ticks, own, seconds
 
     def __enter__(self) -> Contention:
         self._start = self._sample()
@@ -210,23 +207,25 @@ class Contention:
         end = None if kind is not None or self._start is None else self._sample()
         if end is None or self._start is None:
             return
-        (busy0, steal0, every0), before = self._start
-        (busy1, steal1, every1), after = end
-        if every1 <= every0 or set(before) - set(after):
-            return  # no tick went by, or a process ended within the window
-        own = sum(s - before.get(pid, 0.0) for pid, s in after.items())  # new: all of it
+        (steal0, every0), own0, before = self._start
+        (steal1, every1), own1, after = end
+        if every1 <= every0:
+            return  # no tick went by
+        ours = own0 | own1  # a rank started or ended within the window too
+        others = sum(s - before.get(key, 0.0) for key, s in after.items()  # new: all of it
+                     if key[0] not in ours)
         self.cpu_s = (every1 - every0) * self._TICK_S
         self.steal = (steal1 - steal0) / (every1 - every0)
-        self.others = ((busy1 - busy0) * self._TICK_S - own) / self.cpu_s
+        self.others = others / self.cpu_s
 
     def __str__(self) -> str:
         if self.steal is None or self.others is None:
             return f"{'-':>5} {'-':>6}"
-        return f"{self.steal:>5.0%} {max(0.0, self.others):>6.0%}"
+        return f"{self.steal:>5.0%} {self.others:>6.0%}"
 
     def said(self) -> str:
         """The same in words, for a line of its own."""
         if self.steal is None or self.others is None:
             return "what else held the processors: not known here"
-        return (f"other processes held {max(0.0, self.others):.0%} of the processors, the "
-                f"host's other tenants {self.steal:.0%}")
+        return (f"other processes held {self.others:.0%} of the processors, the host's "
+                f"other tenants {self.steal:.0%}")

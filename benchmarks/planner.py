@@ -452,7 +452,8 @@ def _contention_summary(fitting: list, want: dict, got: dict, contention: dict) 
     for outside in (True, False):
         part = [c for o, c in rows if o == outside]
         if part:
-            print(f"{'outside' if outside else 'within'} 15% ({len(part)} rows): the host's "
+            print(f"{'outside' if outside else 'within'} 15% of the step predicted with tp's "
+                  f"collectives around each ({len(part)} rows): the host's "
                   f"other tenants took {sum(c.steal for c in part) / len(part):.1%} of the "
                   f"processors (worst {max(c.steal for c in part):.0%}), this machine's other "
                   f"processes {sum(c.others for c in part) / len(part):.1%} (worst "

@@ -149,13 +149,13 @@ def _check(args: argparse.Namespace, config: GPTConfig, cluster: Cluster, plans:
              if args.scaled is not None else "") + f"), the top {len(runnable)}:")
     print(f"{'':>3}  {'configuration':<44} {'memory pred.':>13} {'measured':>10} "
           f"{'step pred. ms':>14} {'measured':>9}  {Contention.HEADER}")
-    busy = []
+    busiest = 0.0  # the most that steal or others read in a row
     for k, p in enumerate(runnable, 1):
         compute = (stage_compute(config, p.choice, batch, cluster.flops)
                    if args.scaled is not None else None)
         with Contention(pool) as contention:
             results = pool.run(measure, config, p.choice, batch, 4, compute).results
-        busy.append(max(contention.steal or 0, contention.others or 0))
+        busiest = max(busiest, contention.steal or 0, contention.others or 0)
         rows = measured_against_predicted(results, config, p.choice, batch)
         got = max(r["measured"]["total"] for r in rows)
         want = max(r["predicted"]["total"] for r in rows)
@@ -166,4 +166,4 @@ def _check(args: argparse.Namespace, config: GPTConfig, cluster: Cluster, plans:
     print("steal: the host's other tenants' share of the processors while the row ran; "
           "others: this machine's other processes'"
           + (". Where either is large, that row's step may read slower than it is."
-             if max(busy, default=0) >= 0.05 else ""))
+             if busiest >= 0.05 else ""))

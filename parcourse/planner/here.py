@@ -137,8 +137,6 @@ def measured_against_predicted(results: list[dict[str, Any]], config: GPTConfig,
     return rows
 
 
-__all__ = ["measure", "measured_against_predicted", "measured_here", "scaled"]
-
 
 def proc_stat(text: str) -> tuple[int, int]:
     """(steal, all) processor ticks since boot from /proc/stat's text, all the
@@ -229,3 +227,7 @@ class Contention:
             return "what else held the processors: not known here"
         return (f"other processes held {self.others:.0%} of the processors, the host's "
                 f"other tenants {self.steal:.0%}")
+
+
+__all__ = ["Contention", "measure", "measured_against_predicted", "measured_here",
+           "proc_stat", "scaled"]

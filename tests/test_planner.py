@@ -205,15 +205,18 @@ def test_what_else_held_the_processors_is_told_from_the_ranks(pool2):
         assert 0 <= c.steal <= 1 and 0 <= c.others <= 1, (c.steal, c.others)
         assert str(c).endswith("%") and len(str(c)) == len(Contention.HEADER)
         assert c.said().startswith("other processes held ")
-    # the ranks' 1.2 s of spinning (and the pool's messages) read as no one else's
-    assert alone.others * alone.cpu_s < 0.15, (alone.others, alone.cpu_s)
+    # the ranks' 1.2 s of spinning (and the pool's messages) read as no one else's. Not
+    # 0: other processes are others, and this module's other pools' ranks, idle, read
+    # 0.01-0.02 s each in such a window (0.16 s once over ten of them, in a whole run
+    # of this file); counting the ranks would read 1.2 s or more
+    assert alone.others * alone.cpu_s < 0.5, (alone.others, alone.cpu_s)
     assert beside.others * beside.cpu_s > 0.4, (beside.others, beside.cpu_s)
     with Pool(2, timeout=30) as pool:
         pool.run(_spin, 0.01)
         with Contention(pool) as gone:
             pool.run(_spin, 0.6)
             pool.close()
-    assert gone.others * gone.cpu_s < 0.15, (gone.others, gone.cpu_s)
+    assert gone.others * gone.cpu_s < 0.5, (gone.others, gone.cpu_s)
     with pytest.raises(RuntimeError), Contention(pool2) as failed:
         pool2.run(_spin, 0.01)
         raise RuntimeError("the run failed")  # its figures: not known

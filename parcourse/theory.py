@@ -462,6 +462,38 @@ def tp_collectives(config: GPTConfig, batch: int, seq: int, world_size: int,
     return sorted(out)
 
 
+def tp_stage_collectives(config: GPTConfig, stages: list[list[int]], batch: int, seq: int,
+                         world_size: int, sequence_parallel: bool = False,
+                         recompute: bool = False) -> list[dict[str, list[TPCollective]]]:
+    """Theory: `tp_collectives` of one microbatch cut by pipeline stage (`stages`: the
+    layers each holds, 0 the embeddings, 1..L the blocks, L + 1 the head), and by the
+    action that runs them, "F" (forward) and "B" (backward). Each collective goes with
+    its layer, the loss's with the head. Two things are not in the whole model's list:
+    under sequence parallelism every stage sums its replicated parameters' gradients in
+    an all-reduce of its own, at the end of each backward (`ReplicatedGradSync`); and a
+    stage recomputed in backward (`recompute`, the course's whole-stage checkpoint) runs
+    its forward's collectives again there, the loss's excepted (the loss is computed
+    outside the checkpoint)."""
+    by_layer: dict[int, dict[str, list[TPCollective]]] = {}
+    replicated: list[TPCollective] = []
+    for c in tp_collectives(config, batch, seq, world_size, sequence_parallel):
+        where = c[2]
+        if where == "replicated grads":
+            replicated.append(c)
+            continue
+        layer = (0 if where == "tok_emb" else int(where.split(".")[1]) + 1
+                 if where.startswith("blocks.") else config.n_layers + 1)  # head, loss
+        mine = by_layer.setdefault(layer, {"F": [], "B": []})
+        mine["F" if c[1] == "forward" else "B"].append(c)
+        if recompute and c[1] == "forward" and where != "cross entropy":
+            mine["B"].append(c)
+    out: list[dict[str, list[TPCollective]]] = []
+    for held in stages:
+        out.append({kind: [c for lay in held for c in by_layer.get(lay, {}).get(kind, [])]
+                    + (replicated if kind == "B" else []) for kind in ("F", "B")})
+    return out
+
+
 def tp_collective_counts(collectives: list[TPCollective]) -> dict[tuple[str, str],
                                                                   tuple[int, int]]:
     """(op, phase) -> (how many, bytes of their tensors), as `count_collectives` gives them."""

@@ -14,6 +14,7 @@ from parcourse import Pool
 from parcourse.models import GPTConfig
 from parcourse.planner import Choice, Cluster, measure, measured_against_predicted, plan
 from parcourse.planner import predict_memory, predict_time
+from parcourse.planner.inputs import _schedule
 from parcourse.theory import tp_collectives
 
 CONFIG = GPTConfig(vocab=64, block_size=16, n_layers=4, n_heads=4, d_model=32)
@@ -374,6 +375,83 @@ def test_tps_collectives_priced_as_a_scaled_step_meets_them(pool4):
         scaled(here, CONFIG, BATCH, 6.0, {"ring_s": {2: 1.0}})
     with pytest.raises(RankError, match="a group of 3 does not cut 4 ranks"):
         pool4.run(measure_paced, (3,))
+
+
+def _tp_collectives_by_action(ctx, choice):
+    """tp's collectives of a traced step of `choice` (the second) on this rank: how many of each
+    (stage, action, op, where; a block's "blocks"), from the tracer's spans, with this
+    rank's place (one rank of each stage answers)."""
+    import collections
+
+    import torch
+
+    from parcourse.data import progressions
+    from parcourse.hybrid import Hybrid
+    from parcourse.mesh import Mesh
+    from parcourse.models import gpt
+
+    mesh = Mesh(choice.shape, ctx.group)
+    model = Hybrid(gpt(CONFIG), mesh, schedule=choice.schedule, chunks=choice.chunks,
+                   microbatches=choice.microbatches, recompute=choice.recompute == "full",
+                   sequence_parallel=choice.sequence_parallel, tracer=ctx.tracer,
+                   optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0))
+    batch = progressions(BATCH, CONFIG.block_size, CONFIG.vocab)
+    model.step(*batch)  # the first also runs the stages to agree on their messages' shapes
+    first = len(ctx.tracer.data().spans)
+    model.step(*batch)
+    spans = ctx.tracer.data().spans[first:]
+    actions = [s for s in spans if s.kind == "compute" and "action" in s.meta]
+    seen = collections.Counter()
+    for t in spans:
+        if t.kind == "comm" and t.meta.get("axis") == "tp" and "where" in t.meta:
+            a = next(a for a in actions if a.start_ns <= t.start_ns and t.end_ns <= a.end_ns)
+            where = "blocks" if t.meta["where"].startswith("blocks.") else t.meta["where"]
+            seen[a.meta["stage"], a.meta["action"], t.meta["op"], where] += 1
+    return dict(seen) if mesh.coordinate("dp") == mesh.coordinate("tp") == 0 else None
+
+
+@pytest.mark.parametrize("choice", [
+    Choice(1, 4, 2, "1f1b", 2, sequence_parallel=True),
+    Choice(2, 2, 2, "1f1b", 2, recompute="full"),
+    Choice(2, 2, 2, "1f1b", 2, recompute="full", sequence_parallel=True),
+    Choice(1, 4, 2, "interleaved-1f1b", 2)], ids=Choice.label)
+def test_tps_collectives_are_priced_on_the_stage_that_runs_them(pool8, choice):
+    """`tp_stage_collectives`: tp's collectives of a microbatch on each stage, in its
+    forward and its backward, as a real step runs them (each with its layer, the loss's
+    with the head; sequence parallelism's sum of the replicated gradients at the end of
+    every stage's backward; a recomputed stage's forward again in its backward, the
+    loss's excepted). The planner prices each stage's own: the last stage, with the
+    head's and the loss's, holds more than its share of the layers would give it."""
+    import collections
+
+    from parcourse.planner.predict import stage_layers
+    from parcourse.theory import tp_stage_collectives
+
+    got = collections.Counter()
+    for seen in pool8.run(_tp_collectives_by_action, choice).results:
+        got.update(seen or {})
+    want = collections.Counter()
+    on_stage = tp_stage_collectives(CONFIG, stage_layers(CONFIG, choice),
+                                    BATCH // choice.dp // choice.microbatches,
+                                    CONFIG.block_size, choice.tp, choice.sequence_parallel,
+                                    choice.recompute == "full")
+    for stage, by in enumerate(on_stage):
+        for kind, collectives in by.items():
+            for op, _, where, _ in collectives:
+                where = "blocks" if where.startswith("blocks.") else where
+                want[stage, kind, op, where] += choice.microbatches
+    assert got == want
+    # a collective's cost counted once on the busiest rank for each of its microbatches
+    bare = Cluster.this_machine(8, flops=1e12)
+    ops = {op for by in on_stage for c in by.values() for op, *_ in c}
+    a, b = (predict_time(CONFIG, choice, BATCH, dataclasses.replace(
+        bare, collective_s={choice.tp: x}, gather_s={choice.tp: x}, scatter_s={choice.tp: x}))
+        for x in (0.01, 0.02))
+    plan = _schedule(choice.schedule, choice.pp, choice.microbatches, choice.chunks)
+    per_rank = [sum(len(c) for s, r in enumerate(plan.stage_rank) if r == rank
+                    for c in on_stage[s].values()) for rank in range(choice.pp)]
+    assert ops and b["tp"] - a["tp"] == pytest.approx(
+        max(per_rank) * choice.microbatches * 0.01)
 
 
 def test_the_measurements_leave_no_group_behind(pool4):

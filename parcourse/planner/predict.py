@@ -26,8 +26,8 @@ from parcourse.theory import (
     CostModel,
     gpt_layer_bytes,
     korthikanti_layer_bytes,
-    tp_collectives,
     tp_link_seconds,
+    tp_stage_collectives,
 )
 
 # --------------------------------------------------------------------------- memory
@@ -263,6 +263,28 @@ def _simulated(schedule: tuple[str, int, int, int], forward: tuple[float, ...],
     return tuple(timeline.busy), timeline.step_time
 
 
+@functools.lru_cache(maxsize=4096)
+def _tp_on_stages(config: GPTConfig, layers: tuple[tuple[int, ...], ...], batch: int, tp: int,
+                  sequence_parallel: bool, recompute: bool
+                  ) -> tuple[dict[str, dict[str, tuple[int, float]]], ...]:
+    """tp's collectives of one microbatch on each stage (`tp_stage_collectives`), in its
+    forward ("F") and backward ("B"), counted by op: how many and their bytes in all.
+    Built once for the configurations that share them (a search asks again for every
+    schedule, ZeRO stage and microbatch count of a shape)."""
+    out = []
+    for by in tp_stage_collectives(config, [list(ls) for ls in layers], batch,
+                                   config.block_size, tp, sequence_parallel, recompute):
+        counted: dict[str, dict[str, tuple[int, float]]] = {}
+        for kind, collectives in by.items():
+            ops: dict[str, tuple[int, float]] = {}
+            for op, _, _, size in collectives:
+                n, total = ops.get(op, (0, 0.0))
+                ops[op] = (n + 1, total + size)
+            counted[kind] = ops
+        out.append(counted)
+    return tuple(out)
+
+
 def _layer_tensors(config: GPTConfig, layer: int, head_apart: bool) -> int:
     """Parameter tensors of one layer of the course's GPT: the two embeddings; a block's
     two LayerNorms and four Linears, each a weight and a bias; the final LayerNorm and
@@ -307,18 +329,26 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     loaded = shared and choice.pp > 1
     loaded_tp = cluster.loaded_collective_s.get(choice.tp) if loaded else None
     tp_link = _group_link(cluster, choice, "tp")
-    collectives = tp_collectives(config, batch, config.block_size, choice.tp,
-                                 choice.sequence_parallel)
+    # tp's collectives of a microbatch on each stage, in its forward and its backward
+    on_stage = _tp_on_stages(config, tuple(map(tuple, layers)), batch, choice.tp,
+                             choice.sequence_parallel, choice.recompute == "full")
     # Where a collective's own cost was measured (`measure_links`), it holds the link's
     # latency: only the bytes are added to it.
     measured = choice.tp in cluster.collective_s or loaded_tp is not None
-    tp_mb = tp_link_seconds(collectives, choice.tp, 0.0 if measured else tp_link.latency_s,
-                            tp_link.bandwidth_Bps) if choice.tp > 1 else 0.0
-    if choice.tp > 1:  # each collective's own cost: by its op, or an all-reduce's as
-        # measured while the other ranks compute
-        tp_mb += sum(cluster.collective(op, choice.tp) if loaded_tp is None else loaded_tp
-                     for op, *_ in collectives)
-    forward, backward, tp_share = [], [], []
+
+    def tp_seconds(by_op: dict[str, tuple[int, float]]) -> float:
+        # n collectives of one op, of B bytes in all, on the ring: as one of B bytes with
+        # n latencies a hop; and each one's own cost, by its op (or an all-reduce's as
+        # measured while the other ranks compute)
+        return sum(tp_link_seconds([(op, "", "", size)], choice.tp,
+                                   n * (0.0 if measured else tp_link.latency_s),
+                                   tp_link.bandwidth_Bps)
+                   + n * (cluster.collective(op, choice.tp) if loaded_tp is None else loaded_tp)
+                   for op, (n, size) in by_op.items())
+
+    tp_f = [tp_seconds(by["F"]) for by in on_stage]
+    tp_b = [tp_seconds(by["B"]) for by in on_stage]
+    forward, backward = [], []
     blocks = config.n_layers + 2
     # On shared cores, each action's sends and receives (one from the stage before and one
     # to the stage after) take processor time, half a message's at each end.
@@ -333,7 +363,6 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
         forward.append(worse * (f + ov.forward_stage_s) + hops)
         backward.append(worse * (2 * flop_s["F"][s] + ov.backward_layer_s * len(ls)
                                  + again + ov.backward_stage_s) + hops)
-        tp_share.append(tp_mb * len(ls) / blocks)  # this stage's part of a microbatch's
     pp_link = _group_link(cluster, choice, "pp")
     if loaded and cluster.loaded_p2p_s is not None:
         pp_link = SimulatedLink(cluster.loaded_p2p_s, pp_link.bandwidth_Bps)
@@ -343,14 +372,14 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
 
     def simulated(slow: float) -> tuple[tuple[float, ...], float]:
         return _simulated((choice.schedule, choice.pp, choice.microbatches, choice.chunks),
-                          tuple(slow * f + t / 2 for f, t in zip(forward, tp_share)),
-                          tuple(slow * b + t / 2 for b, t in zip(backward, tp_share)),
+                          tuple(slow * f + t for f, t in zip(forward, tp_f)),
+                          tuple(slow * b + t for b, t in zip(backward, tp_b)),
                           pp_link.latency_s, pp_link.bandwidth_Bps, activation)
 
     m = choice.microbatches
     on_rank = [[s for s, r in enumerate(plan.stage_rank) if r == rank]
                for rank in range(choice.pp)]  # each pipeline rank's stages
-    tp_on = [sum(tp_share[s] for s in mine) * m for mine in on_rank]
+    tp_on = [sum(tp_f[s] + tp_b[s] for s in mine) * m for mine in on_rank]
     slow, (busy_s, step_s) = 1.0, simulated(1.0)
     if shared:
         for _ in range(6):
@@ -409,13 +438,12 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
         # Where that is longer, the ranks wait for a core. A collective's processor time
         # is measured (`measure_links`, `measure_waits`) or counts none
         # (`Cluster.collective_cpu`).
-        tp_cpu = m * sum(cluster.collective_cpu(op, choice.tp) for op, *_ in collectives) \
-            if choice.tp > 1 else 0.0
         cpu = 0.0
         for rank, mine in enumerate(on_rank):
-            share = sum(len(layers[s]) for s in mine) / blocks
+            tp_cpu = m * sum(n * cluster.collective_cpu(op, choice.tp) for s in mine
+                             for by in on_stage[s].values() for op, (n, _) in by.items())
             cpu += (m * sum(forward[s] + backward[s] for s in mine) + optimizers[rank]
-                    + tp_cpu * share)
+                    + tp_cpu)
             if choice.dp > 1:
                 cpu += (_dp_rings(choice, len(mine), rank in tied_on)
                         * cluster.ring_cpu_s.get(choice.dp, 0.0)

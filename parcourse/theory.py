@@ -427,8 +427,9 @@ def korthikanti_layer_bytes(config: GPTConfig, layer: int, tp: int = 1, *, batch
 
 def tp_collectives(config: GPTConfig, batch: int, seq: int, world_size: int,
                    sequence_parallel: bool = False, loss: bool = True) -> list[TPCollective]:
-    """Theory: every collective of one training step on each rank, as the tracer records
-    them (op, phase, where, bytes of the whole tensor).
+    """Theory: every collective of one training step of one microbatch on each rank
+    without a pipeline (with one, `tp_stage_collectives`), as the tracer records them
+    (op, phase, where, bytes of the whole tensor).
 
     Without sequence parallelism, per block: two all-reduces forward (after attention's
     and the MLP's row-parallel layer: g) and two backward (before their column-parallel
@@ -464,16 +465,28 @@ def tp_collectives(config: GPTConfig, batch: int, seq: int, world_size: int,
 
 def tp_stage_collectives(config: GPTConfig, stages: list[list[int]], batch: int, seq: int,
                          world_size: int, sequence_parallel: bool = False,
-                         recompute: bool = False) -> list[dict[str, list[TPCollective]]]:
+                         recompute: bool = False, megatron: bool = False
+                         ) -> list[dict[str, list[TPCollective]]]:
     """Theory: `tp_collectives` of one microbatch cut by pipeline stage (`stages`: the
     layers each holds, 0 the embeddings, 1..L the blocks, L + 1 the head), and by the
-    action that runs them, "F" (forward) and "B" (backward). Each collective goes with
-    its layer, the loss's with the head. Two things are not in the whole model's list:
-    under sequence parallelism every stage sums its replicated parameters' gradients in
-    an all-reduce of its own, at the end of each backward (`ReplicatedGradSync`); and a
-    stage recomputed in backward (`recompute`, the course's whole-stage checkpoint) runs
-    its forward's collectives again there, the loss's excepted (the loss is computed
-    outside the checkpoint)."""
+    action that runs them, "F" (forward) and "B" (backward), with "step": those run once a
+    step, after the schedule. Each collective goes with its layer, the loss's with the
+    head. Two things are not in the whole model's list (which is a step's without a
+    pipeline), as the course's 3D step runs them:
+
+    - under sequence parallelism every stage sums the replicated parameters' gradients
+      in an all-reduce of its own at the end of each backward (`ReplicatedGradSync`:
+      every such parameter of the whole model, zeros for those it does not hold, so the
+      whole model's bytes);
+    - a stage recomputed in backward (`recompute`, the course's whole-stage checkpoint)
+      runs its forward's collectives again there, the loss's excepted (the loss is
+      computed outside the checkpoint).
+
+    `megatron`: as Megatron-LM runs them instead. Recompute runs the blocks' forward
+    again, not the embeddings' or the head's, and the replicated gradients are summed
+    once a step (`finalize_model_grads`), each stage its own: a block's two LayerNorms
+    and two row-parallel biases, the position embedding on the first stage, ln_f on the
+    last."""
     by_layer: dict[int, dict[str, list[TPCollective]]] = {}
     replicated: list[TPCollective] = []
     for c in tp_collectives(config, batch, seq, world_size, sequence_parallel):
@@ -485,12 +498,23 @@ def tp_stage_collectives(config: GPTConfig, stages: list[list[int]], batch: int,
                  if where.startswith("blocks.") else config.n_layers + 1)  # head, loss
         mine = by_layer.setdefault(layer, {"F": [], "B": []})
         mine["F" if c[1] == "forward" else "B"].append(c)
-        if recompute and c[1] == "forward" and where != "cross entropy":
+        again = 1 <= layer <= config.n_layers if megatron else where != "cross entropy"
+        if recompute and c[1] == "forward" and again:
             mine["B"].append(c)
     out: list[dict[str, list[TPCollective]]] = []
     for held in stages:
-        out.append({kind: [c for lay in held for c in by_layer.get(lay, {}).get(kind, [])]
-                    + (replicated if kind == "B" else []) for kind in ("F", "B")})
+        mine = {kind: [c for lay in held for c in by_layer.get(lay, {}).get(kind, [])]
+                for kind in ("F", "B")}
+        mine["step"] = []
+        if replicated and not megatron:
+            mine["B"] += replicated
+        elif replicated:
+            numbers = sum(6 if 1 <= lay <= config.n_layers else 0 for lay in held) \
+                + (config.block_size if 0 in held else 0) \
+                + (2 if config.n_layers + 1 in held else 0)
+            mine["step"] = [("all_reduce", "backward", "replicated grads",
+                             4 * numbers * config.d_model)]
+        out.append(mine)
     return out
 
 

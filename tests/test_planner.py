@@ -454,6 +454,43 @@ def test_tps_collectives_are_priced_on_the_stage_that_runs_them(pool8, choice):
         max(per_rank) * choice.microbatches * 0.01)
 
 
+def test_megatrons_tp_collectives_and_16_bit_activations():
+    """Split as Megatron-LM splits (`split="blocks"`), the replicated gradients are summed
+    once a step, each stage its own (the stages' bytes add up to the whole model's), and
+    recompute runs the blocks' forward again, not the embeddings' or the head's. In 16
+    bits the activations' collectives move half the bytes; the loss's stay fp32."""
+    from parcourse.planner.predict import stage_layers
+    from parcourse.theory import tp_stage_collectives
+
+    choice = Choice(1, 2, 2, "1f1b", 2, sequence_parallel=True, recompute="full",
+                    split="blocks")
+    layers = stage_layers(CONFIG, choice)
+    course, megatron = (tp_stage_collectives(CONFIG, layers, 4, CONFIG.block_size, 2, True,
+                                             True, m) for m in (False, True))
+    whole = [c for c in tp_collectives(CONFIG, 4, CONFIG.block_size, 2, True)
+             if c[2] == "replicated grads"]
+    assert all(whole[0] in by["B"] and not by["step"] for by in course)
+    assert all(not any(c[2] == "replicated grads" for c in by["B"]) for by in megatron)
+    assert sum(by["step"][0][3] for by in megatron) == whole[0][3]
+    again = {c[2] for by in megatron for c in by["B"] if c[1] == "forward"}
+    assert again and all(w.startswith("blocks.") for w in again)
+    assert "tok_emb" in {c[2] for by in course for c in by["B"] if c[1] == "forward"}
+    # bytes only (no latency, no measured cost): 16-bit activations halve tp's seconds,
+    # but for the loss's three all-reduces of b x T fp32 numbers a microbatch
+    from parcourse.comm import SimulatedLink
+
+    bare = Cluster.this_machine(4, flops=1e12)
+    bare = dataclasses.replace(bare, inside=SimulatedLink(0.0, 1e9))
+    plain = Choice(2, 2, 1, "1f1b", 2)
+    b, n = BATCH // (plain.dp * plain.microbatches), plain.tp
+    loss = plain.microbatches * 3 * 2 * (n - 1) * 4 * b * CONFIG.block_size / n \
+        / bare.inside.bandwidth_Bps
+    fp32, bf16 = (predict_time(CONFIG, plain, BATCH, bare, dtype=d)["tp"]
+                  for d in ("fp32", "bf16"))
+    assert loss > 0 and fp32 > 2 * loss
+    assert bf16 == pytest.approx((fp32 - loss) / 2 + loss, rel=1e-9)
+
+
 def test_the_measurements_leave_no_group_behind(pool4):
     """The gloo groups the planner's measurements make are destroyed when they are done:
     a group's threads live until then, and a benchmark measuring before each of its

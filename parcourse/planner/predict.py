@@ -265,21 +265,25 @@ def _simulated(schedule: tuple[str, int, int, int], forward: tuple[float, ...],
 
 @functools.lru_cache(maxsize=4096)
 def _tp_on_stages(config: GPTConfig, layers: tuple[tuple[int, ...], ...], batch: int, tp: int,
-                  sequence_parallel: bool, recompute: bool
+                  sequence_parallel: bool, recompute: bool, megatron: bool, element: int
                   ) -> tuple[dict[str, dict[str, tuple[int, float]]], ...]:
     """tp's collectives of one microbatch on each stage (`tp_stage_collectives`), in its
-    forward ("F") and backward ("B"), counted by op: how many and their bytes in all.
-    Built once for the configurations that share them (a search asks again for every
-    schedule, ZeRO stage and microbatch count of a shape)."""
+    forward ("F") and backward ("B"), and those once a step ("step"), counted by op: how
+    many and their bytes in all, the activations' at `element` bytes a number (the
+    loss's and the replicated gradients' stay fp32). Built once for the configurations
+    that share them (a search asks again for every schedule, ZeRO stage and microbatch
+    count of a shape)."""
     out = []
     for by in tp_stage_collectives(config, [list(ls) for ls in layers], batch,
-                                   config.block_size, tp, sequence_parallel, recompute):
+                                   config.block_size, tp, sequence_parallel, recompute,
+                                   megatron):
         counted: dict[str, dict[str, tuple[int, float]]] = {}
         for kind, collectives in by.items():
             ops: dict[str, tuple[int, float]] = {}
-            for op, _, _, size in collectives:
+            for op, _, where, size in collectives:
                 n, total = ops.get(op, (0, 0.0))
-                ops[op] = (n + 1, total + size)
+                fp32 = where in ("cross entropy", "replicated grads")
+                ops[op] = (n + 1, total + (size if fp32 else size * element / 4))
             counted[kind] = ops
         out.append(counted)
     return tuple(out)
@@ -300,7 +304,9 @@ def _layer_tensors(config: GPTConfig, layer: int, head_apart: bool) -> int:
 def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: Cluster,
                  dtype: Dtype = "fp32") -> dict[str, float]:
     """Seconds of one step, split: "compute" (the slowest rank's F and B), "tp" (its
-    collectives, on the critical path), "bubble" (the rest of the pipeline's step:
+    collectives, on the critical path: each stage's own, in its F and B, as
+    `tp_stage_collectives` counts them; Megatron-LM's where the layers are split as it
+    splits them, `Choice.split`), "bubble" (the rest of the pipeline's step:
     idle and messages, the tied weights' exchange), "dp" (what the step waits for of the
     gradients' reduction, after it or, ZeRO-2's, during it, and the loss's mean over the
     replicas), "optimizer" (its step, on the rank with
@@ -331,7 +337,8 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     tp_link = _group_link(cluster, choice, "tp")
     # tp's collectives of a microbatch on each stage, in its forward and its backward
     on_stage = _tp_on_stages(config, tuple(map(tuple, layers)), batch, choice.tp,
-                             choice.sequence_parallel, choice.recompute == "full")
+                             choice.sequence_parallel, choice.recompute == "full",
+                             choice.split == "blocks", 2 if dtype == "bf16" else 4)
     # Where a collective's own cost was measured (`measure_links`), it holds the link's
     # latency: only the bytes are added to it.
     measured = choice.tp in cluster.collective_s or loaded_tp is not None
@@ -380,6 +387,8 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     on_rank = [[s for s, r in enumerate(plan.stage_rank) if r == rank]
                for rank in range(choice.pp)]  # each pipeline rank's stages
     tp_on = [sum(tp_f[s] + tp_b[s] for s in mine) * m for mine in on_rank]
+    # those once a step, after the schedule (Megatron-LM's sum of the replicated gradients)
+    tp_once = max(sum(tp_seconds(on_stage[s]["step"]) for s in mine) for mine in on_rank)
     slow, (busy_s, step_s) = 1.0, simulated(1.0)
     if shared:
         for _ in range(6):
@@ -393,9 +402,9 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
                 break
             slow, (busy_s, step_s) = want, simulated(want)
     busiest = max(range(choice.pp), key=lambda r: busy_s[r])
-    tp_s = tp_on[busiest]
-    compute = busy_s[busiest] - tp_s
-    pipeline = step_s
+    compute = busy_s[busiest] - tp_on[busiest]
+    tp_s = tp_on[busiest] + tp_once
+    pipeline = step_s + tp_once
     head_apart = plan.stages > 1 and _stage_of(layers, 0) != _stage_of(layers, blocks - 1)
     if config.tie_weights and head_apart and \
             plan.stage_rank[_stage_of(layers, 0)] != plan.stage_rank[_stage_of(layers, blocks - 1)]:
@@ -440,8 +449,9 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
         # (`Cluster.collective_cpu`).
         cpu = 0.0
         for rank, mine in enumerate(on_rank):
-            tp_cpu = m * sum(n * cluster.collective_cpu(op, choice.tp) for s in mine
-                             for by in on_stage[s].values() for op, (n, _) in by.items())
+            tp_cpu = sum((1 if kind == "step" else m) * n * cluster.collective_cpu(op, choice.tp)
+                         for s in mine for kind, by in on_stage[s].items()
+                         for op, (n, _) in by.items())
             cpu += (m * sum(forward[s] + backward[s] for s in mine) + optimizers[rank]
                     + tp_cpu)
             if choice.dp > 1:

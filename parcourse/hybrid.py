@@ -55,6 +55,7 @@ from parcourse.pipeline.simulate import SimulatedCompute
 from parcourse.tensor_parallel import GPT_PLAN, apply_tensor_parallel
 from parcourse.tensor_parallel.comm import TPComm
 from parcourse.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from parcourse.tensor_parallel.replicated import one_sum
 from parcourse.tensor_parallel.state_dict import split_dims, whole_parameters
 from parcourse.trace import Tracer
 
@@ -239,7 +240,8 @@ class Hybrid:
                                                  algorithm="auto"),
                                        on_weight_gradients=self._reduce_stage if zero == 2
                                        else None,
-                                       compute=compute, apart=paced)
+                                       compute=compute, apart=paced,
+                                       together=one_sum if sequence_parallel else None)
         if paced is not None:
             self.tp_comm.comm.before_blocking = self.runtime.pace
         self.first = self.plan.stage_rank[0] == stage

@@ -414,22 +414,31 @@ def _tp_collectives_by_action(ctx, choice):
     Choice(1, 4, 2, "1f1b", 2, sequence_parallel=True),
     Choice(2, 2, 2, "1f1b", 2, recompute="full"),
     Choice(2, 2, 2, "1f1b", 2, recompute="full", sequence_parallel=True),
-    Choice(1, 4, 2, "interleaved-1f1b", 2)], ids=Choice.label)
+    Choice(1, 4, 2, "interleaved-1f1b", 2),
+    Choice(1, 4, 2, "zb-h1", 2, sequence_parallel=True)], ids=Choice.label)
 def test_tps_collectives_are_priced_on_the_stage_that_runs_them(pool8, choice):
     """`tp_stage_collectives`: tp's collectives of a microbatch on each stage, in its
     forward and its backward, as a real step runs them (each with its layer, the loss's
     with the head; sequence parallelism's sum of the replicated gradients at the end of
     every stage's backward; a recomputed stage's forward again in its backward, the
     loss's excepted). The planner prices each stage's own: the last stage, with the
-    head's and the loss's, holds more than its share of the layers would give it."""
+    head's and the loss's, holds more than its share of the layers would give it. A
+    backward split into I and W (zero-bubble) runs B's, and W sums the replicated
+    gradients once, though it runs a backward call for each group of weights."""
     import collections
 
     from parcourse.planner.predict import stage_layers
     from parcourse.theory import tp_stage_collectives
 
-    got = collections.Counter()
+    got, sums = collections.Counter(), collections.Counter()
     for seen in pool8.run(_tp_collectives_by_action, choice).results:
-        got.update(seen or {})
+        for (stage, action, op, where), n in (seen or {}).items():
+            got[stage, "B" if action in ("I", "W") else action, op, where] += n
+            if where == "replicated grads":
+                sums[stage, action] += n
+    if choice.sequence_parallel:  # once a microbatch on each stage, in B, or in W
+        assert sums == {(s, "W" if choice.schedule == "zb-h1" else "B"): choice.microbatches
+                        for s in range(choice.pp)}
     want = collections.Counter()
     on_stage = tp_stage_collectives(CONFIG, stage_layers(CONFIG, choice),
                                     BATCH // choice.dp // choice.microbatches,

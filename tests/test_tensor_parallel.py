@@ -221,6 +221,13 @@ def test_a_backward_after_one_that_raised_sums_the_replicated_gradients(pools):
     pools[2].run(TP.after_a_failed_backward)
 
 
+def test_backward_calls_inside_one_sum_sum_the_replicated_gradients_once(pools):
+    """A split backward's W runs a backward call per group of weights; inside `one_sum`
+    they sum the replicated gradients once, at its end, to the same gradients as one
+    process; one that raised there leaves the next backward right."""
+    pools[2].run(TP.one_sum_over_two_backwards)
+
+
 def test_autograd_grad_of_a_replicated_weight_is_refused(pools):
     """Under sequence parallelism a LayerNorm's gradient is summed over the ranks at the
     end of loss.backward(); torch.autograd.grad had returned this rank's part silently."""

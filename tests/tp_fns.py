@@ -450,6 +450,43 @@ def after_a_failed_backward(ctx):
     check_params(ctx, split, reference)
 
 
+def one_sum_over_two_backwards(ctx):
+    """Sequence parallelism: two backward calls (two halves of a batch) inside `one_sum`,
+    as a split backward's W makes: the replicated gradients still this rank's part
+    between them, summed once at the end; then one raising inside, whose part is
+    dropped, and an ordinary backward after it. Each time against one process."""
+    from parcourse.tensor_parallel.replicated import one_sum
+
+    reference = gpt(CONFIG)
+    split = apply_tensor_parallel(gpt(CONFIG), GPT_PLAN, ctx.group, sequence_parallel=True)
+    x, y = progressions(2 * B, T, CONFIG.vocab)
+    halves = [(x[:B], y[:B]), (x[B:], y[B:])]
+    for xs, ys in halves:
+        F.cross_entropy(reference(xs).flatten(0, 1), ys.flatten()).backward()
+    losses = [vocab_parallel_cross_entropy(split(xs), ys, ctx.group, CONFIG.vocab)
+              for xs, ys in halves]
+    with one_sum():
+        losses[0].backward()
+        mine = split.ln_f.weight.grad.clone()
+        every = [torch.empty_like(mine) for _ in range(ctx.world_size)]
+        dist.all_gather(every, mine, group=ctx.group)
+        assert not torch.equal(every[0], every[1]), "summed before the end of one_sum"
+        losses[1].backward()
+    check_params(ctx, split, reference)
+    split.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+    try:
+        with one_sum():
+            vocab_parallel_cross_entropy(split(x), y, ctx.group, CONFIG.vocab).backward()
+            raise RuntimeError("boom")
+    except RuntimeError as e:
+        assert "boom" in str(e)
+    split.zero_grad(set_to_none=True)
+    F.cross_entropy(reference(x).flatten(0, 1), y.flatten()).backward()
+    vocab_parallel_cross_entropy(split(x), y, ctx.group, CONFIG.vocab).backward()
+    check_params(ctx, split, reference)
+
+
 def autograd_grad_refused(ctx):
     """Sequence parallelism: torch.autograd.grad of a replicated weight. Its error."""
     split = apply_tensor_parallel(gpt(CONFIG), GPT_PLAN, ctx.group, sequence_parallel=True)

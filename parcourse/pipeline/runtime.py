@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +102,10 @@ class PipelineRuntime:
     Tensor parallelism calls `pace` before each of its collectives (through
     `Comm.before_blocking`, which `Hybrid` sets), so that the padding is spread over the
     action and a group meets at each of them together.
+
+    `together()`: a context each W runs in, whose backward calls (one per group of
+    weights) then count as one backward: `Hybrid` gives sequence parallelism's
+    `one_sum`, so that a W sums the replicated gradients once, as a whole B does.
     """
 
     def __init__(self, schedule: Schedule, stages: dict[int, nn.Module],
@@ -110,7 +114,8 @@ class PipelineRuntime:
                  compute: SimulatedCompute | None = None, recompute: bool = False,
                  tied: Sequence[dict[int, str]] = (), comm: Comm | None = None,
                  on_weight_gradients: Callable[[int, int], None] | None = None,
-                 apart: Callable[[], float] | None = None) -> None:
+                 apart: Callable[[], float] | None = None,
+                 together: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
         check(schedule)
         if recompute and any(a.kind == "I" for acts in schedule.actions for a in acts):
             raise ValueError(f"recompute=True runs each stage's backward whole; {schedule.name} "
@@ -167,6 +172,7 @@ class PipelineRuntime:
         self._posts_device: torch.device | None = None
         self._failed: str | None = None
         self.on_weight_gradients = on_weight_gradients
+        self._together = together
         self.peak_in_flight_bytes = 0  # of the last step, when a tracer measures them
 
     # -- point to point
@@ -555,7 +561,8 @@ class PipelineRuntime:
     def _weight_gradient(self, a: Action, _: None) -> None:
         """W: the weights' gradients, accumulated into .grad; then the graph goes."""
         later, held = self._later.pop((a.stage, a.microbatch))
-        later()
+        with self._together() if self._together is not None else nullcontext():
+            later()
         self._count_in_flight(-held, a)
 
     def _count_in_flight(self, delta: int, action: Action) -> None:

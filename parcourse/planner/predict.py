@@ -252,14 +252,15 @@ def _dp_rings(choice: Choice, stages: int, tied: bool = False, exposed: bool = F
 
 @functools.lru_cache(maxsize=4096)
 def _simulated(schedule: tuple[str, int, int, int], forward: tuple[float, ...],
-               backward: tuple[float, ...], latency: float, bandwidth: float,
-               message_bytes: float) -> tuple[tuple[float, ...], float]:
+               backward: tuple[float, ...], weight: tuple[float, ...], latency: float,
+               bandwidth: float, message_bytes: float) -> tuple[tuple[float, ...], float]:
     """The simulator's timeline of a schedule on these costs, run once (configurations
     that differ only in what the pipeline does not see, ZeRO's stage say, share it): what
-    the planner reads of it, each rank's busy seconds and the step's."""
+    the planner reads of it, each rank's busy seconds and the step's. `weight`: the W
+    part of each stage's backward, where the schedule splits it."""
     timeline = simulate(_schedule(*schedule), Costs(
-        forward=list(forward), backward=list(backward), latency=latency,
-        bandwidth=bandwidth, message_bytes=message_bytes))
+        forward=list(forward), backward=list(backward), weight=list(weight),
+        latency=latency, bandwidth=bandwidth, message_bytes=message_bytes))
     return tuple(timeline.busy), timeline.step_time
 
 
@@ -268,7 +269,8 @@ def _tp_on_stages(config: GPTConfig, layers: tuple[tuple[int, ...], ...], batch:
                   sequence_parallel: bool, recompute: bool, megatron: bool, element: int
                   ) -> tuple[dict[str, dict[str, tuple[int, float]]], ...]:
     """tp's collectives of one microbatch on each stage (`tp_stage_collectives`), in its
-    forward ("F") and backward ("B"), and those once a step ("step"), counted by op: how
+    forward ("F") and backward ("B"; "W": those of them a split backward's W runs), and
+    those once a step ("step"), counted by op: how
     many and their bytes in all, the activations' at `element` bytes a number (the
     loss's and the replicated gradients' stay fp32). Built once for the configurations
     that share them (a search asks again for every schedule, ZeRO stage and microbatch
@@ -285,6 +287,10 @@ def _tp_on_stages(config: GPTConfig, layers: tuple[tuple[int, ...], ...], batch:
                 fp32 = where in ("cross entropy", "replicated grads")
                 ops[op] = (n + 1, total + (size if fp32 else size * element / 4))
             counted[kind] = ops
+        # A split backward's W: the sum of the replicated gradients (the rest of B, on
+        # the input gradient's path, is I's)
+        counted["W"] = {"all_reduce": (len(w), sum(c[3] for c in w))} if (w := [
+            c for c in by["B"] if c[2] == "replicated grads"]) else {}
         out.append(counted)
     return tuple(out)
 
@@ -355,6 +361,7 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
 
     tp_f = [tp_seconds(by["F"]) for by in on_stage]
     tp_b = [tp_seconds(by["B"]) for by in on_stage]
+    tp_w = [tp_seconds(by["W"]) for by in on_stage]  # of those, a split backward's W's
     forward, backward = [], []
     blocks = config.n_layers + 2
     # On shared cores, each action's sends and receives (one from the stage before and one
@@ -381,6 +388,7 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
         return _simulated((choice.schedule, choice.pp, choice.microbatches, choice.chunks),
                           tuple(slow * f + t for f, t in zip(forward, tp_f)),
                           tuple(slow * b + t for b, t in zip(backward, tp_b)),
+                          tuple(slow * b / 2 + t for b, t in zip(backward, tp_w)),
                           pp_link.latency_s, pp_link.bandwidth_Bps, activation)
 
     m = choice.microbatches
@@ -450,7 +458,7 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
         cpu = 0.0
         for rank, mine in enumerate(on_rank):
             tp_cpu = sum((1 if kind == "step" else m) * n * cluster.collective_cpu(op, choice.tp)
-                         for s in mine for kind, by in on_stage[s].items()
+                         for s in mine for kind, by in on_stage[s].items() if kind != "W"
                          for op, (n, _) in by.items())
             cpu += (m * sum(forward[s] + backward[s] for s in mine) + optimizers[rank]
                     + tp_cpu)

@@ -12,13 +12,17 @@ Only what this backward added is summed, so it stays right under gradient
 accumulation: each parameter's gradient from before the backward is put aside
 when its first contribution arrives, and afterwards the gradient is that plus the
 sum over ranks of this backward's contributions.
+
+A split backward's W runs one backward call per group of weights: inside `one_sum()`
+those calls sum once, on leaving, instead of once each.
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -26,9 +30,34 @@ from torch import nn
 from parcourse.tensor_parallel.comm import TPComm
 
 
+# The syncs that backward calls inside `one_sum` have left to sum, innermost last. A
+# process's, not a thread's: on a GPU autograd runs the hooks on a thread of its own.
+_HELD: list[list[ReplicatedGradSync]] = []
+
+
+@contextmanager
+def one_sum() -> Iterator[None]:
+    """The backward calls made inside sum the replicated gradients once, on leaving,
+    not each at its end: a split backward's W, one call per group of weights, would
+    otherwise sum every replicated parameter once per call. Nested, the outermost sums.
+    If a call inside raises, what the calls left is dropped, as a lone backward's is."""
+    if _HELD:
+        yield
+        return
+    _HELD.append([])
+    try:
+        yield
+    except BaseException:
+        for sync in _HELD.pop():
+            sync._new, sync._before = {}, {}
+        raise
+    for sync in _HELD.pop():
+        sync._end_of_backward()
+
+
 class ReplicatedGradSync:
     """Hooks on `params` that sum this backward's gradients over the group, in one
-    all-reduce (where "replicated grads") when backward ends."""
+    all-reduce (where "replicated grads") when backward ends (or `one_sum` does)."""
 
     def __init__(self, params: list[nn.Parameter], comm: TPComm) -> None:
         self.params, self.comm = params, comm
@@ -53,7 +82,11 @@ class ReplicatedGradSync:
                 "part until loss.backward() sums it over the ranks at its end; "
                 "torch.autograd.grad would return that part alone: call loss.backward() "
                 "and read .grad") from e
-        if self._queued is None or self._queued() is None:
+        if _HELD:  # summed when `one_sum` ends
+            if not any(sync is self for sync in _HELD[0]):
+                self._new, self._before = {}, {}
+                _HELD[0].append(self)
+        elif self._queued is None or self._queued() is None:
             # The first gradient since the last sum: sum at this backward's end. A sum
             # queued by a backward that raised is gone with it (autograd drops a failed
             # backward's callbacks): what that backward left is dropped too. (Held

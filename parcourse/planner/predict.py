@@ -361,7 +361,10 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
 
     tp_f = [tp_seconds(by["F"]) for by in on_stage]
     tp_b = [tp_seconds(by["B"]) for by in on_stage]
-    tp_w = [tp_seconds(by["W"]) for by in on_stage]  # of those, a split backward's W's
+    # of those, a split backward's W's. (On the first stage, whose input needs no
+    # gradient, I does nothing and W runs the whole backward; priced, like a run's
+    # simulated compute, as on the other stages.)
+    tp_w = [tp_seconds(by["W"]) for by in on_stage]
     forward, backward = [], []
     blocks = config.n_layers + 2
     # On shared cores, each action's sends and receives (one from the stage before and one

@@ -30,29 +30,37 @@ from torch import nn
 from parcourse.tensor_parallel.comm import TPComm
 
 
-# The syncs that backward calls inside `one_sum` have left to sum, innermost last. A
-# process's, not a thread's: on a GPU autograd runs the hooks on a thread of its own.
-_HELD: list[list[ReplicatedGradSync]] = []
+# The syncs that backward calls inside `one_sum` have left to sum (None: outside one).
+# A process's, not a thread's: on a GPU autograd runs the hooks on a thread of its own.
+_held: list[ReplicatedGradSync] | None = None
 
 
 @contextmanager
 def one_sum() -> Iterator[None]:
     """The backward calls made inside sum the replicated gradients once, on leaving,
     not each at its end: a split backward's W, one call per group of weights, would
-    otherwise sum every replicated parameter once per call. Nested, the outermost sums.
-    If a call inside raises, what the calls left is dropped, as a lone backward's is."""
-    if _HELD:
+    otherwise sum every replicated parameter once per call. Nested, the outermost sums;
+    a backward already under way when it starts still sums what it meets. If a call
+    inside raises, what the calls left is dropped, as a lone backward's is."""
+    global _held
+    if _held is not None:
         yield
         return
-    _HELD.append([])
+    _held = syncs = []
     try:
         yield
     except BaseException:
-        for sync in _HELD.pop():
+        for sync in syncs:
             sync._new, sync._before = {}, {}
         raise
-    for sync in _HELD.pop():
-        sync._end_of_backward()
+    finally:
+        _held = None
+    try:
+        for sync in syncs:
+            sync._end_of_backward()
+    finally:
+        for sync in syncs:
+            sync._new, sync._before = {}, {}
 
 
 class ReplicatedGradSync:
@@ -82,11 +90,12 @@ class ReplicatedGradSync:
                 "part until loss.backward() sums it over the ranks at its end; "
                 "torch.autograd.grad would return that part alone: call loss.backward() "
                 "and read .grad") from e
-        if _HELD:  # summed when `one_sum` ends
-            if not any(sync is self for sync in _HELD[0]):
+        under_way = self._queued is not None and self._queued() is not None
+        if _held is not None and not under_way:  # summed when `one_sum` ends
+            if not any(sync is self for sync in _held):
                 self._new, self._before = {}, {}
-                _HELD[0].append(self)
-        elif self._queued is None or self._queued() is None:
+                _held.append(self)
+        elif not under_way:
             # The first gradient since the last sum: sum at this backward's end. A sum
             # queued by a backward that raised is gone with it (autograd drops a failed
             # backward's callbacks): what that backward left is dropped too. (Held

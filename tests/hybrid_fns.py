@@ -1,5 +1,7 @@
 """Rank functions for the 3D tests (importable by name in the ranks)."""
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 
@@ -90,23 +92,43 @@ def dp_bytes_by_zero(ctx, shape, zero, microbatches):
 
 def padded_spans(ctx, shape, compute, link):
     """One traced step with `compute` simulated: each compute span of this rank (its
-    stage, kind, microbatch, seconds), the seconds of tp's collectives inside it, how many
-    there are and when the first began, from the span's start."""
+    stage, kind, microbatch, seconds), the seconds of tp's collectives inside it (their
+    spans), how many there are, when the first began (from the span's start), the
+    seconds they blocked by tp's own clock (`Comm.blocked_s`, what padding leaves on
+    top) and the least the link lets them block: a ring all-reduce of 2 ranks waits at
+    least two latencies from its start (its second message leaves once the first has
+    arrived); an all-gather or a reduce-scatter, one message, may meet it arrived."""
     mesh = Mesh(shape, ctx.group)
     model = Hybrid(gpt(CONFIG), mesh, microbatches=2, tracer=ctx.tracer, compute=compute,
                    link=link)
     x, y = progressions(BATCH, CONFIG.block_size, CONFIG.vocab)
-    model.step(x, y)
+    comm, span, blocked = model.tp_comm.comm, ctx.tracer.span, []
+
+    @contextmanager
+    def counting(name, kind="compute", **meta):  # the runtime's spans: tp's clock across
+        before = comm.blocked_s                   # each action, in the order they end
+        with span(name, kind, **meta):
+            yield
+        if kind == "compute" and "action" in meta:
+            blocked.append(comm.blocked_s - before)
+
+    ctx.tracer.span = counting
+    try:
+        model.step(x, y)
+    finally:
+        del ctx.tracer.span
     spans = ctx.tracer.data().spans
     tp = [s for s in spans if s.kind == "comm" and s.meta.get("axis") == "tp"
           and s.meta.get("phase") in ("forward", "backward")]  # TPComm's, not the ring's
+    actions = [s for s in spans if s.kind == "compute" and "action" in s.meta]
+    assert len(actions) == len(blocked)
     out = []
-    for s in spans:
-        if s.kind == "compute" and "action" in s.meta:
-            inside = [t for t in tp if s.start_ns <= t.start_ns and t.end_ns <= s.end_ns]
-            out.append((s.meta["stage"], s.meta["action"], s.meta["microbatch"], s.duration_s,
-                        sum(t.duration_s for t in inside), len(inside),
-                        (min(t.start_ns for t in inside) - s.start_ns) / 1e9))
+    for s, apart in zip(actions, blocked):
+        inside = [t for t in tp if s.start_ns <= t.start_ns and t.end_ns <= s.end_ns]
+        least = sum(2 for t in inside if t.meta["op"] == "all_reduce") * link.latency_s
+        out.append((s.meta["stage"], s.meta["action"], s.meta["microbatch"], s.duration_s,
+                    sum(t.duration_s for t in inside), len(inside),
+                    (min(t.start_ns for t in inside) - s.start_ns) / 1e9, apart, least))
     return out
 
 

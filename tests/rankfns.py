@@ -84,3 +84,21 @@ def slow(ctx, seconds):
     with ctx.tracer.span("slow step"):
         time.sleep(seconds)
     return ctx.rank
+
+
+def settled_threads(ctx):
+    """This rank's threads (their ids, from /proc) once the set has held for 0.2 s, read
+    after collecting garbage: a destroyed gloo group's threads end when it is collected,
+    a moment later, so a count read at once may still hold an earlier run's. A run
+    leaves none behind when its ranks' sets afterwards are within those before (ids,
+    not counts: an old thread ending would hide a new one in a count)."""
+    import gc
+
+    seen, deadline = [], time.monotonic() + 10
+    while len(seen) < 5 or len(set(seen[-5:])) > 1:
+        if time.monotonic() > deadline:
+            return frozenset().union(*seen[-5:])
+        gc.collect()
+        seen.append(frozenset(os.listdir(f"/proc/{os.getpid()}/task")))
+        time.sleep(0.05)
+    return seen[-1]

@@ -259,24 +259,14 @@ def test_memory_by_tp_size_equals_the_formulas_at_every_size(pools):
         for got in r.values():
             assert got["param_bytes"] == got["theory"]["param_bytes"]
             assert got["activation_bytes"] == got["theory"]["activation_bytes"]
-    if os.path.isdir("/proc/self/task"):  # its groups go when it is done (a panel runs it
-        def threads(ctx):                 # again on ranks that live on): gloo's threads too,
-            import gc                     # which end when a destroyed group is collected,
-            import time                   # a moment after; so each count is read once it
-            #                               has held for 0.2 s (an earlier test's group's
-            #                               thread once ended between the two counts)
-            counts, deadline = [], time.monotonic() + 10
-            while len(counts) < 5 or len(set(counts[-5:])) > 1:
-                if time.monotonic() > deadline:
-                    return max(counts[-5:])
-                gc.collect()
-                counts.append(len(os.listdir(f"/proc/{os.getpid()}/task")))
-                time.sleep(0.05)
-            return counts[-1]
+    if os.path.isdir("/proc/self/task"):
+        # Its groups go when it is done (a panel runs it again on ranks that live on),
+        # gloo's threads too, which end when a destroyed group is collected.
+        from rankfns import settled_threads
 
-        before = pools[4].run(threads).results
+        before = pools[4].run(settled_threads).results
         pools[4].run(memory_by_tp_size, TP.CONFIG, TP.B, (1, 2, 4))
-        after = pools[4].run(threads).results
+        after = pools[4].run(settled_threads).results
         assert all(a <= b for a, b in zip(after, before)), (after, before)  # none left
 
 

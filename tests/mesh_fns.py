@@ -1,5 +1,7 @@
 """Rank functions for the mesh tests (importable by name in the ranks)."""
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -49,7 +51,8 @@ def ring_times_over_a_topology(ctx, between_latency_s):
     """Seconds of one ring all-reduce over the world (its ring crosses nodes: 2 ranks a
     node) and over this rank's node alone, on a topology whose inside link is free; and
     when the world's started and ended here (perf_counter: one clock for every process
-    on a machine), since a rank that leaves the barrier late sees less of the ring."""
+    on a machine), since a rank that leaves the barrier late sees less of the ring. The
+    node's ring the least of three: a busy machine only adds to it."""
     import time
 
     from parcourse.comm import Comm, SimulatedLink, Topology
@@ -58,13 +61,14 @@ def ring_times_over_a_topology(ctx, between_latency_s):
     node = dist.new_group([0, 1]), dist.new_group([2, 3])
     t = torch.ones(64)
     out = {}
-    for name, group in (("world", ctx.group), ("node", node[ctx.rank // 2])):
+    for name, group, rounds in (("world", ctx.group, 1), ("node", node[ctx.rank // 2], 3)):
         comm = Comm(group, link=topology, algorithm="ring")
-        dist.barrier(group=ctx.group)
-        start = time.perf_counter()
-        comm.all_reduce(t)
-        end = time.perf_counter()
-        out[name] = end - start
+        for _ in range(rounds):
+            dist.barrier(group=ctx.group)
+            start = time.perf_counter()
+            comm.all_reduce(t)
+            end = time.perf_counter()
+            out[name] = min(out.get(name, math.inf), end - start)
         if name == "world":
             out["span"] = (start, end)
     return out

@@ -151,21 +151,24 @@ def test_latency_is_a_delay_paid_once_by_messages_sent_together(pools):
     # about 50 ms later, not 8 x 50 ms (latency is not time the link is busy).
     alpha = 0.05
 
-    def seconds(results):  # from rank 0's first send to rank 1's last arrival
-        return results[1][1] - results[0][0]
+    def seconds(*args, **kwargs):  # from rank 0's first send to rank 1's last arrival,
+        # the least of three runs: simulated time is a floor every run keeps, and a
+        # busy machine only adds to it, while a wrong model is slow in every run
+        runs = [pools[2].run(F.burst, *args, **kwargs).results for _ in range(3)]
+        return min(r[1][1] - r[0][0] for r in runs)
 
-    took = seconds(pools[2].run(F.burst, 8, 64, alpha, 1e9).results)
+    took = seconds(8, 64, alpha, 1e9)
     assert alpha <= took < 3 * alpha
     # Sent by separate calls (as a pipeline sends), messages still share the links: 4
     # messages of 1 MB at 50 MB/s queue on the outgoing link, 20 ms each, and the last
     # arrives 50 ms after it left: about 130 ms, not 70.
-    took = seconds(pools[2].run(F.burst, 4, 1 << 20, alpha, 50e6, separate=True).results)
+    took = seconds(4, 1 << 20, alpha, 50e6, separate=True)
     assert alpha + 4 * (1 << 20) / 50e6 <= took < alpha + 6 * (1 << 20) / 50e6
     # The parameter server waits for latency twice (gather, send back), the ring
     # once per step: 2 x 50 ms against 6 x 50 ms with 4 ranks and a tiny tensor.
     model = T.CostModel(alpha, 1e9)
-    naive = max(r[0] for r in pools[4].run(F.linked, "naive", 64, alpha, 1e9).results)
-    ring = max(r[0] for r in pools[4].run(F.linked, "ring", 64, alpha, 1e9).results)
+    naive, ring = (min(max(r[0] for r in pools[4].run(F.linked, algo, 64, alpha, 1e9).results)
+                       for _ in range(3)) for algo in ("naive", "ring"))
     assert model.all_reduce_s("naive", 64, 4) == pytest.approx(2 * alpha, rel=1e-3)
     assert 2 * alpha <= naive < 4 * alpha
     assert 6 * alpha <= ring < 8 * alpha

@@ -96,9 +96,11 @@ def test_spans_from_all_ranks_share_one_clock_across_a_barrier():
     # Nobody leaves the barrier before everybody has entered it.
     assert max(s.end_ns for s in before) <= min(s.start_ns for s in after)
     assert max(s.start_ns for s in barrier) <= min(s.end_ns for s in barrier)
-    # Rank 0 slept least, so it waited longest in the barrier.
+    # Who came first waited longest: rank 0 slept least, but the ranks leave the common
+    # start a few milliseconds apart on busy cores, so the order is read from the trace.
     waits = {s.rank: s.duration_s for s in barrier}
-    assert waits[0] > waits[3]
+    came = {s.rank: s.start_ns for s in barrier}
+    assert max(waits, key=waits.get) == min(came, key=came.get)
 
 
 def test_chrome_export(tmp_path):

@@ -344,14 +344,33 @@ class Pool:
                 os.kill(self._ranks[r].process.pid, signal.SIGUSR1)
             except ProcessLookupError:
                 pass
-        time.sleep(0.2)  # faulthandler writes from a signal handler; give it a moment
-        stacks = {}
-        for r in sorted(pending):
-            text = Path(self._ranks[r].stack_file).read_text(errors="replace")
-            if text.strip():
-                stacks[r] = text
+        stacks = self._stacks(sorted(pending))
         self._kill()
         return RankTimeout(limit, running, stacks)
+
+    def _stacks(self, ranks: list[int], within_s: float = 3.0) -> dict[int, str]:
+        """The stacks `ranks` write on SIGUSR1 (faulthandler, from a signal handler: as
+        soon as each process is scheduled, later on a busy machine), each read once its
+        file has stopped growing, waiting at most `within_s` for them all; a rank that
+        wrote nothing is left out."""
+        files = {r: Path(self._ranks[r].stack_file) for r in ranks}
+
+        def sizes() -> dict[int, int]:
+            return {r: f.stat().st_size if f.exists() else 0 for r, f in files.items()}
+
+        deadline, last = time.monotonic() + within_s, None
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            now = sizes()
+            if now == last and all(now.values()):
+                break
+            last = now
+        stacks = {}
+        for r, f in files.items():
+            text = f.read_text(errors="replace") if f.exists() else ""
+            if text.strip():
+                stacks[r] = text
+        return stacks
 
     def _failure(self, failures: dict[int, Failed | Unpicklable],
                  died: dict[int, tuple[int | None, str]], pending: set[int]) -> LaunchError:

@@ -223,7 +223,7 @@ def test_serialization_errors_are_clear(pool2):
     before = rank_processes()
     with pytest.raises(SerializationError, match="cannot send the function"):
         launch(lambda ctx: lock, 2)
-    assert rank_processes() == before, "nothing started for an unpicklable function"
+    assert rank_processes() <= before, "nothing started for an unpicklable function"
     with pytest.raises(SerializationError, match="rank 0 returned a generator"):
         pool2.run(unpicklable_result)
     assert pool2.run(rank_and_sum).results[0]["sum"] == 1
@@ -246,7 +246,7 @@ def test_bad_arguments_fail_before_any_process_starts(kwargs, message):
         launch(rank_and_sum, **kwargs)
     with pytest.raises(ValueError, match=message):
         Pool(**kwargs)
-    assert rank_processes() == before
+    assert rank_processes() <= before
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")

@@ -339,32 +339,35 @@ class Pool:
 
     def _timeout(self, limit: float, pending: set[int]) -> RankTimeout:
         running = {r: self._ranks[r].status_text() for r in sorted(pending)}
-        for r in pending:
+        signalled = []
+        for r in sorted(pending):
             try:
                 os.kill(self._ranks[r].process.pid, signal.SIGUSR1)
+                signalled.append(r)
             except ProcessLookupError:
                 pass
-        stacks = self._stacks(sorted(pending))
+        stacks = self._stacks(signalled)
         self._kill()
         return RankTimeout(limit, running, stacks)
 
     def _stacks(self, ranks: list[int], within_s: float = 3.0) -> dict[int, str]:
         """The stacks `ranks` write on SIGUSR1 (faulthandler, from a signal handler: as
         soon as each process is scheduled, later on a busy machine), each read once its
-        file has stopped growing, waiting at most `within_s` for them all; a rank that
-        wrote nothing is left out."""
+        file has held its size over three reads 0.1 s apart, waiting at most `within_s`
+        for them all; a rank that wrote nothing (or has ended) is left out."""
         files = {r: Path(self._ranks[r].stack_file) for r in ranks}
 
         def sizes() -> dict[int, int]:
-            return {r: f.stat().st_size if f.exists() else 0 for r, f in files.items()}
+            return {r: f.stat().st_size if f.exists() else 0 for r, f in files.items()
+                    if self._ranks[r].process.exitcode is None}
 
-        deadline, last = time.monotonic() + within_s, None
+        deadline, seen = time.monotonic() + within_s, []
         while time.monotonic() < deadline:
             time.sleep(0.1)
-            now = sizes()
-            if now == last and all(now.values()):
+            seen.append(sizes())
+            if len(seen) >= 3 and seen[-1] == seen[-2] == seen[-3] \
+                    and all(seen[-1].values()):
                 break
-            last = now
         stacks = {}
         for r, f in files.items():
             text = f.read_text(errors="replace") if f.exists() else ""

@@ -206,7 +206,7 @@ def test_pool_survives_a_kernel_interrupt():
     with Pool(2) as pool:
         pids = pool.pids
         progress = []
-        pool.run(slow, 0.3, on_progress=lambda s, e: progress.append(s))
+        pool.run(slow, 1.0, on_progress=lambda s, e: progress.append(s))  # ticks every 0.1 s
         assert any("slow step" in s for ss in progress for s in ss), progress
         with pytest.raises(KeyboardInterrupt):
             pool.run(slow, 30, on_progress=interrupt)

@@ -7,9 +7,9 @@
    on 32 to 3072 A100s (80 GB, 312 TFLOP/s dense bf16 peak), with the paper's own tensor-
    and pipeline-parallel sizes, GPUs, global batch, sequence 2048, vocabulary 51200, full
    activation recomputation, Megatron-LM's split (the blocks evenly over the stages, the
-   embeddings with the first, the head with the last); microbatches of one sequence, 1F1B
-   (the paper interleaves some runs; with this many microbatches per stage the bubble
-   differs little). Printed
+   embeddings with the first, the head with the last), and the authors' microbatch size
+   and schedule for each row (their launch script for the table: 16 sequences a
+   microbatch down to 1; 76B to 530B interleaved, 2 or 3 chunks a rank). Printed
    beside the paper's achieved TFLOP/s per GPU: the planner's, counted as the paper
    counts (its Eq. 3: recomputation's extra forward included), and the busiest GPU's
    predicted memory. The achievable fraction of the peak is an input (0.5 here, about
@@ -74,18 +74,22 @@ from parcourse.models import GPTConfig
 from parcourse.planner import Choice, Cluster, Contention, predict_memory, predict_time
 
 # (parameters in billions, heads, width, layers, tp, pp, GPUs, global batch, achieved
-# TFLOP/s per GPU), Narayanan et al. 2021, Table 1.
+# TFLOP/s per GPU), Narayanan et al. 2021, Table 1; then the run's microbatch size and
+# chunks a rank (1: 1F1B; more: interleaved), from the authors' launch script for the
+# table (Megatron-LM, examples/sc21/run_table_1.sh: --micro-batch-size, and
+# --num-layers-per-virtual-pipeline-stage of 5, 5, 3 and 1 for 76B to 530B, which cut
+# their stages of 15, 10, 6 and 3 blocks into 3, 2, 2 and 3 chunks).
 TABLE_1 = [
-    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
-    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
-    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
-    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
-    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
-    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 16, 1),
+    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 16, 1),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 16, 1),
+    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 8, 1),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 4, 1),
+    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 2, 3),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 2, 2),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 1, 2),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 1, 3),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 1, 1),
 ]
 
 
@@ -98,22 +102,28 @@ def paper_flops(config: GPTConfig, batch: int) -> float:
 
 def against_the_paper() -> None:
     print("Narayanan et al. 2021, Table 1, beside the planner (A100 80 GB, 312 TFLOP/s, "
-          "achievable 0.5; 1F1B, one sequence a microbatch, full recompute, blocks split evenly)")
-    print(f"{'params':>8} {'tp':>3} {'pp':>3} {'GPUs':>5} {'batch':>6} {'paper':>7} "
-          f"{'planner':>8} {'ratio':>6} {'bubble':>7} {'tp':>5} {'dp':>5} {'memory GiB':>11}")
+          "achievable 0.5; the authors' microbatch sizes and schedules, full recompute, "
+          "blocks split evenly)")
+    print(f"{'params':>8} {'tp':>3} {'pp':>3} {'GPUs':>5} {'batch':>6} {'micro':>5} "
+          f"{'chunks':>6} {'paper':>7} {'planner':>8} {'ratio':>6} {'bubble':>7} {'tp':>5} "
+          f"{'dp':>5} {'memory GiB':>11}")
     ratios = []
-    for billions, heads, width, layers, tp, pp, gpus, batch, achieved in TABLE_1:
+    for billions, heads, width, layers, tp, pp, gpus, batch, achieved, micro, chunks \
+            in TABLE_1:
         config = GPTConfig(vocab=51200, block_size=2048, n_layers=layers, n_heads=heads,
                            d_model=width)
         dp = gpus // (tp * pp)
-        choice = Choice(dp, tp, pp, "1f1b", batch // dp, recompute="full", split="blocks")
+        choice = Choice(dp, tp, pp, "interleaved-1f1b" if chunks > 1 else "1f1b",
+                        batch // (dp * micro), chunks=max(chunks, 2), recompute="full",
+                        split="blocks")
         cluster = Cluster.preset("a100", gpus)
         time = predict_time(config, choice, batch, cluster, dtype="bf16")
         memory = max(m["total"] for m in predict_memory(config, choice, batch, "bf16"))
         ours = paper_flops(config, batch) / time["step"] / gpus / 1e12
         ratios.append(ours / achieved)
         share = {k: time[k] / time["step"] for k in ("bubble", "tp", "dp")}
-        print(f"{billions:>7.1f}B {tp:>3} {pp:>3} {gpus:>5} {batch:>6} {achieved:>7} "
+        print(f"{billions:>7.1f}B {tp:>3} {pp:>3} {gpus:>5} {batch:>6} {micro:>5} "
+              f"{chunks:>6} {achieved:>7} "
               f"{ours:>8.1f} {ours / achieved:>6.2f} {share['bubble']:>7.1%} "
               f"{share['tp']:>5.1%} {share['dp']:>5.1%} {memory / 2**30:>11.1f}")
     worst = max(ratios, key=lambda r: abs(r - 1))

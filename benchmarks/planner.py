@@ -76,7 +76,8 @@ from parcourse.planner import Choice, Cluster, Contention, predict_memory, predi
 # (parameters in billions, heads, width, layers, tp, pp, GPUs, global batch, achieved
 # TFLOP/s per GPU), Narayanan et al. 2021, Table 1; then the run's microbatch size and
 # chunks a rank (1: 1F1B; more: interleaved), from the authors' launch script for the
-# table (Megatron-LM, examples/sc21/run_table_1.sh: --micro-batch-size, and
+# table (Megatron-LM, examples/academic_paper_scripts/sc21/run_table_1.sh, first
+# published as examples/sc21/run_table_1.sh in 2021: --micro-batch-size, and
 # --num-layers-per-virtual-pipeline-stage of 5, 5, 3 and 1 for 76B to 530B, which cut
 # their stages of 15, 10, 6 and 3 blocks into 3, 2, 2 and 3 chunks).
 TABLE_1 = [

@@ -24,6 +24,7 @@ from parcourse.planner.inputs import (
 )
 from parcourse.theory import (
     CostModel,
+    TPCollective,
     gpt_layer_bytes,
     korthikanti_layer_bytes,
     tp_link_seconds,
@@ -275,22 +276,22 @@ def _tp_on_stages(config: GPTConfig, layers: tuple[tuple[int, ...], ...], batch:
     loss's and the replicated gradients' stay fp32). Built once for the configurations
     that share them (a search asks again for every schedule, ZeRO stage and microbatch
     count of a shape)."""
+    def count(collectives: list[TPCollective]) -> dict[str, tuple[int, float]]:
+        ops: dict[str, tuple[int, float]] = {}
+        for op, _, where, size in collectives:
+            n, total = ops.get(op, (0, 0.0))
+            fp32 = where in ("cross entropy", "replicated grads")
+            ops[op] = (n + 1, total + (size if fp32 else size * element / 4))
+        return ops
+
     out = []
     for by in tp_stage_collectives(config, [list(ls) for ls in layers], batch,
                                    config.block_size, tp, sequence_parallel, recompute,
                                    megatron):
-        counted: dict[str, dict[str, tuple[int, float]]] = {}
-        for kind, collectives in by.items():
-            ops: dict[str, tuple[int, float]] = {}
-            for op, _, where, size in collectives:
-                n, total = ops.get(op, (0, 0.0))
-                fp32 = where in ("cross entropy", "replicated grads")
-                ops[op] = (n + 1, total + (size if fp32 else size * element / 4))
-            counted[kind] = ops
+        counted = {kind: count(collectives) for kind, collectives in by.items()}
         # A split backward's W: the sum of the replicated gradients (the rest of B, on
         # the input gradient's path, is I's)
-        counted["W"] = {"all_reduce": (len(w), sum(c[3] for c in w))} if (w := [
-            c for c in by["B"] if c[2] == "replicated grads"]) else {}
+        counted["W"] = count([c for c in by["B"] if c[2] == "replicated grads"])
         out.append(counted)
     return tuple(out)
 

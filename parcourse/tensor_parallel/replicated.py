@@ -48,19 +48,15 @@ def one_sum() -> Iterator[None]:
         return
     _held = syncs = []
     try:
-        yield
-    except BaseException:
-        for sync in syncs:
-            sync._new, sync._before = {}, {}
-        raise
-    finally:
-        _held = None
-    try:
+        try:
+            yield
+        finally:
+            _held = None
         for sync in syncs:
             sync._end_of_backward()
-    finally:
+    finally:  # after a raise too, inside or in a sum: nothing left for a later one
         for sync in syncs:
-            sync._new, sync._before = {}, {}
+            sync._forget()
 
 
 class ReplicatedGradSync:
@@ -93,7 +89,7 @@ class ReplicatedGradSync:
         under_way = self._queued is not None and self._queued() is not None
         if _held is not None and not under_way:  # summed when `one_sum` ends
             if not any(sync is self for sync in _held):
-                self._new, self._before = {}, {}
+                self._forget()
                 _held.append(self)
         elif not under_way:
             # The first gradient since the last sum: sum at this backward's end. A sum
@@ -104,7 +100,7 @@ class ReplicatedGradSync:
             def end_of_backward() -> None:
                 self._end_of_backward()
 
-            self._new, self._before = {}, {}
+            self._forget()
             self._queued = weakref.ref(end_of_backward)
             torch.autograd.Variable._execution_engine.queue_callback(end_of_backward)
         if id(p) not in self._before:
@@ -131,4 +127,10 @@ class ReplicatedGradSync:
                 p.grad = grad.clone()
             else:
                 p.grad.copy_(grad)
-        self._new, self._before, self._queued = {}, {}, None
+        self._forget()
+        self._queued = None
+
+    def _forget(self) -> None:
+        """Drop what backward has brought since the last sum (a new one starts, or the
+        calls that brought it raised)."""
+        self._new, self._before = {}, {}

@@ -1,9 +1,9 @@
 """The planner's predictions (`parcourse.planner` says what it is) of one configuration
 from its inputs (`parcourse.planner.inputs`: Choice, Cluster, models): memory, then
 time, read top to bottom in two parts marked by rules, the second using the first. One
-file, about 490 lines, because time prices what memory lays out (each stage's layers,
-its microbatches in flight, the bytes it sends): apart, each would import the other's
-helpers. The formulas themselves live in `parcourse.theory`; what is measured on this machine, in
+file, about 490 lines, because time prices what memory lays out (`stage_layers`, and
+`predict_memory`'s bytes for dp's reduction): each half is read with the other. The
+formulas themselves live in `parcourse.theory`; what is measured on this machine, in
 `parcourse.planner.links` and `costs` (and `here`); the search over every
 configuration, in `parcourse.planner.search`.
 """

@@ -12,10 +12,15 @@
    microbatch down to 1; 76B to 530B interleaved, 2 or 3 chunks a rank). Printed
    beside the paper's achieved TFLOP/s per GPU: the planner's, counted as the paper
    counts (its Eq. 3: recomputation's extra forward included), and the busiest GPU's
-   predicted memory. The achievable fraction of the peak is an input (0.5 here, about
-   what large GEMMs reach): the comparison checks what the planner adds to it (the
-   pipeline's bubble and messages, tp's collectives, dp's reduction), not GEMM
-   efficiency. Target: within 15%.
+   predicted memory. Dropout 0.1 (Megatron-LM's default; the script sets none). The
+   fraction of the peak the matrix products reach is an input (the presets' 0.65);
+   the layers' memory-bound work (layer norms, GeLU, softmax, dropout, residual adds)
+   runs at the GPU's memory bandwidth, which is what sets the small models apart from
+   the large: at 1.7B (h 2304, 24 heads over 2048 tokens) the softmax and its dropout
+   move more bytes than every other part of a block, at 1T a few percent. The
+   comparison checks what the planner adds to that fraction (the memory-bound work,
+   the pipeline's bubble and messages, tp's collectives, dp's reduction); it then
+   says for which fractions every row holds (bisected). Target: within 15%.
 2. Korthikanti et al. 2022 (arXiv:2205.05198), the paper's own settings: Table 3's four
    models (22B, 175B, 530B, 1T; tp 8, no dp, sequence 2048, vocabulary 51200, dropout
    on, bf16; 175B and 530B interleaved with 3 chunks a rank), on A100s of 80 GB. (a) Its
@@ -29,8 +34,8 @@
    recompute aside). The figures' bar values are not printed in the paper, so (a) and (b)
    are checked against its text. (c) Its Table 5: the iteration time of full recompute
    and of sequence parallelism with selective recompute, their ratio and the MFU, each
-   planner / paper, at the same achievable fraction as in 1 (0.5), with the share of the
-   predicted step that is bubble and tp.
+   planner / paper, with the matrix products at the same fraction of the peak as in 1,
+   with the share of the predicted step that is bubble and tp.
 3. How long a search of 1024 GPUs takes (target: under 2 s).
 4. Here: the course's GPT on 8 ranks (--world-size), every configuration the planner
    finds fitting, run for real: the busiest rank's memory and the step time (the median
@@ -101,26 +106,39 @@ def paper_flops(config: GPTConfig, batch: int) -> float:
     return 96 * b * s * lay * h * h * (1 + s / (6 * h) + v / (16 * lay * h))
 
 
-def against_the_paper() -> None:
-    print("Narayanan et al. 2021, Table 1, beside the planner (A100 80 GB, 312 TFLOP/s, "
-          "achievable 0.5; the authors' microbatch sizes and schedules, full recompute, "
-          "blocks split evenly)")
-    print(f"{'params':>8} {'tp':>3} {'pp':>3} {'GPUs':>5} {'batch':>6} {'micro':>5} "
-          f"{'chunks':>6} {'paper':>7} {'planner':>8} {'ratio':>6} {'bubble':>7} {'tp':>5} "
-          f"{'dp':>5} {'memory GiB':>11}")
-    ratios = []
-    for billions, heads, width, layers, tp, pp, gpus, batch, achieved, micro, chunks \
-            in TABLE_1:
+def _table_1(achievable: float) -> list[tuple]:
+    """Each row of Table 1 predicted at `achievable` (the fraction of the peak the matrix
+    products reach): (row, the planner's TFLOP/s per GPU counted as the paper counts,
+    the predicted step's split, the busiest GPU's memory)."""
+    rows = []
+    for row in TABLE_1:
+        billions, heads, width, layers, tp, pp, gpus, batch, achieved, micro, chunks = row
         config = GPTConfig(vocab=51200, block_size=2048, n_layers=layers, n_heads=heads,
-                           d_model=width)
+                           d_model=width, dropout=0.1)
         dp = gpus // (tp * pp)
         choice = Choice(dp, tp, pp, "interleaved-1f1b" if chunks > 1 else "1f1b",
                         batch // (dp * micro), chunks=max(chunks, 2), recompute="full",
                         split="blocks")
-        cluster = Cluster.preset("a100", gpus)
+        cluster = Cluster.preset("a100", gpus, achievable=achievable)
         time = predict_time(config, choice, batch, cluster, dtype="bf16")
         memory = max(m["total"] for m in predict_memory(config, choice, batch, "bf16"))
-        ours = paper_flops(config, batch) / time["step"] / gpus / 1e12
+        rows.append((row, paper_flops(config, batch) / time["step"] / gpus / 1e12, time,
+                     memory))
+    return rows
+
+
+def against_the_paper() -> None:
+    achievable = Cluster.preset("a100", 8).achievable
+    print("Narayanan et al. 2021, Table 1, beside the planner (A100 80 GB, 312 TFLOP/s dense, "
+          f"2.0 TB/s memory; matrix products at {achievable:g} of the peak, the memory-bound "
+          "work at the memory's bandwidth; the authors' microbatch sizes and schedules, "
+          "full recompute, dropout 0.1, blocks split evenly)")
+    print(f"{'params':>8} {'tp':>3} {'pp':>3} {'GPUs':>5} {'batch':>6} {'micro':>5} "
+          f"{'chunks':>6} {'paper':>7} {'planner':>8} {'ratio':>6} {'bubble':>7} {'tp':>5} "
+          f"{'dp':>5} {'memory GiB':>11}")
+    ratios = []
+    for row, ours, time, memory in _table_1(achievable):
+        billions, _, _, _, tp, pp, gpus, batch, achieved, micro, chunks = row
         ratios.append(ours / achieved)
         share = {k: time[k] / time["step"] for k in ("bubble", "tp", "dp")}
         print(f"{billions:>7.1f}B {tp:>3} {pp:>3} {gpus:>5} {batch:>6} {micro:>5} "
@@ -128,8 +146,27 @@ def against_the_paper() -> None:
               f"{ours:>8.1f} {ours / achieved:>6.2f} {share['bubble']:>7.1%} "
               f"{share['tp']:>5.1%} {share['dp']:>5.1%} {memory / 2**30:>11.1f}")
     worst = max(ratios, key=lambda r: abs(r - 1))
-    print(f"planner / paper: mean {sum(ratios) / len(ratios):.2f}, worst {worst:.2f} "
-          "(target: within 15%)")
+    print(f"planner / paper: mean {sum(ratios) / len(ratios):.2f}, range {min(ratios):.2f} "
+          f"to {max(ratios):.2f}, worst {worst:.2f} (target: within 15%)")
+    # The level is the one input set by hand; what the planner adds sets the spread. Each
+    # ratio grows with the level: bisect for the lowest that lifts the smallest to 0.85
+    # and the highest that keeps the largest at 1.15.
+    def edge(low: float, high: float, ok) -> tuple[float, float]:
+        """Where `ok`, true at `low` and false at `high`, turns, to within 0.01."""
+        while high - low > 0.005:
+            mid = (low + high) / 2
+            low, high = (mid, high) if ok(mid) else (low, mid)
+        return low, high
+
+    def ratios_at(a: float) -> list[float]:
+        return [ours / row[8] for row, ours, _, _ in _table_1(a)]
+
+    least = edge(0.2, 1.0, lambda a: min(ratios_at(a)) < 0.85)[1]
+    most = edge(0.2, 1.0, lambda a: max(ratios_at(a)) <= 1.15)[0]
+    spread = max(ratios) / min(ratios)
+    print(f"every row within 15% for matrix products at {least:.2f} to {most:.2f} of the peak"
+          if least <= most else "no fraction of the peak puts every row within 15%",
+          f"(the ratios' spread, largest / smallest: {spread:.2f} here)")
 
 
 # Korthikanti et al. 2022, Table 3: (model, heads, width, layers, tp, pp, GPUs, global batch,
@@ -207,7 +244,8 @@ def against_korthikanti() -> None:
             f"{total / 2**30:>10.1f} {'ok' if fits[k] else 'OOM':>3}"
             for k, (_, total) in memory.items()) + f"   {'yes' if agrees else 'no'}")
 
-    print("\n(c) iteration time (Table 5), planner / paper, at an achievable 0.5 of the peak")
+    print("\n(c) iteration time (Table 5), planner / paper, matrix products at "
+          f"{Cluster.preset('a100', 8).achievable:g} of the peak, as in 1")
     print(f"{'model':>6} {'full s':>8} {'paper':>7} {'ratio':>6} {'SP+sel. s':>10} {'paper':>7} "
           f"{'ratio':>6} {'speed-up':>9} {'paper':>6} {'MFU':>6} {'paper':>6} {'bubble':>7} "
           f"{'tp':>5}")

@@ -298,6 +298,46 @@ def test_compute_simulated_is_the_planners_own():
         scaled(here, CONFIG, BATCH, alone_s=0)
 
 
+def test_memory_bound_work_is_priced_at_the_gpus_memory_bandwidth():
+    """A preset GPU's layers pay their memory-bound work apart from their matrix products:
+    per token of a block, in bf16 with dropout, Megatron-LM's fused kernels read and write
+    22h bytes on the stream (two layer norms 4h each, two bias-dropout-adds 7h each, a
+    byte of mask), 16h in the MLP (bias + GeLU over 4h) and 9as in attention (softmax 4,
+    its dropout 5), the last two cut by tp, the first too under sequence parallelism.
+    Backward moves 1.5 times forward's bytes, full recompute forward's again. This
+    machine's FLOP rate is measured on the layers themselves: nothing is added there."""
+    from parcourse.planner import stage_compute
+    from parcourse.planner.predict import _attention_traffic, _layer_traffic
+
+    cfg = GPTConfig(vocab=64, block_size=32, n_layers=2, n_heads=4, d_model=64, dropout=0.1)
+    h, a, s = 64, 4, 32
+    assert _layer_traffic(cfg, 1, 10, 1, False, 2) == 10 * (22 * h + 16 * h + 9 * a * s)
+    assert _layer_traffic(cfg, 1, 10, 2, False, 2) == 10 * (22 * h + (16 * h + 9 * a * s) / 2)
+    assert _layer_traffic(cfg, 1, 10, 2, True, 2) == 10 * (22 * h + 16 * h + 9 * a * s) / 2
+    assert _attention_traffic(cfg, 1, 10, 2, 2) == 10 * 9 * a * s / 2
+    # the head: its final layer norm, and 7 reads and writes a logit in the loss (V / tp)
+    assert _layer_traffic(cfg, 3, 10, 2, False, 2) == 10 * (4 * h + 7 * 64 / 2 * 2)
+    plain = dataclasses.replace(cfg, dropout=0.0)  # no masks, no attention dropout
+    assert _layer_traffic(plain, 1, 10, 1, False, 2) == 10 * (20 * h + 16 * h + 4 * a * s)
+
+    a100 = Cluster.preset("a100", 8)
+    assert a100.memory_bandwidth == 2.0e12 and a100.achievable == 0.65
+    assert Cluster.this_machine(8, flops=1e9).memory_bandwidth is None
+    tokens = BATCH * s
+    moved = sum(_layer_traffic(cfg, lay, tokens, 1, False, 2) for lay in range(4))
+    for recompute, again in (("none", 0.0), ("full", 1.0)):
+        choice = Choice(1, recompute=recompute)
+        flops_only = stage_compute(cfg, choice, BATCH, a100.flops)
+        both = stage_compute(cfg, choice, BATCH, a100.flops, a100.memory_bandwidth, "bf16")
+        assert both.forward[0] - flops_only.forward[0] == pytest.approx(moved / 2.0e12)
+        assert both.backward[0] - flops_only.backward[0] == pytest.approx(
+            (1.5 + again) * moved / 2.0e12)
+    # the prediction's compute is what `stage_compute` says, bandwidth and all
+    t = predict_time(cfg, Choice(1), BATCH, a100, dtype="bf16")
+    both = stage_compute(cfg, Choice(1), BATCH, a100.flops, a100.memory_bandwidth, "bf16")
+    assert t["compute"] == pytest.approx(both.forward[0] + both.backward[0])
+
+
 def test_zero_2_waits_only_for_its_last_reduce_scatter():
     """ZeRO-2 reduce-scatters a stage's gradients after each microbatch's backward, one
     at a time, while the rank's next actions run (`Hybrid(zero=2)`): with compute enough

@@ -125,6 +125,8 @@ def _run(args: argparse.Namespace, pool: Pool | None) -> int:
     print(f"cluster     {cluster.gpus} x {cluster.name}, {cluster.gpus_per_node} a node, "
           f"{_gib(cluster.memory)} each, {cluster.peak_flops / 1e12:.3g} TFLOP/s peak x "
           f"{cluster.achievable:g} achievable"
+          + (f", memory-bound work at {cluster.memory_bandwidth / 1e12:.3g} TB/s"
+             if cluster.memory_bandwidth else "")
           + (f"; {cluster.gpus} ranks share {cluster.cores} cores" if cluster.cores else "")
           + (" (for the optimizer)" if cluster.compute_simulated else ""))
     print()

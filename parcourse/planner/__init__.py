@@ -18,7 +18,8 @@ bits, mixed precision (2 + 2 + 12 bytes a parameter, ZeRO paper) and Korthikanti
 activations (`korthikanti_layer_bytes`).
 
 Step time: each stage's forward and backward from its FLOPs at the cluster's achievable
-rate (and, here, a fixed cost per layer call: `Overheads`), plus tensor parallelism's
+rate, beside, on a GPU, its memory-bound work's bytes at the memory's bandwidth (and,
+here, a fixed cost per layer call: `Overheads`), plus tensor parallelism's
 collectives on the link its group uses; the pipeline's bubble and point-to-point
 messages from the course's simulator on those costs; then the data-parallel reduction
 of the gradients (exposed: the 3D step does it after the schedule, but for ZeRO-2's

@@ -170,21 +170,69 @@ def _attention_flops(config: GPTConfig, layer: int, tokens: int) -> float:
         if 1 <= layer <= config.n_layers else 0.0
 
 
+def _layer_traffic(config: GPTConfig, layer: int, tokens: int, tp: int,
+                   sequence_parallel: bool, number: int) -> float:
+    """Bytes one layer's memory-bound work reads and writes in its forward, on one of `tp`
+    ranks, for `tokens` tokens of `number` bytes a number (a dropout mask: 1 a number),
+    counted as Megatron-LM runs it, its elementwise kernels fused: in a block, two layer
+    norms (read the stream, write it), two bias + dropout + residual adds (read the
+    branch and the stream, write the stream, and the mask), bias + GeLU (read and write
+    the MLP's 4h), and attention's scale + mask + softmax (read and write the a x s
+    scores a token) and their dropout (read, write, the mask); the embeddings' sum (read
+    two, write one) and dropout; the head's final layer norm and its loss over the
+    logits (Megatron-LM's vocabulary-parallel cross-entropy, unfused: minus the max,
+    exp, sum, divide: 7 reads and writes a logit). The tp-cut parts (MLP, heads, logits)
+    a `tp`-th, and the stream's too under sequence parallelism. The matrix products'
+    own reads are theirs (`achievable`)."""
+    h, s_, a = config.d_model, config.block_size, config.n_heads
+    mask = 1 if config.dropout > 0 else 0
+    stream = 1 / tp if sequence_parallel else 1.0
+    if layer == 0:
+        return tokens * stream * h * (3 * number + mask * (2 * number + 1))
+    if layer <= config.n_layers:
+        norms = 2 * 2 * h * number
+        adds = 2 * (3 * h * number + mask * h)
+        scores = a * s_ * (2 * number + mask * (2 * number + 1))
+        return tokens * (stream * (norms + adds) + (8 * h * number + scores) / tp)
+    return tokens * (stream * 2 * h * number + 7 * config.vocab / tp * number)
+
+
+def _attention_traffic(config: GPTConfig, layer: int, tokens: int, tp: int,
+                       number: int) -> float:
+    """Of `_layer_traffic`, attention's core (softmax and its dropout): what selective
+    recompute runs again."""
+    if not 1 <= layer <= config.n_layers:
+        return 0.0
+    mask = 1 if config.dropout > 0 else 0
+    return tokens * config.n_heads * config.block_size * (
+        2 * number + mask * (2 * number + 1)) / tp
+
+
 def stage_compute(config: GPTConfig, choice: Choice, global_batch: int,
-                  flops: float) -> SimulatedCompute:
+                  flops: float, bandwidth: float | None = None,
+                  dtype: Dtype = "fp32") -> SimulatedCompute:
     """Seconds of each stage's forward and backward of one microbatch at `flops` FLOP/s:
     the planner's compute alone (backward twice forward, and what recompute runs again
-    first). `Hybrid(compute=...)` pads a run's actions to them: the planner's check
-    here, a GPU's compute on a laptop (`scaled`)."""
+    first). With `bandwidth` (a GPU's memory, B/s) the layers' memory-bound work
+    (`_layer_traffic`, numbers of `dtype`) is added at it, backward's 1.5 times
+    forward's (each op reads its input and its output's gradient and writes its input's
+    gradient: 3 tensors for forward's 2). `Hybrid(compute=...)` pads a run's actions to
+    them: the planner's check here, a GPU's compute on a laptop (`scaled`)."""
     tokens = global_batch // (choice.dp * choice.microbatches) * config.block_size
+    number = 2 if dtype == "bf16" else 4
+    per_byte = 0.0 if bandwidth is None else 1 / bandwidth
+    sp = choice.sequence_parallel
     forward, backward = [], []
     for ls in stage_layers(config, choice):
         f = sum(_layer_flops(config, lay, tokens) for lay in ls) / choice.tp / flops
-        again = {"none": 0.0, "full": f, "selective": sum(
+        moved = per_byte * sum(_layer_traffic(config, lay, tokens, choice.tp, sp, number)
+                               for lay in ls)
+        again = {"none": 0.0, "full": f + moved, "selective": sum(
             _attention_flops(config, lay, tokens) for lay in ls) / choice.tp / flops
-                 }[choice.recompute]
-        forward.append(f)
-        backward.append(2 * f + again)
+            + per_byte * sum(_attention_traffic(config, lay, tokens, choice.tp, number)
+                             for lay in ls)}[choice.recompute]
+        forward.append(f + moved)
+        backward.append(2 * f + 1.5 * moved + again)
     return SimulatedCompute(forward=forward, backward=backward)
 
 
@@ -374,14 +422,15 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     # to the stage after) take processor time, half a message's at each end.
     message = cluster.message_cpu_s / 2 if loaded else 0.0
     worse = cluster.shared_cpu if shared else 1.0
-    flop_s = stage_compute(config, choice, global_batch, cluster.flops).of(len(layers))
+    flop_s = stage_compute(config, choice, global_batch, cluster.flops,
+                           cluster.memory_bandwidth, dtype).of(len(layers))
     for s, ls in enumerate(layers):
         hops = message * ((s > 0) + (s < len(layers) - 1))
-        f = flop_s["F"][s] + ov.forward_layer_s * len(ls)
+        calls = ov.forward_layer_s * len(ls)
         # backward runs (part of) forward again first: its calls too when all of it
-        again = f if choice.recompute == "full" else flop_s["B"][s] - 2 * flop_s["F"][s]
-        forward.append(worse * (f + ov.forward_stage_s) + hops)
-        backward.append(worse * (2 * flop_s["F"][s] + ov.backward_layer_s * len(ls)
+        again = calls if choice.recompute == "full" else 0.0
+        forward.append(worse * (flop_s["F"][s] + calls + ov.forward_stage_s) + hops)
+        backward.append(worse * (flop_s["B"][s] + ov.backward_layer_s * len(ls)
                                  + again + ov.backward_stage_s) + hops)
     pp_link = _group_link(cluster, choice, "pp")
     if loaded and cluster.loaded_p2p_s is not None:

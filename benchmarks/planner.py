@@ -58,11 +58,16 @@
    configuration, and again, for that configuration's tp size, just before it runs and
    just after (their mean; gloo's collectives on 2 shared cores drift by 20% and more
    over the run): the row gives both predictions and both ratios, and the targets are
-   printed for each. Same targets. Then the contenders (the best two by each
+   printed for each. Same targets. Then every configuration again, in the opposite
+   order, tp's collectives measured around it again (--passes 2, as in 4): how far a
+   measurement moves by itself (a configuration's twins, differing only in a ZeRO stage
+   of dp 2, have measured 15-20% apart in one pass), each pass against its own
+   prediction, and the mean of the passes' predictions against the mean of their
+   measurements, each with the targets. Then the contenders (the best two by each
    prediction and by the measurement) are run again, in turn, --rounds times (5): their
    mean with its standard error, and where the predicted best stands by it, read beside
    the noise of a single measurement when the best configurations are a near tie.
-   About 21 minutes.
+   About 21 minutes a pass.
 In 4 and 5 each row also says what else held the processors while it ran: "steal", the
 host's other tenants (the time this virtual machine's processors were ready to run and
 the host ran something else, /proc/stat), and "others", this machine's processes other
@@ -407,15 +412,18 @@ def _step_summary(name: str, fitting: list, want: dict, got: dict) -> None:
 
 
 def scaled_here(world_size: int = 8, batch: int = 16, steps: int = 4,
-                alone_s: float = 12.0, rounds: int = 5) -> None:
+                alone_s: float = 12.0, rounds: int = 5, passes: int = 2) -> None:
     """Every configuration that fits, as in `here`, run with its compute simulated
     (`planner.scaled`: one rank alone would take `alone_s` seconds a step; each stage's
     forward and backward padded to the planner's compute seconds, `stage_compute`) and
     its links, collectives and optimizer real: the schedule, tp's collectives, dp's
     reduction and the messages checked, with the ranks asleep through their compute
     instead of sharing the cores. Step: the slowest rank's, the median of `steps` - 1
-    after a warm-up. Then the contenders, the best two by each prediction and by the
-    measurement, run again in turn `rounds` times."""
+    after a warm-up. `passes` > 1: every configuration again, in the opposite order,
+    tp's collectives measured around it again: how far a measurement moves by itself,
+    each pass against its own prediction, and the mean of the passes' predictions
+    against the mean of their measurements. Then the contenders, the best two by each
+    prediction and by the measurement, run again in turn `rounds` times."""
     import time
 
     from parcourse import Pool
@@ -441,53 +449,92 @@ def scaled_here(world_size: int = 8, batch: int = 16, steps: int = 4,
               f"{'measured':>9} {'ratio':>6} {Contention.HEADER}  compute / tp / bubble / dp / "
               "optimizer ms  | tp's collectives around it: step pred. ms, ratio")
         predicted = {p.choice: p.time["step"] for p in fitting}
-        again = dict(predicted)  # tp's collectives measured again around each
-        measured, memory_err, contention = {}, {}, {}
+        # per pass: each configuration's step predicted with tp's collectives measured
+        # around it, and measured
+        again: list[dict] = [dict(predicted)]
+        measured: list[dict] = [{}]
+        memory_err, contention = {}, {}
         started = time.perf_counter()
 
-        def around(choice, before) -> float:
+        def paced_before(choice):
+            return pool.run(measure_paced, (choice.tp,)).results[0] if choice.tp > 1 else None
+
+        def around(choice, before, into: dict) -> float:
             """The step predicted with tp's collectives at the mean of their figures
             measured just before `choice` ran and just after (without tp, the first)."""
             if before is None:
-                return again[choice]
+                into[choice] = predicted[choice]
+                return into[choice]
             after = pool.run(measure_paced, (choice.tp,)).results[0]
             now = {key: {**paced[key], choice.tp: (before[key][choice.tp]
                                                    + after[key][choice.tp]) / 2}
                    for key in paced}
-            again[choice] = predict_time(LESSON_CONFIG, choice, batch,
-                                         scaled(here, LESSON_CONFIG, batch, alone_s, now))["step"]
-            return again[choice]
+            into[choice] = predict_time(LESSON_CONFIG, choice, batch,
+                                        scaled(here, LESSON_CONFIG, batch, alone_s, now))["step"]
+            return into[choice]
+
+        def compute_of(choice):
+            return stage_compute(LESSON_CONFIG, choice, batch, cluster.flops)
 
         for item in fitting:
-            compute = stage_compute(LESSON_CONFIG, item.choice, batch, cluster.flops)
-            before = (pool.run(measure_paced, (item.choice.tp,)).results[0]
-                      if item.choice.tp > 1 else None)
-            memory_err[item.choice], measured[item.choice], contention[item.choice] = _run_one(
-                pool, item, batch, steps, compute, split=True,
-                again=lambda c=item.choice, b=before: around(c, b))
-        swept = time.perf_counter() - started
+            before = paced_before(item.choice)
+            memory_err[item.choice], measured[0][item.choice], contention[item.choice] = _run_one(
+                pool, item, batch, steps, compute_of(item.choice), split=True,
+                again=lambda c=item.choice, b=before: around(c, b, again[0]))
+        swept = [time.perf_counter() - started]
+        for k in range(1, passes):
+            print(f"\npass {k + 1} of {passes}, the last configuration first: how far a "
+                  "measurement moves by itself, and the step predicted with tp's collectives "
+                  "measured around it again")
+            print(f"{'configuration':<44} {'step pred. ms':>14} {'first':>9} {'again':>9} "
+                  f"{'ratio':>6} {Contention.HEADER}")
+            again.append({})
+            measured.append({})
+            for item in reversed(fitting):
+                choice = item.choice
+                before = paced_before(choice)
+                with Contention(pool) as held:
+                    measured[k][choice] = _step(pool.run(
+                        measure, LESSON_CONFIG, choice, batch, steps,
+                        compute_of(choice)).results)
+                want = around(choice, before, again[k])
+                print(f"{choice.label():<44} {1e3 * want:>14.1f} "
+                      f"{1e3 * measured[0][choice]:>9.1f} {1e3 * measured[k][choice]:>9.1f} "
+                      f"{want / measured[k][choice]:>6.2f} {held}", flush=True)
+            swept.append(time.perf_counter() - started - sum(swept))
+        mean_want = {c: sum(a[c] for a in again) / passes for c in predicted}
+        mean_got = {c: sum(m[c] for m in measured) / passes for c in predicted}
+        ended = time.perf_counter()
         contenders: dict = {}  # the best two by each prediction and by the measurement
-        for want in (predicted, again, measured):
+        for want in (predicted, again[0], measured[0], mean_want, mean_got):
             for c in sorted(want, key=want.__getitem__)[:2]:
                 contenders.setdefault(c, [])
         for k in range(max(0, rounds)):
             print(f"the contenders again: round {k + 1} of {rounds}", flush=True)
             for c in contenders:
                 contenders[c].append(_step(pool.run(
-                    measure, LESSON_CONFIG, c, batch, steps,
-                    stage_compute(LESSON_CONFIG, c, batch, cluster.flops)).results))
+                    measure, LESSON_CONFIG, c, batch, steps, compute_of(c)).results))
     n = len(fitting)
-    print(f"{n} configurations in {swept:.0f} s, the contenders again in "
-          f"{time.perf_counter() - started - swept:.0f} s")
+    print(f"{n} configurations, " + ", ".join(f"pass {k + 1} in {t:.0f} s"
+                                              for k, t in enumerate(swept))
+          + f"; the contenders again in {time.perf_counter() - ended:.0f} s")
     print(f"memory: mean error {sum(memory_err.values()) / n:.1%}, worst "
           f"{max(memory_err.values()):.1%} (target: within 5%)")
     _step_summary("compute simulated, tp's collectives measured once before the first",
-                  fitting, predicted, measured)
-    _step_summary("compute simulated, tp's collectives measured again around each",
-                  sorted(fitting, key=lambda p: again[p.choice]), again, measured)
-    _contention_summary(fitting, again, measured, contention)
+                  fitting, predicted, measured[0])
+    for k in range(passes):
+        _step_summary(f"pass {k + 1}, tp's collectives measured again around each",
+                      sorted(fitting, key=lambda p: again[k][p.choice]), again[k], measured[k])
+    if passes > 1:
+        moved = [abs(measured[-1][c] / measured[0][c] - 1) for c in predicted]
+        print(f"a configuration measured again moved by itself {sum(moved) / n:.1%} on average, "
+              f"{max(moved):.1%} at most (pass {passes} against pass 1)")
+        _step_summary(f"the mean of {passes} passes, each with tp's collectives around it",
+                      sorted(fitting, key=lambda p: mean_want[p.choice]), mean_want, mean_got)
+    _contention_summary(fitting, again[0], measured[0], contention)
     if rounds > 0:
-        _contenders_summary(fitting, predicted, again, measured, contenders, rounds)
+        _contenders_summary(fitting, predicted, again[0], measured[0], contenders, rounds,
+                            mean_want if passes > 1 else None)
 
 
 def _contention_summary(fitting: list, want: dict, got: dict, contention: dict) -> None:
@@ -510,10 +557,11 @@ def _contention_summary(fitting: list, want: dict, got: dict, contention: dict) 
 
 
 def _contenders_summary(fitting: list, predicted: dict, again: dict, measured: dict,
-                        runs: dict, rounds: int) -> None:
+                        runs: dict, rounds: int, over_passes: dict | None = None) -> None:
     """The contenders measured again (`runs`: their steps, round by round): each one's
     mean and standard error beside its predictions and first measurement, and where each
-    prediction's best stands among them by the mean."""
+    prediction's best (`over_passes`: also the mean of the passes' predictions) stands
+    among them by the mean."""
     mean = {c: sum(t) / len(t) for c, t in runs.items()}
     error = {c: (sum((x - mean[c]) ** 2 for x in t) / (len(t) - 1) / len(t)) ** 0.5
              for c, t in runs.items()} if rounds > 1 else {}
@@ -526,7 +574,9 @@ def _contenders_summary(fitting: list, predicted: dict, again: dict, measured: d
         print(f"{c.label():<44} {1e3 * predicted[c]:>10.1f} {1e3 * again[c]:>8.1f} "
               f"{1e3 * measured[c]:>8.1f} {1e3 * mean[c]:>11.1f} "
               + (f"{1e3 * error[c]:>10.1f}" if error else f"{'one round':>10}"))
-    for name, want in (("once before the first", predicted), ("again around each", again)):
+    for name, want in (("once before the first", predicted), ("again around each", again),
+                       *([("around each, the mean of the passes", over_passes)]
+                         if over_passes else [])):
         best = min((p.choice for p in fitting), key=want.__getitem__)
         print(f"tp's collectives measured {name}: the predicted best ({best.label()}) is "
               f"{order.index(best) + 1} of {len(runs)} by the contenders' means "
@@ -598,7 +648,8 @@ def main() -> None:
                                            "scaled"), default=None)
     parser.add_argument("--world-size", type=int, default=8)
     parser.add_argument("--passes", type=int, default=2,
-                        help="how many times --only here measures each configuration")
+                        help="how many times --only here and --only scaled measure each "
+                        "configuration")
     parser.add_argument("--alone", type=float, default=12.0,
                         help="--only scaled: seconds of a step on one rank alone")
     parser.add_argument("--rounds", type=int, default=5,
@@ -619,7 +670,8 @@ def main() -> None:
     if args.only in (None, "here"):
         here(args.world_size, passes=args.passes)
     if args.only in (None, "scaled"):
-        scaled_here(args.world_size, alone_s=args.alone, rounds=args.rounds)
+        scaled_here(args.world_size, alone_s=args.alone, rounds=args.rounds,
+                    passes=args.passes)
 
 
 if __name__ == "__main__":

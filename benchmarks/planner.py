@@ -111,10 +111,10 @@ def paper_flops(config: GPTConfig, batch: int) -> float:
     return 96 * b * s * lay * h * h * (1 + s / (6 * h) + v / (16 * lay * h))
 
 
-def _table_1(achievable: float) -> list[tuple]:
+def _table_1(achievable: float, memory: bool = True) -> list[tuple]:
     """Each row of Table 1 predicted at `achievable` (the fraction of the peak the matrix
     products reach): (row, the planner's TFLOP/s per GPU counted as the paper counts,
-    the predicted step's split, the busiest GPU's memory)."""
+    the predicted step's split, the busiest GPU's memory, or 0 without `memory`)."""
     rows = []
     for row in TABLE_1:
         billions, heads, width, layers, tp, pp, gpus, batch, achieved, micro, chunks = row
@@ -126,9 +126,10 @@ def _table_1(achievable: float) -> list[tuple]:
                         split="blocks")
         cluster = Cluster.preset("a100", gpus, achievable=achievable)
         time = predict_time(config, choice, batch, cluster, dtype="bf16")
-        memory = max(m["total"] for m in predict_memory(config, choice, batch, "bf16"))
+        busiest = max(m["total"] for m in predict_memory(config, choice, batch, "bf16")) \
+            if memory else 0.0
         rows.append((row, paper_flops(config, batch) / time["step"] / gpus / 1e12, time,
-                     memory))
+                     busiest))
     return rows
 
 
@@ -157,19 +158,20 @@ def against_the_paper() -> None:
     # ratio grows with the level: bisect for the lowest that lifts the smallest to 0.85
     # and the highest that keeps the largest at 1.15.
     def edge(low: float, high: float, ok) -> tuple[float, float]:
-        """Where `ok`, true at `low` and false at `high`, turns, to within 0.01."""
+        """Where `ok`, true at `low` and false at `high`, turns, to within 0.005."""
         while high - low > 0.005:
             mid = (low + high) / 2
             low, high = (mid, high) if ok(mid) else (low, mid)
         return low, high
 
     def ratios_at(a: float) -> list[float]:
-        return [ours / row[8] for row, ours, _, _ in _table_1(a)]
+        return [ours / row[8] for row, ours, _, _ in _table_1(a, memory=False)]
 
     least = edge(0.2, 1.0, lambda a: min(ratios_at(a)) < 0.85)[1]
     most = edge(0.2, 1.0, lambda a: max(ratios_at(a)) <= 1.15)[0]
     spread = max(ratios) / min(ratios)
-    print(f"every row within 15% for matrix products at {least:.2f} to {most:.2f} of the peak"
+    print(f"every row within 15% for matrix products at {math.ceil(100 * least) / 100:.2f} "
+          f"to {math.floor(100 * most) / 100:.2f} of the peak"  # rounded inwards
           if least <= most else "no fraction of the peak puts every row within 15%",
           f"(the ratios' spread, largest / smallest: {spread:.2f} here)")
 

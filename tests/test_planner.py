@@ -315,8 +315,10 @@ def test_memory_bound_work_is_priced_at_the_gpus_memory_bandwidth():
     assert _layer_traffic(cfg, 1, 10, 2, False, 2) == 10 * (22 * h + (16 * h + 9 * a * s) / 2)
     assert _layer_traffic(cfg, 1, 10, 2, True, 2) == 10 * (22 * h + 16 * h + 9 * a * s) / 2
     assert _attention_traffic(cfg, 1, 10, 2, 2) == 10 * 9 * a * s / 2
-    # the head: its final layer norm, and 7 reads and writes a logit in the loss (V / tp)
-    assert _layer_traffic(cfg, 3, 10, 2, False, 2) == 10 * (4 * h + 7 * 64 / 2 * 2)
+    # the head: its final layer norm; the logits (V / tp) cast to fp32, then 8 reads and
+    # writes of 4 bytes a logit in the loss. The embeddings: their sum and its dropout
+    assert _layer_traffic(cfg, 3, 10, 2, False, 2) == 10 * (4 * h + (2 + 4 + 32) * 64 / 2)
+    assert _layer_traffic(cfg, 0, 10, 2, False, 2) == 10 * (6 * h + 5 * h)
     plain = dataclasses.replace(cfg, dropout=0.0)  # no masks, no attention dropout
     assert _layer_traffic(plain, 1, 10, 1, False, 2) == 10 * (20 * h + 16 * h + 4 * a * s)
 

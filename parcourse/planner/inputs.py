@@ -147,19 +147,21 @@ class Cluster:
     `Cluster.preset("h100", gpus=64)`; `Cluster.this_machine(world_size, ...)` for the
     laptop the course runs on.
 
-    The presets' `achievable`, 0.65: with the memory-bound work priced apart, it puts
+    The presets' `achievable`, 0.65, goes with their `memory_bandwidth`: with the
+    memory-bound work priced apart, it puts
     Narayanan et al. 2021's ten runs (1.7B to 1T parameters on A100s, their Table 1)
-    within 15% of their achieved TFLOP/s for any value from about 0.58 to 0.71, and
+    within 15% of their achieved TFLOP/s for any value from 0.59 to 0.71, and
     Korthikanti et al. 2022's Table 5 iteration times within 16%
-    (`benchmarks/planner.py --only paper`). A fraction set by those records, not
-    measured: a GPU's large matrix products run near it, but each kernel's differ."""
+    (`benchmarks/planner.py --only paper`): a fraction read off those records, not
+    measured. A cluster built by hand without a bandwidth prices its whole compute at
+    `achievable` (0.5 by default, about what such records reach over a whole step)."""
 
     name: str
     gpus: int
     gpus_per_node: int
     memory: float
     peak_flops: float
-    achievable: float = 0.65
+    achievable: float = 0.5
     inside: SimulatedLink = field(default_factory=lambda: SimulatedLink.of(3, 300.0))
     between: SimulatedLink = field(default_factory=lambda: SimulatedLink.of(10, 25.0))
     # Seconds a collective costs beyond its bytes, by group size (measured here by

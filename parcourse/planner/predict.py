@@ -180,10 +180,11 @@ def _layer_traffic(config: GPTConfig, layer: int, tokens: int, tp: int,
     the MLP's 4h), and attention's scale + mask + softmax (read and write the a x s
     scores a token) and their dropout (read, write, the mask); the embeddings' sum (read
     two, write one) and dropout; the head's final layer norm and its loss over the
-    logits (Megatron-LM's vocabulary-parallel cross-entropy, unfused: minus the max,
-    exp, sum, divide: 7 reads and writes a logit). The tp-cut parts (MLP, heads, logits)
-    a `tp`-th, and the stream's too under sequence parallelism. The matrix products'
-    own reads are theirs (`achievable`)."""
+    logits, in fp32 as Megatron-LM's default computes it (the logits cast: read, write
+    4 bytes; then its vocabulary-parallel cross-entropy, unfused: the max, minus it,
+    exp, sum, divide: 8 reads and writes a logit). The tp-cut parts (MLP, heads,
+    logits) a `tp`-th, and the stream's too under sequence parallelism. The matrix
+    products' own reads are theirs (`achievable`)."""
     h, s_, a = config.d_model, config.block_size, config.n_heads
     mask = 1 if config.dropout > 0 else 0
     stream = 1 / tp if sequence_parallel else 1.0
@@ -194,7 +195,7 @@ def _layer_traffic(config: GPTConfig, layer: int, tokens: int, tp: int,
         adds = 2 * (3 * h * number + mask * h)
         scores = a * s_ * (2 * number + mask * (2 * number + 1))
         return tokens * (stream * (norms + adds) + (8 * h * number + scores) / tp)
-    return tokens * (stream * 2 * h * number + 7 * config.vocab / tp * number)
+    return tokens * (stream * 2 * h * number + (number + 4 + 8 * 4) * config.vocab / tp)
 
 
 def _attention_traffic(config: GPTConfig, layer: int, tokens: int, tp: int,

@@ -1,7 +1,7 @@
 """The planner's predictions (`parcourse.planner` says what it is) of one configuration
 from its inputs (`parcourse.planner.inputs`: Choice, Cluster, models): memory, then
 time, read top to bottom in two parts marked by rules, the second using the first. One
-file, about 490 lines, because time prices what memory lays out (`stage_layers`, and
+file, about 540 lines, because time prices what memory lays out (`stage_layers`, and
 `predict_memory`'s bytes for dp's reduction): each half is read with the other. The
 formulas themselves live in `parcourse.theory`; what is measured on this machine, in
 `parcourse.planner.links` and `costs` (and `here`); the search over every
@@ -185,7 +185,7 @@ def _layer_traffic(config: GPTConfig, layer: int, tokens: int, tp: int,
     exp, sum, divide: 8 reads and writes a logit). The tp-cut parts (MLP, heads,
     logits) a `tp`-th, and the stream's too under sequence parallelism. The matrix
     products' own reads are theirs (`achievable`)."""
-    h, s_, a = config.d_model, config.block_size, config.n_heads
+    h = config.d_model
     mask = 1 if config.dropout > 0 else 0
     stream = 1 / tp if sequence_parallel else 1.0
     if layer == 0:
@@ -193,15 +193,15 @@ def _layer_traffic(config: GPTConfig, layer: int, tokens: int, tp: int,
     if layer <= config.n_layers:
         norms = 2 * 2 * h * number
         adds = 2 * (3 * h * number + mask * h)
-        scores = a * s_ * (2 * number + mask * (2 * number + 1))
-        return tokens * (stream * (norms + adds) + (8 * h * number + scores) / tp)
+        return tokens * (stream * (norms + adds) + 8 * h * number / tp) \
+            + _attention_traffic(config, layer, tokens, tp, number)
     return tokens * (stream * 2 * h * number + (number + 4 + 8 * 4) * config.vocab / tp)
 
 
 def _attention_traffic(config: GPTConfig, layer: int, tokens: int, tp: int,
                        number: int) -> float:
-    """Of `_layer_traffic`, attention's core (softmax and its dropout): what selective
-    recompute runs again."""
+    """Of `_layer_traffic`, attention's core (softmax and its dropout, over the a x s
+    scores a token): what selective recompute runs again."""
     if not 1 <= layer <= config.n_layers:
         return 0.0
     mask = 1 if config.dropout > 0 else 0

@@ -333,7 +333,11 @@ def test_a_kernel_that_ran_ranks_shuts_down_by_itself(tmp_path):
         km.shutdown_kernel(now=False)
     assert kernel.wait(timeout=40) == 0, "the kernel was killed by its client"
     assert not any(alive(p) for p in pids), "the ranks outlived their kernel"
-    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    # torch's own cache folder (torchinductor_<user>, made when torch._dynamo is first
+    # imported: the ranks' forkserver preloads it, as any torch.optim optimizer would) is
+    # one per user and kept on purpose; what a run leaves behind is not.
+    left = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("torchinductor_"))
+    assert left == []
 
 
 def test_same_function_runs_under_torchrun(tmp_path):

@@ -71,3 +71,18 @@ def test_zero_prints_bytes_per_rank_against_the_formula(capsys):
     assert out.count("measured / formula after step: 1.0") == 3
     # 2 ranks split the MLP's 112 rows evenly: the buffers carry only the used-flags.
     assert "/ DDP's" in out and out.count("= 1.000") == 2
+
+
+@pytest.mark.parametrize("command", ["train", "train3d"])
+def test_a_mesh_that_is_not_the_launchers_size_is_refused_before_training(
+        command, monkeypatch, capsys):
+    """Under torchrun (RANK and WORLD_SIZE set) the world size is the launcher's: a mesh
+    of another size is refused in one line by the command's check, before any process
+    group or rank, instead of raising in every worker after the start."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as refused:
+        main([command, "--dp", "2", "--tp", "1", "--pp", "2"])
+    assert refused.value.code == 2
+    assert ("the mesh dp 2 x tp 1 x pp 2 needs 4 ranks, but the launcher started 2"
+            in capsys.readouterr().err)

@@ -73,3 +73,16 @@ def ranks(args: argparse.Namespace) -> Ranks:
     if external is None:
         return Ranks(args.world_size, external=False, quiet=False)
     return Ranks(external[1], external=True, quiet=external[0] != 0)
+
+
+def mesh_against_launcher(dp: int, tp: int, pp: int) -> str | None:
+    """Under torchrun or Slurm the launcher has already set the world size: a mesh of
+    another size is refused here, in one line, rather than in every rank after the start
+    (and again after each of torchrun's restarts)."""
+    external = external_env()
+    if external is None or dp * tp * pp == external[1]:
+        return None
+    return (f"the mesh dp {dp} x tp {tp} x pp {pp} needs {dp * tp * pp} ranks, but the "
+            f"launcher started {external[1]}: give --dp, --tp and --pp whose product is "
+            f"{external[1]}")
+

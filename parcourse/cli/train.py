@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Any
 
-from parcourse.cli.options import ranks
+from parcourse.cli.options import mesh_against_launcher, ranks
 from parcourse.launch import launch
 from parcourse.pipeline.schedule import SCHEDULES
 
@@ -67,6 +67,8 @@ def check(args: argparse.Namespace) -> str | None:
     settings = _settings(args)
     if problems := settings.problems():  # type: ignore[attr-defined]
         return "; ".join(problems)
+    if problem := mesh_against_launcher(args.dp, args.tp, args.pp):
+        return problem
     try:
         plan = SCHEDULES[args.schedule].build(args.pp, args.microbatches, 2)
     except ValueError as e:

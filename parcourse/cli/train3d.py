@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from parcourse.cli.options import at_least_one, ranks
+from parcourse.cli.options import at_least_one, mesh_against_launcher, ranks
 from parcourse.launch import RankContext, launch
 from parcourse.pipeline.schedule import SCHEDULES
 
@@ -50,6 +50,8 @@ def check(args: argparse.Namespace) -> str | None:
     """Bad sizes, before any rank starts."""
     if problem := at_least_one(args, "dp", "tp", "pp", "microbatches", "steps", "batch",
                                "layers"):
+        return problem
+    if problem := mesh_against_launcher(args.dp, args.tp, args.pp):
         return problem
     try:
         config = _config(args)

@@ -85,4 +85,3 @@ def mesh_against_launcher(dp: int, tp: int, pp: int) -> str | None:
     return (f"the mesh dp {dp} x tp {tp} x pp {pp} needs {dp * tp * pp} ranks, but the "
             f"launcher started {external[1]}: give --dp, --tp and --pp whose product is "
             f"{external[1]}")
-

@@ -660,12 +660,14 @@ def test_this_machines_costs_are_measured_alone_and_priced(pool2):
     from parcourse.planner import measure_costs, stage_layers
     from parcourse.planner.predict import _layer_tensors
 
+    # batches 1 and 64: the tiny model's F and B are mostly fixed cost, and the larger batch
+    # must outlast the smaller by more than a busy moment (1 and 8 differ by ~1.5 ms of a ~10)
     with Pool(1, timeout=120) as pool:
-        costs = pool.run(measure_costs, CONFIG, (1, 8), 2).results[0]
+        costs = pool.run(measure_costs, CONFIG, (1, 64), 4).results[0]
     assert costs["flops"] > 0 and costs["forward_layer_s"] > 0 and costs["optimizer_tensor_s"] > 0
     assert costs["probe_cpu_s"] > 0
     with pytest.raises(Exception, match="pool of one rank"):
-        pool2.run(measure_costs, CONFIG, (1, 8), 2)
+        pool2.run(measure_costs, CONFIG, (1, 64), 2)
     bare = predict_time(CONFIG, Choice(8), BATCH, Cluster.this_machine(8, flops=costs["flops"],
                                                                        cores=8))
     shared = predict_time(CONFIG, Choice(8), BATCH, Cluster.this_machine(8, costs=costs, cores=2))

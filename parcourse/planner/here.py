@@ -56,8 +56,10 @@ def measured_here(gpus: int, config: GPTConfig, pool: Any = None) -> Cluster:
 def measure(ctx: Any, config: GPTConfig, choice: Choice, global_batch: int,
             steps: int = 2, compute: SimulatedCompute | None = None) -> dict[str, Any]:
     """Run `choice` here (the 3D step, traced, `steps` Adam steps): this rank's memory by
-    category (`Hybrid.memory`), its pipeline coordinate and the step times after the
-    first. `compute`: each stage's simulated seconds (`stage_compute`; see `scaled`)."""
+    category (`Hybrid.memory`), its pipeline coordinate, the step times after the first
+    and, in each of those steps, the seconds this rank spent in tp's blocking
+    collectives ("tp_s", zeros without tp). `compute`: each stage's simulated seconds
+    (`stage_compute`; see `scaled`)."""
     import time
 
     import torch
@@ -77,12 +79,14 @@ def measure(ctx: Any, config: GPTConfig, choice: Choice, global_batch: int,
                    tracer=ctx.tracer, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3),
                    compute=compute)
     x, y = progressions(global_batch, config.block_size, config.vocab)
-    times = []
+    times, tp_s = [], []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, blocked = time.perf_counter(), model.tp_comm.comm.blocked_s
         model.step(x, y)
         times.append(time.perf_counter() - start)
-    return {"memory": model.memory(), "pp": mesh.coordinate("pp"), "times": times[1:]}
+        tp_s.append(model.tp_comm.comm.blocked_s - blocked)
+    return {"memory": model.memory(), "pp": mesh.coordinate("pp"), "times": times[1:],
+            "tp_s": tp_s[1:]}
 
 
 def scaled(cluster: Cluster, config: GPTConfig, global_batch: int,

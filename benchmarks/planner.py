@@ -551,16 +551,20 @@ def scaled_here(world_size: int = 8, batch: int = 16, steps: int = 4,
 
 def _tp_summary(fitting: list, again: list[dict], measured: list[dict], tp_want: list[dict],
                 tp_got: list[dict]) -> None:
-    """Where the step's misses come from, read beside them, never used as the check: for
-    the configurations with tp, over every pass, tp's part of the step predicted (its
-    collectives measured around the run) against a rank's time in them in the step, for
-    the rows outside 15% and within; and how many rows would be within 15% with the
-    step's own tp time in place of the predicted part (a diagnosis: the collectives'
-    speed in the step is not known before it runs)."""
+    """Whether the step's misses are tp's collectives' own speed, read beside them,
+    never used as the check: for the configurations with tp, over every pass, tp's part
+    of the step predicted (its collectives measured around the run, each call after an
+    idle gap) against a rank's time blocked in them in the step, for the rows outside
+    15% and within; and how many rows would be within 15% with the step's blocked time
+    in place of the predicted part. A call's figure measured around the run also
+    carries what the step pays per call outside the blocking one (its pacing's wake-up,
+    the tensor-parallel wrapper), so the part reads above the blocked time where the
+    step is on time, and the swap is a diagnosis, not a better prediction (the
+    collectives' speed in the step is not known before it runs)."""
     rows = [(k, c) for k in range(len(again)) for c in tp_want[k]]
     if not rows:
         return
-    print(f"tp's collectives, predicted part / a rank's time in them in the step, "
+    print(f"tp's collectives, predicted part / a rank's time blocked in them in the step, "
           f"{len(rows)} rows with tp over {len(again)} pass(es):")
     for outside in (True, False):
         part = [tp_want[k][c] / tp_got[k][c] for k, c in rows
@@ -570,7 +574,7 @@ def _tp_summary(fitting: list, again: list[dict], measured: list[dict], tp_want:
                   f"{sum(part) / len(part):.2f}, from {min(part):.2f} to {max(part):.2f}")
     swapped = [abs((again[k][c] - tp_want[k][c] + tp_got[k][c]) / measured[k][c] - 1)
                for k, c in rows]
-    print(f"  with tp's time in the step in place of its predicted part: "
+    print(f"  with that blocked time in place of the predicted part: "
           f"{sum(e <= 0.15 for e in swapped)} of {len(rows)} within 15%, mean error "
           f"{sum(swapped) / len(rows):.1%}, worst {max(swapped):.1%}")
 

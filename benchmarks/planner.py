@@ -658,7 +658,7 @@ def _run_one(pool, item, batch: int, steps: int, compute=None, split: bool = Fal
     print(f"{item.choice.label():<44} {want / 1024:>9.1f} KiB {got / 1024:>6.1f} KiB "
           f"{1e3 * t['step']:>14.1f} {1e3 * step:>9.1f} {t['step'] / step:>6.2f} "
           f"{contention}{parts}", flush=True)
-    return abs(want / got - 1), step, contention, _tp_step(results)
+    return abs(want / got - 1), step, contention, tp
 
 
 def _tp_step(results: list[dict]) -> float:

@@ -34,6 +34,7 @@ memory, the whole state dict). Split, the step's order would be spread over file
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -42,15 +43,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from parcourse.comm import Comm, Network, Pending
+from parcourse.comm import Comm, Network, Pending, Topology
 from parcourse.data import shard as shard_rows
 from parcourse.memory import storage_bytes, tensors_in
-from parcourse.mesh import Mesh
+from parcourse.mesh import Layout, Mesh
 from parcourse.models import GPT, gpt_layers
+from parcourse.plan import ParallelPlan
 from parcourse.pipeline.partition import partition
 from parcourse.ranges import chunk_bounds
 from parcourse.pipeline.runtime import PipelineRuntime
-from parcourse.pipeline.schedule import schedule_by_name
 from parcourse.pipeline.simulate import SimulatedCompute
 from parcourse.tensor_parallel import GPT_PLAN, apply_tensor_parallel
 from parcourse.tensor_parallel.comm import TPComm
@@ -193,22 +194,21 @@ class Hybrid:
         config = model.config
         self.mesh, self.config, self.microbatches = mesh, config, microbatches
         self.sequence_parallel = sequence_parallel
-        tp, pp = mesh.size("tp"), mesh.size("pp")
-        if config.n_heads % tp:
-            raise ValueError(f"tp ({tp}) must divide the {config.n_heads} heads")
-        if sequence_parallel and config.block_size % tp:
-            raise ValueError(f"tp ({tp}) must divide the block size ({config.block_size}) "
-                             "under sequence parallelism")
-        self.plan = schedule_by_name(schedule, pp, microbatches, chunks)
-        if self.plan.copy_of or self.plan.routes:
-            raise ValueError(f"{self.plan.name} holds two copies of every stage, one for each "
-                             "direction: 3D training here runs the other schedules (DualPipe "
-                             "runs on parcourse.pipeline's runtime alone)")
-        layers = config.n_layers + 2  # embedding, blocks, head
-        if self.plan.stages > layers:
-            raise ValueError(f"{self.plan.name} on pp {pp} has {self.plan.stages} stages; the "
-                             f"GPT's {layers} layers (embedding, {config.n_layers} blocks, "
-                             "head) cannot fill them")
+        tp = mesh.size("tp")
+        # The run's one plan record, checked by the same rules as the planner and the CLI.
+        self.parallel_plan = ParallelPlan(
+            dp=mesh.size("dp"), tp=tp, pp=mesh.size("pp"), schedule=schedule,
+            microbatches=microbatches, chunks=chunks, zero=zero,
+            sequence_parallel=sequence_parallel, recompute="full" if recompute else "none",
+            ranks_per_node=mesh.ranks_per_node).check(config, world=mesh.layout.world_size)
+        if isinstance(link, Topology) and mesh.ranks_per_node not in (None,
+                                                                      link.ranks_per_node):
+            raise ValueError(f"the mesh says {mesh.ranks_per_node} ranks per node, the "
+                             f"simulated network {link.ranks_per_node}")
+        self.plan = self.parallel_plan.schedule_value()
+        # The model given stays whole (a one-process reference, as DDP leaves it): the
+        # split is made on a copy.
+        model = copy.deepcopy(model)
         def on(axis: str) -> Tracer | None:  # what each axis records says which axis
             return tracer.tagged(axis=axis) if tracer is not None else None
 
@@ -227,9 +227,6 @@ class Hybrid:
         cut = partition(gpt_layers(self.model), self.plan.stages)
         stage = mesh.coordinate("pp")
         mine = {s: cut[s] for s, r in enumerate(self.plan.stage_rank) if r == stage}
-        if zero not in (0, 1, 2):
-            raise ValueError(f"zero must be 0 (replicated optimizer), 1 (its state sharded "
-                             f"over dp) or 2 (the gradients too), got {zero!r}")
         self.zero = zero
         # Simulated compute pads each action, tp's collectives on top, met at their share
         paced = (lambda: self.tp_comm.comm.blocked_s) if compute is not None and tp > 1 \
@@ -284,6 +281,32 @@ class Hybrid:
             # group), and dp too when each replica holds a different slice.
             self._norm_group = mesh.group(*(("dp", "tp", "pp") if zero else ("tp", "pp")))
 
+    @classmethod
+    def from_plan(cls, model: GPT, mesh: Mesh, plan: ParallelPlan | str,
+                  **kwargs: Any) -> Hybrid:
+        """`Hybrid` for a `ParallelPlan` (or its label, 'dp2 tp2 pp2 1f1b m4 ZeRO-1') on a
+        mesh laid out as the plan says; `kwargs`: what the plan does not hold (optimizer,
+        max_norm, link, compute, tracer, seed)."""
+        plan = ParallelPlan.parse(plan) if isinstance(plan, str) else plan
+        held = sorted(set(kwargs) & {"schedule", "microbatches", "chunks",
+                                     "sequence_parallel", "recompute", "zero"})
+        if held:
+            raise ValueError(f"{', '.join(held)}: given by the plan ({plan.label()}), not "
+                             "beside it")
+        plan.check(model.config, world=mesh.layout.world_size)
+        want = Layout.of(plan.shape, plan.order)
+        if want != mesh.layout:
+            raise ValueError(f"the plan {plan.label()} lays ranks out as {want.axes} "
+                             f"{want.sizes}, the mesh as {mesh.layout.axes} "
+                             f"{mesh.layout.sizes}")
+        if plan.ranks_per_node != mesh.ranks_per_node:
+            raise ValueError(f"the plan says {plan.ranks_per_node} ranks per node, the mesh "
+                             f"{mesh.ranks_per_node}")
+        return cls(model, mesh, schedule=plan.schedule, microbatches=plan.microbatches,
+                   chunks=plan.chunks, sequence_parallel=plan.sequence_parallel,
+                   recompute=plan.recompute == "full", zero=plan.zero,  # type: ignore[arg-type]
+                   **kwargs)
+
     def _frozen_now(self) -> set[int]:
         return {id(p) for p in self.params if not p.requires_grad}
 
@@ -307,9 +330,8 @@ class Hybrid:
         if local and inputs.shape[0] % self.microbatches:
             raise ValueError(f"this replica's {inputs.shape[0]} rows cannot be cut into "
                              f"{self.microbatches} equal microbatches")
-        if not local and inputs.shape[0] % (dp * self.microbatches):
-            raise ValueError(f"a global batch of {inputs.shape[0]} cannot be cut into dp "
-                             f"({dp}) x microbatches ({self.microbatches}) equal parts")
+        if not local:
+            self.parallel_plan.check(batch=inputs.shape[0])
         if self.sharded is not None and self._frozen_now() != self._frozen:
             raise ValueError("weights were frozen or unfrozen after Hybrid(zero=...) was "
                              "made: ZeRO's flat slices hold the weights that were trainable "

@@ -137,6 +137,13 @@ class Layout:
         """The group of `axes` that holds `rank`."""
         return next(g for g in self.groups(*axes) if rank in g)
 
+    def crosses_nodes(self, rank: int, axes: Sequence[str],
+                      ranks_per_node: int | None) -> bool:
+        """Whether `rank`'s own group of `axes` spans more than one node (consecutive
+        `ranks_per_node` ranks share one; None: one node). An axis' groups can differ:
+        with 6 ranks, 3 a node, dp 3 x tp 2, tp's [2 3] crosses and [0 1] does not."""
+        return len(nodes_of(self.group_of(rank, *axes), ranks_per_node)) > 1
+
     def embedding_groups(self) -> list[list[int]]:
         """The first and last stage of each pipeline (one rank when pp is 1): where a tied
         embedding and LM head add up their gradients (Megatron-LM's embedding group)."""
@@ -268,7 +275,7 @@ class Mesh:
 
     def crosses_nodes(self, *axes: str) -> bool:
         """Whether this rank's group of `axes` spans more than one node."""
-        return len(nodes_of(self.ranks(*axes), self.ranks_per_node)) > 1
+        return self.layout.crosses_nodes(self.local_rank, axes, self.ranks_per_node)
 
     @property
     def device_mesh(self) -> Any:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from parcourse.models import GPTConfig
+from parcourse.plan import ParallelPlan
 
 
 @dataclass(frozen=True)
@@ -64,22 +65,27 @@ class TrainSettings:
         return GPTConfig(vocab=256, block_size=self.block_size, n_layers=self.layers,
                          n_heads=self.heads, d_model=self.width)
 
+    @property
+    def plan(self) -> ParallelPlan:
+        """The run's parallel layout, as the planner, `Hybrid` and the checkpoint hold it."""
+        return ParallelPlan(dp=self.dp, tp=self.tp, pp=self.pp, schedule=self.schedule,
+                            microbatches=self.microbatches, zero=self.zero)
+
     def problems(self) -> list[str]:
-        """What cannot run, in words, before any rank starts."""
-        out = []
-        for name in ("dp", "tp", "pp", "microbatches", "steps", "batch", "block_size",
-                     "layers", "width", "heads", "eval_every", "eval_batch"):
+        """What cannot run, in words, before any rank starts: the plan's rules
+        (`ParallelPlan.problems`, in the words `Hybrid` and the planner use), then the
+        model's and the run's."""
+        out = self.plan.problems()
+        for name in ("steps", "batch", "block_size", "layers", "width", "heads",
+                     "eval_every", "eval_batch"):
             if getattr(self, name) < 1:
                 out.append(f"{name} must be at least 1, got {getattr(self, name)}")
         if out:
             return out
         if self.width % self.heads:
             out.append(f"heads ({self.heads}) must divide the width ({self.width})")
-        if self.heads % self.tp:
-            out.append(f"tp ({self.tp}) must divide the heads ({self.heads})")
-        if self.batch % (self.dp * self.microbatches):
-            out.append(f"the batch ({self.batch}) must be dp ({self.dp}) x microbatches "
-                       f"({self.microbatches}) equal parts")
+            return out
+        out += self.plan.problems(self.config, self.batch)
         if not 0 < self.min_lr <= self.lr:
             out.append(f"min_lr ({self.min_lr}) must be above 0 and at most lr ({self.lr})")
         return out
@@ -128,14 +134,13 @@ def train_on_corpus(ctx: Any, s: TrainSettings, corpus_dir: str, out: str | None
     from parcourse.models import gpt
 
     corpus = open_corpus(corpus_dir)
-    mesh = Mesh({"dp": s.dp, "tp": s.tp, "pp": s.pp}, ctx.group)
+    mesh = Mesh(s.plan.shape, ctx.group, order=s.plan.order)
     config = s.config
+    s.plan.check(config, s.batch)
     torch.manual_seed(s.seed)
-    model = Hybrid(gpt(config, seed=s.seed), mesh, schedule=s.schedule,
-                   microbatches=s.microbatches, zero=s.zero, max_norm=s.clip,  # type: ignore[arg-type]
-                   optimizer=lambda ps: torch.optim.AdamW(ps, lr=s.lr,
-                                                          weight_decay=s.weight_decay),
-                   seed=s.seed)
+    model = Hybrid.from_plan(
+        gpt(config, seed=s.seed), mesh, s.plan, max_norm=s.clip, seed=s.seed,
+        optimizer=lambda ps: torch.optim.AdamW(ps, lr=s.lr, weight_decay=s.weight_decay))
     loader = ShardedLoader(corpus.train, s.block_size, s.batch, replica=mesh.coordinate("dp"),
                            replicas=s.dp, seed=s.seed)
     val_x, val_y = ShardedLoader(corpus.val if len(corpus.val) > s.block_size * s.eval_batch
@@ -231,10 +236,9 @@ def planned(s: TrainSettings, flops: float) -> dict[str, float]:
     and mfu, with what a measured MFU is computed from on the same scale: tokens/s x
     "flops_per_token" / "ranks_flops" (the ranks' FLOP/s: one rank's for each core they
     share)."""
-    from parcourse.planner import Choice, Cluster, model_flops_per_token, predict_time
+    from parcourse.planner import Cluster, model_flops_per_token, predict_time
 
-    choice = Choice(dp=s.dp, tp=s.tp, pp=s.pp, schedule=s.schedule,
-                    microbatches=s.microbatches, zero=s.zero)
+    choice = s.plan
     cluster = Cluster.this_machine(s.world_size, flops=flops)
     return {**predict_time(s.config, choice, s.batch, cluster),
             "flops_per_token": model_flops_per_token(s.config),

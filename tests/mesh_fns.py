@@ -72,3 +72,9 @@ def ring_times_over_a_topology(ctx, between_latency_s):
         if name == "world":
             out["span"] = (start, end)
     return out
+
+
+def nodes_crossed(ctx, shape, per_node):
+    """Whether this rank's group of each axis spans more than one node."""
+    mesh = Mesh(shape, ctx.group, ranks_per_node=per_node)
+    return {axis: mesh.crosses_nodes(axis) for axis in shape}

@@ -14,7 +14,7 @@ from parcourse import Pool
 from parcourse.models import GPTConfig
 from parcourse.planner import Choice, Cluster, measure, measured_against_predicted, plan
 from parcourse.planner import predict_memory, predict_time
-from parcourse.planner.inputs import _schedule
+from parcourse.plan import _schedule
 from parcourse.theory import tp_collectives
 
 CONFIG = GPTConfig(vocab=64, block_size=16, n_layers=4, n_heads=4, d_model=32)

@@ -13,7 +13,7 @@ def test_the_learning_rate_warms_up_then_decays_to_its_floor():
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))  # then only down
     assert lrs[-1] == pytest.approx(1e-4, rel=0.05)
     assert TrainSettings(dp=3, batch=16).problems() == [
-        "the batch (16) must be dp (3) x microbatches (2) equal parts"]
+        "the global batch of 16 does not cut into dp 3 x 2 microbatches equal parts"]
 
 
 def local_and_global(ctx):
@@ -63,7 +63,7 @@ def test_train_command_learns_real_text_and_samples(tmp_path, capsys):
     assert "resumed     from" in out and "after step 30" in out
     with pytest.raises(SystemExit):
         main(["train", "--dp", "3", "--batch", "16"])
-    assert "must be dp (3) x microbatches (2)" in capsys.readouterr().err
+    assert "does not cut into dp 3 x 2 microbatches equal parts" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["train", "--resume", "--out", str(tmp_path / "nothing")])
     assert "no checkpoint under" in capsys.readouterr().err

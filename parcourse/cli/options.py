@@ -4,10 +4,16 @@ and for a simulated link, and the world size under an external launcher."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
+import typing
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Literal
 
 from parcourse.launch import external_env
+from parcourse.pipeline.schedule import SCHEDULES
+from parcourse.plan import ZERO_STAGES, ParallelPlan
 
 _UNITS = {"B": 1, "KB": 1 << 10, "KIB": 1 << 10, "MB": 1 << 20, "MIB": 1 << 20,
           "GB": 1 << 30, "GIB": 1 << 30}
@@ -85,3 +91,73 @@ def mesh_against_launcher(dp: int, tp: int, pp: int) -> str | None:
     return (f"the mesh dp {dp} x tp {tp} x pp {pp} needs {dp * tp * pp} ranks, but the "
             f"launcher started {external[1]}: give --dp, --tp and --pp whose product is "
             f"{external[1]}")
+
+
+# What each of the plan's fields means on a command line.
+PLAN_HELP = {
+    "dp": "data-parallel replicas", "tp": "tensor-parallel ranks", "pp": "pipeline ranks",
+    "schedule": "the pipeline schedule", "microbatches": "per replica",
+    "chunks": "stages per rank, interleaved-1f1b", "zero": "ZeRO's stage over dp",
+    "sequence_parallel": "cut the sequence over tp outside attention and the MLP",
+    "recompute": "what backward recomputes (full: each stage keeps only its input)",
+    "split": "how layers are cut into stages", "order": "the mesh's order of axes",
+    "ranks_per_node": "consecutive ranks that share a node",
+}
+
+
+def plan_options(p: argparse.ArgumentParser, defaults: ParallelPlan,
+                 fields: Sequence[str] | None = None) -> None:
+    """`--plan LABEL` and one flag for each of the plan's `fields` (all by default), made
+    from the dataclass' fields and types; `plan_from` reads them back."""
+    hints = typing.get_type_hints(ParallelPlan)
+    names = [f.name for f in dataclasses.fields(ParallelPlan)]
+    fields = names if fields is None else list(fields)
+    p.add_argument("--plan", default=None, metavar="LABEL",
+                   help=f"the whole plan in one line (e.g. \"{defaults.label()}\"), instead "
+                        f"of --{' --'.join(f.replace('_', '-') for f in fields)}")
+    for name in fields:
+        kind, default = hints[name], getattr(defaults, name)
+        flag = f"--{name.replace('_', '-')}"
+        what = f"{PLAN_HELP.get(name, name)} ({default})"
+        if kind is bool:
+            p.add_argument(flag, action="store_true", default=None, help=what)
+            continue
+        # The choices are shown, not enforced by argparse: the plan's `problems()` refuses
+        # a wrong one in the same words as everywhere else.
+        options: dict[str, Any] = {"default": None, "help": what}
+        choices = (typing.get_args(kind) if typing.get_origin(kind) is Literal
+                   else tuple(SCHEDULES) if name == "schedule"
+                   else ZERO_STAGES if name == "zero" else None)
+        if choices is not None:
+            options["metavar"] = "{" + ",".join(map(str, choices)) + "}"
+        if kind is int or name in ("zero", "ranks_per_node"):
+            options["type"] = int
+        p.add_argument(flag, **options)
+    p.set_defaults(plan_defaults=defaults, plan_fields=tuple(fields))
+
+
+def plan_from(args: argparse.Namespace) -> ParallelPlan | str:
+    """The plan the flags (or `--plan`) give, also set on `args` field by field (so
+    `args.dp` is the plan's dp); a message if they cannot be read or disagree."""
+    defaults: ParallelPlan = args.plan_defaults
+    given = {f: getattr(args, f) for f in args.plan_fields if getattr(args, f) is not None}
+    if args.plan is not None:
+        if given:
+            return (f"--plan gives the whole layout: leave out "
+                    f"{', '.join('--' + f.replace('_', '-') for f in given)} or --plan")
+        try:
+            plan = ParallelPlan.parse(args.plan)
+        except ValueError as e:
+            return str(e)
+        fixed = [f.name for f in dataclasses.fields(ParallelPlan)
+                 if f.name not in args.plan_fields
+                 and getattr(plan, f.name) != getattr(defaults, f.name)]
+        if fixed:
+            return (f"--plan {args.plan!r}: this command does not set "
+                    f"{', '.join(fixed)} (only {', '.join(args.plan_fields)})")
+    else:
+        plan = dataclasses.replace(defaults, **given)
+    for f in args.plan_fields:
+        setattr(args, f, getattr(plan, f))
+    args.parallel_plan = plan
+    return plan

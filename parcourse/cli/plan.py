@@ -144,8 +144,8 @@ def _check(args: argparse.Namespace, config: GPTConfig, cluster: Cluster, plans:
     compute padded to the planner's: `stage_compute`)."""
     from parcourse.planner import Contention, measure, measured_against_predicted, stage_compute
 
-    runnable = [p for p in plans.ranked  # type: ignore[attr-defined]
-                if p.choice.zero <= 2][:min(3, args.top)]
+    # Here the search ranks only what the course's step runs (`ParallelPlan.problems`).
+    runnable = plans.ranked[:min(3, args.top)]  # type: ignore[attr-defined]
     print(f"\nmeasured here ({args.gpus} ranks"
           + (f", compute simulated: one rank alone {args.scaled:g} s a step"
              if args.scaled is not None else "") + f"), the top {len(runnable)}:")

@@ -9,9 +9,8 @@ import os
 import sys
 from typing import Any
 
-from parcourse.cli.options import mesh_against_launcher, ranks
+from parcourse.cli.options import mesh_against_launcher, plan_from, plan_options, ranks
 from parcourse.launch import launch
-from parcourse.pipeline.schedule import SCHEDULES
 
 HELP = "train the GPT on real text (the standard library's source) on a 3D mesh"
 
@@ -20,11 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from parcourse.train import TrainSettings
 
     d = TrainSettings()
-    for axis in ("dp", "tp", "pp"):
-        p.add_argument(f"--{axis}", type=int, default=getattr(d, axis))
-    p.add_argument("--schedule", choices=tuple(SCHEDULES), default=d.schedule)
-    p.add_argument("--microbatches", type=int, default=d.microbatches, help="per replica")
-    p.add_argument("--zero", type=int, choices=(0, 1, 2), default=d.zero)
+    # --plan, and --dp ... --zero from the plan's fields (what TrainSettings holds of it)
+    plan_options(p, d.plan, ("dp", "tp", "pp", "schedule", "microbatches", "zero"))
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch", type=int, default=d.batch, help="global, in sequences")
     p.add_argument("--block-size", type=int, default=d.block_size, help="bytes a sequence")
@@ -64,18 +60,13 @@ def _settings(args: argparse.Namespace) -> object:
 
 
 def check(args: argparse.Namespace) -> str | None:
+    if isinstance(problem := plan_from(args), str):
+        return problem
     settings = _settings(args)
     if problems := settings.problems():  # type: ignore[attr-defined]
         return "; ".join(problems)
     if problem := mesh_against_launcher(args.dp, args.tp, args.pp):
         return problem
-    try:
-        plan = SCHEDULES[args.schedule].build(args.pp, args.microbatches, 2)
-    except ValueError as e:
-        return str(e)
-    if plan.stages > args.layers + 2:
-        return (f"{args.schedule} on --pp {args.pp} has {plan.stages} stages for the GPT's "
-                f"{args.layers + 2} layers (embedding, blocks, head)")
     if args.clip <= 0:
         return f"--clip must be positive, got {args.clip}"
     if (args.resume or args.save_every) and args.out is None:

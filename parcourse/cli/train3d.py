@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from parcourse.cli.options import at_least_one, mesh_against_launcher, ranks
+from parcourse.cli.options import (at_least_one, mesh_against_launcher, plan_from,
+                                   plan_options, ranks)
 from parcourse.launch import RankContext, launch
 from parcourse.pipeline.schedule import SCHEDULES
+from parcourse.plan import ParallelPlan
 
 if TYPE_CHECKING:
     from parcourse.models import GPTConfig
@@ -16,18 +18,12 @@ if TYPE_CHECKING:
 HELP = "3D parallelism: train the GPT on a dp x tp x pp mesh, beside one process"
 
 
+# The plan trained when no flag says otherwise.
+DEFAULT_PLAN = ParallelPlan(dp=2, tp=2, pp=2, schedule="1f1b", microbatches=2)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    for axis, what in (("dp", "data-parallel replicas"), ("tp", "tensor-parallel ranks"),
-                       ("pp", "pipeline ranks")):
-        p.add_argument(f"--{axis}", type=int, default=2, help=f"{what} (2)")
-    p.add_argument("--order", choices=("megatron", "llama3"), default="megatron")
-    p.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b")
-    p.add_argument("--microbatches", type=int, default=2, help="per replica")
-    p.add_argument("--chunks", type=int, default=2, help="stages per rank, interleaved-1f1b")
-    p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--zero", type=int, choices=(0, 1, 2), default=0,
-                   help="1: the optimizer state sharded over dp (ZeRO-1); 2: the gradients "
-                        "too, reduce-scattered after each microbatch")
+    plan_options(p, DEFAULT_PLAN)  # --plan, and --dp, --tp, ... from the plan's fields
     p.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
                    help="clip the gradients by their global norm (over every axis)")
     p.add_argument("--steps", type=int, default=3)
@@ -47,26 +43,24 @@ def _config(args: argparse.Namespace) -> GPTConfig:
 
 
 def check(args: argparse.Namespace) -> str | None:
-    """Bad sizes, before any rank starts."""
-    if problem := at_least_one(args, "dp", "tp", "pp", "microbatches", "steps", "batch",
-                               "layers"):
-        return problem
-    if problem := mesh_against_launcher(args.dp, args.tp, args.pp):
+    """Bad sizes, before any rank starts: the plan's own rules (`ParallelPlan.problems`,
+    the sentences `Hybrid` and the planner say too), then the model's and the run's."""
+    plan = plan_from(args)
+    if isinstance(plan, str):
+        return plan
+    if problem := at_least_one(args, "steps", "batch", "layers", "width", "heads",
+                               "block_size"):
         return problem
     try:
         config = _config(args)
-        SCHEDULES[args.schedule].build(args.pp, args.microbatches, args.chunks)
     except ValueError as e:
         return str(e)
+    if problems := plan.problems(config, args.batch):
+        return "; ".join(problems)
+    if problem := mesh_against_launcher(args.dp, args.tp, args.pp):
+        return problem
     if args.clip is not None and not args.clip > 0:
         return f"--clip must be positive, got {args.clip}"
-    if config.n_heads % args.tp:
-        return f"--tp ({args.tp}) must divide --heads ({config.n_heads})"
-    if args.sequence_parallel and config.block_size % args.tp:
-        return f"--tp ({args.tp}) must divide --block-size ({config.block_size})"
-    if args.batch % (args.dp * args.microbatches):
-        return (f"--batch ({args.batch}) must be divisible by --dp x --microbatches "
-                f"({args.dp} x {args.microbatches})")
     return None
 
 
@@ -81,11 +75,10 @@ def _train(ctx: RankContext, args: argparse.Namespace) -> dict[str, object]:
     from parcourse.models import gpt
 
     config = _config(args)
-    mesh = Mesh({"dp": args.dp, "tp": args.tp, "pp": args.pp}, ctx.group, order=args.order)
-    model = Hybrid(gpt(config), mesh, schedule=args.schedule, microbatches=args.microbatches,
-                   chunks=args.chunks, sequence_parallel=args.sequence_parallel,
-                   zero=args.zero, max_norm=args.clip, tracer=ctx.tracer,
-                   optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    plan = args.parallel_plan
+    mesh = Mesh(plan.shape, ctx.group, order=plan.order, ranks_per_node=plan.ranks_per_node)
+    model = Hybrid.from_plan(gpt(config), mesh, plan, max_norm=args.clip, tracer=ctx.tracer,
+                             optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
     x, y = progressions(args.batch, config.block_size, config.vocab)
     losses, times = [], []
     for _ in range(args.steps):
@@ -130,8 +123,10 @@ def run(args: argparse.Namespace) -> int:
           f"({args.order} order), {args.schedule}, {args.microbatches} microbatches a replica"
           f"{', sequence parallel' if args.sequence_parallel else ''}"
           f"{f', ZeRO-{args.zero} over dp' if args.zero else ''}"
+          f"{f', recompute {args.recompute}' if args.recompute != 'none' else ''}"
           f"{f', clipped at norm {args.clip}' if args.clip is not None else ''}"
           f", backend {trained.backend}")
+    print(f"plan        {args.parallel_plan.label()}")
     print(f"model       GPT, {config.n_layers} blocks, d_model {config.d_model}, "
           f"{config.n_heads} heads, {config.block_size} tokens; global batch {args.batch}, "
           "Adam, fp32")

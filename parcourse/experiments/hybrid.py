@@ -207,25 +207,16 @@ def reductions_table(rows: list[dict[str, Any]]) -> str:
 
 def check_mesh_choice(world_size: int, shape: dict[str, int], schedule: str,
                       microbatches: int, ranks_per_node: int,
-                      sequence_parallel: bool = False) -> None:
+                      sequence_parallel: bool = False, batch: int | None = None) -> None:
     """Lesson 09's panel: a choice the model or the schedule cannot take, as a ValueError
-    naming the numbers, before any rank starts."""
-    from parcourse.mesh import Layout, check_ranks_per_node
-    from parcourse.pipeline.schedule import schedule_by_name
+    naming the numbers, before any rank starts (the plan's own rules,
+    `ParallelPlan.problems`: what `Hybrid`, the CLI and the planner say too)."""
+    from parcourse.plan import ParallelPlan
 
-    if Layout.of(shape).world_size != world_size:
-        raise ValueError(f"the shape {shape} holds {Layout.of(shape).world_size} ranks, the "
-                         f"panel has {world_size}")
-    check_ranks_per_node(world_size, ranks_per_node)
-    if LESSON_CONFIG.n_heads % shape["tp"]:
-        raise ValueError(f"tp ({shape['tp']}) must divide the {LESSON_CONFIG.n_heads} heads")
-    if sequence_parallel and LESSON_CONFIG.block_size % shape["tp"]:
-        raise ValueError(f"tp ({shape['tp']}) must divide the block size "
-                         f"({LESSON_CONFIG.block_size}) under sequence parallelism")
-    plan = schedule_by_name(schedule, shape["pp"], microbatches, 2)
-    if plan.stages > LESSON_CONFIG.n_layers + 2:
-        raise ValueError(f"{schedule} on pp {shape['pp']} has {plan.stages} stages; the GPT "
-                         f"has {LESSON_CONFIG.n_layers + 2} layers")
+    ParallelPlan(dp=shape.get("dp", 1), tp=shape.get("tp", 1), pp=shape.get("pp", 1),
+                 schedule=schedule, microbatches=microbatches,
+                 sequence_parallel=sequence_parallel, ranks_per_node=ranks_per_node
+                 ).check(LESSON_CONFIG, batch, world=world_size)
 
 
 def mesh_step_figure(run: Any, title: str) -> Any:

@@ -69,15 +69,10 @@ def measure(ctx: Any, config: GPTConfig, choice: Choice, global_batch: int,
     from parcourse.mesh import Mesh
     from parcourse.models import gpt
 
-    mesh = Mesh(choice.shape, ctx.group)
-    if choice.recompute == "selective":
-        raise ValueError("the course's 3D step recomputes whole stages (recompute='full')")
-    model = Hybrid(gpt(config), mesh, schedule=choice.schedule,
-                   microbatches=choice.microbatches, chunks=choice.chunks,
-                   recompute=choice.recompute == "full",
-                   sequence_parallel=choice.sequence_parallel, zero=choice.zero,  # type: ignore[arg-type]
-                   tracer=ctx.tracer, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3),
-                   compute=compute)
+    mesh = Mesh(choice.shape, ctx.group, order=choice.order,
+                ranks_per_node=choice.ranks_per_node)
+    model = Hybrid.from_plan(gpt(config), mesh, choice, tracer=ctx.tracer, compute=compute,
+                             optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
     x, y = progressions(global_batch, config.block_size, config.vocab)
     times, tp_s = [], []
     for _ in range(steps):

@@ -1,4 +1,4 @@
-"""The planner's inputs: a configuration (`Choice`) with its checks, the cluster
+"""The planner's inputs: a configuration (`Choice`, the run's `ParallelPlan`), the cluster
 (`Cluster`, with `Overheads`: presets for A100, H100 and H200 nodes, and this machine),
 and the named model shapes (`model`). `parcourse.planner.predict` predicts from them
 and `search` ranks every configuration; `links` and `costs` measure this machine's.
@@ -6,109 +6,21 @@ and `search` ranks every configuration; `links` and `costs` measure this machine
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from parcourse.comm import SimulatedLink, Topology
 from parcourse.models import GPTConfig
-from parcourse.pipeline.schedule import SCHEDULES, Schedule, schedule_by_name
+from parcourse.plan import ParallelPlan
 from parcourse.theory import gpt_layer_bytes
 
 Dtype = Literal["fp32", "bf16"]
-Recompute = Literal["none", "selective", "full"]
 GiB = 2**30
 
 
-@functools.lru_cache(maxsize=1024)
-def _schedule(name: str, ranks: int, microbatches: int, chunks: int) -> Schedule:
-    """A named schedule, built once: a search asks for the same few thousands of times
-    (the planner only reads it)."""
-    return schedule_by_name(name, ranks, microbatches, chunks)
-
-
-@functools.lru_cache(maxsize=1024)
-def _splits_backward(name: str, ranks: int, microbatches: int, chunks: int) -> bool:
-    """Whether the schedule cuts backward into I and W."""
-    return any(a.kind == "I" for acts in _schedule(name, ranks, microbatches, chunks).actions
-               for a in acts)
-
-
-@dataclass(frozen=True)
-class Choice:
-    """One configuration: the mesh (dp x tp x pp), the pipeline schedule and its
-    microbatches per replica (`chunks`: stages per rank, interleaved 1F1B), ZeRO's stage
-    over dp, sequence parallelism, and what backward recomputes: "none", "selective"
-    (attention's core, Korthikanti et al.; what FlashAttention does too) or "full" (each
-    stage keeps only its input, as `Hybrid(recompute=True)`). `split`: how the layers
-    are cut into stages: "layers" as the course's 3D step (`partition` by layer count, the
-    embeddings and the head counting as layers), or "blocks" as Megatron-LM (the blocks
-    evenly, the embeddings added to the first stage and the head to the last)."""
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    schedule: str = "1f1b"
-    microbatches: int = 1
-    chunks: int = 2
-    zero: int = 0
-    sequence_parallel: bool = False
-    recompute: Recompute = "none"
-    split: Literal["layers", "blocks"] = "layers"
-
-    @property
-    def shape(self) -> dict[str, int]:
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp}
-
-    @property
-    def gpus(self) -> int:
-        return self.dp * self.tp * self.pp
-
-    def label(self) -> str:
-        extra = [f"ZeRO-{self.zero}"] if self.zero else []
-        extra += ["SP"] if self.sequence_parallel else []
-        extra += [f"recompute {self.recompute}"] if self.recompute != "none" else []
-        return (f"dp{self.dp} tp{self.tp} pp{self.pp} {self.schedule} m{self.microbatches}"
-                + "".join(f" {e}" for e in extra))
-
-    def problems(self, config: GPTConfig, global_batch: int) -> list[str]:
-        """Why this choice cannot run the model at all (empty if it can)."""
-        out = []
-        if config.n_heads % self.tp:
-            out.append(f"tp {self.tp} does not divide the {config.n_heads} heads")
-        if self.sequence_parallel and config.block_size % self.tp:
-            out.append(f"tp {self.tp} does not divide the sequence ({config.block_size})")
-        if global_batch % (self.dp * self.microbatches):
-            out.append(f"the global batch {global_batch} is not dp {self.dp} x "
-                       f"{self.microbatches} microbatches equal parts")
-        if self.schedule not in SCHEDULES:
-            out.append(f"unknown schedule {self.schedule!r}")
-            return out
-        if not SCHEDULES[self.schedule].microbatched and self.microbatches != 1:
-            out.append(f"{self.schedule} runs the batch whole: one microbatch, not "
-                       f"{self.microbatches}")
-            return out
-        if self.schedule == "dualpipe":
-            out.append("dualpipe (two copies of every stage) is not modelled by the planner; "
-                       "dualpipe-v holds one")
-            return out
-        try:
-            plan = _schedule(self.schedule, self.pp, self.microbatches, self.chunks)
-        except ValueError as e:
-            out.append(str(e))
-            return out
-        if plan.stages > config.n_layers + 2:
-            out.append(f"{plan.stages} stages for {config.n_layers + 2} layers")
-        if self.split == "blocks" and config.n_layers % plan.stages:
-            out.append(f"{plan.stages} stages do not split {config.n_layers} blocks evenly")
-        if self.zero not in (0, 1, 2, 3):
-            out.append(f"ZeRO stage {self.zero} does not exist")
-        if self.recompute not in ("none", "selective", "full"):
-            out.append(f"recompute {self.recompute!r} is none of none, selective, full")
-        elif self.recompute == "full" and _splits_backward(
-                self.schedule, self.pp, self.microbatches, self.chunks):
-            out.append(f"{self.schedule} splits backward into I and W: no full recompute")
-        return out
+# A configuration the planner predicts is the run's one plan record: the same fields, the
+# same rules (`ParallelPlan.problems`), the same label as `train3d --plan` reads.
+Choice = ParallelPlan
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,8 @@ from parcourse.comm import SimulatedLink
 from parcourse.models import GPTConfig
 from parcourse.pipeline.partition import stage_bounds
 from parcourse.pipeline.simulate import Costs, SimulatedCompute, in_flight, simulate
-from parcourse.planner.inputs import (
-    Choice,
-    Cluster,
-    Dtype,
-    _schedule,
-)
+from parcourse.plan import _schedule
+from parcourse.planner.inputs import Choice, Cluster, Dtype
 from parcourse.theory import (
     CostModel,
     TPCollective,
@@ -79,8 +75,7 @@ def predict_memory(config: GPTConfig, choice: Choice, global_batch: int,
     """Bytes on each pipeline rank (every dp and tp rank of it alike), by category:
     "params", "grads", "optimizer", "activations" (the peak the schedule holds) and
     "total"."""
-    if problems := choice.problems(config, global_batch):
-        raise ValueError("; ".join(problems))
+    choice.check(config, global_batch, step=False)  # what any implementation could run
     plan = _schedule(choice.schedule, choice.pp, choice.microbatches, choice.chunks)
     layers = stage_layers(config, choice)
     batch = global_batch // (choice.dp * choice.microbatches)

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from parcourse.models import GPTConfig
-from parcourse.planner.inputs import Choice, Cluster, Dtype, GiB, Recompute
+from parcourse.plan import Recompute
+from parcourse.planner.inputs import Choice, Cluster, Dtype, GiB
 from parcourse.planner.predict import predict_memory, predict_time
 
 
@@ -66,14 +67,17 @@ def plan(config: GPTConfig, cluster: Cluster, global_batch: int, *, dtype: Dtype
          candidates: list[Choice] | None = None) -> Plans:
     """Every candidate predicted (by default `choices(cluster.gpus)`, with selective and
     full recompute too in 16 bits); the ones that fit ranked by step time, the others with
-    the reason."""
+    the reason. On this machine (`cluster.cores`), only what the course's 3D step runs
+    (`ParallelPlan.problems(step=True)`): every plan ranked can be started with
+    `train3d --plan`."""
     ranked, rejected = [], []
+    here = cluster.cores is not None
     if candidates is None:
         candidates = choices(cluster.gpus, recompute=("none",) if dtype == "fp32"
                              else ("none", "selective", "full"))
     for choice in candidates:
         item = Planned(choice)
-        if problems := choice.problems(config, global_batch):
+        if problems := choice.problems(config, global_batch, world=cluster.gpus, step=here):
             item.why_not = "; ".join(problems)
         elif choice.tp > cluster.gpus_per_node:
             item.why_not = (f"tp {choice.tp} spans nodes of {cluster.gpus_per_node}: every "

@@ -1,0 +1,241 @@
+"""One run's parallel layout and strategies, as one frozen record: `ParallelPlan`.
+
+    plan = ParallelPlan(dp=2, tp=2, pp=2, schedule="1f1b", microbatches=4, zero=1)
+    plan.problems(config, batch=16, world=8)       # [] : it runs
+    plan.label()                                   # 'dp2 tp2 pp2 1f1b m4 ZeRO-1'
+    ParallelPlan.parse("dp2 tp2 pp2 1f1b m4 ZeRO-1") == plan
+
+`problems()` is the one home of every rule that makes a run valid (torchtitan keeps its
+layout in one dataclass validated once, `ParallelDims._validate`): each problem is one
+sentence naming the numbers. The 3D step (`Hybrid`), `train`, the CLI (`train3d --plan`,
+`train`, `plan`) and the planner's search all ask it, so they refuse the same things in
+the same words, and the planner never ranks a plan the step refuses.
+
+Two kinds of rule: what no implementation could run (tp not dividing the heads, a batch
+that does not cut into dp x microbatches equal parts, more stages than layers), and what
+the course's own 3D step does not run (`step=True`, the default): recompute of
+attention's core alone ("selective", which the planner prices for real clusters as
+Megatron-LM runs it) and Megatron-LM's "blocks" split. The planner asks with
+`step=False` for the published clusters and with `step=True` for this machine, whose
+plans it checks by running them.
+
+A new axis (cp, ep) is a field here, its rules in `problems()`, and a token in the label.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from parcourse.mesh import ORDERS, Order
+from parcourse.pipeline.schedule import SCHEDULES, Schedule, schedule_by_name
+
+if TYPE_CHECKING:
+    from parcourse.models import GPTConfig
+
+Recompute = Literal["none", "selective", "full"]
+Split = Literal["layers", "blocks"]
+ZERO_STAGES = (0, 1, 2, 3)
+# The ZeRO stages the course's 3D step runs over dp (ZeRO-3 gathers each stage's
+# parameters around its forward and backward, as torchtitan composes FSDP with a pipeline).
+STEP_ZERO_STAGES = (0, 1, 2)
+SIZES = ("dp", "tp", "pp", "microbatches", "chunks")
+
+
+@functools.lru_cache(maxsize=4096)
+def _schedule(name: str, ranks: int, microbatches: int, chunks: int) -> Schedule:
+    """A named schedule, built once: a search asks for the same few thousand many times
+    (only read)."""
+    return schedule_by_name(name, ranks, microbatches, chunks)
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """A run's layout: the mesh (dp x tp x pp, `order` of its axes, `ranks_per_node`),
+    the pipeline `schedule` with its `microbatches` per replica and `chunks` (stages per
+    rank, interleaved 1F1B), ZeRO's `zero` stage over dp, `sequence_parallel`, what
+    backward recomputes (`recompute`: "none"; "selective", attention's core as
+    Korthikanti et al. and FlashAttention; "full", each stage keeps only its input), and
+    how the layers are cut into stages (`split`: "layers" as the course's step, by layer
+    count with the embeddings and the head counting as layers; "blocks" as Megatron-LM,
+    the blocks evenly with the embeddings on the first stage and the head on the last).
+
+    Nothing is checked on construction, so that a wrong plan can be shown with all its
+    problems at once: `problems()` says what is wrong, `check()` raises it."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    chunks: int = 2
+    zero: int = 0
+    sequence_parallel: bool = False
+    recompute: Recompute = "none"
+    split: Split = "layers"
+    order: Order = "megatron"
+    ranks_per_node: int | None = None
+
+    # -- the mesh it asks for
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp}
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    world_size = gpus
+
+    def schedule_value(self) -> Schedule:
+        """The pipeline schedule this plan runs, built (a valid plan's)."""
+        return _schedule(self.schedule, self.pp, self.microbatches, self.chunks)
+
+    # -- the rules
+
+    def problems(self, config: GPTConfig | None = None, batch: int | None = None, *,
+                 world: int | None = None, step: bool = True) -> list[str]:
+        """Why this plan cannot run (empty if it can): one sentence each, naming the
+        numbers. `config`, `batch` (the global batch, in sequences) and `world` (the ranks
+        there are) add the rules that need them; `step`: also what the course's 3D step
+        does not run (see the module)."""
+        out = [f"{name} must be a whole number >= 1, got {getattr(self, name)!r}"
+               for name in SIZES if not _whole(getattr(self, name))]
+        if self.ranks_per_node is not None and not _whole(self.ranks_per_node):
+            out.append(f"ranks per node must be a whole number >= 1, got "
+                       f"{self.ranks_per_node!r}")
+        if out:  # the rules below divide by these sizes
+            return out
+        if world is not None and self.gpus != world:
+            out.append(f"dp {self.dp} x tp {self.tp} x pp {self.pp} is {self.gpus} ranks, "
+                       f"not the {world} there are")
+        if self.ranks_per_node is not None and self.gpus % self.ranks_per_node:
+            out.append(f"{self.ranks_per_node} ranks per node do not divide the "
+                       f"{self.gpus} ranks")
+        if self.order not in ORDERS:
+            out.append(f"unknown order {self.order!r}; choose one of {', '.join(ORDERS)}")
+        if config is not None and config.n_heads % self.tp:
+            out.append(f"tp {self.tp} does not divide the {config.n_heads} heads")
+        if (config is not None and self.sequence_parallel
+                and config.block_size % self.tp):
+            out.append(f"tp {self.tp} does not divide the sequence of {config.block_size} "
+                       "tokens (sequence parallelism cuts it)")
+        if batch is not None and batch % (self.dp * self.microbatches):
+            out.append(f"the global batch of {batch} does not cut into dp {self.dp} x "
+                       f"{self.microbatches} microbatches equal parts")
+        if self.zero not in ZERO_STAGES:
+            out.append(f"ZeRO stage {self.zero!r} does not exist: 0, 1, 2 or 3")
+        elif step and self.zero not in STEP_ZERO_STAGES:
+            out.append(f"the course's 3D step runs ZeRO "
+                       f"{', '.join(map(str, STEP_ZERO_STAGES))}, not {self.zero}")
+        if self.recompute not in ("none", "selective", "full"):
+            out.append(f"recompute {self.recompute!r} is none of none, selective, full")
+        elif step and self.recompute == "selective":
+            out.append("the course's 3D step recomputes whole stages (recompute full), not "
+                       "attention's core alone (selective)")
+        if self.split not in ("layers", "blocks"):
+            out.append(f"split {self.split!r} is neither layers nor blocks")
+        elif step and self.split == "blocks":
+            out.append("the course's 3D step cuts stages by layer count (split layers), not "
+                       "Megatron-LM's blocks")
+        out += self._schedule_problems(config)
+        return out
+
+    def _schedule_problems(self, config: GPTConfig | None) -> list[str]:
+        if self.schedule not in SCHEDULES:
+            return [f"unknown schedule {self.schedule!r}; choose one of "
+                    f"{', '.join(SCHEDULES)}"]
+        if not SCHEDULES[self.schedule].microbatched and self.microbatches != 1:
+            return [f"{self.schedule} runs the batch whole: one microbatch, not "
+                    f"{self.microbatches}"]
+        try:
+            schedule = self.schedule_value()
+        except ValueError as e:
+            return [str(e)]
+        out = []
+        if schedule.copy_of or schedule.routes:
+            out.append(f"{self.schedule} holds two copies of every stage, one for each "
+                       "direction: the 3D step and the planner run the other schedules "
+                       "(dualpipe-v holds one copy)")
+        layers = None if config is None else config.n_layers + 2
+        if layers is not None and schedule.stages > layers:
+            out.append(f"{self.schedule} on pp {self.pp} has {schedule.stages} stages; the "
+                       f"GPT's {layers} layers (embedding, {layers - 2} blocks, head) cannot "
+                       "fill them")
+        if (config is not None and self.split == "blocks"
+                and config.n_layers % schedule.stages):
+            out.append(f"{schedule.stages} stages do not split {config.n_layers} blocks "
+                       "evenly")
+        if self.recompute == "full" and any(a.kind == "I" for acts in schedule.actions
+                                            for a in acts):
+            out.append(f"{self.schedule} splits backward into I and W: no full recompute")
+        return out
+
+    def check(self, config: GPTConfig | None = None, batch: int | None = None, *,
+              world: int | None = None, step: bool = True) -> ParallelPlan:
+        """This plan, or ValueError with every problem (`problems`), one per line."""
+        if problems := self.problems(config, batch, world=world, step=step):
+            raise ValueError("; ".join(problems))
+        return self
+
+    # -- as text
+
+    def label(self) -> str:
+        """One line: 'dp2 tp2 pp2 1f1b m4 ZeRO-1 SP recompute full'; what is at its
+        default (chunks 2, layers split, megatron order, no ranks per node) is left out.
+        `parse` reads it back."""
+        extra = [f"c{self.chunks}"] if self.chunks != 2 else []
+        extra += [f"ZeRO-{self.zero}"] if self.zero else []
+        extra += ["SP"] if self.sequence_parallel else []
+        extra += [f"recompute {self.recompute}"] if self.recompute != "none" else []
+        extra += [f"split {self.split}"] if self.split != "layers" else []
+        extra += [f"order {self.order}"] if self.order != "megatron" else []
+        extra += ([f"{self.ranks_per_node}/node"] if self.ranks_per_node is not None
+                  else [])
+        return (f"dp{self.dp} tp{self.tp} pp{self.pp} {self.schedule} m{self.microbatches}"
+                + "".join(f" {e}" for e in extra))
+
+    @classmethod
+    def parse(cls, text: str) -> ParallelPlan:
+        """A plan from its label, in any order of its words ('dp2 tp2 pp2 1f1b m4
+        ZeRO-1'); what it leaves out takes the default. ValueError naming the word it
+        cannot read."""
+        fields: dict[str, object] = {}
+        words = text.split()
+        i = 0
+        while i < len(words):
+            word, low = words[i], words[i].lower()
+            if m := re.fullmatch(r"(dp|tp|pp|m|c)(\d+)", low):
+                key = {"m": "microbatches", "c": "chunks"}.get(m.group(1), m.group(1))
+                fields[key] = int(m.group(2))
+            elif m := re.fullmatch(r"zero-?(\d+)", low):
+                fields["zero"] = int(m.group(1))
+            elif low == "sp":
+                fields["sequence_parallel"] = True
+            elif m := re.fullmatch(r"(\d+)/node", low):
+                fields["ranks_per_node"] = int(m.group(1))
+            elif low in ("recompute", "split", "order") and i + 1 < len(words):
+                fields[low] = words[i + 1].lower()
+                i += 1
+            elif low in SCHEDULES:
+                fields["schedule"] = low
+            else:
+                raise ValueError(f"cannot read {word!r} in the plan {text!r}; a plan reads "
+                                 "like 'dp2 tp2 pp2 1f1b m4 ZeRO-1 SP' (schedules: "
+                                 f"{', '.join(SCHEDULES)})")
+            i += 1
+        return cls(**fields)  # type: ignore[arg-type]
+
+    def replace(self, **changes: object) -> ParallelPlan:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def __str__(self) -> str:
+        return self.label()
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1

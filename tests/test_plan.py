@@ -1,0 +1,221 @@
+"""One plan record (`parcourse.plan.ParallelPlan`): each validity rule once, against
+`problems()`, and the CLI, `train`, the planner and `Hybrid` answering with that sentence;
+its label read back; `crosses_nodes` judged per rank."""
+
+import dataclasses
+
+import pytest
+
+from parcourse.launch import launch
+from parcourse.mesh import Layout
+from parcourse.models import GPTConfig
+from parcourse.plan import ParallelPlan
+from mesh_fns import nodes_crossed
+
+CONFIG = GPTConfig(vocab=64, block_size=16, n_layers=4, n_heads=4, d_model=32)  # train3d's
+
+# (plan, batch, world, step, the sentence problems() gives). One per rule.
+RULES = [
+    (ParallelPlan(dp=0), None, None, True, "dp must be a whole number >= 1, got 0"),
+    (ParallelPlan(microbatches=-2), None, None, True,
+     "microbatches must be a whole number >= 1, got -2"),
+    (ParallelPlan(dp=2, tp=2), None, 8, True, "dp 2 x tp 2 x pp 1 is 4 ranks, not the 8 there are"),
+    (ParallelPlan(dp=6, ranks_per_node=4), None, None, True,
+     "4 ranks per node do not divide the 6 ranks"),
+    (ParallelPlan(order="zigzag"), None, None, True,  # type: ignore[arg-type]
+     "unknown order 'zigzag'; choose one of megatron, llama3"),
+    (ParallelPlan(tp=8), None, None, True, "tp 8 does not divide the 4 heads"),
+    (ParallelPlan(tp=4, sequence_parallel=True), None, None, True, None),  # 16 tokens: fine
+    (ParallelPlan(dp=3), 8, None, True,
+     "the global batch of 8 does not cut into dp 3 x 1 microbatches equal parts"),
+    (ParallelPlan(zero=4), None, None, True, "ZeRO stage 4 does not exist: 0, 1, 2 or 3"),
+    (ParallelPlan(recompute="some"), None, None, True,  # type: ignore[arg-type]
+     "recompute 'some' is none of none, selective, full"),
+    (ParallelPlan(recompute="selective"), None, None, True,
+     "the course's 3D step recomputes whole stages (recompute full), not attention's core "
+     "alone (selective)"),
+    (ParallelPlan(split="rows"), None, None, True,  # type: ignore[arg-type]
+     "split 'rows' is neither layers nor blocks"),
+    (ParallelPlan(split="blocks"), None, None, True,
+     "the course's 3D step cuts stages by layer count (split layers), not Megatron-LM's "
+     "blocks"),
+    (ParallelPlan(pp=3, split="blocks", microbatches=3), None, None, False,
+     "3 stages do not split 4 blocks evenly"),
+    (ParallelPlan(schedule="zigzag"), None, None, True,
+     "unknown schedule 'zigzag'; choose one of naive, gpipe, 1f1b, interleaved-1f1b, zb-h1, "
+     "zbv, dualpipe, dualpipe-v"),
+    (ParallelPlan(pp=2, schedule="naive", microbatches=2), None, None, True,
+     "naive runs the batch whole: one microbatch, not 2"),
+    (ParallelPlan(pp=2, schedule="interleaved-1f1b", microbatches=3), None, None, True,
+     "interleaved 1F1B runs microbatches in rounds of 2 (the number of ranks): 3 "
+     "microbatches is not a multiple of 2"),
+    (ParallelPlan(pp=2, schedule="dualpipe", microbatches=4), None, None, True,
+     "dualpipe holds two copies of every stage, one for each direction: the 3D step and the "
+     "planner run the other schedules (dualpipe-v holds one copy)"),
+    (ParallelPlan(pp=8, microbatches=8), None, None, True,
+     "1f1b on pp 8 has 8 stages; the GPT's 6 layers (embedding, 4 blocks, head) cannot fill "
+     "them"),
+    (ParallelPlan(pp=2, schedule="zb-h1", microbatches=2, recompute="full"), None, None, True,
+     "zb-h1 splits backward into I and W: no full recompute"),
+]
+
+
+@pytest.mark.parametrize("plan,batch,world,step,said", RULES,
+                         ids=[r[-1][:40] if r[-1] else "fine" for r in RULES])
+def test_each_rule_is_one_sentence_naming_the_numbers(plan, batch, world, step, said):
+    got = plan.problems(CONFIG, batch, world=world, step=step)
+    assert got == ([said] if said else []), got
+    if said:
+        with pytest.raises(ValueError, match="^" + _escaped(said) + "$"):
+            plan.check(CONFIG, batch, world=world, step=step)
+
+
+def _escaped(text):
+    import re
+
+    return re.escape(text)
+
+
+@pytest.mark.parametrize("plan,batch,world,step,said",
+                         [r for r in RULES if r[-1] and r[3] and r[2] is None],
+                         ids=lambda v: v[:40] if isinstance(v, str) else None)
+def test_train3d_refuses_each_plan_with_the_same_sentence(capsys, plan, batch, world, step,
+                                                           said):
+    """`train3d`, before any rank starts: the plan given field by field, and as a label
+    (`--plan`) where the label can carry it (a negative size or an unknown schedule cannot
+    be read from one: the label's own refusal names the word)."""
+    from parcourse.cli import main
+
+    given = [_flags(plan)]
+    try:
+        given.append(["--plan", ParallelPlan.parse(plan.label()).label()])
+    except ValueError as e:
+        assert plan.microbatches < 0 or plan.schedule == "zigzag", e
+    for flags in given:
+        with pytest.raises(SystemExit) as exit_:
+            main(["train3d", *flags, "--batch", str(batch or max(1, plan.dp * plan.microbatches))])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err == f"python -m parcourse: error: {said}", (flags, err)
+
+
+def _flags(plan):
+    """Every field as a flag (none left to the command's defaults)."""
+    out = []
+    for f in dataclasses.fields(plan):
+        value = getattr(plan, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            out += [flag] if value else []
+        elif value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def test_the_planner_train_and_the_cli_say_the_same():
+    from parcourse.cli import main
+    from parcourse.planner import Cluster, plan
+    from parcourse.train import TrainSettings
+
+    said = "tp 8 does not divide the 4 heads"
+    cluster = Cluster.this_machine(8, flops=1e9, cores=2)
+    rejected = plan(CONFIG, cluster, 8, candidates=[ParallelPlan(tp=8)]).rejected
+    assert rejected[0].why_not == said
+    settings = TrainSettings(dp=1, tp=8, pp=1, heads=4, width=32)
+    assert settings.problems() == [said]
+    with pytest.raises(SystemExit):
+        main(["train", "--dp", "1", "--tp", "8", "--pp", "1", "--heads", "4"])
+
+
+def test_the_planner_ranks_only_what_the_step_runs_here():
+    """On this machine the search refuses, in the plan's words, what the course's step
+    cannot start (a published cluster keeps selective recompute, which Megatron-LM runs);
+    every plan it ranks can be given to `train3d --plan`."""
+    from parcourse.cli.options import plan_from, plan_options
+    from parcourse.planner import Cluster, plan
+
+    import argparse
+
+    cluster = Cluster.this_machine(8, flops=1e9, cores=2)
+    selective = ParallelPlan(dp=8, recompute="selective")
+    plans = plan(CONFIG, cluster, 16, candidates=[selective, ParallelPlan(dp=8)])
+    assert [p.choice for p in plans.ranked] == [ParallelPlan(dp=8)]
+    assert "recomputes whole stages" in plans.rejected[0].why_not
+    for p in plan(CONFIG, cluster, 16).ranked:
+        parser = argparse.ArgumentParser()
+        plan_options(parser, ParallelPlan())
+        args = parser.parse_args(["--plan", p.choice.label()])
+        assert plan_from(args) == p.choice
+        assert p.choice.problems(CONFIG, 16, world=8) == []
+    published = Cluster.preset("h100", gpus=8)
+    assert not selective.problems(CONFIG, 16, world=8, step=False)
+    assert plan(CONFIG, published, 16, candidates=[selective], dtype="bf16").ranked
+
+
+def test_a_plan_of_other_ranks_than_the_cluster_has_is_refused():
+    from parcourse.planner import Cluster, plan
+
+    plans = plan(CONFIG, Cluster.preset("h100", gpus=8), 16,
+                 candidates=[ParallelPlan(dp=2, tp=2)])
+    assert plans.rejected[0].why_not == "dp 2 x tp 2 x pp 1 is 4 ranks, not the 8 there are"
+
+
+@pytest.mark.parametrize("plan", [
+    ParallelPlan(),
+    ParallelPlan(dp=2, tp=2, pp=2, schedule="1f1b", microbatches=4, zero=1),
+    ParallelPlan(dp=1, tp=4, pp=2, schedule="interleaved-1f1b", microbatches=8, chunks=3,
+                 sequence_parallel=True, recompute="full", order="llama3", ranks_per_node=4),
+    ParallelPlan(pp=4, schedule="zb-h1", microbatches=4, zero=2, split="blocks",
+                 recompute="selective"),
+])
+def test_a_label_reads_back_as_its_plan(plan):
+    assert ParallelPlan.parse(plan.label()) == plan
+    assert ParallelPlan.parse(plan.label().upper().replace("ZERO", "ZeRO")) == plan
+
+
+def test_a_label_that_cannot_be_read_names_the_word():
+    with pytest.raises(ValueError, match="cannot read 'xp2' in the plan 'dp2 xp2'"):
+        ParallelPlan.parse("dp2 xp2")
+    assert ParallelPlan.parse("dp2 tp2 pp2 1f1b m4 ZeRO-1").label() == \
+        "dp2 tp2 pp2 1f1b m4 ZeRO-1"
+
+
+def test_the_cli_takes_the_plan_or_its_flags_not_both(capsys):
+    from parcourse.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train3d", "--plan", "dp2 tp2 pp2 1f1b m2", "--zero", "1"])
+    assert "--plan gives the whole layout: leave out --zero or --plan" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--plan", "dp2 pp2 1f1b m2 recompute full"])
+    assert "this command does not set recompute" in capsys.readouterr().err
+
+
+def test_train3d_runs_a_plan_given_as_a_label(capsys):
+    from parcourse.cli import main
+
+    label = "dp2 tp1 pp2 interleaved-1f1b m2 ZeRO-1"
+    assert main(["train3d", "--plan", label, "--steps", "2", "--layers", "6"]) == 0
+    out = capsys.readouterr().out
+    assert f"plan        {label}" in out
+    lines = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    for _, ours, one in lines[:2]:
+        assert float(ours) == pytest.approx(float(one), rel=1e-4)
+
+
+# -- ranks per node, judged per rank
+
+def test_crosses_nodes_is_judged_by_this_ranks_group():
+    """6 ranks, 3 a node, dp 3 x tp 2: tp's groups are [0 1] [2 3] [4 5], and only [2 3]
+    spans the two nodes {0 1 2} {3 4 5}: an axis is judged by the rank's own group, not by
+    its first."""
+    layout = Layout.of({"dp": 3, "tp": 2})
+    assert [layout.crosses_nodes(r, ("tp",), 3) for r in range(6)] == \
+        [False, False, True, True, False, False]
+    assert all(layout.crosses_nodes(r, ("dp",), 3) for r in range(6))
+    assert not any(layout.crosses_nodes(r, ("dp", "tp"), None) for r in range(6))
+    run = launch(nodes_crossed, 6, {"dp": 3, "tp": 2}, 3, timeout=120)
+    assert [r["tp"] for r in run.results] == [False, False, True, True, False, False]
+    assert all(r["dp"] for r in run.results)
+

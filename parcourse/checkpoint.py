@@ -173,6 +173,12 @@ def save(model: Hybrid, root: str | os.PathLike, step: int,
     only) and written by a background thread, over a process group of its own, while
     training goes on; returns a `PendingSave` to `poll()` each step and `result()` before
     the next save and at the end (rank 0 commits when every rank has written)."""
+    with model.whole_weights():  # ZeRO-3: gathered for the write, freed after
+        return _save(model, root, step, extra, blocking)
+
+
+def _save(model: Hybrid, root: str | os.PathLike, step: int, extra: dict[str, Any] | None,
+          blocking: bool) -> Path | PendingSave:
     import torch.distributed.checkpoint as dcp
 
     group = model.mesh.parent
@@ -190,6 +196,8 @@ def save(model: Hybrid, root: str | os.PathLike, step: int,
             "zero": model.zero, "optimizer": type(model.optimizer).__name__,
             "state": keys, "extra": extra or {}}
     if not blocking:
+        if model.zero == 3:  # its weights are freed when this returns: DCP gets copies
+            state = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
         future = dcp.async_save(state, checkpoint_id=str(tmp),
                                 process_group=_background_group(model))
         return PendingSave(future, rank, tmp, final, meta)
@@ -274,6 +282,13 @@ def load(model: Hybrid, path: str | os.PathLike,
     collective over the model's mesh): weights, the optimizer's state (into ZeRO's slices
     if this model shards it) and the CPU generator. Refuses one of another model or,
     with `expect`, other `extra` values. Returns its metadata (`step`, `extra`, ...)."""
+    with model.whole_weights():  # ZeRO-3: loaded whole, each replica's slice taken,
+        return _load(model, path, expect)  # then freed
+
+
+@torch.no_grad()
+def _load(model: Hybrid, path: str | os.PathLike, expect: dict[str, Any] | None
+          ) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     meta = read_meta(path)

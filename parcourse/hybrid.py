@@ -34,8 +34,9 @@ memory, the whole state dict). Split, the step's order would be spread over file
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
@@ -104,11 +105,51 @@ class _ShardedOptimizer:
     unit once, after the schedule; ZeRO-2 reduces a stage's unit after each
     microbatch's backward of that stage."""
 
-    def __init__(self, units: list[list[nn.Parameter]], comm: Comm, factory: OptimizerFactory
-                 ) -> None:
+    def __init__(self, units: list[list[nn.Parameter]], comm: Comm, factory: OptimizerFactory,
+                 sharded_weights: bool = False) -> None:
         self.comm = comm
         self.units = [_Unit(ps, comm) for ps in units if ps]
         self.optimizer = factory([u.shard for u in self.units])
+        self.sharded_weights = sharded_weights
+        if sharded_weights:
+            for unit in self.units:
+                for p in unit.params:
+                    if (p.storage_offset() or not p.is_contiguous()
+                            or p.untyped_storage().nbytes() != p.numel() * p.element_size()):
+                        raise ValueError("ZeRO-3 frees each weight's storage between uses: a "
+                                         "weight that is a view into another tensor cannot be "
+                                         "freed alone")
+                self.free(unit)
+
+    # -- ZeRO-3: a unit's weights exist only while a stage uses them
+
+    @staticmethod
+    def gathered(unit: _Unit) -> bool:
+        return all(p.untyped_storage().nbytes() > 0 for p in unit.params)
+
+    @torch.no_grad()
+    def gather(self, unit: _Unit) -> None:
+        """The unit's weights made whole from every replica's slice (an all-gather over
+        dp), written into the weights' own storage: autograd's saved references to them
+        see the values again in backward (FSDP's way)."""
+        if self.gathered(unit):
+            return
+        self.collect()  # a reduce-scatter in flight on the same group goes first
+        whole = torch.empty(unit.padded, dtype=unit.shard.dtype, device=unit.shard.device)
+        self.comm.all_gather(unit.shard.detach(), whole)
+        offset = 0
+        for p in unit.params:
+            p.untyped_storage().resize_(p.numel() * p.element_size())
+            # through .data: the weight's own version counter stays put, so autograd does
+            # not take the refill for an in-place change of a tensor it saved
+            p.data.copy_(whole[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    @staticmethod
+    def free(unit: _Unit) -> None:
+        """Give the unit's weights' memory back; their shapes stay (and their .grad)."""
+        for p in unit.params:
+            p.untyped_storage().resize_(0)
 
     @torch.no_grad()
     def reduce(self, unit: _Unit, async_op: bool = False) -> None:
@@ -141,9 +182,12 @@ class _ShardedOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        """Step this rank's slices, then all-gather every slice into the parameters."""
+        """Step this rank's slices, then all-gather every slice into the parameters
+        (ZeRO-3: not until a stage uses them)."""
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.sharded_weights:
+            return
         for unit in self.units:
             whole = torch.empty(unit.padded, dtype=unit.shard.dtype, device=unit.shard.device)
             self.comm.all_gather(unit.shard.detach(), whole)
@@ -188,7 +232,7 @@ class Hybrid:
     def __init__(self, model: GPT, mesh: Mesh, *, schedule: str = "1f1b",
                  microbatches: int = 4, chunks: int = 2, sequence_parallel: bool = False,
                  recompute: bool = False, optimizer: OptimizerFactory | None = None,
-                 zero: Literal[0, 1, 2] = 0, max_norm: float | None = None,
+                 zero: Literal[0, 1, 2, 3] = 0, max_norm: float | None = None,
                  link: Network | None = None, compute: SimulatedCompute | None = None,
                  tracer: Tracer | None = None, seed: int = 0) -> None:
         config = model.config
@@ -235,8 +279,9 @@ class Hybrid:
                                        recompute=recompute, tied=_stages_tied(cut),
                                        comm=Comm(mesh.group("pp"), tracer=on("pp"), link=link,
                                                  algorithm="auto"),
-                                       on_weight_gradients=self._reduce_stage if zero == 2
+                                       on_weight_gradients=self._reduce_stage if zero >= 2
                                        else None,
+                                       around=self._gathered_for if zero == 3 else None,
                                        compute=compute, apart=paced,
                                        together=one_sum if sequence_parallel else None)
         if paced is not None:
@@ -257,11 +302,18 @@ class Hybrid:
                               and id(p) not in tied and id(p) not in seen])
                 seen.update(id(p) for p in units[-1])
             units.append([p for p in self.params if id(p) in tied and p.requires_grad])
-            self.sharded = _ShardedOptimizer(units, self.dp_comm, factory)
+            self.sharded = _ShardedOptimizer(units, self.dp_comm, factory,
+                                             sharded_weights=zero == 3)
             by_params = {id(u.params[0]): u for u in self.sharded.units}
             self._stage_unit = {s: by_params[id(ps[0])] for s, ps in zip(sorted(mine), units)
                                 if ps}
             self._tied_unit = by_params.get(id(units[-1][0])) if units[-1] else None
+            # ZeRO-3: the units each stage's actions need whole (its own, and the tied
+            # weights' where it holds one of them)
+            self._uses = {s: [u for u in (self._stage_unit.get(s), self._tied_unit)
+                              if u is not None and any(id(p) in {id(q) for q in u.params}
+                                                       for p in mine[s].parameters())]
+                          for s in mine}
         self.optimizer = self.sharded.optimizer if self.sharded else factory(self.params)
         self._frozen = self._frozen_now()
         if max_norm is not None and not max_norm > 0:
@@ -306,6 +358,37 @@ class Hybrid:
                    chunks=plan.chunks, sequence_parallel=plan.sequence_parallel,
                    recompute=plan.recompute == "full", zero=plan.zero,  # type: ignore[arg-type]
                    **kwargs)
+
+    @contextlib.contextmanager
+    def _gathered_for(self, action: Any) -> Iterator[None]:
+        """ZeRO-3: the stage's weights gathered over dp for one action (F, B, I or W of
+        one microbatch), freed after it, as torchtitan runs FSDP inside a pipeline's
+        stages: between actions a rank holds its 1/dp slices only."""
+        assert self.sharded is not None
+        units = self._uses[action.stage]
+        for unit in units:
+            self.sharded.gather(unit)
+        try:
+            yield
+        finally:
+            for unit in units:
+                self.sharded.free(unit)
+
+    @contextlib.contextmanager
+    def whole_weights(self) -> Iterator[None]:
+        """Every weight of this rank whole inside the block (ZeRO-3 gathers them over dp,
+        and frees them after): what exports and checkpoints read and write. A no-op for
+        the other stages, whose weights are always whole."""
+        sharded = self.sharded if self.zero == 3 else None
+        if sharded is not None:
+            for unit in sharded.units:
+                sharded.gather(unit)
+        try:
+            yield
+        finally:
+            if sharded is not None:
+                for unit in sharded.units:
+                    sharded.free(unit)
 
     def _frozen_now(self) -> set[int]:
         return {id(p) for p in self.params if not p.requires_grad}
@@ -469,7 +552,10 @@ class Hybrid:
                 "tp", "all-reduce (sum)", tp)
         row("backward", "activations' gradients, stage to stage", "pp",
             "send / recv (no sum)", pp)
-        if self.zero == 2:
+        if self.zero == 3:
+            row("forward and backward", "a stage's weights, before each of its actions "
+                "(freed after it)", "dp", "all-gather", dp)
+        if self.zero >= 2:
             row("backward", "a stage's gradients, after each microbatch's backward of it",
                 "dp", "reduce-scatter (mean) into a slice each, while the schedule goes on",
                 dp)
@@ -478,7 +564,7 @@ class Hybrid:
                               if self.mesh.local_rank in g), [])
             row("end of schedule", "the tied embedding's and head's gradients", "embedding",
                 "sum over the first and last stage", embedding)
-        if self.zero == 2:
+        if self.zero >= 2:
             row("finalize 1", "the tied weights' gradients (the rest went in backward)", "dp",
                 "reduce-scatter (mean): a slice each", dp)
         elif zero:
@@ -490,7 +576,7 @@ class Hybrid:
             axes = ("dp", "tp", "pp") if zero else ("tp", "pp")
             row("finalize 2", "the squared gradient norm (each element once)",
                 "-".join(axes), "all-reduce (sum)", self.mesh.ranks(*axes))
-        if zero:
+        if zero and self.zero < 3:
             row("after the step", "the updated slices of the parameters", "dp",
                 "all-gather", dp)
         row("report", "the replicas' losses", "dp", "all-reduce (mean)", dp)
@@ -499,14 +585,20 @@ class Hybrid:
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds, by category: its parameters, its gradients as the
         schedule left them (their peak, before the dp reduction; `grad_bytes`, 0 before
-        the first step), the optimizer's state (under ZeRO with the slices it steps) and,
+        the first step), the optimizer's state (under ZeRO-1 and 2 with the slices it
+        steps; under ZeRO-3 those are the weights it keeps, between two actions) and,
         when traced, the peak of the activations kept for backward over the last step
         (0 otherwise: they are counted only when measuring). Comparable with
         `theory.mesh_bytes` and the planner."""
         optimizer = storage_bytes(tensors_in(list(self.optimizer.state.values())))
+        params = storage_bytes(self.params)  # ZeRO-3's freed weights hold none
         if self.sharded is not None:
-            optimizer += storage_bytes(u.shard for u in self.sharded.units)
-        return {"params": storage_bytes(self.params), "grads": self.grad_bytes,
+            slices = storage_bytes(u.shard for u in self.sharded.units)
+            if self.zero == 3:  # the slices are the weights this rank keeps (P/dp)
+                params += slices
+            else:  # beside whole weights: the fp32 copy the optimizer steps
+                optimizer += slices
+        return {"params": params, "grads": self.grad_bytes,
                 "optimizer": optimizer, "activations": self.runtime.peak_in_flight_bytes}
 
     # -- export
@@ -515,7 +607,8 @@ class Hybrid:
         """The unsplit GPT's state dict (same keys, fp32 values), on every rank: each
         stage's parameters gathered over tp, then every stage's over pp (replicas are
         equal)."""
-        mine = whole_parameters(self.model, self.tp_comm.group, only=self.params)
+        with self.whole_weights():
+            mine = whole_parameters(self.model, self.tp_comm.group, only=self.params)
         stages: list[Any] = [None] * self.mesh.size("pp")
         dist.all_gather_object(stages, {k: v.cpu() for k, v in mine.items()},
                                group=self.mesh.group("pp"))

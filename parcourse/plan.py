@@ -38,10 +38,9 @@ if TYPE_CHECKING:
 
 Recompute = Literal["none", "selective", "full"]
 Split = Literal["layers", "blocks"]
+# Every one runs in the course's 3D step over dp (ZeRO-3 gathers a stage's weights around
+# each of its actions, as torchtitan composes FSDP with a pipeline).
 ZERO_STAGES = (0, 1, 2, 3)
-# The ZeRO stages the course's 3D step runs over dp (ZeRO-3 gathers each stage's
-# parameters around its forward and backward, as torchtitan composes FSDP with a pipeline).
-STEP_ZERO_STAGES = (0, 1, 2)
 SIZES = ("dp", "tp", "pp", "microbatches", "chunks")
 
 
@@ -129,9 +128,6 @@ class ParallelPlan:
                        f"{self.microbatches} microbatches equal parts")
         if self.zero not in ZERO_STAGES:
             out.append(f"ZeRO stage {self.zero!r} does not exist: 0, 1, 2 or 3")
-        elif step and self.zero not in STEP_ZERO_STAGES:
-            out.append(f"the course's 3D step runs ZeRO "
-                       f"{', '.join(map(str, STEP_ZERO_STAGES))}, not {self.zero}")
         if self.recompute not in ("none", "selective", "full"):
             out.append(f"recompute {self.recompute!r} is none of none, selective, full")
         elif step and self.recompute == "selective":

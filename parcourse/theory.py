@@ -308,17 +308,20 @@ def mesh_bytes(config: GPTConfig, shape: dict[str, int], zero: int = 0,
     two moments for 1/dp of the parameters, and the fp32 slice it steps (4 / dp bytes a
     parameter more). Under ZeRO-2 (`parcourse.hybrid`: a stage's gradients reduce-scattered
     after each microbatch) a rank holds one of its `stages_per_rank` stages' full gradient
-    beside its slices: P/v + P/dp."""
+    beside its slices: P/v + P/dp. Under ZeRO-3 the weights too, between two actions: the
+    slice it keeps is its parameters (P/dp), no longer a copy beside them, and its
+    gradients are ZeRO-2's."""
     tp, pp, dp = shape.get("tp", 1), shape.get("pp", 1), shape.get("dp", 1)
     whole = tp_parameter_bytes(config, tp)["total"]
     if pp > 1 and config.tie_weights:
         whole += 4 * math.ceil(config.vocab / tp) * config.d_model  # the head's own copy
     params = whole / pp
-    if zero not in (0, 1, 2):
-        raise ValueError(f"zero must be 0, 1 or 2, got {zero}")
-    optimizer = 2 * params if not zero else (2 * params + params) / dp
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero}")
+    optimizer = 2 * params if not zero else (2 * params + params * (zero < 3)) / dp
     grads = params if zero < 2 else params / stages_per_rank + params / dp
-    return {"params": params, "grads": grads, "optimizer": optimizer}
+    return {"params": params / dp if zero == 3 else params, "grads": grads,
+            "optimizer": optimizer}
 
 
 def tp_activation_bytes(config: GPTConfig, batch: int, seq: int, world_size: int,

@@ -179,3 +179,17 @@ def bad_sizes(ctx):
         else:
             said.append("trained")
     return said
+
+
+def memory_by_zero(ctx, zero):
+    """What this rank holds after one step on dp 2 x pp 2 under ZeRO `zero`: its memory by
+    category, and Adam's state alone."""
+    from parcourse.memory import storage_bytes, tensors_in
+
+    model = Hybrid(gpt(CONFIG), Mesh({"dp": 2, "pp": 2}, ctx.group), microbatches=2,
+                   zero=zero)
+    x, y = progressions(BATCH, CONFIG.block_size, CONFIG.vocab)
+    model.step(x, y)
+    memory = model.memory()
+    memory["adam"] = storage_bytes(tensors_in(list(model.optimizer.state.values())))
+    return memory

@@ -40,6 +40,8 @@ def saved(tmp_path_factory, pool4):
     ({"tp": 4}, 0),  # 30 tokens over 4 ranks: vocabulary shards of 8, 8, 8 and 6
     ({"dp": 4}, 1),  # ZeRO-1's slices at another dp
     ({"dp": 2, "pp": 2}, 2),
+    ({"dp": 2, "pp": 2}, 3),  # ZeRO-3: weights gathered to load, then each keeps a slice
+    ({"dp": 4}, 3),
 ], ids=lambda v: "x".join(f"{k}{n}" for k, n in v.items()) if isinstance(v, dict) else f"zero{v}")
 def test_resumed_on_another_mesh_continues_as_uninterrupted(saved, pool4, shape, zero):
     root, losses, weights = saved
@@ -59,8 +61,9 @@ def test_resumed_on_two_ranks_and_in_one_process(saved):
         assert close(run.results[0][2], weights), world_size
 
 
-def test_saved_with_zero_loads_without_it(tmp_path, pool4):
-    whole = pool4.run(train_and_save, {"dp": 4}, str(tmp_path / "a"), STEPS, SAVE_AT, 1)
+@pytest.mark.parametrize("zero", [1, 3])
+def test_saved_with_zero_loads_without_it(tmp_path, pool4, zero):
+    whole = pool4.run(train_and_save, {"dp": 4}, str(tmp_path / "a"), STEPS, SAVE_AT, zero)
     run = pool4.run(resume, {"tp": 2, "pp": 2}, str(tmp_path / "a"), STEPS, 0)
     assert close(run.results[0][2], whole.results[0][1])
 
@@ -95,10 +98,12 @@ def test_a_checkpoint_of_another_run_is_refused(saved, pool4):
         check_compatible(meta, CONFIG)
 
 
-def test_a_checkpoint_written_in_the_background_while_training_goes_on(tmp_path, pool4):
+@pytest.mark.parametrize("zero", [0, 3])
+def test_a_checkpoint_written_in_the_background_while_training_goes_on(tmp_path, pool4, zero):
     """save(blocking=False): the state is copied, then written while the next steps
-    change the weights; resumed, it is the state of its own step."""
-    run = pool4.run(train_and_save, SAVED_ON, str(tmp_path), STEPS, SAVE_AT,
+    change the weights (ZeRO-3: and free them); resumed, it is the state of its own
+    step."""
+    run = pool4.run(train_and_save, SAVED_ON, str(tmp_path), STEPS, SAVE_AT, zero,
                     blocking=False)
     losses = next(r[0] for r in run.results if r[0][0] is not None)
     assert latest(tmp_path).name == f"step-{SAVE_AT:08d}"

@@ -13,19 +13,23 @@ import torch
 
 from hybrid_fns import bad_sizes, dropout_masks, one_process, thawed_after_hybrid, train
 from parcourse import Pool, RankError
+from parcourse.models import GPTConfig
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
+EIGHT_BLOCKS = GPTConfig(vocab=30, block_size=12, n_layers=8, n_heads=12, d_model=24)
+CLIP = 0.5  # below the GPT's gradient norm at both steps (about 1.16 and 0.84): it clips
 EXPECTED = {}
 
 
-def expected(max_norm=None):
-    if max_norm not in EXPECTED:
-        EXPECTED[max_norm] = one_process(max_norm=max_norm)
-    return EXPECTED[max_norm]
+def expected(max_norm=None, config=None):
+    key = (max_norm, config)
+    if key not in EXPECTED:
+        EXPECTED[key] = one_process(max_norm=max_norm, **({"config": config} if config else {}))
+    return EXPECTED[key]
 
 
-def check(results, max_norm=None):
-    before, after, losses, norms = expected(max_norm)
+def check(results, max_norm=None, config=None):
+    before, after, losses, norms = expected(max_norm, config)
     for got_before, got_after, got_losses, got_norms in results:
         if max_norm is not None:  # every rank knows the global norm
             assert got_norms == pytest.approx(norms, rel=1e-5)
@@ -134,6 +138,41 @@ def test_3d_with_zero_2_over_dp_equals_one_process(pool8, shape, schedule, micro
     check(pool8.run(train, shape, schedule, zero=2, microbatches=microbatches).results)
 
 
+@pytest.mark.parametrize("shape,schedule,microbatches,kwargs", [
+    ({"dp": 2, "tp": 2, "pp": 2}, "1f1b", 4, {}),
+    ({"dp": 4, "tp": 1, "pp": 2}, "1f1b", 2, {"max_norm": CLIP}),
+    ({"dp": 2, "tp": 1, "pp": 4}, "interleaved-1f1b", 4, {"config": EIGHT_BLOCKS}),
+    ({"dp": 2, "tp": 2, "pp": 2}, "zb-h1", 2, {"sequence_parallel": True}),
+    ({"dp": 2, "tp": 1, "pp": 2}, "gpipe", 2, {"recompute": True}),
+])
+def test_3d_with_zero_3_over_dp_equals_one_process(request, shape, schedule, microbatches,
+                                                    kwargs):
+    """ZeRO-3 over dp: a stage's weights gathered from the replicas' slices before each of
+    its actions (F, B, I, W of one microbatch) and freed after, the gradients reduced as
+    ZeRO-2's. Each gathered value is the one a whole copy would hold, so the result is one
+    process's (TOL: fp32, only the order of the sums differs); with clipping, the norm
+    over the slices; with recompute, backward's second forward gathers again; interleaved
+    on pp 4, eight stages of a GPT of eight blocks (of six, one weight of one block moves
+    1.3e-5 under ZeRO-0 as under ZeRO-3: Adam divides a gradient near zero by its own
+    size, and the order of the sums shows)."""
+    world = shape["dp"] * shape["tp"] * shape["pp"]
+    pool = request.getfixturevalue(f"pool{world}")
+    check(pool.run(train, shape, schedule, zero=3, microbatches=microbatches,
+                   **kwargs).results, kwargs.get("max_norm"), kwargs.get("config"))
+
+
+def test_zero_3_holds_a_slice_of_the_weights_between_actions(pool4):
+    """Between two actions a ZeRO-3 rank holds none of its stage's weights whole: only its
+    1/dp slices (P/dp, padded to a multiple of dp), counted as its parameters."""
+    from hybrid_fns import memory_by_zero
+
+    for zero1, zero3 in zip(pool4.run(memory_by_zero, 1).results,
+                            pool4.run(memory_by_zero, 3).results):
+        whole, slices = zero1["params"], zero1["optimizer"] - zero1["adam"]
+        assert zero3["params"] == slices < whole
+        assert zero3["adam"] == zero1["adam"]
+
+
 def test_zero_2_reduce_scatters_each_microbatch(pool4):
     """The price of ZeRO-2 under a pipeline: a reduce-scatter of each stage's gradients per
     microbatch (the ring sends (N-1)/N of the buffer), against ZeRO-1's one per step; the
@@ -148,9 +187,6 @@ def test_zero_2_reduce_scatters_each_microbatch(pool4):
         stages = 4 * (sum(units) - tied)  # fp32 bytes of the stages' buffers
         assert sent1 == 4 * sum(units)  # (N-1)/N x S twice, N = 2
         assert sent2 - sent1 == (m - 1) * stages / 2
-
-
-CLIP = 0.5  # below the GPT's gradient norm at both steps (about 1.16 and 0.84): it clips
 
 
 @pytest.mark.parametrize("shape,kwargs", [

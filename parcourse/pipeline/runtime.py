@@ -103,6 +103,10 @@ class PipelineRuntime:
     `Comm.before_blocking`, which `Hybrid` sets), so that the padding is spread over the
     action and a group meets at each of them together.
 
+    `around(action)`: a context each action runs in, its message received and sent
+    inside it: ZeRO-3 over data parallelism gathers the stage's weights before and frees
+    them after (`Hybrid(zero=3)`).
+
     `together()`: a context each W runs in, whose backward calls (one per group of
     weights) then count as one backward: `Hybrid` gives sequence parallelism's
     `one_sum`, so that a W sums the replicated gradients once, as a whole B does.
@@ -115,7 +119,9 @@ class PipelineRuntime:
                  tied: Sequence[dict[int, str]] = (), comm: Comm | None = None,
                  on_weight_gradients: Callable[[int, int], None] | None = None,
                  apart: Callable[[], float] | None = None,
-                 together: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
+                 together: Callable[[], AbstractContextManager[Any]] | None = None,
+                 around: Callable[[Action], AbstractContextManager[Any]] | None = None
+                 ) -> None:
         check(schedule)
         if recompute and any(a.kind == "I" for acts in schedule.actions for a in acts):
             raise ValueError(f"recompute=True runs each stage's backward whole; {schedule.name} "
@@ -173,6 +179,7 @@ class PipelineRuntime:
         self._failed: str | None = None
         self.on_weight_gradients = on_weight_gradients
         self._together = together
+        self._around = around
         self.peak_in_flight_bytes = 0  # of the last step, when a tracer measures them
 
     # -- point to point
@@ -319,7 +326,8 @@ class PipelineRuntime:
             try:
                 for later in self._posts.get(k, ()):
                     self._post(later)
-                self._run(action)
+                with self._around(action) if self._around is not None else nullcontext():
+                    self._run(action)
                 if self.on_weight_gradients is not None and action.kind in ("B", "W"):
                     self.on_weight_gradients(action.stage, action.microbatch)
             except Exception as e:

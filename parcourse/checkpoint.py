@@ -109,25 +109,25 @@ class _Layout:
 
 
 def _optimizer_state(model: Hybrid) -> dict[int, dict[str, torch.Tensor]]:
-    """id(weight) -> its optimizer state in the weight's shape (under ZeRO gathered from
-    the dp slices), for the weights this rank holds."""
+    """id(weight) -> its optimizer state in the weight's shape (under ZeRO made whole from
+    the dp shards, `ShardedStages.whole`), for the weights this rank holds."""
     if model.sharded is None:
         return {id(p): dict(model.optimizer.state.get(p, {})) for p in model.params}
     out: dict[int, dict[str, torch.Tensor]] = {id(p): {} for p in model.params}
-    comm = model.sharded.comm
     for unit in model.sharded.units:
-        state = model.optimizer.state.get(unit.shard, {})
-        for key, value in sorted(state.items()):
-            if torch.is_tensor(value) and value.shape == unit.shard.shape:
-                whole = torch.empty(unit.padded, dtype=value.dtype, device=value.device)
-                dist.all_gather_into_tensor(whole, value.contiguous(), group=comm.group)
-                offset = 0
-                for p in unit.params:
-                    out[id(p)][key] = whole[offset:offset + p.numel()].view_as(p)
-                    offset += p.numel()
+        states = [model.optimizer.state.get(sp, {}) for sp in unit.shard_params]
+        for key in sorted({k for st in states for k in st}):  # alike on every replica
+            values = [st.get(key) for st in states]
+            if all(v is None or (torch.is_tensor(v) and v.shape == sp.shape)
+                   for v, sp in zip(values, unit.shard_params)):
+                shards = [torch.zeros_like(sp) if v is None else v
+                          for v, sp in zip(values, unit.shard_params)]
+                for p, whole in zip(unit.params, model.sharded.whole(unit, shards)):
+                    out[id(p)][key] = whole
             else:
-                for p in unit.params:
-                    out[id(p)][key] = value
+                for p, v in zip(unit.params, values):
+                    if v is not None:
+                        out[id(p)][key] = v
     return out
 
 
@@ -343,17 +343,19 @@ def _set_optimizer_state(model: Hybrid, per_weight: dict[int, dict[str, torch.Te
         for p in model.params:
             model.optimizer.state[p] = per_weight[id(p)]
         return
+    model.sharded.load_weights()  # each shard takes its rows of the loaded weights
     for unit in model.sharded.units:
-        # The slice this replica steps is a copy of its weights: it follows them.
-        unit.shard.data.copy_(unit.flat([p.detach() for p in unit.params])[unit.start:unit.end])
-        state: dict[str, torch.Tensor] = {}
+        states: list[dict[str, torch.Tensor]] = [{} for _ in unit.params]
         for key, first in per_weight[id(unit.params[0])].items():
-            if first.shape == unit.params[0].shape:
-                flat = unit.flat([per_weight[id(p)][key] for p in unit.params])
-                state[key] = flat[unit.start:unit.end].clone()
+            if first.shape == unit.params[0].shape:  # shaped like the weights: their rows
+                rows = model.sharded.mine(unit, [per_weight[id(p)][key] for p in unit.params])
+                for state, piece in zip(states, rows):
+                    state[key] = piece
             else:
-                state[key] = first
-        model.optimizer.state[unit.shard] = state
+                for state, p in zip(states, unit.params):
+                    state[key] = per_weight[id(p)][key].clone()
+        for sp, state in zip(unit.shard_params, states):
+            model.optimizer.state[sp] = state
 
 
 def full_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -26,10 +26,11 @@ asked, the global gradient norm over tp and pp (and dp under ZeRO-1) and clippin
 The loss is the mean over the global
 batch: each replica's microbatches are equal, so the mean of the replicas' means is it.
 
-One file, about 500 lines, read top to bottom: ZeRO over dp's two helpers (`_Unit`,
-`_ShardedOptimizer`) exist only for `Hybrid` and come first, then `Hybrid` in the order of
-a step (build, step, finalize the gradients, clip), then what it reports (reductions,
-memory, the whole state dict). Split, the step's order would be spread over files.
+The step owns no strategy of its own: ZeRO over dp is `parcourse.zero.stages` (the
+course's flat units, driven at the moments the schedule gives), clipping is
+`parcourse.zero.clip`'s norm over the groups that split the gradients. One file, read top
+to bottom in the order of a step (build, step, finalize the gradients, clip), then what it
+reports (reductions, memory, the whole state dict).
 """
 
 from __future__ import annotations
@@ -44,14 +45,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from parcourse.comm import Comm, Network, Pending, Topology
+from parcourse.comm import Comm, Network, Topology
 from parcourse.data import shard as shard_rows
+from parcourse.data_parallel.bucketed import Bucket, make_buckets
 from parcourse.memory import storage_bytes, tensors_in
 from parcourse.mesh import Layout, Mesh
 from parcourse.models import GPT, gpt_layers
 from parcourse.plan import ParallelPlan
 from parcourse.pipeline.partition import partition
-from parcourse.ranges import chunk_bounds
 from parcourse.pipeline.runtime import PipelineRuntime
 from parcourse.pipeline.simulate import SimulatedCompute
 from parcourse.tensor_parallel import GPT_PLAN, apply_tensor_parallel
@@ -60,6 +61,9 @@ from parcourse.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from parcourse.tensor_parallel.replicated import one_sum
 from parcourse.tensor_parallel.state_dict import split_dims, whole_parameters
 from parcourse.trace import Tracer
+from parcourse.zero.clip import clip_counted_
+from parcourse.zero.layout import FlatUnit
+from parcourse.zero.stages import ShardedStages
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -72,129 +76,6 @@ def _stages_tied(stages: list[nn.Module]) -> list[dict[int, str]]:
         for name, p in module.named_parameters():
             where.setdefault(id(p), {})[s] = name
     return [group for group in where.values() if len(group) > 1]
-
-
-class _Unit:
-    """Parameters whose gradients are reduced over dp together: one flat buffer, padded to
-    dp equal slices (`chunk_bounds`); this replica steps slice `rank` (`shard`)."""
-
-    def __init__(self, params: list[nn.Parameter], comm: Comm) -> None:
-        self.params = params
-        self.numel = sum(p.numel() for p in params)
-        self.padded = -(-self.numel // comm.size) * comm.size  # the ring cuts N equal parts
-        self.start, self.end = chunk_bounds(self.padded, comm.size)[comm.rank]
-        self.shard = nn.Parameter(self.flat([p.detach() for p in params])[self.start:self.end]
-                                  .clone())
-        self.in_flight: list[tuple[Pending, torch.Tensor]] = []  # and the buffer it reduces
-
-    def flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        flat = torch.zeros(self.padded, dtype=tensors[0].dtype, device=tensors[0].device)
-        torch.cat([t.reshape(-1) for t in tensors], out=flat[:self.numel])
-        return flat
-
-
-class _ShardedOptimizer:
-    """ZeRO over the data-parallel group for one rank's parameters, cut into units (one
-    per stage it holds, and one for the tied weights): the optimizer steps each unit's
-    slice, one parameter per unit, and its state is 1/dp of Adam's.
-
-    `reduce(unit)`: the unit's gradients averaged over dp into its slice (`shard.grad`,
-    added to what earlier microbatches put there), and the full gradients dropped; with
-    `async_op` the reduce-scatter runs while the schedule goes on (one at a time: the
-    one before is collected first), and `collect` waits for it. ZeRO-1 reduces every
-    unit once, after the schedule; ZeRO-2 reduces a stage's unit after each
-    microbatch's backward of that stage."""
-
-    def __init__(self, units: list[list[nn.Parameter]], comm: Comm, factory: OptimizerFactory,
-                 sharded_weights: bool = False) -> None:
-        self.comm = comm
-        self.units = [_Unit(ps, comm) for ps in units if ps]
-        self.optimizer = factory([u.shard for u in self.units])
-        self.sharded_weights = sharded_weights
-        if sharded_weights:
-            for unit in self.units:
-                for p in unit.params:
-                    if (p.storage_offset() or not p.is_contiguous()
-                            or p.untyped_storage().nbytes() != p.numel() * p.element_size()):
-                        raise ValueError("ZeRO-3 frees each weight's storage between uses: a "
-                                         "weight that is a view into another tensor cannot be "
-                                         "freed alone")
-                self.free(unit)
-
-    # -- ZeRO-3: a unit's weights exist only while a stage uses them
-
-    @staticmethod
-    def gathered(unit: _Unit) -> bool:
-        return all(p.untyped_storage().nbytes() > 0 for p in unit.params)
-
-    @torch.no_grad()
-    def gather(self, unit: _Unit) -> None:
-        """The unit's weights made whole from every replica's slice (an all-gather over
-        dp), written into the weights' own storage: autograd's saved references to them
-        see the values again in backward (FSDP's way)."""
-        if self.gathered(unit):
-            return
-        self.collect()  # a reduce-scatter in flight on the same group goes first
-        whole = torch.empty(unit.padded, dtype=unit.shard.dtype, device=unit.shard.device)
-        self.comm.all_gather(unit.shard.detach(), whole)
-        offset = 0
-        for p in unit.params:
-            p.untyped_storage().resize_(p.numel() * p.element_size())
-            # through .data: the weight's own version counter stays put, so autograd does
-            # not take the refill for an in-place change of a tensor it saved
-            p.data.copy_(whole[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-
-    @staticmethod
-    def free(unit: _Unit) -> None:
-        """Give the unit's weights' memory back; their shapes stay (and their .grad)."""
-        for p in unit.params:
-            p.untyped_storage().resize_(0)
-
-    @torch.no_grad()
-    def reduce(self, unit: _Unit, async_op: bool = False) -> None:
-        grads = unit.flat([p.grad if p.grad is not None else torch.zeros_like(p)
-                           for p in unit.params])
-        for p in unit.params:
-            p.grad = None
-        if async_op:
-            self.collect()  # one at a time
-            unit.in_flight.append((self.comm.reduce_scatter(grads, async_op=True), grads))
-        else:
-            self._add(unit, self.comm.reduce_scatter(grads))
-
-    def _add(self, unit: _Unit, part: torch.Tensor) -> None:
-        part = part.div_(self.comm.size)
-        unit.shard.grad = part.clone() if unit.shard.grad is None else unit.shard.grad.add_(part)
-
-    def collect(self) -> None:
-        """Wait for every reduce-scatter in flight, in the order they started."""
-        for unit in self.units:
-            for pending, _ in unit.in_flight:
-                self._add(unit, pending.result())
-            unit.in_flight.clear()
-
-    def mine(self, weight: Callable[[nn.Parameter], float]) -> list[torch.Tensor]:
-        """Per unit, this rank's slice of `weight(p)` laid out as the parameters are (the
-        padding: 0)."""
-        return [u.flat([torch.full_like(p, weight(p)) for p in u.params])[u.start:u.end]
-                for u in self.units]
-
-    @torch.no_grad()
-    def step(self) -> None:
-        """Step this rank's slices, then all-gather every slice into the parameters
-        (ZeRO-3: not until a stage uses them)."""
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.sharded_weights:
-            return
-        for unit in self.units:
-            whole = torch.empty(unit.padded, dtype=unit.shard.dtype, device=unit.shard.device)
-            self.comm.all_gather(unit.shard.detach(), whole)
-            offset = 0
-            for p in unit.params:
-                p.copy_(whole[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
 
 
 class Hybrid:
@@ -234,7 +115,7 @@ class Hybrid:
                  recompute: bool = False, optimizer: OptimizerFactory | None = None,
                  zero: Literal[0, 1, 2, 3] = 0, max_norm: float | None = None,
                  link: Network | None = None, compute: SimulatedCompute | None = None,
-                 tracer: Tracer | None = None, seed: int = 0) -> None:
+                 tracer: Tracer | None = None, seed: int = 0, bucket_mb: float = 25.0) -> None:
         config = model.config
         self.mesh, self.config, self.microbatches = mesh, config, microbatches
         self.sequence_parallel = sequence_parallel
@@ -280,7 +161,7 @@ class Hybrid:
                                        comm=Comm(mesh.group("pp"), tracer=on("pp"), link=link,
                                                  algorithm="auto"),
                                        on_weight_gradients=self._reduce_stage if zero >= 2
-                                       else None,
+                                       else None if zero else self._reduce_buckets,
                                        around=self._gathered_for if zero == 3 else None,
                                        compute=compute, apart=paced,
                                        together=one_sum if sequence_parallel else None)
@@ -290,20 +171,29 @@ class Hybrid:
         self.last = self.plan.stage_rank[-1] == stage
         self.params = list({id(p): p for m in mine.values() for p in m.parameters()}.values())
         factory = optimizer or (lambda ps: torch.optim.Adam(ps, lr=1e-3))
-        self.sharded, self._stage_unit = None, {}
+        self.sharded: ShardedStages | None = None
+        self._stage_unit: dict[int, FlatUnit] = {}
+        # What dp reduces together: each stage's weights, and the tied ones apart (their
+        # gradient is whole only after the schedule, when the pipeline has added it up).
+        tied = {id(cut[s].get_parameter(name)) for g in _stages_tied(cut)
+                for s, name in g.items()}
+        seen: set[int] = set()
+        units = []
+        for s in sorted(mine):  # a frozen weight is in none: nothing reduces or steps it
+            units.append([p for p in mine[s].parameters() if p.requires_grad
+                          and id(p) not in tied and id(p) not in seen])
+            seen.update(id(p) for p in units[-1])
+        units.append([p for p in self.params if id(p) in tied and p.requires_grad])
+        # Without ZeRO: lesson 02's buckets (`data_parallel.bucketed`), a stage's all-reduced
+        # as soon as its last backward of the step is done, while the schedule goes on.
+        self._buckets: dict[int | None, list[Bucket]] = {}
+        if not zero and mesh.size("dp") > 1:
+            for s, ps in zip([*sorted(mine), None], units):
+                self._buckets[s] = make_buckets(ps, bucket_mb) if ps else []
+            backward = [a for a in self.plan.actions[stage] if a.kind in ("B", "W")]
+            self._last_backward = {a.stage: (a.stage, a.microbatch) for a in backward}
         if zero:
-            # One unit per stage this rank holds, the tied weights in a unit of their own.
-            tied = {id(cut[s].get_parameter(name)) for g in _stages_tied(cut)
-                    for s, name in g.items()}
-            seen: set[int] = set()
-            units = []
-            for s in sorted(mine):  # a frozen weight is in none: nothing steps it
-                units.append([p for p in mine[s].parameters() if p.requires_grad
-                              and id(p) not in tied and id(p) not in seen])
-                seen.update(id(p) for p in units[-1])
-            units.append([p for p in self.params if id(p) in tied and p.requires_grad])
-            self.sharded = _ShardedOptimizer(units, self.dp_comm, factory,
-                                             sharded_weights=zero == 3)
+            self.sharded = ShardedStages(units, self.dp_comm, factory, stage=zero)  # type: ignore[arg-type]
             by_params = {id(u.params[0]): u for u in self.sharded.units}
             self._stage_unit = {s: by_params[id(ps[0])] for s, ps in zip(sorted(mine), units)
                                 if ps}
@@ -443,11 +333,12 @@ class Hybrid:
         and the pipeline runtime added up the tied embedding's and head's gradients over
         the first and last stage at the end of its schedule. Here:
 
-        1. dp: every gradient averaged over the data-parallel group, as one flat
-           all-reduce in parameter order (the same on every replica); under ZeRO-1 a
-           reduce-scatter per stage instead, each replica keeping its slice; under ZeRO-2
-           only the tied weights' (the stages' went in backward), then waiting for the
-           reduce-scatters still in flight.
+        1. dp: every gradient averaged over the data-parallel group: without ZeRO by
+           lesson 02's buckets, a stage's all-reduced since its last backward of the step
+           (here the tied weights', then waiting for them all); under ZeRO-1 a
+           reduce-scatter per stage instead, each replica keeping its shards; under ZeRO-2
+           and 3 only the tied weights' (the stages' went in backward), then waiting for
+           the reduce-scatters still in flight.
         2. if `max_norm`: the global gradient norm over tp and pp (and dp under ZeRO), and
            every gradient scaled by min(1, max_norm / norm), as
            `torch.nn.utils.clip_grad_norm_` does in one process (`self.grad_norm`).
@@ -462,21 +353,33 @@ class Hybrid:
             elif self._tied_unit is not None:  # ZeRO-2: the stages' are on their way; after
                 self.sharded.reduce(self._tied_unit, async_op=True)  # them on the one thread
             self.sharded.collect()
-        elif self.mesh.size("dp") > 1:
-            # A frozen weight keeps no gradient (None, so the optimizer skips it, weight
-            # decay included); one unused on this replica counts as zeros in the mean.
-            trainable = [p for p in self.params if p.requires_grad]
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p)
-                     for p in trainable]
-            if grads:
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                self.dp_comm.all_reduce(flat).div_(self.mesh.size("dp"))
-                offset = 0
-                for p, g in zip(trainable, grads):
-                    p.grad = flat[offset:offset + g.numel()].view_as(p).clone()
-                    offset += g.numel()
+        elif self._buckets:
+            # A frozen weight is in no bucket and keeps no gradient (None, so the optimizer
+            # skips it, weight decay included); one unused on this replica counts as zeros
+            # in the mean, one unused on every replica keeps none, as in one process.
+            for buckets in self._buckets.values():
+                for bucket in buckets:
+                    if bucket.done is None:  # the tied weights' (and, in a step cut short,
+                        self._launch(bucket)  # any not launched yet)
+            for buckets in self._buckets.values():
+                for bucket in buckets:
+                    assert bucket.done is not None
+                    bucket.done.result()
+                    bucket.done = None
+                    bucket.unpack(self.mesh.size("dp"))
         if self.max_norm is not None:
             self.grad_norm = self._clip(self.max_norm)
+
+    def _reduce_buckets(self, stage: int, microbatch: int) -> None:
+        """Without ZeRO: after a stage's last backward of the step its gradients are whole,
+        and its buckets' all-reduces start while the rank's other actions run."""
+        if self._buckets and self._last_backward.get(stage) == (stage, microbatch):
+            for bucket in self._buckets[stage]:
+                self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.pack()
+        bucket.done = self.dp_comm.all_reduce(bucket.buffer, async_op=True)
 
     def _reduce_stage(self, stage: int, microbatch: int) -> None:
         """ZeRO-2: a microbatch's gradients of `stage` reduce-scattered into this replica's
@@ -491,35 +394,21 @@ class Hybrid:
         """The gradients held now (full ones and slices), if more than before this step."""
         held = [p.grad for p in self.params if p.grad is not None]
         if self.sharded is not None:
-            for u in self.sharded.units:
-                held += [buffer for _, buffer in u.in_flight]
-                held += [u.shard.grad] if u.shard.grad is not None else []
+            held += self.sharded.in_flight()
+            held += [sp.grad for sp in self.sharded.shard_params if sp.grad is not None]
         self.grad_bytes = max(self.grad_bytes, storage_bytes(held))
 
-    @torch.no_grad()
     def _clip(self, max_norm: float) -> float:
         """Scale every gradient so that their norm over the whole model is at most
-        `max_norm`; the norm before. The squares are summed in float64, each element once
-        (`_counted`), then over the norm's group."""
+        `max_norm`; the norm before (`zero.clip.clip_counted_`: each element counted once
+        over the norm's group, `_counted`; under ZeRO this rank's shards of the weights)."""
+        counted = {id(p): bool(w) for p, w in zip(self.params, self._counted)}
         if self.sharded is not None:
-            counted = {id(p): w for p, w in zip(self.params, self._counted)}
-            weights = self.sharded.mine(lambda p: counted[id(p)])
-            grads = [u.shard.grad for u in self.sharded.units]
-            local = sum((g.double().square() * w).sum() for g, w in zip(grads, weights))
+            grads = [(sp.grad, counted[id(p)]) for u in self.sharded.units
+                     for p, sp in zip(u.params, u.shard_params) if sp.grad is not None]
         else:
-            grads = [p.grad for p in self.params if p.grad is not None]
-            local = torch.zeros((), dtype=torch.float64, device=self.params[0].device)
-            for p, w in zip(self.params, self._counted):
-                if p.grad is not None and w:
-                    local += p.grad.double().square().sum()
-        total = local.reshape(1)
-        dist.all_reduce(total, group=self._norm_group)
-        norm = float(total.sqrt())
-        scale = min(1.0, max_norm / (norm + 1e-6))  # torch's clip_grad_norm_ coefficient
-        if scale < 1:
-            for g in grads:
-                g.mul_(scale)
-        return norm
+            grads = [(p.grad, counted[id(p)]) for p in self.params if p.grad is not None]
+        return float(clip_counted_(grads, self._norm_group, max_norm))
 
     def reductions(self) -> list[dict[str, Any]]:
         """What each group of this rank does to the numbers in one step, in the order it
@@ -571,7 +460,8 @@ class Hybrid:
             row("finalize 1", "every gradient", "dp", "reduce-scatter (mean): a slice each",
                 dp)
         else:
-            row("finalize 1", "every gradient", "dp", "all-reduce (mean)", dp)
+            row("finalize 1", "every gradient, in buckets: the tied weights' start here, each "
+                "stage's started after its last backward", "dp", "all-reduce (mean)", dp)
         if self.max_norm is not None:
             axes = ("dp", "tp", "pp") if zero else ("tp", "pp")
             row("finalize 2", "the squared gradient norm (each element once)",
@@ -592,12 +482,9 @@ class Hybrid:
         `theory.mesh_bytes` and the planner."""
         optimizer = storage_bytes(tensors_in(list(self.optimizer.state.values())))
         params = storage_bytes(self.params)  # ZeRO-3's freed weights hold none
-        if self.sharded is not None:
-            slices = storage_bytes(u.shard for u in self.sharded.units)
-            if self.zero == 3:  # the slices are the weights this rank keeps (P/dp)
-                params += slices
-            else:  # beside whole weights: the fp32 copy the optimizer steps
-                optimizer += slices
+        if self.zero == 3:  # the shards are the weights this rank keeps (P/dp); under
+            assert self.sharded is not None  # ZeRO-1 and 2 they are views of the whole ones
+            params += storage_bytes(u.master for u in self.sharded.units)
         return {"params": params, "grads": self.grad_bytes,
                 "optimizer": optimizer, "activations": self.runtime.peak_in_flight_bytes}
 

@@ -305,12 +305,11 @@ def mesh_bytes(config: GPTConfig, shape: dict[str, int], zero: int = 0,
     share (`tp_parameter_bytes`) of 1/pp of the model, where a tied embedding and head
     cut apart by the pipeline count twice (each end holds a copy, as Megatron-LM's
     embedding group does). dp replicates all of it; under ZeRO-1 each replica keeps Adam's
-    two moments for 1/dp of the parameters, and the fp32 slice it steps (4 / dp bytes a
-    parameter more). Under ZeRO-2 (`parcourse.hybrid`: a stage's gradients reduce-scattered
+    two moments for 1/dp of the parameters (it steps its rows of the whole weights in
+    place, `parcourse.zero.stages`). Under ZeRO-2 (a stage's gradients reduce-scattered
     after each microbatch) a rank holds one of its `stages_per_rank` stages' full gradient
-    beside its slices: P/v + P/dp. Under ZeRO-3 the weights too, between two actions: the
-    slice it keeps is its parameters (P/dp), no longer a copy beside them, and its
-    gradients are ZeRO-2's."""
+    beside its shards: P/v + P/dp. Under ZeRO-3 the weights too, between two actions: its
+    rows of them (P/dp), with ZeRO-2's gradients."""
     tp, pp, dp = shape.get("tp", 1), shape.get("pp", 1), shape.get("dp", 1)
     whole = tp_parameter_bytes(config, tp)["total"]
     if pp > 1 and config.tie_weights:
@@ -318,7 +317,7 @@ def mesh_bytes(config: GPTConfig, shape: dict[str, int], zero: int = 0,
     params = whole / pp
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero}")
-    optimizer = 2 * params if not zero else (2 * params + params * (zero < 3)) / dp
+    optimizer = 2 * params / (dp if zero else 1)
     grads = params if zero < 2 else params / stages_per_rank + params / dp
     return {"params": params / dp if zero == 3 else params, "grads": grads,
             "optimizer": optimizer}

@@ -50,7 +50,8 @@ def one_process(steps=2, config=CONFIG, max_norm=None):
 
 
 def traced_step(ctx, shape):
-    """One traced step: bytes sent per axis, this rank's parameter bytes, span axes."""
+    """One traced step: bytes sent per axis, this rank's parameter bytes, span axes, and
+    how many weights it holds."""
     from parcourse.hybrid import bytes_by_axis
 
     mesh = Mesh(shape, ctx.group)
@@ -59,7 +60,7 @@ def traced_step(ctx, shape):
     model.step(x, y)
     data = ctx.tracer.data()
     return (bytes_by_axis(data.counters), sum(p.numel() * 4 for p in model.params),
-            {s.meta.get("axis") for s in data.spans if s.kind == "comm"})
+            {s.meta.get("axis") for s in data.spans if s.kind == "comm"}, len(model.params))
 
 
 def memory_after_a_step(ctx, shape, zero):

@@ -163,14 +163,15 @@ def test_3d_with_zero_3_over_dp_equals_one_process(request, shape, schedule, mic
 
 def test_zero_3_holds_a_slice_of_the_weights_between_actions(pool4):
     """Between two actions a ZeRO-3 rank holds none of its stage's weights whole: only its
-    1/dp slices (P/dp, padded to a multiple of dp), counted as its parameters."""
+    rows of each (dp 2, and every weight of the GPT has an even number of rows: exactly
+    half, no padding), counted as its parameters; Adam's state is ZeRO-1's, and ZeRO-1's
+    optimizer holds nothing else (it steps views into the whole weights)."""
     from hybrid_fns import memory_by_zero
 
     for zero1, zero3 in zip(pool4.run(memory_by_zero, 1).results,
                             pool4.run(memory_by_zero, 3).results):
-        whole, slices = zero1["params"], zero1["optimizer"] - zero1["adam"]
-        assert zero3["params"] == slices < whole
-        assert zero3["adam"] == zero1["adam"]
+        assert 2 * zero3["params"] == zero1["params"]
+        assert zero3["optimizer"] == zero3["adam"] == zero1["adam"] == zero1["optimizer"]
 
 
 def test_zero_2_reduce_scatters_each_microbatch(pool4):
@@ -235,10 +236,12 @@ def test_simulated_compute_pads_each_action_leaving_tps_collectives_on_top(pool4
 def test_a_traced_step_says_each_messages_axis(pool8):
     from hybrid_fns import traced_step
 
-    for sent, param_bytes, axes in pool8.run(traced_step, {"dp": 2, "tp": 2, "pp": 2}).results:
+    for sent, param_bytes, axes, weights in pool8.run(traced_step,
+                                                      {"dp": 2, "tp": 2, "pp": 2}).results:
         assert {"tp", "pp", "dp"} <= axes
-        # dp: the ring all-reduce of every gradient, 2(N-1)/N x S = S for N = 2
-        assert sent["dp"] == param_bytes
+        # dp: the ring all-reduce of every gradient, 2(N-1)/N x S = S for N = 2, in lesson
+        # 02's buckets, each with a used-flag (fp32) per weight
+        assert sent["dp"] == param_bytes + 4 * weights
         assert sent["pp"] > 0  # activations and their gradients, between stages
 
 
@@ -270,7 +273,7 @@ def test_placement_runs_both_ways_beside_the_model(pool4, axis):
 def test_memory_per_rank_beside_the_formula(pool4, shape, zero):
     """Parameters and gradients: the mean over ranks is theory.mesh_bytes' balanced figure
     exactly (stages are uneven; the formula is their mean). Adam's state: the formula
-    plus Adam's step counter (4 bytes a tensor; ZeRO-1 steps one flat slice)."""
+    plus Adam's step counter (4 bytes a tensor)."""
     from hybrid_fns import CONFIG, memory_after_a_step
     from parcourse.theory import mesh_bytes
 
@@ -281,11 +284,11 @@ def test_memory_per_rank_beside_the_formula(pool4, shape, zero):
         assert mean == theory[category], category
     for memory, _ in results:
         assert memory["grads"] == memory["params"]  # fp32, one gradient per weight
-    # Above the formula: Adam's step counter (4 bytes per tensor it steps: ZeRO-1 steps one
-    # flat slice) and ZeRO-1's padding to dp equal slices (under 4 x dp bytes per moment).
+    # Above the formula: Adam's step counter, 4 bytes per tensor it steps (under ZeRO each
+    # weight's rows here, with no padding: the replicas' rows add up to the weight's).
     mean_opt = sum(m["optimizer"] for m, _ in results) / len(results)
-    tensors = 1 if zero else sum(t for _, t in results) / len(results)
-    assert theory["optimizer"] <= mean_opt <= theory["optimizer"] + 4 * tensors + 12 * shape["dp"]
+    tensors = sum(t for _, t in results) / len(results)
+    assert mean_opt == theory["optimizer"] + 4 * tensors
 
 
 def test_what_each_group_reduces_follows_the_model(pool4):

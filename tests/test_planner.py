@@ -594,7 +594,7 @@ def test_links_under_load_price_a_pipelines_hops(pool8):
                                    ring_cpu_s={**cluster.ring_cpu_s, **ring})
 
     # Where the floor holds, each rank's share of it adds up: tp's collectives per
-    # microbatch over all ranks; dp's ring once on every rank (ZeRO 0); the loss's mean
+    # microbatch over all ranks; dp's rings on every rank (ZeRO 0); the loss's mean
     # on the last stage's ranks alone. Over 2 cores.
     for choice in (Choice(4, 2, 1, "1f1b", 1), Choice(2, 2, 2, "1f1b", 2)):
         ops = len(tp_collectives(CONFIG, BATCH // choice.dp // choice.microbatches,
@@ -607,7 +607,8 @@ def test_links_under_load_price_a_pipelines_hops(pool8):
             "compute", "tp", "bubble", "dp", "optimizer", "cores")))
     dp_pp = Choice(2, 1, 2, "1f1b", 2)
     a, b = (predict_time(CONFIG, dp_pp, BATCH, cpu({}, {2: x})) for x in (0.5, 0.6))
-    assert b["step"] - a["step"] == pytest.approx(4 * 0.1 / 2)  # every rank's ring
+    # every rank's two rings: its stage's bucket and the tied weights' (lesson 02's buckets)
+    assert b["step"] - a["step"] == pytest.approx(4 * 2 * 0.1 / 2)
     a, b = (predict_time(CONFIG, dp_pp, BATCH, cpu({2: x}, {2: 0.5})) for x in (0.5, 0.6))
     assert b["step"] - a["step"] == pytest.approx(2 * 0.1 / 2)  # the last stage's two
     assert predict_time(CONFIG, Choice(8), BATCH, cpu({2: 0.05}, {}))["cores"] == pytest.approx(

@@ -54,6 +54,33 @@ class Bucket:
     def nbytes(self) -> int:
         return self.numel * self.buffer.element_size()
 
+    def pack(self) -> torch.Tensor:
+        """The gradients into the buffer (a missing one: zeros) and a used-flag each: what
+        an all-reduce sums. Every rank sends the same layout, whichever it used."""
+        for p, offset in zip(self.params, self.offsets):
+            view = self.buffer[offset:offset + p.numel()]
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad.reshape(-1))
+        used = [float(p.grad is not None) for p in self.params]  # one copy, not one per flag
+        self.buffer[self.numel:].copy_(torch.tensor(used, dtype=self.buffer.dtype))
+        return self.buffer
+
+    def unpack(self, world_size: int) -> None:
+        """The summed buffer back into the gradients, averaged over `world_size` ranks; a
+        parameter no rank used keeps no gradient, as in one process."""
+        grads = self.buffer[:self.numel]
+        counts = self.buffer[self.numel:].tolist()  # one read (one GPU sync), not one per flag
+        for count, p, offset in zip(counts, self.params, self.offsets):
+            if count == 0:
+                p.grad = None  # no rank used it: as in one process
+                continue
+            if p.grad is None:
+                p.grad = torch.empty_like(p)
+            # The average and the copy back in one pass over the bucket, not two.
+            torch.div(grads[offset:offset + p.numel()].view_as(p), world_size, out=p.grad)
+
 
 def group_by_size(params: list[nn.Parameter], bucket_mb: float) -> list[list[nn.Parameter]]:
     """Greedy: walk parameters in reverse order, close a group when it reaches
@@ -119,14 +146,7 @@ class BucketedDataParallel(GradSyncModule):
         return len(bucket.ready) == len(bucket.params)
 
     def _launch(self, bucket: Bucket) -> None:
-        for p, offset in zip(bucket.params, bucket.offsets):
-            view = bucket.buffer[offset:offset + p.numel()]
-            if p.grad is None:
-                view.zero_()
-            else:
-                view.copy_(p.grad.reshape(-1))
-        used = [float(p.grad is not None) for p in bucket.params]  # one copy, not one per flag
-        bucket.buffer[bucket.numel:].copy_(torch.tensor(used, dtype=bucket.buffer.dtype))
+        bucket.pack()
         bucket.launched_ns = time.perf_counter_ns()
         bucket.done = self._start_all_reduce(bucket.buffer)
         self._next = bucket.index + 1
@@ -149,22 +169,10 @@ class BucketedDataParallel(GradSyncModule):
             if self.tracer is not None:
                 self.tracer.add_span("all_reduce", bucket.launched_ns, bucket.done.finished_ns,
                                      kind="comm", bucket=bucket.index, bytes=bucket.nbytes)
-            self._unpack(bucket)
+            bucket.unpack(self.world_size)
             bucket.ready.clear()
             bucket.done = None
         if self.tracer is not None:
             self.tracer.add_span("wait for buckets", wait_start, time.perf_counter_ns(),
                                  kind="idle")
         self._next = 0
-
-    def _unpack(self, bucket: Bucket) -> None:
-        grads = bucket.buffer[:bucket.numel]
-        counts = bucket.buffer[bucket.numel:].tolist()  # one read (one GPU sync), not one per flag
-        for count, p, offset in zip(counts, bucket.params, bucket.offsets):
-            if count == 0:
-                p.grad = None  # no rank used it: as in one process
-                continue
-            if p.grad is None:
-                p.grad = torch.empty_like(p)
-            # The average and the copy back in one pass over the bucket, not two.
-            torch.div(grads[offset:offset + p.numel()].view_as(p), self.world_size, out=p.grad)

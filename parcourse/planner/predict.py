@@ -102,8 +102,6 @@ def predict_memory(config: GPTConfig, choice: Choice, global_batch: int,
     for rank in range(choice.pp):
         mine = [s for s, r in enumerate(plan.stage_rank) if r == rank]
         p = sum(params[s] for s in mine) / 4  # parameters (numbers) on this rank
-        # fp32 ZeRO steps an fp32 slice of its own beside the model's weights (hybrid.py)
-        slice_copy = 4 * p / n if (dtype == "fp32" and z in (1, 2)) else 0.0
         memory = {
             "params": weight_bytes * p / (n if z >= 3 else 1),
             # ZeRO-2: the paper's bucketed reduction keeps 1/dp of the gradients; the
@@ -112,8 +110,8 @@ def predict_memory(config: GPTConfig, choice: Choice, global_batch: int,
                 _zero_2_peak(plan.actions[rank], {s: params[s] / 4 for s in mine}, tied,
                              {0, *([plan.stages - 1] if pipelined else [])} & set(mine),
                              {0, plan.stages - 1} & set(mine), n)
-                if z == 2 and dtype == "fp32" else grad_bytes * p / n),
-            "optimizer": state_bytes * p / (n if z >= 1 else 1) + slice_copy,
+                if z >= 2 and dtype == "fp32" else grad_bytes * p / n),
+            "optimizer": state_bytes * p / (n if z >= 1 else 1),
             "activations": max(in_flight(plan.actions[rank], held), default=0.0),
         }
         memory["total"] = sum(memory.values())
@@ -263,8 +261,10 @@ def _dp_seconds(choice: Choice, memory: list[dict[str, float]], link: SimulatedL
     last one has nothing after it, and the tied weights' reduce-scatter and the
     all-gathers of the updated weights come after the schedule: exposed (the course's 3D
     step; the tied weights' bytes are counted with their stages', their own cost apart).
-    ZeRO-3 also two all-gathers of the weights (forward and backward), which overlap
-    compute: only what exceeds it is exposed."""
+    ZeRO-3 as the course's 3D step runs it (`Hybrid(zero=3)`): before each action of a
+    stage (F and B, or F, I and W where backward is split) an all-gather of the stage's
+    weights, which the action waits for, after the reduce-scatter still in flight; and a
+    reduce-scatter per microbatch's backward: all of it exposed."""
     if choice.dp == 1:
         return 0.0
     weights = max(mem["params"] for mem in memory) * (choice.dp if choice.zero >= 3 else 1)
@@ -278,23 +278,33 @@ def _dp_seconds(choice: Choice, memory: list[dict[str, float]], link: SimulatedL
         scatter = ring / 2 / stages + fixed / 2  # a stage's
         spill = max(0.0, after * scatter - compute * after / (after + 1))  # not hidden
         return ring / 2 + ring / 2 / stages + rings + spill
-    halves = choice.microbatches * 3 + 1  # + the last gather
-    return max(0.0, halves * ring / 2 - compute) + rings
+    kinds = 3 if _splits_backward(choice) else 2  # actions a microbatch, each a gather
+    return choice.microbatches * (kinds + 1) * ring / 2 + rings
 
 
 def _dp_rings(choice: Choice, stages: int, tied: bool = False, exposed: bool = False) -> float:
     """How many of the course's rings data parallelism runs in a step over a rank's
-    units, its `stages` and the tied weights where it holds them (`tied`): one
-    all-reduce of everything under ZeRO 0; under ZeRO-1 a reduce-scatter and an
-    all-gather of each unit, half a ring each; under ZeRO-2 also a reduce-scatter of each
-    stage per microbatch (the tied weights' once), under ZeRO-3 of each unit. `exposed`:
+    units, its `stages` and the tied weights where it holds them (`tied`): an all-reduce
+    of each under ZeRO 0 (a stage's bucket, for models that fit one); under ZeRO-1 a
+    reduce-scatter and an all-gather of each unit, half a ring each; under ZeRO-2 also a
+    reduce-scatter of each stage per microbatch (the tied weights' once). `exposed`:
     under ZeRO-2 only those a step waits for after the schedule, the last stage's last
     reduce-scatter, the tied weights' and the all-gathers (the others go on while the
-    rank's next actions run: `_dp_seconds`)."""
+    rank's next actions run: `_dp_seconds`). Under ZeRO-3 an all-gather of a stage's units
+    before each of its actions and a reduce-scatter after each microbatch's backward."""
     m, units = choice.microbatches, stages + tied
     if choice.zero == 2:
         return (units + 1 + tied) / 2 if exposed else stages * (m + 1) / 2 + tied
-    return {0: 1.0, 1: float(units)}.get(choice.zero, units * (m + 1) / 2)
+    if choice.zero == 3:
+        kinds = 3 if _splits_backward(choice) else 2
+        return (m * kinds * units + m * stages + tied) / 2
+    return float(units)  # ZeRO 0: an all-reduce of each stage's bucket (lesson 02's) and
+    #                     the tied weights'; ZeRO-1: a reduce-scatter and an all-gather each
+
+
+def _splits_backward(choice: Choice) -> bool:
+    """Whether the choice's schedule cuts backward into I and W."""
+    return any(a.kind == "I" for acts in choice.schedule_value().actions for a in acts)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -487,8 +497,8 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     for rank, mine in enumerate(on_rank):
         numbers = memory[rank]["params"] / weight_bytes * (choice.dp if choice.zero >= 3 else 1)
         tensors = sum(_layer_tensors(config, lay, head_apart) for s in mine for lay in layers[s])
-        if choice.zero:  # ZeRO steps one flat slice a stage, and one of the tied weights
-            numbers, tensors = numbers / choice.dp, len(mine) + (rank in tied_on)
+        if choice.zero:  # ZeRO steps each weight's rows here (`zero.stages`)
+            numbers = numbers / choice.dp
         optimizers.append(worse * ov.optimizer_s(tensors, numbers))
     optimizer = max(optimizers)
     if cluster.compute_simulated:  # a stage's dp x tp ranks step at once, the others

@@ -16,6 +16,31 @@ from parcourse.zero.layout import FlatUnit
 
 
 @torch.no_grad()
+def clip_counted_(grads: list[tuple[torch.Tensor, bool]], group: dist.ProcessGroup,
+                  max_norm: float) -> torch.Tensor:
+    """The norm over `group` of gradients that several ranks may hold copies of: each
+    (gradient, counted) pair is scaled, and counted in the norm only where `counted` (so
+    that every element is counted once over the group: a weight left whole on every
+    tensor-parallel rank on one of them, a tied weight on one of its stages). The squares
+    are summed in float64, then over `group`; every gradient is scaled by
+    min(1, max_norm / norm), torch's `clip_grad_norm_` coefficient. The 3D step's
+    clipping, whose group is every axis that splits the gradients (Megatron-LM's
+    model-parallel group, and dp when ZeRO shards them). Returns the norm before."""
+    device = grads[0][0].device if grads else torch.device("cpu")
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    for g, counted in grads:
+        if counted:
+            total += g.double().square().sum()
+    dist.all_reduce(total, group=group)
+    norm = total.sqrt()
+    scale = float(max_norm) / (float(norm) + 1e-6)
+    if scale < 1:
+        for g, _ in grads:
+            g.mul_(scale)
+    return norm.reshape(())
+
+
+@torch.no_grad()
 def clip_grad_norm_(units: list[FlatUnit], kept_params: list[nn.Parameter],
                     group: dist.ProcessGroup, max_norm: float,
                     norm_type: float = 2.0) -> torch.Tensor:

@@ -1,0 +1,161 @@
+"""ZeRO for a pipeline's stages: the entry point the 3D step (`parcourse.hybrid`) uses.
+
+`ZeroStage1..3` wrap one module and act on their own, from its hooks: gather before its
+forward, reduce when its backward ends. Inside a pipeline a rank runs its stages one
+microbatch at a time, in the order the schedule says, and a step ends only when the
+schedule does; so here the same flat units (layout.py: this rank's rows of every weight,
+the buffers that travel) are driven by the caller instead, at the moments the schedule
+gives:
+
+- `reduce(unit)`: the unit's gradients reduce-scattered over the data-parallel group into
+  this rank's shards (`shard_params[i].grad`, added to what earlier microbatches put
+  there), and the full gradients dropped. ZeRO-1 calls it once per unit after the
+  schedule; ZeRO-2 and 3 after each microbatch's backward of a stage (`async_op`: while
+  the schedule goes on, one at a time; `collect` waits);
+- `gather(unit)` / `free(unit)` (ZeRO-3): the unit's weights whole for one action of the
+  stage, then gone (torchtitan composes FSDP with a pipeline the same way);
+- `step()`: the optimizer steps this rank's shards; under ZeRO-1 and 2 the stepped rows are
+  all-gathered into the weights (stage 3 gathers at the next use).
+
+One unit per stage, and one for the weights several stages share (a GPT's tied embedding
+and head, whose gradient the pipeline adds up over its stages only after the schedule).
+The optimizer holds `shard_params`: one tensor per weight (its rows here), so parameter
+groups and per-weight settings work as on the whole model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from torch import nn
+
+from parcourse.comm import Comm, Pending
+from parcourse.zero.layout import FlatUnit
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+class ShardedStages:
+    """`ShardedStages(units, comm, optimizer, stage=1)`: ZeRO `stage` over `comm`'s group
+    (the data-parallel ranks) for the parameters in `units` (lists of trainable
+    parameters, each list one unit). `optimizer` builds the optimizer from the shards."""
+
+    def __init__(self, units: list[list[nn.Parameter]], comm: Comm, optimizer: OptimizerFactory,
+                 stage: Literal[1, 2, 3] = 1) -> None:
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
+        self.comm, self.stage = comm, stage
+        self.units = [FlatUnit(i, params, comm.rank, comm.size, sharded_weights=stage == 3)
+                      for i, params in enumerate(p for p in units if p)]
+        self.shard_params = [sp for u in self.units for sp in u.shard_params]
+        self.optimizer = optimizer(self.shard_params)
+        self._in_flight: list[tuple[FlatUnit, Pending, torch.Tensor]] = []
+        if stage == 3:
+            for unit in self.units:
+                unit.free()
+
+    # -- gradients
+
+    @torch.no_grad()
+    def reduce(self, unit: FlatUnit, async_op: bool = False) -> None:
+        """The unit's gradients (a missing one: zeros) averaged over the group into this
+        rank's shards; the full gradients dropped."""
+        parts = torch.empty(self.comm.size, unit.part_numel, dtype=unit.full.dtype,
+                            device=unit.full.device)
+        unit.pack([p.grad for p in unit.params], parts)
+        for p in unit.params:
+            p.grad = None
+        if async_op:
+            self.collect()  # one at a time: the one before is added first
+            self._in_flight.append((unit, self.comm.reduce_scatter(parts.view(-1),
+                                                                   async_op=True), parts))
+        else:
+            self._add(unit, self.comm.reduce_scatter(parts.view(-1)))
+
+    def _add(self, unit: FlatUnit, part: torch.Tensor) -> None:
+        part = part.div_(self.comm.size)
+        for i, sp in enumerate(unit.shard_params):
+            piece = unit.shard_of(part, i)
+            sp.grad = piece.clone() if sp.grad is None else sp.grad.add_(piece)
+
+    def collect(self) -> None:
+        """Wait for every reduce-scatter in flight, in the order they started."""
+        for unit, pending, _ in self._in_flight:
+            self._add(unit, pending.result())
+        self._in_flight.clear()
+
+    def in_flight(self) -> list[torch.Tensor]:
+        """The gradients' buffers still being reduced (memory accounting)."""
+        return [parts for *_, parts in self._in_flight]
+
+    # -- ZeRO-3: a unit's weights only while a stage uses them
+
+    @torch.no_grad()
+    def gather(self, unit: FlatUnit) -> None:
+        """The unit's weights whole, from every rank's shard (an all-gather), written
+        into the storage the weights view, which autograd's saved references share."""
+        if unit.gathered():
+            return
+        self.collect()  # a reduce-scatter in flight on the same group goes first
+        part, whole = unit.gather_buffers()
+        self.comm.all_gather(part, whole)
+        unit.full.untyped_storage().resize_(unit.numel * unit.full.element_size())
+        unit.unpack(whole.view(self.comm.size, unit.part_numel))
+        unit.gathered_version = unit.master._version
+
+    @staticmethod
+    def free(unit: FlatUnit) -> None:
+        unit.free()
+
+    # -- the step
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Step this rank's shards; under ZeRO-1 and 2 all-gather the stepped rows into
+        the weights (under ZeRO-3 the next use gathers them)."""
+        self.collect()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.stage == 3:
+            return
+        for unit in self.units:
+            part, whole = unit.gather_buffers()
+            self.comm.all_gather(part, whole)
+            unit.unpack(whole.view(self.comm.size, unit.part_numel))
+            unit.gathered_version = unit.master._version
+
+    # -- what a checkpoint reads and writes
+
+    @torch.no_grad()
+    def whole(self, unit: FlatUnit, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Tensors shaped like the unit's shards (e.g. Adam's moments of them), made whole
+        from every rank's (an all-gather): one per weight, in the weights' shapes."""
+        part = torch.zeros(unit.part_numel, dtype=shards[0].dtype, device=shards[0].device)
+        for i, s in enumerate(shards):
+            unit.shard_of(part, i).copy_(s)
+        whole = torch.empty(self.comm.size * unit.part_numel, dtype=part.dtype,
+                            device=part.device)
+        self.comm.all_gather(part, whole)
+        flat = torch.empty(unit.numel, dtype=part.dtype, device=part.device)
+        unit.unpack(whole.view(self.comm.size, unit.part_numel), into=flat)
+        return [flat[o:o + n].view(shape) for o, n, shape in
+                zip(unit.full_offsets, unit.numels, unit.shapes)]
+
+    @staticmethod
+    def mine(unit: FlatUnit, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Whole tensors, one per weight of the unit, cut to this rank's rows (copies)."""
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        part = torch.zeros(unit.part_numel, dtype=flat.dtype, device=flat.device)
+        unit.pack_part(flat, part)
+        return [unit.shard_of(part, i).clone() for i in range(len(unit.params))]
+
+    @torch.no_grad()
+    def load_weights(self) -> None:
+        """After the weights were written whole (a load): each shard takes its rows."""
+        for unit in self.units:
+            if unit.master is not unit.full:
+                unit.pack_part(torch.cat([p.detach().reshape(-1) for p in unit.params]),
+                               unit.master)
+            unit.gathered_version = -1

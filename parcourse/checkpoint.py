@@ -38,6 +38,7 @@ import json
 import os
 import shutil
 import warnings
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,7 @@ import torch.distributed as dist
 
 from parcourse.ranges import chunk_bounds
 from parcourse.tensor_parallel.state_dict import split_dims
+from parcourse.zero.state_dict import load_sharded_optimizer_state, whole_optimizer_state
 
 if TYPE_CHECKING:
     from parcourse.hybrid import Hybrid
@@ -110,24 +112,12 @@ class _Layout:
 
 def _optimizer_state(model: Hybrid) -> dict[int, dict[str, torch.Tensor]]:
     """id(weight) -> its optimizer state in the weight's shape (under ZeRO made whole from
-    the dp shards, `ShardedStages.whole`), for the weights this rank holds."""
+    the dp shards, `zero.state_dict.whole_optimizer_state`), for the weights this rank
+    holds."""
     if model.sharded is None:
         return {id(p): dict(model.optimizer.state.get(p, {})) for p in model.params}
     out: dict[int, dict[str, torch.Tensor]] = {id(p): {} for p in model.params}
-    for unit in model.sharded.units:
-        states = [model.optimizer.state.get(sp, {}) for sp in unit.shard_params]
-        for key in sorted({k for st in states for k in st}):  # alike on every replica
-            values = [st.get(key) for st in states]
-            if all(v is None or (torch.is_tensor(v) and v.shape == sp.shape)
-                   for v, sp in zip(values, unit.shard_params)):
-                shards = [torch.zeros_like(sp) if v is None else v
-                          for v, sp in zip(values, unit.shard_params)]
-                for p, whole in zip(unit.params, model.sharded.whole(unit, shards)):
-                    out[id(p)][key] = whole
-            else:
-                for p, v in zip(unit.params, values):
-                    if v is not None:
-                        out[id(p)][key] = v
+    out.update(whole_optimizer_state(model.sharded.units, model.optimizer, model.dp_comm))
     return out
 
 
@@ -193,6 +183,7 @@ def _save(model: Hybrid, root: str | os.PathLike, step: int, extra: dict[str, An
     state["rng"] = torch.get_rng_state()
     meta = {"step": step, "config": dataclasses.asdict(model.config),
             "mesh": {a: model.mesh.size(a) for a in ("dp", "tp", "pp")},
+            "plan": model.parallel_plan.label(),
             "zero": model.zero, "optimizer": type(model.optimizer).__name__,
             "state": keys, "extra": extra or {}}
     if not blocking:
@@ -212,13 +203,15 @@ def _background_group(model: Hybrid) -> dist.ProcessGroup:
     """A gloo group over the model's ranks for the background writes (one per model, made
     at its first asynchronous save, on every rank): the training's collectives keep the
     mesh's groups to themselves, as DCP asks."""
-    group = getattr(model, "_checkpoint_group", None)
+    group = _BACKGROUND.get(model)
     if group is None:
         ranks = [dist.get_global_rank(model.mesh.parent, r)
                  for r in range(dist.get_world_size(model.mesh.parent))]
-        group = dist.new_group(ranks, backend="gloo")
-        model._checkpoint_group = group  # type: ignore[attr-defined]
+        group = _BACKGROUND[model] = dist.new_group(ranks, backend="gloo")
     return group
+
+
+_BACKGROUND: weakref.WeakKeyDictionary[Any, dist.ProcessGroup] = weakref.WeakKeyDictionary()
 
 
 class PendingSave:
@@ -344,18 +337,7 @@ def _set_optimizer_state(model: Hybrid, per_weight: dict[int, dict[str, torch.Te
             model.optimizer.state[p] = per_weight[id(p)]
         return
     model.sharded.load_weights()  # each shard takes its rows of the loaded weights
-    for unit in model.sharded.units:
-        states: list[dict[str, torch.Tensor]] = [{} for _ in unit.params]
-        for key, first in per_weight[id(unit.params[0])].items():
-            if first.shape == unit.params[0].shape:  # shaped like the weights: their rows
-                rows = model.sharded.mine(unit, [per_weight[id(p)][key] for p in unit.params])
-                for state, piece in zip(states, rows):
-                    state[key] = piece
-            else:
-                for state, p in zip(states, unit.params):
-                    state[key] = per_weight[id(p)][key].clone()
-        for sp, state in zip(unit.shard_params, states):
-            model.optimizer.state[sp] = state
+    load_sharded_optimizer_state(model.sharded.units, model.optimizer, per_weight)
 
 
 def full_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -79,25 +79,35 @@ def _stages_tied(stages: list[nn.Module]) -> list[dict[int, str]]:
 
 
 class Hybrid:
-    """The GPT on a `Mesh` of dp x tp x pp ranks; one per rank, all built alike.
+    """The GPT on a `Mesh` of dp x tp x pp ranks; one per rank, all built alike. The model
+    given is copied, and the copy split: the one passed stays whole, a one-process
+    reference (as DDP leaves it), where torch's `parallelize_module` and `fully_shard`
+    change it in place. `Hybrid.from_plan(model, mesh, plan)` takes the run's
+    `ParallelPlan` (or its label) instead of the keywords it holds; both are checked by
+    its `problems()`, in the words the planner and the CLI use.
 
     `schedule`: a name of `parcourse.pipeline.SCHEDULES`; `microbatches` per replica (each
     replica's share of the global batch is cut into them); `chunks`: stages per rank for
     interleaved 1F1B. `optimizer`: builds this rank's optimizer from its parameters (Adam,
     lr 1e-3, by default). `recompute`: activation checkpointing of each stage (GPipe's).
-    `zero=1`: ZeRO-1 over dp: each replica keeps the optimizer state of 1/dp of this
-    rank's parameters (a flat buffer per stage, as the ZeRO paper's P_os), gradients are
-    reduce-scattered instead of all-reduced, and the updated slices all-gathered; the
-    optimizer then sees one flat parameter per stage, so per-parameter groups do not
-    apply. `zero=2`: the gradients sharded too (P_os+g): after each microbatch's backward
-    of a stage, its gradients are reduce-scattered into this replica's slice (while the
-    schedule goes on) and dropped, so a stage's full gradient never outlives one
-    microbatch; the price is a reduce-scatter per microbatch instead of one per step
-    (why DeepSpeed refuses ZeRO-2 with its pipeline engine). The tied embedding and head
-    add up their gradient after the schedule, so theirs is reduced then. At this
-    granularity (a stage, not a bucket) a rank still holds one stage's full gradient
-    beside its slices, P/v + P/dp for v stages per rank against ZeRO-1's P: it pays only
-    with several stages per rank and a wide dp (lesson 09 measures it).
+    `zero=1`: ZeRO-1 over dp (`parcourse.zero.stages`, lesson 03's flat units, one per
+    stage): each replica steps its rows of every weight (1/dp of them: the optimizer gets
+    one such shard per weight, so an elementwise optimizer equals one process's) and keeps
+    their optimizer state only; gradients are reduce-scattered instead of all-reduced, and
+    the stepped rows all-gathered. `zero=2`: the gradients sharded too (P_os+g): after
+    each microbatch's backward of a stage, its gradients are reduce-scattered into this
+    replica's shards (while the schedule goes on) and dropped, so a stage's full gradient
+    never outlives one microbatch; the price is a reduce-scatter per microbatch instead of
+    one per step (why DeepSpeed refuses ZeRO-2 with its pipeline engine). The tied
+    embedding and head add up their gradient after the schedule, so theirs is reduced
+    then. At this granularity (a stage, not a bucket) a rank still holds one stage's full
+    gradient beside its shards, P/v + P/dp for v stages per rank against ZeRO-1's P: it
+    pays only with several stages per rank and a wide dp (lesson 09 measures it).
+    `zero=3`: the weights sharded too (lesson 04), as torchtitan runs FSDP inside a
+    pipeline's stages: a stage's weights are all-gathered over dp before each of its
+    actions (F, B, I or W of one microbatch) and freed after; gradients as ZeRO-2's.
+    Without ZeRO, dp averages the gradients in lesson 02's buckets, each stage's started
+    as soon as its last backward of the step is done (`bucket_mb`, 25 as DDP's).
     `max_norm`: clip the gradients by their global norm (over every axis that splits
     them), as `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)` in one
     process; the norm before clipping is `grad_norm` after each step.

@@ -658,3 +658,88 @@ def dualpipe_v_peak_in_flight(ranks: int) -> int:
     """DualPipeV holds 2p + 1 chunk-microbatches on every rank (m >= 2p): p + 1/2 stages'
     worth, near 1F1B's p on stage 0."""
     return 2 * ranks + 1
+
+
+# -- what a layer computes and moves (the planner prices them)
+
+
+def gpt_layer_flops(config: GPTConfig, layer: int, tokens: int) -> float:
+    """Theory: forward FLOPs of one layer of the GPT (0 the embeddings, 1..n the blocks,
+    n + 1 the head) for `tokens` tokens (2 per multiply-add; attention's
+    two matrix products over the whole sequence)."""
+    c, t = config.d_model, config.block_size
+    if layer == 0:
+        return 0.0
+    if layer <= config.n_layers:
+        return tokens * (2 * 12 * c * c + 2 * 2 * t * c)
+    return tokens * 2 * c * config.vocab
+
+
+def attention_flops(config: GPTConfig, layer: int, tokens: int) -> float:
+    """Theory: attention's core (scores and their weighted sum): what selective recompute redoes."""
+    return tokens * 2 * 2 * config.block_size * config.d_model \
+        if 1 <= layer <= config.n_layers else 0.0
+
+
+def gpt_layer_traffic(config: GPTConfig, layer: int, tokens: int, tp: int,
+                      sequence_parallel: bool, number: int) -> float:
+    """Theory: bytes one layer's memory-bound work reads and writes in its forward, on one
+    of `tp` ranks, for `tokens` tokens of `number` bytes a number (a dropout mask: 1 a number),
+    counted as Megatron-LM runs it, its elementwise kernels fused: in a block, two layer
+    norms (read the stream, write it), two bias + dropout + residual adds (read the
+    branch and the stream, write the stream, and the mask), bias + GeLU (read and write
+    the MLP's 4h), and attention's scale + mask + softmax (read and write the a x s
+    scores a token) and their dropout (read, write, the mask); the embeddings' sum (read
+    two, write one) and dropout; the head's final layer norm and its loss over the
+    logits, in fp32 as Megatron-LM's default computes it (the logits cast: read, write
+    4 bytes; then its vocabulary-parallel cross-entropy, unfused: the max, minus it,
+    exp, sum, divide: 8 reads and writes a logit). The tp-cut parts (MLP, heads,
+    logits) a `tp`-th, and the stream's too under sequence parallelism. The matrix
+    products' own reads are theirs (`achievable`)."""
+    h = config.d_model
+    mask = 1 if config.dropout > 0 else 0
+    stream = 1 / tp if sequence_parallel else 1.0
+    if layer == 0:
+        return tokens * stream * h * (3 * number + mask * (2 * number + 1))
+    if layer <= config.n_layers:
+        norms = 2 * 2 * h * number
+        adds = 2 * (3 * h * number + mask * h)
+        return tokens * (stream * (norms + adds) + 8 * h * number / tp) \
+            + attention_traffic(config, layer, tokens, tp, number)
+    return tokens * (stream * 2 * h * number + (number + 4 + 8 * 4) * config.vocab / tp)
+
+
+def attention_traffic(config: GPTConfig, layer: int, tokens: int, tp: int,
+                      number: int) -> float:
+    """Of `gpt_layer_traffic`, attention's core (softmax and its dropout, over the a x s
+    scores a token): what selective recompute runs again."""
+    if not 1 <= layer <= config.n_layers:
+        return 0.0
+    mask = 1 if config.dropout > 0 else 0
+    return tokens * config.n_heads * config.block_size * (
+        2 * number + mask * (2 * number + 1)) / tp
+
+
+# -- each named schedule's bubble, as `parcourse.pipeline.SCHEDULES` holds it
+
+
+def gpipe_formula(p: int, m: int, v: int, f: float, b: float, w: float) -> float:
+    """GPipe's and 1F1B's bubble fraction as a schedule's formula (`NamedSchedule.bubble`:
+    ranks p, microbatches m, chunks v, costs F, B, W)."""
+    return gpipe_bubble(p, m)
+
+
+def zero_bubble_h1_formula(p: int, m: int, v: int, f: float, b: float,
+                           w: float) -> float | None:
+    """ZB-H1's bubble fraction from its idle time (None with no costs: real compute)."""
+    if f + b <= 0:  # real compute: no costs to put in the formula
+        return None
+    return bubble_fraction(zero_bubble_h1_bubble_time(p, f, b, w), m, f, b)
+
+
+def dualpipe_formula(p: int, m: int, v: int, f: float, b: float, w: float) -> float | None:
+    """The idle fraction with each pair run one after the other, as the course's runtime
+    runs them; it holds where F = B - W (dualpipe_apart_bubble_time)."""
+    if f + b <= 0 or abs(f - (b - w)) > 1e-9 * (f + b):
+        return None
+    return bubble_fraction(dualpipe_apart_bubble_time(p, f, b, w), m, f, b)

@@ -307,7 +307,8 @@ def test_memory_bound_work_is_priced_at_the_gpus_memory_bandwidth():
     Backward moves 1.5 times forward's bytes, full recompute forward's again. This
     machine's FLOP rate is measured on the layers themselves: nothing is added there."""
     from parcourse.planner import stage_compute
-    from parcourse.planner.predict import _attention_traffic, _layer_traffic
+    from parcourse.theory import attention_traffic as _attention_traffic
+    from parcourse.theory import gpt_layer_traffic as _layer_traffic
 
     cfg = GPTConfig(vocab=64, block_size=32, n_layers=2, n_heads=4, d_model=64, dropout=0.1)
     h, a, s = 64, 4, 32

@@ -442,45 +442,26 @@ class NamedSchedule:
                 and not (self.rounds and microbatches % per_round))
 
 
-def _gpipe_formula(p: int, m: int, v: int, f: float, b: float, w: float) -> float:
-    return theory.gpipe_bubble(p, m)
-
-
-def _zero_bubble_h1_formula(p: int, m: int, v: int, f: float, b: float,
-                            w: float) -> float | None:
-    if f + b <= 0:  # real compute: no costs to put in the formula
-        return None
-    return theory.bubble_fraction(theory.zero_bubble_h1_bubble_time(p, f, b, w), m, f, b)
-
-
-def _dualpipe_formula(p: int, m: int, v: int, f: float, b: float, w: float) -> float | None:
-    """The idle fraction with each pair run one after the other, as the course's runtime
-    runs them; it holds where F = B - W (theory.dualpipe_apart_bubble_time)."""
-    if f + b <= 0 or abs(f - (b - w)) > 1e-9 * (f + b):
-        return None
-    return theory.bubble_fraction(theory.dualpipe_apart_bubble_time(p, f, b, w), m, f, b)
-
-
 SCHEDULES: dict[str, NamedSchedule] = {s.name: s for s in [
     NamedSchedule("naive", lambda ranks, m, chunks: naive(ranks), "(p-1)/(m+p-1)",
-                  _gpipe_formula, microbatched=False),
+                  theory.gpipe_formula, microbatched=False),
     NamedSchedule("gpipe", lambda ranks, m, chunks: gpipe(ranks, m), "(p-1)/(m+p-1)",
-                  _gpipe_formula, torch="ScheduleGPipe"),
+                  theory.gpipe_formula, torch="ScheduleGPipe"),
     NamedSchedule("1f1b", lambda ranks, m, chunks: one_f_one_b(ranks, m), "(p-1)/(m+p-1)",
-                  _gpipe_formula, torch="Schedule1F1B"),
+                  theory.gpipe_formula, torch="Schedule1F1B"),
     NamedSchedule("interleaved-1f1b",
                   lambda ranks, m, chunks: interleaved_1f1b(ranks, chunks, m),
                   "(p-1)/(v m+p-1)",
                   lambda p, m, v, f, b, w: theory.interleaved_bubble(p, v, m),
                   chunks=None, rounds=True, torch="ScheduleInterleaved1F1B"),
     NamedSchedule("zb-h1", lambda ranks, m, chunks: zero_bubble_h1(ranks, m),
-                  "(p-1)(F+B-2W) idle", _zero_bubble_h1_formula),
+                  "(p-1)(F+B-2W) idle", theory.zero_bubble_h1_formula),
     NamedSchedule("zbv", lambda ranks, m, chunks: zbv(ranks, m),
                   "0 when F = I = W (Qi et al. sec. 6); see the simulator", chunks=2,
                   torch="ScheduleZBVZeroBubble"),
     NamedSchedule("dualpipe", lambda ranks, m, chunks: dualpipe(ranks, m),
                   "(p/2-1)(F+B-2W) idle run apart, (p/2-1)(F&B+B-3W) overlapped (DeepSeek)",
-                  _dualpipe_formula, chunks=2, min_microbatches=lambda ranks: 2 * ranks,
+                  theory.dualpipe_formula, chunks=2, min_microbatches=lambda ranks: 2 * ranks,
                   even=True),
     NamedSchedule("dualpipe-v", lambda ranks, m, chunks: dualpipe_v(ranks, m),
                   "(DualPipe's table assumes F&B overlapped; see the simulator)",

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from parcourse.models import GPTConfig
 from parcourse.planner.links import _groups_of, _round_trip
-from parcourse.planner.predict import _layer_flops, model_flops_per_token
+from parcourse.planner.predict import model_flops_per_token
+from parcourse.theory import gpt_layer_flops
 
 if TYPE_CHECKING:
     import torch
@@ -105,7 +106,7 @@ def _costs_alone(group: Any, config: GPTConfig, batches: tuple[int, int],
                      for kind in ("F", "B"))
 
     def forward_flops(cfg: GPTConfig, batch: int) -> float:
-        return sum(_layer_flops(cfg, lay, batch * cfg.block_size)
+        return sum(gpt_layer_flops(cfg, lay, batch * cfg.block_size)
                    for lay in range(cfg.n_layers + 2))
 
     small, large = batches

@@ -1,9 +1,10 @@
 """The planner's predictions (`parcourse.planner` says what it is) of one configuration
 from its inputs (`parcourse.planner.inputs`: Choice, Cluster, models): memory, then
 time, read top to bottom in two parts marked by rules, the second using the first. One
-file, about 540 lines, because time prices what memory lays out (`stage_layers`, and
+file, about 500 lines, because time prices what memory lays out (`stage_layers`, and
 `predict_memory`'s bytes for dp's reduction): each half is read with the other. The
-formulas themselves live in `parcourse.theory`; what is measured on this machine, in
+formulas themselves (FLOPs and bytes moved a layer, ZeRO, bubbles) live in
+`parcourse.theory`; what is measured on this machine, in
 `parcourse.planner.links` and `costs` (and `here`); the search over every
 configuration, in `parcourse.planner.search`.
 """
@@ -23,7 +24,11 @@ from parcourse.planner.inputs import Choice, Cluster, Dtype
 from parcourse.theory import (
     CostModel,
     TPCollective,
+    attention_flops,
+    attention_traffic,
     gpt_layer_bytes,
+    gpt_layer_flops,
+    gpt_layer_traffic,
     korthikanti_layer_bytes,
     tp_link_seconds,
     tp_stage_collectives,
@@ -146,69 +151,13 @@ def _zero_2_peak(actions: Any, numbers: dict[int, float], tied: float, holds: se
 # --------------------------------------------------------------------------- time
 
 
-def _layer_flops(config: GPTConfig, layer: int, tokens: int) -> float:
-    """Forward FLOPs of one layer for `tokens` tokens (2 per multiply-add; attention's
-    two matrix products over the whole sequence)."""
-    c, t = config.d_model, config.block_size
-    if layer == 0:
-        return 0.0
-    if layer <= config.n_layers:
-        return tokens * (2 * 12 * c * c + 2 * 2 * t * c)
-    return tokens * 2 * c * config.vocab
-
-
-def _attention_flops(config: GPTConfig, layer: int, tokens: int) -> float:
-    """Attention's core (scores and their weighted sum): what selective recompute redoes."""
-    return tokens * 2 * 2 * config.block_size * config.d_model \
-        if 1 <= layer <= config.n_layers else 0.0
-
-
-def _layer_traffic(config: GPTConfig, layer: int, tokens: int, tp: int,
-                   sequence_parallel: bool, number: int) -> float:
-    """Bytes one layer's memory-bound work reads and writes in its forward, on one of `tp`
-    ranks, for `tokens` tokens of `number` bytes a number (a dropout mask: 1 a number),
-    counted as Megatron-LM runs it, its elementwise kernels fused: in a block, two layer
-    norms (read the stream, write it), two bias + dropout + residual adds (read the
-    branch and the stream, write the stream, and the mask), bias + GeLU (read and write
-    the MLP's 4h), and attention's scale + mask + softmax (read and write the a x s
-    scores a token) and their dropout (read, write, the mask); the embeddings' sum (read
-    two, write one) and dropout; the head's final layer norm and its loss over the
-    logits, in fp32 as Megatron-LM's default computes it (the logits cast: read, write
-    4 bytes; then its vocabulary-parallel cross-entropy, unfused: the max, minus it,
-    exp, sum, divide: 8 reads and writes a logit). The tp-cut parts (MLP, heads,
-    logits) a `tp`-th, and the stream's too under sequence parallelism. The matrix
-    products' own reads are theirs (`achievable`)."""
-    h = config.d_model
-    mask = 1 if config.dropout > 0 else 0
-    stream = 1 / tp if sequence_parallel else 1.0
-    if layer == 0:
-        return tokens * stream * h * (3 * number + mask * (2 * number + 1))
-    if layer <= config.n_layers:
-        norms = 2 * 2 * h * number
-        adds = 2 * (3 * h * number + mask * h)
-        return tokens * (stream * (norms + adds) + 8 * h * number / tp) \
-            + _attention_traffic(config, layer, tokens, tp, number)
-    return tokens * (stream * 2 * h * number + (number + 4 + 8 * 4) * config.vocab / tp)
-
-
-def _attention_traffic(config: GPTConfig, layer: int, tokens: int, tp: int,
-                       number: int) -> float:
-    """Of `_layer_traffic`, attention's core (softmax and its dropout, over the a x s
-    scores a token): what selective recompute runs again."""
-    if not 1 <= layer <= config.n_layers:
-        return 0.0
-    mask = 1 if config.dropout > 0 else 0
-    return tokens * config.n_heads * config.block_size * (
-        2 * number + mask * (2 * number + 1)) / tp
-
-
 def stage_compute(config: GPTConfig, choice: Choice, global_batch: int,
                   flops: float, bandwidth: float | None = None,
                   dtype: Dtype = "fp32") -> SimulatedCompute:
     """Seconds of each stage's forward and backward of one microbatch at `flops` FLOP/s:
     the planner's compute alone (backward twice forward, and what recompute runs again
     first). With `bandwidth` (a GPU's memory, B/s) the layers' memory-bound work
-    (`_layer_traffic`, numbers of `dtype`) is added at it, backward's 1.5 times
+    (`gpt_layer_traffic`, numbers of `dtype`) is added at it, backward's 1.5 times
     forward's (each op reads its input and its output's gradient and writes its input's
     gradient: 3 tensors for forward's 2). `Hybrid(compute=...)` pads a run's actions to
     them: the planner's check here, a GPU's compute on a laptop (`scaled`)."""
@@ -218,12 +167,12 @@ def stage_compute(config: GPTConfig, choice: Choice, global_batch: int,
     sp = choice.sequence_parallel
     forward, backward = [], []
     for ls in stage_layers(config, choice):
-        f = sum(_layer_flops(config, lay, tokens) for lay in ls) / choice.tp / flops
-        moved = per_byte * sum(_layer_traffic(config, lay, tokens, choice.tp, sp, number)
+        f = sum(gpt_layer_flops(config, lay, tokens) for lay in ls) / choice.tp / flops
+        moved = per_byte * sum(gpt_layer_traffic(config, lay, tokens, choice.tp, sp, number)
                                for lay in ls)
         again = {"none": 0.0, "full": f + moved, "selective": sum(
-            _attention_flops(config, lay, tokens) for lay in ls) / choice.tp / flops
-            + per_byte * sum(_attention_traffic(config, lay, tokens, choice.tp, number)
+            attention_flops(config, lay, tokens) for lay in ls) / choice.tp / flops
+            + per_byte * sum(attention_traffic(config, lay, tokens, choice.tp, number)
                              for lay in ls)}[choice.recompute]
         forward.append(f + moved)
         backward.append(2 * f + 1.5 * moved + again)
@@ -233,7 +182,7 @@ def stage_compute(config: GPTConfig, choice: Choice, global_batch: int,
 def model_flops_per_token(config: GPTConfig) -> float:
     """Forward + backward FLOPs of one token (3 x forward: backward is twice), the model's
     own (no recompute): what MFU counts."""
-    return 3 * sum(_layer_flops(config, lay, 1) for lay in range(config.n_layers + 2))
+    return 3 * sum(gpt_layer_flops(config, lay, 1) for lay in range(config.n_layers + 2))
 
 
 def _group_link(cluster: Cluster, choice: Choice, axis: str) -> SimulatedLink:

@@ -126,30 +126,7 @@ class ShardedStages:
             unit.unpack(whole.view(self.comm.size, unit.part_numel))
             unit.gathered_version = unit.master._version
 
-    # -- what a checkpoint reads and writes
-
-    @torch.no_grad()
-    def whole(self, unit: FlatUnit, shards: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Tensors shaped like the unit's shards (e.g. Adam's moments of them), made whole
-        from every rank's (an all-gather): one per weight, in the weights' shapes."""
-        part = torch.zeros(unit.part_numel, dtype=shards[0].dtype, device=shards[0].device)
-        for i, s in enumerate(shards):
-            unit.shard_of(part, i).copy_(s)
-        whole = torch.empty(self.comm.size * unit.part_numel, dtype=part.dtype,
-                            device=part.device)
-        self.comm.all_gather(part, whole)
-        flat = torch.empty(unit.numel, dtype=part.dtype, device=part.device)
-        unit.unpack(whole.view(self.comm.size, unit.part_numel), into=flat)
-        return [flat[o:o + n].view(shape) for o, n, shape in
-                zip(unit.full_offsets, unit.numels, unit.shapes)]
-
-    @staticmethod
-    def mine(unit: FlatUnit, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Whole tensors, one per weight of the unit, cut to this rank's rows (copies)."""
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        part = torch.zeros(unit.part_numel, dtype=flat.dtype, device=flat.device)
-        unit.pack_part(flat, part)
-        return [unit.shard_of(part, i).clone() for i in range(len(unit.params))]
+    # -- after a load
 
     @torch.no_grad()
     def load_weights(self) -> None:

@@ -49,7 +49,7 @@ from parcourse.comm import Comm, Network, Topology
 from parcourse.data import shard as shard_rows
 from parcourse.data_parallel.bucketed import Bucket, make_buckets
 from parcourse.memory import storage_bytes, tensors_in
-from parcourse.mesh import Layout, Mesh
+from parcourse.mesh import ORDERS, Layout, Mesh
 from parcourse.models import GPT, gpt_layers
 from parcourse.plan import ParallelPlan
 from parcourse.pipeline.partition import partition
@@ -131,11 +131,13 @@ class Hybrid:
         self.sequence_parallel = sequence_parallel
         tp = mesh.size("tp")
         # The run's one plan record, checked by the same rules as the planner and the CLI.
+        shape = {"dp": mesh.size("dp"), "tp": tp, "pp": mesh.size("pp")}
+        order = next((o for o in ORDERS if Layout.of(shape, o) == mesh.layout), "megatron")
         self.parallel_plan = ParallelPlan(
-            dp=mesh.size("dp"), tp=tp, pp=mesh.size("pp"), schedule=schedule,
-            microbatches=microbatches, chunks=chunks, zero=zero,
+            **shape, schedule=schedule, microbatches=microbatches, chunks=chunks, zero=zero,
             sequence_parallel=sequence_parallel, recompute="full" if recompute else "none",
-            ranks_per_node=mesh.ranks_per_node).check(config, world=mesh.layout.world_size)
+            order=order, ranks_per_node=mesh.ranks_per_node  # type: ignore[arg-type]
+        ).check(config, world=mesh.layout.world_size)
         if isinstance(link, Topology) and mesh.ranks_per_node not in (None,
                                                                       link.ranks_per_node):
             raise ValueError(f"the mesh says {mesh.ranks_per_node} ranks per node, the "

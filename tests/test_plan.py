@@ -219,3 +219,44 @@ def test_crosses_nodes_is_judged_by_this_ranks_group():
     assert [r["tp"] for r in run.results] == [False, False, True, True, False, False]
     assert all(r["dp"] for r in run.results)
 
+
+
+# -- the planner refuses what it cannot price
+
+@pytest.mark.parametrize("plan", [ParallelPlan(dp=0), ParallelPlan(dp=-2, tp=4),
+                                  ParallelPlan(tp=-1, dp=8), ParallelPlan(microbatches=0)])
+def test_the_planner_turns_down_sizes_below_one_in_words(plan):
+    """Once a ZeroDivisionError (dp 0, microbatches 0), a plan accepted (dp -2) or a
+    negative cost (tp -1): now a rejection naming the size."""
+    from parcourse.planner import Cluster, predict_memory
+    from parcourse.planner import plan as search
+
+    plans = search(CONFIG, Cluster.preset("h100", gpus=8), 16, candidates=[plan])
+    assert not plans.ranked
+    assert "must be a whole number >= 1" in plans.rejected[0].why_not
+    with pytest.raises(ValueError, match="must be a whole number >= 1"):
+        predict_memory(CONFIG, plan, 16)
+
+
+def test_a_dtype_the_planner_does_not_know_is_refused():
+    """fp16 (or a misspelling) once counted memory in 16 bits and time in 4-byte numbers."""
+    from parcourse.planner import Cluster, predict_memory, predict_time
+    from parcourse.planner import plan as search
+
+    cluster = Cluster.preset("h100", gpus=8)
+    for call in (lambda: search(CONFIG, cluster, 16, dtype="fp16"),
+                 lambda: predict_memory(CONFIG, ParallelPlan(dp=8), 16, dtype="fp16"),
+                 lambda: predict_time(CONFIG, ParallelPlan(dp=8), 16, cluster, dtype="bf61")):
+        with pytest.raises(ValueError, match="dtype must be one of fp32, bf16"):
+            call()
+
+
+@pytest.mark.parametrize("seq", ["-3", "0"])
+def test_plan_refuses_a_sequence_below_one(capsys, seq):
+    """`--seq -3` ended in a traceback and `--seq 0` became 2048 without a word."""
+    from parcourse.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--model", "1.3B", "--seq", seq])
+    assert exit_.value.code == 2
+    assert f"--seq must be at least 1, got {seq}" in capsys.readouterr().err

@@ -59,7 +59,8 @@ def _setup(args: argparse.Namespace, pool: Pool | None = None
     if args.model == "course":
         config, batch = LESSON_CONFIG, args.batch or 16
     else:
-        config, batch = model(args.model, args.seq or 2048), args.batch or 1024
+        config = model(args.model, 2048 if args.seq is None else args.seq)
+        batch = args.batch or 1024
     gpu = _gpu(args)
     if gpu == "here":
         cluster = measured_here(args.gpus, LESSON_CONFIG, pool=pool)
@@ -79,6 +80,8 @@ def check(args: argparse.Namespace) -> str | None:
         return problem
     if args.batch is not None and args.batch < 1:
         return f"--batch must be at least 1, got {args.batch}"
+    if args.seq is not None and args.seq < 1:
+        return f"--seq must be at least 1, got {args.seq}"
     if args.check and args.model != "course":
         return "--check measures here: only the course's GPT (--model course) runs here"
     if args.check and args.gpus > 8:

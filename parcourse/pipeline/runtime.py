@@ -22,9 +22,9 @@ the rule in `actions` (`incoming`, `outgoing`); when receives are posted, the po
 in `posting`.
 
 One file because each part serves the one `step`: read `PipelineRuntime` top down
-(point to point, shapes agreed once, the step, the gradients that ranks add up: tied
-weights and DualPipe's copies, then the four kinds of action), then the helpers at the
-end that find each stage's neighbours and the groups of weights to add up.
+(point to point, shapes agreed once, the step, then the four kinds of action), then the
+helpers at the end that find each stage's neighbours. The gradients that ranks add up
+after the schedule (tied weights, DualPipe's copies) are `tied.py`'s.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from parcourse.pipeline.actions import Action, Message, Schedule, check, incomin
 from parcourse.pipeline.posting import early_receives
 from parcourse.pipeline.simulate import SimulatedCompute
 from parcourse.pipeline.split import WeightGradient, input_gradient
+from parcourse.pipeline.tied import SharedGradients, gradient_groups
 from parcourse.trace import Tracer
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -145,8 +146,8 @@ class PipelineRuntime:
                     stages[s].get_parameter(name)  # raises AttributeError naming it if absent
         self.schedule, self.stages, self.loss_fn = schedule, stages, loss_fn
         # (tag, {stage: parameter name}): the weights whose gradients ranks add up.
-        self.tied = _gradient_groups(schedule, stages, tied)
-        self._tied_local = self._tied_here()  # fixed with the stages: found once
+        self.tied = gradient_groups(schedule, stages, tied)
+        self._shared = SharedGradients(self.tied, stages, self.rank, self._peer)
         self._loss_tag = len(tied)  # the one offset among the tied groups' tags left free
         # The runtime's own spans (F, B, I, W, waits) go to `tracer`, its messages to the
         # Comm's (the same one unless told otherwise).
@@ -316,11 +317,7 @@ class PipelineRuntime:
         self._in_flight_bytes = self.peak_in_flight_bytes = 0
         self._losses: list[float] = []
         self._posted: dict[Action, tuple[Any, torch.Tensor]] = {}
-        # What the tied weights' gradients held before this step (accumulation over
-        # steps): only what this step adds is summed over their ranks.
-        self._tied_before = {id(w): w.grad.detach().clone()
-                             for *_, weights in self._tied_local
-                             for w in weights if w.grad is not None}
+        self._shared.remember()  # what the tied weights' gradients held before this step
         actions = self.schedule.actions[self.rank]
         for k, action in enumerate(actions):
             try:
@@ -337,7 +334,7 @@ class PipelineRuntime:
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
-        self._add_tied_gradients()
+        self._shared.add_up(self.comm, _tag("T", 0, 0, m, self.schedule.stages))
         loss = sum(self._losses) if has_last else None
         return self._whole_loss(loss) if has_last else None
 
@@ -422,66 +419,6 @@ class PipelineRuntime:
         for w in sends:
             w.wait()
         return total
-
-    def _tied_here(self) -> list[tuple[int, list[int], str, list[torch.nn.Parameter]]]:
-        """(tag offset, the ranks that hold it, a name, this rank's copies) of each tied
-        (or copied) weight whose gradient is summed over ranks and held here."""
-        out = []
-        for k, group in self.tied:
-            ranks = sorted({self._peer(s) for s in group})
-            mine = {id(p): p for s, name in sorted(group.items()) if s in self.stages
-                    for p in [self.stages[s].get_parameter(name)]}
-            if not mine or (len(ranks) < 2 and len(mine) < 2):
-                continue  # on one rank, the stages share one Parameter: nothing to add
-            out.append((k, ranks, next(iter(group.values())), list(mine.values())))
-        return out
-
-    def _add_tied_gradients(self) -> None:
-        """Each tied (or copied) weight's gradient summed over the ranks that hold it, in
-        rank order, so that every copy gets the same bits. A rank holding two of them
-        (DualPipe's embedding of one copy and head of the other) adds its own first.
-        Only what this step added is summed: a gradient kept from an earlier step
-        (accumulation) was summed then, and is the same on every copy."""
-        for k, ranks, name, weights in self._tied_local:
-            before = next((self._tied_before[id(w)] for w in weights
-                           if id(w) in self._tied_before), None)
-            # Flat, with one more element: 1 where this rank's copy is trainable. The ranks
-            # must agree: frozen everywhere, it keeps no gradient, as in one process.
-            local = torch.zeros(weights[0].numel() + 1, dtype=weights[0].dtype,
-                                device=weights[0].device)
-            grad = local[:-1].view_as(weights[0])
-            local[-1] = float(weights[0].requires_grad)
-            for w in weights:
-                if w.grad is not None:
-                    grad += w.grad.detach()
-                    if id(w) in self._tied_before:
-                        grad -= self._tied_before[id(w)]
-            tag = _tag("T", 0, 0, self.schedule.microbatches, self.schedule.stages) + k
-            sends = [self.comm.send(local, r, tag) for r in ranks if r != self.rank]
-            parts = []
-            for r in ranks:
-                if r == self.rank:
-                    parts.append(local)
-                else:
-                    part = torch.empty_like(local)
-                    self.comm.recv(part, r, tag).wait()
-                    parts.append(part)
-            for w in sends:
-                w.wait()
-            total = parts[0].clone()
-            for part in parts[1:]:
-                total += part
-            trainable = round(float(total[-1]))
-            if trainable == 0:
-                continue  # frozen on every rank that holds it
-            if trainable != len(ranks):
-                raise RuntimeError(f"the tied weight {name} is frozen on some of ranks "
-                                   f"{ranks} and not on others: freeze it on all or none")
-            total = total[:-1].view_as(weights[0])
-            if before is not None:
-                total = before + total
-            for w in weights:
-                w.grad = total.clone()
 
     def _run(self, a: Action) -> None:
         """Receive what the action needs (a comm span), compute (a compute span, padded
@@ -604,31 +541,3 @@ def _depth(before: dict[int, int | None], stage: int) -> int:
         stage = before[stage]  # type: ignore[assignment]
         depth += 1
     return depth
-
-
-_PER_MODEL_STAGE = 1 << 12  # tags for the copies' gradients: model stage x this + parameter
-
-
-def _gradient_groups(schedule: Schedule, stages: dict[int, nn.Module],
-                     tied: Sequence[dict[int, str]]) -> list[tuple[int, dict[int, str]]]:
-    """(tag offset, {stage: parameter name}) for every weight whose gradient ranks add up:
-    the tied ones, and, when the schedule holds copies of stages (DualPipe), every other
-    parameter of each copy with its twin. A tied group names stages; under copies it
-    grows to the same weight in every copy."""
-    if not schedule.copy_of:
-        return [(k, dict(g)) for k, g in enumerate(tied)]
-    twins = {s: [t for t in range(schedule.stages)
-                 if schedule.model_stage(t) == schedule.model_stage(s)]
-             for s in range(schedule.stages)}
-    groups = [(k, {t: name for s, name in g.items() for t in twins[s]})
-              for k, g in enumerate(tied)]
-    in_tied = {(schedule.model_stage(s), name) for _, g in groups for s, name in g.items()}
-    for s in sorted(stages):
-        j = schedule.model_stage(s)
-        if s != min(t for t in twins[s] if t in stages):
-            continue  # one entry per model stage this rank holds a copy of
-        for i, (name, _) in enumerate(stages[s].named_parameters()):
-            if (j, name) not in in_tied:
-                groups.append((len(tied) + 1 + j * _PER_MODEL_STAGE + i,
-                               {t: name for t in twins[s]}))
-    return sorted(groups, key=lambda g: g[0])  # the same order on every rank: by tag

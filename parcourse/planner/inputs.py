@@ -15,6 +15,14 @@ from parcourse.plan import ParallelPlan
 from parcourse.theory import gpt_layer_bytes
 
 Dtype = Literal["fp32", "bf16"]
+DTYPES: tuple[str, ...] = ("fp32", "bf16")
+
+
+def check_dtype(dtype: str) -> None:
+    """Memory and time count the same bytes a number: one of `DTYPES`, or a ValueError
+    (a misspelt one would count memory in 16 bits and time in 4-byte numbers)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
 GiB = 2**30
 
 

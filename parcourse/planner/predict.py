@@ -20,7 +20,7 @@ from parcourse.models import GPTConfig
 from parcourse.pipeline.partition import stage_bounds
 from parcourse.pipeline.simulate import Costs, SimulatedCompute, in_flight, simulate
 from parcourse.plan import _schedule
-from parcourse.planner.inputs import Choice, Cluster, Dtype
+from parcourse.planner.inputs import Choice, Cluster, Dtype, check_dtype
 from parcourse.theory import (
     CostModel,
     TPCollective,
@@ -80,6 +80,7 @@ def predict_memory(config: GPTConfig, choice: Choice, global_batch: int,
     """Bytes on each pipeline rank (every dp and tp rank of it alike), by category:
     "params", "grads", "optimizer", "activations" (the peak the schedule holds) and
     "total"."""
+    check_dtype(dtype)
     choice.check(config, global_batch, step=False)  # what any implementation could run
     plan = _schedule(choice.schedule, choice.pp, choice.microbatches, choice.chunks)
     layers = stage_layers(config, choice)

@@ -13,7 +13,7 @@ from typing import Any
 
 from parcourse.models import GPTConfig
 from parcourse.plan import Recompute
-from parcourse.planner.inputs import Choice, Cluster, Dtype, GiB
+from parcourse.planner.inputs import Choice, Cluster, Dtype, GiB, check_dtype
 from parcourse.planner.predict import predict_memory, predict_time
 
 
@@ -70,6 +70,7 @@ def plan(config: GPTConfig, cluster: Cluster, global_batch: int, *, dtype: Dtype
     the reason. On this machine (`cluster.cores`), only what the course's 3D step runs
     (`ParallelPlan.problems(step=True)`): every plan ranked can be started with
     `train3d --plan`."""
+    check_dtype(dtype)
     ranked, rejected = [], []
     here = cluster.cores is not None
     if candidates is None:

@@ -260,3 +260,15 @@ def test_plan_refuses_a_sequence_below_one(capsys, seq):
         main(["plan", "--model", "1.3B", "--seq", seq])
     assert exit_.value.code == 2
     assert f"--seq must be at least 1, got {seq}" in capsys.readouterr().err
+
+
+def test_fp16_is_refused_where_it_would_train_without_loss_scaling():
+    """fp16 was accepted with no loss scaling: small gradients flush to zero and training
+    stalls without a word. Refused in one line, before any rank starts, pointing at bf16."""
+    import torch
+    from torch import nn
+
+    from parcourse.zero import ZeroModel
+
+    with pytest.raises(ValueError, match="fp16 needs loss scaling .* use bf16"):
+        ZeroModel(nn.Linear(4, 4), stage=2, compute_dtype=torch.float16)

@@ -556,6 +556,7 @@ def test_a_ds_config_trains_as_one_process_with_the_same_settings(pools, tmp_pat
     ({"train_batch_size": 32}, r"train_batch_size 32 != .* 4 x .* 2 x 2 ranks = 16"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, "only you know it"),
     ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "choose one"),
+    ({"fp16": {"enabled": True}}, "fp16.enabled: fp16 needs loss scaling .* use bf16"),
     ({"zero_optimization": {"stage": 0}}, "plain data parallelism"),
 ])
 def test_a_ds_config_refuses_what_it_does_not_build_by_name(pools, change, message):

@@ -33,6 +33,7 @@ from torch import nn
 
 from parcourse.comm.common import group_info
 from parcourse.zero.infinity import InfinityOptimizer
+from parcourse.zero.mixed_precision import FP16_REFUSED
 from parcourse.zero.model import ZeroModel
 from parcourse.zero.stage1 import ZeroStage1
 
@@ -165,10 +166,11 @@ def from_config(model: nn.Module, config: dict[str, Any] | str | Path,
 
     Supported: `zero_optimization` {`stage` 1-3, `reduce_bucket_size` /
     `allgather_bucket_size` (bytes, or "auto": 25 MiB), `overlap_comm` and
-    `contiguous_gradients` (always so here: true only)}, `bf16.enabled` / `fp16.enabled`
-    (16-bit compute, fp32 masters), `optimizer` {`type` Adam, AdamW or SGD, `params`},
-    `train_micro_batch_size_per_gpu`, `gradient_accumulation_steps`, `train_batch_size`
-    (checked: micro-batch x accumulation x ranks; "auto" fills it), `gradient_clipping`;
+    `contiguous_gradients` (always so here: true only)}, `bf16.enabled` (16-bit compute,
+    fp32 masters; `fp16.enabled` is refused: no loss scaling here), `optimizer` {`type`
+    Adam, AdamW or SGD, `params`}, `train_micro_batch_size_per_gpu`,
+    `gradient_accumulation_steps`, `train_batch_size` (checked: micro-batch x
+    accumulation x ranks; "auto" fills it), `gradient_clipping`;
     beyond stage 3, `offload_optimizer` {`device` none / cpu / nvme, `nvme_path`,
     `pin_memory`} (ZeRO-Offload, ZeRO-Infinity), `offload_param` {`device` none / cpu},
     and ZeRO++'s `zero_quantized_weights`, `zero_hpz_partition_size` (a node's ranks) and
@@ -193,7 +195,9 @@ def from_config(model: nn.Module, config: dict[str, Any] | str | Path,
     bf16, fp16 = _flag(config.get("bf16"), "bf16"), _flag(config.get("fp16"), "fp16")
     if bf16 and fp16:
         raise ValueError("bf16 and fp16 are both enabled: choose one")
-    dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else None
+    if fp16:
+        raise ValueError(f"fp16.enabled: {FP16_REFUSED}")
+    dtype = torch.bfloat16 if bf16 else None
 
     _, _, world = group_info(group)
     micro = config.get("train_micro_batch_size_per_gpu")

@@ -564,3 +564,15 @@ def test_a_ds_config_refuses_what_it_does_not_build_by_name(pools, change, messa
 
     got = pools[2].run(Z.from_config_error, {**DS_CONFIG, **change}).results[0]
     assert got is not None and re.search(message, got), got
+
+
+@pytest.mark.parametrize("rows", [8, 7])
+def test_offloaded_optimizer_state_is_refused_in_another_rank(pools, rows):
+    """`from_config` with `offload_optimizer: cpu` handed back a bare torch optimizer: the
+    other rank's state loaded without a word (8 rows: shards alike in shape, trains wrong)
+    or aborted the rank (7 rows: "double free or corruption"). Now its state says whose
+    shard it is, and another rank's is refused in one line."""
+    said = pools[2].run(Z.offloaded_state_in_the_other_rank, rows).results
+    assert said[0] == ("this optimizer state holds (stage, rank, world_size) = (2, 1, 2), "
+                       "this rank's optimizer is (2, 0, 2)")
+    assert said[1].startswith("this optimizer state holds (stage, rank, world_size) = (2, 0, 2)")

@@ -565,3 +565,29 @@ def mixed_one_step_frozen(ctx, stage, dtype, lr=0.1):
     with torch.no_grad():
         out = zmodel(x)
     return seen, {str(p.dtype) for p in model.hidden.parameters()}, state, doubled, x, out
+
+
+def offloaded_state_in_the_other_rank(ctx, rows):
+    """`from_config` with the optimizer offloaded, one step on a Linear of `rows` output
+    rows (even: every rank's shard alike in shape; odd: not), then each rank's optimizer
+    state loaded into the next rank's optimizer: what that says (None: it loaded). Its own
+    state loads."""
+    import torch.distributed as dist
+
+    config = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+              "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+              "train_micro_batch_size_per_gpu": 4}
+    torch.manual_seed(0)
+    engine = zero.from_config(nn.Linear(8, rows), config, ctx.group)
+    engine.backward(engine(torch.randn(4, 8)).square().sum())
+    engine.step()
+    mine = engine.optimizer.state_dict()
+    states = [None] * ctx.world_size
+    dist.all_gather_object(states, mine, group=ctx.group)
+    try:
+        engine.optimizer.load_state_dict(states[(ctx.rank + 1) % ctx.world_size])
+        said = None
+    except ValueError as e:
+        said = str(e)
+    engine.optimizer.load_state_dict(mine)
+    return said

@@ -35,6 +35,7 @@ from parcourse.comm.common import group_info
 from parcourse.zero.infinity import InfinityOptimizer
 from parcourse.zero.mixed_precision import FP16_REFUSED
 from parcourse.zero.model import ZeroModel
+from parcourse.zero.sharded_optimizer import guard_shard_state
 from parcourse.zero.stage1 import ZeroStage1
 
 TOP_LEVEL = ("zero_optimization", "bf16", "fp16", "optimizer", "train_micro_batch_size_per_gpu",
@@ -237,6 +238,8 @@ def from_config(model: nn.Module, config: dict[str, Any] | str | Path,
     optimizer: Any = kind([p for p in module.parameters() if p.requires_grad], **params)
     if path is not None:
         optimizer = InfinityOptimizer(module, optimizer, path)
+    else:  # whose shard its state is, refused in another rank
+        guard_shard_state(optimizer, module)
     return ZeroEngine(module, optimizer, micro_batch=micro, accumulation_steps=accumulation,
                       clipping=float(clipping) if clipping is not None else None)
 

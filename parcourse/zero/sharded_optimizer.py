@@ -62,3 +62,32 @@ class ShardedOptimizer:
         if found != expected:
             raise ValueError(f"this checkpoint holds (stage, rank, world_size) = {found}, "
                              f"this optimizer is {expected}")
+
+
+_WHOSE = "parcourse_shard"
+
+
+def guard_shard_state(optimizer: torch.optim.Optimizer, model: ZeroStage1) -> None:
+    """A torch optimizer over `model`'s shards (what `from_config` hands back) made to say
+    whose shard its `state_dict()` holds, (stage, rank, world_size) as `ShardedOptimizer`
+    does, and to refuse in `load_state_dict` one of another rank, stage or world size,
+    or one that does not say: loaded into the wrong rank, a shard's state would train
+    wrong without a word (rows that split evenly) or abort the rank (rows that do not)."""
+    whose = {"stage": model.stage, "rank": model.rank, "world_size": model.world_size}
+
+    def saved(opt: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+        return {**state, _WHOSE: dict(whose)}
+
+    def loading(opt: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+        found = state.get(_WHOSE)
+        if found is None:
+            raise ValueError("this optimizer state does not say whose shard it holds (stage, "
+                             "rank, world_size): save it with this rank's state_dict()")
+        got = (found["stage"], found["rank"], found["world_size"])
+        if got != tuple(whose.values()):
+            raise ValueError(f"this optimizer state holds (stage, rank, world_size) = {got}, "
+                             f"this rank's optimizer is {tuple(whose.values())}")
+        return {k: v for k, v in state.items() if k != _WHOSE}
+
+    optimizer.register_state_dict_post_hook(saved)
+    optimizer.register_load_state_dict_pre_hook(loading)

@@ -62,13 +62,71 @@ def _directory(root: str | os.PathLike, step: int) -> Path:
 
 def latest(root: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint under `root` (the highest step whose directory was
-    committed), or None when there is none."""
+    committed and whose files hold every byte its index names, `problem`), or None when
+    there is none."""
+    return next((p for p in _committed(root) if problem(p) is None), None)
+
+
+def _committed(root: str | os.PathLike) -> list[Path]:
+    """The committed checkpoint directories under `root`, newest first."""
     root = Path(root)
     if not root.is_dir():
-        return None
+        return []
     done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)
-            and (p / META).is_file() and (p / ".metadata").is_file()]
-    return max(done, key=lambda p: int(p.name[len(PREFIX):]), default=None)
+            and p.name[len(PREFIX):].isdigit() and (p / META).is_file()]
+    return sorted(done, key=lambda p: int(p.name[len(PREFIX):]), reverse=True)
+
+
+def problem(path: str | os.PathLike) -> str | None:
+    """Why the checkpoint at `path` cannot be loaded, in one sentence naming the file (None:
+    every file is there, as long as its index says): its metadata unreadable, DCP's index
+    missing or unreadable, a shard missing or shorter than the bytes it should hold. Read
+    in this process, before any rank starts."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = Path(path)
+    try:
+        meta = read_meta(path)
+        for key in ("step", "config", "state"):
+            if key not in meta:
+                return f"{path / META} lacks {key!r}"
+    except (OSError, ValueError) as e:
+        return f"{path / META} cannot be read ({type(e).__name__}: {e})"
+    if not (path / ".metadata").is_file():
+        return f"{path / '.metadata'} is missing (DCP's index of the shards)"
+    try:
+        index = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a truncated pickle raises what unpickling raises
+        return f"{path / '.metadata'} cannot be read ({type(e).__name__}: {e})"
+    needed: dict[str, int] = {}
+    for info in (index.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0),
+                                         info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            return f"{file} is missing"
+        if file.stat().st_size < size:
+            return f"{file} holds {file.stat().st_size} bytes of the {size} its index names"
+    return None
+
+
+def resume_problem(root: str | os.PathLike) -> tuple[Path | None, str | None]:
+    """For `--resume`: (the checkpoint it will use, a line naming any newer one that
+    cannot be loaded and what it will use instead), in this process."""
+    found, said = None, None
+    for path in _committed(root):
+        why = problem(path)
+        if why is None:
+            found = path
+            break
+        if said is None:
+            said = why
+    if said is not None:
+        said += ("; --resume will use step " + found.name[len(PREFIX):].lstrip("0")
+                 + " (the newest complete one)" if found is not None
+                 else "; no complete checkpoint is left to resume from")
+    return found, said
 
 
 # -- the state, as DCP sees it
@@ -292,7 +350,11 @@ def _load(model: Hybrid, path: str | os.PathLike, expect: dict[str, Any] | None
     keys = {k: bool(v) for k, v in meta["state"].items()}
     state, _ = _dcp_state(model, keys)
     state["rng"] = torch.get_rng_state()
-    dcp.load(state, checkpoint_id=str(path), process_group=model.mesh.parent)
+    try:
+        dcp.load(state, checkpoint_id=str(path), process_group=model.mesh.parent)
+    except Exception as e:  # DCP's own names no file: say which checkpoint, and why if known
+        why = problem(path) or f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        raise ValueError(f"cannot load the checkpoint {path}: {why}") from None
     torch.set_rng_state(state["rng"])
     names = _names(model)
     from torch.distributed.tensor import DTensor

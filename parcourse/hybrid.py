@@ -146,6 +146,7 @@ class Hybrid:
         # The model given stays whole (a one-process reference, as DDP leaves it): the
         # split is made on a copy.
         model = copy.deepcopy(model)
+
         def on(axis: str) -> Tracer | None:  # what each axis records says which axis
             return tracer.tagged(axis=axis) if tracer is not None else None
 
@@ -321,6 +322,10 @@ class Hybrid:
             raise ValueError("weights were frozen or unfrozen after Hybrid(zero=...) was "
                              "made: ZeRO's flat slices hold the weights that were trainable "
                              "then. Set requires_grad before making it (as FSDP asks).")
+        if self._buckets and self._frozen - self._frozen_now():  # a frozen one is skipped
+            raise ValueError("weights were unfrozen after Hybrid was made: dp's buckets hold "
+                             "the weights that were trainable then. Set requires_grad before "
+                             "making it (as DDP asks).")
         x = (inputs if local else shard_rows(inputs, replica, dp)) if self.first else None
         y = (targets if local else shard_rows(targets, replica, dp)) if self.last else None
         self.grad_bytes = 0

@@ -156,13 +156,13 @@ def dropout_masks(ctx, shape):
     return {a: mesh.coordinate(a) for a in ("dp", "pp", "tp")}, drawn
 
 
-def thawed_after_hybrid(ctx):
-    """tp 2 with sequence parallelism: ln_f frozen when Hybrid is built, unfrozen after,
-    then a step."""
+def thawed_after_hybrid(ctx, shape=None):
+    """tp 2 with sequence parallelism (or `shape`): ln_f frozen when Hybrid is built,
+    unfrozen after, then a step."""
     model = gpt(CONFIG)
     model.ln_f.requires_grad_(False)
-    hybrid = Hybrid(model, Mesh({"tp": 2}, ctx.group), microbatches=2,
-                    sequence_parallel=True)
+    hybrid = Hybrid(model, Mesh(shape or {"tp": 2}, ctx.group), microbatches=2,
+                    sequence_parallel=shape is None)
     hybrid.model.ln_f.requires_grad_(True)
     hybrid.step(*progressions(BATCH, CONFIG.block_size, CONFIG.vocab))
 

@@ -334,3 +334,7 @@ def test_a_replicated_weight_unfrozen_after_building_is_refused(pools):
     be each tp rank's own tokens' part."""
     with pytest.raises(RankError, match="ln_f.weight, ln_f.bias did not require a gradient"):
         pools[2].run(thawed_after_hybrid)
+    # over dp: the buckets hold what was trainable when Hybrid was made (each replica
+    # would train its own ln_f)
+    with pytest.raises(RankError, match="weights were unfrozen after Hybrid was made"):
+        pools[2].run(thawed_after_hybrid, {"dp": 2})

@@ -56,11 +56,33 @@ def test_train_command_learns_real_text_and_samples(tmp_path, capsys):
     assert first > 5.0 and last < first - 1.5, (first, last)  # from ln 256 = 5.55, down
     assert "sample      greedy" in out and "temperature 0.8" in out
     assert "saved       " in out and "step-00000030" in out
-    # Two steps more, on another mesh, from the checkpoint after step 30.
-    assert main(["train", "--dp", "1", "--tp", "2", "--pp", "2", "--steps", "32",
-                 "--eval-every", "16", "--resume", *corpus, *run]) == 0
+    # Two steps more, on another mesh, from the checkpoint after step 30: a longer run is
+    # asked for by name; without it, the other --steps is refused before any rank starts.
+    longer = ["train", "--dp", "1", "--tp", "2", "--pp", "2", "--steps", "32",
+              "--eval-every", "16", "--resume", *corpus, *run]
+    with pytest.raises(SystemExit):
+        main(longer)
+    err = capsys.readouterr().err
+    assert "with other settings: --steps 32 (saved: 30); give --change steps" in err, err
+    assert main([*longer, "--change", "steps"]) == 0
     out = capsys.readouterr().out
     assert "resumed     from" in out and "after step 30" in out
+    # A newest checkpoint cut short, then one whose metadata is broken: each named in one
+    # line, and --resume takes the newest complete one.
+    checkpoints = tmp_path / "run" / "checkpoints"
+    shard = sorted((checkpoints / "step-00000032").glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    (checkpoints / "step-00000030" / "parcourse.json").write_text('{"step": 3')
+    from parcourse.checkpoint import latest
+    from parcourse.cli import build_parser
+    from parcourse.cli import train as command
+
+    assert latest(checkpoints).name == "step-00000015"
+    args = build_parser().parse_args([*longer, "--steps", "30"])
+    assert command.check(args) is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"{shard} holds 100 bytes of the "), err
+    assert err[0].endswith("; --resume will use step 15 (the newest complete one)"), err
     with pytest.raises(SystemExit):
         main(["train", "--dp", "3", "--batch", "16"])
     assert "does not cut into dp 3 x 2 microbatches equal parts" in capsys.readouterr().err

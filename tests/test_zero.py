@@ -145,7 +145,7 @@ def test_bytes_sent_counted_from_messages(pools, world_size, stage):
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", ["bfloat16"])  # fp16 is refused: no loss scaling here
 def test_mixed_precision_computes_in_16_bits_with_fp32_masters(pools, stage, dtype):
     results = pools[2].run(Z.mixed, stage, 5, 16, dtype).results
     expected = F.reference("plain", "sgd", 5, 16, 2)
@@ -155,8 +155,8 @@ def test_mixed_precision_computes_in_16_bits_with_fp32_masters(pools, stage, dty
         assert losses[-1] < losses[0]
         for name in expected:
             assert weights[name].dtype == torch.float32
-            # 16-bit forward and backward: bf16 keeps 8 bits of mantissa (fp16 11), so
-            # five steps land within about a percent of fp32 training.
+            # 16-bit forward and backward: bf16 keeps 8 bits of mantissa, so five steps
+            # land within about a percent of fp32 training.
             torch.testing.assert_close(weights[name], expected[name], rtol=0.05, atol=0.02)
 
 
@@ -450,7 +450,7 @@ def test_mixed_precision_masters_are_the_given_weights_bitwise(pools, world_size
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["bfloat16"])  # fp16 is refused: no loss scaling
 def test_one_mixed_precision_step_is_the_16_bit_reference(pools, stage, dtype):
     """After one SGD step the masters equal the reference (fp32 masters, 16-bit forward
     and backward, fp32 update) but for one rounding: ZeRO adds the ranks' gradients in 16

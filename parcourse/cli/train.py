@@ -40,6 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true",
                    help="start from the newest checkpoint in --out, on this mesh (after a "
                         "restart by torchrun --max-restarts, without being asked)")
+    p.add_argument("--change", default=None, metavar="SETTING[,SETTING]",
+                   type=lambda text: [t.strip() for t in text.split(",") if t.strip()],
+                   help="with --resume: settings that may differ from the saved run's "
+                        "(e.g. steps, for a longer run); the others must match")
     p.add_argument("--kill", default=None, metavar="RANK:STEP",
                    help="a fault on purpose: that rank kills itself (SIGKILL) when it "
                         "reaches that step (not again after a restart)")
@@ -73,11 +77,8 @@ def check(args: argparse.Namespace) -> str | None:
         return "--resume and --save-every need --out (the run's directory)"
     if args.save_every < 0:
         return f"--save-every must be 0 or more, got {args.save_every}"
-    if args.resume:
-        from parcourse.checkpoint import latest
-
-        if latest(f"{args.out}/checkpoints") is None:
-            return f"--resume: no checkpoint under {args.out}/checkpoints"
+    if args.resume and (problem := _resumable(args, settings)):
+        return problem
     if args.kill is not None:
         try:
             rank, step = _kill(args)
@@ -87,6 +88,47 @@ def check(args: argparse.Namespace) -> str | None:
         if not (0 <= rank < world and 0 <= step < args.steps):
             return (f"--kill {args.kill}: the rank must be below {world} and the step below "
                     f"{args.steps}")
+    return None
+
+
+# What a resumed run must share with the run it resumes: everything that shapes its
+# weights (the mesh, the schedule and ZeRO may change: a checkpoint loads on any layout).
+RESUMED_ALIKE = ("steps", "batch", "block_size", "layers", "width", "heads", "lr", "min_lr",
+                 "warmup", "weight_decay", "clip", "seed")
+
+
+def _resumable(args: argparse.Namespace, settings: Any) -> str | None:
+    """`--resume`, before any rank starts: the newest checkpoint that can be loaded (a
+    newer one that cannot is named on stderr, in one line), and every setting that shapes
+    the weights as it was saved, unless `--change` names it."""
+    import dataclasses
+
+    from parcourse.checkpoint import check_compatible, read_meta, resume_problem
+
+    root = f"{args.out}/checkpoints"
+    found, said = resume_problem(root)
+    if found is None:
+        return said or f"--resume: no checkpoint under {root}"
+    if said is not None:
+        print(said, file=sys.stderr)
+    meta = read_meta(found)
+    try:
+        check_compatible(meta, settings.config)
+    except ValueError as e:
+        return f"--resume from {found}: {e}"
+    saved = meta["extra"].get("settings", {})
+    changed = set(args.change or ())
+    unknown = changed - set(RESUMED_ALIKE)
+    if unknown:
+        return (f"--change {', '.join(sorted(unknown))}: what may change on resuming is one "
+                f"of {', '.join(RESUMED_ALIKE)}")
+    now = dataclasses.asdict(settings)
+    differ = [f"--{k.replace('_', '-')} {now[k]} (saved: {saved[k]})" for k in RESUMED_ALIKE
+              if k in saved and saved[k] != now[k] and k not in changed]
+    if differ:
+        return (f"--resume from {found} with other settings: {', '.join(differ)}; give "
+                f"--change {','.join(k.split()[0][2:].replace('-', '_') for k in differ)} "
+                "to change them on purpose, or the saved values")
     return None
 
 

@@ -77,6 +77,11 @@ class FlatUnit:
         self.row_numels = [max(1, math.prod(s[1:])) for s in self.shapes]
         self.chunk_rows = [math.ceil(r / n) for r in self.rows]
         chunk_numels = [c * rn for c, rn in zip(self.chunk_rows, self.row_numels)]
+        # Every weight's rows cut into N equal chunks, no padding: a whole buffer is then
+        # the weights side by side as (N, rows / N x rest) each, one op to pack or read
+        # (what `pack`, `unpack` and `pack_part` do weight by weight otherwise).
+        self.even = all(r % n == 0 for r in self.rows)
+        self.chunk_numels = chunk_numels
         *self.part_offsets, self.part_numel = itertools.accumulate(chunk_numels, initial=0)
         *self.full_offsets, self.numel = itertools.accumulate(self.numels, initial=0)
         self.padded = self.part_numel * n
@@ -140,6 +145,13 @@ class FlatUnit:
 
     def pack(self, tensors: Iterable[torch.Tensor | None], parts: torch.Tensor) -> None:
         """Write full-size tensors (one per parameter, None = zeros) into parts (N, width)."""
+        tensors = list(tensors)
+        if (self.even and parts.shape == (self.world_size, self.part_numel)
+                and parts.is_contiguous()
+                and all(t is not None and t.dtype == parts.dtype for t in tensors)):
+            torch.cat([t.reshape(self.world_size, -1) for t in tensors],  # type: ignore[union-attr]
+                      dim=1, out=parts)
+            return
         for i, t in enumerate(tensors):
             cols = self._columns(parts, i)
             if t is None:
@@ -156,6 +168,11 @@ class FlatUnit:
         """Copy a whole buffer, parts (N, part_numel), into the parameters, one after
         another (`full` unless told otherwise)."""
         into = self.full if into is None else into
+        if self.even:
+            pieces = parts.split(self.chunk_numels, dim=1)
+            for piece, offset, size in zip(pieces, self.full_offsets, self.numels):
+                into[offset:offset + size].view(self.world_size, -1).copy_(piece)
+            return
         for i, (offset, size) in enumerate(zip(self.full_offsets, self.numels)):
             whole, rest, k = self._chunks(into[offset:offset + size], i)
             cols = self._columns(parts, i)
@@ -165,6 +182,11 @@ class FlatUnit:
 
     def pack_part(self, full: torch.Tensor, part: torch.Tensor) -> None:
         """This rank's part of the parameters `full` (one after another, unpadded)."""
+        if self.even and full.dtype == part.dtype:
+            torch.cat([full[o:o + n].view(self.world_size, -1)[self.rank]
+                       for o, n in zip(self.full_offsets, self.numels)],
+                      out=part[:self.part_numel])
+            return
         for i, (offset, size) in enumerate(zip(self.full_offsets, self.numels)):
             c, rn = self.chunk_rows[i], self.row_numels[i]
             rows = full[offset:offset + size].view(self.rows[i], rn)

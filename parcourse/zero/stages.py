@@ -76,6 +76,11 @@ class ShardedStages:
 
     def _add(self, unit: FlatUnit, part: torch.Tensor) -> None:
         part = part.div_(self.comm.size)
+        if all(sp.grad is None for sp in unit.shard_params):  # the first: one copy, viewed
+            part = part.clone()  # (the reduction's buffer is scratch)
+            for i, sp in enumerate(unit.shard_params):
+                sp.grad = unit.shard_of(part, i)
+            return
         for i, sp in enumerate(unit.shard_params):
             piece = unit.shard_of(part, i)
             sp.grad = piece.clone() if sp.grad is None else sp.grad.add_(piece)

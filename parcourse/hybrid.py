@@ -180,8 +180,8 @@ class Hybrid:
                                        together=one_sum if sequence_parallel else None)
         if paced is not None:
             self.tp_comm.comm.before_blocking = self.runtime.pace
-        self.first = self.plan.stage_rank[0] == stage
-        self.last = self.plan.stage_rank[-1] == stage
+        self.first = stage in self.plan.entry_ranks  # given the inputs
+        self.last = stage in self.plan.exit_ranks  # given the targets; the loss is here
         self.params = list({id(p): p for m in mine.values() for p in m.parameters()}.values())
         factory = optimizer or (lambda ps: torch.optim.Adam(ps, lr=1e-3))
         self.sharded: ShardedStages | None = None

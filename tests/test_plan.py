@@ -272,3 +272,13 @@ def test_fp16_is_refused_where_it_would_train_without_loss_scaling():
 
     with pytest.raises(ValueError, match="fp16 needs loss scaling .* use bf16"):
         ZeroModel(nn.Linear(4, 4), stage=2, compute_dtype=torch.float16)
+
+
+def test_hybrid_from_a_plan_refuses_what_the_plan_already_says():
+    """`Hybrid.from_plan` takes the layout from the plan: a keyword that repeats one of
+    its fields, or a plan for another number of ranks, is refused in one line."""
+    from plan_fns import from_plan_refusals
+
+    said = launch(from_plan_refusals, 1, timeout=60).results[0]
+    assert said == ["zero: given by the plan (dp1 tp1 pp1 1f1b m1), not beside it",
+                    "dp 2 x tp 1 x pp 1 is 2 ranks, not the 1 there are"]

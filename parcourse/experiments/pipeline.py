@@ -114,9 +114,8 @@ def train(ctx: RankContext, schedule: str, microbatches: int, steps: int = 2, *,
                               recompute=recompute, tied=tied_weights(mine, cut))
     params = list({id(p): p for m in mine.values() for p in m.parameters()}.values())
     opt = torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
-    routes = [plan.route(i) for i in range(plan.microbatches)]
-    first = {plan.stage_rank[r[0]] for r in routes}  # where microbatches enter (DualPipe:
-    last = {plan.stage_rank[r[-1]] for r in routes}  # both ends), and where they leave
+    first, last = plan.entry_ranks, plan.exit_ranks  # where microbatches enter (DualPipe:
+    #                                                  both ends), and where they leave
     losses = []
     # The stages agree on their messages' shapes before the first step, not in it, so
     # that a one-step run's bubble is the schedule's (PipelineRuntime.prepare).
@@ -194,9 +193,8 @@ def step_times(ctx: RankContext, microbatches: int, steps: int = 10, *,
     rank = ctx.rank
     plan = make_schedule(schedule, ctx.world_size, microbatches, chunks)
     x, y = regression_batch(batch, width)
-    routes = [plan.route(i) for i in range(plan.microbatches)]
-    first = {plan.stage_rank[r[0]] for r in routes}  # where microbatches enter (DualPipe:
-    last = {plan.stage_rank[r[-1]] for r in routes}  # both ends), and where they leave
+    first, last = plan.entry_ranks, plan.exit_ranks  # where microbatches enter (DualPipe:
+    #                                                  both ends), and where they leave
     local = [s for s, r in enumerate(plan.stage_rank) if r == rank]
 
     ours_cut = partition(deep_mlp(depth, width), plan.stages)

@@ -101,6 +101,27 @@ class Schedule:
         return self.routes[microbatch] if self.routes else tuple(range(self.stages))
 
     @cached_property
+    def entry_stages(self) -> frozenset[int]:
+        """The stages where microbatches enter (stage 0; DualPipe's two ends)."""
+        return frozenset(self.route(m)[0] for m in range(self.microbatches))
+
+    @cached_property
+    def exit_stages(self) -> frozenset[int]:
+        """The stages where microbatches leave, their loss taken there."""
+        return frozenset(self.route(m)[-1] for m in range(self.microbatches))
+
+    @cached_property
+    def entry_ranks(self) -> frozenset[int]:
+        """The ranks that hold an entry stage: they are given the batch's inputs."""
+        return frozenset(self.stage_rank[s] for s in self.entry_stages)
+
+    @cached_property
+    def exit_ranks(self) -> frozenset[int]:
+        """The ranks that hold an exit stage: they are given the targets, and return the
+        loss."""
+        return frozenset(self.stage_rank[s] for s in self.exit_stages)
+
+    @cached_property
     def _steps(self) -> dict[tuple[int, int], tuple[int | None, int | None]]:
         """(stage, microbatch) -> (the stage before it, the stage after it) on its route."""
         out: dict[tuple[int, int], tuple[int | None, int | None]] = {}

@@ -163,12 +163,9 @@ class PipelineRuntime:
             self._seconds = {k: [v[schedule.model_stage(t)] for t in range(schedule.stages)]
                              for k, v in per.items()}
         self.recompute = recompute  # GPipe's own trick: keep a stage's input, not its insides
-        routes = [schedule.route(i) for i in range(schedule.microbatches)]
-        self._firsts = {r[0] for r in routes}  # stages where a microbatch enters
-        self._lasts = {r[-1] for r in routes}  # ... and where its loss is taken
         # This rank's stage where microbatches enter (None: none), and whether it takes a loss
-        self._entry = min(self._firsts & set(stages), default=None)
-        self._has_last = bool(self._lasts & set(stages))
+        self._entry = min(schedule.entry_stages & set(stages), default=None)
+        self._has_last = bool(schedule.exit_stages & set(stages))
         self._before, self._after = _neighbours(schedule)
         self._shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}  # each stage's input
         self._out_shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}  # ... and output
@@ -402,7 +399,7 @@ class PipelineRuntime:
     def _whole_loss(self, mine: float) -> float:
         """Where several ranks take losses (DualPipe: one for each direction), each has
         its microbatches' part: add them up, so every one of them returns the batch's."""
-        ranks = sorted({self._peer(s) for s in self._lasts})
+        ranks = sorted(self.schedule.exit_ranks)
         if len(ranks) < 2:
             return mine
         tag = _tag("T", 0, 0, self.schedule.microbatches, self.schedule.stages) + self._loss_tag

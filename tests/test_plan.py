@@ -282,3 +282,22 @@ def test_hybrid_from_a_plan_refuses_what_the_plan_already_says():
     said = launch(from_plan_refusals, 1, timeout=60).results[0]
     assert said == ["zero: given by the plan (dp1 tp1 pp1 1f1b m1), not beside it",
                     "dp 2 x tp 1 x pp 1 is 2 ranks, not the 1 there are"]
+
+
+@pytest.mark.parametrize("plan,batch,world,step,said",
+                         [r for r in RULES if r[-1] and r[3] and r[2] is None],
+                         ids=lambda v: v[:40] if isinstance(v, str) else None)
+def test_the_planner_turns_down_each_plan_with_the_same_sentence(plan, batch, world, step,
+                                                                  said):
+    """The search here (this machine: what the course's step runs) rejects each plan in
+    the words `problems()` uses, and ranks none of them."""
+    from parcourse.planner import Cluster
+    from parcourse.planner import plan as search
+
+    sizes_ok = all(isinstance(getattr(plan, f), int) and getattr(plan, f) >= 1
+                   for f in ("dp", "tp", "pp", "microbatches", "chunks"))
+    gpus = plan.gpus if sizes_ok else 1
+    batch = batch or (plan.dp * plan.microbatches if sizes_ok else 8)
+    plans = search(CONFIG, Cluster.this_machine(gpus, flops=1e9, cores=2), batch,
+                   candidates=[plan])
+    assert not plans.ranked and plans.rejected[0].why_not == said

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any, Literal
 
 import torch
@@ -165,12 +166,13 @@ class Hybrid:
         cut = partition(gpt_layers(self.model), self.plan.stages)
         stage = mesh.coordinate("pp")
         mine = {s: cut[s] for s, r in enumerate(self.plan.stage_rank) if r == stage}
+        tied_groups = _stages_tied(cut)  # {stage: name} of each weight several stages share
         self.zero = zero
         # Simulated compute pads each action, tp's collectives on top, met at their share
         paced = (lambda: self.tp_comm.comm.blocked_s) if compute is not None and tp > 1 \
             else None
         self.runtime = PipelineRuntime(self.plan, mine, None, self._loss, tracer=tracer,
-                                       recompute=recompute, tied=_stages_tied(cut),
+                                       recompute=recompute, tied=tied_groups,
                                        comm=Comm(mesh.group("pp"), tracer=on("pp"), link=link,
                                                  algorithm="auto"),
                                        on_weight_gradients=self._reduce_stage if zero >= 2
@@ -188,35 +190,36 @@ class Hybrid:
         self._stage_unit: dict[int, FlatUnit] = {}
         # What dp reduces together: each stage's weights, and the tied ones apart (their
         # gradient is whole only after the schedule, when the pipeline has added it up).
-        tied = {id(cut[s].get_parameter(name)) for g in _stages_tied(cut)
-                for s, name in g.items()}
+        # (stage None: the tied weights), a frozen weight in none: nothing reduces or steps it
+        tied = {id(cut[s].get_parameter(name)) for g in tied_groups for s, name in g.items()}
         seen: set[int] = set()
-        units = []
-        for s in sorted(mine):  # a frozen weight is in none: nothing reduces or steps it
-            units.append([p for p in mine[s].parameters() if p.requires_grad
-                          and id(p) not in tied and id(p) not in seen])
-            seen.update(id(p) for p in units[-1])
-        units.append([p for p in self.params if id(p) in tied and p.requires_grad])
+        units: dict[int | None, list[nn.Parameter]] = {}
+        for s in sorted(mine):
+            units[s] = [p for p in mine[s].parameters() if p.requires_grad
+                        and id(p) not in tied and id(p) not in seen]
+            seen.update(id(p) for p in units[s])
+        units[None] = [p for p in self.params if id(p) in tied and p.requires_grad]
         # Without ZeRO: lesson 02's buckets (`data_parallel.bucketed`), a stage's all-reduced
         # as soon as its last backward of the step is done, while the schedule goes on.
         self._buckets: dict[int | None, list[Bucket]] = {}
         if not zero and mesh.size("dp") > 1:
-            for s, ps in zip([*sorted(mine), None], units):
-                self._buckets[s] = make_buckets(ps, bucket_mb) if ps else []
+            self._buckets = {s: make_buckets(ps, bucket_mb) if ps else []
+                             for s, ps in units.items()}
             backward = [a for a in self.plan.actions[stage] if a.kind in ("B", "W")]
             self._last_backward = {a.stage: (a.stage, a.microbatch) for a in backward}
         if zero:
-            self.sharded = ShardedStages(units, self.dp_comm, factory, stage=zero)  # type: ignore[arg-type]
-            by_params = {id(u.params[0]): u for u in self.sharded.units}
-            self._stage_unit = {s: by_params[id(ps[0])] for s, ps in zip(sorted(mine), units)
-                                if ps}
-            self._tied_unit = by_params.get(id(units[-1][0])) if units[-1] else None
+            self.sharded = ShardedStages(list(units.values()), self.dp_comm, factory,
+                                         stage=zero)  # type: ignore[arg-type]
+            made = iter(self.sharded.units)  # one for each list that holds a weight, in order
+            unit_of = {s: next(made) for s, ps in units.items() if ps}
+            self._tied_unit = unit_of.pop(None, None)
+            self._stage_unit = unit_of  # type: ignore[assignment]
             # ZeRO-3: the units each stage's actions need whole (its own, and the tied
             # weights' where it holds one of them)
-            self._uses = {s: [u for u in (self._stage_unit.get(s), self._tied_unit)
-                              if u is not None and any(id(p) in {id(q) for q in u.params}
-                                                       for p in mine[s].parameters())]
-                          for s in mine}
+            holds_tied = {s for g in tied_groups for s in g if s in mine}
+            self._uses = {s: [u for u in (unit_of.get(s),
+                                          self._tied_unit if s in holds_tied else None)
+                              if u is not None] for s in mine}
         self.optimizer = self.sharded.optimizer if self.sharded else factory(self.params)
         self._frozen = self._frozen_now()
         if max_norm is not None and not max_norm > 0:
@@ -227,7 +230,7 @@ class Hybrid:
             # every tp rank only on tp rank 0, a tied weight only on its first stage.
             split = split_dims(self.model)
             tied_owner = {id(cut[min(g)].get_parameter(g[min(g)])): min(g)
-                          for g in _stages_tied(cut)}
+                          for g in tied_groups}
             self._counted = [
                 float((id(p) in split or mesh.coordinate("tp") == 0)
                       and tied_owner.get(id(p), min(mine)) in mine)
@@ -262,36 +265,27 @@ class Hybrid:
                    recompute=plan.recompute == "full", zero=plan.zero,  # type: ignore[arg-type]
                    **kwargs)
 
-    @contextlib.contextmanager
-    def _gathered_for(self, action: Any) -> Iterator[None]:
+    def _gathered_for(self, action: Any) -> AbstractContextManager[None]:
         """ZeRO-3: the stage's weights gathered over dp for one action (F, B, I or W of
         one microbatch), freed after it, as torchtitan runs FSDP inside a pipeline's
-        stages: between actions a rank holds its 1/dp slices only."""
-        assert self.sharded is not None
-        units = self._uses[action.stage]
+        stages: between actions a rank holds its 1/dp shards only."""
+        return self._gathered(self._uses[action.stage])
+
+    def whole_weights(self) -> AbstractContextManager[None]:
+        """Every weight of this rank whole inside the block (ZeRO-3 gathers them over dp,
+        and frees them after): what exports and checkpoints read and write. A no-op for
+        the other stages, whose weights are always whole."""
+        return self._gathered(self.sharded.units if self.zero == 3 else [])  # type: ignore[union-attr]
+
+    @contextlib.contextmanager
+    def _gathered(self, units: list[FlatUnit]) -> Iterator[None]:
         for unit in units:
-            self.sharded.gather(unit)
+            self.sharded.gather(unit)  # type: ignore[union-attr]
         try:
             yield
         finally:
             for unit in units:
-                self.sharded.free(unit)
-
-    @contextlib.contextmanager
-    def whole_weights(self) -> Iterator[None]:
-        """Every weight of this rank whole inside the block (ZeRO-3 gathers them over dp,
-        and frees them after): what exports and checkpoints read and write. A no-op for
-        the other stages, whose weights are always whole."""
-        sharded = self.sharded if self.zero == 3 else None
-        if sharded is not None:
-            for unit in sharded.units:
-                sharded.gather(unit)
-        try:
-            yield
-        finally:
-            if sharded is not None:
-                for unit in sharded.units:
-                    sharded.free(unit)
+                unit.free()
 
     def _frozen_now(self) -> set[int]:
         return {id(p) for p in self.params if not p.requires_grad}

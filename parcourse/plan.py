@@ -24,7 +24,6 @@ A new axis (cp, ep) is a field here, its rules in `problems()`, and a token in t
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
 from dataclasses import dataclass
@@ -87,8 +86,6 @@ class ParallelPlan:
     @property
     def gpus(self) -> int:
         return self.dp * self.tp * self.pp
-
-    world_size = gpus
 
     def schedule_value(self) -> Schedule:
         """The pipeline schedule this plan runs, built (a valid plan's)."""
@@ -166,8 +163,7 @@ class ParallelPlan:
                 and config.n_layers % schedule.stages):
             out.append(f"{schedule.stages} stages do not split {config.n_layers} blocks "
                        "evenly")
-        if self.recompute == "full" and any(a.kind == "I" for acts in schedule.actions
-                                            for a in acts):
+        if self.recompute == "full" and schedule.splits_backward:
             out.append(f"{self.schedule} splits backward into I and W: no full recompute")
         return out
 
@@ -225,9 +221,6 @@ class ParallelPlan:
                                  f"{', '.join(SCHEDULES)})")
             i += 1
         return cls(**fields)  # type: ignore[arg-type]
-
-    def replace(self, **changes: object) -> ParallelPlan:
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
     def __str__(self) -> str:
         return self.label()

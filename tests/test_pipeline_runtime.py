@@ -175,7 +175,7 @@ def test_a_schedule_runs_in_order_and_holds_what_the_simulator_counts(pools, sch
     first = pools[4].run(train, schedule, 8, 1, **SIMULATED)
     plan = first.results[0]["schedule"]
     per_rank = plan.model_stages // plan.ranks
-    split = any(a.kind == "I" for acts in plan.actions for a in acts)
+    split = plan.splits_backward
     forward, backward = 0.08 / per_rank, 0.16 / per_rank
     check_runs_the_schedule(first, {"F": forward, "B": backward, "I": backward / 2,
                                     "W": backward / 2} if split else

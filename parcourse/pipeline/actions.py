@@ -101,6 +101,11 @@ class Schedule:
         return self.routes[microbatch] if self.routes else tuple(range(self.stages))
 
     @cached_property
+    def splits_backward(self) -> bool:
+        """Whether backward is cut into I (the input's gradient) and W (the weights')."""
+        return any(a.kind == "I" for acts in self.actions for a in acts)
+
+    @cached_property
     def entry_stages(self) -> frozenset[int]:
         """The stages where microbatches enter (stage 0; DualPipe's two ends)."""
         return frozenset(self.route(m)[0] for m in range(self.microbatches))

@@ -124,7 +124,7 @@ class PipelineRuntime:
                  around: Callable[[Action], AbstractContextManager[Any]] | None = None
                  ) -> None:
         check(schedule)
-        if recompute and any(a.kind == "I" for acts in schedule.actions for a in acts):
+        if recompute and schedule.splits_backward:
             raise ValueError(f"recompute=True runs each stage's backward whole; {schedule.name} "
                              "splits it into I and W, so it cannot recompute")
         if comm is None:

@@ -228,7 +228,7 @@ def _dp_seconds(choice: Choice, memory: list[dict[str, float]], link: SimulatedL
         scatter = ring / 2 / stages + fixed / 2  # a stage's
         spill = max(0.0, after * scatter - compute * after / (after + 1))  # not hidden
         return ring / 2 + ring / 2 / stages + rings + spill
-    kinds = 3 if _splits_backward(choice) else 2  # actions a microbatch, each a gather
+    kinds = 3 if choice.schedule_value().splits_backward else 2  # actions a microbatch
     return choice.microbatches * (kinds + 1) * ring / 2 + rings
 
 
@@ -246,15 +246,11 @@ def _dp_rings(choice: Choice, stages: int, tied: bool = False, exposed: bool = F
     if choice.zero == 2:
         return (units + 1 + tied) / 2 if exposed else stages * (m + 1) / 2 + tied
     if choice.zero == 3:
-        kinds = 3 if _splits_backward(choice) else 2
+        kinds = 3 if choice.schedule_value().splits_backward else 2
         return (m * kinds * units + m * stages + tied) / 2
     return float(units)  # ZeRO 0: an all-reduce of each stage's bucket (lesson 02's) and
     #                     the tied weights'; ZeRO-1: a reduce-scatter and an all-gather each
 
-
-def _splits_backward(choice: Choice) -> bool:
-    """Whether the choice's schedule cuts backward into I and W."""
-    return any(a.kind == "I" for acts in choice.schedule_value().actions for a in acts)
 
 
 @functools.lru_cache(maxsize=4096)

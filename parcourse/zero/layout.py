@@ -220,6 +220,14 @@ class FlatUnit:
         """An optimizer (or a load) changed the master since the last gather."""
         return self.master._version != self.gathered_version
 
+    def fill(self, whole: torch.Tensor) -> None:
+        """The parameters from a whole buffer, as an all-gather of every rank's part
+        returns it, into the storage they view (made again if it was freed): gathered as
+        of the master now."""
+        self.full.untyped_storage().resize_(self.numel * self.full.element_size())
+        self.unpack(whole.view(self.world_size, self.part_numel))
+        self.gathered_version = self.master._version
+
     def mark_stepped(self) -> None:
         """Gather again before the next use, and drop copies of the old weights."""
         self.gathered_version = -1

@@ -166,8 +166,7 @@ class ZeroStage1(GradSyncModule):
         futures = [(u, self.comm.all_gather(*u.gather_buffers(), async_op=True),
                     time.perf_counter_ns()) for u in self.units if u.stepped()]
         for unit, future, started in futures:
-            unit.unpack(future.result().view(self.world_size, unit.part_numel))
-            unit.gathered_version = unit.master._version
+            unit.fill(future.result())
             self._comm_span("all_gather", started, unit)
 
     # -- what an optimizer sees

@@ -166,10 +166,7 @@ class ZeroStage3(ZeroStage2):
                 whole = torch.stack([zeropp.decode(m, unit.part_numel)[0]
                                      for m in whole.view(self.world_size, n)]
                                     ).to(unit.full.dtype)
-            whole = whole.view(self.world_size, unit.part_numel)
-            unit.full.untyped_storage().resize_(unit.numel * unit.full.element_size())
-            unit.unpack(whole)
-            unit.gathered_version = unit.master._version
+            unit.fill(whole)
             if keep_secondary and self.node_comm is not None and kind != "node":
                 k = self.node_comm.size  # this rank's 1/k of the node's copy
                 mine = whole.view(-1).chunk(k)[self.node_comm.rank]

@@ -12,8 +12,8 @@ gives:
   there), and the full gradients dropped. ZeRO-1 calls it once per unit after the
   schedule; ZeRO-2 and 3 after each microbatch's backward of a stage (`async_op`: while
   the schedule goes on, one at a time; `collect` waits);
-- `gather(unit)` / `free(unit)` (ZeRO-3): the unit's weights whole for one action of the
-  stage, then gone (torchtitan composes FSDP with a pipeline the same way);
+- `gather(unit)` (ZeRO-3), and the unit's own `free()`: its weights whole for one action
+  of the stage, then gone (torchtitan composes FSDP with a pipeline the same way);
 - `step()`: the optimizer steps this rank's shards; under ZeRO-1 and 2 the stepped rows are
   all-gathered into the weights (stage 3 gathers at the next use).
 
@@ -104,15 +104,11 @@ class ShardedStages:
         if unit.gathered():
             return
         self.collect()  # a reduce-scatter in flight on the same group goes first
-        part, whole = unit.gather_buffers()
-        self.comm.all_gather(part, whole)
-        unit.full.untyped_storage().resize_(unit.numel * unit.full.element_size())
-        unit.unpack(whole.view(self.comm.size, unit.part_numel))
-        unit.gathered_version = unit.master._version
+        self._all_gather(unit)
 
-    @staticmethod
-    def free(unit: FlatUnit) -> None:
-        unit.free()
+    def _all_gather(self, unit: FlatUnit) -> None:
+        part, whole = unit.gather_buffers()
+        unit.fill(self.comm.all_gather(part, whole))
 
     # -- the step
 
@@ -126,10 +122,7 @@ class ShardedStages:
         if self.stage == 3:
             return
         for unit in self.units:
-            part, whole = unit.gather_buffers()
-            self.comm.all_gather(part, whole)
-            unit.unpack(whole.view(self.comm.size, unit.part_numel))
-            unit.gathered_version = unit.master._version
+            self._all_gather(unit)
 
     # -- after a load
 

@@ -64,7 +64,7 @@ def latest(root: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint under `root` (the highest step whose directory was
     committed and whose files hold every byte its index names, `problem`), or None when
     there is none."""
-    return next((p for p in _committed(root) if problem(p) is None), None)
+    return resume_problem(root)[0]
 
 
 def _committed(root: str | os.PathLike) -> list[Path]:

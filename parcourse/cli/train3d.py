@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 from parcourse.cli.options import (at_least_one, mesh_against_launcher, plan_from,
                                    plan_options, ranks)
 from parcourse.launch import RankContext, launch
-from parcourse.pipeline.schedule import SCHEDULES
 from parcourse.plan import ParallelPlan
 
 if TYPE_CHECKING:
@@ -155,7 +154,7 @@ def _print_bytes_and_memory(args: argparse.Namespace, results: list[dict[str, An
     from parcourse.theory import mesh_bytes
 
     shape = {"dp": args.dp, "tp": args.tp, "pp": args.pp}
-    plan = SCHEDULES[args.schedule].build(args.pp, args.microbatches, args.chunks)
+    plan = args.parallel_plan.schedule_value()
     theory = mesh_bytes(_config(args), shape, args.zero,
                         stages_per_rank=plan.stages // args.pp)
     print(f"\nper rank    (bytes sent over all {args.steps} steps; what each rank holds after)")

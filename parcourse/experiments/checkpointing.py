@@ -14,6 +14,7 @@ from torch import nn
 from parcourse.checkpointing import (Policy, checkpoint_sequential, run_layers,
                                      run_with_policy, segment_count)
 from parcourse.experiments.exercises import NOT_WRITTEN
+from parcourse.experiments.timing import one_thread
 from parcourse.launch import RankContext
 from parcourse.memory import PeakSavedBytes
 from parcourse.theory import checkpoint_extra_forwards, checkpoint_peak_activations
@@ -30,20 +31,22 @@ def chain(n_layers: int, width: int, seed: int = 0) -> list[nn.Module]:
 def measure_policy(n_layers: int, policy: Policy, *, width: int = 64, batch: int = 32,
                    segments: int | None = None, repeats: int = 3) -> dict[str, Any]:
     """One chain under `policy`: the peak of saved activations over forward and backward
-    (measured), the step time (median of `repeats`), and the theory for both."""
+    (measured), the step time (median of `repeats`, in one thread), and the theory for
+    both."""
     layers = chain(n_layers, width)
     params = [p for layer in layers for p in layer.parameters()]
     x = torch.randn(batch, width, generator=torch.Generator().manual_seed(1))
     seg: int | str = segments if segments is not None else "sqrt"
     peaks, times = [], []
-    for _ in range(repeats):
-        for p in params:
-            p.grad = None
-        start = time.perf_counter()
-        with PeakSavedBytes(exclude=params) as saved:
-            run_with_policy(layers, x, policy, seg).sum().backward()  # sum() saves nothing
-        times.append(time.perf_counter() - start)
-        peaks.append(saved.peak)
+    with one_thread():
+        for _ in range(repeats):
+            for p in params:
+                p.grad = None
+            start = time.perf_counter()
+            with PeakSavedBytes(exclude=params) as saved:
+                run_with_policy(layers, x, policy, seg).sum().backward()  # sum() saves nothing
+            times.append(time.perf_counter() - start)
+            peaks.append(saved.peak)
     one = batch * width * 4  # one layer output, fp32
     k = segment_count(n_layers, seg) if policy == "sqrt" else None  # type: ignore[arg-type]
     return {"n_layers": n_layers, "policy": policy, "peak_bytes": max(peaks),

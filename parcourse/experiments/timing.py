@@ -12,11 +12,26 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Time in one thread, as each rank does: torch's default of one thread per core
+    spends small operations waking the others, and on a machine busy with other work its
+    waiting threads slow a run several times over, and unevenly (a notebook's kernel
+    keeps torch's default)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def take_turns(group: dist.ProcessGroup | None, steps: Mapping[str, Callable[[int], Any]],

@@ -213,7 +213,9 @@ class Contention:
                      if key[0] not in ours)
         self.cpu_s = (every1 - every0) * self._TICK_S
         self.steal = (steal1 - steal0) / (every1 - every0)
-        self.others = others / self.cpu_s
+        # each process's counters and /proc/stat's ticks round apart: on a machine busy to
+        # the last cycle the sum reads a little over all of it
+        self.others = min(1.0, others / self.cpu_s)
 
     def __str__(self) -> str:
         if self.steal is None or self.others is None:

@@ -126,7 +126,8 @@ def _table_1(achievable: float, memory: bool = True) -> list[tuple]:
                         split="blocks")
         cluster = Cluster.preset("a100", gpus, achievable=achievable)
         time = predict_time(config, choice, batch, cluster, dtype="bf16")
-        busiest = max(m["total"] for m in predict_memory(config, choice, batch, "bf16")) \
+        busiest = max(m["total"] for m in predict_memory(config, choice, batch, "bf16",
+                                                         checkpoint="block")) \
             if memory else 0.0
         rows.append((row, paper_flops(config, batch) / time["step"] / gpus / 1e12, time,
                      busiest))
@@ -217,7 +218,7 @@ def against_korthikanti() -> None:
         memory, times = {}, {}
         for label, sp, recompute in CASES:
             choice = korthikanti_choice(name, tp, pp, batch, micro, sp, recompute)
-            per_rank = predict_memory(config, choice, batch, "bf16")
+            per_rank = predict_memory(config, choice, batch, "bf16", checkpoint="block")
             busiest = max(per_rank, key=lambda m: m["total"])
             memory[label] = (busiest["activations"], busiest["total"])
             if label in ("full", "SP+selective"):
@@ -237,8 +238,8 @@ def against_korthikanti() -> None:
         check = f"{saves:.0%} / {paper:.0%} = {saves / paper:.2f}" if paper else f"{saves:.0%} / -"
         print(f"{name:>6} {share['SP']:>6.0%} {share['selective']:>10.0%} "
               f"{share['SP+selective']:>13.0%} {share['full']:>6.1%}   {check}")
-    print("full recompute here keeps each stage's input (as the course's 3D step); "
-          "Megatron-LM's keeps each layer's, 2sbh a layer, hence the paper's 10%")
+    print("full recompute as Megatron-LM runs it: each block's input kept (2sbh a block), "
+          "one block rebuilt at a time in backward")
 
     print("\n(b) memory per GPU, GiB, against 80 GB (Figure 1; the paper: none fits without "
           "SP and selective recompute together, full recompute aside)")

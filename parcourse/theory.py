@@ -371,7 +371,9 @@ def gpt_layer_bytes(config: GPTConfig, layer: int, tp: int = 1, *, batch: int = 
     The loss keeps the softmax (or log-softmax) of this rank's logits, the targets
     (int64) and, vocabulary-parallel (tp > 1), the target masks and the count the mean
     divides by. `pipelined`: the head is on another stage than the embedding, so a tied
-    head holds its own copy of the weight (Megatron-LM's embedding group)."""
+    head holds its own copy of the weight (Megatron-LM's embedding group). "loss": the
+    part of "activations" the loss keeps (0 but on the last layer), which a stage
+    recomputed in backward still holds: the loss runs after the checkpointed stage."""
     if not 0 <= layer <= config.n_layers + 1:
         raise ValueError(f"layer {layer} is not one of the GPT's {config.n_layers + 2}")
     c, n, t, b = config.d_model, tp, config.block_size, batch
@@ -386,6 +388,7 @@ def gpt_layer_bytes(config: GPTConfig, layer: int, tp: int = 1, *, batch: int = 
     drop = config.dropout > 0
     layer_norm = 4 * stream + 2 * 4 * b * (t // cut)
     tokens = b * t
+    loss = 0
     if layer == 0:
         params = vocab_rows + t * c
         held = tokens * (8 + 1) + 8 * t + (stream if drop else 0)
@@ -397,7 +400,7 @@ def gpt_layer_bytes(config: GPTConfig, layer: int, tp: int = 1, *, batch: int = 
         loss = 4 * tokens * math.ceil(config.vocab / n) + 8 * tokens
         loss += 2 * tokens + 8 if n > 1 else 4  # masks and the count; nll's total weight
         held = layer_norm + 4 * tokens * c + loss
-    return {"params": 4 * params, "activations": held}
+    return {"params": 4 * params, "activations": held, "loss": loss}
 
 
 def korthikanti_layer_bytes(config: GPTConfig, layer: int, tp: int = 1, *, batch: int = 1,
@@ -412,10 +415,12 @@ def korthikanti_layer_bytes(config: GPTConfig, layer: int, tp: int = 1, *, batch
     embeddings their dropout mask (sbh, / t under sequence parallelism) when dropout is
     on; the last layer ln_f's input and the head's (4sbh, / t under sequence parallelism)
     and the loss's fp32 logits (4sbv / t, sec. 4.3). `selective`: attention's core is
-    recomputed in backward, so its 5as^2b term is not kept (sec. 5)."""
+    recomputed in backward, so its 5as^2b term is not kept (sec. 5). "loss": the logits'
+    part, as in `gpt_layer_bytes`."""
     s, b, h, a, t = config.block_size, batch, config.d_model, config.n_heads, tp
     params = gpt_layer_bytes(config, layer, tp, pipelined=pipelined)["params"]
     cut = t if sequence_parallel else 1
+    loss = 0.0
     if layer == 0:
         held = s * b * h / cut if config.dropout > 0 else 0.0
     elif layer <= config.n_layers:
@@ -423,8 +428,9 @@ def korthikanti_layer_bytes(config: GPTConfig, layer: int, tp: int = 1, *, batch
         held = (34 * s * b * h / t if sequence_parallel
                 else s * b * h * (10 + 24 / t)) + attention
     else:
-        held = 4 * s * b * h / cut + 4 * s * b * config.vocab / t
-    return {"params": params, "activations": held}
+        loss = 4 * s * b * config.vocab / t
+        held = 4 * s * b * h / cut + loss
+    return {"params": params, "activations": held, "loss": loss}
 
 
 def tp_collectives(config: GPTConfig, batch: int, seq: int, world_size: int,

@@ -29,6 +29,8 @@ MEASURED = [
     Choice(2, 2, 2, "zb-h1", 2),
     Choice(2, 2, 2, "dualpipe-v", 4),
     Choice(4, 1, 2, "interleaved-1f1b", 2, zero=2),
+    Choice(2, 2, 2, "1f1b", 2, recompute="full", sequence_parallel=True),
+    Choice(1, 4, 2, "interleaved-1f1b", 2, recompute="full"),
 ]
 
 
@@ -44,7 +46,9 @@ def test_memory_per_rank_is_predicted_exactly(pool8):
     schedule's own actions); Adam's state is off by its step counters (4 bytes a tensor,
     which the formula leaves out). ZeRO-2's gradients peak at a moment the schedule
     decides (a stage's whole gradient beside the slices so far), walked along its
-    actions. Every pipeline rank, eight configurations."""
+    actions. Under full recompute a microbatch in flight keeps its stage's input and
+    the loss's tensors, and a backward rebuilds the rest of the stage beside them. Every
+    pipeline rank, ten configurations."""
     for choice in MEASURED:
         results = pool8.run(measure, CONFIG, choice, BATCH, 1).results
         for row in measured_against_predicted(results, CONFIG, choice, BATCH):
@@ -54,6 +58,36 @@ def test_memory_per_rank_is_predicted_exactly(pool8):
                 assert got[category] == want[category], (*where, category)
             assert got["optimizer"] == pytest.approx(want["optimizer"], rel=5e-3), where
             assert got["total"] == pytest.approx(want["total"], rel=5e-3), where
+
+
+def test_full_recompute_holds_the_inputs_and_rebuilds_a_checkpoint():
+    """Full recompute is not free: a microbatch in flight keeps what each checkpoint
+    needs again (the course's 3D step: its stage's input; Megatron-LM's: every block's
+    input, and the embeddings' and the head's own), the loss its logits, and a backward
+    rebuilds one checkpoint's activations beside them. A 70B at 4096 tokens, dp 64,
+    ZeRO-3, 8 microbatches, bf16 (its 80 blocks on one stage)."""
+    from parcourse.planner.inputs import model
+    from parcourse.theory import korthikanti_layer_bytes
+
+    config = model("70B", seq=4096)
+    choice = Choice(dp=64, microbatches=8, zero=3, recompute="full")
+    batch = 1  # sequences a microbatch: 512 / (64 x 8)
+    block = korthikanti_layer_bytes(config, 1, batch=batch)["activations"]
+    stream = 2 * config.block_size * config.d_model  # a block's input, 16 bits
+    loss = korthikanti_layer_bytes(config, config.n_layers + 1, batch=batch)
+    whole = sum(korthikanti_layer_bytes(config, lay, batch=batch)["activations"]
+                for lay in range(config.n_layers + 2))
+    ids = 8 * config.block_size
+    (stage,) = predict_memory(config, choice, 512, "bf16", checkpoint="stage")
+    (blocks,) = predict_memory(config, choice, 512, "bf16", checkpoint="block")
+    # one microbatch in flight (no pipeline): the ids and the loss's logits, and the
+    # whole model rebuilt at once; or every block's input and one block rebuilt
+    assert stage["activations"] == pytest.approx(ids + whole)
+    assert blocks["activations"] == pytest.approx(
+        config.n_layers * stream + loss["activations"] + block - stream)
+    assert blocks["activations"] > 2 * 2**30 and stage["activations"] > 100 * 2**30
+    with pytest.raises(ValueError, match="checkpoint 'layer' is neither stage nor block"):
+        predict_memory(config, choice, 512, "bf16", checkpoint="layer")  # type: ignore[arg-type]
 
 
 def test_the_zero_papers_example():

@@ -44,7 +44,7 @@ from parcourse.checkpointing import checkpoint
 from parcourse.comm import Comm, SimulatedLink
 from parcourse.comm.common import backend_for, global_rank
 from parcourse.comm.link import link_between
-from parcourse.memory import SavedActivations, live_bytes
+from parcourse.memory import PeakSavedBytes, SavedActivations, live_bytes
 from parcourse.pipeline.actions import Action, Message, Schedule, check, incoming, outgoing
 from parcourse.pipeline.posting import early_receives
 from parcourse.pipeline.simulate import SimulatedCompute
@@ -178,7 +178,9 @@ class PipelineRuntime:
         self.on_weight_gradients = on_weight_gradients
         self._together = together
         self._around = around
-        self.peak_in_flight_bytes = 0  # of the last step, when a tracer measures them
+        # of the last step, when a tracer measures them: the activations held for the
+        # microbatches in flight, and under recompute those a backward rebuilds beside them
+        self.peak_in_flight_bytes = 0
 
     # -- point to point
 
@@ -485,9 +487,17 @@ class PipelineRuntime:
         return y
 
     def _backward(self, a: Action, grad: torch.Tensor | None) -> torch.Tensor | None:
-        """Backpropagate through the saved graph and free it; the input's gradient."""
+        """Backpropagate through the saved graph and free it; the input's gradient.
+        Recomputed and measured: what the stage's forward saves again while its backward
+        runs (the microbatch's input, already counted, excepted) adds to what is held."""
         x, y, held = self._saved.pop((a.stage, a.microbatch))
-        torch.autograd.backward(y, grad)  # grad None: y is the last stage's loss
+        rebuilt = PeakSavedBytes(exclude=[*self.stages[a.stage].parameters(), x]) \
+            if self.recompute and self.tracer is not None else None
+        with rebuilt if rebuilt is not None else nullcontext():
+            torch.autograd.backward(y, grad)  # grad None: y is the last stage's loss
+        if rebuilt is not None:
+            self.peak_in_flight_bytes = max(self.peak_in_flight_bytes,
+                                            self._in_flight_bytes + rebuilt.peak)
         del y  # the graph, and the activations it saved, go here
         self._count_in_flight(-held, a)
         return x.grad

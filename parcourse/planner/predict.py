@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, Literal
 
 from parcourse.comm import SimulatedLink
 from parcourse.models import GPTConfig
@@ -35,6 +35,8 @@ from parcourse.theory import (
 )
 
 # --------------------------------------------------------------------------- memory
+
+Checkpoint = Literal["stage", "block"]  # what full recompute checkpoints: see predict_memory
 
 
 def stage_layers(config: GPTConfig, choice: Choice) -> list[list[int]]:
@@ -66,9 +68,9 @@ def _layer_bytes(config: GPTConfig, layer: int, choice: Choice, batch: int, dtyp
 
 def _stage_input_bytes(config: GPTConfig, first_layer: int, choice: Choice, batch: int,
                        dtype: Dtype) -> float:
-    """What a stage keeps per microbatch under full recompute: its input (token ids on the
-    first stage; the residual stream, cut along the sequence under sequence parallelism,
-    elsewhere)."""
+    """A stage's input, which it keeps for each microbatch under full recompute: the
+    batch's token ids on the first stage; the residual stream elsewhere, cut along the
+    sequence under sequence parallelism."""
     if first_layer == 0:
         return 8 * batch * config.block_size
     cut = choice.tp if choice.sequence_parallel else 1
@@ -76,11 +78,21 @@ def _stage_input_bytes(config: GPTConfig, first_layer: int, choice: Choice, batc
 
 
 def predict_memory(config: GPTConfig, choice: Choice, global_batch: int,
-                   dtype: Dtype = "fp32") -> list[dict[str, float]]:
+                   dtype: Dtype = "fp32", checkpoint: Checkpoint = "stage"
+                   ) -> list[dict[str, float]]:
     """Bytes on each pipeline rank (every dp and tp rank of it alike), by category:
     "params", "grads", "optimizer", "activations" (the peak the schedule holds) and
-    "total"."""
+    "total".
+
+    Full recompute, `checkpoint`: "stage", the course's 3D step's, each stage one
+    checkpoint (a microbatch in flight keeps the stage's input; its backward rebuilds
+    the whole stage at once); "block", Megatron-LM's (`--recompute-granularity full
+    --recompute-method uniform --recompute-num-layers 1`), each block one (a microbatch
+    keeps every block's input and the embeddings' and the head's own; a backward
+    rebuilds one block at a time). Either way the loss runs outside, keeping its own."""
     check_dtype(dtype)
+    if checkpoint not in ("stage", "block"):
+        raise ValueError(f"checkpoint {checkpoint!r} is neither stage nor block")
     choice.check(config, global_batch, step=False)  # what any implementation could run
     plan = _schedule(choice.schedule, choice.pp, choice.microbatches, choice.chunks)
     layers = stage_layers(config, choice)
@@ -97,8 +109,23 @@ def predict_memory(config: GPTConfig, choice: Choice, global_batch: int,
     per_stage = [[counted(lay) for lay in ls] for ls in layers]
     params = [sum(b["params"] for b in st) for st in per_stage]
     held = [sum(b["activations"] for b in st) for st in per_stage]
-    if choice.recompute == "full":
-        held = [_stage_input_bytes(config, ls[0], choice, batch, dtype) for ls in layers]
+    rebuilt = [0.0] * len(held)
+    if choice.recompute == "full" and checkpoint == "stage":
+        inputs = [_stage_input_bytes(config, ls[0], choice, batch, dtype) for ls in layers]
+        losses = [sum(b["loss"] for b in st) for st in per_stage]
+        # rebuilt: all the stage's layers keep, but for the loss's, and for its input,
+        # which the first block keeps too (the embedding keeps ids of its own, not the
+        # batch's: the first stage rebuilds all of its layers' and holds the batch too)
+        rebuilt = [h - loss - (x if ls[0] > 0 else 0)
+                   for h, loss, x, ls in zip(held, losses, inputs, layers)]
+        held = [x + loss for x, loss in zip(inputs, losses)]
+    elif choice.recompute == "full":
+        stream = _stage_input_bytes(config, 1, choice, batch, dtype)  # a block's input
+        block = counted(1)["activations"]
+        is_block = [[1 <= lay <= config.n_layers for lay in ls] for ls in layers]
+        rebuilt = [block - stream if any(bs) else 0.0 for bs in is_block]
+        held = [sum(stream if b else kept["activations"] for b, kept in zip(bs, st))
+                for bs, st in zip(is_block, per_stage)]
     n, z = choice.dp, choice.zero
     weight_bytes, grad_bytes, state_bytes = (4, 4, 8) if dtype == "fp32" else (2, 2, 12)
     # The tied embedding and head, when the pipeline holds them in two stages: numbers.
@@ -118,11 +145,22 @@ def predict_memory(config: GPTConfig, choice: Choice, global_batch: int,
                              {0, plan.stages - 1} & set(mine), n)
                 if z >= 2 and dtype == "fp32" else grad_bytes * p / n),
             "optimizer": state_bytes * p / (n if z >= 1 else 1),
-            "activations": max(in_flight(plan.actions[rank], held), default=0.0),
+            "activations": _activation_peak(plan.actions[rank], held, rebuilt),
         }
         memory["total"] = sum(memory.values())
         out.append(memory)
     return out
+
+
+def _activation_peak(actions: Any, held: list[float], rebuilt: list[float]) -> float:
+    """The most a rank's activations reach: those held for its microbatches in flight
+    (`held`, each stage's per microbatch) after each action, and during each backward
+    (B) what it rebuilds beside them (`rebuilt`: a stage's recomputed forward, all of
+    it at once when the backward starts, under full recompute)."""
+    alive = in_flight(actions, held)
+    before = [0.0, *alive[:-1]]
+    return max([*alive, *(b + rebuilt[a.stage] for a, b in zip(actions, before)
+                          if a.kind == "B")], default=0.0)
 
 
 def _zero_2_peak(actions: Any, numbers: dict[int, float], tied: float, holds: set[int],

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from parcourse.models import GPTConfig
-from parcourse.plan import Recompute
+from parcourse.plan import Recompute, Split
 from parcourse.planner.inputs import Choice, Cluster, Dtype, GiB, check_dtype
 from parcourse.planner.predict import predict_memory, predict_time
 
@@ -41,11 +41,13 @@ def choices(gpus: int, *, schedules: tuple[str, ...] = ("1f1b", "interleaved-1f1
             microbatches: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
             zero: tuple[int, ...] = (0, 1, 2, 3),
             sequence_parallel: tuple[bool, ...] = (False, True),
-            recompute: tuple[Recompute, ...] = ("none",)) -> list[Choice]:
+            recompute: tuple[Recompute, ...] = ("none",),
+            split: tuple[Split, ...] = ("layers",)) -> list[Choice]:
     """Every factorisation of `gpus` into dp x tp x pp with each schedule, number of
-    microbatches, ZeRO stage and sequence parallelism asked for (sequence parallelism
-    only with tp > 1; one schedule when pp is 1; ZeRO over dp > 1 only, stages 2 and 3
-    only without a pipeline, as DeepSpeed allows them)."""
+    microbatches, ZeRO stage, sequence parallelism, recompute and split asked for
+    (sequence parallelism only with tp > 1; one schedule and one split when pp is 1;
+    ZeRO over dp > 1 only, stages 2 and 3 only without a pipeline, as DeepSpeed allows
+    them)."""
     out = []
     for tp in range(1, gpus + 1):
         for pp in range(1, gpus // tp + 1):
@@ -58,24 +60,28 @@ def choices(gpus: int, *, schedules: tuple[str, ...] = ("1f1b", "interleaved-1f1
                     for z in stages:
                         for sp in sequence_parallel if tp > 1 else (False,):
                             for r in recompute:
-                                out.append(Choice(dp, tp, pp, schedule, m, zero=z,
-                                                  sequence_parallel=sp, recompute=r))
+                                out += [Choice(dp, tp, pp, schedule, m, zero=z,
+                                               sequence_parallel=sp, recompute=r, split=c)
+                                        for c in (split if pp > 1 else split[:1])]
     return out
 
 
 def plan(config: GPTConfig, cluster: Cluster, global_batch: int, *, dtype: Dtype = "fp32",
          candidates: list[Choice] | None = None) -> Plans:
     """Every candidate predicted (by default `choices(cluster.gpus)`, with selective and
-    full recompute too in 16 bits); the ones that fit ranked by step time, the others with
-    the reason. On this machine (`cluster.cores`), only what the course's 3D step runs
-    (`ParallelPlan.problems(step=True)`): every plan ranked can be started with
-    `train3d --plan`."""
+    full recompute too in 16 bits, and on a published cluster both splits, by layer
+    count and Megatron-LM's blocks alone); the ones that fit ranked by step time, the
+    others with the reason. On this machine (`cluster.cores`), only what the course's 3D
+    step runs (`ParallelPlan.problems(step=True)`), its full recompute a checkpoint a
+    stage: every plan ranked can be started with `train3d --plan`. On a published
+    cluster, what Megatron-LM runs: full recompute a checkpoint a block."""
     check_dtype(dtype)
     ranked, rejected = [], []
     here = cluster.cores is not None
     if candidates is None:
         candidates = choices(cluster.gpus, recompute=("none",) if dtype == "fp32"
-                             else ("none", "selective", "full"))
+                             else ("none", "selective", "full"),
+                             split=("layers",) if here else ("layers", "blocks"))
     for choice in candidates:
         item = Planned(choice)
         if problems := choice.problems(config, global_batch, world=cluster.gpus, step=here):
@@ -89,7 +95,8 @@ def plan(config: GPTConfig, cluster: Cluster, global_batch: int, *, dtype: Dtype
         if item.why_not:
             rejected.append(item)
             continue
-        item.memory = predict_memory(config, choice, global_batch, dtype)
+        item.memory = predict_memory(config, choice, global_batch, dtype,
+                                     checkpoint="stage" if here else "block")
         worst = item.memory[item.busiest]
         if worst["total"] > cluster.memory:
             item.why_not = (f"out of memory by {(worst['total'] - cluster.memory) / GiB:.1f} "

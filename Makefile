@@ -28,8 +28,12 @@ LAB_ARGS ?=
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab lessons/ $(ROOT_FLAG) $(LAB_ARGS)
 
+# Several pytest processes, each taking whole files (a module's pools start once, a
+# lesson's cells run in order in one kernel): most of the suite's time is ranks asleep
+# in simulated compute and kernels and browsers starting, not work.
+TEST_WORKERS ?= 3
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 doctor: $(STAMP)
 	$(PY) -m parcourse doctor

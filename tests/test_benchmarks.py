@@ -1,6 +1,8 @@
 """The collectives and training benchmarks run end to end on tiny sizes and print their
 tables."""
 
+import importlib.util
+import math
 import re
 import subprocess
 import sys
@@ -23,12 +25,33 @@ def test_collectives_benchmark_prints_a_ratio_per_size_and_per_pool():
     assert [r[:2] for r in rows] == [["4", "KB"], ["16", "KB"]]
     for r in rows:
         # size, 2 x (busbw, GB/s), ratio, interval, pairs, one ratio per pool
+        # the interval's own figures: test_the_medians_interval_holds_it_95_times_in_100
         ratio, (lo, hi), pairs, pools = float(r[6]), r[7].split("-"), int(r[8]), r[9:]
-        assert float(lo) <= ratio <= float(hi)
+        assert ratio > 0 and float(lo) <= float(hi)
         # repeats_for gives 1600 all-reduces at 4 and 16 KB: 800 per pool, 100 samples of 8
         assert pairs == 200
         assert len(pools) == 2 and all(float(p) > 0 for p in pools)
     assert "loopback p2p ceiling" in done.stdout
+
+
+def test_the_medians_interval_holds_it_95_times_in_100():
+    """The "95% interval" column: x(k) to x(n-1-k) holds the median unless k or fewer of
+    the n values fall below it, or k or fewer above (binomial, n and 1/2): at least 95%,
+    and k as large as allows it (the next k would not). Exact, against the counts."""
+    spec = importlib.util.spec_from_file_location("collectives_benchmark", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def holds(n, k):  # P(k < B < n - k), B ~ binomial(n, 1/2)
+        return sum(math.comb(n, b) for b in range(k + 1, n - k)) / 2**n
+
+    for n in (6, 7, 10, 20, 50, 99, 100, 200, 800, 1600):
+        xs = [float(x) for x in range(n)][::-1]  # any order
+        lo, hi = bench.median_interval(xs)
+        k = int(lo)
+        assert hi == n - 1 - k, n
+        assert holds(n, k) >= 0.95 > holds(n, k + 1), (n, k, holds(n, k))
+    assert bench.median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0)  # too few: all of them
 
 
 def test_collectives_benchmark_refuses_zero_pools():

@@ -67,8 +67,10 @@ def test_accumulation_over_four_microsteps_equals_one_big_batch(pools, impl):
 
     accumulated = pools[2].run(accumulated_gradients, impl, 4, batch=32).results
     big = pools[2].run(accumulated_gradients, impl, 1, batch=32).results
-    for a, b in zip(accumulated, big):
-        for ga, gb in zip(a, b):
+    assert len(accumulated) == len(big) == 2
+    for a, b in zip(accumulated, big, strict=True):
+        assert len(a) == len(b) > 0  # every parameter's gradient, on both sides
+        for ga, gb in zip(a, b, strict=True):
             torch.testing.assert_close(ga, gb, **TOL)
 
 

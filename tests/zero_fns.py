@@ -101,10 +101,11 @@ def mixed(ctx, stage, steps, batch, dtype):
 
 
 def accumulate(ctx, stage, microsteps, batch):
-    """Gradient shards after `microsteps` backward passes, all but the last under no_sync()."""
+    """Gradient shards after `microsteps` backward passes, all but the last under no_sync();
+    None where a parameter has none on this rank."""
     zmodel, _ = zero.shard(Net(), factory("sgd"), stage=stage, group=ctx.group, bucket_mb=0.0005)
     backward_in_microsteps(zmodel, *local_batch(ctx, batch), microsteps)
-    return [p.grad.clone() for p in zmodel.parameters() if p.grad is not None]
+    return [None if p.grad is None else p.grad.clone() for p in zmodel.parameters()]
 
 
 # --- real training loops (param groups, accumulation, a plain optimizer, tied weights)

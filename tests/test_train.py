@@ -1,17 +1,36 @@
 """Training for real: the GPT on the standard library's source, on a mesh."""
 
+import math
+
 import pytest
 import torch
 
 from parcourse.train import TrainSettings, learning_rate
 
 
-def test_the_learning_rate_warms_up_then_decays_to_its_floor():
-    s = TrainSettings(steps=100, warmup=10, lr=1e-3, min_lr=1e-4)
-    lrs = [learning_rate(i, s) for i in range(100)]
-    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
-    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))  # then only down
-    assert lrs[-1] == pytest.approx(1e-4, rel=0.05)
+def cosine_with_warmup(step, steps, warmup, lr, min_lr):
+    """nanoGPT's schedule, written here apart from the library: lr x (step + 1) / warmup
+    for the first `warmup` steps, then half a cosine from lr down to min_lr, reached at
+    step `steps` and kept after it."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    if step >= steps:
+        return min_lr
+    return min_lr + (lr - min_lr) * (1 + math.cos(math.pi * (step - warmup) / (steps - warmup))) / 2
+
+
+@pytest.mark.parametrize("steps, warmup", [(100, 10), (37, 7), (20, 0), (5, 4)])
+def test_the_learning_rate_warms_up_then_decays_to_its_floor(steps, warmup):
+    """Every step, and past the last, value by value (lr / warmup is not min_lr here, so
+    warming up from 0 and from min_lr differ)."""
+    lr, min_lr = 1e-3, 3e-5
+    s = TrainSettings(steps=steps, warmup=warmup, lr=lr, min_lr=min_lr)
+    for step in range(steps + 5):
+        assert learning_rate(step, s) == pytest.approx(
+            cosine_with_warmup(step, steps, warmup, lr, min_lr), rel=1e-12, abs=0), step
+
+
+def test_settings_that_do_not_divide_are_refused():
     assert TrainSettings(dp=3, batch=16).problems() == [
         "the global batch of 16 does not cut into dp 3 x 2 microbatches equal parts"]
 

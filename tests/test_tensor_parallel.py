@@ -83,8 +83,11 @@ def test_gradients_accumulated_over_microbatches(pools, sequence_parallel):
 def test_three_adam_steps_reach_the_same_weights(pools, world_size, sequence_parallel, dtype):
     # fp32: the same losses; fp64: the same weights too (tp_fns.adam_steps says why).
     results = pools[world_size].run(TP.adam_steps, sequence_parallel, dtype).results
-    for ref, split in results[0]:
-        assert split == pytest.approx(ref, rel=1e-5)
+    assert len(results) == world_size
+    for losses in results:  # every rank's, each step's
+        assert len(losses) == 3
+        for ref, split in losses:
+            assert split == pytest.approx(ref, rel=1e-5)
 
 
 @SIZES

@@ -37,5 +37,7 @@ def test_ours_and_torchs_composition_time_a_step_from_the_same_loss(pool4, shape
             assert all(math.isfinite(t) and t > 0 for t in r["times"][name])
     last_stage = [r["losses"] for r in results if r["losses"]["ours"][0] is not None]
     assert len(last_stage) == 4 // shape.get("pp", 1)  # the last stage's ranks report
-    for losses in last_stage:
-        assert losses["torch"][0] == pytest.approx(losses["ours"][0], rel=1e-4)
+    for losses in last_stage:  # before any update, and after one Adam step, which moves
+        # the loss by 0.7% (they agree to every printed digit; an update 1% off would not)
+        assert len(losses["ours"]) == len(losses["torch"]) == 2
+        assert losses["torch"] == pytest.approx(losses["ours"], rel=1e-5)

@@ -254,6 +254,68 @@ def test_bucket_check_tells_stub_wrong_and_right(capsys):
         "got [[0, 1], [2], [3]]. Hint: walk the parameters from the last to the first, and "
         "start a new bucket when the next one would not fit.\n")
     assert data_parallel.check_buckets(right)
+    capsys.readouterr()
+    # every reasonable spelling of a right answer: tuples, numpy's or torch's integers
+    import numpy as np
+
+    assert data_parallel.check_buckets(lambda s, lim: tuple(tuple(b) for b in right(s, lim)))
+    assert data_parallel.check_buckets(lambda s, lim: [np.array(b) for b in right(s, lim)])
+    assert data_parallel.check_buckets(lambda s, lim: [torch.tensor(b) for b in right(s, lim)])
+    capsys.readouterr()
+    for wrong in (lambda s, lim: None, lambda s, lim: [[0.5]], lambda s, lim: 3):
+        assert data_parallel.check_buckets(wrong) is False
+        assert capsys.readouterr().out.startswith("expected a list of buckets")
+
+
+def test_the_mesh_exercise_answers_every_wrong_answer_in_a_line(capsys):
+    """Lesson 09's check_coordinates: the right answer passes; the first axis changing
+    fastest, no dict, a missing axis and a raise are each one line, never a traceback."""
+    from parcourse.experiments.hybrid import check_coordinates
+    from parcourse.mesh import Layout
+
+    def right(rank, sizes):
+        return Layout(tuple(sizes), tuple(sizes.values())).coordinates(rank)
+
+    def first_fastest(rank, sizes):
+        out = {}
+        for axis, size in sizes.items():
+            rank, out[axis] = divmod(rank, size)
+        return out
+
+    assert check_coordinates(right)
+    assert capsys.readouterr().out.startswith("Correct: every rank of 5 meshes")
+    assert not check_coordinates(first_fastest)
+    assert "Hint: the last axis changes fastest" in capsys.readouterr().out
+    for wrong in (lambda r, s: None, lambda r, s: {"dp": 0}, lambda r, s: 1 / 0):
+        assert not check_coordinates(wrong)
+        out = capsys.readouterr().out
+        assert out.count("\n") == 1 and out.startswith("Not "), out
+
+
+def test_the_planning_exercise_answers_every_wrong_answer_in_a_line(capsys):
+    """Lesson 09's check_plan: the planner's best passes; the wrong GPU count, a plan
+    turned down, a slow plan, a wrong type and a raise are each one line."""
+    from parcourse.experiments.planning import check_plan, exercise_plans
+
+    _, cluster, plans = exercise_plans()
+    best = plans.ranked[0].choice
+    assert check_plan(lambda: (best.dp, best.tp, best.pp, best.microbatches))
+    assert capsys.readouterr().out.startswith("Correct: ")
+    slow = next(p.choice for p in plans.ranked
+                if p.time["step"] > 1.2 * plans.ranked[0].time["step"])
+    turned_down = next(p.choice for p in plans.rejected
+                       if p.why_not.startswith("out of memory"))
+    cases = {(1, 1, 1, 1): f"the cluster has {cluster.gpus} GPUs",
+             (slow.dp, slow.tp, slow.pp, slow.microbatches): "the best's",
+             (turned_down.dp, turned_down.tp, turned_down.pp, turned_down.microbatches):
+                 "is turned down: out of memory",
+             "dp2": "return four whole numbers", None: "return four whole numbers"}
+    for answer, said in cases.items():
+        assert not check_plan(lambda answer=answer: answer)
+        out = capsys.readouterr().out
+        assert said in out and out.count("\n") == 1 and out.startswith("Not quite"), out
+    assert not check_plan(lambda: 1 / 0)
+    assert capsys.readouterr().out.startswith("Not yet: your function raised ZeroDivisionError")
 
 
 def test_data_parallel_steps_times_every_configuration_over_every_link(pool2):

@@ -317,3 +317,8 @@ def test_quantize_exercise_check(capsys):
     assert "more than half a step" in out and "round (not truncate)" in out
     assert not check_quantize(lambda x, block: x)
     assert "expected a pair (q, scales)" in capsys.readouterr().out
+    # a right answer spelt otherwise: a list, scales as a column
+    assert check_quantize(lambda x, block: list(zeropp.quantize(x, block)))
+    assert check_quantize(lambda x, block: (zeropp.quantize(x, block)[0],
+                                            zeropp.quantize(x, block)[1][:, None]))
+    assert capsys.readouterr().out.count("correct: ") == 2

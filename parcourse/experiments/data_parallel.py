@@ -254,6 +254,17 @@ def check_launch_rule(rule: LaunchRule) -> bool:
     return True
 
 
+def index_lists(got: Any) -> list[list[int]] | None:
+    """An answer made of groups of indices as lists of lists of ints, whatever it was
+    spelt with (tuples, numpy or torch integers); None when it is not that."""
+    import operator
+
+    try:
+        return [[operator.index(i) for i in group] for group in got]
+    except TypeError:
+        return None
+
+
 def check_buckets(fn: Callable[[list[int], int], list[list[int]]]) -> bool:
     """Exercise check for lesson 02: `fn(sizes, limit)` must group parameter indices as
     BucketedDataParallel does (reverse order, at most `limit` bytes, a larger
@@ -267,6 +278,11 @@ def check_buckets(fn: Callable[[list[int], int], list[list[int]]]) -> bool:
         expected = [[index[id(p)] for p in b.params] for b in make_buckets(params, limit / 2**20)]
         answered, got = ask(fn, [p.numel() * 4 for p in params], limit)
         if not answered:
+            return False
+        got = index_lists(got)
+        if got is None:
+            print("expected a list of buckets, each a list (or tuple) of parameter indices, "
+                  f"e.g. {expected}")
             return False
         if got != expected:
             print(f"Not quite (sizes {[p.numel() * 4 for p in params]}, limit {limit}): "

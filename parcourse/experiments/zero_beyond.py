@@ -287,7 +287,7 @@ def check_quantize(fn: Any) -> bool:
     answered, got = ask(fn, x, BLOCK)
     if not answered:
         return False
-    if not (isinstance(got, tuple) and len(got) == 2):
+    if not (isinstance(got, (tuple, list)) and len(got) == 2):
         print("expected a pair (q, scales)")
         return False
     q, scales = got
@@ -301,7 +301,8 @@ def check_quantize(fn: Any) -> bool:
         return False
     padded = torch.zeros(blocks * BLOCK, dtype=torch.int8)
     padded[:q.numel()] = q.reshape(-1)[:blocks * BLOCK]
-    back = (padded.view(blocks, BLOCK).float() * scales.float()[:, None]).view(-1)[:x.numel()]
+    scales = scales.float().reshape(-1, 1)  # one a block, in whatever shape it came
+    back = (padded.view(blocks, BLOCK).float() * scales).view(-1)[:x.numel()]
     err = (back - x).abs()
     bound = error_bound(x)
     if (err > bound).any():

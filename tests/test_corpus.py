@@ -58,6 +58,37 @@ def test_replicas_read_disjoint_rows_that_cover_each_global_batch():
     assert whole.epoch > 1
 
 
+def test_each_epoch_reads_every_window_once_in_a_new_order():
+    """Windows told apart by their first token (the data counts up): within an epoch
+    none twice, all but the few that do not fill a batch, and each epoch in an order of
+    its own (a loader that never reshuffles reads the same order every epoch)."""
+    data = np.arange(4_001, dtype=np.int64)
+    loader = ShardedLoader(data, 40, 7, seed=2)  # 100 windows: 14 batches, 2 left out
+    orders = []
+    for _ in range(3):
+        starts = [int(t) for _ in range(loader.batches_per_epoch)
+                  for t in loader.next()[0][:, 0]]
+        assert len(set(starts)) == len(starts) == 98
+        assert all(s % 40 == 0 for s in starts)
+        orders.append(starts)
+    assert orders[0] != orders[1] != orders[2] and orders[0] != orders[2]
+    assert loader.epoch == 2
+
+
+def test_a_save_at_the_very_end_of_an_epoch_resumes_into_the_next():
+    data = np.arange(4_001, dtype=np.int64)
+    run = ShardedLoader(data, 40, 7, replica=0, replicas=2, seed=2)
+    for _ in range(run.batches_per_epoch):  # the epoch's last batch read, nothing more
+        run.next()
+    saved = run.state_dict()
+    after = [run.next() for _ in range(3)]
+    assert run.epoch == 1
+    resumed = ShardedLoader(data, 40, 7, replica=0, replicas=2, seed=2)
+    resumed.load_state_dict(saved)
+    for (x, y), (rx, ry) in zip(after, [resumed.next() for _ in range(3)], strict=True):
+        assert torch.equal(x, rx) and torch.equal(y, ry)
+
+
 def test_a_resumed_loader_reads_what_the_uninterrupted_one_reads():
     data = tokens(3_000)
     run = ShardedLoader(data, 32, 8, replica=1, replicas=2, seed=5)

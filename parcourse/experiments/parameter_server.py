@@ -56,7 +56,8 @@ def parameter_server_training(ctx: RankContext, mode: Mode, updates: int = 20, *
     BSP makes `updates` updates of N-1 averaged gradients; ASP applies the same
     number of gradients, (N-1) x updates, one at a time, each with lr / (N-1). Worker 1 sleeps
     `straggler_ms` per gradient (a slow machine). The server returns the loss on
-    all the data after every gradient applied, the staleness of each, and times.
+    all the data after every gradient applied, the staleness of each, times, and the
+    weights at the end (as one vector, in `parameters()` order).
     """
     if ctx.world_size < 2:
         raise ValueError("a parameter server needs at least 2 ranks: a server and a worker")
@@ -127,7 +128,8 @@ def _serve(ctx: RankContext, mode: str, model: nn.Module, x: torch.Tensor, y: to
                 issued += 1
             else:
                 push(sender, stop=True)
-    return {"loss": losses, "staleness": staleness, "time_s": times, "workers": workers}
+    return {"loss": losses, "staleness": staleness, "time_s": times, "workers": workers,
+            "weights": weights.clone()}
 
 
 def _work(model: nn.Module, x: torch.Tensor, y: torch.Tensor, delay_ms: float,
@@ -147,23 +149,3 @@ def _work(model: nn.Module, x: torch.Tensor, y: torch.Tensor, delay_ms: float,
             grad = _gradient(model, x, y)
         with ctx.tracer.span("push gradient", kind="comm"):
             dist.send(torch.cat([grad, torch.tensor([version])]), 0, ctx.group)
-
-
-def reference_bsp(world_size: int, updates: int, *, lr: float = 0.1, d: int = 16,
-                  hidden: int = 32, samples: int = 256) -> list[float]:
-    """BSP in one process: the same updates without any messages (for the tests)."""
-    model = mlp(d, hidden, d, depth=2)
-    x, y = regression(samples, d, d)
-    workers = world_size - 1
-    weights = parameters_to_vector(model.parameters()).detach()
-    losses = []
-    for _ in range(updates):
-        grads = []
-        for w in range(workers):
-            vector_to_parameters(weights, model.parameters())
-            grads.append(_gradient(model, shard(x, w, workers), shard(y, w, workers)))
-        weights = weights - lr * torch.stack(grads).mean(0)
-        vector_to_parameters(weights, model.parameters())
-        with torch.no_grad():
-            losses += [_loss(model, x, y).item()] * workers
-    return losses

@@ -144,24 +144,6 @@ def train(ctx: RankContext, schedule: str, microbatches: int, steps: int = 2, *,
             "held_per_stage": held}
 
 
-def one_process(steps: int = 2, *, model: Model = "mlp", depth: int = 8, width: int = 16,
-                batch: int = 16, lr: float = 0.05, accumulate: int = 1,
-                frozen: tuple[str, ...] = (), weight_decay: float = 0.0
-                ) -> dict[str, torch.Tensor]:
-    """The same training in one process, on the whole batch (or its `accumulate` parts,
-    gradients added up)."""
-    _, whole, x, y, loss_fn = model_and_data(model, depth, width, batch)
-    for name in frozen:
-        whole.get_parameter(name).requires_grad_(False)
-    opt = torch.optim.SGD(whole.parameters(), lr=lr, weight_decay=weight_decay)
-    for _ in range(steps):
-        for xs, ys in zip(x.chunk(accumulate), y.chunk(accumulate)):
-            loss_fn(whole(xs), ys).backward()
-        opt.step()
-        opt.zero_grad()
-    return {n: p.detach().clone() for n, p in whole.named_parameters()}
-
-
 def bubble_of(run: Any) -> float:
     """The measured bubble of a `train` run's last step, over all ranks."""
     spans = [s for r in run.results for s in r["spans"]]

@@ -215,7 +215,8 @@ def test_checkpointed_tensor_parallel_block_recomputes_its_communication(pools, 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_gpipe_with_recomputation(pools, world_size):
     """Each stage keeps only its microbatches' inputs: less in flight, same weights."""
-    from parcourse.experiments.pipeline import one_process, train
+    from parcourse.experiments.pipeline import train
+    from pipeline_reference import one_process
 
     def peak(run):
         counts = [c.meta["now"] for c in run.trace.counters

@@ -163,6 +163,14 @@ def test_lesson_10s_exercise_check_and_meshes(capsys):
     assert "each replica must start where the one before it ended" in capsys.readouterr().out
     assert not check_replica_rows(lambda b, n, r: (0, b) if r == 0 else (b, b))
     assert "at most one apart" in capsys.readouterr().out
+    # the round-robin rows the prose has just described, no answer, a raise, a wrong type:
+    # each a line, never a traceback from the course's code
+    for wrong in (lambda b, n, r: list(range(r, b, n)), lambda b, n, r: None,
+                  lambda b, n, r: 1 / 0, lambda b, n, r: "0:4", lambda b, n, r: (0.5, 2)):
+        assert not check_replica_rows(wrong)
+        out = capsys.readouterr().out
+        assert out.count("\n") == 1 and out.startswith("Not "), out
+    assert check_replica_rows(lambda b, n, r: list(chunk_bounds(b, n)[r]))  # a list will do
     for world_size in range(1, 5):
         for mesh in meshes(world_size):
             s = lesson_settings(mesh, 16)

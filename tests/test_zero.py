@@ -437,6 +437,15 @@ def test_unpack_exercise_check(capsys):
     assert not check_unpack(lambda parts, shapes, n: parts.view(-1, 5))
     assert "your function raised RuntimeError" in capsys.readouterr().out
 
+    def forgets_return(parts, shapes, n):
+        right(parts, shapes, n)
+
+    assert not check_unpack(forgets_return)
+    assert capsys.readouterr().out == (
+        "Not quite: expected a list of tensors, one per parameter, got NoneType (is a return "
+        "missing?).\n")
+    assert check_unpack(lambda parts, shapes, n: tuple(right(parts, shapes, n)))
+
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_mixed_precision_masters_are_the_given_weights_bitwise(pools, world_size):

@@ -120,6 +120,17 @@ def measured_against_plan(run: Any, s: TrainSettings, flops: float) -> dict[str,
             "measured_step_s": seconds, "predicted_step_s": predicted["step"]}
 
 
+def _pair(answer: Any) -> tuple[int, int] | None:
+    """(start, end) as two whole numbers, whatever spelt them; None if it is not that."""
+    import operator
+
+    try:
+        start, end = answer
+        return operator.index(start), operator.index(end)
+    except (TypeError, ValueError):
+        return None
+
+
 def check_replica_rows(fn: Callable[[int, int, int], Any]) -> bool:
     """Lesson 10's exercise: `fn(batch, replicas, replica)` gives (start, end), the rows
     of a global batch that replica reads. Checked for every batch up to 24 and every
@@ -128,9 +139,16 @@ def check_replica_rows(fn: Callable[[int, int, int], Any]) -> bool:
     for batch in range(1, 25):
         for replicas in range(1, batch + 1):
             where = f"{count(batch, 'row')} over {count(replicas, 'replica')}"
-            ok, rows = ask(lambda: [tuple(fn(batch, replicas, r)) for r in range(replicas)],
-                           where=f"with {where}, ")
+            ok, answers = ask(lambda: [fn(batch, replicas, r) for r in range(replicas)],
+                              where=f"with {where}, ")
             if not ok:
+                return False
+            rows = [_pair(a) for a in answers]
+            if None in rows:
+                bad = rows.index(None)
+                print(f"Not quite: {where}, replica {bad} got {answers[bad]!r}: "
+                      "return the pair (start, end) of its rows, one contiguous range (a "
+                      "DistributedSampler's every-n-th row is not one).")
                 return False
             ends = [0] + [end for _, end in rows]
             if [start for start, _ in rows] != ends[:-1] or ends[-1] != batch:

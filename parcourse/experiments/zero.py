@@ -290,6 +290,10 @@ def check_unpack(fn: Callable[[torch.Tensor, list[tuple[int, ...]], int], list[t
                                 where=f"with shapes {shapes} on {world_size} ranks, ")
             if not answered:
                 return False
+            if not isinstance(got, (list, tuple)):
+                print(f"Not quite: expected a list of tensors, one per parameter, got "
+                      f"{type(got).__name__}{' (is a return missing?)' * (got is None)}.")
+                return False
             for shape, e, o in zip(shapes, expected, list(got) + [None] * len(shapes)):
                 if not (torch.is_tensor(o) and o.shape == e.shape and torch.equal(o, e)):
                     seen = tuple(o.shape) if torch.is_tensor(o) else type(o).__name__

@@ -749,3 +749,17 @@ def dualpipe_formula(p: int, m: int, v: int, f: float, b: float, w: float) -> fl
     if f + b <= 0 or abs(f - (b - w)) > 1e-9 * (f + b):
         return None
     return bubble_fraction(dualpipe_apart_bubble_time(p, f, b, w), m, f, b)
+
+
+def ring_attention_bytes(lengths: list[int], rank: int, bytes_per_token: int
+                         ) -> dict[str, int]:
+    """Theory: bytes `rank` sends in one step of ring attention (pass-KV, autograd's
+    backward), its ring holding `lengths` tokens on each rank, K and V together
+    `bytes_per_token` a token (2 x batch x heads x head dim x element size). Forward: P - 1
+    messages, the blocks of ranks rank, rank - 1, ..., rank - P + 2 passed on (each block
+    the one received the step before). Backward: P - 1 messages back, the gradients of the
+    blocks received, from rank - 1 to rank - P + 1."""
+    p = len(lengths)
+    forward = sum(lengths[(rank - s) % p] for s in range(p - 1)) * bytes_per_token
+    backward = sum(lengths[(rank - s - 1) % p] for s in range(p - 1)) * bytes_per_token
+    return {"forward": forward, "backward": backward, "messages": 2 * (p - 1)}

@@ -1,0 +1,310 @@
+"""Attention over a sequence cut across ranks: the block and its merge, the cut, and the
+three methods (`parcourse.context_parallel` says what each is).
+
+Tensors are (batch, heads, tokens, head dim), as `scaled_dot_product_attention` takes
+them; the tokens dim is the one cut. Scores, the softmax and the merge run in fp32 (fp64
+for fp64 inputs), whatever the inputs' dtype.
+
+Backward is autograd's, through the communication: each transfer is an autograd function
+whose backward sends the gradient back the way the tensor came (`_Shift`: to the left
+neighbour; `_AllGather`: summed back to its owner; `_AllToAll`: the inverse all-to-all).
+That keeps the forward the only code to read, as lesson 01's ring was written before it
+was made fast; the price is memory: autograd keeps every block of K and V a rank saw, P
+of them for the ring (all of K and V, as the all-gather holds anyway), where a
+hand-written backward (flash attention's: rebuild P from the log-sum-exp, send dK and dV
+round the ring again) would keep one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from parcourse.comm import Comm
+from parcourse.ranges import chunk_bounds
+
+Method = Literal["ring", "all-gather", "ulysses"]
+Layout = Literal["contiguous", "zigzag"]
+METHODS: tuple[Method, ...] = ("ring", "all-gather", "ulysses")
+LAYOUTS: tuple[Layout, ...] = ("contiguous", "zigzag")
+TOKENS = 2  # the dim of (batch, heads, tokens, head dim) that is cut
+
+
+# --------------------------------------------------------------------------- the cut
+
+
+def chunks_of(rank: int, size: int, layout: Layout) -> list[int]:
+    """The chunks of the sequence rank `rank` of `size` holds, in its order: chunk `rank`
+    of `size` (contiguous), or chunks `rank` and 2 size - 1 - rank of 2 size (zigzag)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    return [rank] if layout == "contiguous" else [rank, 2 * size - 1 - rank]
+
+
+def _bounds(tokens: int, size: int, layout: Layout) -> list[tuple[int, int]]:
+    n = size if layout == "contiguous" else 2 * size
+    if tokens < n:
+        raise ValueError(f"a sequence of {tokens} tokens cannot be cut into the {n} chunks "
+                         f"the {layout} layout gives {size} ranks")
+    return chunk_bounds(tokens, n)
+
+
+def positions(tokens: int, rank: int, size: int, layout: Layout = "contiguous"
+              ) -> torch.Tensor:
+    """The positions in the whole sequence of rank `rank`'s tokens, in its order (for the
+    position embedding, and the causal mask)."""
+    bounds = _bounds(tokens, size, layout)
+    return torch.cat([torch.arange(*bounds[c]) for c in chunks_of(rank, size, layout)])
+
+
+def shard_sequence(x: torch.Tensor, rank: int, size: int, layout: Layout = "contiguous",
+                   dim: int = TOKENS) -> torch.Tensor:
+    """Rank `rank`'s tokens of the whole sequence `x` (cut along `dim`); uneven lengths
+    are fine, the first chunks one token longer (`chunk_bounds`)."""
+    return x.index_select(dim, positions(x.shape[dim], rank, size, layout).to(x.device))
+
+
+def unshard_sequence(parts: Sequence[torch.Tensor], layout: Layout = "contiguous",
+                     dim: int = TOKENS) -> torch.Tensor:
+    """The whole sequence again from every rank's part, in rank order."""
+    size = len(parts)
+    tokens = sum(p.shape[dim] for p in parts)
+    order = torch.cat([positions(tokens, r, size, layout) for r in range(size)])
+    whole = torch.cat(list(parts), dim=dim)
+    return whole.index_select(dim, torch.argsort(order).to(whole.device))
+
+
+# --------------------------------------------------------------------------- one block
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None,
+                    scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of queries `q` over the keys `k` and values `v` of one block:
+    (out, lse), out in fp32 (fp64 for fp64 inputs), lse the log-sum-exp of each query's
+    scores (batch, heads, queries). With positions, a causal mask: a key after its query
+    is hidden. A query that sees no key of the block gets out 0 and lse -inf, which
+    `merge` gives no weight."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q.to(acc) @ k.to(acc).transpose(-2, -1)) * scale
+    if q_pos is not None and k_pos is not None:
+        hidden = k_pos.to(scores.device)[None, :] > q_pos.to(scores.device)[:, None]
+        scores = scores.masked_fill(hidden, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    seen = torch.isfinite(lse)
+    p = torch.exp(scores - torch.where(seen, lse, torch.zeros_like(lse))[..., None])
+    return p @ v.to(acc), lse
+
+
+def merge(out_a: torch.Tensor | None, lse_a: torch.Tensor | None, out_b: torch.Tensor,
+          lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two blocks' results for the same queries as one: each rescaled by its share of
+    the two softmax sums, exp(lse - lse of both), so the result is the softmax over both
+    blocks' keys exactly (no block needs the others' maximum). `out_a` None: nothing yet."""
+    if out_a is None or lse_a is None:
+        return out_b, lse_b
+    lse = torch.logaddexp(lse_a, lse_b)
+    both = torch.isfinite(lse)  # -inf for both: no key seen yet, keep 0
+    safe = torch.where(both, lse, torch.zeros_like(lse))
+    wa = torch.where(both, torch.exp(lse_a - safe), torch.zeros_like(lse))
+    wb = torch.where(both, torch.exp(lse_b - safe), torch.zeros_like(lse))
+    return out_a * wa[..., None] + out_b * wb[..., None], lse
+
+
+def _attend(acc: tuple[Any, Any], q: torch.Tensor, q_chunks: list[tuple[int, torch.Tensor]],
+            k: torch.Tensor, v: torch.Tensor, k_chunks: list[tuple[int, torch.Tensor]],
+            causal: bool, scale: float | None) -> tuple[Any, Any]:
+    """Merge into `acc` (out, lse) of all of this rank's queries what the block (k, v)
+    gives them, chunk by chunk of each; pairs the mask hides entirely are skipped."""
+    outs, lses = [], []
+    for i, (qc, q_pos) in enumerate(q_chunks):
+        start = sum(len(p) for _, p in q_chunks[:i])
+        qs = q.narrow(TOKENS, start, len(q_pos))
+        out, lse = None, None
+        offset = 0
+        for kc, k_pos in k_chunks:
+            ks, vs = k.narrow(TOKENS, offset, len(k_pos)), v.narrow(TOKENS, offset, len(k_pos))
+            offset += len(k_pos)
+            if causal and kc > qc:
+                continue  # every key after every query: nothing to see
+            masked = causal and kc == qc  # the diagonal; before it, every key is seen
+            o, s = block_attention(qs, ks, vs, q_pos if masked else None,
+                                   k_pos if masked else None, scale)
+            out, lse = merge(out, lse, o, s)
+        if out is None or lse is None:  # no key of the block for these queries
+            shape = (*q.shape[:TOKENS], len(q_pos))
+            acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+            lse = torch.full(shape, float("-inf"), dtype=acc_dtype, device=q.device)
+            out = torch.zeros(*shape, v.shape[-1], dtype=acc_dtype, device=q.device)
+        outs.append(out)
+        lses.append(lse)
+    block = (torch.cat(outs, dim=TOKENS), torch.cat(lses, dim=TOKENS))
+    return merge(acc[0], acc[1], *block)
+
+
+# --------------------------------------------------------------------------- transfers
+
+
+class _Shift(torch.autograd.Function):
+    """The tensor received from the left neighbour, whose transfer `pending` started (the
+    send of ours to the right with it); backward sends the gradient back: to the left,
+    and ours arrives from the right."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, pending: tuple[Comm, list[Any], torch.Tensor],
+                left: int, right: int, tag: int) -> torch.Tensor:
+        comm, works, incoming = pending
+        for w in works:
+            w.wait()
+        ctx.comm, ctx.left, ctx.right, ctx.tag = comm, left, right, tag
+        ctx.shape = x.shape
+        return incoming
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        comm: Comm = ctx.comm
+        back = torch.empty(ctx.shape, dtype=grad.dtype, device=grad.device)
+        works = [comm.send(grad.contiguous(), ctx.left, ctx.tag),
+                 comm.recv(back, ctx.right, ctx.tag)]
+        for w in works:
+            w.wait()
+        return back, None, None, None, None
+
+
+def _start_shift(comm: Comm, x: torch.Tensor, shape: Sequence[int], left: int, right: int,
+                 tag: int) -> tuple[Comm, list[Any], torch.Tensor]:
+    incoming = torch.empty(tuple(shape), dtype=x.dtype, device=x.device)
+    works = [comm.send(x.detach().contiguous(), right, tag), comm.recv(incoming, left, tag)]
+    return comm, works, incoming
+
+
+class _AllGather(torch.autograd.Function):
+    """Every rank's x, padded to the longest along the tokens dim, stacked in rank order;
+    backward: each rank's gradient summed over the ranks and handed back to its owner."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, longest: int) -> torch.Tensor:
+        size = dist.get_world_size(group)
+        padded = torch.nn.functional.pad(x, (0, 0, 0, longest - x.shape[TOKENS]))
+        parts = [torch.empty_like(padded) for _ in range(size)]
+        dist.all_gather(parts, padded.contiguous(), group=group)
+        ctx.group, ctx.tokens, ctx.rank = group, x.shape[TOKENS], dist.get_rank(group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)  # gloo has no reduce-scatter
+        return grad[ctx.rank].narrow(TOKENS, 0, ctx.tokens), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """Pieces of x along dim 0, piece j of `sends` rows to rank j, rank j's `receives[j]`
+    rows from it, in rank order; backward: the same, the other way."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, sends: list[int],
+                receives: list[int]) -> torch.Tensor:
+        out = x.new_empty(sum(receives), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), receives, sends, group=group)
+        ctx.group, ctx.sends, ctx.receives = group, sends, receives
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        back = grad.new_empty(sum(ctx.sends), *grad.shape[1:])
+        dist.all_to_all_single(back, grad.contiguous(), ctx.sends, ctx.receives,
+                               group=ctx.group)
+        return back, None, None, None
+
+
+# --------------------------------------------------------------------------- the methods
+
+
+def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      group: dist.ProcessGroup | None = None, *, tokens: int,
+                      method: Method = "ring", layout: Layout = "contiguous",
+                      causal: bool = False, scale: float | None = None,
+                      comm: Comm | None = None) -> torch.Tensor:
+    """Attention of this rank's queries over the whole sequence's keys, each rank of
+    `group` holding its tokens (`shard_sequence(x, rank, size, layout)`) of a sequence
+    of `tokens`: this rank's rows of `scaled_dot_product_attention(q, k, v,
+    is_causal=causal)` on the whole, in q's dtype. `comm`: the ring's messages (a `Comm`
+    over `group`, traced or over a simulated link); one is made without it."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    mine = positions(tokens, rank, size, layout)
+    if q.shape[TOKENS] != len(mine) or k.shape[TOKENS] != len(mine) \
+            or v.shape[TOKENS] != len(mine):
+        raise ValueError(f"rank {rank} of {size} holds {len(mine)} of the {tokens} tokens "
+                         f"({layout}), got q, k, v of {q.shape[TOKENS]}, {k.shape[TOKENS]}, "
+                         f"{v.shape[TOKENS]}")
+    bounds = _bounds(tokens, size, layout)
+
+    def chunks(r: int) -> list[tuple[int, torch.Tensor]]:
+        return [(c, torch.arange(*bounds[c])) for c in chunks_of(r, size, layout)]
+
+    if method == "ulysses":
+        return _ulysses(q, k, v, group, rank, size, tokens, layout, causal, scale)
+    acc: tuple[Any, Any] = (None, None)
+    if method == "all-gather":
+        lengths = [sum(len(p) for _, p in chunks(r)) for r in range(size)]
+        keys = _AllGather.apply(k, group, max(lengths))
+        values = _AllGather.apply(v, group, max(lengths))
+        for r in range(size):
+            acc = _attend(acc, q, chunks(rank), keys[r].narrow(TOKENS, 0, lengths[r]),
+                          values[r].narrow(TOKENS, 0, lengths[r]), chunks(r), causal, scale)
+        return acc[0].to(q.dtype)
+    comm = comm or Comm(group)
+    left, right = (rank - 1) % size, (rank + 1) % size
+    kv = torch.stack([k, v]) if k.shape == v.shape else None
+    if kv is None:
+        raise ValueError("the ring passes K and V together: they must have one shape")
+    for step in range(size):
+        source = (rank - step) % size  # whose block this rank holds now
+        pending = None
+        if step < size - 1:  # the next block on its way while this one is used
+            coming = (rank - step - 1) % size
+            shape = (*kv.shape[:TOKENS + 1], sum(len(p) for _, p in chunks(coming)),
+                     kv.shape[-1])
+            pending = _start_shift(comm, kv, shape, left, right, tag=step)
+        acc = _attend(acc, q, chunks(rank), kv[0], kv[1], chunks(source), causal, scale)
+        if pending is not None:
+            kv = _Shift.apply(kv, pending, left, right, step)
+    # The last block in the graph even where the mask hid it all: backward must pass its
+    # (zero) gradient back round the ring, or the rank that sent it would wait for it.
+    return (acc[0] + 0 * kv.sum()).to(q.dtype)
+
+
+def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, rank: int,
+             size: int, tokens: int, layout: Layout, causal: bool,
+             scale: float | None) -> torch.Tensor:
+    heads = q.shape[1]
+    if heads % size or k.shape[1] % size:
+        raise ValueError(f"Ulysses gives each of the {size} ranks whole heads: {heads} query "
+                         f"heads and {k.shape[1]} key heads must both divide by {size}")
+    lengths = [len(positions(tokens, r, size, layout)) for r in range(size)]
+    mine = lengths[rank]
+
+    def to_heads(x: torch.Tensor) -> torch.Tensor:
+        """(B, H, mine, D) -> (B, H / P, all tokens in rank order, D)."""
+        b, h, _, d = x.shape
+        pieces = x.reshape(b, size, h // size, mine, d).permute(1, 3, 0, 2, 4)
+        got = _AllToAll.apply(pieces.reshape(size * mine, b, h // size, d), group,
+                              [mine] * size, lengths)
+        return got.permute(1, 2, 0, 3)
+
+    qh, kh, vh = to_heads(q), to_heads(k), to_heads(v)
+    order = torch.cat([positions(tokens, r, size, layout) for r in range(size)])
+    out, _ = block_attention(qh, kh, vh, order if causal else None,
+                             order if causal else None, scale)
+    b, hs, _, d = out.shape
+    back = _AllToAll.apply(out.permute(2, 0, 1, 3).contiguous(), group, lengths,
+                           [mine] * size)  # (P x mine, B, H / P, D): rank j's heads
+    back = back.reshape(size, mine, b, hs, d).permute(2, 0, 3, 1, 4)
+    return back.reshape(b, size * hs, mine, d).to(q.dtype)

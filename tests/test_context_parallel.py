@@ -1,0 +1,77 @@
+"""Context parallelism: attention over a sequence cut across 2, 3 and 4 ranks equals torch's
+scaled_dot_product_attention on the whole sequence in one process, outputs and gradients,
+for every method, layout and mask, with sequences that divide evenly and not."""
+
+import pytest
+import torch
+
+from parcourse import Pool, RankError
+from parcourse.context_parallel import chunks_of, positions, shard_sequence, unshard_sequence
+from cp_fns import errors_against_sdpa, ring_traffic
+
+
+@pytest.fixture(scope="module")
+def pool3():
+    with Pool(3, timeout=60) as pool:
+        yield pool
+
+
+def test_the_cut_and_back():
+    """Zigzag: 2P chunks, rank r holding chunks r and 2P - 1 - r; uneven lengths as torch
+    cuts them (the first chunks a token longer); the parts put back make the whole."""
+    assert [chunks_of(r, 4, "zigzag") for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert positions(10, 0, 2, "zigzag").tolist() == [0, 1, 2, 8, 9]
+    assert positions(10, 1, 2, "zigzag").tolist() == [3, 4, 5, 6, 7]
+    x = torch.arange(2 * 13).view(1, 1, 13, 2)
+    for layout in ("contiguous", "zigzag"):
+        parts = [shard_sequence(x, r, 3, layout) for r in range(3)]
+        assert sum(p.shape[2] for p in parts) == 13
+        assert torch.equal(unshard_sequence(parts, layout), x)
+    with pytest.raises(ValueError, match="cannot be cut into the 8 chunks"):
+        positions(7, 0, 4, "zigzag")
+
+
+@pytest.mark.parametrize("tokens", [16, 13], ids=["even", "uneven"])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_every_method_equals_one_process(pools, pool3, world_size, tokens):
+    """fp64: to 1e-10 (the same sums, merged by block: rounding of 1e-16 a step). Ulysses
+    at 3 ranks needs heads that divide by 3: 12 of them."""
+    pool = pool3 if world_size == 3 else pools[world_size]
+    for errors in pool.run(errors_against_sdpa, tokens, torch.float64).results:
+        assert len(errors) == 12
+        for case, error in errors.items():
+            assert error < 1e-10, (case, error)
+
+
+def test_fp32_stays_within_its_rounding(pools):
+    """fp32: scores and the merge in fp32, the blocks summed in another order than torch's
+    single softmax: within 1e-5 of it (values and gradients of order 1)."""
+    for errors in pools[4].run(errors_against_sdpa, 13, torch.float32).results:
+        for case, error in errors.items():
+            assert error < 1e-5, (case, error)
+
+
+def test_ulysses_refuses_heads_that_do_not_divide(pool3):
+    with pytest.raises(RankError, match="4 query heads and 4 key heads must both divide by 3"):
+        pool3.run(errors_against_sdpa, 12, torch.float64, heads=4, methods=("ulysses",))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_the_rings_bytes_and_the_causal_balance(pools, layout):
+    """Every message counted: P - 1 blocks of K and V forward and P - 1 gradients back, the
+    bytes `theory.ring_attention_bytes` says (13 tokens on 4 ranks: uneven blocks). Causal,
+    the blocks the mask hides are skipped: contiguous, rank r computes r + 1 of them (rank 3
+    four times rank 0's); zigzag, every rank 2P + 1 = 9 (chunk r sees r + 1 chunks, chunk
+    2P - 1 - r sees 2P - r)."""
+    from parcourse.theory import ring_attention_bytes
+
+    results = pools[4].run(ring_traffic, 13, layout).results
+    lengths = [r["tokens"] for r in results]
+    assert sum(lengths) == 13
+    for rank, r in enumerate(results):
+        want = ring_attention_bytes(lengths, rank, 2 * 2 * 3 * 4 * 4)
+        assert (r["forward"], r["backward"], r["messages"]) == \
+            (want["forward"], want["backward"], want["messages"]), rank
+        assert r["forward_messages"] == 3
+    blocks = [r["blocks"] for r in results]
+    assert blocks == ([1, 2, 3, 4] if layout == "contiguous" else [9, 9, 9, 9])

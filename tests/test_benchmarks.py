@@ -77,3 +77,22 @@ def test_training_benchmark_prints_the_plan_and_the_checkpoint_costs():
                   "gather + torch.save on rank 0"):
         assert re.search(rf"{re.escape(label)}\s+\d+\.\d+\s+\d+\.\d\d", done.stdout), label
     assert "bytes written per rank: rank 0:" in done.stdout
+
+
+def test_context_parallel_benchmark_prints_the_balance_and_torchs_answer():
+    """Tiny sizes: a row per cp and cut, with the busiest rank over the least busy, and
+    torch's context_parallel run beside ours or its error said in a line (CPU ranks)."""
+    script = SCRIPT.parent / "context_parallel.py"
+    done = subprocess.run([sys.executable, str(script), "--tokens", "64", "--heads", "2",
+                           "--rounds", "1"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines()
+            if re.match(r"\s+[24]\s+(contiguous|zigzag)\s", line)]
+    assert [(r[0], r[1]) for r in rows] == [("2", "contiguous"), ("2", "zigzag"),
+                                           ("4", "contiguous"), ("4", "zigzag")]
+    assert all(float(r[-2 if r[1] == "zigzag" else -1]) >= 1.0 for r in rows)
+    assert ("torch's does not run here: NotImplementedError" in done.stdout
+            or "ours / torch" in done.stdout)
+    bad = subprocess.run([sys.executable, str(script), "--tokens", "0"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "--tokens must be >= 1, got 0" in bad.stderr

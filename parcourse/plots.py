@@ -179,6 +179,11 @@ def _visible_parts(bars: list[tuple[float, float, float, float, str | None]]
     return parts
 
 
+# One colour per mesh axis, in every figure that shows axes (the timeline coloured by axis,
+# the bytes each axis sent, ...), whichever axes a run has.
+AXIS_COLORS = {"dp": "C0", "pp": "C1", "tp": "C2", "cp": "C4", "ep": "C5"}
+
+
 def timeline(trace: Trace, ax: Axes | None = None, *, title: str | None = None,
              label_key: str | None = None, color_by: str | None = None,
              comm_lane: bool = False, unit: str = "ms") -> Figure:
@@ -219,6 +224,8 @@ def timeline(trace: Trace, ax: Axes | None = None, *, title: str | None = None,
         if color_by else []
     palette = plt.get_cmap("tab10" if len(values) <= 10 else "tab20")
     color_of = {v: palette(i % palette.N) for i, v in enumerate(values)}
+    if color_by == "axis":  # a mesh axis keeps its colour in every figure of the course
+        color_of = {v: AXIS_COLORS.get(v, color_of[v]) for v in values}
     labels = BarLabels()
     used: set[str] = set()
     bars: list[tuple[float, float, float, float, str | None]] = []  # in drawing order

@@ -338,3 +338,31 @@ def test_a_replicated_weight_unfrozen_after_building_is_refused(pools):
     # would train its own ln_f)
     with pytest.raises(RankError, match="weights were unfrozen after Hybrid was made"):
         pools[2].run(thawed_after_hybrid, {"dp": 2})
+
+
+@pytest.mark.parametrize("shape", [{"dp": 2, "pp": 2}, {"tp": 2, "pp": 2}], ids=str)
+def test_each_axis_keeps_its_colour_in_lesson_09s_figure(pools, shape):
+    """The timeline coloured by axis and the bytes each axis sent: one colour per axis
+    (plots.AXIS_COLORS), whichever axes the run has; the legend lists only the axes that
+    communicated. (pp was blue beside tp and orange beside dp.)"""
+    import matplotlib
+    from matplotlib.colors import to_rgba
+
+    matplotlib.use("Agg")
+    from parcourse.experiments import hybrid as H
+    from parcourse.plots import AXIS_COLORS
+
+    run = pools[4].run(H.train_on_mesh, shape, 2, microbatches=2, batch=8, traced=True)
+    fig = H.mesh_step_figure(run, "colours")
+    seen = {}
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        if legend is None:
+            continue
+        for handle, text in zip(legend.legend_handles, legend.get_texts()):
+            name = text.get_text().removeprefix("axis ")
+            if name in AXIS_COLORS:
+                seen.setdefault(name, set()).add(tuple(handle.get_facecolor()))
+    assert set(seen) == set(shape)
+    for axis, colours in seen.items():
+        assert colours == {to_rgba(AXIS_COLORS[axis])}, axis

@@ -234,7 +234,7 @@ def mesh_step_figure(run: Any, title: str) -> Any:
     sent_ax, mem_ax = fig.add_subplot(grid[0, 1]), fig.add_subplot(grid[1, 1])
     left = [0.0] * n
     counted = {axis for r in results for axis in r["bytes"]}
-    for axis, color in (("dp", "C0"), ("pp", "C1"), ("tp", "C2")):  # the timeline's colours
+    for axis, color in plots.AXIS_COLORS.items():  # the timeline's colours
         if axis in counted:
             kib = [r["bytes"].get(axis, 0.0) / 1024 for r in results]
             sent_ax.barh(range(n), kib, left=left, color=color, label=axis)

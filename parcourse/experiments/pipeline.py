@@ -14,6 +14,7 @@ from parcourse.comm import simulated_link
 from parcourse.experiments.timing import take_turns
 from parcourse.experiments.exercises import ask
 from parcourse.launch import RankContext
+from parcourse.pipeline.actions import Action
 from parcourse.pipeline.partition import By, partition
 from parcourse.pipeline.runtime import PipelineRuntime
 from parcourse.models import GPTConfig, gpt, gpt_layers
@@ -362,6 +363,12 @@ def check_one_f_one_b_exercise(fn: Callable[[int, int, int], Any]) -> bool:
             ok, per_rank = ask(lambda: [list(fn(s, p, m)) for s in range(p)],  # noqa: B023
                                where=f"{_with(p, m)}, ")
             if not ok:
+                return False
+            odd = next((a for acts in per_rank for a in acts if not isinstance(a, Action)),
+                       None)
+            if odd is not None:
+                print(f"Not quite: {_with(p, m)}, a stage's list holds {odd!r} "
+                      f"({type(odd).__name__}); expected actions, F(s, i) and B(s, i).")
                 return False
             schedule = Schedule("yours", m, tuple(range(p)), tuple(map(tuple, per_rank)))
             try:

@@ -1,0 +1,90 @@
+"""Every exercise check of every lesson answers a wrong answer with a few lines of hint, never
+a traceback from the course's code: an answer of the wrong type, None (a missing return), a
+raise, an off-by-one number, and a still-unwritten stub. The right answers passing is tested
+beside each exercise; here only that nothing a learner writes crashes Run All."""
+
+import pytest
+
+
+def _raises(*args, **kwargs):
+    raise ValueError("the learner's own bug")
+
+
+def _stub(*args, **kwargs):
+    raise NotImplementedError
+
+
+def _none(*args, **kwargs):
+    return None
+
+
+def _text(*args, **kwargs):
+    return "wrong"
+
+
+def _one(*args, **kwargs):
+    return 1
+
+
+def _list_of_one(*args, **kwargs):
+    return [1]
+
+
+WRONG = [_raises, _stub, _none, _text, _one, _list_of_one]
+
+
+def _checks():
+    from parcourse.experiments import (all_reduce, checkpointing, data_parallel, hybrid,
+                                       launching, pipeline, planning, training, zero,
+                                       zero_beyond)
+
+    return {  # lesson: check, taking (answer) or (answer, pool)
+        "00 average": (launching.check_average, True),
+        "01 ring step": (all_reduce.check_ring_step, True),
+        "02 buckets": (data_parallel.check_buckets, False),
+        "02 launch rule": (data_parallel.check_launch_rule, False),
+        "03 rows": (zero.check_rows, False),
+        "04 unpack": (zero.check_unpack, False),
+        "04 quantize": (zero_beyond.check_quantize, False),
+        "06 schedule": (pipeline.check_schedule_exercise, False),
+        "07 1F1B": (pipeline.check_one_f_one_b_exercise, False),
+        "08 backward": (checkpointing.check_backward_exercise, False),
+        "09 coordinates": (hybrid.check_coordinates, False),
+        "09 plan": (planning.check_plan, False),
+        "10 rows": (training.check_replica_rows, False),
+    }
+
+
+@pytest.mark.parametrize("name", list(_checks()))
+def test_a_wrong_answer_gets_a_hint_not_a_traceback(name, pool2, capsys):
+    check, on_ranks = _checks()[name]
+    for wrong in WRONG:
+        try:
+            passed = check(wrong, pool2) if on_ranks else check(wrong)
+        except Exception as e:  # noqa: BLE001 - what the test is for
+            pytest.fail(f"{name}: {wrong.__name__} crashed the check: {type(e).__name__}: {e}")
+        out = capsys.readouterr().out
+        assert passed is False, (name, wrong.__name__)
+        assert out.strip() and "Traceback" not in out, (name, wrong.__name__, out)
+        assert len(out.strip().splitlines()) <= 3, (name, wrong.__name__, out)
+
+
+def test_tensor_parallels_g_gets_a_hint_for_a_wrong_class(pool2, capsys):
+    """Lesson 05's check takes an autograd Function: None, a class that is not one, and one
+    whose forward raises."""
+    import torch
+
+    from parcourse.experiments.tensor_parallel.lesson import check_g
+
+    class Raises(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group=None):
+            raise ValueError("the learner's own bug")
+
+    for wrong in (None, int, Raises):
+        try:
+            passed = check_g(wrong, pool2)
+        except Exception as e:  # noqa: BLE001
+            pytest.fail(f"{wrong}: crashed the check: {type(e).__name__}: {e}")
+        out = capsys.readouterr().out
+        assert passed is False and out.strip() and "Traceback" not in out, (wrong, out)

@@ -88,3 +88,20 @@ def test_tensor_parallels_g_gets_a_hint_for_a_wrong_class(pool2, capsys):
             pytest.fail(f"{wrong}: crashed the check: {type(e).__name__}: {e}")
         out = capsys.readouterr().out
         assert passed is False and out.strip() and "Traceback" not in out, (wrong, out)
+
+
+def test_a_missing_return_is_named_as_one(capsys):
+    """A function that computes its answer and forgets to return it raises nothing: the
+    hint says so, instead of blaming a TypeError the learner's code never raised."""
+    from parcourse.experiments.data_parallel import check_launch_rule
+    from parcourse.experiments.zero import check_unpack
+
+    def launch_rule(ready, buckets, next_bucket, launch):
+        while next_bucket < len(buckets) and all(i in ready for i in buckets[next_bucket]):
+            launch(next_bucket)
+            next_bucket += 1
+
+    for check in (check_launch_rule, check_unpack):
+        assert check(_none if check is check_unpack else launch_rule) is False
+        out = capsys.readouterr().out
+        assert "is a return missing?" in out and "raised" not in out, out

@@ -232,13 +232,32 @@ def launch_ready_buckets(ready: set[int], buckets: list[list[int]], next_bucket:
     return next_bucket
 
 
+class _NotAnIndex(BaseException):
+    """A launch rule's answer that is not a bucket's index (BaseException: `ask` lets it
+    through, since it is not the learner's code that raised)."""
+
+
 def check_launch_rule(rule: LaunchRule) -> bool:
     """Exercise check for lesson 02: does `rule(ready, buckets, next_bucket, launch)`
     start each bucket as soon as it may, in order, once? Prints what it found
     (expected, got and a hint when wrong); True only when every case matches."""
+    returned: list[Any] = []
+
+    def recorded(*args: Any) -> int:  # stops at an answer that is not a bucket's index
+        returned.append(rule(*args))
+        if isinstance(returned[-1], bool) or not isinstance(returned[-1], int):
+            raise _NotAnIndex
+        return returned[-1]
+
     for buckets, order, why in _LAUNCH_CASES:
         expected = _launches(launch_ready_buckets, buckets, order)
-        answered, got = ask(_launches, rule, buckets, order)
+        try:
+            answered, got = ask(_launches, recorded, buckets, order)
+        except _NotAnIndex:
+            print(f"Not quite: your rule returned {returned[-1]!r}"
+                  f"{' (is a return missing?)' if returned[-1] is None else ''}; it must "
+                  "return the first bucket not started yet, a whole number.")
+            return False
         if not answered:
             return False
         if got != expected:

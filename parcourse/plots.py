@@ -262,7 +262,10 @@ def timeline(trace: Trace, ax: Axes | None = None, *, title: str | None = None,
     ax.set_yticks(range(trace.world_size), [f"rank {r}" for r in range(trace.world_size)])
     ax.set_ylim(trace.world_size - 0.5, -0.5)
     ax.set_xlabel(f"time ({unit})")
-    ax.set_xlim(0, span_width * 1.01 or 1)
+    # sharing its time axis with timelines drawn before: the longest one's width for all,
+    # so that none is cut off on the right
+    others = [a for a in ax.get_shared_x_axes().get_siblings(ax) if a is not ax and a.has_data()]
+    ax.set_xlim(0, max([span_width, *(a.dataLim.x1 for a in others)]) * 1.01 or 1)
     handles = [Patch(color=color_of[v], label=f"{color_by} {v}") for v in values]
     handles += [Patch(facecolor="none", edgecolor=c, hatch="////", label="idle (waiting)")
                 if k == "idle" else Patch(color=c, label=k)

@@ -140,3 +140,24 @@ def test_counts_are_singular_after_one():
     assert [count(1, "rank"), count(2, "rank"), count(0, "stage")] == ["1 rank", "2 ranks",
                                                                        "0 stages"]
     assert [count(1, "microbatch"), count(4, "microbatch")] == ["1 microbatch", "4 microbatches"]
+
+
+def test_timelines_sharing_a_time_axis_show_the_longer_whole():
+    """Two timelines on a shared time axis (1F1B above ZB-H1 in lesson 07): the axis spans
+    the longer one, whichever is drawn last."""
+    import matplotlib.pyplot as plt
+
+    from parcourse import plots
+    from parcourse.experiments.pipeline import as_trace
+    from parcourse.pipeline.schedule import one_f_one_b, zero_bubble_h1
+    from parcourse.pipeline.simulate import Costs, simulate
+
+    costs = Costs(forward=1.0, backward=2.0, weight=1.0)
+    long, short = simulate(one_f_one_b(4, 8), costs), simulate(zero_bubble_h1(4, 8), costs)
+    assert long.step_time > short.step_time
+    for first, second in ((long, short), (short, long)):
+        fig, axes = plt.subplots(2, 1, sharex=True)
+        plots.timeline(as_trace(first), ax=axes[0])
+        plots.timeline(as_trace(second), ax=axes[1])
+        assert axes[0].get_xlim()[1] >= long.step_time * 1e3  # ms
+        plt.close(fig)

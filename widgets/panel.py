@@ -128,7 +128,8 @@ class RunPanel:
                 self.check(world_size=world_size, **rank_kwargs)
             pool = self._pool_for(world_size)
             self.status.value = html.escape(
-                "running…" if pool.alive else f"starting {world_size} ranks… ({_WHY_SLOW})")
+                "running…" if pool.alive
+                else f"starting {world_size} rank{'s' * (world_size != 1)}… ({_WHY_SLOW})")
             run = pool.run(self.rank_fn, timeout=self.timeout,
                            on_progress=lambda s, _: self._show_progress(pool, t0, s),
                            **rank_kwargs)

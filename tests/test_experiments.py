@@ -286,6 +286,8 @@ def test_the_mesh_exercise_answers_every_wrong_answer_in_a_line(capsys):
     assert capsys.readouterr().out.startswith("Correct: every rank of 5 meshes")
     assert not check_coordinates(first_fastest)
     assert "Hint: the last axis changes fastest" in capsys.readouterr().out
+    assert not check_coordinates(lambda r, s: list(right(r, s).values()))
+    assert "the right numbers; return a dict {axis: coordinate}" in capsys.readouterr().out
     for wrong in (lambda r, s: None, lambda r, s: {"dp": 0}, lambda r, s: 1 / 0):
         assert not check_coordinates(wrong)
         out = capsys.readouterr().out
@@ -314,6 +316,9 @@ def test_the_planning_exercise_answers_every_wrong_answer_in_a_line(capsys):
         assert not check_plan(lambda answer=answer: answer)
         out = capsys.readouterr().out
         assert said in out and out.count("\n") == 1 and out.startswith("Not quite"), out
+    assert not check_plan(lambda: (2, 16, 1, 8))  # two mistakes: both said
+    out = capsys.readouterr().out
+    assert "does not divide the 40 heads" in out and "tp 16 spans nodes of 8 GPUs" in out
     assert not check_plan(lambda: 1 / 0)
     assert capsys.readouterr().out.startswith("Not yet: your function raised ZeroDivisionError")
 

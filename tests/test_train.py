@@ -160,6 +160,8 @@ def test_lesson_10s_exercise_check_and_meshes(capsys):
 
     assert check_replica_rows(lambda b, n, r: chunk_bounds(b, n)[r])
     assert not check_replica_rows(lambda b, n, r: (r * (b // n), (r + 1) * (b // n)))
+    assert "row 2 is read by no replica" in capsys.readouterr().out  # 3 rows over 2
+    assert not check_replica_rows(lambda b, n, r: (r * b // n, (r + 1) * b // n + 1))
     assert "each replica must start where the one before it ended" in capsys.readouterr().out
     assert not check_replica_rows(lambda b, n, r: (0, b) if r == 0 else (b, b))
     assert "at most one apart" in capsys.readouterr().out

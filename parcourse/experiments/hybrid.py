@@ -184,6 +184,13 @@ def check_coordinates(fn: Any) -> bool:
             answered, got = ask(fn, rank, dict(sizes), where=f"with rank {rank} of {sizes}, ")
             if not answered:
                 return False
+            if not isinstance(got, dict):
+                same = isinstance(got, (list, tuple)) and list(got) == list(expected.values())
+                print(f"Not quite: rank {rank} of {sizes}: your function returned "
+                      f"{type(got).__name__} {got!r}"
+                      f"{', the right numbers' if same else ''}; return a dict "
+                      f"{{axis: coordinate}}, here {expected}.")
+                return False
             if got != expected:
                 print(f"Not quite: on a mesh {sizes} (outermost first), rank {rank} sits at "
                       f"{expected}, your function says {got}. Hint: the last axis changes "

@@ -44,14 +44,19 @@ def check_plan(fn: Any) -> bool:
     choice = Choice(dp, tp, pp, FIXED["schedule"], m, zero=FIXED["zero"] if dp > 1 else 0,
                     sequence_parallel=tp > 1, recompute=FIXED["recompute"])  # type: ignore[arg-type]
     mine = next((p for p in [*plans.ranked, *plans.rejected] if p.choice == choice), None)
+    spans = (f"; and tp {tp} spans nodes of {cluster.gpus_per_node} GPUs: every layer would "
+             "wait on the slow link between them") if tp > cluster.gpus_per_node else ""
     if mine is None:
         problems = choice.problems(config, EXERCISE["batch"])
-        print(f"Not quite: {'; '.join(problems) or 'that choice is outside the search'}.")
+        print(f"Not quite: {'; '.join(problems) or 'that choice is outside the search'}"
+              f"{spans}.")
         return False
     if mine.why_not:
+        if "spans nodes" in mine.why_not:
+            spans = ""
         hint = (" Hint: more tp or pp divides the weights; more microbatches shrink each "
                 "one's activations." if mine.why_not.startswith("out of memory") else "")
-        print(f"Not quite: {choice.label()} is turned down: {mine.why_not}.{hint}")
+        print(f"Not quite: {choice.label()} is turned down: {mine.why_not}{spans}.{hint}")
         return False
     best = plans.ranked[0]
     ratio = mine.time["step"] / best.time["step"]

@@ -151,6 +151,13 @@ def check_replica_rows(fn: Callable[[int, int, int], Any]) -> bool:
                       "DistributedSampler's every-n-th row is not one).")
                 return False
             ends = [0] + [end for _, end in rows]
+            if [start for start, _ in rows] == ends[:-1] and 0 <= ends[-1] < batch:
+                left = (f"row {ends[-1]} is" if ends[-1] == batch - 1
+                        else f"rows {ends[-1]} to {batch - 1} are")
+                print(f"Not quite: {where} gave {rows}: {left} read by no replica. Hint: share "
+                      "the rows left over after dividing, one more to each of the first "
+                      "replicas.")
+                return False
             if [start for start, _ in rows] != ends[:-1] or ends[-1] != batch:
                 print(f"Not quite: {where} gave {rows}: each replica must start where the "
                       f"one before it ended, from 0 to {batch}, so that every row is read "

@@ -750,3 +750,18 @@ def test_this_machines_costs_are_measured_alone_and_priced(pool2):
         apart = len(layers) > 1
         counted = sum(_layer_tensors(CONFIG, lay, apart) for ls in layers for lay in ls)
         assert counted == len(list(gpt(CONFIG).parameters())) + apart
+
+
+def test_the_search_tries_both_splits_where_megatron_runs():
+    """On a published cluster the search tries Megatron-LM's split (the blocks alone over
+    the stages) beside the course's (by layer count): pipelined candidates come in both;
+    here, where only the course's step runs, only its own."""
+    from parcourse.planner.inputs import model
+
+    config = model("1.3B", seq=1024)
+    published = plan(config, Cluster.preset("a100", 8), 32, dtype="bf16")
+    piped = [p.choice for p in [*published.ranked, *published.rejected] if p.choice.pp > 1]
+    assert {c.split for c in piped} == {"layers", "blocks"}
+    assert any(p.choice.split == "blocks" for p in published.ranked)
+    here = plan(CONFIG, Cluster.this_machine(8, flops=1e10, cores=2), BATCH)
+    assert {p.choice.split for p in [*here.ranked, *here.rejected]} == {"layers"}

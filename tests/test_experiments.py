@@ -45,6 +45,17 @@ def step_that_raises(flat, bounds, step, rank, n, group):
     raise ValueError("a typo")
 
 
+def swapped_step(flat, bounds, step, rank, n, group):  # sends left, receives from the right
+    send_start, send_end = bounds[(rank - step - 1) % n]
+    recv_start, recv_end = bounds[(rank - step - 2) % n]
+    incoming = torch.empty(recv_end - recv_start)
+    works = [dist.irecv(incoming, (rank + 1) % n, group),
+             dist.isend(flat[send_start:send_end], (rank - 1) % n, group)]
+    for work in works:
+        work.wait()
+    flat[recv_start:recv_end] += incoming
+
+
 def step_that_never_sends(flat, bounds, step, rank, n, group):
     dist.recv(torch.empty(1), (rank - 1) % n, group)  # waits for a message nobody sends
 
@@ -68,6 +79,16 @@ def test_ring_step_check_stops_a_step_that_waits_forever(pool2, capsys):
     out = capsys.readouterr().out
     assert out.startswith("Not yet: ranks 0, 1 were still waiting after 3 s. Hint:")
     assert all_reduce.check_ring_step(right_step, pool2)  # the pool starts fresh ranks
+
+
+def test_ring_step_check_hints_at_the_direction_when_gloo_aborts(capsys):
+    """Left and right swapped: chunks of other sizes meet, and gloo aborts the ranks with
+    C++'s text on their stderr; the check still answers in one line, with a hint."""
+    with Pool(4, timeout=60) as pool:
+        assert all_reduce.check_ring_step(swapped_step, pool, numel=10, timeout=20) is False
+    out = capsys.readouterr().out
+    assert out.startswith("Not yet: rank") and out.count("\n") == 1, out
+    assert "send to the right and receive from the left" in out and "GLHF" not in out
 
 
 def test_ring_step_check_needs_two_ranks(capsys):

@@ -164,7 +164,10 @@ def check_ring_step(step_fn: Callable[..., Any], pool: Pool, numel: int = 10,
     if pool.world_size < 2:
         print("One rank has no ring: run this check on a pool of 2 ranks or more.")
         return False
-    run = run_exercise(pool, _ring_steps_with, step_fn, numel, timeout=timeout)
+    run = run_exercise(pool, _ring_steps_with, step_fn, numel, timeout=timeout,
+                       died=". Hint: a message met a receive of another size, or none: does "
+                            "each step send to the right and receive from the left, the "
+                            "chunks the step names?")
     if run is None:
         return False
     for rank, (got, expected) in enumerate(run.results):

@@ -28,22 +28,24 @@ def ask(fn: Callable[..., Any], *args: Any, where: str = "") -> tuple[bool, Any]
 
 
 def run_exercise(pool: Pool, fn: Callable[..., Any], *args: Any,
-                 timeout: float = 30.0) -> Run | None:
+                 timeout: float = 30.0, died: str = "") -> Run | None:
     """Run a learner's rank function for an exercise check.
 
     Returns the run, or None after printing one line that says why there is
     none: the function is still a stub, a rank raised (which rank, what), or
     the ranks were still waiting at `timeout` (a message nobody sends, a
     collective not every rank calls). A check prints, it does not raise: a
-    wrong answer should read as a hint, not as a traceback.
+    wrong answer should read as a hint, not as a traceback. `died`: a hint for a rank
+    that died, or whose backend raised (what its own abort text will not say).
     """
     try:
         return pool.run(fn, *args, timeout=timeout)
     except RankError as e:
         if e.exc_type == "NotImplementedError":
             print(NOT_WRITTEN)
-        else:
-            print(f"Not yet: {str(e).splitlines()[0]}")
+        else:  # a backend's error (gloo's: RuntimeError) may want the hint; the learner's not
+            print(f"Not yet: {_first_sentence(str(e))}"
+                  f"{died if e.exc_type == 'RuntimeError' else ''}")
         return None
     except RankTimeout as e:
         print(f"Not yet: ranks {', '.join(map(str, e.running))} were still waiting after "
@@ -51,5 +53,11 @@ def run_exercise(pool: Pool, fn: Callable[..., Any], *args: Any,
               "and every rank must call each collective.")
         return None
     except LaunchError as e:  # a rank died, or the function or its result cannot be sent
-        print(f"Not yet: {str(e).splitlines()[0]}")
+        print(f"Not yet: {_first_sentence(str(e))}{died}")
         return None
+
+
+def _first_sentence(said: str) -> str:
+    """A launcher's error, to its first line and without the other ranks' echoes of it
+    (a backend's abort repeats itself on every rank)."""
+    return said.splitlines()[0].split("; other ranks:")[0] if said else said

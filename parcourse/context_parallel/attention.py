@@ -168,9 +168,8 @@ class _Shift(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         comm: Comm = ctx.comm
         back = torch.empty(ctx.shape, dtype=grad.dtype, device=grad.device)
-        works = [comm.send(grad.contiguous(), ctx.left, ctx.tag),
-                 comm.recv(back, ctx.right, ctx.tag)]
-        for w in works:
+        for w in _paired(comm, lambda: comm.send(grad.contiguous(), ctx.left, ctx.tag),
+                         lambda: comm.recv(back, ctx.right, ctx.tag)):
             w.wait()
         return back, None, None, None, None
 
@@ -178,8 +177,17 @@ class _Shift(torch.autograd.Function):
 def _start_shift(comm: Comm, x: torch.Tensor, shape: Sequence[int], left: int, right: int,
                  tag: int) -> tuple[Comm, list[Any], torch.Tensor]:
     incoming = torch.empty(tuple(shape), dtype=x.dtype, device=x.device)
-    works = [comm.send(x.detach().contiguous(), right, tag), comm.recv(incoming, left, tag)]
+    works = _paired(comm, lambda: comm.send(x.detach().contiguous(), right, tag),
+                    lambda: comm.recv(incoming, left, tag))
     return comm, works, incoming
+
+
+def _paired(comm: Comm, send: Any, recv: Any) -> list[Any]:
+    """A send and a receive, even ranks sending first and odd ranks receiving first: a
+    backend whose messages run in order on one stream (NCCL) would otherwise have every
+    rank's receive wait behind its own send (two ranks: each other's neighbour both
+    ways). gloo does not mind either order."""
+    return [send(), recv()] if comm.rank % 2 == 0 else [recv(), send()]
 
 
 class _AllGather(torch.autograd.Function):
@@ -238,6 +246,10 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     rank, size = dist.get_rank(group), dist.get_world_size(group)
+    if not q.shape[:2] == k.shape[:2] == v.shape[:2]:
+        raise ValueError(f"q, k and v need the same batch and heads, got {tuple(q.shape[:2])}, "
+                         f"{tuple(k.shape[:2])}, {tuple(v.shape[:2])} (grouped-query attention, "
+                         "fewer K/V heads, is not built here)")
     mine = positions(tokens, rank, size, layout)
     if q.shape[TOKENS] != len(mine) or k.shape[TOKENS] != len(mine) \
             or v.shape[TOKENS] != len(mine):
@@ -278,16 +290,16 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             kv = _Shift.apply(kv, pending, left, right, step)
     # The last block in the graph even where the mask hid it all: backward must pass its
     # (zero) gradient back round the ring, or the rank that sent it would wait for it.
-    return (acc[0] + 0 * kv.sum()).to(q.dtype)
+    return (acc[0] + (kv.flatten()[:1] * 0).sum()).to(q.dtype)  # a zero no sum overflows
 
 
 def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, rank: int,
              size: int, tokens: int, layout: Layout, causal: bool,
              scale: float | None) -> torch.Tensor:
     heads = q.shape[1]
-    if heads % size or k.shape[1] % size:
-        raise ValueError(f"Ulysses gives each of the {size} ranks whole heads: {heads} query "
-                         f"heads and {k.shape[1]} key heads must both divide by {size}")
+    if heads % size:
+        raise ValueError(f"Ulysses gives each of the {size} ranks whole heads: {heads} heads "
+                         f"do not divide by {size}")
     lengths = [len(positions(tokens, r, size, layout)) for r in range(size)]
     mine = lengths[rank]
 

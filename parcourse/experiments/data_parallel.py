@@ -17,7 +17,7 @@ from parcourse.comm import SimulatedLink, simulated_link
 from parcourse.data import local_regression, regression
 from parcourse.data_parallel.bucketed import BucketedDataParallel
 from parcourse.data_parallel.naive import NaiveDataParallel
-from parcourse.experiments.exercises import ask
+from parcourse.experiments.exercises import ask, whole_numbers
 from parcourse.experiments.timing import take_turns
 from parcourse.launch import RankContext
 from parcourse.models import mlp
@@ -273,17 +273,6 @@ def check_launch_rule(rule: LaunchRule) -> bool:
     return True
 
 
-def index_lists(got: Any) -> list[list[int]] | None:
-    """An answer made of groups of indices as lists of lists of ints, whatever it was
-    spelt with (tuples, numpy or torch integers); None when it is not that."""
-    import operator
-
-    try:
-        return [[operator.index(i) for i in group] for group in got]
-    except TypeError:
-        return None
-
-
 def check_buckets(fn: Callable[[list[int], int], list[list[int]]]) -> bool:
     """Exercise check for lesson 02: `fn(sizes, limit)` must group parameter indices as
     BucketedDataParallel does (reverse order, at most `limit` bytes, a larger
@@ -298,8 +287,11 @@ def check_buckets(fn: Callable[[list[int], int], list[list[int]]]) -> bool:
         answered, got = ask(fn, [p.numel() * 4 for p in params], limit)
         if not answered:
             return False
-        got = index_lists(got)
-        if got is None:
+        try:
+            got = [whole_numbers(group) for group in got]
+        except TypeError:  # not a list of anything
+            got = None
+        if got is None or None in got:
             print("expected a list of buckets, each a list (or tuple) of parameter indices, "
                   f"e.g. {expected}")
             return False

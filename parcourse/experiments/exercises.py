@@ -5,6 +5,7 @@ hint, not as a traceback."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,17 @@ def ask(fn: Callable[..., Any], *args: Any, where: str = "") -> tuple[bool, Any]
         first = str(e).splitlines()[0] if str(e) else ""
         print(f"Not yet: {where}your function raised {type(e).__name__}: {first}")
     return False, None
+
+
+def whole_numbers(answer: Any, count: int | None = None) -> list[int] | None:
+    """A learner's answer as whole numbers however it is spelt (a list or a tuple of
+    Python's, numpy's or torch's integers), `count` of them if given; None when it is not
+    that (a float, a string, no answer)."""
+    try:
+        numbers = [operator.index(x) for x in answer]
+    except TypeError:
+        return None
+    return numbers if count is None or len(numbers) == count else None
 
 
 def run_exercise(pool: Pool, fn: Callable[..., Any], *args: Any,

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from parcourse.experiments.exercises import ask
+from parcourse.experiments.exercises import ask, whole_numbers
 from parcourse.plots import count
 from parcourse.train import TrainSettings, planned, read_step_status, train_on_corpus
 
@@ -120,17 +120,6 @@ def measured_against_plan(run: Any, s: TrainSettings, flops: float) -> dict[str,
             "measured_step_s": seconds, "predicted_step_s": predicted["step"]}
 
 
-def _pair(answer: Any) -> tuple[int, int] | None:
-    """(start, end) as two whole numbers, whatever spelt them; None if it is not that."""
-    import operator
-
-    try:
-        start, end = answer
-        return operator.index(start), operator.index(end)
-    except (TypeError, ValueError):
-        return None
-
-
 def check_replica_rows(fn: Callable[[int, int, int], Any]) -> bool:
     """Lesson 10's exercise: `fn(batch, replicas, replica)` gives (start, end), the rows
     of a global batch that replica reads. Checked for every batch up to 24 and every
@@ -143,7 +132,8 @@ def check_replica_rows(fn: Callable[[int, int, int], Any]) -> bool:
                               where=f"with {where}, ")
             if not ok:
                 return False
-            rows = [_pair(a) for a in answers]
+            rows = [None if p is None else tuple(p) for p in
+                    (whole_numbers(a, 2) for a in answers)]
             if None in rows:
                 bad = rows.index(None)
                 print(f"Not quite: {where}, replica {bad} got {answers[bad]!r}: "

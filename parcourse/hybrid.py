@@ -168,9 +168,6 @@ class Hybrid:
         mine = {s: cut[s] for s, r in enumerate(self.plan.stage_rank) if r == stage}
         tied_groups = _stages_tied(cut)  # {stage: name} of each weight several stages share
         self.zero = zero
-        # Simulated compute pads each action, tp's collectives on top, met at their share
-        paced = (lambda: self.tp_comm.comm.blocked_s) if compute is not None and tp > 1 \
-            else None
         self.runtime = PipelineRuntime(self.plan, mine, None, self._loss, tracer=tracer,
                                        recompute=recompute, tied=tied_groups,
                                        comm=Comm(mesh.group("pp"), tracer=on("pp"), link=link,
@@ -178,10 +175,11 @@ class Hybrid:
                                        on_weight_gradients=self._reduce_stage if zero >= 2
                                        else None if zero else self._reduce_buckets,
                                        around=self._gathered_for if zero == 3 else None,
-                                       compute=compute, apart=paced,
+                                       # simulated compute pads each action, tp's
+                                       # collectives on top, met at their share
+                                       compute=compute,
+                                       paced=self.tp_comm.comm if tp > 1 else None,
                                        together=one_sum if sequence_parallel else None)
-        if paced is not None:
-            self.tp_comm.comm.before_blocking = self.runtime.pace
         self.first = stage in self.plan.entry_ranks  # given the inputs
         self.last = stage in self.plan.exit_ranks  # given the targets; the loss is here
         self.params = list({id(p): p for m in mine.values() for p in m.parameters()}.values())

@@ -190,3 +190,24 @@ def comm_vs_torch(ctx, algorithm, link=None):
         sent.wait()
         got["recv"], want["recv"] = incoming, torch.full((3,), float((rank - 1) % n))
     return {k: torch.equal(got[k], want[k]) for k in want}, ctx.tracer.total("bytes_sent")
+
+
+def paced_actions(ctx, seconds, collectives):
+    """Two padded actions of `seconds`, each with `collectives` all-reduces inside; when
+    each all-reduce started and each action ended, relative to the action's start, and
+    the seconds blocked in them."""
+    comm = C.Comm(ctx.group, algorithm="torch")
+    pacer = C.Pacer(comm)
+    out = []
+    for _ in range(2):
+        dist.barrier(group=ctx.group)
+        start, blocked = time.perf_counter(), comm.blocked_s
+        starts = []
+        with pacer.padded(("stage 0", "F"), seconds):
+            for _ in range(collectives):
+                comm.before_blocking()
+                starts.append(time.perf_counter() - start)
+                comm.all_reduce(torch.ones(4))
+        out.append({"starts": starts, "end": time.perf_counter() - start,
+                    "blocked": comm.blocked_s - blocked})
+    return out

@@ -282,3 +282,15 @@ def test_comm_collectives_and_messages_equal_torch(pools, algorithm):
         pools[2].run(F.comm_vs_torch, "torch", C.SimulatedLink())
     with pytest.raises(RankError, match="unknown algorithm 'tree'"):
         pools[2].run(F.comm_vs_torch, "tree")
+
+
+def test_a_paced_action_meets_its_collectives_at_their_share(pool2):
+    """`Pacer`: an action of 90 ms with two collectives inside. The first time, the pacer
+    knows no collectives yet and pads at the end only; the second time it waits before
+    each collective for its share (30 and 60 ms: the seconds cut evenly at the two).
+    Each action lasts at least its seconds plus those blocked in its collectives. Lower
+    bounds only: a busy machine can make every moment later, none earlier."""
+    for first, second in pool2.run(F.paced_actions, 0.09, 2).results:
+        assert second["starts"][0] >= 0.03 and second["starts"][1] >= 0.06, second
+        for action in (first, second):
+            assert action["end"] >= 0.09 + action["blocked"], action

@@ -13,6 +13,7 @@ from torch import nn
 from parcourse import RankError
 from parcourse.experiments.pipeline import train
 from parcourse.pipeline.partition import partition
+from parcourse.pipeline import gpipe
 from parcourse.pipeline.runtime import SimulatedCompute
 from parcourse.pipeline.simulate import in_flight
 from pipeline_reference import one_process
@@ -397,3 +398,31 @@ def test_one_f_one_b_exercise_check(capsys):
 
     assert not check_one_f_one_b_exercise(uncapped_warmup)
     assert "never more than m" in capsys.readouterr().out
+
+
+def test_a_receive_is_idle_until_its_message_left_and_communication_after(pool2):
+    """Over a simulated link of 20 ms, GPipe on 2 ranks with F 30 ms: rank 1 waits for
+    each microbatch's activations. Its wait is idle until the message left rank 0 (which
+    the messenger stamps on it: after rank 0's forward of that microbatch ended) and
+    communication from then (or from when it began waiting, if later), ending at least
+    the link's latency after the forward. The schedule is given as a value, built here,
+    as the CLI passes the one it checked."""
+    run = pool2.run(train, gpipe(2, 2), None, 1, forward_ms=30, backward_ms=60,
+                    latency_us=20_000)
+    rank0, rank1 = (r["spans"] for r in run.results)
+    forward_end = {s.name: s.end_ns for s in rank0 if s.kind == "compute"}
+    for m in range(2):
+        received = next(s for s in rank1 if s.name == f"receive 0F{m}")
+        assert received.kind == "comm", received
+        assert received.start_ns >= forward_end[f"0F{m}"], (received, forward_end)
+        assert received.end_ns >= forward_end[f"0F{m}"] + 20e6, (received, forward_end)
+        waited = [s for s in rank1 if s.name == f"wait for 0F{m}"]
+        assert all(w.kind == "idle" and w.end_ns == received.start_ns for w in waited)
+        assert waited or m, "rank 1 waited 30 ms for the first forward, idle"
+
+
+def test_a_schedule_given_as_a_value_must_fit_the_run(pool2):
+    with pytest.raises(RankError, match="built for 4 ranks; this run has 2"):
+        pool2.run(train, gpipe(4, 4), None, 1)
+    with pytest.raises(RankError, match="runs 2 microbatches, not 4"):
+        pool2.run(train, gpipe(2, 2), 4, 1)

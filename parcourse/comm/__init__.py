@@ -10,6 +10,8 @@
 - messenger.py: send / recv that count bytes, stage CUDA tensors over gloo and
   apply the simulated link (link.py: `SimulatedLink`, and `Topology`, fast inside a
   node and slow between nodes).
+- pacing.py: `Pacer`, simulated compute beside real collectives: an action padded to
+  its simulated seconds, the seconds blocked in collectives (`Comm.blocked_s`) on top.
 - common.py: argument checks, `group_info`, `global_rank`, `backend_for`; `chunk_bounds` (how a
   range is cut into n parts) is parcourse.ranges', shared with the data.
 """
@@ -28,6 +30,7 @@ from parcourse.comm.communicator import ALGORITHMS, Algorithm, Comm, Pending
 from parcourse.comm.link import Network, SimulatedLink, Topology, link_between, simulated_link
 from parcourse.comm.messenger import Arrival, Messenger, messenger
 from parcourse.comm.naive import naive_all_reduce
+from parcourse.comm.pacing import Pacer
 from parcourse.comm.ring import RingPhase, ring_steps
 from parcourse.comm.ring_fast import (
     SEGMENT_BYTES,
@@ -47,6 +50,7 @@ __all__ = [
     "Messenger",
     "OPS",
     "Op",
+    "Pacer",
     "Pending",
     "RingPhase",
     "SEGMENT_BYTES",

@@ -95,9 +95,9 @@ class Comm:
     the backend's thread), for a trace that shows them overlapping other work.
     `blocked_s`: the seconds this rank has spent in its blocking collectives (all-reduce,
     reduce-scatter, all-gather) through this object, so that simulated compute can leave
-    them out of the work it pads (`PipelineRuntime(apart=...)`); `before_blocking()`, if
+    them out of the work it pads (`comm.pacing.Pacer`); `before_blocking()`, if
     set, is what tensor parallelism calls before each of its collectives, outside their
-    span and not counted (the runtime's `pace`).
+    span and not counted (the pacer's `pace`).
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, tracer: Tracer | None = None,

@@ -42,18 +42,25 @@ def _stamped(way: str, peer: int, tag: int, nbytes: int) -> torch.Tensor:
 class Arrival:
     """A receive posted through a messenger; `wait()` also moves what arrived from
     the host buffer into place (GPU staging) and, with a link, returns only when
-    the message would have arrived over it."""
+    the message would have arrived over it.
+
+    `departed`: after `wait()`, over a simulated link, when the message's first byte
+    left its sender (`time.perf_counter()` seconds, one clock for every process on the
+    machine): a receiver that waited from before then was waiting for the sender, and
+    from then on for the link. None over a real link, where no rank can see it."""
 
     def __init__(self, work: dist.Work, host: torch.Tensor, dest: torch.Tensor,
                  wire: Wire) -> None:
         self.work, self.host, self.dest, self.wire = work, host, dest, wire
+        self.departed: float | None = None
 
     def wait(self) -> None:
         self.work.wait()
         host, dest = self.host, self.dest
         if self.wire.link is not None:
             n = dest.nbytes
-            sleep_until(self.wire.arrive(host[:STAMP].view(torch.float64).item(), n))
+            self.departed = host[:STAMP].view(torch.float64).item()
+            sleep_until(self.wire.arrive(self.departed, n))
             dest.view(-1).view(torch.uint8).copy_(host[STAMP:])
         elif host is not dest:
             dest.copy_(host)

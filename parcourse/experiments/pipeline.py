@@ -77,7 +77,8 @@ def tied_weights(stages: dict[int, nn.Module], all_stages: list[nn.Module]
     return [group for group in where.values() if len(group) > 1]
 
 
-def train(ctx: RankContext, schedule: str, microbatches: int, steps: int = 2, *,
+def train(ctx: RankContext, schedule: Schedule | str, microbatches: int | None = None,
+          steps: int = 2, *,
           model: Model = "mlp", chunks: int = 2, depth: int = 8, width: int = 16,
           batch: int = 16, by: By = "layers", lr: float = 0.05,
           compute: SimulatedCompute | None = None, forward_ms: float = 0.0,
@@ -86,6 +87,9 @@ def train(ctx: RankContext, schedule: str, microbatches: int, steps: int = 2, *,
           accumulate: int = 1, frozen: tuple[str, ...] = (),
           weight_decay: float = 0.0) -> dict[str, Any]:
     """`steps` SGD steps of a deep MLP or a small GPT cut into the schedule's stages;
+    `schedule` a `Schedule` built for these ranks (its microbatches; `microbatches`, if
+    given, must agree) or, for short, a name with `microbatches` and `chunks`
+    (`schedule_by_name` builds it on each rank: the same registry, the same schedule);
     each over `accumulate` runtime steps (the batch cut in as many parts, gradients added
     up), with the parameters named in `frozen` frozen first; SGD with `weight_decay`.
 
@@ -96,7 +100,7 @@ def train(ctx: RankContext, schedule: str, microbatches: int, steps: int = 2, *,
     last step's spans, the schedule, and the last step's peak in-flight activation bytes
     with the bytes one microbatch holds on each of this rank's stages (when traced).
     """
-    plan = make_schedule(schedule, ctx.world_size, microbatches, chunks)
+    plan = _schedule(schedule, ctx.world_size, microbatches, chunks)
     per_rank = plan.model_stages // plan.ranks  # a rank's share of the model, in stages
     if compute is None and (forward_ms or backward_ms):
         compute = SimulatedCompute(forward_ms / 1e3, backward_ms / 1e3,
@@ -153,6 +157,22 @@ def bubble_of(run: Any) -> float:
 
 TORCH_SCHEDULES = {  # ours -> torch.distributed.pipelining's counterpart
     name: entry.torch for name, entry in SCHEDULES.items() if entry.torch is not None}
+
+
+def _schedule(schedule: Schedule | str, ranks: int, microbatches: int | None,
+              chunks: int) -> Schedule:
+    """`schedule` as given, or built from its name; refused if it does not fit."""
+    if isinstance(schedule, str):
+        if microbatches is None:
+            raise ValueError(f"a schedule given by name ({schedule!r}) needs its microbatches")
+        return make_schedule(schedule, ranks, microbatches, chunks)
+    if schedule.ranks != ranks:
+        raise ValueError(f"{schedule.name} was built for {schedule.ranks} ranks; "
+                         f"this run has {ranks}")
+    if microbatches is not None and microbatches != schedule.microbatches:
+        raise ValueError(f"{schedule.name} runs {schedule.microbatches} microbatches, "
+                         f"not {microbatches}")
+    return schedule
 
 
 def step_times(ctx: RankContext, microbatches: int, steps: int = 10, *,

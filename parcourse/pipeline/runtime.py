@@ -32,7 +32,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,8 +41,9 @@ from torch.func import functional_call
 
 from parcourse.checkpointing import checkpoint
 from parcourse.comm import Comm, SimulatedLink
-from parcourse.comm.common import backend_for, global_rank
-from parcourse.comm.link import link_between
+from parcourse.comm.common import backend_for
+from parcourse.comm.messenger import Arrival
+from parcourse.comm.pacing import Pacer
 from parcourse.memory import PeakSavedBytes, SavedActivations, live_bytes
 from parcourse.pipeline.actions import Action, Message, Schedule, check, incoming, outgoing
 from parcourse.pipeline.posting import early_receives
@@ -59,17 +59,6 @@ def _tag(kind: str, stage: int, microbatch: int, microbatches: int, stages: int)
     """A tag per message: what it carries (F: activations, B: gradients, S: a shape,
     T: a tied weight's gradient)."""
     return (("FBST".index(kind) * stages + stage) * microbatches + microbatch) + 1
-
-
-@dataclass
-class _Pacing:
-    """A padded action under way (`PipelineRuntime.pace`): when it started, the `apart`
-    clock then, its (stage, kind), and the collectives it has reached."""
-
-    start: float
-    apart: float
-    key: tuple[int, str]
-    done: int = 0
 
 
 class PipelineRuntime:
@@ -97,12 +86,10 @@ class PipelineRuntime:
     microbatch's gradients to a stage's weights (B, or W when the backward is split), so
     that a caller can take them away at once (ZeRO-2 over data parallelism does).
 
-    `apart()`: a clock of seconds within an action that are not its compute (tensor
-    parallelism's collectives: `Comm.blocked_s`); simulated `compute` pads the rest of the
-    action to its seconds, and these come on top, as on a GPU that waits for them.
-    Tensor parallelism calls `pace` before each of its collectives (through
-    `Comm.before_blocking`, which `Hybrid` sets), so that the padding is spread over the
-    action and a group meets at each of them together.
+    `paced`: with simulated `compute`, the `Comm` whose blocking collectives run inside
+    the actions (tensor parallelism's): their seconds are not compute and come on top of
+    the padding, which `comm.pacing.Pacer` spreads over the action so that a group meets
+    at each collective together.
 
     `around(action)`: a context each action runs in, its message received and sent
     inside it: ZeRO-3 over data parallelism gathers the stage's weights before and frees
@@ -119,7 +106,7 @@ class PipelineRuntime:
                  compute: SimulatedCompute | None = None, recompute: bool = False,
                  tied: Sequence[dict[int, str]] = (), comm: Comm | None = None,
                  on_weight_gradients: Callable[[int, int], None] | None = None,
-                 apart: Callable[[], float] | None = None,
+                 paced: Comm | None = None,
                  together: Callable[[], AbstractContextManager[Any]] | None = None,
                  around: Callable[[Action], AbstractContextManager[Any]] | None = None
                  ) -> None:
@@ -152,11 +139,8 @@ class PipelineRuntime:
         # The runtime's own spans (F, B, I, W, waits) go to `tracer`, its messages to the
         # Comm's (the same one unless told otherwise).
         self.tracer = tracer if tracer is not None else comm.tracer
-        self.link, self.compute, self._apart = comm.link, compute, apart
-        # The padded action under way, and how many collectives the last one of each
-        # (stage, kind) had (`pace`).
-        self._pacing: _Pacing | None = None
-        self._paces: dict[tuple[int, str], int] = {}
+        self.link, self.compute = comm.link, compute
+        self._pacer = Pacer(paced)
         self._seconds = None
         if compute is not None:  # copies of a stage (DualPipe) cost what the stage costs
             per = compute.of(schedule.model_stages)
@@ -226,22 +210,22 @@ class PipelineRuntime:
         start = time.perf_counter_ns()
         work.wait()
         if self.comm.tracer is not None:
+            departed = work.departed if isinstance(work, Arrival) else None
             self._trace_receive(f"{stage}{kind}{a.microbatch}", start, time.perf_counter_ns(),
-                                self._peer(stage), buffer.nbytes)
+                                departed, buffer.nbytes)
         return buffer
 
-    def _trace_receive(self, name: str, start: int, end: int, peer: int, nbytes: int) -> None:
-        """A receive waited for from `start` to `end`: the message's own time on the link at
-        the end (on a simulated link: latency + bytes / bandwidth; on a real one, nothing
-        the rank can see) is communication; the rest is waiting for the other rank to get
-        there, idle, the bubble, drawn as such. Neither has a `microbatch` key, so a
-        timeline coloured by microbatch does not take them for compute."""
+    def _trace_receive(self, name: str, start: int, end: int, departed: float | None,
+                       nbytes: int) -> None:
+        """A receive waited for from `start` to `end`: from when the message left its
+        sender (`departed`, which the messenger knows over a simulated link; on a real
+        one, nothing the rank can see) it is communication; before that, waiting for
+        the other rank to get there, idle, the bubble, drawn as such. Neither has a
+        `microbatch` key, so a timeline coloured by microbatch does not take them for
+        compute."""
         tracer = self.comm.tracer
         assert tracer is not None
-        link = link_between(self.comm.link, global_rank(self.group, peer),
-                            global_rank(self.group, self.rank))
-        moving = 0 if link is None else int(1e9 * link.seconds(nbytes))
-        split = max(start, end - moving)
+        split = end if departed is None else min(end, max(start, int(departed * 1e9)))
         if split > start:
             tracer.add_span(f"wait for {name}", start, split, kind="idle", bytes=nbytes)
         tracer.add_span(f"receive {name}", split, end, kind="comm", bytes=nbytes)
@@ -426,49 +410,14 @@ class PipelineRuntime:
         received = self._receive(a)
         with (self.tracer.span(str(a), kind="compute", stage=s, microbatch=i, action=a.kind)
               if self.tracer is not None else nullcontext()):
-            # Taken inside the span: a collective's paced share counts from its start.
-            start = time.perf_counter()
-            apart = self._apart() if self._apart is not None else 0.0
-            if self._seconds is not None and self._apart is not None:
-                self._pacing = _Pacing(start, apart, (s, a.kind))
-            try:
+            # Padded inside the span: a collective's paced share counts from its start.
+            with (self._pacer.padded((s, a.kind), self._seconds[a.kind][s])
+                  if self._seconds is not None else nullcontext()):
                 out = {"F": self._forward, "B": self._backward, "I": self._input_gradient,
                        "W": self._weight_gradient}[a.kind](a, received)
-            finally:
-                pacing, self._pacing = self._pacing, None
-            if self._seconds is not None:  # the rest of this action's simulated time
-                if self._apart is not None and pacing is not None:  # what is not compute
-                    start += self._apart() - apart  # comes on top of it
-                    self._paces[(s, a.kind)] = pacing.done
-                rest = self._seconds[a.kind][s] - (time.perf_counter() - start)
-                if rest > 0:
-                    time.sleep(rest)
         message = outgoing(a, self.schedule)
         if message is not None:
             self._send(message, out)
-
-    def pace(self) -> None:
-        """Before each of the `apart` collectives of an action padded to simulated
-        seconds: wait until its share of them has passed (the action's seconds cut
-        evenly at its collectives, as many as the last action of the same stage and
-        kind had; none the first time), so that a group's ranks, each computing as fast
-        as its simulated device, meet there together. Padding only at the end, a rank
-        whose real math ran late on shared cores would keep the others waiting at each
-        collective, and that wait would count as the collective's. A no-op outside a
-        padded action."""
-        pacing = self._pacing
-        if pacing is None:
-            return
-        pacing.done += 1
-        expected = self._paces.get(pacing.key)
-        if not expected or pacing.done > expected:
-            return
-        assert self._apart is not None and self._seconds is not None
-        stage, kind = pacing.key
-        share = self._seconds[kind][stage] * pacing.done / (expected + 1)
-        rest = pacing.start + share + (self._apart() - pacing.apart) - time.perf_counter()
-        if rest > 0:
-            time.sleep(rest)
 
     def _forward(self, a: Action, received: torch.Tensor | None) -> torch.Tensor:
         """Run the stage; keep its input, output and graph until the backward."""

@@ -128,8 +128,9 @@ def adam_bytes_per_param(param_dtype: torch.dtype = torch.float32) -> dict[str, 
     return {"params": size, "grads": size, "optimizer": 12}
 
 
-def zero_bytes(num_params: int, world_size: int, stage: int,
-               param_dtype: torch.dtype = torch.float32) -> dict[str, float]:
+def zero_bytes(num_params: float, world_size: int, stage: int,
+               param_dtype: torch.dtype = torch.float32,
+               grad_shard_dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """Theory: bytes per rank for parameters, gradients and Adam state under ZeRO.
 
     stage 0 is plain data parallelism (everything replicated); stage 1 divides
@@ -137,9 +138,10 @@ def zero_bytes(num_params: int, world_size: int, stage: int,
     parameters (ZeRO paper, Figure 1). Stages 0 and 1 hold the full gradient
     while backward builds it (`zero_checked_at` says when each figure holds).
 
-    With mixed precision the gradient shards of stages 2-3 are handed to the
-    optimizer in fp32, the dtype of the masters it steps (as FSDP2 does), so they
-    cost 4 bytes / N per parameter where the paper counts 2 / N.
+    With mixed precision the course's gradient shards of stages 2-3 are handed to
+    the optimizer in fp32, the dtype of the masters it steps (as FSDP2 does), so they
+    cost 4 bytes / N per parameter; the paper keeps them in 16 bits, 2 / N
+    (`grad_shard_dtype=torch.bfloat16`, what the planner counts for published runs).
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
@@ -147,7 +149,8 @@ def zero_bytes(num_params: int, world_size: int, stage: int,
     n = world_size
     return {
         "params": num_params * per["params"] / (n if stage >= 3 else 1),
-        "grads": num_params * per["grads"] if stage < 2 else num_params * 4 / n,
+        "grads": num_params * per["grads"] if stage < 2 else
+        num_params * torch.empty((), dtype=grad_shard_dtype).element_size() / n,
         "optimizer": num_params * per["optimizer"] / (n if stage >= 1 else 1),
     }
 

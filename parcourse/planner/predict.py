@@ -15,6 +15,8 @@ import functools
 import math
 from typing import Any, Literal
 
+import torch
+
 from parcourse.comm import SimulatedLink
 from parcourse.models import GPTConfig
 from parcourse.pipeline.partition import stage_bounds
@@ -32,6 +34,7 @@ from parcourse.theory import (
     korthikanti_layer_bytes,
     tp_link_seconds,
     tp_stage_collectives,
+    zero_bytes,
 )
 
 # --------------------------------------------------------------------------- memory
@@ -127,7 +130,7 @@ def predict_memory(config: GPTConfig, choice: Choice, global_batch: int,
         held = [sum(stream if b else kept["activations"] for b, kept in zip(bs, st))
                 for bs, st in zip(is_block, per_stage)]
     n, z = choice.dp, choice.zero
-    weight_bytes, grad_bytes, state_bytes = (4, 4, 8) if dtype == "fp32" else (2, 2, 12)
+    half = torch.float32 if dtype == "fp32" else torch.bfloat16
     # The tied embedding and head, when the pipeline holds them in two stages: numbers.
     tied = math.ceil(config.vocab / choice.tp) * config.d_model \
         if config.tie_weights and plan.stages > 1 else 0
@@ -135,18 +138,17 @@ def predict_memory(config: GPTConfig, choice: Choice, global_batch: int,
     for rank in range(choice.pp):
         mine = [s for s, r in enumerate(plan.stage_rank) if r == rank]
         p = sum(params[s] for s in mine) / 4  # parameters (numbers) on this rank
-        memory = {
-            "params": weight_bytes * p / (n if z >= 3 else 1),
-            # ZeRO-2: the paper's bucketed reduction keeps 1/dp of the gradients; the
-            # course's 3D step (fp32) reduces a stage at a time (`_zero_2_peak`).
-            "grads": grad_bytes * p if z < 2 else (
-                _zero_2_peak(plan.actions[rank], {s: params[s] / 4 for s in mine}, tied,
-                             {0, *([plan.stages - 1] if pipelined else [])} & set(mine),
-                             {0, plan.stages - 1} & set(mine), n)
-                if z >= 2 and dtype == "fp32" else grad_bytes * p / n),
-            "optimizer": state_bytes * p / (n if z >= 1 else 1),
-            "activations": _activation_peak(plan.actions[rank], held, rebuilt),
-        }
+        # Weights, gradients and Adam's state as ZeRO's theory counts them; 16-bit
+        # gradient shards as the paper keeps them (2/dp a parameter).
+        memory = zero_bytes(p, n, z, half, grad_shard_dtype=half)
+        if z >= 2 and dtype == "fp32":
+            # The course's 3D step (fp32) reduces a stage's gradients at a time: whole
+            # until then (`_zero_2_peak`), where the paper's buckets keep 1/dp of them.
+            memory["grads"] = _zero_2_peak(
+                plan.actions[rank], {s: params[s] / 4 for s in mine}, tied,
+                {0, *([plan.stages - 1] if pipelined else [])} & set(mine),
+                {0, plan.stages - 1} & set(mine), n)
+        memory["activations"] = _activation_peak(plan.actions[rank], held, rebuilt)
         memory["total"] = sum(memory.values())
         out.append(memory)
     return out

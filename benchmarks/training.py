@@ -28,6 +28,7 @@ from pathlib import Path
 from parcourse import launch
 from parcourse.corpus import build_corpus
 from parcourse.experiments.training import checkpoint_costs
+from parcourse.plan import ParallelPlan
 from parcourse.train import TrainSettings, planned, train_on_corpus
 
 WARM_UP = 10  # steps not timed: the first ones build caches and warm the allocator
@@ -44,8 +45,9 @@ def main() -> None:
     a = p.parse_args()
     if a.steps <= WARM_UP:
         p.error(f"--steps must be more than {WARM_UP}: the first {WARM_UP} are not timed")
-    s = TrainSettings(dp=a.dp, tp=a.tp, pp=a.pp, steps=a.steps, width=a.width, layers=a.layers,
-                      eval_every=a.steps, batch=16 * a.dp)
+    s = TrainSettings(plan=ParallelPlan(dp=a.dp, tp=a.tp, pp=a.pp, microbatches=2),
+                      steps=a.steps, width=a.width, layers=a.layers, eval_every=a.steps,
+                      batch=16 * a.dp)
     if problems := s.problems():
         raise SystemExit("; ".join(problems))
     from parcourse.planner import measure_flops
@@ -61,7 +63,7 @@ def main() -> None:
         flops = measure_flops(s.config)
         plan = planned(s, flops)
         measured_mfu = tokens / seconds * plan["flops_per_token"] / plan["ranks_flops"]
-        print(f"training loop: dp {s.dp} x tp {s.tp} x pp {s.pp}, GPT {s.layers} blocks of "
+        print(f"training loop: {s.plan.label()}, GPT {s.layers} blocks of "
               f"width {s.width}, batch {s.batch} x {s.block_size} bytes, {s.steps} steps "
               f"(median of steps 10-{s.steps - 1}); one rank alone: {flops / 1e9:.2f} GFLOP/s")
         print(f"{'':>10} {'step ms':>9} {'tokens/s':>10} {'MFU':>7}")

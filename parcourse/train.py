@@ -4,7 +4,7 @@ replica reading its own rows (`ShardedLoader`), AdamW with warm-up then a cosine
 the learning rate, clipping by the global gradient norm, a validation loss every few steps,
 and text sampled from the trained weights at the end.
 
-    settings = TrainSettings(dp=2, pp=2, steps=100)
+    settings = TrainSettings(plan="dp2 pp2 1f1b m2", steps=100)
     run = launch(train_on_corpus, settings.world_size, settings, "runs/corpus")
     sample(run.results[0]["state"], settings.config, "def ")
 """
@@ -30,15 +30,11 @@ from parcourse.plan import ParallelPlan
 
 @dataclass(frozen=True)
 class TrainSettings:
-    """The mesh, the schedule, the model, the data and the optimizer of a run; defaults
-    that train for seconds on a laptop."""
+    """The plan (mesh, schedule, ZeRO), the model, the data and the optimizer of a run;
+    defaults that train for seconds on a laptop. `plan`: a `ParallelPlan`, or its label
+    (`"dp2 tp2 pp1 1f1b m2 ZeRO-1"`), read at once."""
 
-    dp: int = 2
-    tp: int = 1
-    pp: int = 2
-    schedule: str = "1f1b"
-    microbatches: int = 2
-    zero: int = 0
+    plan: ParallelPlan = ParallelPlan(dp=2, pp=2, schedule="1f1b", microbatches=2)
     steps: int = 200
     batch: int = 16  # global, in sequences
     block_size: int = 64
@@ -56,20 +52,20 @@ class TrainSettings:
     async_save: bool = False  # write checkpoints in the background while training goes on
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if isinstance(self.plan, str):
+            object.__setattr__(self, "plan", ParallelPlan.parse(self.plan))
+        elif not isinstance(self.plan, ParallelPlan):
+            raise TypeError(f"plan: a ParallelPlan or its label, got {type(self.plan).__name__}")
+
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.plan.gpus
 
     @property
     def config(self) -> GPTConfig:
         return GPTConfig(vocab=256, block_size=self.block_size, n_layers=self.layers,
                          n_heads=self.heads, d_model=self.width)
-
-    @property
-    def plan(self) -> ParallelPlan:
-        """The run's parallel layout, as the planner, `Hybrid` and the checkpoint hold it."""
-        return ParallelPlan(dp=self.dp, tp=self.tp, pp=self.pp, schedule=self.schedule,
-                            microbatches=self.microbatches, zero=self.zero)
 
     def problems(self) -> list[str]:
         """What cannot run, in words, before any rank starts: the plan's rules
@@ -142,7 +138,7 @@ def train_on_corpus(ctx: Any, s: TrainSettings, corpus_dir: str, out: str | None
         gpt(config, seed=s.seed), mesh, s.plan, max_norm=s.clip, seed=s.seed,
         optimizer=lambda ps: torch.optim.AdamW(ps, lr=s.lr, weight_decay=s.weight_decay))
     loader = ShardedLoader(corpus.train, s.block_size, s.batch, replica=mesh.coordinate("dp"),
-                           replicas=s.dp, seed=s.seed)
+                           replicas=s.plan.dp, seed=s.seed)
     val_x, val_y = ShardedLoader(corpus.val if len(corpus.val) > s.block_size * s.eval_batch
                                  else corpus.train, s.block_size, s.eval_batch,
                                  seed=s.seed + 1).next()

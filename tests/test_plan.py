@@ -121,7 +121,7 @@ def test_the_planner_train_and_the_cli_say_the_same():
     cluster = Cluster.this_machine(8, flops=1e9, cores=2)
     rejected = plan(CONFIG, cluster, 8, candidates=[ParallelPlan(tp=8)]).rejected
     assert rejected[0].why_not == said
-    settings = TrainSettings(dp=1, tp=8, pp=1, heads=4, width=32)
+    settings = TrainSettings(plan=ParallelPlan(tp=8), heads=4, width=32)
     assert settings.problems() == [said]
     with pytest.raises(SystemExit):
         main(["train", "--dp", "1", "--tp", "8", "--pp", "1", "--heads", "4"])

@@ -31,7 +31,7 @@ def test_the_learning_rate_warms_up_then_decays_to_its_floor(steps, warmup):
 
 
 def test_settings_that_do_not_divide_are_refused():
-    assert TrainSettings(dp=3, batch=16).problems() == [
+    assert TrainSettings(plan="dp3 pp2 1f1b m2", batch=16).problems() == [
         "the global batch of 16 does not cut into dp 3 x 2 microbatches equal parts"]
 
 
@@ -125,11 +125,11 @@ def test_a_killed_rank_is_named_and_the_run_resumes_on_another_mesh(corpus, tmp_
     from parcourse import RankDied, launch
     from parcourse.train import train_on_corpus
 
-    s = TrainSettings(dp=2, pp=2, steps=8, eval_every=8, save_every=4, warmup=2)
+    s = TrainSettings(plan="dp2 pp2 1f1b m2", steps=8, eval_every=8, save_every=4, warmup=2)
     whole = launch(train_on_corpus, 4, s, corpus).results[0]["history"]
     with pytest.raises(RankDied, match=r"rank 1 was killed by SIGKILL.*in step 7 of 8"):
         launch(train_on_corpus, 4, s, corpus, str(tmp_path), kill=(1, 6))
-    other = TrainSettings(dp=1, tp=2, pp=2, steps=8, eval_every=8, save_every=4, warmup=2)
+    other = TrainSettings(plan="dp1 tp2 pp2 1f1b m2", steps=8, eval_every=8, save_every=4, warmup=2)
     resumed = launch(train_on_corpus, 4, other, corpus, str(tmp_path), True).results[0]
     assert resumed["started_at"] == 4 and resumed["resumed_from"].endswith("step-00000004")
     assert [h["loss"] for h in resumed["history"]] == pytest.approx(
@@ -188,3 +188,15 @@ def test_a_ranks_step_status_reads_back():
     assert read_step_status(step_status(0, 8, None)) is None  # no loss yet
     assert read_step_status(step_status(6, 8, 2.5)) == (6, 2.5)  # 6 steps done, the last's
     assert read_step_status("saving a checkpoint after step 4") is None
+
+
+def test_settings_hold_one_plan_given_as_a_record_or_its_label():
+    """The run's layout is its `ParallelPlan`, not fields beside it: a label reads back
+    into the same record, and what is neither is refused."""
+    from parcourse.plan import ParallelPlan
+
+    label = TrainSettings(plan="dp2 tp2 pp1 1f1b m2 ZeRO-1")
+    assert label.plan == ParallelPlan(dp=2, tp=2, microbatches=2, zero=1)
+    assert label.world_size == 4 and label == TrainSettings(plan=label.plan)
+    with pytest.raises(TypeError, match="a ParallelPlan or its label, got dict"):
+        TrainSettings(plan={"dp": 2})

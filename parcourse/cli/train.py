@@ -54,8 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _settings(args: argparse.Namespace) -> object:
     from parcourse.train import TrainSettings
 
-    return TrainSettings(dp=args.dp, tp=args.tp, pp=args.pp, schedule=args.schedule,
-                         microbatches=args.microbatches, zero=args.zero, steps=args.steps,
+    return TrainSettings(plan=args.parallel_plan, steps=args.steps,
                          batch=args.batch, block_size=args.block_size, layers=args.layers,
                          width=args.width, heads=args.heads, lr=args.lr,
                          min_lr=min(args.lr, 3e-4), clip=args.clip,
@@ -209,8 +208,8 @@ def run(args: argparse.Namespace) -> int:
     if where.quiet:
         return 0
     s = settings
-    print(f"train       dp {s.dp} x tp {s.tp} x pp {s.pp} = {where.world_size} ranks, "  # type: ignore[attr-defined]
-          f"{s.schedule}, ZeRO-{s.zero}; GPT {s.layers} blocks, width {s.width}, "  # type: ignore[attr-defined]
+    print(f"train       {s.plan.label()} = {where.world_size} ranks; "  # type: ignore[attr-defined]
+          f"GPT {s.layers} blocks, width {s.width}, "  # type: ignore[attr-defined]
           f"{s.block_size} bytes a sequence, global batch {s.batch}; AdamW, peak lr "  # type: ignore[attr-defined]
           f"{s.lr:g}, warm-up {s.warmup}, cosine, clip {s.clip:g}")  # type: ignore[attr-defined]
     print(f"corpus      {corpus.meta['files']['train']} + {corpus.meta['files']['val']} files "

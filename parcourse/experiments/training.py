@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from parcourse.experiments.exercises import ask, whole_numbers
+from parcourse.plan import ParallelPlan
 from parcourse.plots import count
 from parcourse.train import TrainSettings, planned, read_step_status, train_on_corpus
 
@@ -38,9 +39,10 @@ def lesson_settings(mesh: dict[str, int], steps: int, **changes: Any) -> TrainSe
     """The lesson's run: a 2-block GPT of width 64 on 64-byte sequences, 24 a batch
     (divisible by every mesh of `meshes` times 2 microbatches), a validation loss a
     few times a run and a checkpoint halfway and at the end."""
-    defaults = dict(batch=24, microbatches=2, block_size=64, layers=2, width=64, heads=4,
+    defaults = dict(batch=24, block_size=64, layers=2, width=64, heads=4,
                     warmup=10, eval_every=max(1, steps // 6), save_every=max(1, steps // 2))
-    return TrainSettings(**mesh, steps=steps, **{**defaults, **changes})
+    plan = ParallelPlan(**mesh, microbatches=2)
+    return TrainSettings(plan=plan, steps=steps, **{**defaults, **changes})
 
 
 def train_live(pool: Any, s: TrainSettings, corpus_dir: str, out: str, *, resume: bool = False,
@@ -71,7 +73,7 @@ def train_live(pool: Any, s: TrainSettings, corpus_dir: str, out: str, *, resume
                     label="train (as reported)")
         ax.set_xlabel("step")
         ax.set_ylabel("loss (nats per byte)")
-        ax.set_title(title or f"dp {s.dp} x tp {s.tp} x pp {s.pp}", loc="left", fontsize=10)
+        ax.set_title(title or s.plan.label(), loc="left", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(loc="upper right")
         plt.close(fig)
@@ -181,9 +183,9 @@ def checkpoint_costs(ctx: Any, s: TrainSettings, root: str, repeats: int) -> dic
     from parcourse.mesh import Mesh
     from parcourse.models import gpt
 
-    mesh = Mesh({"dp": s.dp, "tp": s.tp, "pp": s.pp}, ctx.group)
-    model = Hybrid(gpt(s.config), mesh, schedule=s.schedule, microbatches=s.microbatches,
-                   optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    mesh = Mesh(s.plan.shape, ctx.group, order=s.plan.order)
+    model = Hybrid.from_plan(gpt(s.config), mesh, s.plan,
+                             optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     x, y = progressions(s.batch, s.block_size, s.config.vocab)
     model.step(x, y)  # the optimizer's state exists
     out: dict[str, list[float]] = {"save": [], "load": [], "async_blocked": [],

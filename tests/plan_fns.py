@@ -19,3 +19,16 @@ def from_plan_refusals(ctx):
         except ValueError as e:
             said.append(str(e))
     return said
+
+
+def hybrid_keyword_refusals(ctx, cases):
+    """What `Hybrid(model, mesh, **keywords)` says to each of `cases` (a shape and its
+    keywords) on these ranks: None where it builds."""
+    said = []
+    for shape, kwargs in cases:
+        try:
+            Hybrid(gpt(CONFIG), Mesh(shape, ctx.group), **kwargs)
+            said.append(None)
+        except ValueError as e:
+            said.append(str(e))
+    return said

@@ -11,6 +11,7 @@ from parcourse.mesh import Layout
 from parcourse.models import GPTConfig
 from parcourse.plan import ParallelPlan
 from mesh_fns import nodes_crossed
+import plan_fns as F
 
 CONFIG = GPTConfig(vocab=64, block_size=16, n_layers=4, n_heads=4, d_model=32)  # train3d's
 
@@ -110,6 +111,42 @@ def _flags(plan):
         elif value is not None:
             out += [flag, str(value)]
     return out
+
+
+# The rules `Hybrid`'s keywords can break on 2 ranks (one rank's plans on a dp 2 mesh),
+# as (the rule's plan in RULES, the mesh, Hybrid's keywords).
+HYBRID_KEYWORDS = [
+    (ParallelPlan(zero=4), {"dp": 2}, {"zero": 4}),
+    (ParallelPlan(schedule="zigzag"), {"dp": 2}, {"schedule": "zigzag"}),
+    (ParallelPlan(pp=2, schedule="naive", microbatches=2), {"pp": 2},
+     {"schedule": "naive", "microbatches": 2}),
+    (ParallelPlan(pp=2, schedule="interleaved-1f1b", microbatches=3), {"pp": 2},
+     {"schedule": "interleaved-1f1b", "microbatches": 3}),
+    (ParallelPlan(pp=2, schedule="dualpipe", microbatches=4), {"pp": 2},
+     {"schedule": "dualpipe", "microbatches": 4}),
+    (ParallelPlan(pp=2, schedule="zb-h1", microbatches=2, recompute="full"), {"pp": 2},
+     {"schedule": "zb-h1", "microbatches": 2, "recompute": True}),
+]
+
+
+def test_hybrid_and_train_refuse_each_rule_in_the_same_sentence(pool2):
+    """Every rule of RULES a run's settings can break: `TrainSettings.problems()` (what
+    `train` checks before any rank starts) gives the sentence `problems()` gives; and
+    each one `Hybrid`'s keywords can break, built on real ranks, raises it."""
+    from parcourse.train import TrainSettings
+
+    model = {"block_size": 16, "layers": 4, "width": 32, "heads": 4}
+    for plan, batch, world, step, said in RULES:
+        if world is not None or not step or plan.order == "zigzag" or plan.dp < 1 \
+                or plan.microbatches < 1:
+            continue  # the world is the plan's own, and sizes below 1 fail Layout first
+        settings = TrainSettings(plan=plan, batch=batch or plan.dp * plan.microbatches,
+                                 **model)
+        assert settings.problems() == ([said] if said else []), (plan, settings.problems())
+    rules = {plan: said for plan, _, _, _, said in RULES}
+    cases = [(shape, kwargs) for _, shape, kwargs in HYBRID_KEYWORDS]
+    for said in pool2.run(F.hybrid_keyword_refusals, cases).results:
+        assert said == [rules[plan] for plan, _, _ in HYBRID_KEYWORDS], said
 
 
 def test_the_planner_train_and_the_cli_say_the_same():

@@ -240,7 +240,7 @@ def _save(model: Hybrid, root: str | os.PathLike, step: int, extra: dict[str, An
     state, keys = _dcp_state(model)
     state["rng"] = torch.get_rng_state()
     meta = {"step": step, "config": dataclasses.asdict(model.config),
-            "mesh": {a: model.mesh.size(a) for a in ("dp", "tp", "pp")},
+            "mesh": {a: model.mesh.size(a) for a in ("dp", "tp", "pp", "cp")},
             "plan": model.parallel_plan.label(),
             "zero": model.zero, "optimizer": type(model.optimizer).__name__,
             "state": keys, "extra": extra or {}}

@@ -47,6 +47,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from parcourse.comm import Comm, Network, Topology
+from parcourse.context_parallel import SequenceShard, context_parallel
+from parcourse.context_parallel.attention import Method
 from parcourse.data import shard as shard_rows
 from parcourse.data_parallel.bucketed import Bucket, make_buckets
 from parcourse.memory import storage_bytes, tensors_in
@@ -119,9 +121,16 @@ class Hybrid:
     collectives on top (a GPU's time on a laptop: the planner's check, lesson 09).
     `seed`: dropout's; each pipeline stage and each data-parallel replica draws its own
     masks from it, the ranks of a tp group the same where their activation is whole.
+    A mesh with a `cp` axis cuts every sequence over its ranks (context parallelism,
+    `parcourse.context_parallel`: zigzag, two chunks a rank): each rank runs every layer
+    on its tokens, attention over all of them by `cp_method` ("ring", "all-gather" or
+    "ulysses", after tp has split the heads); its loss is weighed by its share of the
+    sequence, and the gradients are averaged over dp and cp together (ZeRO shards over
+    both), as Megatron-LM's cp_dp group.
     """
 
-    def __init__(self, model: GPT, mesh: Mesh, *, schedule: str = "1f1b",
+    def __init__(self, model: GPT, mesh: Mesh, *, cp_method: Method = "ring",
+                 schedule: str = "1f1b",
                  microbatches: int = 4, chunks: int = 2, sequence_parallel: bool = False,
                  recompute: bool = False, optimizer: OptimizerFactory | None = None,
                  zero: Literal[0, 1, 2, 3] = 0, max_norm: float | None = None,
@@ -132,10 +141,11 @@ class Hybrid:
         self.sequence_parallel = sequence_parallel
         tp = mesh.size("tp")
         # The run's one plan record, checked by the same rules as the planner and the CLI.
-        shape = {"dp": mesh.size("dp"), "tp": tp, "pp": mesh.size("pp")}
+        shape = {"dp": mesh.size("dp"), "tp": tp, "pp": mesh.size("pp"), "cp": mesh.size("cp")}
         order = next((o for o in ORDERS if Layout.of(shape, o) == mesh.layout), "megatron")
         self.parallel_plan = ParallelPlan(
-            **shape, schedule=schedule, microbatches=microbatches, chunks=chunks, zero=zero,
+            **shape, cp_method=cp_method, schedule=schedule, microbatches=microbatches,
+            chunks=chunks, zero=zero,
             sequence_parallel=sequence_parallel, recompute="full" if recompute else "none",
             order=order, ranks_per_node=mesh.ranks_per_node  # type: ignore[arg-type]
         ).check(config, world=mesh.layout.world_size)
@@ -155,7 +165,11 @@ class Hybrid:
         # dp's gradients go over the ring on gloo anyway (it counts the bytes it sends).
         self.tp_comm = TPComm(Comm(mesh.group("tp"), tracer=on("tp"), link=link,
                                    algorithm="ring" if link is not None else "torch"))
-        self.dp_comm = Comm(mesh.group("dp"), tracer=on("dp"), link=link, algorithm="auto")
+        # The ranks that hold the same weights and average their gradients: dp's, and with
+        # the sequence cut over cp, cp's with them (Megatron-LM's cp_dp group).
+        self.replicas = mesh.size("dp") * mesh.size("cp")
+        self.dp_comm = Comm(mesh.group(*self._replica_axes), tracer=on("dp"), link=link,
+                            algorithm="auto")
         # Dropout: each pipeline stage (as Megatron offsets its seed by 100 a stage) and
         # each data-parallel replica (which sees other rows) draws its own masks; the
         # ranks of a tp group agree where the activation is replicated (RNGTracker).
@@ -164,6 +178,14 @@ class Hybrid:
             comm=self.tp_comm.comm,
             seed=seed + 100 * mesh.coordinate("pp") + 10007 * mesh.coordinate("dp"))
         cut = partition(gpt_layers(self.model), self.plan.stages)
+        # Context parallelism: each rank runs every layer on its tokens of the sequence,
+        # attention over all of them by the plan's method (`parcourse.context_parallel`).
+        self.shard: SequenceShard | None = None
+        if mesh.size("cp") > 1:
+            self.shard = SequenceShard(mesh.group("cp"), cp_method, comm=Comm(
+                mesh.group("cp"), tracer=on("cp"), link=link,
+                algorithm="ring" if link is not None else "torch"))
+            context_parallel(cut, self.shard)
         stage = mesh.coordinate("pp")
         mine = {s: cut[s] for s, r in enumerate(self.plan.stage_rank) if r == stage}
         tied_groups = _stages_tied(cut)  # {stage: name} of each weight several stages share
@@ -200,7 +222,7 @@ class Hybrid:
         # Without ZeRO: lesson 02's buckets (`data_parallel.bucketed`), a stage's all-reduced
         # as soon as its last backward of the step is done, while the schedule goes on.
         self._buckets: dict[int | None, list[Bucket]] = {}
-        if not zero and mesh.size("dp") > 1:
+        if not zero and self.replicas > 1:
             self._buckets = {s: make_buckets(ps, bucket_mb) if ps else []
                              for s, ps in units.items()}
             backward = [a for a in self.plan.actions[stage] if a.kind in ("B", "W")]
@@ -235,7 +257,8 @@ class Hybrid:
                 for p in self.params]
             # The norm's group: the ranks whose gradients differ (Megatron's model-parallel
             # group), and dp too when each replica holds a different slice.
-            self._norm_group = mesh.group(*(("dp", "tp", "pp") if zero else ("tp", "pp")))
+            self._norm_group = mesh.group(*((*self._replica_axes, "tp", "pp") if zero
+                                            else ("tp", "pp")))
 
     @classmethod
     def from_plan(cls, model: GPT, mesh: Mesh, plan: ParallelPlan | str,
@@ -244,7 +267,7 @@ class Hybrid:
         mesh laid out as the plan says; `kwargs`: what the plan does not hold (optimizer,
         max_norm, link, compute, tracer, seed)."""
         plan = ParallelPlan.parse(plan) if isinstance(plan, str) else plan
-        held = sorted(set(kwargs) & {"schedule", "microbatches", "chunks",
+        held = sorted(set(kwargs) & {"cp_method", "schedule", "microbatches", "chunks",
                                      "sequence_parallel", "recompute", "zero"})
         if held:
             raise ValueError(f"{', '.join(held)}: given by the plan ({plan.label()}), not "
@@ -258,7 +281,8 @@ class Hybrid:
         if plan.ranks_per_node != mesh.ranks_per_node:
             raise ValueError(f"the plan says {plan.ranks_per_node} ranks per node, the mesh "
                              f"{mesh.ranks_per_node}")
-        return cls(model, mesh, schedule=plan.schedule, microbatches=plan.microbatches,
+        return cls(model, mesh, cp_method=plan.cp_method, schedule=plan.schedule,
+                   microbatches=plan.microbatches,
                    chunks=plan.chunks, sequence_parallel=plan.sequence_parallel,
                    recompute=plan.recompute == "full", zero=plan.zero,  # type: ignore[arg-type]
                    **kwargs)
@@ -285,16 +309,24 @@ class Hybrid:
             for unit in units:
                 unit.free()
 
+    @property
+    def _replica_axes(self) -> tuple[str, ...]:
+        return ("dp", "cp") if self.mesh.size("cp") > 1 else ("dp",)
+
     def _frozen_now(self) -> set[int]:
         return {id(p) for p in self.params if not p.requires_grad}
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Cross entropy from this rank's vocabulary shard of the logits (the same value on
-        every tp rank), as one process computes it from the whole logits."""
+        every tp rank), as one process computes it from the whole logits; under context
+        parallelism weighed by this rank's share of the sequence (`loss_scale`), so that
+        the mean over the cp ranks is the whole sequence's."""
         if self.tp_comm.size == 1:
-            return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        return vocab_parallel_cross_entropy(logits, targets, self.tp_comm.group,
-                                            self.config.vocab, comm=self.tp_comm)
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        else:
+            loss = vocab_parallel_cross_entropy(logits, targets, self.tp_comm.group,
+                                                self.config.vocab, comm=self.tp_comm)
+        return loss if self.shard is None else loss * self.shard.loss_scale()
 
     # -- one training step
 
@@ -320,6 +352,13 @@ class Hybrid:
                              "making it (as DDP asks).")
         x = (inputs if local else shard_rows(inputs, replica, dp)) if self.first else None
         y = (targets if local else shard_rows(targets, replica, dp)) if self.last else None
+        if self.shard is not None:  # this rank's tokens of each sequence
+            if inputs.shape[1] > self.config.block_size:
+                raise ValueError(f"sequences of {inputs.shape[1]} tokens, longer than "
+                                 f"block_size {self.config.block_size}")
+            self.shard.tokens = inputs.shape[1]  # every rank's attention needs it
+            x = self.shard.cut(x) if x is not None else None
+            y = self.shard.cut(y) if y is not None else None
         self.grad_bytes = 0
         loss = self.runtime.step(x, y)  # and the tied weights' gradients added up
         self.finalize_gradients()
@@ -331,7 +370,7 @@ class Hybrid:
             p.grad = None
         if loss is None:
             return None
-        mean = torch.tensor([loss / dp])
+        mean = torch.tensor([loss / self.replicas])
         dist.all_reduce(mean, group=self.dp_comm.group)  # the replicas' losses, averaged
         return mean.item()
 
@@ -375,7 +414,7 @@ class Hybrid:
                     assert bucket.done is not None
                     bucket.done.result()
                     bucket.done = None
-                    bucket.unpack(self.mesh.size("dp"))
+                    bucket.unpack(self.replicas)
         if self.max_norm is not None:
             self.grad_norm = self._clip(self.max_norm)
 

@@ -3,6 +3,7 @@ distribution."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -201,18 +202,23 @@ def gpt(config: GPTConfig = TINY, seed: int | None = 0) -> GPT:
 
 class GPTEmbedding(nn.Module):
     """A GPT's first layer as a module of its own: token and position embeddings (the
-    model's own modules, shared), then dropout. Token ids (B, T) -> (B, T, C)."""
+    model's own modules, shared), then dropout. Token ids (B, T) -> (B, T, C).
+
+    `positions(idx)`, if set, gives the positions of `idx`'s tokens in the whole
+    sequence (context parallelism: this rank holds some of them); by default 0..T-1."""
 
     def __init__(self, model: GPT) -> None:
         super().__init__()
         self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
         self.block_size = model.config.block_size
+        self.positions: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         if idx.shape[1] > self.block_size:
             raise ValueError(f"sequence of {idx.shape[1]} tokens, longer than block_size "
                              f"{self.block_size}")
-        positions = torch.arange(idx.shape[1], device=idx.device)
+        positions = (torch.arange(idx.shape[1], device=idx.device) if self.positions is None
+                     else self.positions(idx))
         return self.drop(self.tok_emb(idx) + self.pos_emb(positions))
 
 

@@ -19,7 +19,8 @@ Megatron-LM runs it) and Megatron-LM's "blocks" split. The planner asks with
 `step=False` for the published clusters and with `step=True` for this machine, whose
 plans it checks by running them.
 
-A new axis (cp, ep) is a field here, its rules in `problems()`, and a token in the label.
+A new axis is a field here, its rules in `problems()`, and a token in the label: `cp`
+(context parallelism, the sequence cut over ranks, `cp_method` its attention) is one.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from parcourse.context_parallel.attention import METHODS, Method
 from parcourse.mesh import ORDERS, Order
 from parcourse.pipeline.schedule import SCHEDULES, Schedule, schedule_by_name
 
@@ -40,7 +42,7 @@ Split = Literal["layers", "blocks"]
 # Every one runs in the course's 3D step over dp (ZeRO-3 gathers a stage's weights around
 # each of its actions, as torchtitan composes FSDP with a pipeline).
 ZERO_STAGES = (0, 1, 2, 3)
-SIZES = ("dp", "tp", "pp", "microbatches", "chunks")
+SIZES = ("dp", "tp", "pp", "cp", "microbatches", "chunks")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -52,7 +54,9 @@ def _schedule(name: str, ranks: int, microbatches: int, chunks: int) -> Schedule
 
 @dataclass(frozen=True)
 class ParallelPlan:
-    """A run's layout: the mesh (dp x tp x pp, `order` of its axes, `ranks_per_node`),
+    """A run's layout: the mesh (dp x tp x pp x cp, `order` of its axes, `ranks_per_node`;
+    `cp` cuts each sequence over ranks, their attention by `cp_method`: "ring",
+    "all-gather" or "ulysses", `parcourse.context_parallel`),
     the pipeline `schedule` with its `microbatches` per replica and `chunks` (stages per
     rank, interleaved 1F1B), ZeRO's `zero` stage over dp, `sequence_parallel`, what
     backward recomputes (`recompute`: "none"; "selective", attention's core as
@@ -76,16 +80,24 @@ class ParallelPlan:
     split: Split = "layers"
     order: Order = "megatron"
     ranks_per_node: int | None = None
+    # last, so that the positional order of the fields before them stays as it was
+    cp: int = 1
+    cp_method: Method = "ring"
 
     # -- the mesh it asks for
 
     @property
     def shape(self) -> dict[str, int]:
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp}
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp}
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
+
+    def _sizes(self) -> str:
+        """'dp 2 x tp 2 x pp 2', and ' x cp 2' when the sequence is cut."""
+        cp = f" x cp {self.cp}" if self.cp != 1 else ""
+        return f"dp {self.dp} x tp {self.tp} x pp {self.pp}{cp}"
 
     def schedule_value(self) -> Schedule:
         """The pipeline schedule this plan runs, built (a valid plan's)."""
@@ -107,8 +119,7 @@ class ParallelPlan:
         if out:  # the rules below divide by these sizes
             return out
         if world is not None and self.gpus != world:
-            out.append(f"dp {self.dp} x tp {self.tp} x pp {self.pp} is {self.gpus} ranks, "
-                       f"not the {world} there are")
+            out.append(f"{self._sizes()} is {self.gpus} ranks, not the {world} there are")
         if self.ranks_per_node is not None and self.gpus % self.ranks_per_node:
             out.append(f"{self.ranks_per_node} ranks per node do not divide the "
                        f"{self.gpus} ranks")
@@ -120,6 +131,7 @@ class ParallelPlan:
                 and config.block_size % self.tp):
             out.append(f"tp {self.tp} does not divide the sequence of {config.block_size} "
                        "tokens (sequence parallelism cuts it)")
+        out += self._context_problems(config, step)
         if batch is not None and batch % (self.dp * self.microbatches):
             out.append(f"the global batch of {batch} does not cut into dp {self.dp} x "
                        f"{self.microbatches} microbatches equal parts")
@@ -136,6 +148,31 @@ class ParallelPlan:
             out.append("the course's 3D step cuts stages by layer count (split layers), not "
                        "Megatron-LM's blocks")
         out += self._schedule_problems(config)
+        return out
+
+    def _context_problems(self, config: GPTConfig | None, step: bool) -> list[str]:
+        """Context parallelism's rules (none at cp 1 but a known method)."""
+        if self.cp_method not in METHODS:
+            return [f"unknown context-parallel method {self.cp_method!r}; choose one of "
+                    f"{', '.join(METHODS)}"]
+        if self.cp == 1:
+            return []
+        out = []
+        if config is not None and config.block_size < 2 * self.cp:
+            out.append(f"cp {self.cp} cuts a sequence into {2 * self.cp} chunks (two a rank, "
+                       f"balanced for the causal mask): a block of {config.block_size} "
+                       "tokens cannot fill them")
+        if (config is not None and self.cp_method == "ulysses"
+                and config.n_heads % self.tp == 0 and (config.n_heads // self.tp) % self.cp):
+            out.append(f"Ulysses gives each of the cp {self.cp} ranks whole heads: the "
+                       f"{config.n_heads // self.tp} heads a tp rank holds ({config.n_heads} / "
+                       f"tp {self.tp}) do not divide by {self.cp}")
+        if config is not None and config.dropout:
+            out.append(f"context parallelism's attention drops no probabilities: the GPT's "
+                       f"dropout must be 0, not {config.dropout}")
+        if step and self.sequence_parallel:
+            out.append(f"the course's 3D step cuts the sequence over tp (SP) or over cp "
+                       f"(cp {self.cp}), not both")
         return out
 
     def _schedule_problems(self, config: GPTConfig | None) -> list[str]:
@@ -180,7 +217,9 @@ class ParallelPlan:
         """One line: 'dp2 tp2 pp2 1f1b m4 ZeRO-1 SP recompute full'; what is at its
         default (chunks 2, layers split, megatron order, no ranks per node) is left out.
         `parse` reads it back."""
-        extra = [f"c{self.chunks}"] if self.chunks != 2 else []
+        extra = [f"cp{self.cp}"] if self.cp != 1 else []
+        extra += [self.cp_method] if self.cp_method != "ring" else []
+        extra += [f"c{self.chunks}"] if self.chunks != 2 else []
         extra += [f"ZeRO-{self.zero}"] if self.zero else []
         extra += ["SP"] if self.sequence_parallel else []
         extra += [f"recompute {self.recompute}"] if self.recompute != "none" else []
@@ -201,7 +240,7 @@ class ParallelPlan:
         i = 0
         while i < len(words):
             word, low = words[i], words[i].lower()
-            if m := re.fullmatch(r"(dp|tp|pp|m|c)(\d+)", low):
+            if m := re.fullmatch(r"(dp|tp|pp|cp|m|c)(\d+)", low):
                 key = {"m": "microbatches", "c": "chunks"}.get(m.group(1), m.group(1))
                 fields[key] = int(m.group(2))
             elif m := re.fullmatch(r"zero-?(\d+)", low):
@@ -215,6 +254,8 @@ class ParallelPlan:
                 i += 1
             elif low in SCHEDULES:
                 fields["schedule"] = low
+            elif low in METHODS:
+                fields["cp_method"] = low
             else:
                 raise ValueError(f"cannot read {word!r} in the plan {text!r}; a plan reads "
                                  "like 'dp2 tp2 pp2 1f1b m4 ZeRO-1 SP' (schedules: "

@@ -312,8 +312,10 @@ def mesh_bytes(config: GPTConfig, shape: dict[str, int], zero: int = 0,
     place, `parcourse.zero.stages`). Under ZeRO-2 (a stage's gradients reduce-scattered
     after each microbatch) a rank holds one of its `stages_per_rank` stages' full gradient
     beside its shards: P/v + P/dp. Under ZeRO-3 the weights too, between two actions: its
-    rows of them (P/dp), with ZeRO-2's gradients."""
-    tp, pp, dp = shape.get("tp", 1), shape.get("pp", 1), shape.get("dp", 1)
+    rows of them (P/dp), with ZeRO-2's gradients. With the sequence cut over cp, the cp
+    ranks hold the same weights as dp's replicas do, and ZeRO shards over dp x cp."""
+    tp, pp = shape.get("tp", 1), shape.get("pp", 1)
+    dp = shape.get("dp", 1) * shape.get("cp", 1)  # the ranks that share the weights
     whole = tp_parameter_bytes(config, tp)["total"]
     if pp > 1 and config.tie_weights:
         whole += 4 * math.ceil(config.vocab / tp) * config.d_model  # the head's own copy

@@ -8,6 +8,8 @@ stay below 1e-5.
 """
 
 
+import math
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ from parcourse.models import GPTConfig
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 EIGHT_BLOCKS = GPTConfig(vocab=30, block_size=12, n_layers=8, n_heads=12, d_model=24)
+THIRTEEN_TOKENS = GPTConfig(vocab=30, block_size=13, n_layers=4, n_heads=12, d_model=24)
 CLIP = 0.5  # below the GPT's gradient norm at both steps (about 1.16 and 0.84): it clips
 EXPECTED = {}
 
@@ -366,3 +369,40 @@ def test_each_axis_keeps_its_colour_in_lesson_09s_figure(pools, shape):
     assert set(seen) == set(shape)
     for axis, colours in seen.items():
         assert colours == {to_rgba(AXIS_COLORS[axis])}, axis
+
+
+@pytest.mark.parametrize("shape,schedule,microbatches,kwargs", [
+    ({"cp": 2}, "1f1b", 2, {"config": THIRTEEN_TOKENS}),
+    ({"pp": 2, "cp": 2}, "gpipe", 2, {"cp_method": "all-gather", "max_norm": CLIP}),
+    ({"dp": 2, "cp": 2}, "1f1b", 2, {"cp_method": "ulysses", "zero": 3}),
+    ({"dp": 1, "tp": 2, "pp": 2, "cp": 2}, "1f1b", 2, {}),
+    ({"dp": 2, "cp": 4}, "1f1b", 2, {"zero": 1, "config": THIRTEEN_TOKENS}),
+])
+def test_3d_with_the_sequence_cut_over_cp_equals_one_process(request, shape, schedule,
+                                                             microbatches, kwargs):
+    """Context parallelism as the mesh's cp axis: each rank runs every layer on its tokens
+    (zigzag, two chunks a rank), attention over the whole sequence by ring, all-gather or
+    Ulysses, the loss weighed by the rank's share, gradients averaged over dp x cp (ZeRO
+    sharded over them). One process's weights, losses and clipped norm (TOL: fp32; the
+    attention's blocks merge by their log-sum-exp, so its sums run in another order). With
+    sequences of 13 tokens the ranks hold 7 and 6 (cp 2), 3, 3, 4 and 3 (cp 4): uneven,
+    the loss's weights not 1."""
+    world = math.prod(shape.values())
+    pool = request.getfixturevalue(f"pool{world}")
+    check(pool.run(train, shape, schedule, microbatches=microbatches, **kwargs).results,
+          kwargs.get("max_norm"), kwargs.get("config"))
+
+
+def test_cli_trains_with_the_sequence_cut_over_cp(capsys):
+    """`train3d --cp 2`: the plan's flag, made from its field; the loss is one process's,
+    and each rank's keys and values travel on cp (Ulysses' all-to-alls here)."""
+    from parcourse.cli import main
+
+    assert main(["train3d", "--dp", "1", "--tp", "1", "--pp", "2", "--cp", "2",
+                 "--cp-method", "ulysses", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "dp 1 x tp 1 x pp 2 x cp 2 = 4 ranks" in out and "cut over cp (ulysses)" in out
+    assert "plan        dp1 tp1 pp2 1f1b m2 cp2 ulysses" in out
+    lines = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    for _, ours, one in lines[:2]:
+        assert float(ours) == pytest.approx(float(one), rel=1e-4)

@@ -75,9 +75,10 @@ def test_train_command_learns_real_text_and_samples(tmp_path, capsys):
     assert first > 5.0 and last < first - 1.5, (first, last)  # from ln 256 = 5.55, down
     assert "sample      greedy" in out and "temperature 0.8" in out
     assert "saved       " in out and "step-00000030" in out
-    # Two steps more, on another mesh, from the checkpoint after step 30: a longer run is
-    # asked for by name; without it, the other --steps is refused before any rank starts.
-    longer = ["train", "--dp", "1", "--tp", "2", "--pp", "2", "--steps", "32",
+    # Two steps more, on another mesh (each sequence cut over cp), from the checkpoint
+    # after step 30: a longer run is asked for by name; without it, the other --steps is
+    # refused before any rank starts.
+    longer = ["train", "--dp", "1", "--tp", "2", "--pp", "1", "--cp", "2", "--steps", "32",
               "--eval-every", "16", "--resume", *corpus, *run]
     with pytest.raises(SystemExit):
         main(longer)

@@ -81,21 +81,24 @@ def ranks(args: argparse.Namespace) -> Ranks:
     return Ranks(external[1], external=True, quiet=external[0] != 0)
 
 
-def mesh_against_launcher(dp: int, tp: int, pp: int) -> str | None:
+def mesh_against_launcher(dp: int, tp: int, pp: int, cp: int = 1) -> str | None:
     """Under torchrun or Slurm the launcher has already set the world size: a mesh of
     another size is refused here, in one line, rather than in every rank after the start
     (and again after each of torchrun's restarts)."""
     external = external_env()
-    if external is None or dp * tp * pp == external[1]:
+    if external is None or dp * tp * pp * cp == external[1]:
         return None
-    return (f"the mesh dp {dp} x tp {tp} x pp {pp} needs {dp * tp * pp} ranks, but the "
-            f"launcher started {external[1]}: give --dp, --tp and --pp whose product is "
-            f"{external[1]}")
+    sizes = f"dp {dp} x tp {tp} x pp {pp}" + (f" x cp {cp}" if cp > 1 else "")
+    flags = "--dp, --tp, --pp and --cp" if cp > 1 else "--dp, --tp and --pp"
+    return (f"the mesh {sizes} needs {dp * tp * pp * cp} ranks, but the launcher started "
+            f"{external[1]}: give {flags} whose product is {external[1]}")
 
 
 # What each of the plan's fields means on a command line.
 PLAN_HELP = {
     "dp": "data-parallel replicas", "tp": "tensor-parallel ranks", "pp": "pipeline ranks",
+    "cp": "context-parallel ranks: each sequence cut over them",
+    "cp_method": "how cp's ranks attend over the whole sequence",
     "schedule": "the pipeline schedule", "microbatches": "per replica",
     "chunks": "stages per rank, interleaved-1f1b", "zero": "ZeRO's stage over dp",
     "sequence_parallel": "cut the sequence over tp outside attention and the MLP",

@@ -20,7 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     d = TrainSettings()
     # --plan, and --dp ... --zero from the plan's fields (what TrainSettings holds of it)
-    plan_options(p, d.plan, ("dp", "tp", "pp", "schedule", "microbatches", "zero"))
+    plan_options(p, d.plan, ("dp", "tp", "pp", "cp", "cp_method", "schedule", "microbatches",
+                             "zero"))
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch", type=int, default=d.batch, help="global, in sequences")
     p.add_argument("--block-size", type=int, default=d.block_size, help="bytes a sequence")
@@ -68,7 +69,7 @@ def check(args: argparse.Namespace) -> str | None:
     settings = _settings(args)
     if problems := settings.problems():  # type: ignore[attr-defined]
         return "; ".join(problems)
-    if problem := mesh_against_launcher(args.dp, args.tp, args.pp):
+    if problem := mesh_against_launcher(args.dp, args.tp, args.pp, args.cp):
         return problem
     if args.clip <= 0:
         return f"--clip must be positive, got {args.clip}"
@@ -139,7 +140,8 @@ def _kill(args: argparse.Namespace) -> tuple[int, int]:
 class _Progress:
     """A tqdm bar over the run's steps, from what the ranks report (`read_step_status`):
     the loss, tokens per second since the first step seen and the MFU they make, beside
-    the planner's prediction of both for this mesh here."""
+    the planner's prediction of both for this mesh here (tokens per second alone under
+    context parallelism, which the planner does not price)."""
 
     def __init__(self, s: Any) -> None:
         from tqdm import tqdm
@@ -148,7 +150,7 @@ class _Progress:
         from parcourse.train import planned
 
         self.tokens = s.batch * s.block_size
-        self.plan = planned(s, measure_flops(s.config))
+        self.plan = planned(s, measure_flops(s.config)) if s.plan.cp == 1 else None
         self.bar = tqdm(total=s.steps, unit="step", desc="train", file=sys.stderr,
                         dynamic_ncols=True)
         self.first: tuple[int, float] | None = None
@@ -165,9 +167,11 @@ class _Progress:
         rate, plan = "", self.plan
         if done > self.first[0] and elapsed > self.first[1]:
             per_s = (done - self.first[0]) * self.tokens / (elapsed - self.first[1])
-            mfu = per_s * plan["flops_per_token"] / plan["ranks_flops"]
-            rate = (f", {per_s:,.0f} tokens/s, MFU {mfu:.0%} (planned "
-                    f"{plan['tokens_per_s']:,.0f}, {plan['mfu']:.0%})")
+            rate = f", {per_s:,.0f} tokens/s"
+            if plan is not None:
+                mfu = per_s * plan["flops_per_token"] / plan["ranks_flops"]
+                rate += (f", MFU {mfu:.0%} (planned {plan['tokens_per_s']:,.0f}, "
+                         f"{plan['mfu']:.0%})")
         self.bar.n = done
         self.bar.set_postfix_str(f"loss {loss:.3f}{rate}", refresh=False)
         self.bar.refresh()

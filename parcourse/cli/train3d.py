@@ -1,5 +1,5 @@
-"""`python -m parcourse train3d`: the GPT trained a few steps on a dp x tp x pp mesh, its
-loss beside one process's, and how far its weights are from one process's."""
+"""`python -m parcourse train3d`: the GPT trained a few steps on a dp x tp x pp (x cp) mesh,
+its loss beside one process's, and how far its weights are from one process's."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def check(args: argparse.Namespace) -> str | None:
         return str(e)
     if problems := plan.problems(config, args.batch):
         return "; ".join(problems)
-    if problem := mesh_against_launcher(args.dp, args.tp, args.pp):
+    if problem := mesh_against_launcher(args.dp, args.tp, args.pp, args.cp):
         return problem
     if args.clip is not None and not args.clip > 0:
         return f"--clip must be positive, got {args.clip}"
@@ -85,7 +85,7 @@ def _train(ctx: RankContext, args: argparse.Namespace) -> dict[str, object]:
         losses.append(model.step(x, y))
         times.append(time.perf_counter() - start)
     return {"losses": losses, "times": times, "state": model.full_state_dict(),
-            "coords": {a: mesh.coordinate(a) for a in ("dp", "tp", "pp")},
+            "coords": {a: mesh.coordinate(a) for a in ("dp", "tp", "pp", "cp")},
             "bytes": bytes_by_axis(ctx.tracer.data().counters), "memory": model.memory()}
 
 
@@ -113,14 +113,16 @@ def _one_process(args: argparse.Namespace) -> tuple[list[float], dict[str, objec
 
 
 def run(args: argparse.Namespace) -> int:
-    where = ranks(argparse.Namespace(world_size=args.dp * args.tp * args.pp))
+    where = ranks(argparse.Namespace(world_size=args.parallel_plan.gpus))
     trained = launch(_train, where.world_size, args, timeout=args.timeout)
     if where.quiet:
         return 0
     config = _config(args)
-    print(f"train3d     dp {args.dp} x tp {args.tp} x pp {args.pp} = {where.world_size} ranks "
+    cp = f" x cp {args.cp}" if args.cp > 1 else ""
+    print(f"train3d     dp {args.dp} x tp {args.tp} x pp {args.pp}{cp} = {where.world_size} ranks "
           f"({args.order} order), {args.schedule}, {args.microbatches} microbatches a replica"
           f"{', sequence parallel' if args.sequence_parallel else ''}"
+          f"{f', the sequence cut over cp ({args.cp_method})' if args.cp > 1 else ''}"
           f"{f', ZeRO-{args.zero} over dp' if args.zero else ''}"
           f"{f', recompute {args.recompute}' if args.recompute != 'none' else ''}"
           f"{f', clipped at norm {args.clip}' if args.clip is not None else ''}"
@@ -153,17 +155,22 @@ def _print_bytes_and_memory(args: argparse.Namespace, results: list[dict[str, An
     from parcourse.memory import format_bytes
     from parcourse.theory import mesh_bytes
 
-    shape = {"dp": args.dp, "tp": args.tp, "pp": args.pp}
+    shape = args.parallel_plan.shape
     plan = args.parallel_plan.schedule_value()
     theory = mesh_bytes(_config(args), shape, args.zero,
                         stages_per_rank=plan.stages // args.pp)
     print(f"\nper rank    (bytes sent over all {args.steps} steps; what each rank holds after)")
-    print(f"{'rank':>8}    {'dp tp pp':>8}  {'sent on pp':>10} {'on dp':>10}  "
+    axes = ("dp", "tp", "pp", "cp") if args.cp > 1 else ("dp", "tp", "pp")
+    on_cp = f" {'on cp':>10}" if args.cp > 1 else ""  # attention's keys and values
+    on_dp = 'on dp, cp' if args.cp > 1 else 'on dp'  # the gradients' mean: over both
+    print(f"{'rank':>8}    {' '.join(axes):>8}  {'sent on pp':>10} {on_dp:>10}{on_cp}  "
           f"{'params':>9} {'grads':>9} {'Adam':>9}")
     for rank, r in enumerate(results):
         c, sent, mem = r["coords"], r["bytes"], r["memory"]
-        print(f"{rank:>8}    {c['dp']:>2} {c['tp']:>2} {c['pp']:>2}  "
-              f"{format_bytes(sent.get('pp', 0)):>10} {format_bytes(sent.get('dp', 0)):>10}  "
+        cp_sent = f" {format_bytes(sent.get('cp', 0)):>10}" if args.cp > 1 else ""
+        print(f"{rank:>8}    {' '.join(f'{c[a]:>2}' for a in axes)}  "
+              f"{format_bytes(sent.get('pp', 0)):>10} {format_bytes(sent.get('dp', 0)):>10}"
+              f"{cp_sent}  "
               f"{format_bytes(mem['params']):>9} {format_bytes(mem['grads']):>9} "
               f"{format_bytes(mem['optimizer']):>9}")
     print(f"{'theory':>8}    {'(stages that balance)':<32}  {format_bytes(theory['params']):>9} "

@@ -18,6 +18,10 @@ last rank's queries see every key and the first rank's only its own, P times les
 Cut in 2P chunks, rank r holding chunks r and 2P - 1 - r (the head-tail order of
 Megatron-LM, Llama 3 and torch), every rank does the same work. Blocks that the mask
 hides entirely are skipped.
+
+In the course's GPT (`context_parallel`, `SequenceShard`): every layer but attention runs on
+this rank's tokens as it is; the position embedding takes their whole-sequence positions.
+The 3D step (`Hybrid`) runs it as the mesh's `cp` axis.
 """
 
 from parcourse.context_parallel.attention import (
@@ -31,6 +35,8 @@ from parcourse.context_parallel.attention import (
     shard_sequence,
     unshard_sequence,
 )
+from parcourse.context_parallel.model import SequenceShard, context_parallel
 
-__all__ = ["LAYOUTS", "METHODS", "block_attention", "chunks_of", "context_attention", "merge",
-           "positions", "shard_sequence", "unshard_sequence"]
+__all__ = ["LAYOUTS", "METHODS", "SequenceShard", "block_attention", "chunks_of",
+           "context_attention", "context_parallel", "merge", "positions", "shard_sequence",
+           "unshard_sequence"]

@@ -39,6 +39,14 @@ from parcourse.theory import (
 
 # --------------------------------------------------------------------------- memory
 
+
+def _unpriced(choice: Choice) -> None:
+    """Refuses what the model here does not count, rather than pricing it as if it were
+    not there."""
+    if choice.cp > 1:
+        raise ValueError(f"cp {choice.cp}: the planner prices no context parallelism yet "
+                         "(its memory and its ring's messages)")
+
 Checkpoint = Literal["stage", "block"]  # what full recompute checkpoints: see predict_memory
 
 
@@ -97,6 +105,7 @@ def predict_memory(config: GPTConfig, choice: Choice, global_batch: int,
     if checkpoint not in ("stage", "block"):
         raise ValueError(f"checkpoint {checkpoint!r} is neither stage nor block")
     choice.check(config, global_batch, step=False)  # what any implementation could run
+    _unpriced(choice)
     plan = _schedule(choice.schedule, choice.pp, choice.microbatches, choice.chunks)
     layers = stage_layers(config, choice)
     batch = global_batch // (choice.dp * choice.microbatches)
@@ -371,6 +380,7 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     step); the optimizer, which every rank runs at once, by ranks / cores. With the
     compute simulated (`cluster.compute_simulated`, `scaled`), only the optimizer, which
     a stage's dp x tp ranks run at once (a pipeline's stages end apart)."""
+    _unpriced(choice)
     plan = _schedule(choice.schedule, choice.pp, choice.microbatches, choice.chunks)
     layers = stage_layers(config, choice)
     batch = global_batch // (choice.dp * choice.microbatches)

@@ -183,8 +183,7 @@ class Hybrid:
         self.shard: SequenceShard | None = None
         if mesh.size("cp") > 1:
             self.shard = SequenceShard(mesh.group("cp"), cp_method, comm=Comm(
-                mesh.group("cp"), tracer=on("cp"), link=link,
-                algorithm="ring" if link is not None else "torch"))
+                mesh.group("cp"), tracer=on("cp"), link=link, algorithm="auto"))
             context_parallel(cut, self.shard)
         stage = mesh.coordinate("pp")
         mine = {s: cut[s] for s, r in enumerate(self.plan.stage_rank) if r == stage}

@@ -768,3 +768,28 @@ def ring_attention_bytes(lengths: list[int], rank: int, bytes_per_token: int
     forward = sum(lengths[(rank - s) % p] for s in range(p - 1)) * bytes_per_token
     backward = sum(lengths[(rank - s - 1) % p] for s in range(p - 1)) * bytes_per_token
     return {"forward": forward, "backward": backward, "messages": 2 * (p - 1)}
+
+
+def all_gather_attention_bytes(lengths: list[int], bytes_per_token: int) -> dict[str, int]:
+    """Theory: bytes each rank sends in one step of all-gather attention (Llama 3's), its
+    group holding `lengths` tokens on each rank, K and V together `bytes_per_token` a token.
+    Forward: K and V each gathered by a ring, every block padded to the longest: P - 1
+    messages of it each. Backward: their gradients summed back to their owners, a
+    reduce-scatter of the same sizes. The same on every rank, whatever its own share."""
+    p = len(lengths)
+    moved = (p - 1) * max(lengths) * bytes_per_token
+    return {"forward": moved, "backward": moved, "messages": 4 * (p - 1)}
+
+
+def ulysses_bytes(lengths: list[int], rank: int, bytes_per_token: int) -> dict[str, int]:
+    """Theory: bytes `rank` sends in one step of Ulysses attention, its group holding
+    `lengths` tokens on each rank; `bytes_per_token`: one of q, k, v or the output, a token
+    (batch x heads x head dim x element size). Forward: q, k and v each go from a sequence
+    cut to a head cut (this rank's tokens, 1/P of the heads, to each of the P - 1 others),
+    then the output back (the others' tokens, this rank's heads); backward the same four
+    the other way. Per link 4 N h / P against sequence parallelism's 4 N h (Jacobs et al.)."""
+    p = len(lengths)
+    mine = (p - 1) * lengths[rank] * bytes_per_token // p  # a sequence cut, sent
+    theirs = (sum(lengths) - lengths[rank]) * bytes_per_token // p  # a head cut, sent
+    return {"forward": 3 * mine + theirs, "backward": 3 * theirs + mine,
+            "messages": 8 * (p - 1)}

@@ -34,15 +34,15 @@ def errors_against_sdpa(ctx, tokens, dtype, heads=12, methods=METHODS):
     return errors
 
 
-def ring_traffic(ctx, tokens, layout):
-    """The ring's bytes sent by this rank in forward and in backward (the tracer's count
-    of every message), its messages, and the attention blocks it computed."""
+def ring_traffic(ctx, tokens, layout, method="ring", heads=3):
+    """The bytes this rank sends in forward and in backward (the tracer's count of every
+    message), its messages, and the attention blocks it computed."""
     from parcourse.comm import Comm
     from parcourse.context_parallel import attention
     from parcourse.trace import Tracer
 
     tracer = Tracer(ctx.rank)
-    comm = Comm(ctx.group, tracer=tracer)
+    comm = Comm(ctx.group, tracer=tracer, algorithm="auto")  # the course's ring on gloo
     computed = []
     block = attention.block_attention
 
@@ -53,10 +53,10 @@ def ring_traffic(ctx, tokens, layout):
     attention.block_attention = counted
     try:
         g = torch.Generator().manual_seed(0)
-        q, k, v = (shard_sequence(torch.randn(2, 3, tokens, 4, generator=g), ctx.rank,
+        q, k, v = (shard_sequence(torch.randn(2, heads, tokens, 4, generator=g), ctx.rank,
                                   ctx.world_size, layout).requires_grad_() for _ in range(3))
         out = context_attention(q, k, v, ctx.group, tokens=tokens, layout=layout,
-                                causal=True, comm=comm)
+                                method=method, causal=True, comm=comm)
         forward = sum(c.value for c in tracer.data().counters if c.name == "bytes_sent")
         messages = sum(1 for c in tracer.data().counters if c.name == "bytes_sent")
         out.sum().backward()

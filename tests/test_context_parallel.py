@@ -75,3 +75,24 @@ def test_the_rings_bytes_and_the_causal_balance(pools, layout):
         assert r["forward_messages"] == 3
     blocks = [r["blocks"] for r in results]
     assert blocks == ([1, 2, 3, 4] if layout == "contiguous" else [9, 9, 9, 9])
+
+
+@pytest.mark.parametrize("method", ["all-gather", "ulysses"])
+def test_all_gather_and_ulysses_send_the_bytes_theory_counts(pool4, method):
+    """Every message of a step counted on the tracer (the course's collectives over gloo,
+    built from send / recv), 13 tokens on 4 ranks (3, 3, 3 and 4, zigzag), 4 heads of 4 fp32
+    numbers, batch 2: all-gather, K and V gathered padded to the longest block and their
+    gradients reduce-scattered back; Ulysses, q, k, v to a head cut and the output back,
+    then the same four the other way (`theory.all_gather_attention_bytes`,
+    `theory.ulysses_bytes`)."""
+    from parcourse.theory import all_gather_attention_bytes, ulysses_bytes
+
+    results = pool4.run(ring_traffic, 13, "zigzag", method, heads=4).results
+    lengths = [r["tokens"] for r in results]
+    assert lengths == [3, 3, 3, 4]
+    one = 2 * 4 * 4 * 4  # batch x heads x head dim x 4 bytes: one tensor, a token
+    for rank, r in enumerate(results):
+        want = (all_gather_attention_bytes(lengths, 2 * one) if method == "all-gather"
+                else ulysses_bytes(lengths, rank, one))
+        assert (r["forward"], r["backward"], r["messages"]) == \
+            (want["forward"], want["backward"], want["messages"]), (rank, r, want)

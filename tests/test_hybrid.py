@@ -385,7 +385,7 @@ def test_3d_with_the_sequence_cut_over_cp_equals_one_process(request, shape, sch
     Ulysses, the loss weighed by the rank's share, gradients averaged over dp x cp (ZeRO
     sharded over them). One process's weights, losses and clipped norm (TOL: fp32; the
     attention's blocks merge by their log-sum-exp, so its sums run in another order). With
-    sequences of 13 tokens the ranks hold 7 and 6 (cp 2), 3, 3, 4 and 3 (cp 4): uneven,
+    sequences of 13 tokens the ranks hold 7 and 6 (cp 2), 3, 3, 3 and 4 (cp 4): uneven,
     the loss's weights not 1."""
     world = math.prod(shape.values())
     pool = request.getfixturevalue(f"pool{world}")

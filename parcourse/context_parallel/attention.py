@@ -191,43 +191,68 @@ def _paired(comm: Comm, send: Any, recv: Any) -> list[Any]:
 
 
 class _AllGather(torch.autograd.Function):
-    """Every rank's x, padded to the longest along the tokens dim, stacked in rank order;
-    backward: each rank's gradient summed over the ranks and handed back to its owner."""
+    """Every rank's x, padded to the longest along the tokens dim, stacked in rank order
+    (`Comm.all_gather`); backward: each rank's gradient summed over the ranks and handed
+    to its owner, a reduce-scatter (`Comm.reduce_scatter`)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, longest: int) -> torch.Tensor:
-        size = dist.get_world_size(group)
-        padded = torch.nn.functional.pad(x, (0, 0, 0, longest - x.shape[TOKENS]))
-        parts = [torch.empty_like(padded) for _ in range(size)]
-        dist.all_gather(parts, padded.contiguous(), group=group)
-        ctx.group, ctx.tokens, ctx.rank = group, x.shape[TOKENS], dist.get_rank(group)
-        return torch.stack(parts)
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, longest: int) -> torch.Tensor:
+        padded = torch.nn.functional.pad(x, (0, 0, 0, longest - x.shape[TOKENS])).contiguous()
+        whole = padded.new_empty(comm.size * padded.numel())
+        comm.all_gather(padded.flatten(), whole)
+        ctx.comm, ctx.tokens, ctx.shape = comm, x.shape[TOKENS], padded.shape
+        return whole.view(comm.size, *padded.shape)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)  # gloo has no reduce-scatter
-        return grad[ctx.rank].narrow(TOKENS, 0, ctx.tokens), None, None
+        mine = ctx.comm.reduce_scatter(grad.contiguous().flatten()).view(ctx.shape)
+        return mine.narrow(TOKENS, 0, ctx.tokens), None, None
+
+
+def all_to_all(comm: Comm, x: torch.Tensor, sends: list[int],
+               receives: list[int]) -> torch.Tensor:
+    """`sends[j]` rows of x (along dim 0, in rank order) to rank j, `receives[j]` rows from
+    it into the result, in rank order. The course's own from send / recv where `comm` runs
+    the ring (gloo: each message counted on its tracer, over its link): P - 1 rounds, in
+    round s to rank + s and from rank - s; torch's `all_to_all_single` where it runs
+    torch's (NCCL, whose messages run in order on one stream)."""
+    x = x.contiguous()
+    out = x.new_empty(sum(receives), *x.shape[1:])
+    if comm.algorithm == "torch":
+        dist.all_to_all_single(out, x, receives, sends, group=comm.group)
+        return out
+    at_x = [sum(sends[:j]) for j in range(comm.size)]
+    at_out = [sum(receives[:j]) for j in range(comm.size)]
+    me = comm.rank
+    out.narrow(0, at_out[me], receives[me]).copy_(x.narrow(0, at_x[me], sends[me]))
+    works = []
+    for step in range(1, comm.size):
+        to, frm = (me + step) % comm.size, (me - step) % comm.size
+        if sends[to]:
+            works.append(comm.send(x.narrow(0, at_x[to], sends[to]), to, _A2A_TAG + step))
+        if receives[frm]:
+            works.append(comm.recv(out.narrow(0, at_out[frm], receives[frm]), frm,
+                                   _A2A_TAG + step))
+    for w in works:
+        w.wait()
+    return out
+
+
+_A2A_TAG = 1000  # the all-to-all's messages: tags apart from the ring's (its steps)
 
 
 class _AllToAll(torch.autograd.Function):
-    """Pieces of x along dim 0, piece j of `sends` rows to rank j, rank j's `receives[j]`
-    rows from it, in rank order; backward: the same, the other way."""
+    """`all_to_all`; backward: the same, the other way."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, sends: list[int],
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, sends: list[int],
                 receives: list[int]) -> torch.Tensor:
-        out = x.new_empty(sum(receives), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), receives, sends, group=group)
-        ctx.group, ctx.sends, ctx.receives = group, sends, receives
-        return out
+        ctx.comm, ctx.sends, ctx.receives = comm, sends, receives
+        return all_to_all(comm, x, sends, receives)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        back = grad.new_empty(sum(ctx.sends), *grad.shape[1:])
-        dist.all_to_all_single(back, grad.contiguous(), ctx.sends, ctx.receives,
-                               group=ctx.group)
-        return back, None, None, None
+        return all_to_all(ctx.comm, grad, ctx.receives, ctx.sends), None, None, None
 
 
 # --------------------------------------------------------------------------- the methods
@@ -241,8 +266,10 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Attention of this rank's queries over the whole sequence's keys, each rank of
     `group` holding its tokens (`shard_sequence(x, rank, size, layout)`) of a sequence
     of `tokens`: this rank's rows of `scaled_dot_product_attention(q, k, v,
-    is_causal=causal)` on the whole, in q's dtype. `comm`: the ring's messages (a `Comm`
-    over `group`, traced or over a simulated link); one is made without it."""
+    is_causal=causal)` on the whole, in q's dtype. `comm`: a `Comm` over `group` that
+    carries every message (the ring's sends, the all-gather's and Ulysses' collectives;
+    traced, or over a simulated link); without it, one that runs the course's ring on gloo
+    and torch's collectives otherwise (`algorithm="auto"`)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     rank, size = dist.get_rank(group), dist.get_world_size(group)
@@ -261,18 +288,18 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     def chunks(r: int) -> list[tuple[int, torch.Tensor]]:
         return [(c, torch.arange(*bounds[c])) for c in chunks_of(r, size, layout)]
 
+    comm = comm or Comm(group, algorithm="auto")
     if method == "ulysses":
-        return _ulysses(q, k, v, group, rank, size, tokens, layout, causal, scale)
+        return _ulysses(q, k, v, comm, rank, size, tokens, layout, causal, scale)
     acc: tuple[Any, Any] = (None, None)
     if method == "all-gather":
         lengths = [sum(len(p) for _, p in chunks(r)) for r in range(size)]
-        keys = _AllGather.apply(k, group, max(lengths))
-        values = _AllGather.apply(v, group, max(lengths))
+        keys = _AllGather.apply(k, comm, max(lengths))
+        values = _AllGather.apply(v, comm, max(lengths))
         for r in range(size):
             acc = _attend(acc, q, chunks(rank), keys[r].narrow(TOKENS, 0, lengths[r]),
                           values[r].narrow(TOKENS, 0, lengths[r]), chunks(r), causal, scale)
         return acc[0].to(q.dtype)
-    comm = comm or Comm(group)
     left, right = (rank - 1) % size, (rank + 1) % size
     kv = torch.stack([k, v]) if k.shape == v.shape else None
     if kv is None:
@@ -293,7 +320,7 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return (acc[0] + (kv.flatten()[:1] * 0).sum()).to(q.dtype)  # a zero no sum overflows
 
 
-def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, rank: int,
+def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, rank: int,
              size: int, tokens: int, layout: Layout, causal: bool,
              scale: float | None) -> torch.Tensor:
     heads = q.shape[1]
@@ -307,7 +334,7 @@ def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, rank
         """(B, H, mine, D) -> (B, H / P, all tokens in rank order, D)."""
         b, h, _, d = x.shape
         pieces = x.reshape(b, size, h // size, mine, d).permute(1, 3, 0, 2, 4)
-        got = _AllToAll.apply(pieces.reshape(size * mine, b, h // size, d), group,
+        got = _AllToAll.apply(pieces.reshape(size * mine, b, h // size, d), comm,
                               [mine] * size, lengths)
         return got.permute(1, 2, 0, 3)
 
@@ -316,7 +343,7 @@ def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, rank
     out, _ = block_attention(qh, kh, vh, order if causal else None,
                              order if causal else None, scale)
     b, hs, _, d = out.shape
-    back = _AllToAll.apply(out.permute(2, 0, 1, 3).contiguous(), group, lengths,
+    back = _AllToAll.apply(out.permute(2, 0, 1, 3).contiguous(), comm, lengths,
                            [mine] * size)  # (P x mine, B, H / P, D): rank j's heads
     back = back.reshape(size, mine, b, hs, d).permute(2, 0, 3, 1, 4)
     return back.reshape(b, size * hs, mine, d).to(q.dtype)

@@ -31,6 +31,7 @@ SMALL = {
     "08_activation_checkpointing": {"world_size": 2, "layers": 16, "width": 16, "batch": 8},
     "09_mesh_and_3d": {"world_size": 2, "steps": 1, "microbatches": 1},
     "10_training_for_real": {"world_size": 2, "steps": 16},
+    "11_long_context_and_experts": {"world_size": 2, "tokens": 64},
 }
 # A world size that divides nothing, as a learner may type it into the parameters cell:
 # whatever depends on it (chunks, slices, batches) must be derived, not assumed.

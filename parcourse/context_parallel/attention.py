@@ -18,6 +18,7 @@ round the ring again) would keep one.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal
 
 import torch
@@ -182,6 +183,12 @@ def _start_shift(comm: Comm, x: torch.Tensor, shape: Sequence[int], left: int, r
     return comm, works, incoming
 
 
+def _span(comm: Comm, name: str, kind: str, **meta: Any) -> AbstractContextManager[Any]:
+    """A span on the Comm's tracer (the ring drawn on a timeline), or nothing."""
+    return (comm.tracer.span(name, kind, **meta)  # type: ignore[arg-type]
+            if comm.tracer is not None else nullcontext())
+
+
 def _paired(comm: Comm, send: Any, recv: Any) -> list[Any]:
     """A send and a receive, even ranks sending first and odd ranks receiving first: a
     backend whose messages run in order on one stream (NCCL) would otherwise have every
@@ -312,9 +319,11 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             shape = (*kv.shape[:TOKENS + 1], sum(len(p) for _, p in chunks(coming)),
                      kv.shape[-1])
             pending = _start_shift(comm, kv, shape, left, right, tag=step)
-        acc = _attend(acc, q, chunks(rank), kv[0], kv[1], chunks(source), causal, scale)
+        with _span(comm, f"attend to rank {source}'s K/V", "compute", chunk=source):
+            acc = _attend(acc, q, chunks(rank), kv[0], kv[1], chunks(source), causal, scale)
         if pending is not None:
-            kv = _Shift.apply(kv, pending, left, right, step)
+            with _span(comm, f"wait for rank {coming}'s K/V", "comm", chunk=coming):
+                kv = _Shift.apply(kv, pending, left, right, step)
     # The last block in the graph even where the mask hid it all: backward must pass its
     # (zero) gradient back round the ring, or the rank that sent it would wait for it.
     return (acc[0] + (kv.flatten()[:1] * 0).sum()).to(q.dtype)  # a zero no sum overflows

@@ -196,9 +196,9 @@ def timeline(trace: Trace, ax: Axes | None = None, *, title: str | None = None,
     are drawn thinner on top of their parents. A span whose metadata has a
     `label`, `microbatch`, `chunk`, `bucket`, `stage` or `step` (or
     `label_key`) gets it written on the bar where it fits (BarLabels).
-    `comm_lane=True` draws communication in a lane of its own under each rank's
-    compute, so that overlap (comm during backward) shows. The legend sits right of
-    the bars.
+    `comm_lane=True` draws communication (and a disk's reads and writes) in a lane of
+    its own under each rank's compute, so that overlap (comm during backward) shows. The
+    legend sits right of the bars.
     """
     scale = {"s": 1e9, "ms": 1e6, "us": 1e3}[unit]
     fig, ax = _axes(ax, (11, 0.6 + 0.5 * trace.world_size))
@@ -234,9 +234,9 @@ def timeline(trace: Trace, ax: Axes | None = None, *, title: str | None = None,
             continue  # an instant (a message that had arrived): nothing to draw
         height = 0.8 * 0.75**s.depth
         y = s.rank
-        if comm_lane:
+        if comm_lane:  # data moving (messages, and a disk's reads and writes) below
             height /= 2
-            y += 0.2 if s.kind == "comm" else -0.2
+            y += 0.2 if s.kind == "comm" or span_color_key(s) == "disk" else -0.2
         left, width = (s.start_ns - t0) / scale, (s.end_ns - s.start_ns) / scale
         # Waiting is no work of any axis or microbatch: always drawn as waiting.
         color = color_of.get(s.meta.get(color_by)) if color_by and s.kind != "idle" else None

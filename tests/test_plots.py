@@ -161,3 +161,15 @@ def test_timelines_sharing_a_time_axis_show_the_longer_whole():
         plots.timeline(as_trace(second), ax=axes[1])
         assert axes[0].get_xlim()[1] >= long.step_time * 1e3  # ms
         plt.close(fig)
+
+
+def test_a_comm_lane_holds_the_disks_reads_and_writes_too():
+    """With `comm_lane`, data moving is drawn under the compute: messages, and a disk's
+    reads and writes (ZeRO-Infinity's, beside the update), not on top of the update."""
+    trace = spans_trace(2, (0, "update", "compute", 0, 10, 0, {}),
+                        (0, "disk read", "other", 2, 8, 0, {}),
+                        (0, "send", "comm", 3, 4, 0, {}), (1, "update", "compute", 20, 30, 0, {}))
+    ax = plots.timeline(trace, comm_lane=True).axes[0]
+    update, disk, send, _ = sorted(ax.patches, key=lambda p: p.get_x())
+    assert disk.get_y() == send.get_y() != update.get_y()
+    plt.close("all")

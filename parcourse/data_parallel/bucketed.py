@@ -163,12 +163,19 @@ class BucketedDataParallel(GradSyncModule):
         for bucket in self.buckets[self._next:]:  # incomplete buckets, or all of them
             self._launch(bucket)                  # when overlap is off
         wait_start = time.perf_counter_ns()
+        before = 0  # when the bucket before finished
         for bucket in self.buckets:
             assert bucket.done is not None
             bucket.done.result()
             if self.tracer is not None:
-                self.tracer.add_span("all_reduce", bucket.launched_ns, bucket.done.finished_ns,
-                                     kind="comm", bucket=bucket.index, bytes=bucket.nbytes)
+                # The buckets' all-reduces run one after another (the ring on one
+                # communication thread): each is drawn from when it could start, the one
+                # before done, not from its launch, which a queue of them would stack.
+                start = min(max(bucket.launched_ns, before), bucket.done.finished_ns)
+                self.tracer.add_span("all_reduce", start, bucket.done.finished_ns,
+                                     kind="comm", bucket=bucket.index, bytes=bucket.nbytes,
+                                     launched_ns=bucket.launched_ns)
+            before = bucket.done.finished_ns
             bucket.unpack(self.world_size)
             bucket.ready.clear()
             bucket.done = None

@@ -138,13 +138,16 @@ class RunPanel:
                        if run.startup_s >= 0.05 else "")
             notes = "".join(f"<br>{html.escape(n)}" for n in self._clamped())
             self._initial = dict(params)
-            self.status.value = (
-                f"{world_size} rank{'s' * (world_size > 1)}, {run.backend}: "
-                f"{run.wall_s * 1e3:.0f} ms{started} (panel "
-                f"{1e3 * (time.perf_counter() - t0):.0f} ms){notes}"
-            )
+            # The ranks are done, the figures not yet: say so until they are drawn.
+            self.status.value = html.escape(f"ranks done in {run.wall_s * 1e3:.0f} ms; "
+                                            "drawing…")
             self._show(run, params)
             self.explorer.show(run.trace, self.title or getattr(self.rank_fn, "__name__", ""))
+            self.status.value = (
+                f"{world_size} rank{'s' * (world_size > 1)}, {run.backend}: "
+                f"{run.wall_s * 1e3:.0f} ms{started} (panel, drawing included: "
+                f"{1e3 * (time.perf_counter() - t0):.0f} ms){notes}"
+            )
             return run
         except (LaunchError, ValueError) as e:
             self._fail(f"{type(e).__name__}: {e}")

@@ -94,7 +94,10 @@ def test_communication_overlaps_backward_only_when_asked(pools):
             comm = [s for s in run.trace.spans_of(rank=rank, kind="comm")
                     if s.start_ns >= backward.start_ns]
             assert len(comm) == run.results[0]
-            started_inside = [s for s in comm if s.start_ns < backward.end_ns]
+            # launched (a bucket's span is drawn from when the one before it finished)
+            started_inside = [s for s in comm if s.meta["launched_ns"] < backward.end_ns]
+            # one after another on the link, never stacked
+            assert all(a.end_ns <= b.start_ns for a, b in zip(comm, comm[1:]))
             if overlap:
                 assert len(started_inside) >= len(comm) - 1, "buckets start during backward"
             else:

@@ -58,8 +58,9 @@ def test_ulysses_refuses_heads_that_do_not_divide(pool3):
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_the_rings_bytes_and_the_causal_balance(pools, layout):
-    """Every message counted: P - 1 blocks of K and V forward and P - 1 gradients back, the
-    bytes `theory.ring_attention_bytes` says (13 tokens on 4 ranks: uneven blocks). Causal,
+    """Every message counted: P - 1 blocks of K and V forward; backward the same blocks again
+    and P hops of their gradients (the last one home), the bytes
+    `theory.ring_attention_bytes` says (13 tokens on 4 ranks: uneven blocks). Causal,
     the blocks the mask hides are skipped: contiguous, rank r computes r + 1 of them (rank 3
     four times rank 0's); zigzag, every rank 2P + 1 = 9 (chunk r sees r + 1 chunks, chunk
     2P - 1 - r sees 2P - r)."""

@@ -5,14 +5,16 @@ Tensors are (batch, heads, tokens, head dim), as `scaled_dot_product_attention` 
 them; the tokens dim is the one cut. Scores, the softmax and the merge run in fp32 (fp64
 for fp64 inputs), whatever the inputs' dtype.
 
-Backward is autograd's, through the communication: each transfer is an autograd function
-whose backward sends the gradient back the way the tensor came (`_Shift`: to the left
-neighbour; `_AllGather`: summed back to its owner; `_AllToAll`: the inverse all-to-all).
-That keeps the forward the only code to read, as lesson 01's ring was written before it
-was made fast; the price is memory: autograd keeps every block of K and V a rank saw, P
-of them for the ring (all of K and V, as the all-gather holds anyway), where a
-hand-written backward (flash attention's: rebuild P from the log-sum-exp, send dK and dV
-round the ring again) would keep one.
+The ring has a backward of its own (`_Ring`, flash attention's, over the ring): forward
+keeps this rank's q, k, v, its output and the log-sum-exp of its scores, nothing of the
+blocks it saw; backward sends every block of K and V round the ring again, rebuilds each
+block's probabilities from the log-sum-exp (P = exp(S - lse)), adds this rank's share of
+dK and dV to the gradient travelling with the block, and after the last hop each block's
+gradient is home. So a rank keeps O(its tokens), whatever P. All-gather and Ulysses keep
+autograd's backward through their transfers (`_AllGather`: summed back to its owner;
+`_AllToAll`: the inverse all-to-all), the forward the only code to read; their price is
+memory: all of K and V (all-gather), the whole sequence's scores for 1/P of the heads
+(Ulysses).
 """
 
 from __future__ import annotations
@@ -150,37 +152,19 @@ def _attend(acc: tuple[Any, Any], q: torch.Tensor, q_chunks: list[tuple[int, tor
 # --------------------------------------------------------------------------- transfers
 
 
-class _Shift(torch.autograd.Function):
-    """The tensor received from the left neighbour, whose transfer `pending` started (the
-    send of ours to the right with it); backward sends the gradient back: to the left,
-    and ours arrives from the right."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, pending: tuple[Comm, list[Any], torch.Tensor],
-                left: int, right: int, tag: int) -> torch.Tensor:
-        comm, works, incoming = pending
-        for w in works:
-            w.wait()
-        ctx.comm, ctx.left, ctx.right, ctx.tag = comm, left, right, tag
-        ctx.shape = x.shape
-        return incoming
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        comm: Comm = ctx.comm
-        back = torch.empty(ctx.shape, dtype=grad.dtype, device=grad.device)
-        for w in _paired(comm, lambda: comm.send(grad.contiguous(), ctx.left, ctx.tag),
-                         lambda: comm.recv(back, ctx.right, ctx.tag)):
-            w.wait()
-        return back, None, None, None, None
-
-
-def _start_shift(comm: Comm, x: torch.Tensor, shape: Sequence[int], left: int, right: int,
-                 tag: int) -> tuple[Comm, list[Any], torch.Tensor]:
-    incoming = torch.empty(tuple(shape), dtype=x.dtype, device=x.device)
-    works = _paired(comm, lambda: comm.send(x.detach().contiguous(), right, tag),
+def _shift(comm: Comm, x: torch.Tensor, shape: Sequence[int], left: int, right: int,
+           tag: int, dtype: torch.dtype | None = None) -> tuple[list[Any], torch.Tensor]:
+    """Send `x` to the right neighbour and receive a tensor of `shape` from the left one,
+    both started (wait on the works before reading what arrives)."""
+    incoming = torch.empty(tuple(shape), dtype=dtype or x.dtype, device=x.device)
+    works = _paired(comm, lambda: comm.send(x.contiguous(), right, tag),
                     lambda: comm.recv(incoming, left, tag))
-    return comm, works, incoming
+    return works, incoming
+
+
+def _wait(works: list[Any]) -> None:
+    for w in works:
+        w.wait()
 
 
 def _span(comm: Comm, name: str, kind: str, **meta: Any) -> AbstractContextManager[Any]:
@@ -307,26 +291,129 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             acc = _attend(acc, q, chunks(rank), keys[r].narrow(TOKENS, 0, lengths[r]),
                           values[r].narrow(TOKENS, 0, lengths[r]), chunks(r), causal, scale)
         return acc[0].to(q.dtype)
-    left, right = (rank - 1) % size, (rank + 1) % size
-    kv = torch.stack([k, v]) if k.shape == v.shape else None
-    if kv is None:
+    if k.shape != v.shape:
         raise ValueError("the ring passes K and V together: they must have one shape")
-    for step in range(size):
-        source = (rank - step) % size  # whose block this rank holds now
-        pending = None
-        if step < size - 1:  # the next block on its way while this one is used
-            coming = (rank - step - 1) % size
-            shape = (*kv.shape[:TOKENS + 1], sum(len(p) for _, p in chunks(coming)),
-                     kv.shape[-1])
-            pending = _start_shift(comm, kv, shape, left, right, tag=step)
-        with _span(comm, f"attend to rank {source}'s K/V", "compute", chunk=source):
-            acc = _attend(acc, q, chunks(rank), kv[0], kv[1], chunks(source), causal, scale)
-        if pending is not None:
-            with _span(comm, f"wait for rank {coming}'s K/V", "comm", chunk=coming):
-                kv = _Shift.apply(kv, pending, left, right, step)
-    # The last block in the graph even where the mask hid it all: backward must pass its
-    # (zero) gradient back round the ring, or the rank that sent it would wait for it.
-    return (acc[0] + (kv.flatten()[:1] * 0).sum()).to(q.dtype)  # a zero no sum overflows
+    return _Ring.apply(q, k, v, comm, tuple(bounds), layout, causal, scale)
+
+
+_BACK_KV, _BACK_GRAD = 2000, 3000  # tags of backward's messages, apart from forward's
+
+
+class _Ring(torch.autograd.Function):
+    """Ring attention (pass-KV) with flash attention's backward over the ring (module
+    docstring): forward keeps q, k, v, the output and the log-sum-exp only."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm,
+                bounds: tuple[tuple[int, int], ...], layout: Layout, causal: bool,
+                scale: float | None) -> torch.Tensor:
+        rank, size = comm.rank, comm.size
+        ring = _RingPlan(rank, size, list(bounds), layout)
+        acc: tuple[Any, Any] = (None, None)
+        kv = torch.stack([k, v])
+        for step in range(size):
+            source = (rank - step) % size  # whose block this rank holds now
+            pending = None
+            if step < size - 1:  # the next block on its way while this one is used
+                pending = _shift(comm, kv, ring.shape(kv, step + 1), ring.left, ring.right,
+                                 tag=step)
+            with _span(comm, f"attend to rank {source}'s K/V", "compute", chunk=source):
+                acc = _attend(acc, q, ring.chunks(rank), kv[0], kv[1], ring.chunks(source),
+                              causal, scale)
+            if pending is not None:
+                with _span(comm, f"wait for rank {ring.source(step + 1)}'s K/V", "comm",
+                           chunk=ring.source(step + 1)):
+                    _wait(pending[0])
+                kv = pending[1]
+        out, lse = acc
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.comm, ctx.ring, ctx.causal, ctx.scale = comm, ring, causal, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        comm, ring, causal = ctx.comm, ctx.ring, ctx.causal
+        scale = q.shape[-1] ** -0.5 if ctx.scale is None else ctx.scale
+        rank, size = ring.rank, ring.size
+        d_out = grad.to(out.dtype)
+        delta = (d_out * out).sum(-1)  # D = rowsum(dO * O), one per query
+        dq = torch.zeros(q.shape, dtype=out.dtype, device=q.device)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros(kv.shape, dtype=out.dtype, device=q.device)  # the held block's
+        for step in range(size):
+            source = ring.source(step)
+            pending = None
+            if step < size - 1:  # K and V again, the next block on its way meanwhile
+                pending = _shift(comm, kv, ring.shape(kv, step + 1), ring.left, ring.right,
+                                 tag=_BACK_KV + step)
+            with _span(comm, f"back through rank {source}'s K/V", "compute", chunk=source):
+                _block_gradients(q, ring.chunks(rank), kv, ring.chunks(source), d_out, lse,
+                                 delta, causal, scale, dq, dkv)
+            if size > 1:  # the block's gradient goes on with it; the last hop takes it home
+                with _span(comm, f"pass on rank {source}'s dK/dV", "comm", chunk=source):
+                    works, dkv = _shift(comm, dkv, ring.shape(dkv, step + 1), ring.left,
+                                        ring.right, tag=_BACK_GRAD + step)
+                    _wait(works)
+            if pending is not None:
+                _wait(pending[0])
+                kv = pending[1]
+        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
+                None, None, None, None, None)
+
+
+class _RingPlan:
+    """Who holds which block at each step of the ring, and each block's chunks."""
+
+    def __init__(self, rank: int, size: int, bounds: list[tuple[int, int]],
+                 layout: Layout) -> None:
+        self.rank, self.size, self.bounds, self.layout = rank, size, bounds, layout
+        self.left, self.right = (rank - 1) % size, (rank + 1) % size
+
+    def source(self, step: int) -> int:
+        """Whose block this rank holds at `step` (its own at 0, then the left's, ...)."""
+        return (self.rank - step) % self.size
+
+    def chunks(self, r: int) -> list[tuple[int, torch.Tensor]]:
+        return [(c, torch.arange(*self.bounds[c])) for c in chunks_of(r, self.size, self.layout)]
+
+    def shape(self, like: torch.Tensor, step: int) -> tuple[int, ...]:
+        """A block like `like` (K and V stacked) of the rank held at `step`."""
+        tokens = sum(len(p) for _, p in self.chunks(self.source(step)))
+        return (*like.shape[:TOKENS + 1], tokens, like.shape[-1])
+
+
+def _block_gradients(q: torch.Tensor, q_chunks: list[tuple[int, torch.Tensor]],
+                     kv: torch.Tensor, k_chunks: list[tuple[int, torch.Tensor]],
+                     d_out: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+                     causal: bool, scale: float, dq: torch.Tensor, dkv: torch.Tensor) -> None:
+    """One block's part of backward, chunk pair by chunk pair (those the mask hides
+    skipped): P = exp(S - lse) rebuilt from the whole row's log-sum-exp, dV += P^T dO,
+    dS = P * (dO V^T - D), dQ += dS K scale, dK += dS^T Q scale; into dq and dkv."""
+    acc = dq.dtype
+    q_start = 0
+    for qc, q_pos in q_chunks:
+        n_q = len(q_pos)
+        qs = q.narrow(TOKENS, q_start, n_q).to(acc)
+        do = d_out.narrow(TOKENS, q_start, n_q)
+        lse_q, delta_q = lse.narrow(TOKENS, q_start, n_q), delta.narrow(TOKENS, q_start, n_q)
+        k_start = 0
+        for kc, k_pos in k_chunks:
+            n_k = len(k_pos)
+            if not (causal and kc > qc):  # else every key after every query: nothing
+                ks = kv[0].narrow(TOKENS, k_start, n_k).to(acc)
+                vs = kv[1].narrow(TOKENS, k_start, n_k).to(acc)
+                scores = (qs @ ks.transpose(-2, -1)) * scale
+                if causal and kc == qc:  # the diagonal: a key after its query is hidden
+                    hidden = k_pos.to(q.device)[None, :] > q_pos.to(q.device)[:, None]
+                    scores = scores.masked_fill(hidden, float("-inf"))
+                p = torch.exp(scores - lse_q[..., None])
+                dkv[1].narrow(TOKENS, k_start, n_k).add_(p.transpose(-2, -1) @ do)
+                ds = p * (do @ vs.transpose(-2, -1) - delta_q[..., None])
+                dq.narrow(TOKENS, q_start, n_q).add_((ds @ ks) * scale)
+                dkv[0].narrow(TOKENS, k_start, n_k).add_((ds.transpose(-2, -1) @ qs) * scale)
+            k_start += n_k
+        q_start += n_q
 
 
 def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, rank: int,

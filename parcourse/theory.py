@@ -329,7 +329,7 @@ def mesh_bytes(config: GPTConfig, shape: dict[str, int], zero: int = 0,
 
 
 def tp_activation_bytes(config: GPTConfig, batch: int, seq: int, world_size: int,
-                        sequence_parallel: bool = False) -> dict[str, int]:
+                        sequence_parallel: bool = False, ring: bool = False) -> dict[str, int]:
     """Theory: bytes autograd keeps for backward on each rank, the forward of the split
     GPT to its logits in training mode (the loss not included), by where they are kept.
 
@@ -342,6 +342,10 @@ def tp_activation_bytes(config: GPTConfig, batch: int, seq: int, world_size: int
     cuts it along the sequence, except the two Linear inputs, which are gathered
     whole and kept (Megatron keeps this rank's chunk and gathers it again in
     backward: one more all-gather per layer, which this course does not do).
+
+    `ring`: the sequence is cut over cp ranks (`seq` this rank's tokens) and attention is
+    the ring's (`context_parallel`), which keeps its output and one log-sum-exp per query
+    instead of the softmax's scores (`ring_attention_kept`).
     """
     b, t, c, n = batch, seq, config.d_model, world_size
     heads = config.n_heads // n
@@ -353,7 +357,8 @@ def tp_activation_bytes(config: GPTConfig, batch: int, seq: int, world_size: int
         "layer norms, dropout masks": 2 * layer_norm + (2 * stream if drop else 0),
         "inputs of qkv and mlp.up (whole)": 2 * 4 * b * t * c,
         "split over ranks": 4 * b * t * (c // n) * (3 + 1 + 4 + 4)  # q, k, v; proj; up, down
-        + 4 * b * heads * t * t * (1 + (1 + 1 / 4 if drop else 0)),  # softmax; its dropout
+        + (4 * b * heads * t * (c // config.n_heads + 1) if ring  # the ring's output, lse
+           else 4 * b * heads * t * t * (1 + (1 + 1 / 4 if drop else 0))),  # softmax; dropout
     }
     per_block["split over ranks"] = int(per_block["split over ranks"])
     result = {k: config.n_layers * v for k, v in per_block.items()}
@@ -365,8 +370,8 @@ def tp_activation_bytes(config: GPTConfig, batch: int, seq: int, world_size: int
 
 
 def gpt_layer_bytes(config: GPTConfig, layer: int, tp: int = 1, *, batch: int = 1,
-                    sequence_parallel: bool = False, pipelined: bool = False
-                    ) -> dict[str, int]:
+                    sequence_parallel: bool = False, pipelined: bool = False,
+                    seq: int | None = None, ring: bool = False) -> dict[str, int]:
     """Theory, layer by layer: fp32 bytes of one layer of the course's GPT on a rank of a
     tp group, as the pipeline cuts it (`gpt_layers`: layer 0 the embeddings, 1..L the
     blocks, L + 1 ln_f, the head and the loss): its parameters, and what autograd keeps
@@ -378,15 +383,18 @@ def gpt_layer_bytes(config: GPTConfig, layer: int, tp: int = 1, *, batch: int = 
     divides by. `pipelined`: the head is on another stage than the embedding, so a tied
     head holds its own copy of the weight (Megatron-LM's embedding group). "loss": the
     part of "activations" the loss keeps (0 but on the last layer), which a stage
-    recomputed in backward still holds: the loss runs after the checkpointed stage."""
+    recomputed in backward still holds: the loss runs after the checkpointed stage.
+    `seq`: the tokens a rank holds of each sequence (the block size by default; fewer
+    when context parallelism cuts it), `ring`: its attention the ring's
+    (`tp_activation_bytes`)."""
     if not 0 <= layer <= config.n_layers + 1:
         raise ValueError(f"layer {layer} is not one of the GPT's {config.n_layers + 2}")
-    c, n, t, b = config.d_model, tp, config.block_size, batch
+    c, n, t, b = config.d_model, tp, config.block_size if seq is None else seq, batch
     vocab_rows = math.ceil(config.vocab / n) * c
     per_block_params = ((3 * c * c + 3 * c) + c * c + (4 * c * c + 4 * c) + 4 * c * c) // n \
         + (2 * 2 * c + c + c)  # split; LayerNorms and the row-parallel layers' biases
     acts = tp_activation_bytes(dataclasses.replace(config, n_layers=1), b, t, n,
-                               sequence_parallel)
+                               sequence_parallel, ring)
     block_acts = acts["total"] - acts["embeddings, ln_f, head"]
     cut = n if sequence_parallel else 1
     stream = b * (t // cut) * c
@@ -395,7 +403,7 @@ def gpt_layer_bytes(config: GPTConfig, layer: int, tp: int = 1, *, batch: int = 
     tokens = b * t
     loss = 0
     if layer == 0:
-        params = vocab_rows + t * c
+        params = vocab_rows + config.block_size * c  # the position embedding: every position
         held = tokens * (8 + 1) + 8 * t + (stream if drop else 0)
     elif layer <= config.n_layers:
         params, held = per_block_params, block_acts

@@ -356,17 +356,21 @@ def test_the_planner_turns_down_each_plan_with_the_same_sentence(plan, batch, wo
 
 
 def test_the_planner_refuses_context_parallelism_it_does_not_price():
-    """A valid cp plan is turned down by the search, and refused by the predictions, in
-    one sentence, rather than priced as if the sequence were whole."""
+    """A valid cp plan: its memory is counted (the ring's, fp32: tests/test_planner.py
+    checks it to the byte); its step time is not yet, so the search turns it down and
+    `predict_time` refuses it in one sentence, as `predict_memory` refuses the methods and
+    dtypes it does not count, rather than pricing them as if the sequence were whole."""
     from parcourse.planner import Cluster, plan, predict_memory, predict_time
 
-    said = ("cp 2: the planner prices no context parallelism yet (its memory and its ring's "
-            "messages)")
+    said = "cp 2: the planner prices context parallelism's memory, not yet its step time"
     cluster = Cluster.this_machine(4, flops=1e9, cores=2)
     cp = ParallelPlan(dp=2, cp=2, microbatches=2)
     assert cp.problems(CONFIG, 8, world=4) == []
     assert plan(CONFIG, cluster, 8, candidates=[cp]).rejected[0].why_not.startswith(said)
-    for predict in (lambda: predict_memory(CONFIG, cp, 8),
-                    lambda: predict_time(CONFIG, cp, 8, cluster)):
-        with pytest.raises(ValueError, match=_escaped(said)):
-            predict()
+    with pytest.raises(ValueError, match=_escaped(said)):
+        predict_time(CONFIG, cp, 8, cluster)
+    assert predict_memory(CONFIG, cp, 8)[0]["activations"] > 0
+    ulysses = dataclasses.replace(cp, cp_method="ulysses")
+    for choice, dtype in ((ulysses, "fp32"), (cp, "bf16")):
+        with pytest.raises(ValueError, match="counts the memory of the ring in fp32 only"):
+            predict_memory(CONFIG, choice, 8, dtype)

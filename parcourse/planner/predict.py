@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 
 from parcourse.comm import SimulatedLink
+from parcourse.context_parallel import positions
 from parcourse.models import GPTConfig
 from parcourse.pipeline.partition import stage_bounds
 from parcourse.pipeline.simulate import Costs, SimulatedCompute, in_flight, simulate
@@ -40,12 +41,26 @@ from parcourse.theory import (
 # --------------------------------------------------------------------------- memory
 
 
-def _unpriced(choice: Choice) -> None:
+def _unpriced(choice: Choice, dtype: str = "fp32", time: bool = False) -> None:
     """Refuses what the model here does not count, rather than pricing it as if it were
-    not there."""
-    if choice.cp > 1:
-        raise ValueError(f"cp {choice.cp}: the planner prices no context parallelism yet "
-                         "(its memory and its ring's messages)")
+    not there: context parallelism's step time, and its memory but the ring's in fp32."""
+    if choice.cp == 1:
+        return
+    if time:
+        raise ValueError(f"cp {choice.cp}: the planner prices context parallelism's memory, "
+                         "not yet its step time (the ring's messages beside its blocks)")
+    if choice.cp_method != "ring" or dtype != "fp32":
+        raise ValueError(f"cp {choice.cp}: the planner counts the memory of the ring in fp32 "
+                         f"only, not {choice.cp_method} in {dtype}")
+
+
+def seq_here(config: GPTConfig, choice: Choice) -> int:
+    """The most tokens of a sequence a rank holds: all of them, or its share of them cut
+    over cp (zigzag: two chunks a rank, the busiest rank's)."""
+    if choice.cp == 1:
+        return config.block_size
+    return max(len(positions(config.block_size, r, choice.cp, "zigzag"))
+               for r in range(choice.cp))
 
 Checkpoint = Literal["stage", "block"]  # what full recompute checkpoints: see predict_memory
 
@@ -71,7 +86,8 @@ def _layer_bytes(config: GPTConfig, layer: int, choice: Choice, batch: int, dtyp
             raise ValueError("selective recompute is counted in 16 bits only (the course's "
                              "3D step recomputes whole stages)")
         return gpt_layer_bytes(config, layer, choice.tp, batch=batch,  # type: ignore[return-value]
-                               sequence_parallel=choice.sequence_parallel, pipelined=pipelined)
+                               sequence_parallel=choice.sequence_parallel, pipelined=pipelined,
+                               seq=seq_here(config, choice), ring=choice.cp > 1)
     return korthikanti_layer_bytes(config, layer, choice.tp, batch=batch,
                                    sequence_parallel=choice.sequence_parallel,
                                    pipelined=pipelined, selective=choice.recompute == "selective")
@@ -82,10 +98,11 @@ def _stage_input_bytes(config: GPTConfig, first_layer: int, choice: Choice, batc
     """A stage's input, which it keeps for each microbatch under full recompute: the
     batch's token ids on the first stage; the residual stream elsewhere, cut along the
     sequence under sequence parallelism."""
+    seq = seq_here(config, choice)
     if first_layer == 0:
-        return 8 * batch * config.block_size
+        return 8 * batch * seq
     cut = choice.tp if choice.sequence_parallel else 1
-    return (4 if dtype == "fp32" else 2) * batch * (config.block_size // cut) * config.d_model
+    return (4 if dtype == "fp32" else 2) * batch * (seq // cut) * config.d_model
 
 
 def predict_memory(config: GPTConfig, choice: Choice, global_batch: int,
@@ -105,7 +122,7 @@ def predict_memory(config: GPTConfig, choice: Choice, global_batch: int,
     if checkpoint not in ("stage", "block"):
         raise ValueError(f"checkpoint {checkpoint!r} is neither stage nor block")
     choice.check(config, global_batch, step=False)  # what any implementation could run
-    _unpriced(choice)
+    _unpriced(choice, dtype)
     plan = _schedule(choice.schedule, choice.pp, choice.microbatches, choice.chunks)
     layers = stage_layers(config, choice)
     batch = global_batch // (choice.dp * choice.microbatches)
@@ -138,7 +155,7 @@ def predict_memory(config: GPTConfig, choice: Choice, global_batch: int,
         rebuilt = [block - stream if any(bs) else 0.0 for bs in is_block]
         held = [sum(stream if b else kept["activations"] for b, kept in zip(bs, st))
                 for bs, st in zip(is_block, per_stage)]
-    n, z = choice.dp, choice.zero
+    n, z = choice.dp * choice.cp, choice.zero  # the ranks ZeRO shards over: dp x cp
     half = torch.float32 if dtype == "fp32" else torch.bfloat16
     # The tied embedding and head, when the pipeline holds them in two stages: numbers.
     tied = math.ceil(config.vocab / choice.tp) * config.d_model \
@@ -380,7 +397,7 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     step); the optimizer, which every rank runs at once, by ranks / cores. With the
     compute simulated (`cluster.compute_simulated`, `scaled`), only the optimizer, which
     a stage's dp x tp ranks run at once (a pipeline's stages end apart)."""
-    _unpriced(choice)
+    _unpriced(choice, dtype, time=True)
     plan = _schedule(choice.schedule, choice.pp, choice.microbatches, choice.chunks)
     layers = stage_layers(config, choice)
     batch = global_batch // (choice.dp * choice.microbatches)

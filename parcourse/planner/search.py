@@ -87,8 +87,8 @@ def plan(config: GPTConfig, cluster: Cluster, global_batch: int, *, dtype: Dtype
         if problems := choice.problems(config, global_batch, world=cluster.gpus, step=here):
             item.why_not = "; ".join(problems)
         elif choice.cp > 1:  # refused rather than priced as if the sequence were whole
-            item.why_not = (f"cp {choice.cp}: the planner prices no context parallelism yet "
-                            "(its memory and its ring's messages); train3d --cp runs it")
+            item.why_not = (f"cp {choice.cp}: the planner prices context parallelism's memory, "
+                            "not yet its step time; train3d --cp runs it")
         elif choice.tp > cluster.gpus_per_node:
             item.why_not = (f"tp {choice.tp} spans nodes of {cluster.gpus_per_node}: every "
                             "layer would wait on the slow link")

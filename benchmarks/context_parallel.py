@@ -1,4 +1,5 @@
-"""Context parallelism: the causal ring's balance, and torch's own beside ours.
+"""Context parallelism: the causal ring's balance, its memory per rank, and torch's own
+beside ours.
 
     python benchmarks/context_parallel.py [--tokens 2048] [--heads 8] [--rounds 5]
 
@@ -7,7 +8,11 @@
    for the contiguous cut and the zigzag one, at cp 2 and 4: the busiest rank's over the
    least busy's. Contiguous, the last rank computes P times the first's blocks; zigzag,
    every rank 2P + 1 (target: zigzag <= 1.1).
-2. torch.distributed.tensor.experimental.context_parallel on the same shapes, 2 ranks, each
+2. Memory: what one causal ring attention keeps for backward on its busiest rank, fp32,
+   at cp 1, 2 and 4 and a quarter, half and all of --tokens, beside
+   `theory.ring_attention_kept` (its output and log-sum-exp: flash attention's backward
+   over the ring keeps no scores and no other rank's block), and the ratio to cp 1.
+3. torch.distributed.tensor.experimental.context_parallel on the same shapes, 2 ranks, each
    method's forward and backward taking turns with ours (target: ours / torch <= 1.0).
    torch's needs a sharding strategy for the device's attention kernel: CPU ranks have
    none (its error is printed), so this part runs where the ranks have GPUs.
@@ -25,6 +30,9 @@ import torch.nn.functional as F
 
 from parcourse import Pool
 from parcourse.context_parallel import context_attention, shard_sequence
+from parcourse.experiments.context_parallel import cp_attention
+from parcourse.memory import format_bytes
+from parcourse.theory import ring_attention_kept
 
 
 def attention_cpu_s(ctx: Any, tokens: int, heads: int, layout: str, rounds: int) -> float:
@@ -108,7 +116,32 @@ def main() -> None:
                 ms = " ".join(f"{1e3 * t:7.1f}" for t in per_rank)
                 print(f"{cp:>3} {layout:>11}  {ms:<36} {ratio:>16.2f} {target:>7}")
 
-    print(f"\n2. against torch's context_parallel, 2 ranks, causal, {args.tokens} tokens")
+    lengths = sorted({max(8, args.tokens // 4), max(8, args.tokens // 2), max(8, args.tokens)})
+    print(f"\n2. memory one causal ring attention keeps on its busiest rank, fp32, "
+          f"{args.heads} heads of 64, batch 1, measured")
+    print(f"{'tokens':>7} " + " ".join(f"{f'cp {cp}':>24}" for cp in (1, 2, 4))
+          + f" {'cp 4 / cp 1':>12}")
+    kept: dict[int, list[int]] = {}
+    differ = []
+    for cp in (1, 2, 4):
+        with Pool(cp, timeout=600) as pool:
+            kept[cp] = []
+            for t in lengths:
+                results = pool.run(cp_attention, t, args.heads, 64, 1, "ring", "zigzag",
+                                   True, "float32").results
+                here = max(r["tokens"] for r in results)
+                kept[cp].append(max(r["saved"] for r in results))
+                want = ring_attention_kept(here, 1, args.heads, 64)["total"]
+                if kept[cp][-1] != want:
+                    differ.append(f"cp {cp}, {t} tokens: measured {kept[cp][-1]} B, theory "
+                                  f"{want} B")
+    for i, t in enumerate(lengths):
+        print(f"{t:>7} " + " ".join(f"{format_bytes(kept[cp][i]):>24}" for cp in (1, 2, 4))
+              + f" {kept[4][i] / kept[1][i]:>12.2f}")
+    print(f"   equal to theory.ring_attention_kept, all {3 * len(lengths)}: {not differ}"
+          + "".join(f"\n   differs: {d}" for d in differ))
+
+    print(f"\n3. against torch's context_parallel, 2 ranks, causal, {args.tokens} tokens")
     with Pool(2, timeout=600) as pool:
         results = pool.run(against_torch, args.tokens, args.heads, args.rounds).results
     if "error" in results[0]:

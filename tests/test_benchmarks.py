@@ -80,8 +80,9 @@ def test_training_benchmark_prints_the_plan_and_the_checkpoint_costs():
 
 
 def test_context_parallel_benchmark_prints_the_balance_and_torchs_answer():
-    """Tiny sizes: a row per cp and cut, with the busiest rank over the least busy, and
-    torch's context_parallel run beside ours or its error said in a line (CPU ranks)."""
+    """Tiny sizes: a row per cp and cut, with the busiest rank over the least busy; the
+    memory each cp keeps, equal to the formula; and torch's context_parallel run beside
+    ours or its error said in a line (CPU ranks)."""
     script = SCRIPT.parent / "context_parallel.py"
     done = subprocess.run([sys.executable, str(script), "--tokens", "64", "--heads", "2",
                            "--rounds", "1"], capture_output=True, text=True, timeout=600)
@@ -91,6 +92,8 @@ def test_context_parallel_benchmark_prints_the_balance_and_torchs_answer():
     assert [(r[0], r[1]) for r in rows] == [("2", "contiguous"), ("2", "zigzag"),
                                            ("4", "contiguous"), ("4", "zigzag")]
     assert all(float(r[-2 if r[1] == "zigzag" else -1]) >= 1.0 for r in rows)
+    assert re.search(r"equal to theory.ring_attention_kept, all 9: True", done.stdout), \
+        done.stdout
     assert ("torch's does not run here: NotImplementedError" in done.stdout
             or "ours / torch" in done.stdout)
     bad = subprocess.run([sys.executable, str(script), "--tokens", "0"], capture_output=True,

@@ -355,3 +355,18 @@ def test_quantize_exercise_check(capsys):
     assert check_quantize(lambda x, block: (zeropp.quantize(x, block)[0],
                                             zeropp.quantize(x, block)[1][:, None]))
     assert capsys.readouterr().out.count("correct: ") == 2
+
+
+def test_a_configuration_is_checked_before_any_rank_starts():
+    """`zero.check_config`: every rule `from_config` applies, for a world size, without a
+    model or a process group, so a lesson or a script refuses a bad key in one line."""
+    from parcourse.zero import check_config
+
+    good = {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW",
+                                                            "params": {"lr": 1e-3}},
+            "train_micro_batch_size_per_gpu": 2, "train_batch_size": 8}
+    assert check_config(good, 4).stage == 2
+    with pytest.raises(ValueError, match="train_batch_size 8 != .* x 3 ranks = 6"):
+        check_config(good, 3)
+    with pytest.raises(ValueError, match="unknown key 'zero_optimisation'"):
+        check_config({"zero_optimisation": {"stage": 2}}, 4)

@@ -7,7 +7,7 @@ Beyond stage 3: offload.py (ZeRO-Offload), infinity.py (ZeRO-Infinity), zeropp.p
 (ZeRO++); config.py reads a DeepSpeed config.
 """
 
-from parcourse.zero.config import ZeroEngine, from_config
+from parcourse.zero.config import ZeroEngine, check_config, from_config
 from parcourse.zero.infinity import InfinityOptimizer
 from parcourse.zero.layout import FlatUnit, row_chunk
 from parcourse.zero.model import ShardedOptimizer, ZeroModel, shard
@@ -18,6 +18,5 @@ from parcourse.zero.stage2 import ZeroStage2
 from parcourse.zero.stage3 import ZeroStage3
 
 __all__ = ["FlatUnit", "InfinityOptimizer", "ShardedOptimizer", "ZeroEngine", "ZeroModel",
-           "ZeroOptimizer",
-           "ZeroStage1", "ZeroStage2", "ZeroStage3", "bytes_by_placement", "from_config",
-           "row_chunk", "shard"]
+           "ZeroOptimizer", "ZeroStage1", "ZeroStage2", "ZeroStage3", "bytes_by_placement",
+           "check_config", "from_config", "row_chunk", "shard"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -161,22 +162,25 @@ class ZeroEngine:
         return True
 
 
-def from_config(model: nn.Module, config: dict[str, Any] | str | Path,
-                group: dist.ProcessGroup | None = None) -> ZeroEngine:
-    """The course's ZeRO built from a DeepSpeed configuration (a dict or a JSON file).
+@dataclass(frozen=True)
+class _Checked:
+    """What a configuration asks for, every key checked (`check_config`)."""
 
-    Supported: `zero_optimization` {`stage` 1-3, `reduce_bucket_size` /
-    `allgather_bucket_size` (bytes, or "auto": 25 MiB), `overlap_comm` and
-    `contiguous_gradients` (always so here: true only)}, `bf16.enabled` (16-bit compute,
-    fp32 masters; `fp16.enabled` is refused: no loss scaling here), `optimizer` {`type`
-    Adam, AdamW or SGD, `params`}, `train_micro_batch_size_per_gpu`,
-    `gradient_accumulation_steps`, `train_batch_size` (checked: micro-batch x
-    accumulation x ranks; "auto" fills it), `gradient_clipping`;
-    beyond stage 3, `offload_optimizer` {`device` none / cpu / nvme, `nvme_path`,
-    `pin_memory`} (ZeRO-Offload, ZeRO-Infinity), `offload_param` {`device` none / cpu},
-    and ZeRO++'s `zero_quantized_weights`, `zero_hpz_partition_size` (a node's ranks) and
-    `zero_quantized_gradients`. With the optimizer offloaded, Adam and AdamW are built
-    `fused=True` unless the config says `foreach` or `fused`: their update runs on the host."""
+    stage: int
+    dtype: torch.dtype | None
+    micro: int | None
+    accumulation: int
+    clipping: float | None
+    optimizer: type[torch.optim.Optimizer]
+    params: dict[str, Any]
+    options: dict[str, Any]
+    bucket_mb: float
+
+
+def check_config(config: dict[str, Any] | str | Path, world_size: int) -> _Checked:
+    """Every rule `from_config` applies to a configuration for `world_size` ranks, without a
+    model or a process group: call it before starting ranks, so that a refused key is one
+    ValueError here rather than the same error on every rank."""
     config = _read(config)
     _refuse_unknown(config, TOP_LEVEL, "")
     zero = config.get("zero_optimization")
@@ -200,7 +204,6 @@ def from_config(model: nn.Module, config: dict[str, Any] | str | Path,
         raise ValueError(f"fp16.enabled: {FP16_REFUSED}")
     dtype = torch.bfloat16 if bf16 else None
 
-    _, _, world = group_info(group)
     micro = config.get("train_micro_batch_size_per_gpu")
     accumulation = config.get("gradient_accumulation_steps", 1)
     if accumulation == "auto":
@@ -217,19 +220,43 @@ def from_config(model: nn.Module, config: dict[str, Any] | str | Path,
         if micro is None:
             raise ValueError("train_batch_size without train_micro_batch_size_per_gpu: give "
                              "the micro-batch too")
-        if total != micro * accumulation * world:
+        if total != micro * accumulation * world_size:
             raise ValueError(f"train_batch_size {total} != train_micro_batch_size_per_gpu "
                              f"{micro} x gradient_accumulation_steps {accumulation} x "
-                             f"{world} ranks = {micro * accumulation * world}")
+                             f"{world_size} ranks = {micro * accumulation * world_size}")
     clipping = config.get("gradient_clipping")
     if clipping is not None and (isinstance(clipping, bool) or
                                  not isinstance(clipping, (int, float)) or clipping <= 0):
         raise ValueError(f"gradient_clipping must be a positive number, got {clipping!r}")
     kind, params = _optimizer(config.get("optimizer"))
+    return _Checked(stage, dtype, micro, accumulation,
+                    float(clipping) if clipping is not None else None, kind, params,
+                    _beyond_stage_3(zero, stage), _bucket_mb(zero))
 
-    options = _beyond_stage_3(zero, stage)
+
+def from_config(model: nn.Module, config: dict[str, Any] | str | Path,
+                group: dist.ProcessGroup | None = None) -> ZeroEngine:
+    """The course's ZeRO built from a DeepSpeed configuration (a dict or a JSON file).
+
+    Supported: `zero_optimization` {`stage` 1-3, `reduce_bucket_size` /
+    `allgather_bucket_size` (bytes, or "auto": 25 MiB), `overlap_comm` and
+    `contiguous_gradients` (always so here: true only)}, `bf16.enabled` (16-bit compute,
+    fp32 masters; `fp16.enabled` is refused: no loss scaling here), `optimizer` {`type`
+    Adam, AdamW or SGD, `params`}, `train_micro_batch_size_per_gpu`,
+    `gradient_accumulation_steps`, `train_batch_size` (checked: micro-batch x
+    accumulation x ranks; "auto" fills it), `gradient_clipping`;
+    beyond stage 3, `offload_optimizer` {`device` none / cpu / nvme, `nvme_path`,
+    `pin_memory`} (ZeRO-Offload, ZeRO-Infinity), `offload_param` {`device` none / cpu},
+    and ZeRO++'s `zero_quantized_weights`, `zero_hpz_partition_size` (a node's ranks) and
+    `zero_quantized_gradients`. With the optimizer offloaded, Adam and AdamW are built
+    `fused=True` unless the config says `foreach` or `fused`: their update runs on the host."""
+    _, _, world = group_info(group)
+    c = check_config(config, world)
+    options = dict(c.options)
     path = options.pop("nvme_path", None)
-    module = ZeroModel(model, stage, group, bucket_mb=_bucket_mb(zero), compute_dtype=dtype,
+    stage, dtype, kind, params = c.stage, c.dtype, c.optimizer, dict(c.params)
+    micro, accumulation, clipping = c.micro, c.accumulation, c.clipping
+    module = ZeroModel(model, stage, group, bucket_mb=c.bucket_mb, compute_dtype=dtype,
                        **options)
     if "offload_optimizer" in options and kind is not torch.optim.SGD and not (
             {"foreach", "fused"} & set(params)):

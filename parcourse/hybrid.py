@@ -181,6 +181,10 @@ class Hybrid:
         # Context parallelism: each rank runs every layer on its tokens of the sequence,
         # attention over all of them by the plan's method (`parcourse.context_parallel`).
         self.shard: SequenceShard | None = None
+        if mesh.size("cp") > 1 and compute is not None:
+            raise ValueError("simulated compute pads each action with tp's collectives on top; "
+                             "cp's messages inside attention would be padded away as compute: "
+                             "run cp with its compute real")
         if mesh.size("cp") > 1:
             self.shard = SequenceShard(mesh.group("cp"), cp_method, comm=Comm(
                 mesh.group("cp"), tracer=on("cp"), link=link, algorithm="auto"))
@@ -333,7 +337,9 @@ class Hybrid:
              local: bool = False) -> float | None:
         """One optimizer step on the global batch (the same tensors on every rank; each
         replica takes its rows), or with `local=True` on this replica's rows only (what a
-        sharded loader gives it; every replica the same number). Returns the global
+        sharded loader gives it; every replica the same number; the ranks of one replica,
+        its cp ranks included, the same rows: a loader sharded by dp coordinate, not by
+        rank). Returns the global
         batch's mean loss on the ranks of the last stage, None elsewhere."""
         dp, replica = self.mesh.size("dp"), self.mesh.coordinate("dp")
         if local and inputs.shape[0] % self.microbatches:
@@ -463,7 +469,9 @@ class Hybrid:
         clipping or not, the tied weights cut apart or not): rows of {"when", "what",
         "axis", "op", "ranks"} (`ranks`: this rank's group). Lesson 09's table."""
         sp, zero = self.sequence_parallel, self.sharded is not None
-        tp, pp, dp = (self.mesh.ranks(a) for a in ("tp", "pp", "dp"))
+        tp, pp, cp = (self.mesh.ranks(a) for a in ("tp", "pp", "cp"))
+        # the replicas: dp's ranks, and cp's with them when the sequence is cut
+        replicas, dp = "-".join(self._replica_axes), self.mesh.ranks(*self._replica_axes)
         rows = []
 
         def row(when: str, what: str, axis: str, op: str, ranks: list[int]) -> None:
@@ -478,6 +486,12 @@ class Hybrid:
         if sp:
             row("forward", "the sequence chunks entering attention and the MLP", "tp",
                 "all-gather", tp)
+        if self.shard is not None:
+            attention = {"ring": "send / recv round the ring (no sum)",
+                         "all-gather": "all-gather",
+                         "ulysses": "all-to-all, to a head cut and back"}[self.shard.method]
+            row("forward", "attention's keys and values, every block of the sequence", "cp",
+                attention, cp)
         row("forward", "activations, stage to stage", "pp", "send / recv (no sum)", pp)
         row("loss", "the logits' max, sum of exps and target logit (vocabulary-parallel "
             "cross entropy)", "tp", "all-reduce (max, sum)", tp)
@@ -486,37 +500,43 @@ class Hybrid:
         if sp:
             row("backward", "the LayerNorm weights' gradients (each rank saw its chunk)",
                 "tp", "all-reduce (sum)", tp)
+        if self.shard is not None:
+            back = {"ring": "K and V round the ring again, their gradients with them, home "
+                            "(send / recv, summed on the way)",
+                    "all-gather": "reduce-scatter (sum) to each block's owner",
+                    "ulysses": "all-to-all, to a head cut and back"}[self.shard.method]
+            row("backward", "attention's keys' and values' gradients", "cp", back, cp)
         row("backward", "activations' gradients, stage to stage", "pp",
             "send / recv (no sum)", pp)
         if self.zero == 3:
             row("forward and backward", "a stage's weights, before each of its actions "
-                "(freed after it)", "dp", "all-gather", dp)
+                "(freed after it)", replicas, "all-gather", dp)
         if self.zero >= 2:
             row("backward", "a stage's gradients, after each microbatch's backward of it",
-                "dp", "reduce-scatter (mean) into a slice each, while the schedule goes on",
-                dp)
+                replicas, "reduce-scatter (mean) into a slice each, while the schedule goes "
+                "on", dp)
         if self.runtime.tied:
             embedding = next((g for g in self.mesh.layout.embedding_groups()
                               if self.mesh.local_rank in g), [])
             row("end of schedule", "the tied embedding's and head's gradients", "embedding",
                 "sum over the first and last stage", embedding)
         if self.zero >= 2:
-            row("finalize 1", "the tied weights' gradients (the rest went in backward)", "dp",
-                "reduce-scatter (mean): a slice each", dp)
+            row("finalize 1", "the tied weights' gradients (the rest went in backward)",
+                replicas, "reduce-scatter (mean): a slice each", dp)
         elif zero:
-            row("finalize 1", "every gradient", "dp", "reduce-scatter (mean): a slice each",
-                dp)
+            row("finalize 1", "every gradient", replicas,
+                "reduce-scatter (mean): a slice each", dp)
         else:
             row("finalize 1", "every gradient, in buckets: the tied weights' start here, each "
-                "stage's started after its last backward", "dp", "all-reduce (mean)", dp)
+                "stage's started after its last backward", replicas, "all-reduce (mean)", dp)
         if self.max_norm is not None:
-            axes = ("dp", "tp", "pp") if zero else ("tp", "pp")
+            axes = (*self._replica_axes, "tp", "pp") if zero else ("tp", "pp")
             row("finalize 2", "the squared gradient norm (each element once)",
                 "-".join(axes), "all-reduce (sum)", self.mesh.ranks(*axes))
         if zero and self.zero < 3:
-            row("after the step", "the updated slices of the parameters", "dp",
+            row("after the step", "the updated slices of the parameters", replicas,
                 "all-gather", dp)
-        row("report", "the replicas' losses", "dp", "all-reduce (mean)", dp)
+        row("report", "the replicas' losses", replicas, "all-reduce (mean)", dp)
         return rows
 
     def memory(self) -> dict[str, int]:

@@ -406,3 +406,36 @@ def test_cli_trains_with_the_sequence_cut_over_cp(capsys):
     lines = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
     for _, ours, one in lines[:2]:
         assert float(ours) == pytest.approx(float(one), rel=1e-4)
+
+
+def test_cp_over_a_simulated_link_with_stages_equals_one_process(pool4):
+    """pp 2 x cp 2 over a simulated link: the pipeline finds its stages' output shapes on
+    the meta device, where attention sends nothing (a shape only), and then trains as one
+    process does; every message over the link."""
+    from parcourse.comm import SimulatedLink
+
+    check(pool4.run(train, {"pp": 2, "cp": 2}, "1f1b",
+                    link=SimulatedLink.of(latency_us=50)).results)
+
+
+def test_reductions_with_cp_name_the_replicas_and_attentions_traffic(pool4):
+    """What each group does, on a dp 2 x cp 2 mesh with ZeRO-1 and clipping: the gradients'
+    mean and the slices over dp x cp (the replicas), attention's keys and values over cp,
+    and the norm over every axis that splits the gradients."""
+    from hybrid_fns import reductions
+
+    rows = pool4.run(reductions, {"dp": 2, "cp": 2}, zero=1, max_norm=1.0,
+                     cp_method="ulysses").results[0]
+    by = {(r["when"], r["axis"]): r for r in rows}
+    assert by["forward", "cp"]["op"] == "all-to-all, to a head cut and back"
+    assert by["finalize 1", "dp-cp"]["ranks"] == [0, 1, 2, 3]
+    assert by["finalize 2", "dp-cp-tp-pp"]["ranks"] == [0, 1, 2, 3]
+    assert by["report", "dp-cp"]["ranks"] == [0, 1, 2, 3]
+
+
+def test_simulated_compute_with_cp_is_refused(pool2):
+    from hybrid_fns import reductions
+    from parcourse.pipeline.simulate import SimulatedCompute
+
+    with pytest.raises(RankError, match="cp's messages inside attention would be padded"):
+        pool2.run(reductions, {"cp": 2}, compute=SimulatedCompute(forward=0.01, backward=0.02))

@@ -196,7 +196,8 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        mine = ctx.comm.reduce_scatter(grad.contiguous().flatten()).view(ctx.shape)
+        # the ring's reduce-scatter sums in its buffer: a copy, not autograd's gradient
+        mine = ctx.comm.reduce_scatter(grad.flatten().clone()).view(ctx.shape)
         return mine.narrow(TOKENS, 0, ctx.tokens), None, None
 
 
@@ -263,6 +264,8 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     and torch's collectives otherwise (`algorithm="auto"`)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if q.is_meta:  # a shape only (the pipeline finding its stages' output shapes): q's,
+        return torch.empty_like(q)  # and no message sent, as Comm's collectives on meta
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     if not q.shape[:2] == k.shape[:2] == v.shape[:2]:
         raise ValueError(f"q, k and v need the same batch and heads, got {tuple(q.shape[:2])}, "

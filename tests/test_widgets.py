@@ -181,10 +181,11 @@ def test_planner_panel_plans_when_made_and_refuses_a_bad_batch():
 
     panel = PlannerPanel(model_name="1.3B", gpus=8, gpu="a100", batch=64, seq=2048)
     assert " fit, " in panel.text and "configurations in" in panel.status.value
-    first = panel.text
     panel.batch.value = 0
     panel.update()
-    assert "must be above 0" in panel.status.value and panel.text == first
+    # refused in words, and the last result (for other inputs) taken away
+    assert "must be above 0" in panel.status.value and panel.text == ""
+    assert not panel.out.outputs
     with pytest.raises(ValueError, match="gpus must be one of"):
         PlannerPanel(gpus=12)
 

@@ -55,8 +55,7 @@ class PlannerPanel:
 
     def update(self) -> None:
         if self.batch.value < 1 or not self.between.value > 0:
-            self.status.value = ("<span style='color:#b00'>the batch and the bandwidth must "
-                                 "be above 0</span>")
+            self._refuse("the batch and the bandwidth must be above 0")
             return
         start = time.perf_counter()
         self.button.disabled = True
@@ -76,8 +75,16 @@ class PlannerPanel:
             self.status.value = html.escape(
                 f"{len(plans.ranked) + len(plans.rejected)} configurations in "
                 f"{time.perf_counter() - start:.1f} s")
+        except ValueError as e:  # an input the planner refuses, in its words
+            self._refuse(str(e))
         finally:
             self.button.disabled = False
+
+    def _refuse(self, why: str) -> None:
+        """Say why, and take the last result away: it answered other inputs."""
+        self.text = ""
+        show(self.out)
+        self.status.value = f"<span style='color:#b00'>{html.escape(why)}</span>"
 
     def _ipython_display_(self) -> None:
         display(self.widget)

@@ -20,6 +20,7 @@ from parcourse.experiments.timing import take_turns
 from parcourse.launch import RankContext
 from parcourse.memory import SavedActivations
 from parcourse.theory import zero_bytes, zero_checked_at
+from parcourse.trace import Trace
 from parcourse.models import mlp
 from parcourse.zero import shard as zero_shard
 from parcourse.zero.layout import FlatUnit, row_chunk
@@ -219,6 +220,14 @@ def zero3_step(ctx: RankContext, prefetch: bool = True, params: int = 2_000_000,
     n_params = sum(u.numel for u in zmodel.units)
     return {"param_bytes": n_params * 4, "volume": volume, "params": n_params,
             "bytes_sent": tracer.total("bytes_sent") - sent_before}
+
+
+def per_layer(trace: Trace) -> Trace:
+    """`trace` with each layer's all-gather and reduce-scatter one bar (labelled with its
+    unit, `label_key="unit"`), the ring's steps inside them left out: a timeline where each
+    layer's gather, compute and free can be counted."""
+    return Trace(trace.world_size, [s for s in trace.spans if "phase" not in s.meta],
+                 trace.counters, trace.memory)
 
 
 def gather_scatter_times(ctx: RankContext, nbytes: int, repeats: int = 5) -> dict[str, float]:

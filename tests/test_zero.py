@@ -404,6 +404,8 @@ def test_rows_exercise_check(capsys):
     assert check_rows(right)
     assert not check_rows(floor_division)
     assert "should keep rows 0..6" in capsys.readouterr().out
+    assert not check_rows(lambda param, rank, n: right(param, rank, n).clone())  # asked: a view
+    assert "the rows are right, but a copy" in capsys.readouterr().out
     assert not check_rows(stub)
     assert "Not written yet" in capsys.readouterr().out
     assert not check_rows(lambda param, rank, n: param.rows)  # a bug: one line, no traceback

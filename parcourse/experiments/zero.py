@@ -278,6 +278,13 @@ def check_rows(fn: Callable[[torch.Tensor, int, int], torch.Tensor]) -> bool:
                           f"{tuple(expected.shape)}), got {seen}. Hint: every rank but the "
                           "last ones gets ceil(rows / world_size) rows.")
                     return False
+                if got.numel() and got.untyped_storage().data_ptr() != \
+                        param.untyped_storage().data_ptr():
+                    print("Not quite: the rows are right, but a copy (.clone(), torch.cat, "
+                          "...): return a slice of `param`, a view of its storage, as "
+                          "ZeroModel keeps a view into its flat buffer (a copy would hold "
+                          "those rows twice).")
+                    return False
     print("Correct: every rank keeps ceil(rows / N) rows; the last ones fewer, or none.")
     return True
 

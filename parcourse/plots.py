@@ -426,22 +426,35 @@ def tensors_before_after(before: Sequence[torch.Tensor], after: Sequence[torch.T
     """
     rows = len(before)
     fig = fig or plt.figure(figsize=(9, 0.5 + 0.45 * rows), layout="constrained")
-    axes = fig.subplots(1, 2, width_ratios=[_width(before), _width(after)])
+    widths = [max(1, _width(t)) for t in (before, after)]
+    # Cells as wide on both sides, unless one side is far longer (an all_gather on many
+    # ranks): the shorter then keeps a quarter of the width, and room for its numbers.
+    ratios = [max(w, max(widths) / 4) for w in widths]
+    axes = fig.subplots(1, 2, width_ratios=ratios)
     values = [t.float().flatten() for t in [*before, *after] if t.numel()]
     lo = float(min(v.min() for v in values)) if values else 0.0
     hi = float(max(v.max() for v in values)) if values else 1.0
-    for ax, tensors, name in zip(axes, (before, after), ("before", "after")):
-        width = max(1, _width(tensors))
+    for ax, tensors, name, width, ratio in zip(axes, (before, after), ("before", "after"),
+                                              widths, ratios):
         grid = np.full((rows, width), np.nan)
         for r, t in enumerate(tensors):
             flat = t.detach().float().flatten().numpy()
             grid[r, : flat.size] = flat
         ax.imshow(grid, cmap="viridis", vmin=lo, vmax=hi if hi > lo else lo + 1, aspect="auto")
-        for r, t in enumerate(tensors):
-            for i, v in enumerate(t.detach().flatten().tolist()):
+        texts = [[f"{v:g}" if isinstance(v, float) else str(v)
+                  for v in t.detach().flatten().tolist()] for t in tensors]
+        # A cell's width in points, and the font that fits its longest value in it (values
+        # in cells too narrow for 5 points are left to the colours): at 8 ranks an
+        # all_gather's row is 8 times as long, and its numbers must not run together.
+        cell = 72 * fig.get_figwidth() * 0.85 * ratio / sum(ratios) / width
+        longest = max((len(x) for row in texts for x in row), default=1)
+        size = min(8.0, cell / (0.65 * longest + 0.6))
+        for r, (t, row) in enumerate(zip(tensors, texts)):
+            if size < 5:
+                break
+            for i, (v, text) in enumerate(zip(t.detach().flatten().tolist(), row)):
                 shade = (v - lo) / (hi - lo) if hi > lo else 0.0
-                text = f"{v:g}" if isinstance(v, float) else str(v)
-                ax.text(i, r, text, ha="center", va="center", fontsize=8,
+                ax.text(i, r, text, ha="center", va="center", fontsize=size,
                         color="black" if shade > 0.6 else "white")
         ax.set_yticks(range(rows), [f"rank {r}" for r in range(rows)])
         ax.set_xticks([])

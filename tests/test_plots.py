@@ -173,3 +173,21 @@ def test_a_comm_lane_holds_the_disks_reads_and_writes_too():
     update, disk, send, _ = sorted(ax.patches, key=lambda p: p.get_x())
     assert disk.get_y() == send.get_y() != update.get_y()
     plt.close("all")
+
+
+def test_before_and_after_numbers_fit_their_cells_at_eight_ranks():
+    """Lesson 00 at 8 ranks: 8 numbers a rank, an all_gather's rows 64 long. Its numbers
+    get a smaller font, or none where even that would not fit, rather than one that runs
+    into the next cell's (each label narrower than its cell)."""
+    import torch
+
+    before = [torch.arange(8 * r, 8 * r + 8) for r in range(8)]
+    fig = plots.tensors_before_after(before, [torch.cat(before)] * 8, "all_gather")
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    after = fig.axes[1]
+    cell = after.get_window_extent(renderer).width / 64
+    labels = [t for t in after.texts if t.get_text()]
+    assert all(t.get_window_extent(renderer).width < cell for t in labels)
+    assert fig.axes[0].texts, "the shorter rows keep their numbers"
+    plt.close("all")

@@ -202,7 +202,10 @@ def check_coordinates(fn: Any) -> bool:
 
 
 def reductions_table(rows: list[dict[str, Any]]) -> str:
-    """`Hybrid.reductions()` as a text table, one row per communication, in step order."""
+    """`Hybrid.reductions()` as a text table, one row per communication, in step order
+    (a line saying so where there is none: one rank)."""
+    if not rows:
+        return "no group of more than one rank: nothing is reduced or sent"
     widths = {"when": 16, "axis": 9, "op": 40}
     lines = [f"{'when':<16} {'axis':<9} {'op':<40} {'ranks':<12} what"]
     for r in rows:

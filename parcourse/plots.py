@@ -362,15 +362,17 @@ def memory(trace: Trace, ax: Axes | None = None, *, labels: Sequence[str] | None
         for rank, sample in samples.items():
             x = g - 0.4 + width * (rank + 0.5)
             _stacked_bar(ax, x, width * 0.9, sample.bytes, div, used)
-            if n <= 8:
-                ax.text(x, -0.02, f"r{rank}", ha="center", va="top", fontsize=7,
-                        transform=ax.get_xaxis_transform())
+            if n <= 8:  # "r0" under each bar; past 4 ranks the number alone (they touch)
+                ax.text(x, -0.02, f"r{rank}" if n <= 4 else str(rank), ha="center",
+                        va="top", fontsize=7, transform=ax.get_xaxis_transform())
         if theory and label in theory:
             ax.hlines(theory[label] / div, g - 0.42, g + 0.42, colors="black", linestyles="--",
                       zorder=5, label="theory" if g == 0 else None)
     # Two short lines rather than one long one: side-by-side plots leave little room.
     ax.set_xticks(range(len(labels)), [textwrap.fill(label, 12) for label in labels])
     ax.tick_params(axis="x", pad=14)
+    if 4 < n <= 8:
+        ax.set_xlabel("a bar per rank, numbered under it", fontsize=8)
     ax.set_ylabel(f"bytes per rank ({unit})")
     _category_legend(ax, used, "theory" if theory else None, title)
     return fig

@@ -191,3 +191,23 @@ def test_before_and_after_numbers_fit_their_cells_at_eight_ranks():
     assert all(t.get_window_extent(renderer).width < cell for t in labels)
     assert fig.axes[0].texts, "the shorter rows keep their numbers"
     plt.close("all")
+
+
+def test_memory_bars_are_numbered_without_touching_at_eight_ranks():
+    """Eight ranks' bars in three groups on a narrow axes (one of two side by side): each
+    numbered under it, no label over the next one ("r0r1r2..." was)."""
+    from parcourse.trace import MemorySample, Trace
+
+    trace = Trace(8, memory=[MemorySample(r, label, 0, {"params": 100 * (r + 1)}, {})
+                             for label in ("after forward", "after backward", "after step")
+                             for r in range(8)])
+    fig, ax = plt.subplots(figsize=(3.4, 3), layout="constrained")
+    plots.memory(trace, ax=ax)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    numbers = sorted((t for t in ax.texts if t.get_text()[-1:].isdigit()),
+                     key=lambda t: t.get_window_extent(renderer).x0)
+    assert len(numbers) == 24
+    boxes = [t.get_window_extent(renderer) for t in numbers]
+    assert all(a.x1 <= b.x0 for a, b in zip(boxes, boxes[1:])), "labels overlap"
+    plt.close("all")

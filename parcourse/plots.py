@@ -386,12 +386,16 @@ def memory_against_gpus(per_rank: Mapping[str, float], ax: Axes | None = None, *
                         gpus: Mapping[str, float] = GPU_MEMORY_GB,
                         title: str | None = None) -> Figure:
     """Bytes per rank as one bar per category and their stacked total, beside the memory
-    of real GPUs (horizontal lines, in GiB): does it fit?"""
+    of real GPUs (horizontal lines, in GiB): does it fit? Under a GiB a rank, in the unit
+    that fits (a few bytes would read 9.31e-07 GiB), and no GPU is near it to draw."""
     fig, ax = _axes(ax, (7, 3.6))
-    gib = 1024**3
+    unit, div = byte_unit(sum(per_rank.values()))
+    unit, div = ("GiB", 1024**3) if div >= 1024**3 else (unit, div)
     names = list(per_rank)
-    values = [per_rank[k] / gib for k in names]
+    values = [per_rank[k] / div for k in names]
     total = sum(values)
+    if unit != "GiB":
+        gpus = {}
     for i, (name, value) in enumerate(zip(names, values)):
         ax.bar(i, value, 0.6, color=CATEGORY_COLORS.get(name, "#8C8C8C"))
         ax.annotate(f"{value:.3g}", (i, value), ha="center", va="bottom", fontsize=8,
@@ -412,7 +416,7 @@ def memory_against_gpus(per_rank: Mapping[str, float], ax: Axes | None = None, *
                         xytext=(4, 0), textcoords="offset points", va="center", fontsize=8)
     ax.set_ylim(0, top)
     ax.set_xticks(range(len(names) + 1), [*names, "total"])
-    ax.set_ylabel("per rank (GiB)")
+    ax.set_ylabel(f"per rank ({unit})")
     ax.grid(axis="y", alpha=0.3)
     if title:
         ax.set_title(title)

@@ -211,3 +211,16 @@ def test_memory_bars_are_numbered_without_touching_at_eight_ranks():
     boxes = [t.get_window_extent(renderer) for t in numbers]
     assert all(a.x1 <= b.x0 for a, b in zip(boxes, boxes[1:])), "labels overlap"
     plt.close("all")
+
+
+def test_memory_against_gpus_writes_a_small_model_in_its_own_unit():
+    """A thousand bytes a rank reads in KiB, not as 9.31e-07 GiB labels piled on each other,
+    and no GPU is drawn beside it; a 10B model in GiB beside the GPUs."""
+    small = plots.memory_against_gpus({"params": 4000, "grads": 4000, "optimizer": 8000})
+    ax = small.axes[0]
+    assert ax.get_ylabel() == "per rank (KiB)"
+    assert [t.get_text() for t in ax.texts] == ["3.91", "3.91", "7.81", "15.6"]
+    big = plots.memory_against_gpus({"params": 4e10, "grads": 4e10, "optimizer": 8e10})
+    assert big.axes[0].get_ylabel() == "per rank (GiB)"
+    assert any("GB" in t.get_text() for t in big.axes[0].texts)
+    plt.close("all")

@@ -787,3 +787,16 @@ def test_the_search_tries_both_splits_where_megatron_runs():
     assert any(p.choice.split == "blocks" for p in published.ranked)
     here = plan(CONFIG, Cluster.this_machine(8, flops=1e10, cores=2), BATCH)
     assert {p.choice.split for p in [*here.ranked, *here.rejected]} == {"layers"}
+
+
+def test_nothing_fits_says_why():
+    """A batch far too large for any plan: the summary names the closest plan's microbatch
+    (its activations are what does not fit) and counts the batch's rule as one reason,
+    whatever its numbers, rather than hiding it under a few hundred one-off lines."""
+    from parcourse.planner import format_plans, model
+
+    text = format_plans(plan(model("13B", 4096), Cluster.preset("h100", 32), 100000,
+                             dtype="bf16"), 5)
+    assert "nothing fits" in text
+    assert "runs microbatches of 3125 sequences" in text, text
+    assert "x the global batch does not cut into dp x microbatches equal parts" in text, text

@@ -35,6 +35,7 @@ class Planned:
 class Plans:
     ranked: list[Planned]
     rejected: list[Planned]
+    global_batch: int = 0  # in sequences, what they were planned for
 
 
 def choices(gpus: int, *, schedules: tuple[str, ...] = ("1f1b", "interleaved-1f1b"),
@@ -118,7 +119,7 @@ def plan(config: GPTConfig, cluster: Cluster, global_batch: int, *, dtype: Dtype
         if p.choice.pp > 1 or key not in seen:
             kept.append(p)
             seen.add(key)
-    return Plans(kept, rejected)
+    return Plans(kept, rejected, global_batch)
 
 
 def format_plans(plans: Plans, top: int = 10) -> str:
@@ -142,15 +143,29 @@ def format_plans(plans: Plans, top: int = 10) -> str:
             f"{t['tokens_per_s']:>10.0f} "
             f"{100 * t['mfu']:>5.1f}% "
             f"{format_bytes(mem['total']):>10} (pp {p.busiest})")
-    if not plans.ranked:
-        lines.append("     nothing fits")
-    lines.append(f"\n{len(plans.ranked)} fit, {len(plans.rejected)} turned down:")
-    kinds = Counter(p.why_not.split(" by ")[0].split(":")[0] for p in plans.rejected)
-    lines += [f"  {n:>5} x {why}" for why, n in kinds.most_common(6)]
     closest = sorted((p for p in plans.rejected if p.why_not.startswith("out of memory")),
                      key=lambda p: p.memory[p.busiest]["total"])[:3]
+    if not plans.ranked:
+        lines.append("     nothing fits")
+        if closest:  # what the closest one holds at once: its microbatch's sequences
+            p = closest[0]
+            batch = plans.global_batch // (p.choice.dp * p.choice.microbatches)
+            lines.append(f"     (the closest, {p.choice.label()}, runs microbatches of {batch} "
+                         "sequences: where activations are what does not fit, a smaller "
+                         "global batch or more microbatches than tried here)")
+    lines.append(f"\n{len(plans.ranked)} fit, {len(plans.rejected)} turned down:")
+    kinds = Counter(_kind(p.why_not) for p in plans.rejected)
+    lines += [f"  {n:>5} x {why}" for why, n in kinds.most_common(6)]
     lines += [f"  e.g. {p.choice.label()}: {p.why_not}" for p in closest]
     return "\n".join(lines)
+
+
+def _kind(why_not: str) -> str:
+    """A reason as counted among others: without its amount ("out of memory"), and the
+    batch's rule as one kind whatever its numbers."""
+    if why_not.startswith("the global batch of "):
+        return "the global batch does not cut into dp x microbatches equal parts"
+    return why_not.split(" by ")[0].split(":")[0]
 
 
 __all__ = ["Planned", "Plans", "choices", "format_plans", "plan"]

@@ -389,8 +389,7 @@ def memory_against_gpus(per_rank: Mapping[str, float], ax: Axes | None = None, *
     of real GPUs (horizontal lines, in GiB): does it fit? Under a GiB a rank, in the unit
     that fits (a few bytes would read 9.31e-07 GiB), and no GPU is near it to draw."""
     fig, ax = _axes(ax, (7, 3.6))
-    unit, div = byte_unit(sum(per_rank.values()))
-    unit, div = ("GiB", 1024**3) if div >= 1024**3 else (unit, div)
+    unit, div = byte_unit(sum(per_rank.values()))  # GiB at most
     names = list(per_rank)
     values = [per_rank[k] / div for k in names]
     total = sum(values)

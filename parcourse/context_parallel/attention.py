@@ -277,11 +277,8 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError(f"rank {rank} of {size} holds {len(mine)} of the {tokens} tokens "
                          f"({layout}), got q, k, v of {q.shape[TOKENS]}, {k.shape[TOKENS]}, "
                          f"{v.shape[TOKENS]}")
-    bounds = _bounds(tokens, size, layout)
-
-    def chunks(r: int) -> list[tuple[int, torch.Tensor]]:
-        return [(c, torch.arange(*bounds[c])) for c in chunks_of(r, size, layout)]
-
+    cut = _RingPlan(rank, size, _bounds(tokens, size, layout), layout)
+    chunks = cut.chunks
     comm = comm or Comm(group, algorithm="auto")
     if method == "ulysses":
         return _ulysses(q, k, v, comm, rank, size, tokens, layout, causal, scale)
@@ -296,7 +293,7 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return acc[0].to(q.dtype)
     if k.shape != v.shape:
         raise ValueError("the ring passes K and V together: they must have one shape")
-    return _Ring.apply(q, k, v, comm, tuple(bounds), layout, causal, scale)
+    return _Ring.apply(q, k, v, comm, cut, causal, scale)
 
 
 _BACK_KV, _BACK_GRAD = 2000, 3000  # tags of backward's messages, apart from forward's
@@ -308,10 +305,8 @@ class _Ring(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm,
-                bounds: tuple[tuple[int, int], ...], layout: Layout, causal: bool,
-                scale: float | None) -> torch.Tensor:
-        rank, size = comm.rank, comm.size
-        ring = _RingPlan(rank, size, list(bounds), layout)
+                ring: _RingPlan, causal: bool, scale: float | None) -> torch.Tensor:
+        rank, size = ring.rank, ring.size
         acc: tuple[Any, Any] = (None, None)
         kv = torch.stack([k, v])
         for step in range(size):
@@ -362,11 +357,12 @@ class _Ring(torch.autograd.Function):
                 _wait(pending[0])
                 kv = pending[1]
         return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
-                None, None, None, None, None)
+                None, None, None, None)
 
 
 class _RingPlan:
-    """Who holds which block at each step of the ring, and each block's chunks."""
+    """The cut of a sequence over a group, seen from one rank: each rank's chunks, and
+    for the ring, whose block this rank holds at each step."""
 
     def __init__(self, rank: int, size: int, bounds: list[tuple[int, int]],
                  layout: Layout) -> None:

@@ -140,7 +140,9 @@ class PipelineRuntime:
         # Comm's (the same one unless told otherwise).
         self.tracer = tracer if tracer is not None else comm.tracer
         self.link, self.compute = comm.link, compute
-        self._pacer = Pacer(paced)
+        # only with simulated compute: padding is what the pacer paces (wired into every
+        # collective of `paced`, it would be a call per collective for nothing otherwise)
+        self._pacer = Pacer(paced) if compute is not None else None
         self._seconds = None
         if compute is not None:  # copies of a stage (DualPipe) cost what the stage costs
             per = compute.of(schedule.model_stages)
@@ -412,7 +414,8 @@ class PipelineRuntime:
               if self.tracer is not None else nullcontext()):
             # Padded inside the span: a collective's paced share counts from its start.
             with (self._pacer.padded((s, a.kind), self._seconds[a.kind][s])
-                  if self._seconds is not None else nullcontext()):
+                  if self._pacer is not None and self._seconds is not None
+                  else nullcontext()):
                 out = {"F": self._forward, "B": self._backward, "I": self._input_gradient,
                        "W": self._weight_gradient}[a.kind](a, received)
         message = outgoing(a, self.schedule)

@@ -8,12 +8,15 @@ import torch.nn.functional as F
 from parcourse.context_parallel import LAYOUTS, METHODS, context_attention, shard_sequence
 
 
-def errors_against_sdpa(ctx, tokens, dtype, heads=12, methods=METHODS):
+def errors_against_sdpa(ctx, tokens, dtype, heads=12, methods=METHODS, on="cpu"):
     """For every method, layout and mask: the largest difference between this rank's
     output and gradients (dQ, dK, dV) and its rows of torch's scaled_dot_product_attention
-    on the whole sequence in one process, backward from the same upstream gradient."""
+    on the whole sequence in one process, backward from the same upstream gradient; the
+    tensors on `on` ("rank": the rank's own, a GPU where it has one)."""
+    where = ctx.device if on == "rank" else torch.device(on)
     g = torch.Generator().manual_seed(0)
-    q, k, v, up = (torch.randn(2, heads, tokens, 8, generator=g, dtype=dtype) for _ in range(4))
+    q, k, v, up = (torch.randn(2, heads, tokens, 8, generator=g, dtype=dtype).to(where)
+                   for _ in range(4))
     errors = {}
     for method, layout, causal in itertools.product(methods, LAYOUTS, (False, True)):
         whole = [t.clone().requires_grad_() for t in (q, k, v)]

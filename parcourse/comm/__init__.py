@@ -1,5 +1,7 @@
 """Communication: one object for every strategy, and the collectives it is built from.
 
+- alltoall.py: `all_to_all` with a count per peer from send / recv, and `AllToAll`
+  under autograd (its backward the other way): Ulysses' head cut, experts' dispatch.
 - `Comm` (communicator.py): a group, a tracer, a link and an algorithm (torch's
   collectives or the course's ring); all-reduce / reduce-scatter / all-gather, sync
   or async (one future type, `Pending`), and send / recv.
@@ -17,6 +19,7 @@
 """
 
 from parcourse.comm import ring
+from parcourse.comm.alltoall import AllToAll, all_to_all, exchange_counts
 from parcourse.comm.common import (
     DTYPES,
     OPS,
@@ -42,6 +45,7 @@ from parcourse.ranges import Cut, chunk_bounds
 
 __all__ = [
     "ALGORITHMS",
+    "AllToAll",
     "Algorithm",
     "Arrival",
     "Comm",
@@ -56,6 +60,8 @@ __all__ = [
     "SEGMENT_BYTES",
     "Network",
     "SimulatedLink",
+    "all_to_all",
+    "exchange_counts",
     "Topology",
     "link_between",
     "backend_for",

@@ -12,8 +12,8 @@ block's probabilities from the log-sum-exp (P = exp(S - lse)), adds this rank's 
 dK and dV to the gradient travelling with the block, and after the last hop each block's
 gradient is home. So a rank keeps O(its tokens), whatever P. All-gather and Ulysses keep
 autograd's backward through their transfers (`_AllGather`: summed back to its owner;
-`_AllToAll`: the inverse all-to-all), the forward the only code to read; their price is
-memory: all of K and V (all-gather), the whole sequence's scores for 1/P of the heads
+parcourse.comm's `AllToAll`: the inverse all-to-all), the forward the only code to read;
+their price is memory: all of K and V (all-gather), the whole sequence's scores for 1/P of the heads
 (Ulysses).
 """
 
@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from parcourse.comm import Comm
+from parcourse.comm.alltoall import AllToAll
 from parcourse.ranges import chunk_bounds
 
 Method = Literal["ring", "all-gather", "ulysses"]
@@ -199,52 +200,6 @@ class _AllGather(torch.autograd.Function):
         # the ring's reduce-scatter sums in its buffer: a copy, not autograd's gradient
         mine = ctx.comm.reduce_scatter(grad.flatten().clone()).view(ctx.shape)
         return mine.narrow(TOKENS, 0, ctx.tokens), None, None
-
-
-def all_to_all(comm: Comm, x: torch.Tensor, sends: list[int],
-               receives: list[int]) -> torch.Tensor:
-    """`sends[j]` rows of x (along dim 0, in rank order) to rank j, `receives[j]` rows from
-    it into the result, in rank order. The course's own from send / recv where `comm` runs
-    the ring (gloo: each message counted on its tracer, over its link): P - 1 rounds, in
-    round s to rank + s and from rank - s; torch's `all_to_all_single` where it runs
-    torch's (NCCL, whose messages run in order on one stream)."""
-    x = x.contiguous()
-    out = x.new_empty(sum(receives), *x.shape[1:])
-    if comm.algorithm == "torch":
-        dist.all_to_all_single(out, x, receives, sends, group=comm.group)
-        return out
-    at_x = [sum(sends[:j]) for j in range(comm.size)]
-    at_out = [sum(receives[:j]) for j in range(comm.size)]
-    me = comm.rank
-    out.narrow(0, at_out[me], receives[me]).copy_(x.narrow(0, at_x[me], sends[me]))
-    works = []
-    for step in range(1, comm.size):
-        to, frm = (me + step) % comm.size, (me - step) % comm.size
-        if sends[to]:
-            works.append(comm.send(x.narrow(0, at_x[to], sends[to]), to, _A2A_TAG + step))
-        if receives[frm]:
-            works.append(comm.recv(out.narrow(0, at_out[frm], receives[frm]), frm,
-                                   _A2A_TAG + step))
-    for w in works:
-        w.wait()
-    return out
-
-
-_A2A_TAG = 1000  # the all-to-all's messages: tags apart from the ring's (its steps)
-
-
-class _AllToAll(torch.autograd.Function):
-    """`all_to_all`; backward: the same, the other way."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, sends: list[int],
-                receives: list[int]) -> torch.Tensor:
-        ctx.comm, ctx.sends, ctx.receives = comm, sends, receives
-        return all_to_all(comm, x, sends, receives)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return all_to_all(ctx.comm, grad, ctx.receives, ctx.sends), None, None, None
 
 
 # --------------------------------------------------------------------------- the methods
@@ -429,7 +384,7 @@ def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, rank
         """(B, H, mine, D) -> (B, H / P, all tokens in rank order, D)."""
         b, h, _, d = x.shape
         pieces = x.reshape(b, size, h // size, mine, d).permute(1, 3, 0, 2, 4)
-        got = _AllToAll.apply(pieces.reshape(size * mine, b, h // size, d), comm,
+        got = AllToAll.apply(pieces.reshape(size * mine, b, h // size, d), comm,
                               [mine] * size, lengths)
         return got.permute(1, 2, 0, 3)
 
@@ -438,7 +393,7 @@ def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, rank
     out, _ = block_attention(qh, kh, vh, order if causal else None,
                              order if causal else None, scale)
     b, hs, _, d = out.shape
-    back = _AllToAll.apply(out.permute(2, 0, 1, 3).contiguous(), comm, lengths,
+    back = AllToAll.apply(out.permute(2, 0, 1, 3).contiguous(), comm, lengths,
                            [mine] * size)  # (P x mine, B, H / P, D): rank j's heads
     back = back.reshape(size, mine, b, hs, d).permute(2, 0, 3, 1, 4)
     return back.reshape(b, size * hs, mine, d).to(q.dtype)

@@ -1,0 +1,79 @@
+"""All-to-all with a count per peer, from send / recv: what Ulysses' head cut and the
+experts' dispatch and combine are built from.
+
+`all_to_all(comm, x, sends, receives)`: `sends[j]` rows of x (dim 0, in rank order) go to
+rank j, `receives[j]` rows come from it. Where `comm` runs the course's ring (gloo) it is
+P - 1 rounds of send / recv, in round s to rank + s and from rank - s, each message counted
+on the tracer and carried over the link; where it runs torch's (NCCL) it is
+`all_to_all_single`. `AllToAll.apply` is the same under autograd: its backward is the
+all-to-all the other way (a dispatch's backward is a combine, and a combine's a dispatch).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from parcourse.comm.communicator import Comm
+
+def all_to_all(comm: Comm, x: torch.Tensor, sends: list[int],
+               receives: list[int]) -> torch.Tensor:
+    """`sends[j]` rows of x (along dim 0, in rank order) to rank j, `receives[j]` rows from
+    it into the result, in rank order. The course's own from send / recv where `comm` runs
+    the ring (gloo: each message counted on its tracer, over its link): P - 1 rounds, in
+    round s to rank + s and from rank - s; torch's `all_to_all_single` where it runs
+    torch's (NCCL, whose messages run in order on one stream)."""
+    if len(sends) != comm.size or len(receives) != comm.size:
+        raise ValueError(f"all_to_all needs a count per rank of the group ({comm.size}), got "
+                         f"{len(sends)} to send and {len(receives)} to receive")
+    if sum(sends) != x.shape[0]:
+        raise ValueError(f"all_to_all sends {sum(sends)} rows, x has {x.shape[0]}")
+    x = x.contiguous()
+    out = x.new_empty(sum(receives), *x.shape[1:])
+    if comm.algorithm == "torch":
+        dist.all_to_all_single(out, x, receives, sends, group=comm.group)
+        return out
+    at_x = [sum(sends[:j]) for j in range(comm.size)]
+    at_out = [sum(receives[:j]) for j in range(comm.size)]
+    me = comm.rank
+    out.narrow(0, at_out[me], receives[me]).copy_(x.narrow(0, at_x[me], sends[me]))
+    works = []
+    for step in range(1, comm.size):
+        to, frm = (me + step) % comm.size, (me - step) % comm.size
+        if sends[to]:
+            works.append(comm.send(x.narrow(0, at_x[to], sends[to]), to, _A2A_TAG + step))
+        if receives[frm]:
+            works.append(comm.recv(out.narrow(0, at_out[frm], receives[frm]), frm,
+                                   _A2A_TAG + step))
+    for w in works:
+        w.wait()
+    return out
+
+
+_A2A_TAG = 1000  # the all-to-all's messages: tags apart from the ring's (its steps)
+
+
+class AllToAll(torch.autograd.Function):
+    """`all_to_all`; backward: the same, the other way."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, sends: list[int],
+                receives: list[int]) -> torch.Tensor:
+        ctx.comm, ctx.sends, ctx.receives = comm, sends, receives
+        return all_to_all(comm, x, sends, receives)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return all_to_all(ctx.comm, grad, ctx.receives, ctx.sends), None, None, None
+
+
+def exchange_counts(comm: Comm, counts: list[int],
+                    device: torch.device | str = "cpu") -> list[int]:
+    """`counts[j]`: what this rank will send rank j; returns what each rank will send this
+    one (one int each way, an all-to-all of counts before the all-to-all of rows; on
+    `device`, the rows' own, as NCCL wants)."""
+    got = all_to_all(comm, torch.tensor(counts, dtype=torch.int64, device=device),
+                     [1] * comm.size, [1] * comm.size)
+    return [int(c) for c in got.tolist()]

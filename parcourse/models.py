@@ -53,6 +53,13 @@ class GPTConfig:
     `dropout` applies to the embeddings, the attention probabilities and each
     residual branch; `tie_weights` shares the token embedding with the LM head,
     as GPT-2 does.
+
+    `experts` > 0 makes every block's MLP a mixture of experts (parcourse.experts.MoE):
+    each token through its `top_k` of `experts` MLPs of the dense one's shape, chosen by
+    a `router` ("softmax" or "sigmoid"), at most `capacity_factor` x its share of tokens
+    an expert (None: dropless), trained with `aux_loss` x Switch's balancing loss and
+    `z_loss` x the router z-loss, and balanced without a loss by a bias moved by
+    `bias_rate` (0: off).
     """
 
     vocab: int = 64
@@ -62,6 +69,13 @@ class GPTConfig:
     d_model: int = 64
     dropout: float = 0.0
     tie_weights: bool = True
+    experts: int = 0
+    top_k: int = 2
+    router: str = "softmax"
+    capacity_factor: float | None = None
+    aux_loss: float = 0.01
+    z_loss: float = 0.0
+    bias_rate: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("vocab", "block_size", "n_layers", "n_heads", "d_model"):
@@ -73,6 +87,18 @@ class GPTConfig:
                              f"({self.n_heads})")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if isinstance(self.experts, bool) or not isinstance(self.experts, int) \
+                or self.experts < 0:
+            raise ValueError(f"experts must be an int >= 0 (0: a dense MLP), got "
+                             f"{self.experts!r}")
+        if self.experts:
+            from parcourse.experts.routing import check_routing
+
+            check_routing(self.experts, self.top_k, self.router, self.capacity_factor,
+                          self.bias_rate)
+            if self.aux_loss < 0 or self.z_loss < 0:
+                raise ValueError(f"aux_loss and z_loss must be >= 0, got {self.aux_loss}, "
+                                 f"{self.z_loss}")
 
     @property
     def head_dim(self) -> int:
@@ -130,6 +156,14 @@ class MLP(nn.Module):
         return self.down(nn.functional.gelu(self.up(x)))
 
 
+def _moe(config: GPTConfig) -> nn.Module:
+    from parcourse.experts.layer import MoE
+
+    return MoE(config.d_model, config.experts, config.top_k, 4 * config.d_model,
+               config.router, config.capacity_factor, config.aux_loss, config.z_loss,
+               config.bias_rate)  # type: ignore[arg-type]
+
+
 class Block(nn.Module):
     """Pre-LayerNorm transformer block. The residual branches' dropout lives here, not
     inside attention or the MLP, so that everything inside those two runs between
@@ -140,7 +174,7 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(config.d_model)
         self.attn = CausalSelfAttention(config)
         self.ln2 = nn.LayerNorm(config.d_model)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config) if not config.experts else _moe(config)
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
@@ -175,7 +209,7 @@ class GPT(nn.Module):
                 nn.init.zeros_(p)
             elif p.dim() >= 2:
                 std = 0.02 / (2 * self.config.n_layers) ** 0.5 if name.endswith(
-                    ("attn.proj.weight", "mlp.down.weight")) else 0.02
+                    ("attn.proj.weight", "mlp.down.weight", "mlp.down_weight")) else 0.02
                 nn.init.normal_(p, std=std)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

@@ -818,3 +818,30 @@ def ring_attention_kept(tokens_here: int, batch: int, heads: int, head_dim: int,
     rows = batch * heads * tokens_here
     return {"output": rows * head_dim * element_size, "lse": rows * element_size,
             "total": rows * (head_dim + 1) * element_size}
+
+
+def moe_all_to_all_bytes(tokens: int, top_k: int, d_model: int, ep: int, experts: int,
+                         element_size: int = 4) -> dict[str, int]:
+    """Theory: bytes one rank sends in one MoE layer's step under expert parallelism, its
+    `tokens` routed evenly (each expert chosen by tokens x top_k / experts of them, none
+    dropped). Forward: the counts (experts / ep int64 to each of the ep - 1 others), the
+    dispatch (the rows whose expert lives elsewhere: T k (ep - 1) / ep of d_model each) and
+    the combine (as many back); backward: the combine's and the dispatch's gradients, the
+    same rows again. In all 4 T k h (ep - 1) / ep elements, and the counts."""
+    rows = tokens * top_k * (ep - 1) // ep
+    counts = 8 * (experts // ep) * (ep - 1)
+    moved = rows * d_model * element_size
+    return {"counts": counts, "forward": counts + 2 * moved, "backward": 2 * moved,
+            "messages": 5 * (ep - 1)}  # counts, dispatch, combine; two back
+
+
+def expert_bytes(config: GPTConfig, ep: int, element_size: int = 4,
+                 optimizer_per_element: int = 8) -> dict[str, int]:
+    """Theory: bytes of expert weights a rank of an ep group holds, and its Adam state
+    (`optimizer_per_element`: 8 for fp32 Adam's two moments), over every block: experts / ep
+    MLPs of (C -> 4C -> C) with biases. The routers and dense layers are not counted."""
+    c, h = config.d_model, 4 * config.d_model
+    per_expert = c * h + h + h * c + c
+    elements = config.n_layers * (config.experts // ep) * per_expert
+    return {"params": elements * element_size, "grads": elements * element_size,
+            "optimizer": elements * optimizer_per_element}

@@ -1,0 +1,157 @@
+"""Mixture of experts and expert parallelism: the layer's loop and batched forms agree;
+expert parallelism over 2 and 4 ranks equals the whole layer in one process (outputs and
+every gradient, router included), uneven token counts, an expert that receives no token and
+capacity drops included; a GPT with experts trained data parallel with ep 2 and 4 equals one
+process; the balancing bias moved after accumulated microbatches equals one batch's; the
+all-to-all's counted bytes equal the formula."""
+
+import pytest
+import torch
+
+from parcourse.experts import MoE, check_ep, expert_parallel, update_bias
+from parcourse.models import GPTConfig, gpt
+from parcourse.theory import expert_bytes, moe_all_to_all_bytes
+from expert_fns import (
+    CONFIG,
+    counted_bytes,
+    dispatch_then_combine,
+    layer_against_one_process,
+    one_process,
+    train_dp_ep,
+)
+
+# fp32. An expert's rows arrive from the ranks in another order and are padded to another
+# length than in one process, so its batched products may block their sums differently:
+# rounding of a few 1e-7 on values of order 1, and Adam's step divides a gradient by its
+# own size, so two steps move a weight that rounding's worth again.
+TOL = 1e-5
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("capacity_factor", [None, 1.0], ids=["dropless", "capacity1"])
+def test_loop_and_batched_are_the_same_layer(score, capacity_factor):
+    torch.manual_seed(0)
+    m = MoE(16, 8, 2, score=score, capacity_factor=capacity_factor, aux_loss=0.01,
+            z_loss=0.001, mode="loop")
+    x = torch.randn(4, 10, 16, requires_grad=True)
+    results = []
+    for mode in ("loop", "batched"):
+        m.mode = mode
+        y = m(x)
+        results.append((y, torch.autograd.grad(y.square().sum(), [x, *m.parameters()])))
+    (y1, g1), (y2, g2) = results
+    assert torch.allclose(y1, y2, atol=1e-6)
+    for a, b in zip(g1, g2):
+        assert torch.allclose(a, b, atol=1e-6)
+    if capacity_factor is not None:
+        assert m.last.dropped > 0  # 80 assignments, 8 experts of 20: some overflow
+
+
+def test_capacity_drops_second_choices_first():
+    """GShard's priority: every first choice before any second one, then token order."""
+    from parcourse.experts import keep_within
+
+    chosen = torch.tensor([[0, 1], [0, 1], [1, 0]])
+    kept = keep_within(chosen, 2, 2)  # room for 2 an expert
+    # expert 0: tokens 0 and 1 first, token 2 second (dropped); expert 1: token 2 first,
+    # then token 0 second, token 1 second (dropped)
+    assert kept.tolist() == [[True, True], [True, False], [True, False]]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("score,capacity_factor,starved", [
+    ("softmax", None, 3), ("sigmoid", 1.0, None), ("softmax", 0.75, 0)])
+def test_expert_parallel_layer_equals_one_process(pools, world_size, score, capacity_factor,
+                                                  starved):
+    """8 experts, top 2, ranks holding 5, 8, 11 and 14 tokens; an expert that no token
+    chooses (its bias -1e4: it receives nothing on any rank), capacity drops the same as
+    one process's (each rank's tokens are routed and capped as the whole layer caps
+    them)."""
+    for errors, drops, ref_drops, counts in pools[world_size].run(
+            layer_against_one_process, 8, 2, score, capacity_factor, starved).results:
+        assert drops == ref_drops
+        if starved is not None:
+            assert counts[starved] == 0
+        for name, error in errors.items():
+            assert error < TOL, (name, error)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_dispatch_then_combine_returns_the_tokens(pools, world_size):
+    assert all(pools[world_size].run(dispatch_then_combine, 8, 2, 13).results)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_all_to_all_bytes_equal_the_formula(pools, world_size):
+    """8 experts, top 2, 16 tokens a rank routed evenly, d_model 8, fp32: forward the
+    counts, the dispatch and the combine; backward the two again."""
+    want = moe_all_to_all_bytes(16, 2, 8, world_size, 8)
+    for forward, backward in pools[world_size].run(counted_bytes, 8, 2, 16).results:
+        assert (forward, backward) == (want["forward"], want["backward"])
+
+
+@pytest.mark.parametrize("world_size,ep,changes", [
+    (2, 2, {}),
+    (4, 2, {"capacity_factor": 1.0, "router": "sigmoid"}),
+    (4, 4, {"bias_rate": 0.01, "aux_loss": 0.0, "z_loss": 0.001}),
+])
+def test_gpt_with_experts_data_parallel_equals_one_process(pools, world_size, ep, changes):
+    """Data parallel over every rank, experts cut over ep of them (ep 2 of 4: each expert
+    held twice, its gradient summed over both copies). One process's weights, losses and
+    balancing bias after two Adam steps (TOL)."""
+    want, want_losses = one_process(world_size, **changes)
+    for got, losses in pools[world_size].run(train_dp_ep, ep, **changes).results:
+        assert losses == pytest.approx(want_losses, abs=TOL)
+        assert got.keys() == want.keys()
+        for name in want:
+            assert torch.allclose(got[name], want[name], atol=TOL), name
+
+
+def test_the_balancing_bias_after_accumulated_microbatches_is_one_batchs():
+    """DeepSeek-V3's bias moves from the tokens counted since the last update: four
+    microbatches of 4 sequences, then one update, give the bias one batch of 16 gives."""
+    config = GPTConfig(**{**CONFIG, "bias_rate": 0.1, "aux_loss": 0.0})
+    x = torch.randint(0, config.vocab, (16, config.block_size),
+                      generator=torch.Generator().manual_seed(0))
+    whole, parts = gpt(config), gpt(config)
+    whole(x)
+    for chunk in x.split(4):
+        parts(chunk)
+    update_bias(whole)
+    update_bias(parts)
+    biases = [[b for n, b in m.named_buffers() if n.endswith("router.bias")]
+              for m in (whole, parts)]
+    assert all(torch.equal(a, b) for a, b in zip(*biases))
+    assert any(b.abs().sum() > 0 for b in biases[0])
+
+
+def test_expert_bytes_count_the_held_experts():
+    config = GPTConfig(**CONFIG)
+    model = expert_parallel(gpt(config), _OneRank())
+    held = sum(p.numel() * 4 for n, p in model.named_parameters()
+               if n.endswith(("up_weight", "up_bias", "down_weight", "down_bias")))
+    assert expert_bytes(config, 1)["params"] == held
+    assert expert_bytes(config, 4)["params"] == held // 4
+    assert expert_bytes(config, 4)["optimizer"] == 2 * held // 4
+
+
+class _OneRank:
+    rank, size = 0, 1
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"experts": 4, "top_k": 5}, "top_k must be between 1 and the 4 experts"),
+    ({"experts": 4, "capacity_factor": 0.0}, "capacity_factor must be > 0"),
+    ({"experts": 4, "router": "relu"}, "unknown router score 'relu'"),
+    ({"experts": -1}, "experts must be an int >= 0"),
+])
+def test_bad_settings_are_refused_in_one_line(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**kwargs)
+
+
+def test_experts_that_do_not_divide_by_ep_are_refused():
+    with pytest.raises(ValueError, match="6 experts do not divide by ep 4"):
+        check_ep(6, 4)
+    with pytest.raises(ValueError, match="has no MoE layer"):
+        expert_parallel(gpt(GPTConfig()), _OneRank())

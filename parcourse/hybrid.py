@@ -51,6 +51,7 @@ from parcourse.context_parallel import SequenceShard, context_parallel
 from parcourse.context_parallel.attention import Method
 from parcourse.data import shard as shard_rows
 from parcourse.data_parallel.bucketed import Bucket, make_buckets
+from parcourse.experts import expert_parallel, expert_parameters, set_aux_scale, update_bias
 from parcourse.memory import storage_bytes, tensors_in
 from parcourse.mesh import ORDERS, Layout, Mesh
 from parcourse.models import GPT, gpt_layers
@@ -58,7 +59,7 @@ from parcourse.plan import ParallelPlan
 from parcourse.pipeline.partition import partition
 from parcourse.pipeline.runtime import PipelineRuntime
 from parcourse.pipeline.simulate import SimulatedCompute
-from parcourse.tensor_parallel import GPT_PLAN, apply_tensor_parallel
+from parcourse.tensor_parallel import apply_tensor_parallel, gpt_plan
 from parcourse.tensor_parallel.comm import TPComm
 from parcourse.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from parcourse.tensor_parallel.replicated import one_sum
@@ -127,6 +128,15 @@ class Hybrid:
     "ulysses", after tp has split the heads); its loss is weighed by its share of the
     sequence, and the gradients are averaged over dp and cp together (ZeRO shards over
     both), as Megatron-LM's cp_dp group.
+    A GPT with experts (`GPTConfig(experts=...)`) on a mesh with an `ep` axis cuts each
+    MoE layer's experts over ep's ranks (`parcourse.experts`: tokens dispatched to their
+    experts' ranks and combined back by all-to-alls). ep's ranks take different rows of
+    the batch, as dp's do: the dense weights are averaged over dp x ep (x cp), each
+    expert's gradient, which holds every token of its ep group that chose it, over the
+    ranks holding the same experts (dp x cp), both divided by all the replicas; ZeRO
+    shards each over its own group. The experts stay whole on every tp rank. Their
+    balancing losses are weighed as each microbatch's loss is, and a balancing bias moves
+    from the token counts of all replicas before each optimizer step.
     """
 
     def __init__(self, model: GPT, mesh: Mesh, *, cp_method: Method = "ring",
@@ -141,7 +151,8 @@ class Hybrid:
         self.sequence_parallel = sequence_parallel
         tp = mesh.size("tp")
         # The run's one plan record, checked by the same rules as the planner and the CLI.
-        shape = {"dp": mesh.size("dp"), "tp": tp, "pp": mesh.size("pp"), "cp": mesh.size("cp")}
+        shape = {"dp": mesh.size("dp"), "tp": tp, "pp": mesh.size("pp"), "cp": mesh.size("cp"),
+                 "ep": mesh.size("ep")}
         order = next((o for o in ORDERS if Layout.of(shape, o) == mesh.layout), "megatron")
         self.parallel_plan = ParallelPlan(
             **shape, cp_method=cp_method, schedule=schedule, microbatches=microbatches,
@@ -166,17 +177,33 @@ class Hybrid:
         self.tp_comm = TPComm(Comm(mesh.group("tp"), tracer=on("tp"), link=link,
                                    algorithm="ring" if link is not None else "torch"))
         # The ranks that hold the same weights and average their gradients: dp's, and with
-        # the sequence cut over cp, cp's with them (Megatron-LM's cp_dp group).
-        self.replicas = mesh.size("dp") * mesh.size("cp")
+        # the sequence cut over cp, cp's with them (Megatron-LM's cp_dp group), and ep's
+        # (each with its own rows) for every weight but the experts.
+        self.replicas = mesh.size("dp") * mesh.size("cp") * mesh.size("ep")
         self.dp_comm = Comm(mesh.group(*self._replica_axes), tracer=on("dp"), link=link,
                             algorithm="auto")
         # Dropout: each pipeline stage (as Megatron offsets its seed by 100 a stage) and
         # each data-parallel replica (which sees other rows) draws its own masks; the
         # ranks of a tp group agree where the activation is replicated (RNGTracker).
         self.model = apply_tensor_parallel(
-            model, GPT_PLAN, mesh.group("tp"), sequence_parallel=sequence_parallel,
+            model, gpt_plan(config.experts), mesh.group("tp"),
+            sequence_parallel=sequence_parallel,
             comm=self.tp_comm.comm,
             seed=seed + 100 * mesh.coordinate("pp") + 10007 * mesh.coordinate("dp"))
+        # Experts: each MoE layer's cut over ep (its ranks' tokens dispatched to them); the
+        # ranks holding the same experts average their gradients (dp's and cp's).
+        ep = mesh.size("ep")
+        if ep > 1 and compute is not None:
+            raise ValueError("simulated compute pads each action with tp's collectives on top; "
+                             "ep's all-to-alls inside the MoE layers would be padded away as "
+                             "compute: run ep with its compute real")
+        if ep > 1:
+            expert_parallel(self.model, Comm(mesh.group("ep"), tracer=on("ep"), link=link,
+                                             algorithm="auto"))
+        set_aux_scale(self.model, 1 / microbatches)  # as each microbatch's loss is weighed
+        self._experts = {id(p) for p in expert_parameters(self.model)} if ep > 1 else set()
+        self.expert_comm = Comm(mesh.group(*self._expert_replica_axes), tracer=on("dp"),
+                                link=link, algorithm="auto") if self._experts else None
         cut = partition(gpt_layers(self.model), self.plan.stages)
         # Context parallelism: each rank runs every layer on its tokens of the sequence,
         # attention over all of them by the plan's method (`parcourse.context_parallel`).
@@ -210,39 +237,54 @@ class Hybrid:
         self.params = list({id(p): p for m in mine.values() for p in m.parameters()}.values())
         factory = optimizer or (lambda ps: torch.optim.Adam(ps, lr=1e-3))
         self.sharded: ShardedStages | None = None
-        self._stage_unit: dict[int, FlatUnit] = {}
+        self._stage_units: dict[int, list[FlatUnit]] = {}
         # What dp reduces together: each stage's weights, and the tied ones apart (their
         # gradient is whole only after the schedule, when the pipeline has added it up).
         # (stage None: the tied weights), a frozen weight in none: nothing reduces or steps it
         tied = {id(cut[s].get_parameter(name)) for g in tied_groups for s, name in g.items()}
         seen: set[int] = set()
+        # A stage's experts (cut over ep) apart from its other weights: another group
+        # averages them.
         units: dict[int | None, list[nn.Parameter]] = {}
+        expert_units: dict[int, list[nn.Parameter]] = {}
         for s in sorted(mine):
-            units[s] = [p for p in mine[s].parameters() if p.requires_grad
-                        and id(p) not in tied and id(p) not in seen]
-            seen.update(id(p) for p in units[s])
+            held = [p for p in mine[s].parameters() if p.requires_grad
+                    and id(p) not in tied and id(p) not in seen]
+            seen.update(id(p) for p in held)
+            units[s] = [p for p in held if id(p) not in self._experts]
+            expert_units[s] = [p for p in held if id(p) in self._experts]
         units[None] = [p for p in self.params if id(p) in tied and p.requires_grad]
         # Without ZeRO: lesson 02's buckets (`data_parallel.bucketed`), a stage's all-reduced
         # as soon as its last backward of the step is done, while the schedule goes on.
         self._buckets: dict[int | None, list[Bucket]] = {}
+        self._expert_buckets: set[int] = set()
         if not zero and self.replicas > 1:
             self._buckets = {s: make_buckets(ps, bucket_mb) if ps else []
                              for s, ps in units.items()}
+            for s, ps in expert_units.items():
+                made = make_buckets(ps, bucket_mb) if ps else []
+                self._expert_buckets.update(id(b) for b in made)
+                self._buckets[s] = self._buckets[s] + made
             backward = [a for a in self.plan.actions[stage] if a.kind in ("B", "W")]
             self._last_backward = {a.stage: (a.stage, a.microbatch) for a in backward}
         if zero:
-            self.sharded = ShardedStages(list(units.values()), self.dp_comm, factory,
-                                         stage=zero)  # type: ignore[arg-type]
+            keys: list[Any] = [*units, *(("experts", s) for s in expert_units)]
+            lists = [*units.values(), *expert_units.values()]
+            comms = [self.dp_comm] * len(units) + [self.expert_comm or self.dp_comm] * len(
+                expert_units)
+            self.sharded = ShardedStages(lists, self.dp_comm, factory, stage=zero,  # type: ignore[arg-type]
+                                         comms=comms, mean_over=self.replicas)
             made = iter(self.sharded.units)  # one for each list that holds a weight, in order
-            unit_of = {s: next(made) for s, ps in units.items() if ps}
+            unit_of = {k: next(made) for k, ps in zip(keys, lists) if ps}
             self._tied_unit = unit_of.pop(None, None)
-            self._stage_unit = unit_of  # type: ignore[assignment]
+            self._stage_units = {s: [u for u in (unit_of.get(s), unit_of.get(("experts", s)))
+                                     if u is not None] for s in mine}
             # ZeRO-3: the units each stage's actions need whole (its own, and the tied
             # weights' where it holds one of them)
             holds_tied = {s for g in tied_groups for s in g if s in mine}
-            self._uses = {s: [u for u in (unit_of.get(s),
-                                          self._tied_unit if s in holds_tied else None)
-                              if u is not None] for s in mine}
+            self._uses = {s: [*self._stage_units[s],
+                              *([self._tied_unit] if s in holds_tied and self._tied_unit
+                                else [])] for s in mine}
         self.optimizer = self.sharded.optimizer if self.sharded else factory(self.params)
         self._frozen = self._frozen_now()
         if max_norm is not None and not max_norm > 0:
@@ -254,14 +296,18 @@ class Hybrid:
             split = split_dims(self.model)
             tied_owner = {id(cut[min(g)].get_parameter(g[min(g)])): min(g)
                           for g in tied_groups}
+            # Without ZeRO a dense weight's gradient is the same on every ep rank (counted
+            # on the first), each expert's on the one ep rank that holds it.
+            ep_first = self.mesh.size("ep") == 1 or mesh.coordinate("ep") == 0
             self._counted = [
                 float((id(p) in split or mesh.coordinate("tp") == 0)
-                      and tied_owner.get(id(p), min(mine)) in mine)
+                      and tied_owner.get(id(p), min(mine)) in mine
+                      and (zero or ep_first or id(p) in self._experts))
                 for p in self.params]
             # The norm's group: the ranks whose gradients differ (Megatron's model-parallel
-            # group), and dp too when each replica holds a different slice.
-            self._norm_group = mesh.group(*((*self._replica_axes, "tp", "pp") if zero
-                                            else ("tp", "pp")))
+            # group, with ep's holding other experts), and dp too when each replica holds a
+            # different slice.
+            self._norm_group = mesh.group(*self._norm_axes)
 
     @classmethod
     def from_plan(cls, model: GPT, mesh: Mesh, plan: ParallelPlan | str,
@@ -314,6 +360,17 @@ class Hybrid:
 
     @property
     def _replica_axes(self) -> tuple[str, ...]:
+        return ("dp", *(a for a in ("ep", "cp") if self.mesh.size(a) > 1))
+
+    @property
+    def _norm_axes(self) -> tuple[str, ...]:
+        """The ranks over which the gradient norm's squares are summed."""
+        if self.zero:
+            return (*self._replica_axes, "tp", "pp")
+        return ("tp", "pp", *(("ep",) if self._experts else ()))
+
+    @property
+    def _expert_replica_axes(self) -> tuple[str, ...]:
         return ("dp", "cp") if self.mesh.size("cp") > 1 else ("dp",)
 
     def _frozen_now(self) -> set[int]:
@@ -341,7 +398,10 @@ class Hybrid:
         its cp ranks included, the same rows: a loader sharded by dp coordinate, not by
         rank). Returns the global
         batch's mean loss on the ranks of the last stage, None elsewhere."""
-        dp, replica = self.mesh.size("dp"), self.mesh.coordinate("dp")
+        # the replicas that take different rows: dp's and, inside each, ep's
+        ep = self.mesh.size("ep")
+        dp, replica = self.mesh.size("dp") * ep, self.mesh.coordinate("dp") * ep + \
+            self.mesh.coordinate("ep")
         if local and inputs.shape[0] % self.microbatches:
             raise ValueError(f"this replica's {inputs.shape[0]} rows cannot be cut into "
                              f"{self.microbatches} equal microbatches")
@@ -367,6 +427,8 @@ class Hybrid:
         self.grad_bytes = 0
         loss = self.runtime.step(x, y)  # and the tied weights' gradients added up
         self.finalize_gradients()
+        for module in self.runtime.stages.values():  # experts' balancing bias, from every
+            update_bias(module, self.dp_comm)  # replica's token counts (before the step)
         if self.sharded is not None:
             self.sharded.step()  # step this rank's slices, all-gather the slices
         else:
@@ -431,8 +493,9 @@ class Hybrid:
                 self._launch(bucket)
 
     def _launch(self, bucket: Bucket) -> None:
-        bucket.pack()
-        bucket.done = self.dp_comm.all_reduce(bucket.buffer, async_op=True)
+        bucket.pack()  # an expert bucket over the ranks holding the same experts
+        comm = self.expert_comm if id(bucket) in self._expert_buckets else self.dp_comm
+        bucket.done = comm.all_reduce(bucket.buffer, async_op=True)  # type: ignore[union-attr]
 
     def _reduce_stage(self, stage: int, microbatch: int) -> None:
         """ZeRO-2: a microbatch's gradients of `stage` reduce-scattered into this replica's
@@ -440,8 +503,8 @@ class Hybrid:
         assert self.sharded is not None
         self.sharded.collect()  # the one before (done by now, most often): its buffer goes
         self._note_grad_bytes()
-        if stage in self._stage_unit:
-            self.sharded.reduce(self._stage_unit[stage], async_op=True)
+        for unit in self._stage_units.get(stage, []):
+            self.sharded.reduce(unit, async_op=True)
 
     def _note_grad_bytes(self) -> None:
         """The gradients held now (full ones and slices), if more than before this step."""
@@ -530,7 +593,7 @@ class Hybrid:
             row("finalize 1", "every gradient, in buckets: the tied weights' start here, each "
                 "stage's started after its last backward", replicas, "all-reduce (mean)", dp)
         if self.max_norm is not None:
-            axes = (*self._replica_axes, "tp", "pp") if zero else ("tp", "pp")
+            axes = self._norm_axes
             row("finalize 2", "the squared gradient norm (each element once)",
                 "-".join(axes), "all-reduce (sum)", self.mesh.ranks(*axes))
         if zero and self.zero < 3:
@@ -563,6 +626,13 @@ class Hybrid:
         equal)."""
         with self.whole_weights():
             mine = whole_parameters(self.model, self.tp_comm.group, only=self.params)
+            if self._experts:  # each rank of an ep group holds its slice of the experts
+                mine.update(self._whole_experts())
+        # this rank's stages' buffers (a balancing bias moves only where its layer runs)
+        stage_buffers = {id(b) for m in self.runtime.stages.values() for b in m.buffers()}
+        kept = self.model.state_dict().keys()
+        mine.update({name: b.detach().cpu().clone() for name, b in self.model.named_buffers()
+                     if id(b) in stage_buffers and name in kept})
         stages: list[Any] = [None] * self.mesh.size("pp")
         dist.all_gather_object(stages, {k: v.cpu() for k, v in mine.items()},
                                group=self.mesh.group("pp"))
@@ -571,6 +641,18 @@ class Hybrid:
             state.update(part)
         buffers = {name: b.detach().cpu().clone() for name, b in self.model.named_buffers()}
         return {k: state[k] if k in state else buffers[k] for k in self.model.state_dict()}
+
+    def _whole_experts(self) -> dict[str, torch.Tensor]:
+        """This stage's experts, every ep rank's slice gathered (in rank order, as
+        `expert_parallel` cut them)."""
+        group, size = self.mesh.group("ep"), self.mesh.size("ep")
+        out = {}
+        for name, p in self.model.named_parameters():
+            if id(p) in self._experts and any(p is q for q in self.params):
+                parts = [torch.empty_like(p) for _ in range(size)]
+                dist.all_gather(parts, p.detach().contiguous(), group=group)
+                out[name] = torch.cat(parts).cpu()
+        return out
 
 
 def bytes_by_axis(counters: Any) -> dict[str, float]:

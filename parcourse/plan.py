@@ -20,7 +20,9 @@ Megatron-LM runs it) and Megatron-LM's "blocks" split. The planner asks with
 plans it checks by running them.
 
 A new axis is a field here, its rules in `problems()`, and a token in the label: `cp`
-(context parallelism, the sequence cut over ranks, `cp_method` its attention) is one.
+(context parallelism, the sequence cut over ranks, `cp_method` its attention) is one, `ep`
+(expert parallelism, each MoE layer's experts cut over ranks that also hold their own
+data, as dp's) another.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ Split = Literal["layers", "blocks"]
 # Every one runs in the course's 3D step over dp (ZeRO-3 gathers a stage's weights around
 # each of its actions, as torchtitan composes FSDP with a pipeline).
 ZERO_STAGES = (0, 1, 2, 3)
-SIZES = ("dp", "tp", "pp", "cp", "microbatches", "chunks")
+SIZES = ("dp", "tp", "pp", "cp", "ep", "microbatches", "chunks")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -54,9 +56,11 @@ def _schedule(name: str, ranks: int, microbatches: int, chunks: int) -> Schedule
 
 @dataclass(frozen=True)
 class ParallelPlan:
-    """A run's layout: the mesh (dp x tp x pp x cp, `order` of its axes, `ranks_per_node`;
-    `cp` cuts each sequence over ranks, their attention by `cp_method`: "ring",
-    "all-gather" or "ulysses", `parcourse.context_parallel`),
+    """A run's layout: the mesh (dp x tp x pp x cp x ep, `order` of its axes,
+    `ranks_per_node`; `cp` cuts each sequence over ranks, their attention by `cp_method`:
+    "ring", "all-gather" or "ulysses", `parcourse.context_parallel`; `ep` cuts each MoE
+    layer's experts over ranks, `parcourse.experts`: its ranks hold different rows of the
+    batch, so the dense layers are data parallel over dp x ep, the experts over dp),
     the pipeline `schedule` with its `microbatches` per replica and `chunks` (stages per
     rank, interleaved 1F1B), ZeRO's `zero` stage over dp, `sequence_parallel`, what
     backward recomputes (`recompute`: "none"; "selective", attention's core as
@@ -83,21 +87,28 @@ class ParallelPlan:
     # last, so that the positional order of the fields before them stays as it was
     cp: int = 1
     cp_method: Method = "ring"
+    ep: int = 1
 
     # -- the mesh it asks for
 
     @property
     def shape(self) -> dict[str, int]:
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp}
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep}
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
+        return self.dp * self.tp * self.pp * self.cp * self.ep
+
+    @property
+    def replicas(self) -> int:
+        """The ranks that take different rows of the batch: dp's and ep's."""
+        return self.dp * self.ep
 
     def _sizes(self) -> str:
-        """'dp 2 x tp 2 x pp 2', and ' x cp 2' when the sequence is cut."""
-        cp = f" x cp {self.cp}" if self.cp != 1 else ""
-        return f"dp {self.dp} x tp {self.tp} x pp {self.pp}{cp}"
+        """'dp 2 x tp 2 x pp 2', and ' x cp 2', ' x ep 2' where those axes are used."""
+        more = "".join(f" x {a} {getattr(self, a)}" for a in ("cp", "ep")
+                       if getattr(self, a) != 1)
+        return f"dp {self.dp} x tp {self.tp} x pp {self.pp}{more}"
 
     def schedule_value(self) -> Schedule:
         """The pipeline schedule this plan runs, built (a valid plan's)."""
@@ -132,8 +143,10 @@ class ParallelPlan:
             out.append(f"tp {self.tp} does not divide the sequence of {config.block_size} "
                        "tokens (sequence parallelism cuts it)")
         out += self._context_problems(config, step)
-        if batch is not None and batch % (self.dp * self.microbatches):
-            out.append(f"the global batch of {batch} does not cut into dp {self.dp} x "
+        out += self._expert_problems(config, step)
+        if batch is not None and batch % (self.replicas * self.microbatches):
+            ep = f" x ep {self.ep}" if self.ep != 1 else ""
+            out.append(f"the global batch of {batch} does not cut into dp {self.dp}{ep} x "
                        f"{self.microbatches} microbatches equal parts")
         if self.zero not in ZERO_STAGES:
             out.append(f"ZeRO stage {self.zero!r} does not exist: 0, 1, 2 or 3")
@@ -173,6 +186,22 @@ class ParallelPlan:
         if step and self.sequence_parallel:
             out.append(f"the course's 3D step cuts the sequence over tp (SP) or over cp "
                        f"(cp {self.cp}), not both")
+        return out
+
+    def _expert_problems(self, config: GPTConfig | None, step: bool) -> list[str]:
+        """Expert parallelism's rules, and what the 3D step runs with experts."""
+        experts = 0 if config is None else config.experts
+        out = []
+        if config is not None and self.ep > 1 and not experts:
+            out.append(f"ep {self.ep} cuts the experts of MoE layers, and this GPT has none "
+                       "(GPTConfig(experts=...))")
+        if experts and experts % self.ep:
+            out.append(f"{experts} experts do not divide by ep {self.ep}: every rank of an "
+                       "ep group holds the same number of experts")
+        if step and experts and self.sequence_parallel:
+            out.append("the course's 3D step keeps each expert whole on every tp rank, where "
+                       "all see the same tokens: not under sequence parallelism (SP), which "
+                       "gives each tp rank its own")
         return out
 
     def _schedule_problems(self, config: GPTConfig | None) -> list[str]:
@@ -219,6 +248,7 @@ class ParallelPlan:
         `parse` reads it back."""
         extra = [f"cp{self.cp}"] if self.cp != 1 else []
         extra += [self.cp_method] if self.cp_method != "ring" else []
+        extra += [f"ep{self.ep}"] if self.ep != 1 else []
         extra += [f"c{self.chunks}"] if self.chunks != 2 else []
         extra += [f"ZeRO-{self.zero}"] if self.zero else []
         extra += ["SP"] if self.sequence_parallel else []
@@ -240,7 +270,7 @@ class ParallelPlan:
         i = 0
         while i < len(words):
             word, low = words[i], words[i].lower()
-            if m := re.fullmatch(r"(dp|tp|pp|cp|m|c)(\d+)", low):
+            if m := re.fullmatch(r"(dp|tp|pp|cp|ep|m|c)(\d+)", low):
                 key = {"m": "microbatches", "c": "chunks"}.get(m.group(1), m.group(1))
                 fields[key] = int(m.group(2))
             elif m := re.fullmatch(r"zero-?(\d+)", low):

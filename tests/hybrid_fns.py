@@ -194,3 +194,47 @@ def memory_by_zero(ctx, zero):
     memory = model.memory()
     memory["adam"] = storage_bytes(tensors_in(list(model.optimizer.state.values())))
     return memory
+
+
+EXPERTS = GPTConfig(vocab=30, block_size=12, n_layers=4, n_heads=12, d_model=24, experts=4,
+                    top_k=2, aux_loss=0.01, z_loss=0.001)
+
+
+def one_process_by_microbatch(replicas, microbatches, config, steps=2, max_norm=None):
+    """One process, each replica's microbatches run in turn (a GPT with experts routes,
+    caps and weighs its balancing losses per microbatch of a replica): the weights before
+    and after, the losses and the clipped norms."""
+    from parcourse.experts import set_aux_scale, update_bias
+
+    model = gpt(config)
+    parts = replicas * microbatches
+    set_aux_scale(model, 1 / parts)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y = progressions(BATCH, config.block_size, config.vocab)
+    losses, norms = [], []
+    for _ in range(steps):
+        total = 0.0
+        for xs, ys in zip(x.chunk(parts), y.chunk(parts)):
+            loss = F.cross_entropy(model(xs).flatten(0, 1), ys.flatten())
+            (loss / parts).backward()
+            total += loss.item() / parts
+        if max_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        update_bias(model)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return (before, {k: v.detach().clone() for k, v in model.state_dict().items()}, losses,
+            norms)
+
+
+def train_fp64(ctx, *args, **kwargs):
+    """`train` with every tensor fp64 (the rank's default dtype, for this call only: the
+    pool's ranks run other tests after it)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        return train(ctx, *args, **kwargs)
+    finally:
+        torch.set_default_dtype(before)

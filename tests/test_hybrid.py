@@ -8,12 +8,14 @@ stay below 1e-5.
 """
 
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from hybrid_fns import bad_sizes, dropout_masks, one_process, thawed_after_hybrid, train
+from hybrid_fns import (EXPERTS, bad_sizes, dropout_masks, one_process,
+                        one_process_by_microbatch, thawed_after_hybrid, train, train_fp64)
 from parcourse import Pool, RankError
 from parcourse.models import GPTConfig
 
@@ -439,3 +441,97 @@ def test_simulated_compute_with_cp_is_refused(pool2):
 
     with pytest.raises(RankError, match="cp's messages inside attention would be padded"):
         pool2.run(reductions, {"cp": 2}, compute=SimulatedCompute(forward=0.01, backward=0.02))
+
+
+# fp32 with experts: Adam divides each gradient by its own root mean square, so an element
+# whose gradient is nearly 0 (an expert few tokens chose, qkv's bias) moves by about lr
+# whatever its size, and the rounding of that tiny gradient, summed in another order (rows
+# dispatched to another rank, two replicas' halves averaged), shows at ~1e-5 after two
+# steps. In fp64 the same runs equal one process to ~1e-14 (the test after this one).
+EXPERT_TOL = {"rtol": 1e-4, "atol": 5e-5}
+
+
+@pytest.mark.parametrize("shape,schedule,kwargs,changes", [
+    ({"ep": 2}, "1f1b", {}, {}),
+    ({"dp": 2, "ep": 2}, "1f1b", {"zero": 1}, {"router": "sigmoid", "capacity_factor": 1.0}),
+    ({"ep": 2, "pp": 2}, "gpipe", {"max_norm": CLIP}, {}),
+    ({"ep": 2, "tp": 2}, "1f1b", {"max_norm": CLIP}, {"bias_rate": 0.01}),
+    ({"dp": 2, "ep": 2}, "1f1b", {"zero": 3, "max_norm": CLIP}, {}),
+    ({"ep": 4}, "1f1b", {"zero": 2}, {"capacity_factor": 1.25}),
+])
+def test_3d_with_experts_cut_over_ep_equals_one_process(request, shape, schedule, kwargs,
+                                                         changes):
+    """A GPT with 4 experts of top 2 in every block, the experts cut over ep (tokens
+    dispatched to them and combined back by all-to-alls), ep's ranks each with their own
+    rows: one process running the same microbatches in turn (the routing, capacity and
+    balancing losses are a microbatch's), its weights, losses and clipped norm (TOL), with
+    tp (experts whole on each tp rank), pp, ZeRO-1, 2 and 3 (experts sharded over their own
+    copies), clipping (each expert's squares counted on the rank holding it) and the
+    balancing bias moved from every replica's counts."""
+    config = dataclasses.replace(EXPERTS, **changes)
+    world = math.prod(shape.values())
+    replicas = shape.get("dp", 1) * shape.get("ep", 1)
+    pool = request.getfixturevalue(f"pool{world}")
+    before, after, losses, norms = one_process_by_microbatch(replicas, 2, config,
+                                                             max_norm=kwargs.get("max_norm"))
+    for got_before, got_after, got_losses, got_norms in pool.run(
+            train, shape, schedule, microbatches=2, config=config, **kwargs).results:
+        if "max_norm" in kwargs:
+            assert got_norms == pytest.approx(norms, rel=1e-5)
+        assert got_after.keys() == after.keys()
+        for name in after:
+            assert torch.equal(got_before[name], before[name]), name
+            torch.testing.assert_close(got_after[name], after[name], **EXPERT_TOL, msg=name)
+        if got_losses[0] is not None:
+            assert got_losses == pytest.approx(losses, rel=1e-5)
+
+
+@pytest.mark.parametrize("shape,kwargs", [({"ep": 2}, {}), ({"dp": 2, "ep": 2},
+                                                             {"zero": 2, "max_norm": CLIP})])
+def test_3d_with_experts_in_fp64_equals_one_process_to_its_rounding(request, shape, kwargs):
+    world = math.prod(shape.values())
+    pool = request.getfixturevalue(f"pool{world}")
+    replicas = shape.get("dp", 1) * shape.get("ep", 1)
+    before_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        _, after, losses, _ = one_process_by_microbatch(replicas, 2, EXPERTS,
+                                                        max_norm=kwargs.get("max_norm"))
+    finally:
+        torch.set_default_dtype(before_dtype)
+    for _, got_after, got_losses, _ in pool.run(train_fp64, shape, "1f1b", microbatches=2,
+                                                config=EXPERTS, **kwargs).results:
+        if got_losses[0] is not None:
+            assert got_losses == pytest.approx(losses, rel=1e-12)
+        for name in after:
+            assert got_after[name].dtype == torch.float64
+            torch.testing.assert_close(got_after[name], after[name], rtol=1e-12, atol=1e-12,
+                                       msg=name)
+
+
+def test_experts_on_eight_ranks_with_every_axis(pool8):
+    """dp 2 x ep 2 x pp 2, ZeRO-1, clipped: the experts' copies over dp, the stages over pp."""
+    config = EXPERTS
+    before, after, losses, norms = one_process_by_microbatch(4, 2, config, max_norm=CLIP)
+    for _, got_after, got_losses, got_norms in pool8.run(
+            train, {"dp": 2, "ep": 2, "pp": 2}, "1f1b", microbatches=2, config=config,
+            zero=1, max_norm=CLIP).results:
+        assert got_norms == pytest.approx(norms, rel=1e-5)
+        for name in after:
+            torch.testing.assert_close(got_after[name], after[name], **EXPERT_TOL, msg=name)
+        if got_losses[0] is not None:
+            assert got_losses == pytest.approx(losses, rel=1e-5)
+
+
+def test_cp_with_experts_equals_one_process(pool4):
+    """cp 2 x ep 2: each rank's tokens of a sequence go to their experts; without drops or
+    balancing losses a token's MoE output is its own whatever the others (exact
+    semantics), so the whole-sequence one process is the reference."""
+    config = dataclasses.replace(EXPERTS, aux_loss=0.0, z_loss=0.0)
+    before, after, losses, _ = one_process_by_microbatch(2, 2, config)
+    for _, got_after, got_losses, _ in pool4.run(train, {"ep": 2, "cp": 2}, "1f1b",
+                                                 microbatches=2, config=config).results:
+        for name in after:
+            torch.testing.assert_close(got_after[name], after[name], **EXPERT_TOL, msg=name)
+        if got_losses[0] is not None:
+            assert got_losses == pytest.approx(losses, rel=1e-5)

@@ -25,6 +25,7 @@ from parcourse.tensor_parallel.plan import (
     GPT_PLAN,
     MLP_PLAN,
     apply_tensor_parallel,
+    gpt_plan,
     prefixed,
     sharded_parameters,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "copy_to_tp",
     "count_collectives",
     "gather_last_dim",
+    "gpt_plan",
     "gather_sequence",
     "prefixed",
     "reduce_from_tp",

@@ -80,6 +80,15 @@ GPT_PLAN: dict[str, Style] = {"tok_emb": "vocab", "pos_emb": "replicate",
                               "head": "vocab"}
 
 
+def gpt_plan(experts: int = 0) -> dict[str, Style]:
+    """GPT_PLAN, or for a GPT whose MLPs are mixtures of experts the same without the MLP
+    pair: each expert whole on every tp rank, which all see the same tokens (Megatron-LM's
+    expert tensor-parallel size 1; ep cuts the experts instead)."""
+    if not experts:
+        return GPT_PLAN
+    return {k: v for k, v in GPT_PLAN.items() if not k.startswith("blocks.*.mlp.")}
+
+
 def apply_tensor_parallel(model: nn.Module, plan: Plan, group: dist.ProcessGroup, *,
                           sequence_parallel: bool = False, tracer: Tracer | None = None,
                           algorithm: Algorithm = "torch", seed: int = 0,

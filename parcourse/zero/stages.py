@@ -19,6 +19,9 @@ gives:
 
 One unit per stage, and one for the weights several stages share (a GPT's tied embedding
 and head, whose gradient the pipeline adds up over its stages only after the schedule).
+A unit may have a group of its own (`comms`): a stage's experts, cut over ep, are sharded
+over the ranks that hold the same experts, the rest over all data-parallel ranks; `mean_over`
+then says what a gradient is divided by (the data-parallel replicas, for both).
 The optimizer holds `shard_params`: one tensor per weight (its rows here), so parameter
 groups and per-weight settings work as on the whole model.
 """
@@ -40,15 +43,23 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 class ShardedStages:
     """`ShardedStages(units, comm, optimizer, stage=1)`: ZeRO `stage` over `comm`'s group
     (the data-parallel ranks) for the parameters in `units` (lists of trainable
-    parameters, each list one unit). `optimizer` builds the optimizer from the shards."""
+    parameters, each list one unit). `optimizer` builds the optimizer from the shards.
+    `comms`: a group for each unit instead (None: `comm`); `mean_over`: what a summed
+    gradient is divided by (None: its unit's group size)."""
 
     def __init__(self, units: list[list[nn.Parameter]], comm: Comm, optimizer: OptimizerFactory,
-                 stage: Literal[1, 2, 3] = 1) -> None:
+                 stage: Literal[1, 2, 3] = 1, comms: list[Comm] | None = None,
+                 mean_over: int | None = None) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
-        self.comm, self.stage = comm, stage
-        self.units = [FlatUnit(i, params, comm.rank, comm.size, sharded_weights=stage == 3)
-                      for i, params in enumerate(p for p in units if p)]
+        if comms is not None and len(comms) != len(units):
+            raise ValueError(f"{len(comms)} comms for {len(units)} units")
+        self.comm, self.stage, self.mean_over = comm, stage, mean_over
+        kept = [(params, comms[i] if comms else comm) for i, params in enumerate(units)
+                if params]
+        self.units = [FlatUnit(i, params, c.rank, c.size, sharded_weights=stage == 3)
+                      for i, (params, c) in enumerate(kept)]
+        self._comm = {id(u): c for u, (_, c) in zip(self.units, kept)}
         self.shard_params = [sp for u in self.units for sp in u.shard_params]
         self.optimizer = optimizer(self.shard_params)
         self._in_flight: list[tuple[FlatUnit, Pending, torch.Tensor]] = []
@@ -62,20 +73,25 @@ class ShardedStages:
     def reduce(self, unit: FlatUnit, async_op: bool = False) -> None:
         """The unit's gradients (a missing one: zeros) averaged over the group into this
         rank's shards; the full gradients dropped."""
-        parts = torch.empty(self.comm.size, unit.part_numel, dtype=unit.full.dtype,
+        comm = self.comm_of(unit)
+        parts = torch.empty(comm.size, unit.part_numel, dtype=unit.full.dtype,
                             device=unit.full.device)
         unit.pack([p.grad for p in unit.params], parts)
         for p in unit.params:
             p.grad = None
         if async_op:
             self.collect()  # one at a time: the one before is added first
-            self._in_flight.append((unit, self.comm.reduce_scatter(parts.view(-1),
-                                                                   async_op=True), parts))
+            self._in_flight.append((unit, comm.reduce_scatter(parts.view(-1), async_op=True),
+                                    parts))
         else:
-            self._add(unit, self.comm.reduce_scatter(parts.view(-1)))
+            self._add(unit, comm.reduce_scatter(parts.view(-1)))
+
+    def comm_of(self, unit: FlatUnit) -> Comm:
+        """The group `unit` is sharded over."""
+        return self._comm[id(unit)]
 
     def _add(self, unit: FlatUnit, part: torch.Tensor) -> None:
-        part = part.div_(self.comm.size)
+        part = part.div_(self.mean_over or self.comm_of(unit).size)
         if all(sp.grad is None for sp in unit.shard_params):  # the first: one copy, viewed
             part = part.clone()  # (the reduction's buffer is scratch)
             for i, sp in enumerate(unit.shard_params):
@@ -108,7 +124,7 @@ class ShardedStages:
 
     def _all_gather(self, unit: FlatUnit) -> None:
         part, whole = unit.gather_buffers()
-        unit.fill(self.comm.all_gather(part, whole))
+        unit.fill(self.comm_of(unit).all_gather(part, whole))
 
     # -- the step
 

@@ -144,19 +144,28 @@ def _names(model: Hybrid) -> dict[int, list[str]]:
 
 class _Layout:
     """How this rank's weights sit in the whole ones: a DTensor over the tp DeviceMesh
-    for a weight cut over tp (without the zero rows that pad a vocabulary shard)."""
+    for a weight cut over tp (without the zero rows that pad a vocabulary shard), over
+    the ep DeviceMesh for experts cut over ep (this rank's experts, dim 0)."""
 
     def __init__(self, model: Hybrid) -> None:
         self.tp = model.mesh.size("tp")
         self.rank = model.mesh.coordinate("tp")
         self.dims = split_dims(model.model)
         self.device_mesh = model.mesh.device_mesh["tp"] if self.tp > 1 else None
+        self.ep, self.experts = model.mesh.size("ep"), model._experts
+        self.ep_mesh = model.mesh.device_mesh["ep"] if self.ep > 1 else None
 
     def view(self, p: torch.nn.Parameter, t: torch.Tensor) -> Any:
         """`t`, shaped like this rank's piece of weight `p`, as DCP should store it."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        if id(p) in self.experts and self.ep > 1:
+            shape = (t.shape[0] * self.ep, *t.shape[1:])
+            return DTensor.from_local(t, self.ep_mesh, [Shard(0)], run_check=False,
+                                      shape=torch.Size(shape),
+                                      stride=torch.empty(shape, device="meta").stride())
         if id(p) not in self.dims or self.tp == 1:
             return t
-        from torch.distributed.tensor import DTensor, Shard
 
         dim, size = self.dims[id(p)]
         start, end = chunk_bounds(size, self.tp, "chunk")[self.rank]
@@ -175,16 +184,31 @@ def _optimizer_state(model: Hybrid) -> dict[int, dict[str, torch.Tensor]]:
     if model.sharded is None:
         return {id(p): dict(model.optimizer.state.get(p, {})) for p in model.params}
     out: dict[int, dict[str, torch.Tensor]] = {id(p): {} for p in model.params}
-    out.update(whole_optimizer_state(model.sharded.units, model.optimizer, model.dp_comm))
+    comms = {id(model.sharded.comm_of(u)): model.sharded.comm_of(u)
+             for u in model.sharded.units}  # dp's, and the experts' copies' group
+    for key, comm in comms.items():
+        units = [u for u in model.sharded.units if id(model.sharded.comm_of(u)) == key]
+        out.update(whole_optimizer_state(units, model.optimizer, comm))
     return out
 
 
-def _dcp_state(model: Hybrid, keys: dict[str, bool] | None = None
-               ) -> tuple[dict[str, Any], dict[str, bool]]:
+def _buffers(model: Hybrid) -> dict[str, torch.Tensor]:
+    """The saved buffers of this rank's stages, by name (an MoE router's balancing bias:
+    the same on every replica, moved where its layer runs)."""
+    mine = {id(b) for m in model.runtime.stages.values() for b in m.buffers()}
+    kept = model.model.state_dict().keys()
+    return {name: b for name, b in model.model.named_buffers()
+            if id(b) in mine and name in kept}
+
+
+def _dcp_state(model: Hybrid, keys: dict[str, bool] | None = None,
+               buffers: list[str] | None = None) -> tuple[dict[str, Any], dict[str, bool]]:
     """({DCP key: tensor or DTensor}, the optimizer's state names): this rank's weights
     and their optimizer state. `keys` (name -> shaped like the weight): what to hold,
     zeros where the optimizer has none yet (before its first step, or for a weight that
-    never had a gradient), to load into; by default every name any weight has here."""
+    never had a gradient), to load into; by default every name any weight has here.
+    `buffers`: the buffers' names to hold (a load: what the checkpoint has); by default
+    this rank's stages' saved buffers."""
     layout, names = _Layout(model), _names(model)
     # Given the names (a load), the state is only a place to load into: zeros, and no
     # gathering of ZeRO's slices that the load would overwrite.
@@ -204,6 +228,9 @@ def _dcp_state(model: Hybrid, keys: dict[str, bool] | None = None
                 if value is None:
                     value = torch.zeros_like(p.data) if shaped else torch.zeros(())
                 out[f"optim.{name}.{key}"] = layout.view(p, value) if shaped else value
+    for name, b in _buffers(model).items():
+        if buffers is None or name in buffers:
+            out[f"model.{name}"] = b  # loaded in place
     return out, keys
 
 
@@ -240,9 +267,11 @@ def _save(model: Hybrid, root: str | os.PathLike, step: int, extra: dict[str, An
     state, keys = _dcp_state(model)
     state["rng"] = torch.get_rng_state()
     meta = {"step": step, "config": dataclasses.asdict(model.config),
-            "mesh": {a: model.mesh.size(a) for a in ("dp", "tp", "pp", "cp")},
+            "mesh": {a: model.mesh.size(a) for a in ("dp", "tp", "pp", "cp", "ep")},
             "plan": model.parallel_plan.label(),
             "zero": model.zero, "optimizer": type(model.optimizer).__name__,
+            "buffers": sorted({n for n, _ in model.model.named_buffers()}
+                              & model.model.state_dict().keys()),
             "state": keys, "extra": extra or {}}
     if not blocking:
         if model.zero == 3:  # its weights are freed when this returns: DCP gets copies
@@ -348,7 +377,7 @@ def _load(model: Hybrid, path: str | os.PathLike, expect: dict[str, Any] | None
         raise ValueError(f"this checkpoint's optimizer is {meta['optimizer']}, this "
                          f"model's {type(model.optimizer).__name__}")
     keys = {k: bool(v) for k, v in meta["state"].items()}
-    state, _ = _dcp_state(model, keys)
+    state, _ = _dcp_state(model, keys, meta.get("buffers", []))
     state["rng"] = torch.get_rng_state()
     try:
         dcp.load(state, checkpoint_id=str(path), process_group=model.mesh.parent)
@@ -413,6 +442,7 @@ def full_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     model = gpt(GPTConfig(**meta["config"]))
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     state = {f"model.{n}": torch.empty_like(model.get_parameter(n)) for n in names}
+    state.update({f"model.{n}": model.get_buffer(n).clone() for n in meta.get("buffers", [])})
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=str(path), no_dist=True)

@@ -16,20 +16,20 @@ def batch(step, config=CONFIG):
     return data[:, :-1], data[:, 1:]
 
 
-def model_on(ctx, shape, zero=0, schedule="1f1b"):
+def model_on(ctx, shape, zero=0, schedule="1f1b", config=CONFIG):
     mesh = Mesh(shape, ctx.group) if ctx is not None else None
-    return Hybrid(gpt(CONFIG, seed=0), mesh, schedule=schedule, microbatches=2, zero=zero,
+    return Hybrid(gpt(config, seed=0), mesh, schedule=schedule, microbatches=2, zero=zero,
                   max_norm=1.0, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
 
 
 def train_and_save(ctx, shape, root, steps, save_at, zero=0, crash_in_commit=False,
-                   blocking=True):
+                   blocking=True, config=CONFIG):
     """`steps` steps, saving a checkpoint after `save_at` of them: the losses and the final
     weights. `crash_in_commit`: after the first save, the next one's rank 0 is killed
     between writing and committing (a save killed halfway). `blocking=False`: the save
     is written in the background while the next steps change the weights, and waited
     for only at the end."""
-    model = model_on(ctx, shape, zero)
+    model = model_on(ctx, shape, zero, config=config)
     losses, pending = [], None
     for step in range(steps):
         if step == save_at:
@@ -53,10 +53,10 @@ def train_and_save(ctx, shape, root, steps, save_at, zero=0, crash_in_commit=Fal
     return losses, model.full_state_dict()
 
 
-def resume(ctx, shape, root, steps, zero=0, expect=None):
+def resume(ctx, shape, root, steps, zero=0, expect=None, config=CONFIG):
     """Load the newest checkpoint under `root` into a model on `shape`, train to `steps`:
     the step it resumed at, the losses after it and the final weights."""
-    model = model_on(ctx, shape, zero)
+    model = model_on(ctx, shape, zero, config=config)
     meta = load(model, latest(root), expect=expect)
     losses = [model.step(*batch(step)) for step in range(meta["step"], steps)]
     return meta["step"], losses, model.full_state_dict()

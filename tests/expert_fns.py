@@ -186,3 +186,14 @@ def one_process(world_size, steps=2, **changes):
     state = {n: p.detach() for n, p in model.named_parameters()}
     state.update({n: b.clone() for n, b in model.named_buffers()})
     return state, losses
+
+
+def experts_that_receive_nothing(ctx):
+    """Every token of every rank routed to rank 0's experts: the other ranks' experts get
+    no row, and backward must still run both all-to-alls on every rank (a rank whose
+    experts got nothing keeps them in the graph): finishes, the input gradient right."""
+    m = expert_parallel(MoE(D, 4, 1), Comm(ctx.group, algorithm="auto"))
+    m.router.bias[0] = 1e4  # expert 0 (rank 0's) chosen by every token
+    x = torch.randn(6, D, requires_grad=True)
+    m(x).sum().backward()
+    return m.last.counts.tolist(), x.grad is not None

@@ -135,3 +135,31 @@ def test_freezing_a_weight_after_zero_was_made_is_refused(pool4):
 
     with pytest.raises(RankError, match="frozen or unfrozen after Hybrid"):
         pool4.run(freeze_after_zero)
+
+
+def test_experts_cut_over_ep_resume_on_another_cut(tmp_path, pool4):
+    """A GPT with experts (and a balancing bias, a buffer that moves) saved on dp 2 x ep 2
+    under ZeRO-1 (the experts' optimizer state sharded over their copies): each rank writes
+    its experts as its rows of the whole (E, ...) weights, and a run resumed on ep 4, on
+    dp 4 (experts whole) or under ZeRO-3 continues as the uninterrupted one; read in one
+    process, the experts are whole. Same replicas (4) and microbatches, so the routing
+    groups and balancing losses are the same."""
+    import dataclasses
+
+    from hybrid_fns import EXPERTS
+
+    config = dataclasses.replace(EXPERTS, bias_rate=0.01)
+    root = str(tmp_path / "experts")
+    whole = pool4.run(train_and_save, {"dp": 2, "ep": 2}, root, STEPS, SAVE_AT, 1,
+                      config=config)
+    losses = next(r[0] for r in whole.results if r[0][0] is not None)
+    weights = whole.results[0][1]
+    assert weights["blocks.0.mlp.router.bias"].abs().sum() > 0  # it moved, and is saved
+    for shape, zero in (({"ep": 4}, 0), ({"dp": 4}, 0), ({"dp": 2, "ep": 2}, 3)):
+        run = pool4.run(resume, shape, root, STEPS, zero, config=config)
+        step, after, _ = next(r for r in run.results if r[1][0] is not None)
+        assert step == SAVE_AT
+        assert after == pytest.approx(losses[SAVE_AT:], rel=1e-5), shape
+        assert close(run.results[0][2], weights), shape
+    state = full_state_dict(latest(root))
+    assert state["blocks.0.mlp.up_weight"].shape == (4, 24, 96)

@@ -15,6 +15,7 @@ from expert_fns import (
     CONFIG,
     counted_bytes,
     dispatch_then_combine,
+    experts_that_receive_nothing,
     layer_against_one_process,
     one_process,
     train_dp_ep,
@@ -155,3 +156,8 @@ def test_experts_that_do_not_divide_by_ep_are_refused():
         check_ep(6, 4)
     with pytest.raises(ValueError, match="has no MoE layer"):
         expert_parallel(gpt(GPTConfig()), _OneRank())
+
+
+def test_ranks_whose_experts_receive_nothing_still_run_backward(pools):
+    for counts, has_grad in pools[4].run(experts_that_receive_nothing).results:
+        assert counts == [6, 0, 0, 0] and has_grad

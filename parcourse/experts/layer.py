@@ -117,8 +117,8 @@ class MoE(nn.Module):
         """Every held expert on its rows of x (sorted by expert, `counts` each): padded
         to the busiest expert's count, one `bmm` per Linear."""
         E, most = len(counts), max(counts, default=0)
-        if most == 0:
-            return x.new_zeros(0, self.down_weight.shape[-1])
+        if most == 0:  # no row here: still through autograd (x), so that every rank of an
+            return self.expert(0, x)  # ep group runs the all-to-alls' backward alike
         at = torch.repeat_interleave(torch.arange(E, device=x.device),
                                      torch.tensor(counts, device=x.device))
         starts = torch.tensor([0, *counts[:-1]], device=x.device).cumsum(0)

@@ -359,6 +359,15 @@ class Hybrid:
                 unit.free()
 
     @property
+    def replica(self) -> tuple[int, int]:
+        """(this rank's replica, how many there are): which rows of each global batch it
+        takes. dp's coordinate and, inside it, ep's (whose ranks take their own rows); the
+        ranks of tp, pp and cp in one replica take the same."""
+        ep = self.mesh.size("ep")
+        return (self.mesh.coordinate("dp") * ep + self.mesh.coordinate("ep"),
+                self.mesh.size("dp") * ep)
+
+    @property
     def _replica_axes(self) -> tuple[str, ...]:
         return ("dp", *(a for a in ("ep", "cp") if self.mesh.size(a) > 1))
 
@@ -398,10 +407,7 @@ class Hybrid:
         its cp ranks included, the same rows: a loader sharded by dp coordinate, not by
         rank). Returns the global
         batch's mean loss on the ranks of the last stage, None elsewhere."""
-        # the replicas that take different rows: dp's and, inside each, ep's
-        ep = self.mesh.size("ep")
-        dp, replica = self.mesh.size("dp") * ep, self.mesh.coordinate("dp") * ep + \
-            self.mesh.coordinate("ep")
+        replica, dp = self.replica
         if local and inputs.shape[0] % self.microbatches:
             raise ValueError(f"this replica's {inputs.shape[0]} rows cannot be cut into "
                              f"{self.microbatches} equal microbatches")

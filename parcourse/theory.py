@@ -284,21 +284,29 @@ def checkpoint_extra_forwards(n_layers: int, policy: str) -> int:
 TPCollective = tuple[str, str, str, int]  # (op, phase, where, bytes of the whole tensor)
 
 
-def tp_parameter_bytes(config: GPTConfig, world_size: int) -> dict[str, int]:
+def tp_parameter_bytes(config: GPTConfig, world_size: int, ep: int = 1) -> dict[str, int]:
     """Theory: parameter bytes on each rank, split ("sharded": 1/N each) or whole
     ("replicated": LayerNorms, position embedding, the biases row-parallel layers add
     after their sum).
 
     The vocabulary is cut in ceil(vocab / N) rows per rank, padded (`vocab_range`);
-    a head tied to the embedding adds nothing.
+    a head tied to the embedding adds nothing. A GPT with experts keeps each block's
+    router and its `experts / ep` experts whole on every tp rank ("experts": what ep cuts;
+    the router is replicated).
     """
     c, n, layers = config.d_model, world_size, config.n_layers
-    per_block = (3 * c * c + 3 * c) + c * c + (4 * c * c + 4 * c) + 4 * c * c
+    mlp = (4 * c * c + 4 * c) + 4 * c * c  # up and its bias, down (its bias: replicated)
+    per_block = (3 * c * c + 3 * c) + c * c + (0 if config.experts else mlp)
     vocab_rows = math.ceil(config.vocab / n) * c * (1 if config.tie_weights else 2)
     sharded = layers * per_block // n + vocab_rows
-    replicated = layers * (2 * 2 * c + c + c) + config.block_size * c + 2 * c
-    return {"sharded": 4 * sharded, "replicated": 4 * replicated,
-            "total": 4 * (sharded + replicated)}
+    replicated = layers * (2 * 2 * c + c + (0 if config.experts else c)) \
+        + config.block_size * c + 2 * c
+    experts = 0
+    if config.experts:
+        replicated += layers * config.experts * c  # the routers
+        experts = layers * (config.experts // ep) * (mlp + c)
+    return {"sharded": 4 * sharded, "replicated": 4 * replicated, "experts": 4 * experts,
+            "total": 4 * (sharded + replicated + experts)}
 
 
 def mesh_bytes(config: GPTConfig, shape: dict[str, int], zero: int = 0,
@@ -313,18 +321,24 @@ def mesh_bytes(config: GPTConfig, shape: dict[str, int], zero: int = 0,
     after each microbatch) a rank holds one of its `stages_per_rank` stages' full gradient
     beside its shards: P/v + P/dp. Under ZeRO-3 the weights too, between two actions: its
     rows of them (P/dp), with ZeRO-2's gradients. With the sequence cut over cp, the cp
-    ranks hold the same weights as dp's replicas do, and ZeRO shards over dp x cp."""
-    tp, pp = shape.get("tp", 1), shape.get("pp", 1)
-    dp = shape.get("dp", 1) * shape.get("cp", 1)  # the ranks that share the weights
-    whole = tp_parameter_bytes(config, tp)["total"]
+    ranks hold the same weights as dp's replicas do, and ZeRO shards over dp x cp. With
+    experts cut over ep, a rank holds 1/ep of them; ep's ranks replicate the rest, so ZeRO
+    shards the dense weights over dp x cp x ep and the experts over dp x cp."""
+    tp, pp, ep = shape.get("tp", 1), shape.get("pp", 1), shape.get("ep", 1)
+    dp = shape.get("dp", 1) * shape.get("cp", 1)  # the ranks that share the experts
+    held = tp_parameter_bytes(config, tp, ep)
+    experts = held["experts"] / pp
+    dense = held["total"] - held["experts"]
     if pp > 1 and config.tie_weights:
-        whole += 4 * math.ceil(config.vocab / tp) * config.d_model  # the head's own copy
-    params = whole / pp
+        dense += 4 * math.ceil(config.vocab / tp) * config.d_model  # the head's own copy
+    dense /= pp
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero}")
-    optimizer = 2 * params / (dp if zero else 1)
-    grads = params if zero < 2 else params / stages_per_rank + params / dp
-    return {"params": params / dp if zero == 3 else params, "grads": grads,
+    params = dense + experts
+    shard = dense / (dp * ep) + experts / dp  # this rank's rows, under ZeRO
+    optimizer = 2 * (shard if zero else params)
+    grads = params if zero < 2 else params / stages_per_rank + shard
+    return {"params": shard if zero == 3 else params, "grads": grads,
             "optimizer": optimizer}
 
 

@@ -51,6 +51,8 @@ class TrainSettings:
     save_every: int = 0  # steps between checkpoints (0: only at the end), when saving
     async_save: bool = False  # write checkpoints in the background while training goes on
     seed: int = 0
+    experts: int = 0  # > 0: every block's MLP a mixture of this many experts
+    top_k: int = 2  # experts a token goes to
 
     def __post_init__(self) -> None:
         if isinstance(self.plan, str):
@@ -65,7 +67,8 @@ class TrainSettings:
     @property
     def config(self) -> GPTConfig:
         return GPTConfig(vocab=256, block_size=self.block_size, n_layers=self.layers,
-                         n_heads=self.heads, d_model=self.width)
+                         n_heads=self.heads, d_model=self.width, experts=self.experts,
+                         top_k=self.top_k)
 
     def problems(self) -> list[str]:
         """What cannot run, in words, before any rank starts: the plan's rules
@@ -78,9 +81,10 @@ class TrainSettings:
                 out.append(f"{name} must be at least 1, got {getattr(self, name)}")
         if out:
             return out
-        if self.width % self.heads:
-            out.append(f"heads ({self.heads}) must divide the width ({self.width})")
-            return out
+        try:
+            self.config  # noqa: B018 - its own checks, in its words
+        except ValueError as e:
+            return [*out, str(e)]
         out += self.plan.problems(self.config, self.batch)
         if not 0 < self.min_lr <= self.lr:
             out.append(f"min_lr ({self.min_lr}) must be above 0 and at most lr ({self.lr})")
@@ -137,8 +141,9 @@ def train_on_corpus(ctx: Any, s: TrainSettings, corpus_dir: str, out: str | None
     model = Hybrid.from_plan(
         gpt(config, seed=s.seed), mesh, s.plan, max_norm=s.clip, seed=s.seed,
         optimizer=lambda ps: torch.optim.AdamW(ps, lr=s.lr, weight_decay=s.weight_decay))
-    loader = ShardedLoader(corpus.train, s.block_size, s.batch, replica=mesh.coordinate("dp"),
-                           replicas=s.plan.dp, seed=s.seed)
+    replica, replicas = model.replica  # dp's coordinate and, inside it, ep's
+    loader = ShardedLoader(corpus.train, s.block_size, s.batch, replica=replica,
+                           replicas=replicas, seed=s.seed)
     val_x, val_y = ShardedLoader(corpus.val if len(corpus.val) > s.block_size * s.eval_batch
                                  else corpus.train, s.block_size, s.eval_batch,
                                  seed=s.seed + 1).next()

@@ -63,11 +63,11 @@ def traced_step(ctx, shape):
             {s.meta.get("axis") for s in data.spans if s.kind == "comm"}, len(model.params))
 
 
-def memory_after_a_step(ctx, shape, zero):
+def memory_after_a_step(ctx, shape, zero, config=CONFIG):
     """What this rank holds after one step (`Hybrid.memory`)."""
     mesh = Mesh(shape, ctx.group)
-    model = Hybrid(gpt(CONFIG), mesh, microbatches=2, zero=zero)
-    x, y = progressions(BATCH, CONFIG.block_size, CONFIG.vocab)
+    model = Hybrid(gpt(config), mesh, microbatches=2, zero=zero)
+    x, y = progressions(BATCH, config.block_size, config.vocab)
     model.step(x, y)
     return model.memory(), len(model.params)
 

@@ -272,18 +272,23 @@ def test_placement_runs_both_ways_beside_the_model(pool4, axis):
         assert model[across] > model[inside]
 
 
-@pytest.mark.parametrize("shape,zero", [({"dp": 2, "tp": 2, "pp": 1}, 1),
-                                        ({"dp": 1, "tp": 2, "pp": 2}, 0),
-                                        ({"dp": 2, "tp": 1, "pp": 2}, 1)])
-def test_memory_per_rank_beside_the_formula(pool4, shape, zero):
+@pytest.mark.parametrize("shape,zero,experts", [({"dp": 2, "tp": 2, "pp": 1}, 1, False),
+                                                ({"dp": 1, "tp": 2, "pp": 2}, 0, False),
+                                                ({"dp": 2, "tp": 1, "pp": 2}, 1, False),
+                                                ({"ep": 2, "tp": 2}, 0, True),
+                                                ({"dp": 2, "ep": 2}, 1, True),
+                                                ({"ep": 2, "pp": 2}, 1, True)])
+def test_memory_per_rank_beside_the_formula(pool4, shape, zero, experts):
     """Parameters and gradients: the mean over ranks is theory.mesh_bytes' balanced figure
     exactly (stages are uneven; the formula is their mean). Adam's state: the formula
-    plus Adam's step counter (4 bytes a tensor)."""
+    plus Adam's step counter (4 bytes a tensor). With experts cut over ep: each rank's
+    share of them, its router whole, ZeRO sharding them over their copies only."""
     from hybrid_fns import CONFIG, memory_after_a_step
     from parcourse.theory import mesh_bytes
 
-    results = pool4.run(memory_after_a_step, shape, zero).results
-    theory = mesh_bytes(CONFIG, shape, zero)
+    config = EXPERTS if experts else CONFIG
+    results = pool4.run(memory_after_a_step, shape, zero, config).results
+    theory = mesh_bytes(config, shape, zero)
     for category in ("params", "grads"):
         mean = sum(m[category] for m, _ in results) / len(results)
         assert mean == theory[category], category
@@ -535,3 +540,36 @@ def test_cp_with_experts_equals_one_process(pool4):
             torch.testing.assert_close(got_after[name], after[name], **EXPERT_TOL, msg=name)
         if got_losses[0] is not None:
             assert got_losses == pytest.approx(losses, rel=1e-5)
+
+
+def test_cli_trains_with_experts_cut_over_ep(capsys):
+    """`train3d --experts 4 --ep 2`: the loss is one process's (its replicas'
+    microbatches in turn), each rank's tokens travel on ep, and what a rank holds is the
+    formula's."""
+    from parcourse.cli import main
+
+    assert main(["train3d", "--dp", "1", "--tp", "1", "--pp", "2", "--ep", "2", "--experts",
+                 "4", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "dp 1 x tp 1 x pp 2 x ep 2 = 4 ranks" in out and "4 experts cut over ep" in out
+    assert "plan        dp1 tp1 pp2 1f1b m2 ep2" in out
+    lines = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    for _, ours, one in lines[:2]:
+        assert float(ours) == pytest.approx(float(one), rel=1e-4)
+    assert "on ep" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--ep", "2"], "ep 2 cuts the experts of MoE layers, and this GPT has none"),
+    (["--ep", "4", "--experts", "6", "--dp", "1"], "6 experts do not divide by ep 4"),
+    (["--experts", "4", "--top-k", "5"], "top_k must be between 1 and the 4 experts"),
+    (["--experts", "4", "--sequence-parallel"], "keeps each expert whole on every tp rank"),
+])
+def test_cli_refuses_bad_expert_settings_in_one_line(capsys, argv, message):
+    from parcourse.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["train3d", *argv])
+    assert stopped.value.code == 2
+    said = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(said) == 1 and message in said[0], said

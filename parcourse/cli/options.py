@@ -81,16 +81,17 @@ def ranks(args: argparse.Namespace) -> Ranks:
     return Ranks(external[1], external=True, quiet=external[0] != 0)
 
 
-def mesh_against_launcher(dp: int, tp: int, pp: int, cp: int = 1) -> str | None:
+def mesh_against_launcher(plan: ParallelPlan) -> str | None:
     """Under torchrun or Slurm the launcher has already set the world size: a mesh of
     another size is refused here, in one line, rather than in every rank after the start
     (and again after each of torchrun's restarts)."""
     external = external_env()
-    if external is None or dp * tp * pp * cp == external[1]:
+    if external is None or plan.gpus == external[1]:
         return None
-    sizes = f"dp {dp} x tp {tp} x pp {pp}" + (f" x cp {cp}" if cp > 1 else "")
-    flags = "--dp, --tp, --pp and --cp" if cp > 1 else "--dp, --tp and --pp"
-    return (f"the mesh {sizes} needs {dp * tp * pp * cp} ranks, but the launcher started "
+    axes = [a for a, n in plan.shape.items() if n > 1 or a in ("dp", "tp", "pp")]
+    sizes = " x ".join(f"{a} {plan.shape[a]}" for a in axes)
+    flags = ", ".join(f"--{a}" for a in axes[:-1]) + f" and --{axes[-1]}"
+    return (f"the mesh {sizes} needs {plan.gpus} ranks, but the launcher started "
             f"{external[1]}: give {flags} whose product is {external[1]}")
 
 
@@ -99,6 +100,8 @@ PLAN_HELP = {
     "dp": "data-parallel replicas", "tp": "tensor-parallel ranks", "pp": "pipeline ranks",
     "cp": "context-parallel ranks: each sequence cut over them",
     "cp_method": "how cp's ranks attend over the whole sequence",
+    "ep": "expert-parallel ranks: each MoE layer's experts cut over them (each with its "
+          "own rows, as dp's)",
     "schedule": "the pipeline schedule", "microbatches": "per replica",
     "chunks": "stages per rank, interleaved-1f1b", "zero": "ZeRO's stage over dp",
     "sequence_parallel": "cut the sequence over tp outside attention and the MLP",

@@ -20,14 +20,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     d = TrainSettings()
     # --plan, and --dp ... --zero from the plan's fields (what TrainSettings holds of it)
-    plan_options(p, d.plan, ("dp", "tp", "pp", "cp", "cp_method", "schedule", "microbatches",
-                             "zero"))
+    plan_options(p, d.plan, ("dp", "tp", "pp", "cp", "cp_method", "ep", "schedule",
+                             "microbatches", "zero"))
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch", type=int, default=d.batch, help="global, in sequences")
     p.add_argument("--block-size", type=int, default=d.block_size, help="bytes a sequence")
     p.add_argument("--layers", type=int, default=d.layers)
     p.add_argument("--width", type=int, default=d.width)
     p.add_argument("--heads", type=int, default=d.heads)
+    p.add_argument("--experts", type=int, default=d.experts,
+                   help="every block's MLP a mixture of this many experts (0: dense)")
+    p.add_argument("--top-k", type=int, default=d.top_k, help="experts a token goes to")
     p.add_argument("--lr", type=float, default=d.lr, help="peak, after the warm-up")
     p.add_argument("--clip", type=float, default=d.clip)
     p.add_argument("--eval-every", type=int, default=d.eval_every)
@@ -58,6 +61,7 @@ def _settings(args: argparse.Namespace) -> object:
     return TrainSettings(plan=args.parallel_plan, steps=args.steps,
                          batch=args.batch, block_size=args.block_size, layers=args.layers,
                          width=args.width, heads=args.heads, lr=args.lr,
+                         experts=args.experts, top_k=args.top_k,
                          min_lr=min(args.lr, 3e-4), clip=args.clip,
                          eval_every=args.eval_every, save_every=args.save_every,
                          async_save=args.async_save)
@@ -69,7 +73,7 @@ def check(args: argparse.Namespace) -> str | None:
     settings = _settings(args)
     if problems := settings.problems():  # type: ignore[attr-defined]
         return "; ".join(problems)
-    if problem := mesh_against_launcher(args.dp, args.tp, args.pp, args.cp):
+    if problem := mesh_against_launcher(args.parallel_plan):
         return problem
     if args.clip <= 0:
         return f"--clip must be positive, got {args.clip}"

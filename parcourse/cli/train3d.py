@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--width", type=int, default=32, help="d_model")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--block-size", type=int, default=16, help="tokens per sequence")
+    p.add_argument("--experts", type=int, default=0,
+                   help="every block's MLP a mixture of this many experts (0: dense)")
+    p.add_argument("--top-k", type=int, default=2, help="experts a token goes to")
     p.add_argument("--timeout", type=float, default=600.0)
 
 
@@ -38,7 +41,8 @@ def _config(args: argparse.Namespace) -> GPTConfig:
     from parcourse.models import GPTConfig
 
     return GPTConfig(vocab=64, block_size=args.block_size, n_layers=args.layers,
-                     n_heads=args.heads, d_model=args.width)
+                     n_heads=args.heads, d_model=args.width, experts=args.experts,
+                     top_k=args.top_k)
 
 
 def check(args: argparse.Namespace) -> str | None:
@@ -56,7 +60,7 @@ def check(args: argparse.Namespace) -> str | None:
         return str(e)
     if problems := plan.problems(config, args.batch):
         return "; ".join(problems)
-    if problem := mesh_against_launcher(args.dp, args.tp, args.pp, args.cp):
+    if problem := mesh_against_launcher(args.parallel_plan):
         return problem
     if args.clip is not None and not args.clip > 0:
         return f"--clip must be positive, got {args.clip}"
@@ -85,7 +89,7 @@ def _train(ctx: RankContext, args: argparse.Namespace) -> dict[str, object]:
         losses.append(model.step(x, y))
         times.append(time.perf_counter() - start)
     return {"losses": losses, "times": times, "state": model.full_state_dict(),
-            "coords": {a: mesh.coordinate(a) for a in ("dp", "tp", "pp", "cp")},
+            "coords": {a: mesh.coordinate(a) for a in ("dp", "tp", "pp", "cp", "ep")},
             "bytes": bytes_by_axis(ctx.tracer.data().counters), "memory": model.memory()}
 
 
@@ -94,16 +98,23 @@ def _one_process(args: argparse.Namespace) -> tuple[list[float], dict[str, objec
     import torch.nn.functional as F
 
     from parcourse.data import progressions
+    from parcourse.experts import set_aux_scale, update_bias
     from parcourse.models import gpt
 
     config = _config(args)
     model = gpt(config)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     x, y = progressions(args.batch, config.block_size, config.vocab)
+    # With experts each replica's microbatch routes, caps and weighs its balancing losses
+    # on its own rows: the same microbatches in turn (one batch, densely).
+    parts = args.parallel_plan.replicas * args.microbatches if config.experts else 1
+    set_aux_scale(model, 1 / parts)
     losses = []
     for _ in range(args.steps):
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
+        loss = sum(F.cross_entropy(model(xs).flatten(0, 1), ys.flatten()) / parts
+                   for xs, ys in zip(x.chunk(parts), y.chunk(parts)))
+        loss.backward()  # type: ignore[union-attr]
+        update_bias(model)
         if args.clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
@@ -118,19 +129,24 @@ def run(args: argparse.Namespace) -> int:
     if where.quiet:
         return 0
     config = _config(args)
-    cp = f" x cp {args.cp}" if args.cp > 1 else ""
+    cp = "".join(f" x {a} {getattr(args, a)}" for a in ("cp", "ep") if getattr(args, a) > 1)
+    experts = (f", {args.experts} experts cut over ep ({args.experts // args.ep} a rank)"
+               if args.ep > 1 else "")
     print(f"train3d     dp {args.dp} x tp {args.tp} x pp {args.pp}{cp} = {where.world_size} ranks "
           f"({args.order} order), {args.schedule}, {args.microbatches} microbatches a replica"
           f"{', sequence parallel' if args.sequence_parallel else ''}"
           f"{f', the sequence cut over cp ({args.cp_method})' if args.cp > 1 else ''}"
+          f"{experts}"
           f"{f', ZeRO-{args.zero} over dp' if args.zero else ''}"
           f"{f', recompute {args.recompute}' if args.recompute != 'none' else ''}"
           f"{f', clipped at norm {args.clip}' if args.clip is not None else ''}"
           f", backend {trained.backend}")
     print(f"plan        {args.parallel_plan.label()}")
+    moe = (f", MLPs of {config.experts} experts (top {config.top_k})" if config.experts
+           else "")
     print(f"model       GPT, {config.n_layers} blocks, d_model {config.d_model}, "
-          f"{config.n_heads} heads, {config.block_size} tokens; global batch {args.batch}, "
-          "Adam, fp32")
+          f"{config.n_heads} heads, {config.block_size} tokens{moe}; global batch "
+          f"{args.batch}, Adam, fp32")
     losses = next(r["losses"] for r in trained.results if r["losses"][0] is not None)
     reference, state = _one_process(args)
     print(f"\nloss        step   {where.world_size} ranks    one process")
@@ -160,14 +176,16 @@ def _print_bytes_and_memory(args: argparse.Namespace, results: list[dict[str, An
     theory = mesh_bytes(_config(args), shape, args.zero,
                         stages_per_rank=plan.stages // args.pp)
     print(f"\nper rank    (bytes sent over all {args.steps} steps; what each rank holds after)")
-    axes = ("dp", "tp", "pp", "cp") if args.cp > 1 else ("dp", "tp", "pp")
-    on_cp = f" {'on cp':>10}" if args.cp > 1 else ""  # attention's keys and values
+    more = [a for a in ("cp", "ep") if getattr(args, a) > 1]
+    axes = ("dp", "tp", "pp", *more)
+    # cp: attention's keys and values; ep: tokens to their experts and back
+    on_more = "".join(f" {f'on {a}':>10}" for a in more)
     on_dp = 'on dp, cp' if args.cp > 1 else 'on dp'  # the gradients' mean: over both
-    print(f"{'rank':>8}    {' '.join(axes):>8}  {'sent on pp':>10} {on_dp:>10}{on_cp}  "
+    print(f"{'rank':>8}    {' '.join(axes):>8}  {'sent on pp':>10} {on_dp:>10}{on_more}  "
           f"{'params':>9} {'grads':>9} {'Adam':>9}")
     for rank, r in enumerate(results):
         c, sent, mem = r["coords"], r["bytes"], r["memory"]
-        cp_sent = f" {format_bytes(sent.get('cp', 0)):>10}" if args.cp > 1 else ""
+        cp_sent = "".join(f" {format_bytes(sent.get(a, 0)):>10}" for a in more)
         print(f"{rank:>8}    {' '.join(f'{c[a]:>2}' for a in axes)}  "
               f"{format_bytes(sent.get('pp', 0)):>10} {format_bytes(sent.get('dp', 0)):>10}"
               f"{cp_sent}  "

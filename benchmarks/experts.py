@@ -1,0 +1,194 @@
+"""Mixture of experts: the expert-parallel layer's step against one process and against
+torch's all-to-all, its bytes and memory beside the formulas, and the balance of tokens
+per expert under each balancing method on the real corpus.
+
+    python benchmarks/experts.py [--tokens 4096] [--width 128] [--rounds 7] [--steps 200]
+
+1. Step time (forward and backward of one MoE layer, 8 experts, top 2, dropless, fp32,
+   one thread a rank): the whole batch of --tokens in one process (the batched layer,
+   every expert) against expert parallelism on 2 and 4 ranks, each with its share of the
+   tokens and its share of the experts; the tokens dispatched by the course's all-to-all
+   (send / recv) and, beside it, by torch's `all_to_all_single` (same layer otherwise).
+   Each configuration takes turns with the others, median of --rounds, slowest rank.
+   Target: ep 2 <= 0.75 of one process (each rank computes half the experts' rows).
+2. Bytes one rank sends in the layer's forward and backward, counted message by message,
+   tokens routed evenly, beside `theory.moe_all_to_all_bytes`; the experts' weights and
+   Adam's state a rank holds beside `theory.expert_bytes`.
+3. Balance: a GPT with 8 experts (top 2) trained --steps steps on the corpus (Python's
+   standard library, `python -m parcourse train`'s), one process, with no balancing, with
+   Switch's auxiliary loss (0.01) and with DeepSeek-V3's bias (rate 1e-3): over the last
+   quarter of the steps, the busiest expert's tokens over the mean, and at ep 4 the
+   busiest rank's rows over the mean (what the slowest rank's expert time is, relative).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from parcourse import Pool
+from parcourse.comm import Comm
+from parcourse.experts import MoE, Routing, expert_parallel, run_expert_parallel
+from parcourse.memory import format_bytes
+from parcourse.theory import moe_all_to_all_bytes
+
+EXPERTS, TOP_K = 8, 2
+
+
+def _layer(width: int) -> MoE:
+    torch.manual_seed(0)
+    return MoE(width, EXPERTS, TOP_K)
+
+
+def step_times(ctx: Any, tokens: int, width: int, rounds: int) -> dict[str, list[float]]:
+    """Seconds of one forward and backward: the whole batch in one process ("one"), and
+    this rank's share over the group by the course's all-to-all ("ours") and torch's
+    ("torch"), taking turns."""
+    from parcourse.experiments.timing import take_turns
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(ctx.rank)
+    whole = torch.randn(tokens, width, generator=g)
+    mine = whole[: tokens // ctx.world_size].clone()
+    one = _layer(width)
+    ours = expert_parallel(_layer(width), Comm(ctx.group, algorithm="ring"))
+    theirs = expert_parallel(_layer(width), Comm(ctx.group, algorithm="torch"))
+
+    def run(layer: MoE, x: torch.Tensor) -> None:
+        x = x.clone().requires_grad_()
+        layer(x).square().mean().backward()
+        layer.zero_grad(set_to_none=True)
+
+    return take_turns(ctx.group, {"one": lambda _: run(one, whole),
+                                  "ours": lambda _: run(ours, mine),
+                                  "torch": lambda _: run(theirs, mine)}, rounds)
+
+
+def bytes_and_memory(ctx: Any, tokens: int, width: int) -> dict[str, int]:
+    """Bytes this rank sends in one layer's forward and backward, tokens routed evenly
+    (token t to experts t and t + 1, mod 8), and the experts' weights and Adam's state
+    it holds after a step."""
+    from parcourse.memory import storage_bytes, tensors_in
+    from parcourse.trace import Tracer
+
+    tracer = Tracer(ctx.rank)
+    layer = expert_parallel(_layer(width), Comm(ctx.group, tracer=tracer, algorithm="ring"))
+    x = torch.randn(tokens, width, requires_grad=True)
+    chosen = (torch.arange(tokens)[:, None] + torch.arange(TOP_K)) % EXPERTS
+    routing = Routing(chosen, torch.full((tokens, TOP_K), 0.5), torch.ones_like(
+        chosen, dtype=torch.bool), torch.bincount(chosen.flatten(), minlength=EXPERTS),
+        torch.zeros(()), torch.zeros(()))
+
+    def sent() -> int:
+        return int(sum(c.value for c in tracer.data().counters if c.name == "bytes_sent"))
+
+    out = run_expert_parallel(layer, x, routing)
+    forward = sent()
+    out.square().mean().backward()
+    backward = sent() - forward
+    experts = [layer.up_weight, layer.up_bias, layer.down_weight, layer.down_bias]
+    opt = torch.optim.Adam(experts, lr=1e-3)
+    opt.step()
+    return {"forward": forward, "backward": backward, "params": storage_bytes(experts),
+            "optimizer": storage_bytes(tensors_in(list(opt.state.values())))
+            - 4 * len(experts)}  # less Adam's step counters (4 bytes a tensor)
+
+
+def balance(corpus_dir: str, steps: int, method: str) -> dict[str, float]:
+    """A small GPT with 8 experts trained `steps` steps on the corpus, one process: the
+    busiest expert's tokens over the mean, and at ep 4 the busiest rank's, over the last
+    quarter of the steps (every block's router, summed)."""
+    from parcourse.corpus import ShardedLoader, open_corpus
+    from parcourse.experts import moe_layers, update_bias
+    from parcourse.models import GPTConfig, gpt
+
+    settings = {"none": {"aux_loss": 0.0}, "aux loss": {"aux_loss": 0.01},
+                "bias": {"aux_loss": 0.0, "bias_rate": 1e-3}}[method]
+    config = GPTConfig(vocab=256, block_size=64, n_layers=2, n_heads=4, d_model=64,
+                       experts=EXPERTS, top_k=TOP_K, **settings)
+    torch.manual_seed(0)
+    model = gpt(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    loader = ShardedLoader(open_corpus(corpus_dir).train, 64, 16, seed=0)
+    counts = torch.zeros(EXPERTS)
+    for step in range(steps):
+        x, y = loader.next()
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        update_bias(model)
+        opt.step()
+        opt.zero_grad()
+        if step >= steps - steps // 4:
+            for m in moe_layers(model):
+                counts += m.last.counts.float()  # type: ignore[union-attr]
+    per_rank = counts.view(4, -1).sum(1)
+    return {"expert": float(counts.max() / counts.mean()),
+            "rank": float(per_rank.max() / per_rank.mean()), "loss": loss.item()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--corpus", default="runs/corpus")
+    args = parser.parse_args()
+    for name in ("tokens", "width", "rounds", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.tokens % 4:
+        parser.error(f"--tokens must divide by 4 (ranks' shares), got {args.tokens}")
+
+    print(f"1. one MoE layer ({EXPERTS} experts, top {TOP_K}, d_model {args.width}, hidden "
+          f"{4 * args.width}), forward and backward of {args.tokens} tokens, fp32, one thread "
+          f"a rank; median of {args.rounds}, slowest rank")
+    print(f"{'ranks':>6} {'one process':>12} {'ep, ours':>10} {'ep, torch a2a':>14} "
+          f"{'ours / one':>11} {'ours / torch':>13} {'target':>7}")
+    for ep in (2, 4):
+        with Pool(ep, timeout=600) as pool:
+            per_rank = pool.run(step_times, args.tokens, args.width, args.rounds).results
+        med = {k: statistics.median(max(ts) for ts in zip(*(r[k] for r in per_rank)))
+               for k in ("one", "ours", "torch")}
+        ratio = med["ours"] / med["one"]
+        target = ("met" if ratio <= 0.75 else "MISSED") if ep == 2 else ""
+        print(f"{ep:>6} {1e3 * med['one']:>10.1f}ms {1e3 * med['ours']:>8.1f}ms "
+              f"{1e3 * med['torch']:>12.1f}ms {ratio:>11.2f} "
+              f"{med['ours'] / med['torch']:>13.2f} {target:>7}")
+
+    print(f"\n2. bytes a rank sends in one layer's step ({args.tokens} tokens a rank, "
+          "routed evenly) and what it holds, measured beside theory")
+    print(f"{'ep':>4} {'forward':>12} {'backward':>12} {'theory':>8} {'expert weights':>15} "
+          f"{'Adam':>10} {'theory':>8}")
+    for ep in (2, 4):
+        with Pool(ep, timeout=600) as pool:
+            got = pool.run(bytes_and_memory, args.tokens, args.width).results
+        want = moe_all_to_all_bytes(args.tokens, TOP_K, args.width, ep, EXPERTS)
+        per_expert = 4 * (2 * 4 * args.width * args.width + 5 * args.width)
+        equal = all((r["forward"], r["backward"]) == (want["forward"], want["backward"])
+                    for r in got)
+        holds = all(r["params"] == EXPERTS // ep * per_expert
+                    and r["optimizer"] == 2 * r["params"] for r in got)
+        r = got[0]
+        print(f"{ep:>4} {format_bytes(r['forward']):>12} {format_bytes(r['backward']):>12} "
+              f"{'equal' if equal else 'DIFFERS':>8} {format_bytes(r['params']):>15} "
+              f"{format_bytes(r['optimizer']):>10} {'equal' if holds else 'DIFFERS':>8}")
+
+    print(f"\n3. balance over the last quarter of {args.steps} steps, GPT 2 x 64 with "
+          f"{EXPERTS} experts (top {TOP_K}), the corpus, one process")
+    from parcourse.corpus import build_corpus
+
+    corpus = build_corpus(args.corpus)
+    print(f"{'balancing':>10} {'busiest expert / mean':>22} {'busiest of 4 ranks / mean':>26} "
+          f"{'loss':>7}")
+    for method in ("none", "aux loss", "bias"):
+        b = balance(str(corpus.directory), args.steps, method)
+        print(f"{method:>10} {b['expert']:>22.2f} {b['rank']:>26.2f} {b['loss']:>7.3f}")
+
+
+if __name__ == "__main__":
+    main()

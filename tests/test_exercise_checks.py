@@ -35,8 +35,8 @@ WRONG = [_raises, _stub, _none, _text, _one, _list_of_one]
 
 def _checks():
     from parcourse.experiments import (all_reduce, checkpointing, context_parallel,
-                                       data_parallel, hybrid, launching, pipeline, planning,
-                                       training, zero, zero_beyond)
+                                       data_parallel, experts, hybrid, launching, pipeline,
+                                       planning, training, zero, zero_beyond)
 
     return {  # lesson: check, taking (answer) or (answer, pool)
         "00 average": (launching.check_average, True),
@@ -53,6 +53,7 @@ def _checks():
         "09 plan": (planning.check_plan, False),
         "10 rows": (training.check_replica_rows, False),
         "11 merge": (context_parallel.check_merge, False),
+        "11 dispatch": (experts.check_dispatch, False),
     }
 
 

@@ -161,3 +161,34 @@ def test_experts_that_do_not_divide_by_ep_are_refused():
 def test_ranks_whose_experts_receive_nothing_still_run_backward(pools):
     for counts, has_grad in pools[4].run(experts_that_receive_nothing).results:
         assert counts == [6, 0, 0, 0] and has_grad
+
+
+def test_lesson_11s_dispatch_exercise_names_each_mistake(capsys):
+    """The solution passes and matches the library's `permute`; rows per expert, an
+    unstable sort and the routing's own order are each named."""
+    from parcourse.experiments.experts import check_dispatch, dispatch_plan
+    from parcourse.experts import Routing, permute
+
+    assert check_dispatch(dispatch_plan)
+    chosen = torch.tensor([[2, 0], [1, 2], [3, 0], [0, 3], [2, 1]])
+    routing = Routing(chosen, torch.ones(5, 2), torch.ones(5, 2, dtype=torch.bool),
+                      torch.bincount(chosen.flatten(), minlength=4), torch.zeros(()),
+                      torch.zeros(()))
+    sort = permute(routing, 4)
+    assert dispatch_plan(chosen.tolist(), 4, 2)[1] == (sort.tokens * 2 + sort.slots).tolist()
+    capsys.readouterr()
+
+    def per_expert(c, e, r):
+        return [sum(row.count(x) for row in c) for x in range(e)], dispatch_plan(c, e, r)[1]
+
+    def unstable(c, e, r):
+        flat = [x for row in c for x in row]
+        return dispatch_plan(c, e, r)[0], sorted(range(len(flat)), key=lambda i: (flat[i], -i))
+
+    def unsorted(c, e, r):
+        return dispatch_plan(c, e, r)[0], list(range(len(c) * len(c[0])))
+
+    for wrong, said in ((per_expert, "rows per expert"), (unstable, "stable sort"),
+                        (unsorted, "the routing's own order")):
+        assert check_dispatch(wrong) is False
+        assert said in capsys.readouterr().out

@@ -11,6 +11,7 @@ all-to-all the other way (a dispatch's backward is a combine, and a combine's a 
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -56,17 +57,27 @@ _A2A_TAG = 1000  # the all-to-all's messages: tags apart from the ring's (its st
 
 
 class AllToAll(torch.autograd.Function):
-    """`all_to_all`; backward: the same, the other way."""
+    """`all_to_all`; backward: the same, the other way. `name`: a span on the comm's
+    tracer around each (forward `name`, backward `name` + " grad"), for a timeline."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, comm: Comm, sends: list[int],
-                receives: list[int]) -> torch.Tensor:
-        ctx.comm, ctx.sends, ctx.receives = comm, sends, receives
-        return all_to_all(comm, x, sends, receives)
+                receives: list[int], name: str | None = None) -> torch.Tensor:
+        ctx.comm, ctx.sends, ctx.receives, ctx.name = comm, sends, receives, name
+        with _span(comm, name):
+            return all_to_all(comm, x, sends, receives)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return all_to_all(ctx.comm, grad, ctx.receives, ctx.sends), None, None, None
+        with _span(ctx.comm, ctx.name and f"{ctx.name} grad"):
+            back = all_to_all(ctx.comm, grad, ctx.receives, ctx.sends)
+        return back, None, None, None, None
+
+
+def _span(comm: Comm, name: str | None) -> AbstractContextManager[None]:
+    if comm.tracer is None or not name:
+        return nullcontext()
+    return comm.tracer.span(name, "comm")
 
 
 def exchange_counts(comm: Comm, counts: list[int],

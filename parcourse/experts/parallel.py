@@ -25,6 +25,7 @@ expert-data-parallel group): its gradient is summed over them, the rest over all
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -76,11 +77,12 @@ def run_expert_parallel(m: MoE, flat: torch.Tensor, routing: Routing) -> torch.T
     counts = torch.tensor(sort.counts, dtype=torch.int64, device=flat.device)
     arriving = all_to_all(comm, counts, [held] * size, [held] * size).view(size, held).cpu()
     receives = arriving.sum(1).tolist()  # rows from each source
-    got = AllToAll.apply(flat[sort.tokens], comm, sends, receives)  # source by source
+    got = AllToAll.apply(flat[sort.tokens], comm, sends, receives, "dispatch")  # by source
     order = _expert_major(arriving)
-    y = m.experts_batched(got[order], arriving.sum(0).tolist())
+    with comm.tracer.span("experts") if comm.tracer is not None else nullcontext():
+        y = m.experts_batched(got[order], arriving.sum(0).tolist())
     back = torch.empty_like(order).scatter_(0, order, torch.arange(len(order)))
-    out = AllToAll.apply(y[back], comm, receives, sends)  # each row home, in sorted order
+    out = AllToAll.apply(y[back], comm, receives, sends, "combine")  # each row home, sorted
     return unpermute(out, sort, routing, flat.shape[0])
 
 

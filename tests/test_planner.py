@@ -802,3 +802,24 @@ def test_nothing_fits_says_why():
     assert "nothing fits" in text
     assert "runs microbatches of 3125 sequences" in text, text
     assert "x the global batch does not cut into dp x microbatches equal parts" in text, text
+
+
+def test_a_gpt_with_experts_is_refused_not_priced_as_dense():
+    """The planner counts a dense GPT: with experts (or ep) it says so in one line, in
+    predict_memory, predict_time and the search, rather than pricing the experts' MLPs as
+    one MLP."""
+    from parcourse.models import GPTConfig
+    from parcourse.planner.inputs import Choice, Cluster
+    from parcourse.planner.predict import predict_memory
+    from parcourse.planner.search import plan
+
+    config = GPTConfig(vocab=64, block_size=16, n_layers=2, n_heads=4, d_model=32, experts=4)
+    with pytest.raises(ValueError, match="the planner prices dense GPTs"):
+        predict_memory(config, Choice(dp=2, microbatches=2), 8)
+    with pytest.raises(ValueError, match="the planner prices dense GPTs"):
+        predict_time(config, Choice(ep=2, microbatches=2), 8, Cluster.preset("a100", 2))
+    plans = plan(config, Cluster.preset("a100", 8), 16)
+    assert not plans.ranked and plans.rejected
+    assert any("the planner prices dense GPTs" in r.why_not for r in plans.rejected)
+    assert all("the planner prices dense GPTs" in r.why_not for r in plans.rejected
+               if not r.choice.problems(config, 16, world=8, step=False))

@@ -41,9 +41,19 @@ from parcourse.theory import (
 # --------------------------------------------------------------------------- memory
 
 
-def _unpriced(choice: Choice, dtype: str = "fp32", time: bool = False) -> None:
+EXPERTS_UNPRICED = ("the planner prices dense GPTs: a mixture of experts' memory is "
+                    "theory.mesh_bytes' and theory.expert_bytes', its all-to-alls "
+                    "theory.moe_all_to_all_bytes', but not yet its step time or its "
+                    "activations; train3d --experts --ep runs it")
+
+
+def _unpriced(config: GPTConfig, choice: Choice, dtype: str = "fp32",
+              time: bool = False) -> None:
     """Refuses what the model here does not count, rather than pricing it as if it were
-    not there: context parallelism's step time, and its memory but the ring's in fp32."""
+    not there: experts (and ep), context parallelism's step time, and its memory but the
+    ring's in fp32."""
+    if config.experts or choice.ep > 1:
+        raise ValueError(EXPERTS_UNPRICED)
     if choice.cp == 1:
         return
     if time:
@@ -122,7 +132,7 @@ def predict_memory(config: GPTConfig, choice: Choice, global_batch: int,
     if checkpoint not in ("stage", "block"):
         raise ValueError(f"checkpoint {checkpoint!r} is neither stage nor block")
     choice.check(config, global_batch, step=False)  # what any implementation could run
-    _unpriced(choice, dtype)
+    _unpriced(config, choice, dtype)
     plan = _schedule(choice.schedule, choice.pp, choice.microbatches, choice.chunks)
     layers = stage_layers(config, choice)
     batch = global_batch // (choice.dp * choice.microbatches)
@@ -397,7 +407,7 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     step); the optimizer, which every rank runs at once, by ranks / cores. With the
     compute simulated (`cluster.compute_simulated`, `scaled`), only the optimizer, which
     a stage's dp x tp ranks run at once (a pipeline's stages end apart)."""
-    _unpriced(choice, dtype, time=True)
+    _unpriced(config, choice, dtype, time=True)
     plan = _schedule(choice.schedule, choice.pp, choice.microbatches, choice.chunks)
     layers = stage_layers(config, choice)
     batch = global_batch // (choice.dp * choice.microbatches)

@@ -14,7 +14,7 @@ from typing import Any
 from parcourse.models import GPTConfig
 from parcourse.plan import Recompute, Split
 from parcourse.planner.inputs import Choice, Cluster, Dtype, GiB, check_dtype
-from parcourse.planner.predict import predict_memory, predict_time
+from parcourse.planner.predict import EXPERTS_UNPRICED, predict_memory, predict_time
 
 
 @dataclass
@@ -87,6 +87,8 @@ def plan(config: GPTConfig, cluster: Cluster, global_batch: int, *, dtype: Dtype
         item = Planned(choice)
         if problems := choice.problems(config, global_batch, world=cluster.gpus, step=here):
             item.why_not = "; ".join(problems)
+        elif config.experts or choice.ep > 1:  # refused rather than priced as dense
+            item.why_not = EXPERTS_UNPRICED
         elif choice.cp > 1:  # refused rather than priced as if the sequence were whole
             item.why_not = (f"cp {choice.cp}: the planner prices context parallelism's memory, "
                             "not yet its step time; train3d --cp runs it")

@@ -102,3 +102,25 @@ def test_context_parallel_benchmark_prints_the_balance_and_torchs_answer():
     bad = subprocess.run([sys.executable, str(script), "--tokens", "0"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "--tokens must be >= 1, got 0" in bad.stderr
+
+
+def test_experts_benchmark_prints_its_three_tables(tmp_path):
+    """Tiny sizes: the step-time rows at 2 and 4 ranks with their ratios, the bytes and
+    memory equal to the formulas, and a balance row per method (a corpus of the test's
+    own, small)."""
+    script = SCRIPT.parent / "experts.py"
+    corpus = tmp_path / "corpus"
+    done = subprocess.run([sys.executable, str(script), "--tokens", "64", "--width", "16",
+                           "--rounds", "1", "--steps", "4", "--corpus", str(corpus)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    rows = [line.split() for line in out.splitlines() if re.match(r"\s+[24]\s+[\d.]+ms", line)]
+    assert [r[0] for r in rows] == ["2", "4"]
+    assert re.search(r"\s+2\s.*\s(met|MISSED)$", out, re.M)
+    assert len(re.findall(r"equal\s+\S+ \S+\s+\S+ \S+\s+equal", out)) == 2, out
+    for method in ("none", "aux loss", "bias"):
+        assert re.search(rf"^\s+{method}\s+[\d.]+\s+[\d.]+\s+[\d.]+$", out, re.M), out
+    bad = subprocess.run([sys.executable, str(script), "--tokens", "6"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "--tokens must divide by 4" in bad.stderr

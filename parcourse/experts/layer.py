@@ -25,6 +25,7 @@ the last forward's routing (counts, drops, the two losses' values) for plots and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -100,7 +101,10 @@ class MoE(nn.Module):
         self.down_bias = nn.Parameter(torch.zeros(experts, d_model))
         for w in (self.up_weight, self.down_weight):
             nn.init.normal_(w, std=0.02)
-        self.comm: Any = None  # expert parallel: the ep group's Comm (parallel.py)
+        # expert parallel (parallel.py sets both): the ep group's Comm, and the forward
+        # that dispatches to it (given, not imported: the layer knows no distribution)
+        self.comm: Any = None
+        self.run_parallel: Callable[[MoE, torch.Tensor, Routing], torch.Tensor] | None = None
         self.first = 0  # the first expert this module holds
         self.last: Routing | None = None
 
@@ -136,10 +140,8 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])  # (N, C)
         routing = self.router(flat)
         self.last = routing
-        if self.comm is not None:
-            from parcourse.experts.parallel import run_expert_parallel
-
-            out = run_expert_parallel(self, flat, routing)
+        if self.run_parallel is not None:
+            out = self.run_parallel(self, flat, routing)
         elif self.mode == "loop":
             out = self._loop(flat, routing)
         else:

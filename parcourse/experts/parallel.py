@@ -56,7 +56,7 @@ def expert_parallel(model: nn.Module, comm: Comm) -> nn.Module:
         for name in ("up_weight", "up_bias", "down_weight", "down_bias"):
             whole = getattr(m, name)
             setattr(m, name, nn.Parameter(whole.detach()[m.first:m.first + held].clone()))
-        m.comm = comm
+        m.comm, m.run_parallel = comm, run_expert_parallel
     return model
 
 

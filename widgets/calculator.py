@@ -23,6 +23,10 @@ WORLD_SIZES = [2**k for k in range(11)]  # 1 .. 1024: how clusters grow
 
 
 class MemoryCalculator:
+    """ZeRO's bytes per rank for a model of `params_billions` on `world_size` ranks at
+    `stage`, in `dtype` (fp32, or bf16 with fp32 masters): controls and a chart, redrawn
+    as they change (lesson 03). Display it as a cell's last value."""
+
     def __init__(self, params_billions: float = 7.0, world_size: int = 8, stage: int = 0,
                  dtype: str = "bf16 + fp32 master") -> None:
         if world_size not in WORLD_SIZES:

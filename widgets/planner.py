@@ -26,6 +26,10 @@ GPUS = [8, 16, 32, 64, 128, 256, 512]
 
 
 class PlannerPanel:
+    """The planner on a published cluster (lesson 09): `model_name` of Narayanan et al.'s
+    table on `gpus` GPUs of type `gpu`, a global `batch` of sequences of `seq` tokens; the
+    `top` plans ranked with their memory and step split, redrawn by its Plan button."""
+
     def __init__(self, model_name: str = "13B", gpus: int = 32, gpu: str = "h100",
                  batch: int = 256, seq: int = 4096, top: int = 6) -> None:
         if model_name not in MODELS:

@@ -23,6 +23,8 @@ __all__ = ["COMMANDS", "build_parser", "main", "parse_count", "parse_size"]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """`python -m parcourse`'s parser: one subcommand per module of parcourse.cli, each
+    adding its own arguments."""
     parser = argparse.ArgumentParser(
         prog="python -m parcourse",
         description="parcourse: distributed training, built from scratch and measured.",
@@ -36,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run `python -m parcourse ARGV` (the command line's words, default sys.argv): bad
+    input is refused in one line before any rank starts; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     command = args.command_module

@@ -165,6 +165,7 @@ class MoE(nn.Module):
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
+    """Every MoE layer of `model`, in module order."""
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 

@@ -61,6 +61,7 @@ def expert_parallel(model: nn.Module, comm: Comm) -> nn.Module:
 
 
 def check_ep(experts: int, ep: int) -> None:
+    """One line (ValueError) for an ep that cannot cut `experts` experts evenly."""
     if ep < 1:
         raise ValueError(f"ep must be >= 1, got {ep}")
     if experts % ep:

@@ -7,7 +7,7 @@ TORCH_VERSION ?= 2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.parcourse-installed
 
-.PHONY: lab test install doctor bench clean
+.PHONY: lab test install doctor bench clean site
 
 install: $(STAMP)
 
@@ -34,6 +34,11 @@ lab: $(STAMP)
 TEST_WORKERS ?= 3
 test: $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+
+# The course as a static site in out/site (the lessons executed at their small parameters,
+# the docs, the library's reference): open out/site/index.html.
+site: $(STAMP)
+	$(PY) site/build.py --out out/site
 
 doctor: $(STAMP)
 	$(PY) -m parcourse doctor

@@ -12,27 +12,10 @@ import papermill
 import pytest
 
 LESSONS = sorted((Path(__file__).parent.parent / "lessons").glob("[0-9][0-9]_*.ipynb"))
-# Small enough to run in seconds on a 2-core machine; the same fields as each parameters cell.
-SMALL = {
-    "00_launching_ranks": {"world_size": 2, "work_ms": 20.0},
-    "01_ring_all_reduce": {"world_size": 2, "numel": 1 << 12, "latency_us": 50.0,
-                           "bandwidth_gbps": 1.0, "max_size_kb": 256, "repeats": 2},
-    "02_data_parallel": {"world_size": 2, "steps": 2, "width": 64, "depth": 4, "batch": 128,
-                         "latency_us": 100.0, "bandwidth_gbps": 1.0, "ps_updates": 4,
-                         "ps_ranks": 4},
-    "03_memory_and_zero": {"world_size": 2, "params": 100_000, "bucket_mb": 0.1},
-    "04_zero3": {"world_size": 2, "params": 100_000, "depth": 3, "steps": 2, "zpp_steps": 3},
-    "05_tensor_parallel": {"world_size": 2, "d_model": 48, "batch": 4, "steps": 1,
-                           "timing_steps": 1},
-    "06_pipelines": {"world_size": 2, "microbatches": 4, "layers": 4, "forward_ms": 20.0,
-                     "backward_ms": 40.0, "batch": 8},
-    "07_1f1b_and_beyond": {"world_size": 2, "microbatches": 4, "layers": 4, "forward_ms": 20.0,
-                           "backward_ms": 40.0, "weight_ms": 20.0, "batch": 8},
-    "08_activation_checkpointing": {"world_size": 2, "layers": 16, "width": 16, "batch": 8},
-    "09_mesh_and_3d": {"world_size": 2, "steps": 1, "microbatches": 1},
-    "10_training_for_real": {"world_size": 2, "steps": 16},
-    "11_long_context_and_experts": {"world_size": 2, "tokens": 64},
-}
+# Small enough to run in seconds on a 2-core machine; the same fields as each parameters
+# cell. The site's build (site/build.py) executes the lessons with the same.
+SMALL = json.loads((Path(__file__).parent.parent / "lessons" / "small_parameters.json")
+                   .read_text())
 # A world size that divides nothing, as a learner may type it into the parameters cell:
 # whatever depends on it (chunks, slices, batches) must be derived, not assumed.
 AWKWARD = {"world_size": 3}

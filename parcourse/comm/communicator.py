@@ -7,7 +7,7 @@ staged over gloo) reaches every strategy from one place.
 - `algorithm`: "torch" (torch.distributed's collectives, run by the backend's
   own threads), "ring" (this course's, built from send/recv: it counts the bytes
   it sends and can go over a simulated link), or "auto": the ring on gloo, whose
-  own reduce-scatter and all-gather are slow (README), torch's otherwise.
+  own reduce-scatter and all-gather are slow (docs/zero.md), torch's otherwise.
 - The collectives: `all_reduce(tensor, op)` in place, `reduce_scatter(buffer)`
   (this rank's part of the sum), `all_gather(part, whole)`. With
   `async_op=True`, as in torch.distributed, each returns a `Pending` at once:
@@ -107,7 +107,7 @@ class Comm:
             raise ValueError(f"unknown algorithm {algorithm!r}; choose 'torch', 'ring' or 'auto'")
         self.group, self.rank, self.size = group_info(group)
         self._gloo = backend_for(self.group, "cuda") == "gloo"  # gloo alone: CUDA staged
-        if algorithm == "auto":  # gloo's own reduce-scatter and all-gather are slow (README)
+        if algorithm == "auto":  # gloo's own reduce-scatter and all-gather are slow (docs/zero.md)
             ring = link is not None or self._gloo
             algorithm = "ring" if ring else "torch"
         if link is not None and algorithm != "ring":

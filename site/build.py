@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import pkgutil
 import shutil
 import subprocess
@@ -39,9 +40,16 @@ def execute(lesson: Path, out: Path) -> None:
     import papermill
 
     small = json.loads((REPO / "lessons" / "small_parameters.json").read_text())
-    papermill.execute_notebook(str(lesson), str(out), parameters=small[lesson.stem],
-                               kernel_name="python3", cwd=str(lesson.parent),
-                               progress_bar=False, execution_timeout=600)
+    # The kernel inherits this process' environment: a test's MPLBACKEND=Agg would leave
+    # every figure undrawn, where the page needs the notebook's own (inline) backend.
+    backend = os.environ.pop("MPLBACKEND", None)
+    try:
+        papermill.execute_notebook(str(lesson), str(out), parameters=small[lesson.stem],
+                                   kernel_name="python3", cwd=str(lesson.parent),
+                                   progress_bar=False, execution_timeout=600)
+    finally:
+        if backend is not None:
+            os.environ["MPLBACKEND"] = backend
 
 
 def static(notebook: dict) -> dict:

@@ -328,11 +328,12 @@ class RuledDataParallel(BucketedDataParallel):
         self._ready.clear()
 
 
-def train_with_rule(ctx: RankContext, rule: LaunchRule | None, steps: int = 3, *,
+def train_with_rule(ctx: RankContext, rule: LaunchRule | str | None, steps: int = 3, *,
                     width: int = 256, depth: int = 6, batch: int = 256, bucket_mb: float = 1.0,
                     latency_us: float = 0.0, bandwidth_gbps: float | None = None) -> list[float]:
     """Traced training steps with buckets started by `rule` (None: only after backward,
-    no overlap); returns seconds per step, the first one (warm-up) left out."""
+    no overlap; "library": `BucketedDataParallel`'s own rule); returns seconds per step,
+    the first one (warm-up) left out."""
     from parcourse.data import local_regression
     from parcourse.models import mlp
 
@@ -341,8 +342,12 @@ def train_with_rule(ctx: RankContext, rule: LaunchRule | None, steps: int = 3, *
     ctx.tracer.set_status("building the model")
     model = mlp(width, width, width, depth=depth).to(ctx.device)
     kwargs = {"bucket_mb": bucket_mb, "algorithm": algorithm, "link": link, "tracer": ctx.tracer}
-    ddp = (BucketedDataParallel(model, ctx.group, overlap=False, **kwargs) if rule is None
-           else RuledDataParallel(model, ctx.group, rule, **kwargs))
+    if rule is None or rule == "library":
+        ddp = BucketedDataParallel(model, ctx.group, overlap=rule == "library", **kwargs)
+    elif callable(rule):
+        ddp = RuledDataParallel(model, ctx.group, rule, **kwargs)
+    else:
+        raise ValueError(f"rule: a function, None or 'library', got {rule!r}")
     opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
     x, y = local_regression(batch, width, width, ctx.rank, ctx.world_size, ctx.device)
     times = []

@@ -561,6 +561,9 @@ class Hybrid:
                          "ulysses": "all-to-all, to a head cut and back"}[self.shard.method]
             row("forward", "attention's keys and values, every block of the sequence", "cp",
                 attention, cp)
+        ep = self.mesh.ranks("ep") if self._experts else []
+        row("forward", "each MoE layer's tokens to their experts' ranks (after the counts), "
+            "and the outputs back", "ep", "all-to-all, there and back (no sum)", ep)
         row("forward", "activations, stage to stage", "pp", "send / recv (no sum)", pp)
         row("loss", "the logits' max, sum of exps and target logit (vocabulary-parallel "
             "cross entropy)", "tp", "all-reduce (max, sum)", tp)
@@ -575,6 +578,8 @@ class Hybrid:
                     "all-gather": "reduce-scatter (sum) to each block's owner",
                     "ulysses": "all-to-all, to a head cut and back"}[self.shard.method]
             row("backward", "attention's keys' and values' gradients", "cp", back, cp)
+        row("backward", "the combine's and the dispatch's gradients, the other way", "ep",
+            "all-to-all, there and back (no sum)", ep)
         row("backward", "activations' gradients, stage to stage", "pp",
             "send / recv (no sum)", pp)
         if self.zero == 3:
@@ -597,7 +602,14 @@ class Hybrid:
                 "reduce-scatter (mean): a slice each", dp)
         else:
             row("finalize 1", "every gradient, in buckets: the tied weights' start here, each "
-                "stage's started after its last backward", replicas, "all-reduce (mean)", dp)
+                "stage's started after its last backward" + (", the experts' apart"
+                                                             if ep else ""),
+                replicas, "all-reduce (mean)", dp)
+        if ep:
+            copies = self._expert_replica_axes
+            row("finalize 1", "each expert's gradient, over the ranks holding the same "
+                "experts", "-".join(copies), "reduce-scatter (mean over every replica)"
+                if zero else "all-reduce (mean over every replica)", self.mesh.ranks(*copies))
         if self.max_norm is not None:
             axes = self._norm_axes
             row("finalize 2", "the squared gradient norm (each element once)",

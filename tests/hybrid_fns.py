@@ -72,9 +72,9 @@ def memory_after_a_step(ctx, shape, zero, config=CONFIG):
     return model.memory(), len(model.params)
 
 
-def reductions(ctx, shape, **kwargs):
+def reductions(ctx, shape, config=CONFIG, **kwargs):
     """`Hybrid.reductions()` on this rank, the model built as asked."""
-    return Hybrid(gpt(CONFIG), Mesh(shape, ctx.group), **kwargs).reductions()
+    return Hybrid(gpt(config), Mesh(shape, ctx.group), **kwargs).reductions()
 
 
 def dp_bytes_by_zero(ctx, shape, zero, microbatches):

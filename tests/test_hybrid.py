@@ -573,3 +573,16 @@ def test_cli_refuses_bad_expert_settings_in_one_line(capsys, argv, message):
     assert stopped.value.code == 2
     said = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(said) == 1 and message in said[0], said
+
+
+def test_reductions_with_experts_name_ep_and_the_experts_copies(pool4):
+    """dp 2 x ep 2: the tokens' all-to-alls over ep, the dense gradients' mean over dp x ep,
+    each expert's over dp (the ranks holding the same experts), the norm over tp, pp, ep."""
+    from hybrid_fns import reductions
+
+    rows = pool4.run(reductions, {"dp": 2, "ep": 2}, EXPERTS, max_norm=1.0).results[0]
+    by = {(r["when"], r["axis"]): r for r in rows}
+    assert by["forward", "ep"]["ranks"] == by["backward", "ep"]["ranks"] == [0, 1]
+    assert by["finalize 1", "dp-ep"]["ranks"] == [0, 1, 2, 3]
+    assert by["finalize 1", "dp"]["ranks"] == [0, 2]
+    assert by["finalize 2", "tp-pp-ep"]["ranks"] == [0, 1]

@@ -463,6 +463,7 @@ EXPERT_TOL = {"rtol": 1e-4, "atol": 5e-5}
     ({"ep": 2, "tp": 2}, "1f1b", {"max_norm": CLIP}, {"bias_rate": 0.01}),
     ({"dp": 2, "ep": 2}, "1f1b", {"zero": 3, "max_norm": CLIP}, {}),
     ({"ep": 4}, "1f1b", {"zero": 2}, {"capacity_factor": 1.25}),
+    ({"ep": 2, "pp": 2}, "1f1b", {"recompute": True}, {"bias_rate": 0.01}),
 ])
 def test_3d_with_experts_cut_over_ep_equals_one_process(request, shape, schedule, kwargs,
                                                          changes):

@@ -165,6 +165,7 @@ def grade_notebook(path: Path, found: list[Exercise], timeout: float = 600
     calls = [(e.id, e.check) for e in found]
     nb.cells.append(nbformat.v4.new_code_cell(_ASK % repr(calls)))
     NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
+                   startup_timeout=300,  # a class's server starts many kernels at once
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     errors = [f"{o.get('ename')}: {o.get('evalue', '')}"[:200] for c in nb.cells[:-1]
               for o in c.get("outputs", []) if o.get("output_type") == "error"]

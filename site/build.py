@@ -46,7 +46,8 @@ def execute(lesson: Path, out: Path) -> None:
     try:
         papermill.execute_notebook(str(lesson), str(out), parameters=small[lesson.stem],
                                    kernel_name="python3", cwd=str(lesson.parent),
-                                   progress_bar=False, execution_timeout=600)
+                                   progress_bar=False, execution_timeout=600,
+                                   start_timeout=300)  # a busy machine starts kernels slowly
     finally:
         if backend is not None:
             os.environ["MPLBACKEND"] = backend

@@ -410,7 +410,7 @@ def test_a_long_run_in_a_notebook_shows_a_live_status_line(capsys):
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell("from parcourse import launch\nfrom rankfns import slow\n"
                                           "print(launch(slow, 2, 4.5).results)")]
-    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=120,
+    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=120, startup_timeout=300,
                                      resources={"metadata": {"path": str(Path(__file__).parent)}})
     seen = []
     process = client.process_message

@@ -221,7 +221,7 @@ def test_a_panel_cell_leaves_the_clients_shell_socket_alone():
 
     notebook = nbformat.v4.new_notebook()
     notebook.cells = [nbformat.v4.new_code_cell(PANEL_CELL)]
-    client = NotebookClient(notebook, kernel_name="python3", timeout=120)
+    client = NotebookClient(notebook, kernel_name="python3", timeout=120, startup_timeout=300)
     sent = []
 
     def count_what_the_client_sends(**_):

@@ -39,3 +39,18 @@ def test_every_public_name_has_a_docstring():
                     missing.append(f"{package}.{name}")
     assert seen > 150, seen  # the walk found the packages
     assert not missing, "no docstring: " + ", ".join(missing)
+
+
+def test_the_reference_github_shows_is_up_to_date():
+    """docs/reference.md (every public name, its signature and the first paragraph of its
+    docstring, what a reader of the repository finds one click from the README) is what
+    `python site/build.py --reference` writes now."""
+    import importlib.util
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("site_build", repo / "site" / "build.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    assert (repo / "docs" / "reference.md").read_text() == build.reference_markdown(), \
+        "docs/reference.md is out of date: python site/build.py --reference"

@@ -48,11 +48,21 @@ def execute(path, out, parameters, then=None):
         copy = out.with_name("with_then_" + path.name)
         copy.write_text(json.dumps(notebook))
         path = copy
-    papermill.execute_notebook(
-        str(path), str(out), parameters=parameters, kernel_name="python3",
-        cwd=str(path.parent), execution_timeout=CELL_TIMEOUT_S, progress_bar=False,
-        start_timeout=KERNEL_START_S,
-    )
+    for attempt in (1, 2):
+        try:
+            papermill.execute_notebook(
+                str(path), str(out), parameters=parameters, kernel_name="python3",
+                cwd=str(path.parent), execution_timeout=CELL_TIMEOUT_S, progress_bar=False,
+                start_timeout=KERNEL_START_S,
+            )
+            break
+        except RuntimeError as e:
+            # Only the kernel's own start is tried again: jupyter_client picks its ports
+            # before the kernel binds them, and beside busy work another process took one
+            # in between once ("Address already in use"). A cell's error is
+            # PapermillExecutionError and fails at once.
+            if attempt == 2 or "Kernel died before replying" not in str(e):
+                raise
     executed = json.loads(out.read_text())
     errors = [o for c in executed["cells"] for o in c.get("outputs", [])
               if o.get("output_type") == "error"]

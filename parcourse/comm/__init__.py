@@ -19,7 +19,7 @@
 """
 
 from parcourse.comm import ring
-from parcourse.comm.alltoall import AllToAll, all_to_all, exchange_counts
+from parcourse.comm.alltoall import AllToAll, all_to_all
 from parcourse.comm.common import (
     DTYPES,
     OPS,
@@ -61,7 +61,6 @@ __all__ = [
     "Network",
     "SimulatedLink",
     "all_to_all",
-    "exchange_counts",
     "Topology",
     "link_between",
     "backend_for",

@@ -78,13 +78,3 @@ def _span(comm: Comm, name: str | None) -> AbstractContextManager[None]:
     if comm.tracer is None or not name:
         return nullcontext()
     return comm.tracer.span(name, "comm")
-
-
-def exchange_counts(comm: Comm, counts: list[int],
-                    device: torch.device | str = "cpu") -> list[int]:
-    """`counts[j]`: what this rank will send rank j; returns what each rank will send this
-    one (one int each way, an all-to-all of counts before the all-to-all of rows; on
-    `device`, the rows' own, as NCCL wants)."""
-    got = all_to_all(comm, torch.tensor(counts, dtype=torch.int64, device=device),
-                     [1] * comm.size, [1] * comm.size)
-    return [int(c) for c in got.tolist()]

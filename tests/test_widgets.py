@@ -181,6 +181,9 @@ def test_planner_panel_plans_when_made_and_refuses_a_bad_batch():
 
     panel = PlannerPanel(model_name="1.3B", gpus=8, gpu="a100", batch=64, seq=2048)
     assert " fit, " in panel.text and "configurations in" in panel.status.value
+    # the table shown as it is: one row a line, scrolled sideways rather than wrapped
+    table = panel.out.outputs[0]["data"]["text/html"]
+    assert "white-space: pre;" in table and "overflow-x: auto" in table
     panel.batch.value = 0
     panel.update()
     # refused in words, and the last result (for other inputs) taken away
@@ -243,3 +246,28 @@ def test_a_panel_cell_leaves_the_clients_shell_socket_alone():
     shown = [o for s in state.values() for o in s.get("outputs", [])]
     assert any("image/png" in o.get("data", {}) for o in shown)
     assert any("shown as an error" in o.get("data", {}).get("text/html", "") for o in shown)
+
+
+def test_the_planners_figure_keeps_its_words_inside_and_apart():
+    """Lesson 09's planner chart: each MFU label inside its axes, the two legends side by
+    side without touching, and the table's numbers in line however long a plan's name."""
+    import matplotlib.pyplot as plt
+
+    from parcourse.experiments import figures
+    from parcourse.planner import Cluster, format_plans, model, plan
+
+    cluster = Cluster.preset("a100", 8)
+    plans = plan(model("1.3B", 2048), cluster, 64, dtype="bf16")
+    fig = figures.plan_bars(plans, cluster.memory, top=6)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    mem_ax, time_ax = fig.axes
+    box = time_ax.get_window_extent(renderer)
+    for text in time_ax.texts:
+        assert box.x0 <= text.get_window_extent(renderer).x1 <= box.x1, text.get_text()
+    left, right = (ax.get_legend().get_window_extent(renderer) for ax in (mem_ax, time_ax))
+    assert left.x1 <= right.x0, "the legends overlap"
+    plt.close(fig)
+    lines = format_plans(plans, 6).splitlines()[:7]
+    ends = {len(line) - len(line.split(" (pp ")[-1]) for line in lines[1:]}
+    assert len(ends) == 1, "the rows' columns do not line up"

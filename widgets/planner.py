@@ -15,7 +15,7 @@ import html
 import time
 
 import ipywidgets as W
-from IPython.display import display
+from IPython.display import HTML, display
 
 from parcourse.comm import SimulatedLink
 from parcourse.experiments import figures
@@ -36,7 +36,7 @@ class PlannerPanel:
             raise ValueError(f"unknown model {model_name!r}; choose one of {', '.join(MODELS)}")
         if gpus not in GPUS:
             raise ValueError(f"gpus must be one of {GPUS}, got {gpus}")
-        style = {"description_width": "130px"}
+        style = {"description_width": "150px"}  # "between nodes GB/s" whole
         self.model = W.Dropdown(options=list(MODELS), value=model_name, description="model",
                                 style=style)
         self.gpus = W.Dropdown(options=GPUS, value=gpus, description="GPUs", style=style)
@@ -75,7 +75,10 @@ class PlannerPanel:
                      f"{self.gpus.value} x {self.gpu.value}, batch {self.batch.value} x "
                      f"{self.seq.value} tokens")
             fig = figures.plan_bars(plans, cluster.memory, top=self.top, title=title)
-            show(self.out, self.text, fig)
+            # the table as it is, one row a line (scrolled sideways, never wrapped)
+            table = HTML("<pre style='white-space: pre; overflow-x: auto; margin: 0'>"
+                         f"{html.escape(self.text)}</pre>")
+            show(self.out, table, fig)
             self.status.value = html.escape(
                 f"{len(plans.ranked) + len(plans.rejected)} configurations in "
                 f"{time.perf_counter() - start:.1f} s")

@@ -172,19 +172,27 @@ def plan_bars(plans: object, memory_limit: float, top: int = 6, closest: int = 3
                                          for i, p in enumerate(rows)], fontsize=8)
     mem_ax.invert_yaxis()
     mem_ax.set_xlabel("GiB on the busiest pipeline rank")
-    mem_ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    # Each legend in rows of three under its own axes: side by side, neither runs into
+    # the other whatever the figure's width.
+    mem_ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    parts = ("compute", "tp", "bubble", "dp", "optimizer", "cores")
+    drawn = [c for c in parts if any(p.time.get(c, 0.0) > 0 for p in ranked)]
+    longest = 0.0
     for y, p in enumerate(ranked):
         left = 0.0
-        for k, c in enumerate(("compute", "tp", "bubble", "dp", "optimizer", "cores")):
+        for k, c in enumerate(parts):
             seconds = max(0.0, p.time.get(c, 0.0))
             time_ax.barh(y, seconds, left=left, color=f"C{k + 4}",
-                         label=c if y == 0 else None)
+                         label=c if y == 0 and c in drawn else None)
             left += seconds
         time_ax.text(left, y, f" MFU {100 * p.time['mfu']:.0f}%", va="center", fontsize=8)
+        longest = max(longest, left)
+    # room inside the axes for the MFU written after the longest bar
+    time_ax.set_xlim(0, 1.25 * longest or 1)
     time_ax.set_yticks(range(len(ranked)), [str(i + 1) for i in range(len(ranked))])
     time_ax.set_ylim(len(rows) - 0.5, -0.5)
     time_ax.set_xlabel("predicted seconds a step")
-    time_ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    time_ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     if title:
         fig.suptitle(title, fontsize=10)
     return fig

@@ -133,13 +133,16 @@ def format_plans(plans: Plans, top: int = 10) -> str:
 
     from parcourse.memory import format_bytes
 
-    lines = [f"{'':>3}  {'configuration':<50} {'step ms':>10} {'compute':>8} {'tp':>7} "
+    shown = plans.ranked[:top]
+    # the labels' own width, so that the numbers line up however long a plan's name
+    width = max([13, *(len(p.choice.label()) for p in shown)])
+    lines = [f"{'':>3}  {'configuration':<{width}} {'step ms':>10} {'compute':>8} {'tp':>7} "
              f"{'bubble':>7} {'dp':>7} {'opt':>6} {'cores':>6} {'tokens/s':>10} {'MFU':>6} "
              f"{'memory (busiest)':>17}"]
-    for k, p in enumerate(plans.ranked[:top], 1):
+    for k, p in enumerate(shown, 1):
         t, mem = p.time, p.memory[p.busiest]
         lines.append(
-            f"{k:>3}  {p.choice.label():<50} {1e3 * t['step']:>10.1f} "
+            f"{k:>3}  {p.choice.label():<{width}} {1e3 * t['step']:>10.1f} "
             f"{1e3 * t['compute']:>8.1f} {1e3 * t['tp']:>7.1f} {1e3 * max(0, t['bubble']):>7.1f} "
             f"{1e3 * t['dp']:>7.1f} {1e3 * t['optimizer']:>6.1f} {1e3 * t['cores']:>6.1f} "
             f"{t['tokens_per_s']:>10.0f} "

@@ -25,7 +25,7 @@ from matplotlib.text import Text
 from matplotlib.transforms import Bbox
 
 from parcourse.memory import CATEGORIES, byte_unit
-from parcourse.trace import Span, Trace
+from parcourse.trace import Span, Trace, with_collective_waits
 
 # A timeline bar's colour says what the span was: the phase of compute, the collective of
 # communication, else its kind. Legends list them in this order.
@@ -217,6 +217,8 @@ def timeline(trace: Trace, ax: Axes | None = None, *, title: str | None = None,
         # ... and what it recorded as communication (a collective over itself) is not
         # drawn under a title that says there is none.
         trace = dataclasses.replace(trace, spans=[s for s in trace.spans if s.kind != "comm"])
+    # a collective's wait for the last of its partners is waiting, not that axis' work
+    trace = with_collective_waits(trace)
     t0 = trace.t0_ns
     end = max((s.end_ns for s in trace.spans), default=t0 + 1)
     span_width = (end - t0) / scale

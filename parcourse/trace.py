@@ -12,6 +12,8 @@ draw and `Trace.to_chrome` exports for Perfetto (https://ui.perfetto.dev).
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import time
 from collections.abc import Iterator, Mapping
@@ -283,6 +285,46 @@ class Trace:
             )
         path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
         return path
+
+
+def with_collective_waits(trace: Trace) -> Trace:
+    """`trace` with each traced collective's wait for its partners drawn apart.
+
+    A collective cannot move its data before every rank of its group has entered it; a
+    rank that entered early spends the time until the last one came waiting, not
+    communicating. Collectives whose spans say their group (`meta["group"]`: the global
+    ranks, as tensor parallelism's do) are matched across the group in the order each
+    rank ran them (every rank runs its group's collectives in the same order, or the
+    run would hang); each is cut at the latest entry into an idle span ("wait for
+    partners") and the communication after it. A group whose ranks traced different
+    numbers of collectives is left as it was (nothing to match reliably).
+    """
+    runs: dict[tuple[int, tuple[int, ...]], list[int]] = {}  # (rank, group): span indices
+    for i, s in enumerate(trace.spans):
+        group = s.meta.get("group")
+        if s.kind == "comm" and group and len(group) > 1:
+            runs.setdefault((s.rank, tuple(group)), []).append(i)
+    cut: dict[int, int] = {}  # span index: when its last partner entered
+    for group in {g for _, g in runs}:
+        per_rank = [runs.get((r, group), []) for r in group]
+        if len({len(x) for x in per_rank}) != 1:
+            continue
+        for matched in zip(*per_rank):
+            last = max(trace.spans[i].start_ns for i in matched)
+            for i in matched:
+                if trace.spans[i].start_ns < last < trace.spans[i].end_ns:
+                    cut[i] = last
+    if not cut:
+        return trace
+    spans: list[Span] = []
+    for i, s in enumerate(trace.spans):
+        if i not in cut:
+            spans.append(s)
+            continue
+        spans.append(dataclasses.replace(s, name=f"wait for partners ({s.name})", kind="idle",
+                                         end_ns=cut[i]))
+        spans.append(dataclasses.replace(s, start_ns=cut[i]))
+    return dataclasses.replace(trace, spans=spans)
 
 
 def _jsonable(meta: Mapping[str, Any]) -> dict[str, Any]:

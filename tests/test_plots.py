@@ -1,5 +1,6 @@
 """Figures draw from real traces and accept an Axes."""
 
+import matplotlib.colors
 import matplotlib.pyplot as plt
 import torch
 from matplotlib.figure import Figure
@@ -223,4 +224,21 @@ def test_memory_against_gpus_writes_a_small_model_in_its_own_unit():
     big = plots.memory_against_gpus({"params": 4e10, "grads": 4e10, "optimizer": 8e10})
     assert big.axes[0].get_ylabel() == "per rank (GiB)"
     assert any("GB" in t.get_text() for t in big.axes[0].texts)
+    plt.close("all")
+
+
+def test_a_collective_waiting_for_its_partner_is_drawn_hatched_not_as_its_axis():
+    """Rank 0 enters a tp all-reduce at 10 ms, rank 1 at 60: rank 0's first 50 ms are
+    drawn as waiting (an outline, hatched), not as a 55 ms bar of tp's colour."""
+    group = {"axis": "tp", "group": (0, 1)}
+    trace = spans_trace(2, (0, "all_reduce", "comm", 10, 65, 0, group),
+                        (1, "all_reduce", "comm", 60, 65, 0, group),
+                        (0, "work", "compute", 0, 10, 0, {}), (1, "work", "compute", 0, 60, 0, {}))
+    fig = plots.timeline(trace, color_by="axis")
+    bars = [p for p in fig.axes[0].patches if p.get_width() > 0]
+    hatched = [p for p in bars if p.get_hatch()]
+    assert [(round(p.get_x()), round(p.get_width())) for p in hatched] == [(10, 50)]
+    tp = [p for p in bars if not p.get_hatch() and p.get_facecolor()[:3]
+          == matplotlib.colors.to_rgb(plots.AXIS_COLORS["tp"])]
+    assert sorted(round(p.get_width()) for p in tp) == [5, 5]
     plt.close("all")

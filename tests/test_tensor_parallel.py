@@ -307,3 +307,22 @@ def test_link_seconds_formula():
     assert tp_link_seconds(one, n, 1e-3, 1e9) == pytest.approx(2 * (n - 1) * (1e-3 + act / n / 1e9))
     half = [("all_gather", "forward", "x", act), ("reduce_scatter", "forward", "x", act)]
     assert tp_link_seconds(half, n, 1e-3, 1e9) == pytest.approx(tp_link_seconds(one, n, 1e-3, 1e9))
+
+
+def test_a_collectives_wait_for_a_late_partner_is_drawn_as_waiting(pools):
+    """Rank 1 enters the first all-reduce 0.2 s after rank 0: drawn, rank 0 waits those
+    0.2 s (an idle span) and communicates only after; a wait cannot be shorter than the
+    sleep, and the communication after it is bounded by the whole collective."""
+    from parcourse.trace import with_collective_waits
+
+    trace = pools[2].run(TP.late_partner, 0.2).trace
+    comm = [s for s in trace.spans if s.kind == "comm"]
+    assert {tuple(s.meta["group"]) for s in comm} == {(0, 1)}
+    drawn = with_collective_waits(trace)
+    waits = [s for s in drawn.spans if s.kind == "idle"]
+    first = [s for s in drawn.spans if s.rank == 0 and s.meta.get("where") == "late"]
+    assert [s.kind for s in first] == ["idle", "comm"]
+    assert first[0].duration_s >= 0.19
+    entered = min(s.start_ns for s in comm if s.rank == 1)
+    assert first[1].start_ns == entered, "the communication starts when the last rank came"
+    assert all(s.rank == 0 for s in waits if s.duration_s > 0.05), "rank 1 did not wait"

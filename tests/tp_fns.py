@@ -506,3 +506,23 @@ def thawed_after_splitting(ctx):
     split = apply_tensor_parallel(model, GPT_PLAN, ctx.group, sequence_parallel=True)
     split.ln_f.requires_grad_(True)
     split(progressions(B, T, CONFIG.vocab)[0])
+
+
+# --------------------------------------------------------------------------- waiting drawn apart
+
+
+def late_partner(ctx, late_s):
+    """Two all-reduces through tensor parallelism's comm, rank 1 arriving `late_s` late to
+    the first: traced, for trace.with_collective_waits."""
+    import time
+
+    from parcourse.comm import Comm
+    from parcourse.tensor_parallel.comm import TPComm
+
+    tp = TPComm(Comm(ctx.group, tracer=ctx.tracer))
+    x = torch.ones(1024)
+    if ctx.rank == 1:
+        time.sleep(late_s)
+    tp.all_reduce(x, "forward", "late")
+    tp.all_reduce(x, "forward", "on time")
+    return None

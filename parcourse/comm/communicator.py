@@ -120,6 +120,11 @@ class Comm:
         self.blocked_s = 0.0
         self.before_blocking: Callable[[], None] | None = None
 
+    @functools.cached_property
+    def ranks(self) -> tuple[int, ...]:
+        """The group's members as global ranks, in the group's order."""
+        return tuple(dist.get_process_group_ranks(self.group))
+
     def __repr__(self) -> str:
         return (f"Comm(rank {self.rank} of {self.size}, algorithm={self.algorithm!r}, "
                 f"link={self.link!r})")

@@ -95,8 +95,10 @@ class TPComm:
         if tracer is None:
             return nullcontext()
         tracer.count("tp_collective", 1, op=op, phase=phase, where=where, size=nbytes)
+        # its group's ranks, so that a drawing can tell waiting for a partner apart
+        # (trace.with_collective_waits)
         return tracer.span(f"{op} ({phase})", kind="comm", op=op, phase=phase,
-                           where=where, size=nbytes)
+                           where=where, size=nbytes, group=self.comm.ranks)
 
     def all_reduce(self, x: torch.Tensor, phase: Phase, where: str,
                    op: Literal["sum", "max"] = "sum") -> torch.Tensor:

@@ -120,7 +120,7 @@ def advertised(path):
     """The world sizes a lesson's parameters cell promises, read from the comment on its
     `world_size = ...` line: "1 to 8", "1 or more", "1 to 4, or 6"."""
     cell = next(c for c in code_cells(path) if "parameters" in c["metadata"].get("tags", []))
-    match = re.search(r"^world_size = \d+\s*#(.*)$", source(cell), re.M)
+    match = re.search(r"^world_size = (?:None|\d+)\s*#(.*)$", source(cell), re.M)
     assert match, f"{path.stem}: the world_size line says which sizes work"
     comment, sizes = match.group(1), set()
     if m := re.search(r"(\d+) to (\d+)", comment):

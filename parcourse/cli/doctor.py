@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from parcourse.cli.options import at_least_one, ranks
-from parcourse.launch import Pool, RankContext, launch
+from parcourse.launch import Pool, RankContext, launch, usable_cpus
 
 HELP = "check this machine: versions, backends, a 2-rank run"
 
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     say(f"python      {platform.python_version()} ({sys.executable})")
     say(f"torch       {torch.__version__} (CUDA build: {torch.version.cuda or 'no'})")
     say(f"platform    {platform.platform()}")
-    say(f"cpu cores   {os.cpu_count()} (usable: {len(os.sched_getaffinity(0))})")
+    say(f"cpu cores   {os.cpu_count()} (usable here: {usable_cpus()}: affinity and cgroup quota)")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     names = [torch.cuda.get_device_name(i) for i in range(gpus)]
     say(f"gpus        {gpus}{' - ' + ', '.join(names) if names else ''}")

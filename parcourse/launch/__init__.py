@@ -16,9 +16,12 @@ runs" covers torchrun and Slurm. By job:
 - registry.py: the live pools of this process (`limit_pools`, `live_pools`,
   `close_pools`); shared.py: the pools shared by size (`shared_pool`).
 - progress.py: the line that says what every rank is doing while the caller waits.
+- cpus.py: the CPUs this process may use (affinity and cgroup quota) and the ranks a
+  lesson starts on them (`usable_cpus`, `lesson_ranks`).
 - external.py: under torchrun or Slurm, this process is a rank already.
 """
 
+from parcourse.launch.cpus import lesson_ranks, usable_cpus
 from parcourse.launch.errors import (
     LaunchError,
     RankDied,
@@ -53,7 +56,9 @@ __all__ = [
     "external_env",
     "group_ranks",
     "launch",
+    "lesson_ranks",
     "limit_pools",
     "live_pools",
     "shared_pool",
+    "usable_cpus",
 ]

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from parcourse.launch import usable_cpus
 from parcourse.models import GPTConfig
 from parcourse.pipeline.simulate import SimulatedCompute
 from parcourse.planner.costs import measure_costs, measure_sharing, measure_waits
@@ -39,7 +40,7 @@ def measured_here(gpus: int, config: GPTConfig, pool: Any = None) -> Cluster:
 
     def on(ranks: Any) -> tuple[dict[str, Any], float]:
         links = ranks.run(measure_links).results[0]
-        if gpus > (os.cpu_count() or 1):  # on shared cores: a wait's processor time in a step
+        if gpus > usable_cpus():  # on shared cores: a wait's processor time in a step
             waits = ranks.run(measure_waits, config).results[0]
             links = {**links, **waits}
         return links, ranks.run(measure_sharing, config).results[0]

@@ -159,11 +159,11 @@ class Cluster:
         with `links` (`measure_links` on the ranks), gloo's own: a message's latency
         and each collective's cost by group size; `shared_cpu` what sharing the cores
         costs a rank's own work (`measure_sharing`)."""
-        import os
+        from parcourse.launch import usable_cpus
 
         if (flops is None) == (costs is None):
             raise ValueError("give one of flops (measure_flops) and costs (measure_costs)")
-        cores = cores or os.cpu_count() or 1
+        cores = cores or usable_cpus()
         if links is not None:
             link = SimulatedLink(links["p2p_s"], links["bandwidth_Bps"])
             topology = Topology(gpus, link, link)

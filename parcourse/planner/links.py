@@ -12,10 +12,11 @@ The costs of a rank's own work, and what a wait costs it, are in `costs`.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
+
+from parcourse.launch.cpus import usable_cpus
 
 if TYPE_CHECKING:
     import torch
@@ -97,7 +98,7 @@ def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,
                                           / ctx.world_size])
                     dist.all_reduce(spent, group=ctx.group)  # a member's processor time
                     out[key.replace("_s", "_cpu_s")][size] = spent.item()  # the mean
-    if ctx.world_size > (os.cpu_count() or 1) and ctx.world_size > 2:
+    if ctx.world_size > usable_cpus() and ctx.world_size > 2:
         def median(members: int, op: Any) -> float:
             return statistics.median(_while_others_compute(ctx, members, op, loaded_window_s)
                                      for _ in range(loaded_windows))

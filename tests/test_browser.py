@@ -10,7 +10,9 @@ and the test checks:
 - every RunPanel renders; one of its controls is moved, Run is clicked, and the panel's
   output shows a figure and its status line a finished run (ranks, backend, time);
 - in the lessons of tests/test_lessons.py's EDGES_TRIED, every panel then runs at each
-  control's ends, in the same kernel (in CI this stands in for papermill's run of it).
+  control's ends, in the same kernel (in CI this stands in for papermill's run of it);
+- last, each exercise's check, given an answer of the wrong type in the same kernel, prints
+  a hint and returns False, without a traceback.
 
 Screenshots go to out/browser/ (git-ignored; CI keeps it): the whole notebook after Run All,
 each panel after its run, and the page at a failure. Progress lines (lesson, cell, seconds)
@@ -37,6 +39,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from parcourse.classroom import exercises
 from test_lessons import AWKWARD, EDGES_TRIED, LESSONS, PANELS_AT_THEIR_EDGES, SMALL
 
 sync_api = pytest.importorskip(
@@ -296,16 +299,18 @@ PANEL_DONE = """([name, index, before]) => {""" + FIND + """
         && w.sessionContext.session.kernel.status === 'idle';
 }""".replace("PANEL", json.dumps(PANEL))
 # Code run in the lesson's kernel, out of the notebook's sight (no cell, no history): its
-# status and any error, or 'timeout' after `ms`.
+# status, any error and what it printed, or 'timeout' after `ms`.
 EXECUTE = """async ([name, code, ms]) => {""" + FIND + """
     const future = w.sessionContext.session.kernel.requestExecute(
         {code, store_history: false, silent: false});
+    let out = '';
+    future.onIOPub = msg => { if (msg.header.msg_type === 'stream') out += msg.content.text; };
     const done = future.done.then(reply => ({
-        status: reply.content.status,
+        status: reply.content.status, out,
         error: reply.content.status === 'error'
             ? `${reply.content.ename}: ${reply.content.evalue}` : null}));
     const late = new Promise(resolve => setTimeout(
-        () => resolve({status: 'timeout', error: null}), ms));
+        () => resolve({status: 'timeout', error: null, out}), ms));
     return await Promise.race([done, late]);
 }"""
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -526,6 +531,43 @@ def try_the_panels_ends(page, name: str, lesson: str, log: Progress) -> None:
         f"{time.monotonic() - t0:.1f} s")
 
 
+# The exercise's function replaced by one that returns a string (its class, by a subclass
+# whose public methods do: an autograd Function's private `_backward_cls` must stay, torch
+# crashes without it), then its check asked again, the verdict printed after its hint.
+WRONG_ANSWER = """
+if isinstance({name}, type):
+    class {name}({name}):
+        pass
+    for _k, _v in vars({name}.__base__).items():
+        if not _k.startswith("_") and callable(_v):
+            setattr({name}, _k, staticmethod(lambda *args, **kwargs: "wrong"))
+else:
+    def {name}(*args, **kwargs):
+        return "wrong"
+print("passed:", {check})
+"""
+
+
+def give_wrong_answers(page, name: str, lesson: str, path: Path, log: Progress) -> None:
+    """Each exercise of the lesson, answered with the wrong type in the lesson's kernel, with
+    its own names and pool (tests/test_exercise_checks.py asks the checks outside a kernel):
+    the check prints a hint and returns False, and raises nothing. Last, as the answers stay
+    replaced in the kernel."""
+    for exercise in exercises(json.loads(path.read_text()), lesson):
+        code = WRONG_ANSWER.format(name=exercise.name, check=exercise.check)
+        result = page.evaluate(EXECUTE, [name, code, PANEL_RUN_S * 1000])
+        hint, _, verdict = ANSI.sub("", result["out"]).strip().rpartition("\n")
+        first = hint.strip().splitlines()[0] if hint.strip() else ""
+        outcome = verdict if result["status"] == "ok" else result["status"]
+        log(f"exercise {exercise.name}, a wrong type: {outcome}, {first!r}")
+        if result["status"] != "ok" or "Traceback" in hint:
+            fail(page, lesson, f"{exercise.check} with a wrong type: {result['status']} "
+                 f"{ANSI.sub('', result['error'] or '')}\n{hint}")
+        if verdict != "passed: False" or not hint.strip():
+            fail(page, lesson, f"{exercise.check} with a wrong type: {verdict!r} after "
+                 f"{hint!r} (expected a hint and False)")
+
+
 def open_lesson(page, lab: Lab, name: str, lesson: str, log: Progress) -> None:
     page.goto(f"{lab.url}/lab/tree/{name}?reset&token={lab.token}", timeout=90_000)
     try:
@@ -569,6 +611,7 @@ def lesson_in_the_browser(path: Path, lab: Lab, browser) -> None:
         run_panels(page, name, lesson, panels, log)
         if lesson in EDGES_TRIED:
             try_the_panels_ends(page, name, lesson, log)
+        give_wrong_answers(page, name, lesson, path, log)
     finally:
         page.close()
         lab.shutdown_kernels()  # and with each kernel, its pool's ranks

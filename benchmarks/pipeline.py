@@ -73,7 +73,7 @@ def gpipe_bubbles() -> None:
     for p in (2, 4):
         with Pool(p, device="cpu", timeout=3600) as pool:
             for m in (1, 2, 4, 8, 16):
-                run = pool.run(train, "gpipe", m, 1, batch=32, forward_ms=f, backward_ms=b)
+                run = pool.run(train, gpipe(p, m), 1, batch=32, forward_ms=f, backward_ms=b)
                 predicted = simulate(gpipe(p, m), Costs(forward=f / 1e3, backward=b / 1e3)).bubble
                 print(f"{p:>3}{m:>4}{bubble_of(run):>10.3f}{predicted:>11.3f}"
                       f"{gpipe_bubble(p, m):>9.3f}")
@@ -93,7 +93,8 @@ def against_the_simulator() -> None:
                 except ValueError as e:  # e.g. DualPipeV needs m >= 2p = 8
                     print(f"{schedule:>18}{m:>4}   ({e})")
                     continue
-                run = pool.run(train, schedule, m, 1, batch=32, forward_ms=f, backward_ms=b)
+                run = pool.run(train, schedule_by_name(schedule, 4, m), 1, batch=32,
+                               forward_ms=f, backward_ms=b)
                 s = summarize(run.results, Costs(forward=f / 1e3, backward=b / 1e3))
                 print(f"{schedule:>18}{m:>4}{s.bubble:>8.3f}{s.simulated_bubble:>11.3f}"
                       f"{s.peak_bytes / 1024:>9.1f}kB{s.simulated_peak_bytes / 1024:>9.1f}kB"
@@ -127,7 +128,8 @@ def deepseek_table() -> None:
           "together): theory.dualpipe_apart_bubble_time gives (PP/2-1)(F+B-2W) = "
           f"{(p / 2 - 1) * (f + b - 2 * w):.2f}")
     with Pool(p, device="cpu", timeout=3600) as pool:
-        run = pool.run(train, "dualpipe", 8, 1, batch=32, forward_ms=20.0, backward_ms=40.0)
+        run = pool.run(train, schedule_by_name("dualpipe", p, 8), 1, batch=32, forward_ms=20.0,
+                       backward_ms=40.0)
         per_rank = [sum(t.numel() for t in r["weights"].values()) for r in run.results]
         stage = per_rank[0] / 2  # the MLP's stages are equal
         s = summarize(run.results, Costs(forward=0.02, backward=0.04))

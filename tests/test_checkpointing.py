@@ -216,6 +216,7 @@ def test_checkpointed_tensor_parallel_block_recomputes_its_communication(pools, 
 def test_gpipe_with_recomputation(pools, world_size):
     """Each stage keeps only its microbatches' inputs: less in flight, same weights."""
     from parcourse.experiments.pipeline import train
+    from parcourse.pipeline import gpipe
     from pipeline_reference import one_process
 
     def peak(run):
@@ -223,8 +224,8 @@ def test_gpipe_with_recomputation(pools, world_size):
                   if c.rank == 0 and c.name == "in_flight_bytes"]
         return max(counts)
 
-    plain = pools[world_size].run(train, "gpipe", 4, 2)
-    recomputed = pools[world_size].run(train, "gpipe", 4, 2, recompute=True)
+    plain = pools[world_size].run(train, gpipe(world_size, 4), 2)
+    recomputed = pools[world_size].run(train, gpipe(world_size, 4), 2, recompute=True)
     assert peak(recomputed) < peak(plain) / 2
     expected = one_process(2)
     got = {}

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from parcourse import RankError
-from parcourse.experiments.pipeline import train
+from parcourse.experiments.pipeline import make_schedule, train
 from parcourse.pipeline.partition import partition
 from parcourse.pipeline import gpipe
 from parcourse.pipeline.runtime import SimulatedCompute
@@ -42,7 +42,7 @@ def test_every_schedule_trains_like_one_process(pools, world_size, model, schedu
     """The MLP's 8 layers, or the GPT's embedding, 6 blocks and head (its embedding and
     head tied, on different ranks except under DualPipeV), over 2 steps. DualPipe holds
     two copies of every stage: `gathered` checks they are bitwise equal after training."""
-    run = pools[world_size].run(train, schedule, 8, 2, model=model)
+    run = pools[world_size].run(train, make_schedule(schedule, world_size, 8), 2, model=model)
     expected = one_process(2, model=model)
     got = gathered(run)
     assert set(got) == set(expected)
@@ -57,7 +57,7 @@ def test_gradients_accumulate_over_steps_as_in_one_process(pools, schedule, mode
     on two ranks (the GPT's tied embedding and head, DualPipe's two copies of every
     stage) gets this step's gradients summed over them, added to what it held (each
     step had summed the whole gradient again, counting the first half's twice)."""
-    run = pools[2].run(train, schedule, 4, 2, model=model, accumulate=2)
+    run = pools[2].run(train, make_schedule(schedule, 2, 4), 2, model=model, accumulate=2)
     expected = one_process(2, model=model, accumulate=2)
     got = gathered(run)
     for name in expected:
@@ -68,8 +68,8 @@ def test_a_frozen_tied_weight_stays_as_it_was(pools):
     """The GPT's embedding, tied to its head on the other rank, frozen: it gets no
     gradient and SGD leaves it, as in one process (the sum over its ranks had given it
     zeros, and an optimizer with weight decay or momentum moved it)."""
-    run = pools[2].run(train, "1f1b", 4, 2, model="gpt", frozen=("tok_emb.weight",),
-                       weight_decay=0.1)
+    run = pools[2].run(train, make_schedule("1f1b", 2, 4), 2, model="gpt",
+                       frozen=("tok_emb.weight",), weight_decay=0.1)
     expected = one_process(2, model="gpt", frozen=("tok_emb.weight",), weight_decay=0.1)
     got = gathered(run)
     for name in expected:
@@ -80,7 +80,7 @@ def test_a_frozen_tied_weight_stays_as_it_was(pools):
                                       "dualpipe"])
 def test_uneven_stages_train_like_one_process(pools, schedule):
     """11 layers over 8 stages (4 ranks x 2 chunks, or 4 ranks): stages of 1 and 2 layers."""
-    run = pools[4].run(train, schedule, 8, 2, depth=11, batch=24)
+    run = pools[4].run(train, make_schedule(schedule, 4, 8), 2, depth=11, batch=24)
     expected = one_process(2, depth=11, batch=24)
     got = gathered(run)
     for name in expected:
@@ -91,7 +91,7 @@ def test_uneven_stages_train_like_one_process(pools, schedule):
 @pytest.mark.parametrize("schedule,microbatches", [("naive", 1), ("gpipe", 1), ("gpipe", 2),
                                                    ("gpipe", 8), ("1f1b", 2), ("1f1b", 8)])
 def test_same_weights_as_one_process(pools, world_size, schedule, microbatches):
-    run = pools[world_size].run(train, schedule, microbatches, 2)
+    run = pools[world_size].run(train, make_schedule(schedule, world_size, microbatches), 2)
     expected = one_process(2)
     got = gathered(run)
     assert set(got) == set(expected)
@@ -136,14 +136,14 @@ def test_a_step_with_simulated_compute_runs_the_schedule_in_order(pools, world_s
     every rank behaves like a device of its own; checked by what cannot be noise (the
     measured bubble against (p-1)/(m+p-1) is benchmarks/pipeline.py's)."""
     compute = SimulatedCompute(forward=0.03, backward=0.06)
-    run = pools[world_size].run(train, "gpipe", microbatches, 1, compute=compute)
+    run = pools[world_size].run(train, gpipe(world_size, microbatches), 1, compute=compute)
     check_runs_the_schedule(run, {"F": 0.03, "B": 0.06})
 
 
 @pytest.mark.parametrize("schedule,expected", [("gpipe", 8), ("1f1b", 4)])
 def test_in_flight_activations_on_the_first_stage(pools, schedule, expected):
     """GPipe holds all m microbatches' activations on stage 0; 1F1B at most p."""
-    run = pools[4].run(train, schedule, 8, 1)
+    run = pools[4].run(train, make_schedule(schedule, 4, 8), 1)
     counters = [c for c in run.trace.counters if c.rank == 0 and c.name == "in_flight_bytes"]
     one = counters[0].value  # bytes one microbatch holds on stage 0
     assert max(c.meta["now"] for c in counters) == expected * one
@@ -157,7 +157,7 @@ def test_recomputing_keeps_each_microbatchs_own_bytes_on_every_stage(pool2):
     count the whole batch once per microbatch in flight."""
     width, batch, m = 16, 16, 4
     one = batch // m * width * 4  # bytes of one microbatch's activations between layers
-    run = pool2.run(train, "gpipe", m, 1, width=width, batch=batch, recompute=True)
+    run = pool2.run(train, gpipe(2, m), 1, width=width, batch=batch, recompute=True)
     held = {r["held_per_stage"][s]: s for r in run.results for s in r["held_per_stage"]}
     assert held == {one: 0, 3 * one: 1}
 
@@ -174,7 +174,7 @@ def test_a_schedule_runs_in_order_and_holds_what_the_simulator_counts(pools, sch
     benchmarks/pipeline.py's), and rank 0's peak in-flight activation bytes are within
     10% of the simulator's count of microbatches on each of its stages times the bytes
     one microbatch holds there (measured)."""
-    first = pools[4].run(train, schedule, 8, 1, **SIMULATED)
+    first = pools[4].run(train, make_schedule(schedule, 4, 8), 1, **SIMULATED)
     plan = first.results[0]["schedule"]
     per_rank = plan.model_stages // plan.ranks
     split = plan.splits_backward
@@ -406,8 +406,8 @@ def test_a_receive_is_idle_until_its_message_left_and_communication_after(pool2)
     the messenger stamps on it: after rank 0's forward of that microbatch ended) and
     communication from then (or from when it began waiting, if later), ending at least
     the link's latency after the forward. The schedule is given as a value, built here,
-    as the CLI passes the one it checked."""
-    run = pool2.run(train, gpipe(2, 2), None, 1, forward_ms=30, backward_ms=60,
+    as every caller passes it."""
+    run = pool2.run(train, gpipe(2, 2), 1, forward_ms=30, backward_ms=60,
                     latency_us=20_000)
     rank0, rank1 = (r["spans"] for r in run.results)
     forward_end = {s.name: s.end_ns for s in rank0 if s.kind == "compute"}
@@ -421,8 +421,10 @@ def test_a_receive_is_idle_until_its_message_left_and_communication_after(pool2)
         assert waited or m, "rank 1 waited 30 ms for the first forward, idle"
 
 
-def test_a_schedule_given_as_a_value_must_fit_the_run(pool2):
+def test_ranks_take_a_schedule_built_for_them_never_a_name(pool2):
+    """The schedule is built once, before the ranks start (its rules checked there), and
+    every rank runs that value: a name, or a schedule for other ranks, is refused."""
     with pytest.raises(RankError, match="built for 4 ranks; this run has 2"):
-        pool2.run(train, gpipe(4, 4), None, 1)
-    with pytest.raises(RankError, match="runs 2 microbatches, not 4"):
-        pool2.run(train, gpipe(2, 2), 4, 1)
+        pool2.run(train, gpipe(4, 4), 1)
+    with pytest.raises(RankError, match=r"pass the schedule itself.*make_schedule\('gpipe'"):
+        pool2.run(train, "gpipe", 1)

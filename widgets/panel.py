@@ -16,6 +16,12 @@ happens when the panel is made, so a notebook executed headless (CI) runs the
 same path a learner's click does; a failure of that first run raises, so that a
 broken panel fails the notebook instead of hiding in its output. Failures after
 a click are shown in the panel.
+
+`check(world_size=, **arguments)` runs before any rank starts: it raises ValueError
+for a choice that cannot run (shown in one line), and may return a dict of the
+arguments the ranks get instead of the controls' values: e.g. the `Schedule` built
+once from the schedule's name, so that ranks receive the value, never a name to
+rebuild. `render` still gets the controls' values.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ class RunPanel:
         *,
         world_size: int = 2,
         pool: Pool | None = None,
-        check: Callable[..., None] | None = None,
+        check: Callable[..., Mapping[str, Any] | None] | None = None,
         fixed: Mapping[str, Any] | None = None,
         title: str = "",
         timeout: float = 60.0,
@@ -125,7 +131,8 @@ class RunPanel:
         t0 = time.perf_counter()
         try:
             if self.check is not None:
-                self.check(world_size=world_size, **rank_kwargs)
+                built = self.check(world_size=world_size, **rank_kwargs)
+                rank_kwargs = {**rank_kwargs, **(built or {})}
             pool = self._pool_for(world_size)
             self.status.value = html.escape(
                 "running…" if pool.alive

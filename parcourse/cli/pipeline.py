@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     predicted = simulate(schedule, Costs(forward=f / per_rank, backward=b / per_rank,
                                          weight=w / per_rank))
     simulated = bool(f or b)
-    trained = launch(train, p, schedule, None, 1, model=args.model,
+    trained = launch(train, p, schedule, 1, model=args.model,
                      depth=layers, batch=args.batch, forward_ms=args.forward_ms,
                      backward_ms=args.backward_ms, weight_ms=weight_ms,
                      latency_us=args.latency_us, bandwidth_gbps=args.bandwidth_gbps,

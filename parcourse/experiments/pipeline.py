@@ -77,9 +77,8 @@ def tied_weights(stages: dict[int, nn.Module], all_stages: list[nn.Module]
     return [group for group in where.values() if len(group) > 1]
 
 
-def train(ctx: RankContext, schedule: Schedule | str, microbatches: int | None = None,
-          steps: int = 2, *,
-          model: Model = "mlp", chunks: int = 2, depth: int = 8, width: int = 16,
+def train(ctx: RankContext, schedule: Schedule, steps: int = 2, *,
+          model: Model = "mlp", depth: int = 8, width: int = 16,
           batch: int = 16, by: By = "layers", lr: float = 0.05,
           compute: SimulatedCompute | None = None, forward_ms: float = 0.0,
           backward_ms: float = 0.0, weight_ms: float | None = None, recompute: bool = False,
@@ -87,11 +86,11 @@ def train(ctx: RankContext, schedule: Schedule | str, microbatches: int | None =
           accumulate: int = 1, frozen: tuple[str, ...] = (),
           weight_decay: float = 0.0) -> dict[str, Any]:
     """`steps` SGD steps of a deep MLP or a small GPT cut into the schedule's stages;
-    `schedule` a `Schedule` built for these ranks (its microbatches; `microbatches`, if
-    given, must agree) or, for short, a name with `microbatches` and `chunks`
-    (`schedule_by_name` builds it on each rank: the same registry, the same schedule);
-    each over `accumulate` runtime steps (the batch cut in as many parts, gradients added
-    up), with the parameters named in `frozen` frozen first; SGD with `weight_decay`.
+    `schedule` a `Schedule` built for these ranks by the caller, before any rank starts
+    (`make_schedule(name, ranks, microbatches, chunks)`, or `gpipe(4, 8)` and its kin:
+    every rank runs the same value, never a name to rebuild); each over `accumulate`
+    runtime steps (the batch cut in as many parts, gradients added up), with the
+    parameters named in `frozen` frozen first; SGD with `weight_decay`.
 
     Simulated compute: `compute`, or `forward_ms` / `backward_ms` / `weight_ms` (W's part
     of backward; default half) for one rank's share of the model: a stage of a schedule
@@ -100,7 +99,7 @@ def train(ctx: RankContext, schedule: Schedule | str, microbatches: int | None =
     last step's spans, the schedule, and the last step's peak in-flight activation bytes
     with the bytes one microbatch holds on each of this rank's stages (when traced).
     """
-    plan = _schedule(schedule, ctx.world_size, microbatches, chunks)
+    plan = _schedule(schedule, ctx.world_size)
     per_rank = plan.model_stages // plan.ranks  # a rank's share of the model, in stages
     if compute is None and (forward_ms or backward_ms):
         compute = SimulatedCompute(forward_ms / 1e3, backward_ms / 1e3,
@@ -159,20 +158,22 @@ TORCH_SCHEDULES = {  # ours -> torch.distributed.pipelining's counterpart
     name: entry.torch for name, entry in SCHEDULES.items() if entry.torch is not None}
 
 
-def _schedule(schedule: Schedule | str, ranks: int, microbatches: int | None,
-              chunks: int) -> Schedule:
-    """`schedule` as given, or built from its name; refused if it does not fit."""
-    if isinstance(schedule, str):
-        if microbatches is None:
-            raise ValueError(f"a schedule given by name ({schedule!r}) needs its microbatches")
-        return make_schedule(schedule, ranks, microbatches, chunks)
+def _schedule(schedule: Schedule, ranks: int) -> Schedule:
+    """`schedule`, refused if it is not one or was built for other ranks."""
+    if not isinstance(schedule, Schedule):
+        raise ValueError(f"pass the schedule itself, built before the ranks start (e.g. "
+                         f"make_schedule({schedule!r}, ranks, microbatches, chunks)), "
+                         f"not {type(schedule).__name__} {schedule!r}")
     if schedule.ranks != ranks:
         raise ValueError(f"{schedule.name} was built for {schedule.ranks} ranks; "
                          f"this run has {ranks}")
-    if microbatches is not None and microbatches != schedule.microbatches:
-        raise ValueError(f"{schedule.name} runs {schedule.microbatches} microbatches, "
-                         f"not {microbatches}")
     return schedule
+
+
+def every_runnable(ranks: int, microbatches: int, chunks: int = 2) -> list[Schedule]:
+    """Every schedule that runs on `ranks` ranks, built for `microbatches` (which
+    `common_microbatches` makes acceptable to all of them)."""
+    return [make_schedule(name, ranks, microbatches, chunks) for name in runnable(ranks)]
 
 
 def step_times(ctx: RankContext, microbatches: int, steps: int = 10, *,
@@ -318,19 +319,17 @@ def common_microbatches(ranks: int, microbatches: int) -> int:
     return m
 
 
-def every_schedule(ctx: RankContext, microbatches: int, *,
-                   schedules: Sequence[str] | None = None, **kwargs: Any
+def every_schedule(ctx: RankContext, schedules: Sequence[Schedule], **kwargs: Any
                    ) -> dict[str, dict[str, Any]]:
-    """One step of each schedule (default: every one that runs on these ranks) in turn on
-    the same ranks (train's keyword arguments); what each `train` returned, by schedule,
+    """One step of each of `schedules` (e.g. `every_runnable(ranks, m)`) in turn on the
+    same ranks (train's keyword arguments); what each `train` returned, by schedule name,
     without the weights."""
-    schedules = runnable(ctx.world_size) if schedules is None else schedules
     out = {}
-    for k, name in enumerate(schedules, 1):
-        ctx.tracer.set_status(f"{name}, schedule {k} of {len(schedules)}")
-        result = train(ctx, name, microbatches, 1, **kwargs)
+    for k, schedule in enumerate(schedules, 1):
+        ctx.tracer.set_status(f"{schedule.name}, schedule {k} of {len(schedules)}")
+        result = train(ctx, schedule, 1, **kwargs)
         result.pop("weights")
-        out[name] = result
+        out[schedule.name] = result
     return out
 
 

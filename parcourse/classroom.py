@@ -203,3 +203,80 @@ def grade(submissions: str | Path, lessons: str | Path, timeout: float = 600) ->
                     grades.said[(student.name, exercise_id)] = said
         grades.marks[student.name] = marks
     return grades
+
+
+# -- sizing a class server
+
+PEAKS_FILE = Path(__file__).with_name("lesson_peaks.json")
+HEADROOM = 1.25  # on a student's heaviest lesson: the server, a notebook left open
+STUDENT_CPUS = 2  # the lessons' Run All times were measured with 2 CPUs
+
+
+def lesson_peaks(path: str | Path = PEAKS_FILE) -> dict[str, Any]:
+    """What each lesson took when run whole at its defaults (`benchmarks/classroom.py`
+    measures and writes it): {"machine": {...}, "lessons": {lesson: {"ranks", "run_all_s",
+    "peak_mib", "processes", "sockets"}}}."""
+    return json.loads(Path(path).read_text())
+
+
+def _ephemeral_ports() -> int | None:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(high) - int(low) + 1
+    except (OSError, ValueError):
+        return None
+
+
+def class_sizing(students: int, peaks: dict[str, Any] | None = None,
+                 here: dict[str, float | None] | None = None) -> tuple[str, bool]:
+    """The server a class of `students` needs, from the measured lesson peaks, against this
+    machine (`here`: {"cpus", "memory_gib", "ports"}; default: measured now). Returns the
+    text and whether this machine is enough. One lesson open at a time per student: a
+    kernel left running keeps its ranks (the Running tab of JupyterLab shuts it down)."""
+    import psutil
+
+    from parcourse.launch import usable_cpus
+
+    if students < 1:
+        raise ValueError(f"a class needs 1 student or more, got {students}")
+    peaks = lesson_peaks() if peaks is None else peaks
+    rows = peaks["lessons"]
+    if not rows:
+        raise ValueError("no lesson measured: python benchmarks/classroom.py")
+    if here is None:
+        here = {"cpus": usable_cpus(), "memory_gib": psutil.virtual_memory().total / 2**30,
+                "ports": _ephemeral_ports()}
+    m = peaks["machine"]
+    lines = [f"each lesson at its defaults, run whole (measured on {m['cpus']} CPUs, "
+             f"{m['date']}: python benchmarks/classroom.py)",
+             f"  {'lesson':<32} {'ranks':>5} {'Run All s':>9} {'peak MiB':>9} {'sockets':>8}"]
+    for lesson, r in rows.items():
+        lines.append(f"  {lesson:<32} {r['ranks']:>5} {r['run_all_s']:>9.1f} "
+                     f"{r['peak_mib']:>9} {r['sockets']:>8}")
+    heaviest = max(rows, key=lambda k: rows[k]["peak_mib"])
+    memory_gib = rows[heaviest]["peak_mib"] * HEADROOM / 1024
+    sockets = max(r["sockets"] for r in rows.values())
+    need = {"cpus": STUDENT_CPUS * students, "memory_gib": memory_gib * students,
+            "ports": sockets * students}
+    lines += [f"a student: {STUDENT_CPUS} CPUs (1 at the least: the lessons then start fewer "
+              f"ranks and say so), {memory_gib:.1f} GiB ({heaviest[:2]}'s peak + "
+              f"{HEADROOM - 1:.0%}), {sockets} TCP sockets",
+              f"a class of {students}: {need['cpus']} CPUs, {need['memory_gib']:.1f} GiB, "
+              f"{need['ports']} sockets"]
+    short = []
+    if here["cpus"] is not None and here["cpus"] < need["cpus"]:
+        least = students  # a CPU each
+        short.append(f"{here['cpus']} CPUs of {need['cpus']}"
+                     + (" (at least one a student: lessons run fewer ranks, slower)"
+                        if here["cpus"] >= least else f", under one a student ({least})"))
+    if here["memory_gib"] is not None and here["memory_gib"] < need["memory_gib"]:
+        short.append(f"{here['memory_gib']:.1f} GiB of memory of {need['memory_gib']:.1f}")
+    if here["ports"] is not None and here["ports"] < need["ports"]:
+        short.append(f"{here['ports']} ephemeral ports of {need['ports']}")
+    memory = "?" if here["memory_gib"] is None else f"{here['memory_gib']:.1f}"
+    lines.append(f"this machine: {here['cpus']} CPUs, {memory} GiB, "
+                 f"{here['ports'] or '?'} ephemeral ports: "
+                 + ("enough" if not short else "short: " + "; ".join(short)))
+    # enough means memory and ports; CPUs short only slows the lessons down
+    enough = not any("memory" in s or "ports" in s or "under one" in s for s in short)
+    return "\n".join(lines), enough

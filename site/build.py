@@ -100,9 +100,11 @@ def stage(src: Path, executed: dict[str, Path]) -> None:
     (src / "lessons").mkdir(parents=True)
     shutil.copy(REPO / "site" / "conf.py", src / "conf.py")
     shutil.copytree(REPO / "docs", src / "docs")
+    (src / "classroom").mkdir()  # the class server's recipe, which the README links to
+    shutil.copy(REPO / "classroom" / "README.md", src / "classroom" / "README.md")
     readme = (REPO / "README.md").read_text()
     (src / "index.md").write_text(readme + "\n\n```{toctree}\n:hidden:\n\nlessons/index\n"
-                                  "docs/README\nreference\n```\n")
+                                  "docs/README\nreference\nclassroom/README\n```\n")
     names = []
     for lesson in lessons():
         notebook = json.loads(executed[lesson.stem].read_text())

@@ -139,3 +139,29 @@ def test_build_student_and_grade_refuse_bad_folders_in_one_line(capsys, tmp_path
         assert said in capsys.readouterr().err
     with pytest.raises(ValueError, match="no student folders"):
         grade(tmp_path, LESSONS)
+
+
+PEAKS = {"machine": {"cpus": 2, "memory_gib": 16, "platform": "Linux", "date": "2026-11-28"},
+         "lessons": {"00_launching_ranks": {"ranks": 4, "run_all_s": 9.7, "peak_mib": 560,
+                                            "processes": 7, "sockets": 41},
+                     "09_mesh_and_3d": {"ranks": 8, "run_all_s": 46.0, "peak_mib": 2048,
+                                        "processes": 11, "sockets": 120}}}
+
+
+def test_a_class_is_sized_from_its_heaviest_lesson():
+    """30 students: 2 CPUs each, the heaviest lesson's peak + 25% each (2.5 GiB), its
+    sockets each; a machine short of memory is not enough, one short of CPUs only slower."""
+    from parcourse.classroom import class_sizing
+
+    text, enough = class_sizing(30, PEAKS, {"cpus": 64, "memory_gib": 100, "ports": 28232})
+    assert "a student: 2 CPUs" in text and "2.5 GiB (09's peak + 25%), 120 TCP sockets" in text
+    assert "a class of 30: 60 CPUs, 75.0 GiB, 3600 sockets" in text
+    assert enough and text.endswith("enough")
+    text, enough = class_sizing(30, PEAKS, {"cpus": 40, "memory_gib": 100, "ports": 28232})
+    assert enough and "40 CPUs of 60 (at least one a student" in text
+    text, enough = class_sizing(30, PEAKS, {"cpus": 64, "memory_gib": 64, "ports": 3000})
+    assert not enough and "64.0 GiB of memory of 75.0" in text and "3000 ephemeral ports" in text
+    text, enough = class_sizing(30, PEAKS, {"cpus": 16, "memory_gib": 100, "ports": None})
+    assert not enough and "under one a student (30)" in text
+    with pytest.raises(ValueError, match="1 student or more"):
+        class_sizing(0, PEAKS)

@@ -15,6 +15,23 @@ def test_doctor_checks_the_machine(capsys):
     assert "OK in" in out and "doctor      all good" in out
 
 
+def test_doctor_sizes_a_class_from_the_lessons_measured_peaks(capsys):
+    from parcourse.classroom import lesson_peaks
+
+    measured = lesson_peaks()["lessons"]
+    # one student fits any machine the suite runs on; a million does not
+    assert main(["doctor", "--class", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "class       1 students" in out and all(lesson in out for lesson in measured)
+    assert "this machine:" in out and "enough" in out and "doctor      all good" in out
+    assert main(["doctor", "--class", "1000000"]) == 1
+    out = capsys.readouterr().out
+    assert "short: " in out and "GiB of memory of" in out and "doctor      FAILED" in out
+    bad = subprocess.run([sys.executable, "-m", "parcourse", "doctor", "--class", "0"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "--class needs 1 student or more, got 0" in bad.stderr
+
+
 @pytest.mark.parametrize(("algo", "world_size"), [("ring", 3), ("naive", 3), ("torch", 2)])
 def test_allreduce_prints_bandwidth_and_bytes_against_theory(capsys, algo, world_size):
     assert main(["allreduce", "--world-size", str(world_size), "--size", "96KB",

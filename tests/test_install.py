@@ -97,3 +97,5 @@ def test_wheel_installs_and_imports_every_module(tmp_path):
     assert not source - installed, f"not in the wheel: {sorted(source - installed)}"
     assert not installed - source, f"in the wheel only: {sorted(installed - source)}"
     assert {"parcourse.data_parallel", "parcourse.zero", "parcourse.widgets.panel"} <= installed
+    # data the package reads: the lessons' measured peaks (doctor --class)
+    assert (target / "parcourse" / "lesson_peaks.json").is_file(), "lesson_peaks.json not shipped"

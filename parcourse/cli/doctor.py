@@ -20,9 +20,14 @@ HELP = "check this machine: versions, backends, a 2-rank run"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, default=2, help="ranks for the smoke run (2)")
+    p.add_argument("--class", dest="students", type=int, default=None, metavar="N",
+                   help="also size a class server for N students (cores, memory, sockets, "
+                        "from the lessons' measured peaks) and check this machine against it")
 
 
 def check(args: argparse.Namespace) -> str | None:
+    if args.students is not None and args.students < 1:
+        return f"--class needs 1 student or more, got {args.students}"
     return at_least_one(args, "world_size")
 
 
@@ -70,5 +75,12 @@ def run(args: argparse.Namespace) -> int:
                 pool.run(_smoke_all_reduce)
                 times.append(time.perf_counter() - t0)
         say(f"warm pool   re-run {statistics.median(times) * 1e3:.1f} ms (median of 5)")
+    if args.students is not None:
+        from parcourse.classroom import class_sizing
+
+        text, enough = class_sizing(args.students)
+        say(f"class       {args.students} students")
+        say(text)
+        ok = ok and enough
     say("doctor      " + ("all good" if ok else "FAILED"))
     return 0 if ok else 1

@@ -2,6 +2,7 @@
 tables."""
 
 import importlib.util
+import json
 import math
 import re
 import subprocess
@@ -124,3 +125,24 @@ def test_experts_benchmark_prints_its_three_tables(tmp_path):
     bad = subprocess.run([sys.executable, str(script), "--tokens", "6"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "--tokens must divide by 4" in bad.stderr
+
+
+def test_classroom_benchmark_measures_a_lesson_and_doctor_reads_it(tmp_path):
+    """Lesson 08 run whole (its defaults: 2 ranks): a row with its ranks, its Run All time,
+    a peak memory of at least the kernel and two ranks with torch (over 300 MiB), and at
+    least one socket a rank pair; the JSON it writes is what `class_sizing` reads."""
+    from parcourse.classroom import class_sizing
+
+    out = tmp_path / "peaks.json"
+    done = subprocess.run([sys.executable, str(SCRIPT.parent / "classroom.py"), "--lessons",
+                           "08", "--out", str(out)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    peaks = json.loads(out.read_text())
+    row = peaks["lessons"]["08_activation_checkpointing"]
+    assert row["ranks"] == 2 and row["run_all_s"] > 0 and row["peak_mib"] > 300
+    assert row["processes"] >= 3 and row["sockets"] >= 2
+    assert re.search(rf"^08_activation_checkpointing\s+{row['ranks']}\s+{row['run_all_s']}\s",
+                     done.stdout, re.M), done.stdout
+    text, _ = class_sizing(2, peaks, {"cpus": 4, "memory_gib": 64, "ports": 28000})
+    assert "a class of 2: 4 CPUs" in text and text.endswith("enough")

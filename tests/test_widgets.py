@@ -73,6 +73,11 @@ def test_trying_a_panel_at_its_edges_names_what_failed_and_accepts_refusals():
     assert panel.params() == {"bad_rank": 5, "flag": False, "op": "fine"}
     with pytest.raises(ValueError, match="no control named rank"):
         panel.try_edges(start={"rank": 1})
+    # a list of (label, value) options whose values are dicts (lesson 09's mesh shapes)
+    shapes = RunPanel(fail_on_rank, {"shape": W.Dropdown(options=[("dp 2", {"dp": 2}),
+                                                                   ("tp 2", {"tp": 2})])},
+                      world_size=2, run_now=False)
+    assert shapes.edges() == [("shape", {"tp": 2})]
 
 
 def test_world_size_control_picks_a_shared_pool():

@@ -184,7 +184,8 @@ class RunPanel:
                 values = [v[1] if isinstance(v, tuple) else v for v in values]
             else:
                 continue
-            ends += [(name, v) for v in dict.fromkeys(values) if v != control.value]
+            unique = [v for k, v in enumerate(values) if v not in values[:k]]  # dicts too
+            ends += [(name, v) for v in unique if v != control.value]
         return ends
 
     def try_edges(self, start: Mapping[str, Any] | None = None) -> list[str]:

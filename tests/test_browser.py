@@ -29,8 +29,6 @@ import json
 import os
 import re
 import secrets
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +38,7 @@ from pathlib import Path
 import psutil
 import pytest
 from parcourse.classroom import exercises
+from process_tree import free_port, kill_tree
 from test_lessons import AWKWARD, EDGES_TRIED, LESSONS, PANELS_AT_THEIR_EDGES, SMALL
 
 sync_api = pytest.importorskip(
@@ -65,44 +64,10 @@ VIEWPORT = {"width": 1280, "height": 1000}
 SHOT_MAX_H = 8000  # taller notebooks are saved in parts of this height
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def kill_tree(pid: int, grace_s: float = 10.0) -> list[psutil.Process]:
-    """End a process, everything it started (kernels start their own sessions, ranks are
-    the kernels' children) and its process group; returns any that survived."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        procs = []
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, stubborn = psutil.wait_procs(procs, timeout=grace_s)
-    for p in stubborn:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(stubborn, timeout=grace_s)
-    try:
-        os.killpg(pid, signal.SIGKILL)  # started with start_new_session: pgid == pid
-    except (ProcessLookupError, PermissionError):
-        pass
-    return [p for p in procs if alive(p)]
 
 
-def alive(p: psutil.Process) -> bool:
-    try:
-        return p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def browser_processes() -> list[psutil.Process]:

@@ -8,7 +8,8 @@ local processes pinned to a core each for systemd units (the memory limit is not
 here). Three students log in with their password through the REST API, start their servers,
 and at once each runs lesson 00, from the copy the hub handed out into their home, in a
 kernel of their own server, over the kernel's websocket, at the lesson's small parameters
-(tests/test_lessons.py's SMALL, injected after the parameters cell as papermill does):
+(tests/test_lessons.py's SMALL but the world size, which the lesson picks for the one core it
+is given: 2 ranks, said in its first cell; injected after the parameters cell as papermill does):
 every cell's reply must be "ok". Then each server is stopped, and no process of that
 student may remain: not the server, not its kernel, not the kernel's ranks.
 
@@ -24,8 +25,6 @@ import os
 import re
 import secrets
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from process_tree import free_port, kill_tree
 from test_lessons import SMALL
 
 from parcourse.classroom import student_build
@@ -90,10 +90,6 @@ def install_what_is_missing() -> None:
                        check=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def api(method: str, url: str, token: str | None = None, body: object = None) -> object:
@@ -123,30 +119,6 @@ def processes_of(student: str, hub_port: int) -> list[psutil.Process]:
     return found
 
 
-def kill_tree(pid: int, grace_s: float = 10.0) -> list[psutil.Process]:
-    """End a process and everything it started; returns any that survived."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, stubborn = psutil.wait_procs(procs, timeout=grace_s)
-    for p in stubborn:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(stubborn, timeout=grace_s)
-    try:
-        os.killpg(pid, signal.SIGKILL)  # started with start_new_session: pgid == pid
-    except (ProcessLookupError, PermissionError):
-        pass
-    return [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
 class Hub:
@@ -225,8 +197,10 @@ def injected(cells: list[str], parameters: dict) -> list[str]:
     return [cells[0], code, *cells[1:]]
 
 
-def run_lesson(hub: Hub, student: str, token: str) -> float:
-    """Lesson 00 from the student's own copy, in a kernel of their server; returns seconds."""
+def run_lesson(hub: Hub, student: str, token: str) -> tuple[float, str]:
+    """Lesson 00 from the student's own copy, in a kernel of their server, its world size
+    left to the lesson (which reads the one core the student has); returns the seconds and
+    what it printed."""
     start = time.monotonic()
     server = f"{hub.url}/user/{student}/api"
     path = f"{COURSE_FOLDER}/{LESSON}.ipynb"
@@ -242,23 +216,26 @@ def run_lesson(hub: Hub, student: str, token: str) -> float:
     ws = websocket.create_connection(ws_url, header=[f"Authorization: token {token}"],
                                      timeout=KERNEL_START_S)
     try:
-        for i, code in enumerate(injected(cells, SMALL[LESSON])):
+        said = ""
+        parameters = {k: v for k, v in SMALL[LESSON].items() if k != "world_size"}
+        for i, code in enumerate(injected(cells, parameters)):
             t0 = time.monotonic()
-            status, errors = execute(ws, code, student)
+            status, errors, printed = execute(ws, code, student)
+            said += printed
             print(f"[class] {student}: cell {i} {status} in {time.monotonic() - t0:.1f} s",
                   flush=True)
             assert status == "ok", f"{student}, cell {i}:\n{code}\n" + "\n".join(errors)
     finally:
         ws.close()
-    return time.monotonic() - start
+    return time.monotonic() - start, said
 
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def execute(ws, code: str, student: str) -> tuple[str, list[str]]:
+def execute(ws, code: str, student: str) -> tuple[str, list[str], str]:
     """One execute_request on the kernel's websocket (Jupyter's JSON messages); its reply's
-    status and any error tracebacks it printed."""
+    status, any error tracebacks and what it printed."""
     msg_id = uuid.uuid4().hex
     ws.send(json.dumps({
         "header": {"msg_id": msg_id, "msg_type": "execute_request", "username": student,
@@ -268,7 +245,7 @@ def execute(ws, code: str, student: str) -> tuple[str, list[str]]:
         "content": {"code": code, "silent": False, "store_history": True,
                     "user_expressions": {}, "allow_stdin": False, "stop_on_error": True},
     }))
-    errors, deadline = [], time.monotonic() + CELL_TIMEOUT_S
+    errors, printed, deadline = [], "", time.monotonic() + CELL_TIMEOUT_S
     while time.monotonic() < deadline:
         raw = ws.recv()
         if isinstance(raw, bytes):  # a message with binary buffers (widgets): not ours
@@ -276,17 +253,19 @@ def execute(ws, code: str, student: str) -> tuple[str, list[str]]:
         msg = json.loads(raw)
         if msg.get("parent_header", {}).get("msg_id") != msg_id:
             continue
+        if msg["msg_type"] == "stream":
+            printed += msg["content"]["text"]
         if msg["msg_type"] == "error":
             errors.append(ANSI.sub("", "\n".join(msg["content"]["traceback"])))
         if msg["msg_type"] == "execute_reply":
-            return msg["content"]["status"], errors
-    return "timeout", errors
+            return msg["content"]["status"], errors, printed
+    return "timeout", errors, printed
 
 
 @pytest.mark.notebook
 def test_three_students_run_lesson_00_at_once(hub):
     assert hub.version == pinned_jupyterhub()
-    world_size = SMALL[LESSON]["world_size"]
+    world_size = 2  # what lesson 00 picks on one core (parcourse.launch.lesson_ranks)
     hub.api("POST", "/users", body={"usernames": STUDENTS})
 
     # Each student logs in with their password and gets a token of their own.
@@ -305,7 +284,9 @@ def test_three_students_run_lesson_00_at_once(hub):
 
         runs = {name: pool.submit(run_lesson, hub, name, tokens[name]) for name in STUDENTS}
         for name, run in runs.items():
-            print(f"[class] {name}: lesson {LESSON} passed in {run.result():.1f} s", flush=True)
+            seconds, said = run.result()
+            print(f"[class] {name}: lesson {LESSON} passed in {seconds:.1f} s", flush=True)
+            assert "1 CPU here: running 2 ranks on 1 core" in said, said[:500]
 
     # Before stopping: each student's server, kernel and ranks, all on the student's core.
     cores = {}

@@ -3,6 +3,7 @@ torch's all-to-all, its bytes and memory beside the formulas, and the balance of
 per expert under each balancing method on the real corpus.
 
     python benchmarks/experts.py [--tokens 4096] [--width 128] [--rounds 7] [--steps 200]
+                                 [--device cpu|cuda] [--only steps|bytes|balance]
 
 1. Step time (forward and backward of one MoE layer, 8 experts, top 2, dropless, fp32,
    one thread a rank): the whole batch of --tokens in one process (the batched layer,
@@ -11,6 +12,8 @@ per expert under each balancing method on the real corpus.
    (send / recv) and, beside it, by torch's `all_to_all_single` (same layer otherwise).
    Each configuration takes turns with the others, median of --rounds, slowest rank.
    Target: ep 2 <= 0.75 of one process (each rank computes half the experts' rows).
+   `--device cuda`: on the GPU, the ranks sharing it (gloo: the course's all-to-all and
+   torch's both carry the rows through the host; a GPU each, torch's runs on NCCL).
 2. Bytes one rank sends in the layer's forward and backward, counted message by message,
    tokens routed evenly, beside `theory.moe_all_to_all_bytes`; the experts' weights and
    Adam's state a rank holds beside `theory.expert_bytes`.
@@ -52,11 +55,11 @@ def step_times(ctx: Any, tokens: int, width: int, rounds: int) -> dict[str, list
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(ctx.rank)
-    whole = torch.randn(tokens, width, generator=g)
+    whole = torch.randn(tokens, width, generator=g).to(ctx.device)
     mine = whole[: tokens // ctx.world_size].clone()
-    one = _layer(width)
-    ours = expert_parallel(_layer(width), Comm(ctx.group, algorithm="ring"))
-    theirs = expert_parallel(_layer(width), Comm(ctx.group, algorithm="torch"))
+    one = _layer(width).to(ctx.device)
+    ours = expert_parallel(_layer(width).to(ctx.device), Comm(ctx.group, algorithm="ring"))
+    theirs = expert_parallel(_layer(width).to(ctx.device), Comm(ctx.group, algorithm="torch"))
 
     def run(layer: MoE, x: torch.Tensor) -> None:
         x = x.clone().requires_grad_()
@@ -65,7 +68,8 @@ def step_times(ctx: Any, tokens: int, width: int, rounds: int) -> dict[str, list
 
     return take_turns(ctx.group, {"one": lambda _: run(one, whole),
                                   "ours": lambda _: run(ours, mine),
-                                  "torch": lambda _: run(theirs, mine)}, rounds)
+                                  "torch": lambda _: run(theirs, mine)}, rounds,
+                      device=torch.device(ctx.device))
 
 
 def bytes_and_memory(ctx: Any, tokens: int, width: int) -> dict[str, int]:
@@ -137,20 +141,38 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--corpus", default="runs/corpus")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where section 1's layers run (cuda: the ranks share the GPU)")
+    parser.add_argument("--only", choices=("steps", "bytes", "balance"), default=None)
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU here")
+    steps, counted, balanced = (args.only in (None, part) for part in ("steps", "bytes",
+                                                                         "balance"))
     for name in ("tokens", "width", "rounds", "steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.tokens % 4:
         parser.error(f"--tokens must divide by 4 (ranks' shares), got {args.tokens}")
 
+    if steps:
+        step_table(args)
+    if counted:
+        bytes_table(args)
+    if balanced:
+        balance_table(args)
+
+
+def step_table(args: argparse.Namespace) -> None:
+    where = ("one thread a rank" if args.device == "cpu"
+             else f"on {torch.cuda.get_device_name(0)}, the ranks sharing it")
     print(f"1. one MoE layer ({EXPERTS} experts, top {TOP_K}, d_model {args.width}, hidden "
-          f"{4 * args.width}), forward and backward of {args.tokens} tokens, fp32, one thread "
-          f"a rank; median of {args.rounds}, slowest rank")
+          f"{4 * args.width}), forward and backward of {args.tokens} tokens, fp32, {where}; "
+          f"median of {args.rounds}, slowest rank")
     print(f"{'ranks':>6} {'one process':>12} {'ep, ours':>10} {'ep, torch a2a':>14} "
           f"{'ours / one':>11} {'ours / torch':>13} {'target':>7}")
     for ep in (2, 4):
-        with Pool(ep, timeout=600) as pool:
+        with Pool(ep, timeout=600, device=args.device) as pool:
             per_rank = pool.run(step_times, args.tokens, args.width, args.rounds).results
         med = {k: statistics.median(max(ts) for ts in zip(*(r[k] for r in per_rank)))
                for k in ("one", "ours", "torch")}
@@ -160,6 +182,9 @@ def main() -> None:
               f"{1e3 * med['torch']:>12.1f}ms {ratio:>11.2f} "
               f"{med['ours'] / med['torch']:>13.2f} {target:>7}")
 
+
+
+def bytes_table(args: argparse.Namespace) -> None:
     print(f"\n2. bytes a rank sends in one layer's step ({args.tokens} tokens a rank, "
           "routed evenly) and what it holds, measured beside theory")
     print(f"{'ep':>4} {'forward':>12} {'backward':>12} {'theory':>8} {'expert weights':>15} "
@@ -178,6 +203,9 @@ def main() -> None:
               f"{'equal' if equal else 'DIFFERS':>8} {format_bytes(r['params']):>15} "
               f"{format_bytes(r['optimizer']):>10} {'equal' if holds else 'DIFFERS':>8}")
 
+
+
+def balance_table(args: argparse.Namespace) -> None:
     print(f"\n3. balance over the last quarter of {args.steps} steps, GPT 2 x 64 with "
           f"{EXPERTS} experts (top {TOP_K}), the corpus, one process")
     from parcourse.corpus import build_corpus

@@ -263,20 +263,24 @@ def class_sizing(students: int, peaks: dict[str, Any] | None = None,
               f"{HEADROOM - 1:.0%}), {sockets} TCP sockets",
               f"a class of {students}: {need['cpus']} CPUs, {need['memory_gib']:.1f} GiB, "
               f"{need['ports']} sockets"]
+    def below(key: str) -> bool:
+        return here[key] is not None and here[key] < need[key]
+
+    # Memory and ports must hold; CPUs short of 2 a student only slow the lessons down,
+    # short of one a student they do not run as measured.
+    too_few_cpus = here["cpus"] is not None and here["cpus"] < students
     short = []
-    if here["cpus"] is not None and here["cpus"] < need["cpus"]:
-        least = students  # a CPU each
+    if below("cpus"):
         short.append(f"{here['cpus']} CPUs of {need['cpus']}"
-                     + (" (at least one a student: lessons run fewer ranks, slower)"
-                        if here["cpus"] >= least else f", under one a student ({least})"))
-    if here["memory_gib"] is not None and here["memory_gib"] < need["memory_gib"]:
+                     + (f", under one a student ({students})" if too_few_cpus else
+                        " (at least one a student: lessons run fewer ranks, slower)"))
+    if below("memory_gib"):
         short.append(f"{here['memory_gib']:.1f} GiB of memory of {need['memory_gib']:.1f}")
-    if here["ports"] is not None and here["ports"] < need["ports"]:
+    if below("ports"):
         short.append(f"{here['ports']} ephemeral ports of {need['ports']}")
     memory = "?" if here["memory_gib"] is None else f"{here['memory_gib']:.1f}"
     lines.append(f"this machine: {here['cpus']} CPUs, {memory} GiB, "
                  f"{here['ports'] or '?'} ephemeral ports: "
                  + ("enough" if not short else "short: " + "; ".join(short)))
-    # enough means memory and ports; CPUs short only slows the lessons down
-    enough = not any("memory" in s or "ports" in s or "under one" in s for s in short)
+    enough = not (too_few_cpus or below("memory_gib") or below("ports"))
     return "\n".join(lines), enough

@@ -12,13 +12,11 @@ draw and `Trace.to_chrome` exports for Perfetto (https://ui.perfetto.dev).
 
 from __future__ import annotations
 
-import dataclasses
-
 import json
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -321,10 +319,10 @@ def with_collective_waits(trace: Trace) -> Trace:
         if i not in cut:
             spans.append(s)
             continue
-        spans.append(dataclasses.replace(s, name=f"wait for partners ({s.name})", kind="idle",
-                                         end_ns=cut[i]))
-        spans.append(dataclasses.replace(s, start_ns=cut[i]))
-    return dataclasses.replace(trace, spans=spans)
+        spans.append(replace(s, name=f"wait for partners ({s.name})", kind="idle",
+                             end_ns=cut[i]))
+        spans.append(replace(s, start_ns=cut[i]))
+    return replace(trace, spans=spans)
 
 
 def _jsonable(meta: Mapping[str, Any]) -> dict[str, Any]:

@@ -29,6 +29,10 @@ What is saved, under the unsplit model's names:
 A checkpoint is written into a hidden directory beside its final one and committed by
 a rename once every rank has written (`os.replace`, atomic on one file system): a run
 killed mid-save leaves the previous checkpoint, and `latest` never sees the half.
+
+One file, read in the order of a checkpoint's life (what each rank holds as DTensors,
+save, commit, find the latest, load into another mesh): each part is the other's mirror,
+and a change to what is written must change what is read beside it.
 """
 
 from __future__ import annotations

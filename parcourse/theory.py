@@ -1,10 +1,11 @@
 """Every formula that a lesson's chart, an exercise check or a benchmark compares a
 measurement with, in one place. Pure arithmetic: no processes, nothing sent.
 
-One file on purpose, about 600 lines: it is not read front to back but looked up, by
+One file on purpose, about 860 lines: it is not read front to back but looked up, by
 the section headers below (collectives, ZeRO, checkpointing, tensor parallelism and
-the mesh, pipelines), and keeping every formula together is what lets a
-learner see that each chart's dashed line is arithmetic and nothing else.
+the mesh, pipelines with what a layer computes and moves, long context and experts),
+and keeping every formula together is what lets a learner see that each chart's dashed
+line is arithmetic and nothing else.
 """
 
 from __future__ import annotations
@@ -776,6 +777,9 @@ def dualpipe_formula(p: int, m: int, v: int, f: float, b: float, w: float) -> fl
     if f + b <= 0 or abs(f - (b - w)) > 1e-9 * (f + b):
         return None
     return bubble_fraction(dualpipe_apart_bubble_time(p, f, b, w), m, f, b)
+
+
+# ------------------------------------------------------- long context and experts (11)
 
 
 def ring_attention_bytes(lengths: list[int], rank: int, bytes_per_token: int,

@@ -355,22 +355,27 @@ def test_the_planner_turns_down_each_plan_with_the_same_sentence(plan, batch, wo
     assert not plans.ranked and plans.rejected[0].why_not == said
 
 
-def test_the_planner_refuses_context_parallelism_it_does_not_price():
-    """A valid cp plan: its memory is counted (the ring's, fp32: tests/test_planner.py
-    checks it to the byte); its step time is not yet, so the search turns it down and
-    `predict_time` refuses it in one sentence, as `predict_memory` refuses the methods and
-    dtypes it does not count, rather than pricing them as if the sequence were whole."""
+def test_the_planner_refuses_the_context_parallelism_it_does_not_price():
+    """The ring in fp32 is priced (its memory, checked to the byte in tests/test_planner.py,
+    and its messages in the step); Ulysses, all-gather and 16 bits are not: the search
+    turns them down and `predict_time` and `predict_memory` refuse them, in the same one
+    sentence, rather than price them as if they were the ring."""
+    from parcourse.comm import SimulatedLink
     from parcourse.planner import Cluster, plan, predict_memory, predict_time
 
-    said = "cp 2: the planner prices context parallelism's memory, not yet its step time"
-    cluster = Cluster.this_machine(4, flops=1e9, cores=2)
+    cluster = dataclasses.replace(Cluster.this_machine(4, flops=1e9, cores=2),
+                                  inside=SimulatedLink(1e-4, 1e9))  # a message costs
     cp = ParallelPlan(dp=2, cp=2, microbatches=2)
     assert cp.problems(CONFIG, 8, world=4) == []
-    assert plan(CONFIG, cluster, 8, candidates=[cp]).rejected[0].why_not.startswith(said)
-    with pytest.raises(ValueError, match=_escaped(said)):
-        predict_time(CONFIG, cp, 8, cluster)
-    assert predict_memory(CONFIG, cp, 8)[0]["activations"] > 0
+    assert plan(CONFIG, cluster, 8, candidates=[cp]).ranked[0].choice == cp
+    assert predict_time(CONFIG, cp, 8, cluster)["cp"] > 0
     ulysses = dataclasses.replace(cp, cp_method="ulysses")
     for choice, dtype in ((ulysses, "fp32"), (cp, "bf16")):
-        with pytest.raises(ValueError, match="counts the memory of the ring in fp32 only"):
-            predict_memory(CONFIG, choice, 8, dtype)
+        said = (f"cp 2: the planner prices the ring in fp32 only (its memory and its "
+                f"messages), not {choice.cp_method} in {dtype}")
+        plans = plan(CONFIG, cluster, 8, dtype=dtype, candidates=[choice])
+        assert not plans.ranked and plans.rejected[0].why_not == said
+        for predict in (predict_memory, predict_time):
+            with pytest.raises(ValueError, match=_escaped(said)):
+                predict(CONFIG, choice, 8, *((cluster,) if predict is predict_time else ()),
+                        dtype=dtype)

@@ -823,3 +823,53 @@ def test_a_gpt_with_experts_is_refused_not_priced_as_dense():
     assert any("the planner prices dense GPTs" in r.why_not for r in plans.rejected)
     assert all("the planner prices dense GPTs" in r.why_not for r in plans.rejected
                if not r.choice.problems(config, 16, world=8, step=False))
+
+
+def test_context_parallelism_is_priced_as_the_ring_runs_it():
+    """cp P cuts each sequence over P ranks: a rank computes its tokens' share (all of
+    its FLOPs but attention's keys, which are the whole sequence's), and each block's
+    ring attention sends, a microbatch, P - 1 hops of K and V forward, each beside the
+    compute on one block, and in backward the same hops beside twice that compute and P
+    hops of dK and dV after it (`parcourse.context_parallel`'s `_Ring`). The gradients
+    are averaged over dp x cp, so dp's part is dp x cp's; ZeRO shards over them too. And
+    the search tries cp: each plan it ranks passes the 3D step's rules."""
+    from parcourse.comm import SimulatedLink
+    from parcourse.planner import choices
+    from parcourse.theory import attention_flops
+
+    latency, bandwidth, flops = 1e-3, 1e8, 1e9
+    cluster = dataclasses.replace(Cluster.this_machine(8, flops=flops, cores=8),
+                                  inside=SimulatedLink(latency, bandwidth))
+    batch = 4  # a microbatch of 4 sequences: dp 1, one microbatch
+    one = predict_time(CONFIG, Choice(1, 1, 1, "1f1b", 1), batch, cluster)
+    for p in (2, 4):
+        t = predict_time(CONFIG, Choice(1, 1, 1, "1f1b", 1, cp=p), batch, cluster)
+        assert t["compute"] == pytest.approx(one["compute"] / p, rel=1e-9)  # 16 tokens cut
+        tokens = batch * CONFIG.block_size // p  # evenly: a rank's
+        hop = latency + 2 * tokens * CONFIG.d_model * 4 / bandwidth
+        core = attention_flops(CONFIG, 1, tokens) / p / flops  # against one block
+        per_block = ((p - 1) * max(0.0, hop - core) + (p - 1) * max(0.0, hop - 2 * core)
+                     + p * hop)
+        assert t["cp"] == pytest.approx(CONFIG.n_layers * per_block, rel=1e-9)
+        assert t["step"] == pytest.approx(t["compute"] + t["cp"] + t["dp"] + t["optimizer"],
+                                          rel=1e-9)
+        # the gradients over dp x cp: as dp P's (the same weights, the same bytes)
+        same = predict_time(CONFIG, Choice(p, 1, 1, "1f1b", 1), batch * p, cluster)
+        assert t["dp"] == pytest.approx(same["dp"], rel=1e-9) and t["dp"] > 0
+    # a tensor-parallel rank's K and V are its heads': the bytes a tp-th
+    tp = predict_time(CONFIG, Choice(1, 2, 1, "1f1b", 1, cp=2), batch, cluster)
+    tokens = batch * CONFIG.block_size // 2
+    hop = latency + 2 * tokens * CONFIG.d_model // 2 * 4 / bandwidth
+    core = attention_flops(CONFIG, 1, tokens) / 2 / 2 / flops
+    assert tp["cp"] == pytest.approx(CONFIG.n_layers * (max(0.0, hop - core)
+                                                        + max(0.0, hop - 2 * core) + 2 * hop))
+    searched = choices(8)
+    assert {c.cp for c in searched} == {1, 2, 4, 8}
+    assert not any(c.cp > 1 and c.sequence_parallel for c in searched)
+    here = dataclasses.replace(Cluster.this_machine(8, flops=flops, cores=2),
+                               inside=SimulatedLink(latency, bandwidth))
+    ranked = plan(CONFIG, here, BATCH).ranked
+    with_cp = [p.choice for p in ranked if p.choice.cp > 1]
+    assert {c.cp for c in with_cp} == {2, 4, 8}
+    assert all(not c.problems(CONFIG, BATCH, world=8, step=True) for c in with_cp)
+    assert all(Choice.parse(c.label()) == c for c in with_cp)

@@ -147,8 +147,13 @@ def _check(args: argparse.Namespace, config: GPTConfig, cluster: Cluster, plans:
     compute padded to the planner's: `stage_compute`)."""
     from parcourse.planner import Contention, measure, measured_against_predicted, stage_compute
 
-    # Here the search ranks only what the course's step runs (`ParallelPlan.problems`).
-    runnable = plans.ranked[:min(3, args.top)]  # type: ignore[attr-defined]
+    # Here the search ranks only what the course's step runs (`ParallelPlan.problems`);
+    # with the compute simulated, not cp's, whose ring runs inside attention: padding
+    # each action to its compute would hide the messages (`Hybrid(compute=)` refuses it)
+    ranked = plans.ranked  # type: ignore[attr-defined]
+    runnable = [p for p in ranked if args.scaled is None or p.choice.cp == 1][:min(3, args.top)]
+    if len(runnable) < min(3, args.top, len(ranked)) or runnable != ranked[:len(runnable)]:
+        print("\n(plans with cp are measured with their compute real: without --scaled)")
     print(f"\nmeasured here ({args.gpus} ranks"
           + (f", compute simulated: one rank alone {args.scaled:g} s a step"
              if args.scaled is not None else "") + f"), the top {len(runnable)}:")

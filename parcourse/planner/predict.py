@@ -11,6 +11,7 @@ configuration, in `parcourse.planner.search`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, Literal
@@ -47,21 +48,16 @@ EXPERTS_UNPRICED = ("the planner prices dense GPTs: a mixture of experts' memory
                     "activations; train3d --experts --ep runs it")
 
 
-def _unpriced(config: GPTConfig, choice: Choice, dtype: str = "fp32",
-              time: bool = False) -> None:
-    """Refuses what the model here does not count, rather than pricing it as if it were
-    not there: experts (and ep), context parallelism's step time, and its memory but the
-    ring's in fp32."""
+def unpriced(config: GPTConfig, choice: Choice, dtype: str = "fp32") -> str:
+    """What the planner does not count (one sentence; empty if it counts it all), which it
+    refuses rather than price as if it were not there: experts (and ep), and context
+    parallelism but the ring's in fp32."""
     if config.experts or choice.ep > 1:
-        raise ValueError(EXPERTS_UNPRICED)
-    if choice.cp == 1:
-        return
-    if time:
-        raise ValueError(f"cp {choice.cp}: the planner prices context parallelism's memory, "
-                         "not yet its step time (the ring's messages beside its blocks)")
-    if choice.cp_method != "ring" or dtype != "fp32":
-        raise ValueError(f"cp {choice.cp}: the planner counts the memory of the ring in fp32 "
-                         f"only, not {choice.cp_method} in {dtype}")
+        return EXPERTS_UNPRICED
+    if choice.cp > 1 and (choice.cp_method != "ring" or dtype != "fp32"):
+        return (f"cp {choice.cp}: the planner prices the ring in fp32 only (its memory and "
+                f"its messages), not {choice.cp_method} in {dtype}")
+    return ""
 
 
 def seq_here(config: GPTConfig, choice: Choice) -> int:
@@ -132,7 +128,8 @@ def predict_memory(config: GPTConfig, choice: Choice, global_batch: int,
     if checkpoint not in ("stage", "block"):
         raise ValueError(f"checkpoint {checkpoint!r} is neither stage nor block")
     choice.check(config, global_batch, step=False)  # what any implementation could run
-    _unpriced(config, choice, dtype)
+    if why := unpriced(config, choice, dtype):
+        raise ValueError(why)
     plan = _schedule(choice.schedule, choice.pp, choice.microbatches, choice.chunks)
     layers = stage_layers(config, choice)
     batch = global_batch // (choice.dp * choice.microbatches)
@@ -238,7 +235,9 @@ def stage_compute(config: GPTConfig, choice: Choice, global_batch: int,
     forward's (each op reads its input and its output's gradient and writes its input's
     gradient: 3 tensors for forward's 2). `Hybrid(compute=...)` pads a run's actions to
     them: the planner's check here, a GPU's compute on a laptop (`scaled`)."""
-    tokens = global_batch // (choice.dp * choice.microbatches) * config.block_size
+    # a rank's tokens of a microbatch: its share of each sequence under cp (the
+    # busiest's); attention counted over the whole sequence, as Megatron-LM counts it
+    tokens = global_batch // (choice.dp * choice.microbatches) * seq_here(config, choice)
     number = 2 if dtype == "bf16" else 4
     per_byte = 0.0 if bandwidth is None else 1 / bandwidth
     sp = choice.sequence_parallel
@@ -264,12 +263,41 @@ def model_flops_per_token(config: GPTConfig) -> float:
 
 def _group_link(cluster: Cluster, choice: Choice, axis: str) -> SimulatedLink:
     """The slow link if a group of `axis` spans nodes under Megatron-LM's order (tp
-    innermost, then dp, pp outermost), else the fast one."""
-    inner = {"tp": choice.tp, "dp": choice.tp * choice.dp, "pp": choice.gpus}[axis]
-    size = {"tp": choice.tp, "dp": choice.dp, "pp": choice.pp}[axis]
+    innermost, then cp, dp, pp outermost), else the fast one."""
+    inner = {"tp": choice.tp, "cp": choice.tp * choice.cp,
+             "dp": choice.tp * choice.cp * choice.dp, "pp": choice.gpus}[axis]
+    size = {"tp": choice.tp, "cp": choice.cp, "dp": choice.dp, "pp": choice.pp}[axis]
     if size == 1:
         return cluster.inside
     return cluster.inside if inner <= cluster.gpus_per_node else cluster.between
+
+
+def _cp_on_stages(config: GPTConfig, choice: Choice, layers: list[list[int]], batch: int,
+                  flops: float, link: SimulatedLink
+                  ) -> tuple[list[float], list[float], list[int]]:
+    """Ring attention's messages in one microbatch on each stage (the course's `_Ring`,
+    `parcourse.context_parallel`), as seconds they add to its forward and its backward,
+    and how many a rank sends. Each block of the stage, at cp P: forward, P - 1 hops of K
+    and V (`batch` x a rank's tokens x d_model / tp, fp32), each sent while the rank
+    attends to the block it holds, so it adds only what it takes beyond that block's
+    compute (its queries against 1/P of the keys, `attention_flops` at `flops`);
+    backward, the same P - 1 hops of K and V beside twice that compute, and P hops of
+    the held block's dK and dV, each sent after it and waited for (all of it); under full
+    recompute the forward's again. The busiest rank's tokens (`seq_here`)."""
+    stages = len(layers)
+    if choice.cp == 1:
+        return [0.0] * stages, [0.0] * stages, [0] * stages
+    p, tokens = choice.cp, batch * seq_here(config, choice)
+    block = 2 * tokens * config.d_model / choice.tp * 4  # K and V of a rank's tokens, fp32
+    hop = link.latency_s + block / link.bandwidth_Bps
+    core = attention_flops(config, 1, tokens) / choice.tp / p / flops  # against one block
+    forward = (p - 1) * max(0.0, hop - core)
+    backward = (p - 1) * max(0.0, hop - 2 * core) + p * hop
+    again = forward if choice.recompute == "full" else 0.0
+    blocks = [sum(1 <= lay <= config.n_layers for lay in ls) for ls in layers]
+    hops = (p - 1) * (2 + (choice.recompute == "full")) + p
+    return ([n * forward for n in blocks], [n * (backward + again) for n in blocks],
+            [n * hops for n in blocks])
 
 
 def _dp_seconds(choice: Choice, memory: list[dict[str, float]], link: SimulatedLink,
@@ -344,10 +372,11 @@ def _simulated(schedule: tuple[str, int, int, int], forward: tuple[float, ...],
 
 
 @functools.lru_cache(maxsize=4096)
-def _tp_on_stages(config: GPTConfig, layers: tuple[tuple[int, ...], ...], batch: int, tp: int,
-                  sequence_parallel: bool, recompute: bool, megatron: bool, element: int
-                  ) -> tuple[dict[str, dict[str, tuple[int, float]]], ...]:
-    """tp's collectives of one microbatch on each stage (`tp_stage_collectives`), in its
+def _tp_on_stages(config: GPTConfig, layers: tuple[tuple[int, ...], ...], batch: int, seq: int,
+                  tp: int, sequence_parallel: bool, recompute: bool, megatron: bool,
+                  element: int) -> tuple[dict[str, dict[str, tuple[int, float]]], ...]:
+    """tp's collectives of one microbatch of `seq` tokens a sequence (a rank's share under
+    cp) on each stage (`tp_stage_collectives`), in its
     forward ("F") and backward ("B"; "W": those of them a split backward's W runs), and
     those once a step ("step"), counted by op: how
     many and their bytes in all, the activations' at `element` bytes a number (the
@@ -363,9 +392,8 @@ def _tp_on_stages(config: GPTConfig, layers: tuple[tuple[int, ...], ...], batch:
         return ops
 
     out = []
-    for by in tp_stage_collectives(config, [list(ls) for ls in layers], batch,
-                                   config.block_size, tp, sequence_parallel, recompute,
-                                   megatron):
+    for by in tp_stage_collectives(config, [list(ls) for ls in layers], batch, seq, tp,
+                                   sequence_parallel, recompute, megatron):
         counted = {kind: count(collectives) for kind, collectives in by.items()}
         # A split backward's W: the sum of the replicated gradients (the rest of B, on
         # the input gradient's path, is I's)
@@ -407,11 +435,15 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     step); the optimizer, which every rank runs at once, by ranks / cores. With the
     compute simulated (`cluster.compute_simulated`, `scaled`), only the optimizer, which
     a stage's dp x tp ranks run at once (a pipeline's stages end apart)."""
-    _unpriced(config, choice, dtype, time=True)
+    if why := unpriced(config, choice, dtype):
+        raise ValueError(why)
     plan = _schedule(choice.schedule, choice.pp, choice.microbatches, choice.chunks)
     layers = stage_layers(config, choice)
     batch = global_batch // (choice.dp * choice.microbatches)
-    tokens = batch * config.block_size
+    tokens = batch * seq_here(config, choice)  # a rank's, of a microbatch
+    # the gradients are averaged, and ZeRO shards, over dp x cp (cp's ranks hold the same
+    # weights): priced as data parallelism over dp x cp ranks
+    over = dataclasses.replace(choice, dp=choice.dp * choice.cp, cp=1)
     ov = cluster.overheads
     # More ranks than cores: each one's own work costs more processor time (`shared_cpu`),
     # and, a pipeline's other stages computing, a woken receiver waits for a core: hops
@@ -422,8 +454,8 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     loaded_tp = cluster.loaded_collective_s.get(choice.tp) if loaded else None
     tp_link = _group_link(cluster, choice, "tp")
     # tp's collectives of a microbatch on each stage, in its forward and its backward
-    on_stage = _tp_on_stages(config, tuple(map(tuple, layers)), batch, choice.tp,
-                             choice.sequence_parallel, choice.recompute == "full",
+    on_stage = _tp_on_stages(config, tuple(map(tuple, layers)), batch, seq_here(config, choice),
+                             choice.tp, choice.sequence_parallel, choice.recompute == "full",
                              choice.split == "blocks", 2 if dtype == "bf16" else 4)
     # Where a collective's own cost was measured (`measure_links`), it holds the link's
     # latency: only the bytes are added to it.
@@ -445,6 +477,10 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     # gradient, I does nothing and W runs the whole backward; priced, like a run's
     # simulated compute, as on the other stages.)
     tp_w = [tp_seconds(by["W"]) for by in on_stage]
+    cp_link = _group_link(cluster, choice, "cp")
+    if loaded and cluster.loaded_p2p_s is not None:  # as a pipeline's hops
+        cp_link = SimulatedLink(cluster.loaded_p2p_s, cp_link.bandwidth_Bps)
+    cp_f, cp_b, cp_hops = _cp_on_stages(config, choice, layers, batch, cluster.flops, cp_link)
     forward, backward = [], []
     blocks = config.n_layers + 2
     # On shared cores, each action's sends and receives (one from the stage before and one
@@ -470,8 +506,8 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
 
     def simulated(slow: float) -> tuple[tuple[float, ...], float]:
         return _simulated((choice.schedule, choice.pp, choice.microbatches, choice.chunks),
-                          tuple(slow * f + t for f, t in zip(forward, tp_f)),
-                          tuple(slow * b + t for b, t in zip(backward, tp_b)),
+                          tuple(slow * f + t + c for f, t, c in zip(forward, tp_f, cp_f)),
+                          tuple(slow * b + t + c for b, t, c in zip(backward, tp_b, cp_b)),
                           tuple(slow * b / 2 + t for b, t in zip(backward, tp_w)),
                           pp_link.latency_s, pp_link.bandwidth_Bps, activation)
 
@@ -479,6 +515,7 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     on_rank = [[s for s, r in enumerate(plan.stage_rank) if r == rank]
                for rank in range(choice.pp)]  # each pipeline rank's stages
     tp_on = [sum(tp_f[s] + tp_b[s] for s in mine) * m for mine in on_rank]
+    cp_on = [sum(cp_f[s] + cp_b[s] for s in mine) * m for mine in on_rank]
     # those once a step, after the schedule (Megatron-LM's sum of the replicated gradients)
     tp_once = max(sum(tp_seconds(on_stage[s]["step"]) for s in mine) for mine in on_rank)
     slow, (busy_s, step_s) = 1.0, simulated(1.0)
@@ -487,15 +524,16 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
             # The replicas and the tp ranks of a stage compute in step with each other,
             # and wait on their collectives together: those waits are not idle time that
             # other ranks could use.
-            busy = sum(b - t for b, t in zip(busy_s, tp_on))
-            at_once = busy / (step_s - max(tp_on)) * choice.dp * choice.tp
+            busy = sum(b - t - c for b, t, c in zip(busy_s, tp_on, cp_on))
+            at_once = busy / (step_s - max(tp_on) - max(cp_on)) * choice.dp * choice.tp \
+                * choice.cp
             want = max(1.0, at_once / cores)
             if abs(want - slow) < 1e-3 * slow:
                 break
             slow, (busy_s, step_s) = want, simulated(want)
     busiest = max(range(choice.pp), key=lambda r: busy_s[r])
-    compute = busy_s[busiest] - tp_on[busiest]
-    tp_s = tp_on[busiest] + tp_once
+    compute = busy_s[busiest] - tp_on[busiest] - cp_on[busiest]
+    tp_s, cp_s = tp_on[busiest] + tp_once, cp_on[busiest]
     pipeline = step_s + tp_once
     head_apart = plan.stages > 1 and _stage_of(layers, 0) != _stage_of(layers, blocks - 1)
     if config.tie_weights and head_apart and \
@@ -503,30 +541,30 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
         tied = (2 if dtype == "bf16" else 4) * math.ceil(config.vocab / choice.tp) * config.d_model
         pipeline += pp_link.latency_s + tied / pp_link.bandwidth_Bps  # summed both ways at once
     memory = predict_memory(config, choice, global_batch, dtype)
-    dp_link = _group_link(cluster, choice, "dp")
-    if choice.dp in cluster.ring_s or choice.dp in cluster.collective_s:
+    dp_link = _group_link(cluster, over, "dp")
+    if over.dp in cluster.ring_s or over.dp in cluster.collective_s:
         dp_link = SimulatedLink(0.0, dp_link.bandwidth_Bps)
     # the gradients (the tied weights, cut apart, a unit of their own), each ring's own
     # cost as measured, and the loss's mean over the replicas (torch's all-reduce)
     apart = config.tie_weights and plan.stages > 1
-    dp_s = _dp_seconds(choice, memory, dp_link, compute, plan.stages // choice.pp, apart,
-                       cluster.ring_s.get(choice.dp, cluster.collective_s.get(choice.dp, 0.0)))
-    if choice.dp > 1:
-        dp_s += cluster.collective_s.get(choice.dp, 0.0)
+    dp_s = _dp_seconds(over, memory, dp_link, compute, plan.stages // choice.pp, apart,
+                       cluster.ring_s.get(over.dp, cluster.collective_s.get(over.dp, 0.0)))
+    if over.dp > 1:
+        dp_s += cluster.collective_s.get(over.dp, 0.0)
     last = plan.stage_rank[-1]  # the ranks holding the tied embedding and head
     tied_on = {plan.stage_rank[0], last} if apart else set()
     weight_bytes = 4 if dtype == "fp32" else 2
     optimizers = []  # each pipeline rank's step
     for rank, mine in enumerate(on_rank):
-        numbers = memory[rank]["params"] / weight_bytes * (choice.dp if choice.zero >= 3 else 1)
+        numbers = memory[rank]["params"] / weight_bytes * (over.dp if choice.zero >= 3 else 1)
         tensors = sum(_layer_tensors(config, lay, head_apart) for s in mine for lay in layers[s])
         if choice.zero:  # ZeRO steps each weight's rows here (`zero.stages`)
-            numbers = numbers / choice.dp
+            numbers = numbers / over.dp
         optimizers.append(worse * ov.optimizer_s(tensors, numbers))
     optimizer = max(optimizers)
     if cluster.compute_simulated:  # a stage's dp x tp ranks step at once, the others
         # asleep: a pipeline's stages end a backward apart
-        optimizer *= max(1.0, choice.dp * choice.tp / cores)
+        optimizer *= max(1.0, over.dp * choice.tp / cores)
     elif shared:  # every rank steps at once
         optimizer *= choice.gpus / cores
     step = pipeline + dp_s + optimizer
@@ -544,16 +582,17 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
             tp_cpu = sum((1 if kind == "step" else m) * n * cluster.collective_cpu(op, choice.tp)
                          for s in mine for kind, by in on_stage[s].items() if kind != "W"
                          for op, (n, _) in by.items())
-            cpu += (m * sum(forward[s] + backward[s] for s in mine) + optimizers[rank]
-                    + tp_cpu)
-            if choice.dp > 1:
-                cpu += (_dp_rings(choice, len(mine), rank in tied_on)
-                        * cluster.ring_cpu_s.get(choice.dp, 0.0)
-                        + (rank == last) * cluster.collective_cpu_s.get(choice.dp, 0.0))
-        waiting = max(0.0, cpu * choice.dp * choice.tp / cores - step)
+            cpu += (m * sum(forward[s] + backward[s] + cp_hops[s] * cluster.message_cpu_s
+                            for s in mine) + optimizers[rank] + tp_cpu)
+            if over.dp > 1:
+                cpu += (_dp_rings(over, len(mine), rank in tied_on)
+                        * cluster.ring_cpu_s.get(over.dp, 0.0)
+                        + (rank == last) * cluster.collective_cpu_s.get(over.dp, 0.0))
+        waiting = max(0.0, cpu * over.dp * choice.tp / cores - step)
         step += waiting
     model_flops = model_flops_per_token(config) * global_batch * config.block_size
-    return {"compute": compute, "tp": tp_s, "bubble": pipeline - compute - tp_s,
+    return {"compute": compute, "tp": tp_s, "cp": cp_s,
+            "bubble": pipeline - compute - tp_s - cp_s,
             "dp": dp_s, "optimizer": optimizer, "cores": waiting, "step": step,
             "sharing": slow,
             "tokens_per_s": global_batch * config.block_size / step,

@@ -14,7 +14,7 @@ from typing import Any
 from parcourse.models import GPTConfig
 from parcourse.plan import Recompute, Split
 from parcourse.planner.inputs import Choice, Cluster, Dtype, GiB, check_dtype
-from parcourse.planner.predict import EXPERTS_UNPRICED, predict_memory, predict_time
+from parcourse.planner.predict import predict_memory, predict_time, unpriced
 
 
 @dataclass
@@ -43,27 +43,33 @@ def choices(gpus: int, *, schedules: tuple[str, ...] = ("1f1b", "interleaved-1f1
             zero: tuple[int, ...] = (0, 1, 2, 3),
             sequence_parallel: tuple[bool, ...] = (False, True),
             recompute: tuple[Recompute, ...] = ("none",),
-            split: tuple[Split, ...] = ("layers",)) -> list[Choice]:
-    """Every factorisation of `gpus` into dp x tp x pp with each schedule, number of
-    microbatches, ZeRO stage, sequence parallelism, recompute and split asked for
-    (sequence parallelism only with tp > 1; one schedule and one split when pp is 1;
-    ZeRO over dp > 1 only, stages 2 and 3 only without a pipeline, as DeepSpeed allows
-    them)."""
+            split: tuple[Split, ...] = ("layers",),
+            cp: tuple[int, ...] = (1, 2, 4, 8)) -> list[Choice]:
+    """Every factorisation of `gpus` into dp x tp x pp x cp (cp among `cp`: the ring)
+    with each schedule, number of microbatches, ZeRO stage, sequence parallelism,
+    recompute and split asked for (sequence parallelism only with tp > 1 and cp 1, as
+    the course's step runs it; one schedule and one split when pp is 1; ZeRO over the
+    ranks holding the same weights, dp x cp > 1, only, stages 2 and 3 only without a
+    pipeline, as DeepSpeed allows them)."""
     out = []
-    for tp in range(1, gpus + 1):
-        for pp in range(1, gpus // tp + 1):
-            if gpus % (tp * pp):
-                continue
-            dp = gpus // (tp * pp)
-            stages = [z for z in zero if z < 2 or pp == 1] if dp > 1 else [0]
-            for schedule in (schedules if pp > 1 else schedules[:1]):
-                for m in microbatches:
-                    for z in stages:
-                        for sp in sequence_parallel if tp > 1 else (False,):
-                            for r in recompute:
-                                out += [Choice(dp, tp, pp, schedule, m, zero=z,
-                                               sequence_parallel=sp, recompute=r, split=c)
-                                        for c in (split if pp > 1 else split[:1])]
+    for c in cp:
+        if c < 1 or gpus % c:
+            continue
+        for tp in range(1, gpus // c + 1):
+            for pp in range(1, gpus // (c * tp) + 1):
+                if gpus % (c * tp * pp):
+                    continue
+                dp = gpus // (c * tp * pp)
+                stages = [z for z in zero if z < 2 or pp == 1] if dp * c > 1 else [0]
+                for schedule in (schedules if pp > 1 else schedules[:1]):
+                    for m in microbatches:
+                        for z in stages:
+                            for sp in sequence_parallel if tp > 1 and c == 1 else (False,):
+                                for r in recompute:
+                                    out += [Choice(dp, tp, pp, schedule, m, zero=z,
+                                                   sequence_parallel=sp, recompute=r,
+                                                   split=how, cp=c)
+                                            for how in (split if pp > 1 else split[:1])]
     return out
 
 
@@ -87,11 +93,8 @@ def plan(config: GPTConfig, cluster: Cluster, global_batch: int, *, dtype: Dtype
         item = Planned(choice)
         if problems := choice.problems(config, global_batch, world=cluster.gpus, step=here):
             item.why_not = "; ".join(problems)
-        elif config.experts or choice.ep > 1:  # refused rather than priced as dense
-            item.why_not = EXPERTS_UNPRICED
-        elif choice.cp > 1:  # refused rather than priced as if the sequence were whole
-            item.why_not = (f"cp {choice.cp}: the planner prices context parallelism's memory, "
-                            "not yet its step time; train3d --cp runs it")
+        elif why := unpriced(config, choice, dtype):  # refused rather than priced wrong
+            item.why_not = why
         elif choice.tp > cluster.gpus_per_node:
             item.why_not = (f"tp {choice.tp} spans nodes of {cluster.gpus_per_node}: every "
                             "layer would wait on the slow link")
@@ -126,7 +129,8 @@ def plan(config: GPTConfig, cluster: Cluster, global_batch: int, *, dtype: Dtype
 
 def format_plans(plans: Plans, top: int = 10) -> str:
     """The ranked table (what `python -m parcourse plan` prints): each configuration's
-    predicted step split into compute / tp / bubble / dp / optimizer / waiting for a core,
+    predicted step split into compute / tp / (cp's ring, where a plan shown uses it) /
+    bubble / dp / optimizer / waiting for a core,
     tokens/s, MFU and the busiest pipeline rank's memory; then how many were turned down
     and why, with the closest that ran out of memory."""
     from collections import Counter
@@ -136,14 +140,18 @@ def format_plans(plans: Plans, top: int = 10) -> str:
     shown = plans.ranked[:top]
     # the labels' own width, so that the numbers line up however long a plan's name
     width = max([13, *(len(p.choice.label()) for p in shown)])
+    cp = any(p.choice.cp > 1 for p in shown)  # a column for cp's messages where it is used
     lines = [f"{'':>3}  {'configuration':<{width}} {'step ms':>10} {'compute':>8} {'tp':>7} "
-             f"{'bubble':>7} {'dp':>7} {'opt':>6} {'cores':>6} {'tokens/s':>10} {'MFU':>6} "
+             + (f"{'cp':>7} " if cp else "")
+             + f"{'bubble':>7} {'dp':>7} {'opt':>6} {'cores':>6} {'tokens/s':>10} {'MFU':>6} "
              f"{'memory (busiest)':>17}"]
     for k, p in enumerate(shown, 1):
         t, mem = p.time, p.memory[p.busiest]
         lines.append(
             f"{k:>3}  {p.choice.label():<{width}} {1e3 * t['step']:>10.1f} "
-            f"{1e3 * t['compute']:>8.1f} {1e3 * t['tp']:>7.1f} {1e3 * max(0, t['bubble']):>7.1f} "
+            f"{1e3 * t['compute']:>8.1f} {1e3 * t['tp']:>7.1f} "
+            + (f"{1e3 * t.get('cp', 0.0):>7.1f} " if cp else "")
+            + f"{1e3 * max(0, t['bubble']):>7.1f} "
             f"{1e3 * t['dp']:>7.1f} {1e3 * t['optimizer']:>6.1f} {1e3 * t['cores']:>6.1f} "
             f"{t['tokens_per_s']:>10.0f} "
             f"{100 * t['mfu']:>5.1f}% "

@@ -1,6 +1,6 @@
 """The planner against the published record and against runs here.
 
-    python benchmarks/planner.py [--only paper|korthikanti|search|here|cp|scaled]
+    python benchmarks/planner.py [--only paper|korthikanti|search|here|cp|ep|scaled]
                                  [--world-size 8] [--passes 2] [--alone 12]
 
 1. Narayanan et al. 2021 (arXiv:2104.04473), Table 1: GPT models of 1.7B to 1T parameters
@@ -68,10 +68,11 @@
    mean with its standard error, and where the predicted best stands by it, read beside
    the noise of a single measurement when the best configurations are a near tie.
    About 21 minutes a pass.
-6. Context parallelism (--only cp): plans with cp 2 and 4 beside their twins without,
+6. Context and expert parallelism (--only cp, --only ep): plans with cp (the course's
+   GPT) or ep (the same with 8 experts a block, dropless) beside their twins without,
    run here with their compute real (simulated compute would pad the ring's messages
-   away, so 5 leaves cp out), each beside the planner's step, its cp part (the ring's
-   hops, `_cp_on_stages`) and its memory. A few minutes.
+   and the all-to-alls away, so 5 leaves them out), each beside the planner's step, the
+   axis' part (`_cp_on_stages`, `_ep_on_stages`) and its memory. A few minutes each.
 In 4 and 5 each row also says what else held the processors while it ran: "steal", the
 host's other tenants (the time this virtual machine's processors were ready to run and
 the host ran something else, /proc/stat), and "others", this machine's processes other
@@ -686,53 +687,71 @@ def _step(results: list[dict]) -> float:
     return times[len(times) // 2]
 
 
-def context_parallel_here(world_size: int = 8, batch: int = 16, steps: int = 6,
-                          rounds: int = 2) -> None:
-    """Plans with cp beside their twins without, run here for real (compute real: the
-    ring runs inside attention, which simulated compute would pad away), each beside
-    the planner's step with its cp part and its busiest rank's memory: a few minutes.
-    `rounds`: each plan again, in the opposite order, the mean of the two."""
+EXPERTS_CONFIG = GPTConfig(vocab=64, block_size=16, n_layers=4, n_heads=4, d_model=32,
+                           experts=8, top_k=2)  # the course's GPT, its MLPs 8 experts
+
+
+def beside_twins(axis: str, world_size: int = 8, batch: int = 16, steps: int = 6,
+                 rounds: int = 2) -> None:
+    """Plans with cp (`axis` "cp": the course's GPT) or ep ("ep": the same GPT with 8
+    experts a block, routed as it comes, dropless) beside their twins without, run here
+    for real (compute real: the ring runs inside attention and the all-to-alls inside the
+    MoE layers, which simulated compute would pad away), each beside the planner's step
+    with that axis' part and its busiest rank's memory: a few minutes. `rounds`: each
+    plan again, in the opposite order, the mean of the two."""
     import statistics
 
     from parcourse import Pool
     from parcourse.experiments.hybrid import LESSON_CONFIG
     from parcourse.planner import measure, measured_against_predicted, measured_here
 
-    pairs = [(Choice(4, 1, 1, "1f1b", 2, cp=2), Choice(8, 1, 1, "1f1b", 2)),
-             (Choice(2, 1, 1, "1f1b", 2, cp=4), None),
-             (Choice(2, 2, 1, "1f1b", 2, cp=2), Choice(4, 2, 1, "1f1b", 2)),
-             (Choice(1, 2, 2, "1f1b", 2, cp=2), Choice(2, 2, 2, "1f1b", 2)),
-             (Choice(2, 1, 2, "1f1b", 4, cp=2), Choice(4, 1, 2, "1f1b", 4)),
-             (Choice(1, 1, 4, "1f1b", 4, cp=2), Choice(2, 1, 4, "1f1b", 4)),
-             (Choice(1, 1, 2, "1f1b", 2, cp=4), None)]
-    order = [c for pair in pairs for c in pair if c is not None]
-    order = [c for c in order if c.gpus == world_size]
+    if axis == "cp":
+        config, pairs = LESSON_CONFIG, [
+            (Choice(4, 1, 1, "1f1b", 2, cp=2), Choice(8, 1, 1, "1f1b", 2)),
+            (Choice(2, 1, 1, "1f1b", 2, cp=4), None),
+            (Choice(2, 2, 1, "1f1b", 2, cp=2), Choice(4, 2, 1, "1f1b", 2)),
+            (Choice(1, 2, 2, "1f1b", 2, cp=2), Choice(2, 2, 2, "1f1b", 2)),
+            (Choice(2, 1, 2, "1f1b", 4, cp=2), Choice(4, 1, 2, "1f1b", 4)),
+            (Choice(1, 1, 4, "1f1b", 4, cp=2), Choice(2, 1, 4, "1f1b", 4)),
+            (Choice(1, 1, 2, "1f1b", 2, cp=4), None)]
+    else:
+        config, pairs = EXPERTS_CONFIG, [
+            (Choice(4, 1, 1, "1f1b", 2, ep=2), Choice(8, 1, 1, "1f1b", 2)),
+            (Choice(2, 1, 1, "1f1b", 2, ep=4), None),
+            (Choice(1, 1, 1, "1f1b", 2, ep=8), None),
+            (Choice(2, 2, 1, "1f1b", 2, ep=2), Choice(4, 2, 1, "1f1b", 2)),
+            (Choice(1, 2, 2, "1f1b", 2, ep=2), Choice(2, 2, 2, "1f1b", 2)),
+            (Choice(2, 1, 2, "1f1b", 4, ep=2), Choice(4, 1, 2, "1f1b", 4)),
+            (Choice(1, 1, 2, "1f1b", 4, ep=4, zero=1), Choice(4, 1, 2, "1f1b", 4, zero=1))]
+    order = [c for pair in pairs for c in pair if c is not None and c.gpus == world_size]
     with Pool(world_size, timeout=900) as pool:
-        cluster = measured_here(world_size, LESSON_CONFIG, pool=pool)
+        cluster = measured_here(world_size, config, pool=pool)
         got: dict = {c: [] for c in order}
         memory: dict = {}
         for k in range(rounds):
             for c in (order if k % 2 == 0 else order[::-1]):
-                results = pool.run(measure, LESSON_CONFIG, c, batch, steps).results
+                results = pool.run(measure, config, c, batch, steps).results
                 got[c].append(_step(results))
-                rows = measured_against_predicted(results, LESSON_CONFIG, c, batch)
+                rows = measured_against_predicted(results, config, c, batch)
                 memory[c] = (max(r["predicted"]["total"] for r in rows)
                              / max(r["measured"]["total"] for r in rows))
-    print(f"\nthe course's GPT here with cp, compute real ({world_size} ranks, global batch "
+    print(f"\nthe course's GPT here{' with 8 experts a block' if axis == 'ep' else ''}, plans "
+          f"with {axis} beside their twins, compute real ({world_size} ranks, global batch "
           f"{batch}; the mean of {rounds} runs, the second in the opposite order)")
-    print(f"{'configuration':<34} {'step pred. ms':>14} {'of it cp':>9} {'measured':>9} "
+    print(f"{'configuration':<40} {'step pred. ms':>14} {'of it ' + axis:>9} {'measured':>9} "
           f"{'ratio':>6} {'memory pred./measured':>22}")
     ratios: dict = {True: [], False: []}
     for c in order:
-        t = predict_time(LESSON_CONFIG, c, batch, cluster)
+        t = predict_time(config, c, batch, cluster)
         mean = statistics.mean(got[c])
-        ratios[c.cp > 1].append(t["step"] / mean)
-        print(f"{c.label():<34} {1e3 * t['step']:>14.1f} {1e3 * t['cp']:>9.1f} "
+        ratios[getattr(c, axis) > 1].append(t["step"] / mean)
+        print(f"{c.label():<40} {1e3 * t['step']:>14.1f} {1e3 * t[axis]:>9.1f} "
               f"{1e3 * mean:>9.1f} {t['step'] / mean:>6.2f} {memory[c]:>22.4f}")
-    for with_cp, r in ratios.items():
+    for with_axis, r in ratios.items():
         if r:
-            print(f"{'with' if with_cp else 'without'} cp: predicted / measured {min(r):.2f}-"
-                  f"{max(r):.2f}, within 15%: {sum(abs(x - 1) <= 0.15 for x in r)} of {len(r)}")
+            print(f"{'with' if with_axis else 'without'} {axis}: predicted / measured "
+                  f"{min(r):.2f}-{max(r):.2f}, within 15%: "
+                  f"{sum(abs(x - 1) <= 0.15 for x in r)} of {len(r)}")
 
 
 def search_time() -> None:
@@ -757,7 +776,7 @@ def search_time() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=("paper", "korthikanti", "here", "search",
-                                           "scaled", "cp"), default=None)
+                                           "scaled", "cp", "ep"), default=None)
     parser.add_argument("--world-size", type=int, default=8)
     parser.add_argument("--passes", type=int, default=2,
                         help="how many times --only here and --only scaled measure each "
@@ -781,8 +800,9 @@ def main() -> None:
         search_time()
     if args.only in (None, "here"):
         here(args.world_size, passes=args.passes)
-    if args.only in (None, "cp"):
-        context_parallel_here(args.world_size)
+    for axis in ("cp", "ep"):
+        if args.only in (None, axis):
+            beside_twins(axis, args.world_size)
     if args.only in (None, "scaled"):
         scaled_here(args.world_size, alone_s=args.alone, rounds=args.rounds,
                     passes=args.passes)

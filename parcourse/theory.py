@@ -386,7 +386,8 @@ def tp_activation_bytes(config: GPTConfig, batch: int, seq: int, world_size: int
 
 def gpt_layer_bytes(config: GPTConfig, layer: int, tp: int = 1, *, batch: int = 1,
                     sequence_parallel: bool = False, pipelined: bool = False,
-                    seq: int | None = None, ring: bool = False) -> dict[str, int]:
+                    seq: int | None = None, ring: bool = False, ep: int = 1
+                    ) -> dict[str, int]:
     """Theory, layer by layer: fp32 bytes of one layer of the course's GPT on a rank of a
     tp group, as the pipeline cuts it (`gpt_layers`: layer 0 the embeddings, 1..L the
     blocks, L + 1 ln_f, the head and the loss): its parameters, and what autograd keeps
@@ -401,7 +402,10 @@ def gpt_layer_bytes(config: GPTConfig, layer: int, tp: int = 1, *, batch: int = 
     recomputed in backward still holds: the loss runs after the checkpointed stage.
     `seq`: the tokens a rank holds of each sequence (the block size by default; fewer
     when context parallelism cuts it), `ring`: its attention the ring's
-    (`tp_activation_bytes`)."""
+    (`tp_activation_bytes`). With experts (`config.experts`), a block's MLP is a mixture
+    of experts, whole on every tp rank: its router and experts / `ep` experts, and what
+    it keeps routed evenly (`moe_activation_bytes`) in place of the MLP's GeLU input and
+    output."""
     if not 0 <= layer <= config.n_layers + 1:
         raise ValueError(f"layer {layer} is not one of the GPT's {config.n_layers + 2}")
     c, n, t, b = config.d_model, tp, config.block_size if seq is None else seq, batch
@@ -411,6 +415,11 @@ def gpt_layer_bytes(config: GPTConfig, layer: int, tp: int = 1, *, batch: int = 
     acts = tp_activation_bytes(dataclasses.replace(config, n_layers=1), b, t, n,
                                sequence_parallel, ring)
     block_acts = acts["total"] - acts["embeddings, ln_f, head"]
+    if config.experts:
+        h = 4 * c
+        per_block_params = (3 * c * c + 3 * c + c * c) // n + 2 * 2 * c + c \
+            + c * config.experts + config.experts // ep * (c * h + h + h * c + c)
+        block_acts += moe_activation_bytes(config, b * t, ep) - 4 * b * t * (c // n) * 8
     cut = n if sequence_parallel else 1
     stream = b * (t // cut) * c
     drop = config.dropout > 0
@@ -700,10 +709,13 @@ def dualpipe_v_peak_in_flight(ranks: int) -> int:
 def gpt_layer_flops(config: GPTConfig, layer: int, tokens: int) -> float:
     """Theory: forward FLOPs of one layer of the GPT (0 the embeddings, 1..n the blocks,
     n + 1 the head) for `tokens` tokens (2 per multiply-add; attention's
-    two matrix products over the whole sequence)."""
+    two matrix products over the whole sequence; with experts, each token's top_k
+    experts and the router, `moe_flops`)."""
     c, t = config.d_model, config.block_size
     if layer == 0:
         return 0.0
+    if layer <= config.n_layers and config.experts:  # attention, and `moe_flops`
+        return tokens * (2 * 4 * c * c + 2 * 2 * t * c) + moe_flops(config, layer, tokens)
     if layer <= config.n_layers:
         return tokens * (2 * 12 * c * c + 2 * 2 * t * c)
     return tokens * 2 * c * config.vocab
@@ -863,3 +875,58 @@ def expert_bytes(config: GPTConfig, ep: int, element_size: int = 4,
     elements = config.n_layers * (config.experts // ep) * per_expert
     return {"params": elements * element_size, "grads": elements * element_size,
             "optimizer": elements * optimizer_per_element}
+
+
+def moe_rows(config: GPTConfig, tokens: int, ep: int = 1) -> dict[str, int]:
+    """Theory: the rows one MoE layer moves on a rank of an ep group whose every rank
+    routes `tokens` tokens evenly (each expert chosen by tokens x top_k / experts of them;
+    with a capacity factor, at most cap = ceil(factor x tokens x top_k / experts) kept an
+    expert from each rank, GShard's limit): "kept", the assignments it sends (A);
+    "received", the rows its experts run (R, as many when routing is even); "padded", the
+    rows to which the batched experts pad each held expert (M: the busiest's; with a
+    capacity factor the most it can take, ep x cap, which uneven routing cannot exceed;
+    dropless, the even share, which uneven routing does: routed as it comes, the busiest
+    expert takes more)."""
+    e, k = config.experts, config.top_k
+    if not e or e % ep:
+        raise ValueError(f"{e} experts do not cut over ep {ep}")
+    per_expert = tokens * k / e  # from each rank, routed evenly
+    if config.capacity_factor is None:
+        padded = math.ceil(per_expert * ep)
+    else:
+        cap = math.ceil(config.capacity_factor * tokens * k / e)
+        per_expert, padded = min(per_expert, cap), ep * cap
+    kept = round(per_expert * e)
+    return {"kept": kept, "received": kept, "padded": padded}
+
+
+def moe_activation_bytes(config: GPTConfig, tokens: int, ep: int = 1) -> int:
+    """Theory: fp32 bytes one MoE layer (`parcourse.experts.MoE`, batched, or cut over ep)
+    keeps for backward on a rank for its `tokens` tokens, routed evenly (`moe_rows`: A
+    kept, R received, M the padded rows an expert), beyond its input (which the block's
+    count holds, as a dense MLP's): the router's logits and probabilities (2 N E), its
+    choices (N k int64, and N k bools kept), the balancing loss's share (E) and the
+    z-loss's log-sum-exp (N); each kept assignment's token and place in its top k (2 A
+    int64), its weight (A) and its output, unweighted and weighted (2 A C: the combine's
+    sum keeps its input); each received row's place (2 R int64, and under ep 2 R more:
+    the order the rows arrived in and back); and the held experts' padded input and
+    GeLU's input and output (E / ep x M x (C + 2 H)). Measured equal to the byte where
+    every expert fills its capacity (tests/test_planner.py); dropless, routing at
+    initialisation pads to 1.2-1.5 times the even count (docs/experts.md)."""
+    n, c, e, k = tokens, config.d_model, config.experts, config.top_k
+    rows = moe_rows(config, tokens, ep)
+    a, r, m = rows["kept"], rows["received"], rows["padded"]
+    router = 4 * 2 * n * e + 8 * n * k + n * k + 4 * e + 4 * n
+    assignments = 8 * 2 * a + 4 * a + 4 * 2 * a * c
+    received = 8 * 2 * r * (2 if ep > 1 else 1)
+    return router + assignments + received + 4 * (e // ep) * m * (c + 2 * 4 * c)
+
+
+def moe_flops(config: GPTConfig, layer: int, tokens: int) -> float:
+    """Theory: of `gpt_layer_flops`, a MoE block's router and experts (forward, `tokens`
+    tokens each through top_k experts): 2 C E + top_k x 16 C^2 a token; what tensor
+    parallelism does not cut (each tp rank runs the experts whole)."""
+    if not config.experts or not 1 <= layer <= config.n_layers:
+        return 0.0
+    c = config.d_model
+    return tokens * (2 * c * config.experts + config.top_k * 2 * 8 * c * c)

@@ -212,6 +212,15 @@ def test_plan_command_ranks_and_checks_here(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--model", "70B", "--check"])
     assert "only the course's GPT" in capsys.readouterr().err
+    # the course's GPT with experts: ep searched, its all-to-alls a column of their own
+    assert main(["plan", "--experts", "8", "--gpu", "h100", "--top", "500"]) == 0
+    out = capsys.readouterr().out
+    assert " ep " in out.splitlines()[3] and any(" ep4 " in ln for ln in out.splitlines())
+    for bad, why in ((["--model", "13B", "--experts", "8"], "--model course"),
+                     (["--experts", "4", "--top-k", "5"], "--top-k between 1 and")):
+        with pytest.raises(SystemExit):
+            main(["plan", *bad])
+        assert why in capsys.readouterr().err
     # the compute simulated: planned and measured so, within a few percent
     assert main(["plan", "--gpus", "2", "--top", "1", "--check", "--scaled", "0.5"]) == 0
     out = capsys.readouterr().out
@@ -804,25 +813,87 @@ def test_nothing_fits_says_why():
     assert "x the global batch does not cut into dp x microbatches equal parts" in text, text
 
 
-def test_a_gpt_with_experts_is_refused_not_priced_as_dense():
-    """The planner counts a dense GPT: with experts (or ep) it says so in one line, in
-    predict_memory, predict_time and the search, rather than pricing the experts' MLPs as
-    one MLP."""
-    from parcourse.models import GPTConfig
-    from parcourse.planner.inputs import Choice, Cluster
-    from parcourse.planner.predict import predict_memory
-    from parcourse.planner.search import plan
+def test_a_gpt_with_experts_is_priced_as_the_3d_step_runs_it(pool8):
+    """A GPT whose MLPs are mixtures of experts: each block's router and experts / ep
+    experts (whole on every tp rank), what the MoE layer keeps routed evenly
+    (`theory.moe_activation_bytes`), the dense weights sharded over dp x ep, the experts
+    over dp. With a capacity factor every expert fills (so routing is even whatever the
+    router), parameters, gradients and activations to the byte on 8 ranks, with dp, tp,
+    pp, ZeRO-1 and full recompute; Adam's state but its step counters. What it does not
+    price (16 bits, ZeRO 2-3 with experts) it refuses in one sentence."""
+    config = GPTConfig(vocab=64, block_size=16, n_layers=4, n_heads=4, d_model=32,
+                       experts=8, top_k=2, capacity_factor=0.25)
+    for choice in [Choice(dp=2, ep=4, microbatches=2),
+                   Choice(dp=1, tp=2, pp=2, ep=2, microbatches=2),
+                   Choice(dp=2, pp=2, ep=2, microbatches=2, zero=1),
+                   Choice(pp=2, ep=4, microbatches=2, recompute="full")]:
+        results = pool8.run(measure, config, choice, BATCH, 1).results
+        for row in measured_against_predicted(results, config, choice, BATCH):
+            got, want = row["measured"], row["predicted"]
+            for category in ("params", "grads", "activations"):
+                assert got[category] == want[category], (choice.label(), row["pp"], category)
+            assert 0 <= got["optimizer"] - want["optimizer"] <= 5e-3 * want["optimizer"] + 400
+    for choice, dtype, said in [
+            (Choice(dp=2, microbatches=2), "bf16", "not in bf16 under ZeRO-0"),
+            (Choice(ep=2, microbatches=2, zero=2), "fp32", "not in fp32 under ZeRO-2")]:
+        said = ("the planner prices a mixture of experts in fp32 under ZeRO 0-1 (each "
+                f"expert sharded over its own group), {said}")
+        with pytest.raises(ValueError, match=said.replace("(", r"\(").replace(")", r"\)")):
+            predict_memory(config, choice, 8, dtype)
+        rejected = plan(config, Cluster.preset("a100", 2), 8, dtype=dtype,
+                        candidates=[choice]).rejected
+        assert rejected[0].why_not == said
 
-    config = GPTConfig(vocab=64, block_size=16, n_layers=2, n_heads=4, d_model=32, experts=4)
-    with pytest.raises(ValueError, match="the planner prices dense GPTs"):
-        predict_memory(config, Choice(dp=2, microbatches=2), 8)
-    with pytest.raises(ValueError, match="the planner prices dense GPTs"):
-        predict_time(config, Choice(ep=2, microbatches=2), 8, Cluster.preset("a100", 2))
-    plans = plan(config, Cluster.preset("a100", 8), 16)
-    assert not plans.ranked and plans.rejected
-    assert any("the planner prices dense GPTs" in r.why_not for r in plans.rejected)
-    assert all("the planner prices dense GPTs" in r.why_not for r in plans.rejected
-               if not r.choice.problems(config, 16, world=8, step=False))
+
+def test_expert_parallelism_is_priced_as_its_all_to_alls_run():
+    """ep P cuts each MoE layer's experts over P ranks that take their own rows of the
+    batch: a rank computes its tokens' attention and router and, routed evenly, as many
+    expert rows (not cut by tp: each tp rank runs the experts whole), and each MoE block
+    sends, a microbatch, an all-to-all of the counts, the dispatch and the combine
+    forward and the two back, each P - 1 rounds of one message (the kept rows, A / P to
+    each peer). The dense gradients are averaged over dp x ep, the experts' over dp, each
+    group's reduction priced apart. The search tries ep for a GPT with experts only."""
+    from parcourse.comm import SimulatedLink
+    from parcourse.planner import choices
+    from parcourse.theory import gpt_layer_flops, moe_flops
+
+    latency, bandwidth, flops = 1e-3, 1e8, 1e9
+    cluster = dataclasses.replace(Cluster.this_machine(8, flops=flops, cores=8),
+                                  inside=SimulatedLink(latency, bandwidth))
+    config = GPTConfig(vocab=64, block_size=16, n_layers=4, n_heads=4, d_model=32,
+                       experts=8, top_k=2)
+    for p in (2, 4):
+        t = predict_time(config, Choice(1, 1, 1, "1f1b", 1, ep=p), 4 * p, cluster)
+        tokens = 4 * CONFIG.block_size  # 4 rows a rank
+        rows = tokens * config.top_k / p  # to each peer
+        counts = (p - 1) * (latency + 8 * config.experts // p / bandwidth)
+        moved = (p - 1) * (latency + 4 * rows * config.d_model / bandwidth)
+        assert t["ep"] == pytest.approx(config.n_layers * (counts + 4 * moved), rel=1e-9)
+        assert t["compute"] == pytest.approx(3 * sum(
+            gpt_layer_flops(config, lay, tokens) for lay in range(config.n_layers + 2))
+            / flops, rel=1e-9)
+        assert t["dp"] > 0  # the dense weights over the ep ranks; the experts over none
+    # tp 2 cuts attention and the head, not the experts
+    tp = predict_time(config, Choice(1, 2, 1, "1f1b", 1, ep=2), 8, cluster)
+    tokens = 4 * CONFIG.block_size
+    experts = sum(moe_flops(config, lay, tokens) for lay in range(config.n_layers + 2))
+    whole = sum(gpt_layer_flops(config, lay, tokens) for lay in range(config.n_layers + 2))
+    assert tp["compute"] == pytest.approx(3 * ((whole - experts) / 2 + experts) / flops)
+    # the experts reduced over dp 2 apart from the dense weights over dp x ep 4: a ring
+    # of each, at its measured cost (bytes free here)
+    rings = dataclasses.replace(cluster, inside=SimulatedLink(0.0, math.inf),
+                                ring_s={2: 0.01, 4: 0.1}, collective_s={})
+    assert predict_time(config, Choice(2, 1, 1, "1f1b", 1, ep=2), 16, rings)["dp"] \
+        == pytest.approx(0.1 + 0.01)
+    assert predict_time(config, Choice(4, 1, 1, "1f1b", 1), 16, rings)["dp"] \
+        == pytest.approx(0.1)
+    assert {c.ep for c in choices(8)} == {1}
+    here = dataclasses.replace(Cluster.this_machine(8, flops=flops, cores=2),
+                               inside=SimulatedLink(latency, bandwidth))
+    ranked = [p.choice for p in plan(config, here, BATCH).ranked]
+    assert {c.ep for c in ranked} == {1, 2, 4, 8}
+    assert all(not c.problems(config, BATCH, world=8, step=True) for c in ranked)
+    assert all(Choice.parse(c.label()) == c for c in ranked)
 
 
 def test_context_parallelism_is_priced_as_the_ring_runs_it():

@@ -9,6 +9,7 @@ with `--scaled S`, with the compute simulated (one rank alone S seconds a step, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=None,
                    help="global batch in sequences (16 for the course's GPT, else 1024)")
     p.add_argument("--seq", type=int, default=None, help="tokens a sequence (2048)")
+    p.add_argument("--experts", type=int, default=0,
+                   help="the course's GPT with each block's MLP a mixture of this many "
+                        "experts (dropless): the planner searches ep too")
+    p.add_argument("--top-k", type=int, default=2, help="experts a token (with --experts)")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--check", action="store_true",
                    help="measure the top configurations here (the course's GPT only)")
@@ -58,12 +63,14 @@ def _setup(args: argparse.Namespace, pool: Pool | None = None
 
     if args.model == "course":
         config, batch = LESSON_CONFIG, args.batch or 16
+        if args.experts:
+            config = dataclasses.replace(config, experts=args.experts, top_k=args.top_k)
     else:
         config = model(args.model, 2048 if args.seq is None else args.seq)
         batch = args.batch or 1024
     gpu = _gpu(args)
     if gpu == "here":
-        cluster = measured_here(args.gpus, LESSON_CONFIG, pool=pool)
+        cluster = measured_here(args.gpus, config, pool=pool)
         if args.scaled is not None:  # tp's collectives as such a step meets them
             paced = {}
             if args.gpus > 1:
@@ -76,6 +83,12 @@ def _setup(args: argparse.Namespace, pool: Pool | None = None
 
 
 def check(args: argparse.Namespace) -> str | None:
+    if args.experts and args.model != "course":
+        return ("--experts makes the course's GPT a mixture of experts (the planner prices "
+                "experts in fp32): --model course")
+    if args.experts < 0 or args.experts and not 1 <= args.top_k <= args.experts:
+        return (f"--experts must be >= 0 and --top-k between 1 and the experts, got "
+                f"{args.experts} and {args.top_k}")
     if problem := at_least_one(args, "gpus", "gpus_per_node", "top"):
         return problem
     if args.batch is not None and args.batch < 1:
@@ -148,12 +161,14 @@ def _check(args: argparse.Namespace, config: GPTConfig, cluster: Cluster, plans:
     from parcourse.planner import Contention, measure, measured_against_predicted, stage_compute
 
     # Here the search ranks only what the course's step runs (`ParallelPlan.problems`);
-    # with the compute simulated, not cp's, whose ring runs inside attention: padding
-    # each action to its compute would hide the messages (`Hybrid(compute=)` refuses it)
+    # with the compute simulated, not cp's or ep's, whose messages run inside attention
+    # and the MoE layers: padding each action to its compute would hide them
+    # (`Hybrid(compute=)` refuses them)
     ranked = plans.ranked  # type: ignore[attr-defined]
-    runnable = [p for p in ranked if args.scaled is None or p.choice.cp == 1][:min(3, args.top)]
-    if len(runnable) < min(3, args.top, len(ranked)) or runnable != ranked[:len(runnable)]:
-        print("\n(plans with cp are measured with their compute real: without --scaled)")
+    runnable = [p for p in ranked if args.scaled is None
+                or p.choice.cp == p.choice.ep == 1][:min(3, args.top)]
+    if runnable != ranked[:len(runnable)]:
+        print("\n(plans with cp or ep are measured with their compute real: without --scaled)")
     print(f"\nmeasured here ({args.gpus} ranks"
           + (f", compute simulated: one rank alone {args.scaled:g} s a step"
              if args.scaled is not None else "") + f"), the top {len(runnable)}:")

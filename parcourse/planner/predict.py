@@ -29,6 +29,8 @@ from parcourse.theory import (
     CostModel,
     TPCollective,
     attention_flops,
+    moe_flops,
+    moe_rows,
     attention_traffic,
     gpt_layer_bytes,
     gpt_layer_flops,
@@ -42,18 +44,14 @@ from parcourse.theory import (
 # --------------------------------------------------------------------------- memory
 
 
-EXPERTS_UNPRICED = ("the planner prices dense GPTs: a mixture of experts' memory is "
-                    "theory.mesh_bytes' and theory.expert_bytes', its all-to-alls "
-                    "theory.moe_all_to_all_bytes', but not yet its step time or its "
-                    "activations; train3d --experts --ep runs it")
-
-
 def unpriced(config: GPTConfig, choice: Choice, dtype: str = "fp32") -> str:
     """What the planner does not count (one sentence; empty if it counts it all), which it
-    refuses rather than price as if it were not there: experts (and ep), and context
-    parallelism but the ring's in fp32."""
-    if config.experts or choice.ep > 1:
-        return EXPERTS_UNPRICED
+    refuses rather than price as if it were not there: experts but in fp32 under ZeRO
+    0-1 (as the course's 3D step runs them), and context parallelism but the ring's in
+    fp32."""
+    if config.experts and (dtype != "fp32" or choice.zero > 1):
+        return (f"the planner prices a mixture of experts in fp32 under ZeRO 0-1 (each "
+                f"expert sharded over its own group), not in {dtype} under ZeRO-{choice.zero}")
     if choice.cp > 1 and (choice.cp_method != "ring" or dtype != "fp32"):
         return (f"cp {choice.cp}: the planner prices the ring in fp32 only (its memory and "
                 f"its messages), not {choice.cp_method} in {dtype}")
@@ -93,7 +91,8 @@ def _layer_bytes(config: GPTConfig, layer: int, choice: Choice, batch: int, dtyp
                              "3D step recomputes whole stages)")
         return gpt_layer_bytes(config, layer, choice.tp, batch=batch,  # type: ignore[return-value]
                                sequence_parallel=choice.sequence_parallel, pipelined=pipelined,
-                               seq=seq_here(config, choice), ring=choice.cp > 1)
+                               seq=seq_here(config, choice), ring=choice.cp > 1,
+                               ep=choice.ep)
     return korthikanti_layer_bytes(config, layer, choice.tp, batch=batch,
                                    sequence_parallel=choice.sequence_parallel,
                                    pipelined=pipelined, selective=choice.recompute == "selective")
@@ -132,7 +131,7 @@ def predict_memory(config: GPTConfig, choice: Choice, global_batch: int,
         raise ValueError(why)
     plan = _schedule(choice.schedule, choice.pp, choice.microbatches, choice.chunks)
     layers = stage_layers(config, choice)
-    batch = global_batch // (choice.dp * choice.microbatches)
+    batch = global_batch // (choice.replicas * choice.microbatches)
     pipelined = plan.stage_rank[0] != plan.stage_rank[-1]
     kinds: dict[int, dict[str, float]] = {}  # the blocks are alike: count one of them
 
@@ -162,7 +161,9 @@ def predict_memory(config: GPTConfig, choice: Choice, global_batch: int,
         rebuilt = [block - stream if any(bs) else 0.0 for bs in is_block]
         held = [sum(stream if b else kept["activations"] for b, kept in zip(bs, st))
                 for bs, st in zip(is_block, per_stage)]
-    n, z = choice.dp * choice.cp, choice.zero  # the ranks ZeRO shards over: dp x cp
+    # the ranks ZeRO shards over: the dense weights over dp x ep x cp (ep's ranks hold
+    # the same ones), each stage's experts, cut over ep, over dp x cp
+    n, z = choice.replicas * choice.cp, choice.zero
     half = torch.float32 if dtype == "fp32" else torch.bfloat16
     # The tied embedding and head, when the pipeline holds them in two stages: numbers.
     tied = math.ceil(config.vocab / choice.tp) * config.d_model \
@@ -173,7 +174,13 @@ def predict_memory(config: GPTConfig, choice: Choice, global_batch: int,
         p = sum(params[s] for s in mine) / 4  # parameters (numbers) on this rank
         # Weights, gradients and Adam's state as ZeRO's theory counts them; 16-bit
         # gradient shards as the paper keeps them (2/dp a parameter).
-        memory = zero_bytes(p, n, z, half, grad_shard_dtype=half)
+        held_experts = sum(expert_numbers(config, choice, lay) for s in mine
+                           for lay in layers[s]) if choice.ep > 1 else 0
+        memory = zero_bytes(p - held_experts, n, z, half, grad_shard_dtype=half)
+        if held_experts:
+            for key, value in zero_bytes(held_experts, choice.dp * choice.cp, z, half,
+                                         grad_shard_dtype=half).items():
+                memory[key] += value
         if z >= 2 and dtype == "fp32":
             # The course's 3D step (fp32) reduces a stage's gradients at a time: whole
             # until then (`_zero_2_peak`), where the paper's buckets keep 1/dp of them.
@@ -185,6 +192,15 @@ def predict_memory(config: GPTConfig, choice: Choice, global_batch: int,
         memory["total"] = sum(memory.values())
         out.append(memory)
     return out
+
+
+def expert_numbers(config: GPTConfig, choice: Choice, layer: int) -> int:
+    """The experts' own numbers a rank holds of `layer` (a block's experts / ep MLPs,
+    their biases too; 0 elsewhere and for a dense GPT)."""
+    if not config.experts or not 1 <= layer <= config.n_layers:
+        return 0
+    c, h = config.d_model, 4 * config.d_model
+    return config.experts // choice.ep * (c * h + h + h * c + c)
 
 
 def _activation_peak(actions: Any, held: list[float], rebuilt: list[float]) -> float:
@@ -237,13 +253,15 @@ def stage_compute(config: GPTConfig, choice: Choice, global_batch: int,
     them: the planner's check here, a GPU's compute on a laptop (`scaled`)."""
     # a rank's tokens of a microbatch: its share of each sequence under cp (the
     # busiest's); attention counted over the whole sequence, as Megatron-LM counts it
-    tokens = global_batch // (choice.dp * choice.microbatches) * seq_here(config, choice)
+    tokens = global_batch // (choice.replicas * choice.microbatches) * seq_here(config, choice)
     number = 2 if dtype == "bf16" else 4
     per_byte = 0.0 if bandwidth is None else 1 / bandwidth
     sp = choice.sequence_parallel
     forward, backward = [], []
     for ls in stage_layers(config, choice):
-        f = sum(gpt_layer_flops(config, lay, tokens) for lay in ls) / choice.tp / flops
+        experts = sum(moe_flops(config, lay, tokens) for lay in ls)  # whole on each tp rank
+        f = ((sum(gpt_layer_flops(config, lay, tokens) for lay in ls) - experts) / choice.tp
+             + experts) / flops
         moved = per_byte * sum(gpt_layer_traffic(config, lay, tokens, choice.tp, sp, number)
                                for lay in ls)
         again = {"none": 0.0, "full": f + moved, "selective": sum(
@@ -263,10 +281,12 @@ def model_flops_per_token(config: GPTConfig) -> float:
 
 def _group_link(cluster: Cluster, choice: Choice, axis: str) -> SimulatedLink:
     """The slow link if a group of `axis` spans nodes under Megatron-LM's order (tp
-    innermost, then cp, dp, pp outermost), else the fast one."""
+    innermost, then cp, ep, dp, pp outermost), else the fast one."""
     inner = {"tp": choice.tp, "cp": choice.tp * choice.cp,
-             "dp": choice.tp * choice.cp * choice.dp, "pp": choice.gpus}[axis]
-    size = {"tp": choice.tp, "cp": choice.cp, "dp": choice.dp, "pp": choice.pp}[axis]
+             "ep": choice.tp * choice.cp * choice.ep,
+             "dp": choice.tp * choice.cp * choice.ep * choice.dp, "pp": choice.gpus}[axis]
+    size = {"tp": choice.tp, "cp": choice.cp, "ep": choice.ep, "dp": choice.dp,
+            "pp": choice.pp}[axis]
     if size == 1:
         return cluster.inside
     return cluster.inside if inner <= cluster.gpus_per_node else cluster.between
@@ -296,6 +316,30 @@ def _cp_on_stages(config: GPTConfig, choice: Choice, layers: list[list[int]], ba
     again = forward if choice.recompute == "full" else 0.0
     blocks = [sum(1 <= lay <= config.n_layers for lay in ls) for ls in layers]
     hops = (p - 1) * (2 + (choice.recompute == "full")) + p
+    return ([n * forward for n in blocks], [n * (backward + again) for n in blocks],
+            [n * hops for n in blocks])
+
+
+def _ep_on_stages(config: GPTConfig, choice: Choice, layers: list[list[int]], tokens: int,
+                  link: SimulatedLink) -> tuple[list[float], list[float], list[int]]:
+    """Expert parallelism's all-to-alls in one microbatch on each stage, as seconds they
+    add to its forward and its backward, and how many messages a rank sends. Each MoE
+    block, at ep P, its `tokens` routed evenly (`moe_rows`): forward, the counts (E / P
+    int64 a peer), the dispatch and the combine (the kept rows, A / P of them to each
+    peer, d_model fp32 each); backward, the combine's and the dispatch's gradients. The
+    course's all-to-all sends to one peer at a time (P - 1 rounds), and the step waits
+    for each (`parcourse.experts.parallel`); under full recompute the forward's again."""
+    stages = len(layers)
+    if choice.ep == 1:
+        return [0.0] * stages, [0.0] * stages, [0] * stages
+    p, c = choice.ep, config.d_model
+    rows = moe_rows(config, tokens, p)["kept"] / p  # to each peer
+    counts = (p - 1) * (link.latency_s + 8 * config.experts // p / link.bandwidth_Bps)
+    moved = (p - 1) * (link.latency_s + 4 * rows * c / link.bandwidth_Bps)
+    forward, backward = counts + 2 * moved, 2 * moved
+    again = forward if choice.recompute == "full" else 0.0
+    blocks = [sum(1 <= lay <= config.n_layers for lay in ls) for ls in layers]
+    hops = (p - 1) * (5 + 3 * (choice.recompute == "full"))
     return ([n * forward for n in blocks], [n * (backward + again) for n in blocks],
             [n * hops for n in blocks])
 
@@ -409,8 +453,8 @@ def _layer_tensors(config: GPTConfig, layer: int, head_apart: bool) -> int:
     another stage (`head_apart`), which then holds a copy."""
     if layer == 0:
         return 2
-    if layer <= config.n_layers:
-        return 12
+    if layer <= config.n_layers:  # with experts: the router and four stacked tensors
+        return 13 if config.experts else 12
     return 2 + (0 if config.tie_weights and not head_apart else 1)
 
 
@@ -439,11 +483,13 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
         raise ValueError(why)
     plan = _schedule(choice.schedule, choice.pp, choice.microbatches, choice.chunks)
     layers = stage_layers(config, choice)
-    batch = global_batch // (choice.dp * choice.microbatches)
+    batch = global_batch // (choice.replicas * choice.microbatches)
     tokens = batch * seq_here(config, choice)  # a rank's, of a microbatch
-    # the gradients are averaged, and ZeRO shards, over dp x cp (cp's ranks hold the same
-    # weights): priced as data parallelism over dp x cp ranks
-    over = dataclasses.replace(choice, dp=choice.dp * choice.cp, cp=1)
+    # the gradients are averaged, and ZeRO shards, over dp x ep x cp (cp's ranks hold the
+    # same weights, and ep's the same dense ones): priced as data parallelism over those
+    # ranks; the experts (cut over ep) over dp x cp
+    over = dataclasses.replace(choice, dp=choice.replicas * choice.cp, cp=1, ep=1)
+    over_experts = dataclasses.replace(choice, dp=choice.dp * choice.cp, cp=1, ep=1)
     ov = cluster.overheads
     # More ranks than cores: each one's own work costs more processor time (`shared_cpu`),
     # and, a pipeline's other stages computing, a woken receiver waits for a core: hops
@@ -481,6 +527,12 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     if loaded and cluster.loaded_p2p_s is not None:  # as a pipeline's hops
         cp_link = SimulatedLink(cluster.loaded_p2p_s, cp_link.bandwidth_Bps)
     cp_f, cp_b, cp_hops = _cp_on_stages(config, choice, layers, batch, cluster.flops, cp_link)
+    ep_link = _group_link(cluster, choice, "ep")
+    if loaded and cluster.loaded_p2p_s is not None:
+        ep_link = SimulatedLink(cluster.loaded_p2p_s, ep_link.bandwidth_Bps)
+    ep_f, ep_b, ep_hops = _ep_on_stages(config, choice, layers, tokens, ep_link)
+    cp_f = [c + e for c, e in zip(cp_f, ep_f)]  # ep's all-to-alls and cp's ring, each
+    cp_b = [c + e for c, e in zip(cp_b, ep_b)]  # exposed in its action: apart below
     forward, backward = [], []
     blocks = config.n_layers + 2
     # On shared cores, each action's sends and receives (one from the stage before and one
@@ -534,6 +586,8 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     busiest = max(range(choice.pp), key=lambda r: busy_s[r])
     compute = busy_s[busiest] - tp_on[busiest] - cp_on[busiest]
     tp_s, cp_s = tp_on[busiest] + tp_once, cp_on[busiest]
+    ep_s = sum(ep_f[s] + ep_b[s] for s in on_rank[busiest]) * m
+    cp_s -= ep_s
     pipeline = step_s + tp_once
     head_apart = plan.stages > 1 and _stage_of(layers, 0) != _stage_of(layers, blocks - 1)
     if config.tie_weights and head_apart and \
@@ -547,19 +601,32 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     # the gradients (the tied weights, cut apart, a unit of their own), each ring's own
     # cost as measured, and the loss's mean over the replicas (torch's all-reduce)
     apart = config.tie_weights and plan.stages > 1
-    dp_s = _dp_seconds(over, memory, dp_link, compute, plan.stages // choice.pp, apart,
+    weight_bytes = 4 if dtype == "fp32" else 2
+    experts_on = [weight_bytes * sum(expert_numbers(config, choice, lay) for s in mine
+                                     for lay in layers[s]) if choice.ep > 1 else 0
+                  for mine in on_rank]  # the bytes of experts each pipeline rank holds
+    dense = [{"params": mem["params"] - e} for mem, e in zip(memory, experts_on)]
+    dp_s = _dp_seconds(over, dense, dp_link, compute, plan.stages // choice.pp, apart,
                        cluster.ring_s.get(over.dp, cluster.collective_s.get(over.dp, 0.0)))
+    if choice.ep > 1 and over_experts.dp > 1:  # each stage's experts over their own group
+        experts_link = _group_link(cluster, over_experts, "dp")
+        if over_experts.dp in cluster.ring_s or over_experts.dp in cluster.collective_s:
+            experts_link = SimulatedLink(0.0, experts_link.bandwidth_Bps)
+        dp_s += _dp_seconds(over_experts, [{"params": e} for e in experts_on], experts_link,
+                            compute, plan.stages // choice.pp, False,
+                            cluster.ring_s.get(over_experts.dp,
+                                               cluster.collective_s.get(over_experts.dp, 0.0)))
     if over.dp > 1:
         dp_s += cluster.collective_s.get(over.dp, 0.0)
     last = plan.stage_rank[-1]  # the ranks holding the tied embedding and head
     tied_on = {plan.stage_rank[0], last} if apart else set()
-    weight_bytes = 4 if dtype == "fp32" else 2
     optimizers = []  # each pipeline rank's step
     for rank, mine in enumerate(on_rank):
         numbers = memory[rank]["params"] / weight_bytes * (over.dp if choice.zero >= 3 else 1)
         tensors = sum(_layer_tensors(config, lay, head_apart) for s in mine for lay in layers[s])
         if choice.zero:  # ZeRO steps each weight's rows here (`zero.stages`)
-            numbers = numbers / over.dp
+            held = experts_on[rank] / weight_bytes
+            numbers = (numbers - held) / over.dp + held / over_experts.dp
         optimizers.append(worse * ov.optimizer_s(tensors, numbers))
     optimizer = max(optimizers)
     if cluster.compute_simulated:  # a stage's dp x tp ranks step at once, the others
@@ -582,17 +649,21 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
             tp_cpu = sum((1 if kind == "step" else m) * n * cluster.collective_cpu(op, choice.tp)
                          for s in mine for kind, by in on_stage[s].items() if kind != "W"
                          for op, (n, _) in by.items())
-            cpu += (m * sum(forward[s] + backward[s] + cp_hops[s] * cluster.message_cpu_s
+            cpu += (m * sum(forward[s] + backward[s]
+                            + (cp_hops[s] + ep_hops[s]) * cluster.message_cpu_s
                             for s in mine) + optimizers[rank] + tp_cpu)
             if over.dp > 1:
                 cpu += (_dp_rings(over, len(mine), rank in tied_on)
                         * cluster.ring_cpu_s.get(over.dp, 0.0)
                         + (rank == last) * cluster.collective_cpu_s.get(over.dp, 0.0))
+            if choice.ep > 1 and over_experts.dp > 1:
+                cpu += (_dp_rings(over_experts, len(mine))
+                        * cluster.ring_cpu_s.get(over_experts.dp, 0.0))
         waiting = max(0.0, cpu * over.dp * choice.tp / cores - step)
         step += waiting
     model_flops = model_flops_per_token(config) * global_batch * config.block_size
-    return {"compute": compute, "tp": tp_s, "cp": cp_s,
-            "bubble": pipeline - compute - tp_s - cp_s,
+    return {"compute": compute, "tp": tp_s, "cp": cp_s, "ep": ep_s,
+            "bubble": pipeline - compute - tp_s - cp_s - ep_s,
             "dp": dp_s, "optimizer": optimizer, "cores": waiting, "step": step,
             "sharing": slow,
             "tokens_per_s": global_batch * config.block_size / step,

@@ -44,23 +44,24 @@ def choices(gpus: int, *, schedules: tuple[str, ...] = ("1f1b", "interleaved-1f1
             sequence_parallel: tuple[bool, ...] = (False, True),
             recompute: tuple[Recompute, ...] = ("none",),
             split: tuple[Split, ...] = ("layers",),
-            cp: tuple[int, ...] = (1, 2, 4, 8)) -> list[Choice]:
-    """Every factorisation of `gpus` into dp x tp x pp x cp (cp among `cp`: the ring)
-    with each schedule, number of microbatches, ZeRO stage, sequence parallelism,
-    recompute and split asked for (sequence parallelism only with tp > 1 and cp 1, as
-    the course's step runs it; one schedule and one split when pp is 1; ZeRO over the
-    ranks holding the same weights, dp x cp > 1, only, stages 2 and 3 only without a
-    pipeline, as DeepSpeed allows them)."""
+            cp: tuple[int, ...] = (1, 2, 4, 8), ep: tuple[int, ...] = (1,)) -> list[Choice]:
+    """Every factorisation of `gpus` into dp x tp x pp x cp x ep (cp among `cp`: the
+    ring; ep among `ep`, for a GPT with experts) with each schedule, number of
+    microbatches, ZeRO stage, sequence parallelism, recompute and split asked for
+    (sequence parallelism only with tp > 1 and cp 1, as the course's step runs it; one
+    schedule and one split when pp is 1; ZeRO over the ranks holding the same weights,
+    dp x cp x ep > 1, only, stages 2 and 3 only without a pipeline, as DeepSpeed allows
+    them)."""
     out = []
-    for c in cp:
-        if c < 1 or gpus % c:
+    for c, e in ((c, e) for c in cp for e in ep):
+        if c < 1 or e < 1 or gpus % (c * e):
             continue
-        for tp in range(1, gpus // c + 1):
-            for pp in range(1, gpus // (c * tp) + 1):
-                if gpus % (c * tp * pp):
+        for tp in range(1, gpus // (c * e) + 1):
+            for pp in range(1, gpus // (c * e * tp) + 1):
+                if gpus % (c * e * tp * pp):
                     continue
-                dp = gpus // (c * tp * pp)
-                stages = [z for z in zero if z < 2 or pp == 1] if dp * c > 1 else [0]
+                dp = gpus // (c * e * tp * pp)
+                stages = [z for z in zero if z < 2 or pp == 1] if dp * c * e > 1 else [0]
                 for schedule in (schedules if pp > 1 else schedules[:1]):
                     for m in microbatches:
                         for z in stages:
@@ -68,7 +69,7 @@ def choices(gpus: int, *, schedules: tuple[str, ...] = ("1f1b", "interleaved-1f1
                                 for r in recompute:
                                     out += [Choice(dp, tp, pp, schedule, m, zero=z,
                                                    sequence_parallel=sp, recompute=r,
-                                                   split=how, cp=c)
+                                                   split=how, cp=c, ep=e)
                                             for how in (split if pp > 1 else split[:1])]
     return out
 
@@ -88,7 +89,8 @@ def plan(config: GPTConfig, cluster: Cluster, global_batch: int, *, dtype: Dtype
     if candidates is None:
         candidates = choices(cluster.gpus, recompute=("none",) if dtype == "fp32"
                              else ("none", "selective", "full"),
-                             split=("layers",) if here else ("layers", "blocks"))
+                             split=("layers",) if here else ("layers", "blocks"),
+                             ep=(1, 2, 4, 8) if config.experts else (1,))
     for choice in candidates:
         item = Planned(choice)
         if problems := choice.problems(config, global_batch, world=cluster.gpus, step=here):
@@ -129,8 +131,8 @@ def plan(config: GPTConfig, cluster: Cluster, global_batch: int, *, dtype: Dtype
 
 def format_plans(plans: Plans, top: int = 10) -> str:
     """The ranked table (what `python -m parcourse plan` prints): each configuration's
-    predicted step split into compute / tp / (cp's ring, where a plan shown uses it) /
-    bubble / dp / optimizer / waiting for a core,
+    predicted step split into compute / tp / (cp's ring and ep's all-to-alls, where a
+    plan shown uses them) / bubble / dp / optimizer / waiting for a core,
     tokens/s, MFU and the busiest pipeline rank's memory; then how many were turned down
     and why, with the closest that ran out of memory."""
     from collections import Counter
@@ -140,9 +142,10 @@ def format_plans(plans: Plans, top: int = 10) -> str:
     shown = plans.ranked[:top]
     # the labels' own width, so that the numbers line up however long a plan's name
     width = max([13, *(len(p.choice.label()) for p in shown)])
-    cp = any(p.choice.cp > 1 for p in shown)  # a column for cp's messages where it is used
+    # a column for cp's messages and one for ep's where a plan shown uses them
+    cp, ep = (any(getattr(p.choice, a) > 1 for p in shown) for a in ("cp", "ep"))
     lines = [f"{'':>3}  {'configuration':<{width}} {'step ms':>10} {'compute':>8} {'tp':>7} "
-             + (f"{'cp':>7} " if cp else "")
+             + (f"{'cp':>7} " if cp else "") + (f"{'ep':>7} " if ep else "")
              + f"{'bubble':>7} {'dp':>7} {'opt':>6} {'cores':>6} {'tokens/s':>10} {'MFU':>6} "
              f"{'memory (busiest)':>17}"]
     for k, p in enumerate(shown, 1):
@@ -151,6 +154,7 @@ def format_plans(plans: Plans, top: int = 10) -> str:
             f"{k:>3}  {p.choice.label():<{width}} {1e3 * t['step']:>10.1f} "
             f"{1e3 * t['compute']:>8.1f} {1e3 * t['tp']:>7.1f} "
             + (f"{1e3 * t.get('cp', 0.0):>7.1f} " if cp else "")
+            + (f"{1e3 * t.get('ep', 0.0):>7.1f} " if ep else "")
             + f"{1e3 * max(0, t['bubble']):>7.1f} "
             f"{1e3 * t['dp']:>7.1f} {1e3 * t['optimizer']:>6.1f} {1e3 * t['cores']:>6.1f} "
             f"{t['tokens_per_s']:>10.0f} "

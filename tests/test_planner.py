@@ -850,8 +850,8 @@ def test_expert_parallelism_is_priced_as_its_all_to_alls_run():
     batch: a rank computes its tokens' attention and router and, routed evenly, as many
     expert rows (not cut by tp: each tp rank runs the experts whole), and each MoE block
     sends, a microbatch, an all-to-all of the counts, the dispatch and the combine
-    forward and the two back, each P - 1 rounds of one message (the kept rows, A / P to
-    each peer). The dense gradients are averaged over dp x ep, the experts' over dp, each
+    forward and the two back, each its P - 1 messages at once (the kept rows, A / P to
+    each peer): a latency and the rank's bytes over its link. The dense gradients are averaged over dp x ep, the experts' over dp, each
     group's reduction priced apart. The search tries ep for a GPT with experts only."""
     from parcourse.comm import SimulatedLink
     from parcourse.planner import choices
@@ -866,8 +866,8 @@ def test_expert_parallelism_is_priced_as_its_all_to_alls_run():
         t = predict_time(config, Choice(1, 1, 1, "1f1b", 1, ep=p), 4 * p, cluster)
         tokens = 4 * CONFIG.block_size  # 4 rows a rank
         rows = tokens * config.top_k / p  # to each peer
-        counts = (p - 1) * (latency + 8 * config.experts // p / bandwidth)
-        moved = (p - 1) * (latency + 4 * rows * config.d_model / bandwidth)
+        counts = latency + (p - 1) * 8 * config.experts // p / bandwidth
+        moved = latency + (p - 1) * 4 * rows * config.d_model / bandwidth
         assert t["ep"] == pytest.approx(config.n_layers * (counts + 4 * moved), rel=1e-9)
         assert t["compute"] == pytest.approx(3 * sum(
             gpt_layer_flops(config, lay, tokens) for lay in range(config.n_layers + 2))

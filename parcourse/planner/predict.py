@@ -323,25 +323,27 @@ def _cp_on_stages(config: GPTConfig, choice: Choice, layers: list[list[int]], ba
 def _ep_on_stages(config: GPTConfig, choice: Choice, layers: list[list[int]], tokens: int,
                   link: SimulatedLink) -> tuple[list[float], list[float], list[int]]:
     """Expert parallelism's all-to-alls in one microbatch on each stage, as seconds they
-    add to its forward and its backward, and how many messages a rank sends. Each MoE
-    block, at ep P, its `tokens` routed evenly (`moe_rows`): forward, the counts (E / P
-    int64 a peer), the dispatch and the combine (the kept rows, A / P of them to each
+    add to its forward and its backward, and how many a rank runs. Each MoE block, at ep
+    P, its `tokens` routed evenly (`moe_rows`): forward, an all-to-all of the counts (E /
+    P int64 a peer), the dispatch and the combine (the kept rows, A / P of them to each
     peer, d_model fp32 each); backward, the combine's and the dispatch's gradients. The
-    course's all-to-all sends to one peer at a time (P - 1 rounds), and the step waits
-    for each (`parcourse.experts.parallel`); under full recompute the forward's again."""
+    course's all-to-all posts its P - 1 sends and receives at once and waits for them all
+    (`parcourse.comm.all_to_all`): a latency and the rank's bytes over its link, each
+    waited for in the step (`parcourse.experts.parallel`); under full recompute the
+    forward's again."""
     stages = len(layers)
     if choice.ep == 1:
         return [0.0] * stages, [0.0] * stages, [0] * stages
     p, c = choice.ep, config.d_model
     rows = moe_rows(config, tokens, p)["kept"] / p  # to each peer
-    counts = (p - 1) * (link.latency_s + 8 * config.experts // p / link.bandwidth_Bps)
-    moved = (p - 1) * (link.latency_s + 4 * rows * c / link.bandwidth_Bps)
+    counts = link.latency_s + (p - 1) * 8 * config.experts // p / link.bandwidth_Bps
+    moved = link.latency_s + (p - 1) * 4 * rows * c / link.bandwidth_Bps
     forward, backward = counts + 2 * moved, 2 * moved
     again = forward if choice.recompute == "full" else 0.0
     blocks = [sum(1 <= lay <= config.n_layers for lay in ls) for ls in layers]
-    hops = (p - 1) * (5 + 3 * (choice.recompute == "full"))
+    calls = 5 + 3 * (choice.recompute == "full")
     return ([n * forward for n in blocks], [n * (backward + again) for n in blocks],
-            [n * hops for n in blocks])
+            [n * calls for n in blocks])
 
 
 def _dp_seconds(choice: Choice, memory: list[dict[str, float]], link: SimulatedLink,
@@ -578,7 +580,7 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
             # other ranks could use.
             busy = sum(b - t - c for b, t, c in zip(busy_s, tp_on, cp_on))
             at_once = busy / (step_s - max(tp_on) - max(cp_on)) * choice.dp * choice.tp \
-                * choice.cp
+                * choice.cp * choice.ep
             want = max(1.0, at_once / cores)
             if abs(want - slow) < 1e-3 * slow:
                 break

@@ -33,7 +33,7 @@ lab: $(STAMP)
 # in simulated compute and kernels and browsers starting, not work.
 TEST_WORKERS ?= 3
 test: $(STAMP)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 # The course as a static site in out/site (the lessons executed at their small parameters,
 # the docs, the library's reference): open out/site/index.html.

@@ -77,12 +77,13 @@ def choices(gpus: int, *, schedules: tuple[str, ...] = ("1f1b", "interleaved-1f1
 def plan(config: GPTConfig, cluster: Cluster, global_batch: int, *, dtype: Dtype = "fp32",
          candidates: list[Choice] | None = None) -> Plans:
     """Every candidate predicted (by default `choices(cluster.gpus)`, with selective and
-    full recompute too in 16 bits, and on a published cluster both splits, by layer
-    count and Megatron-LM's blocks alone); the ones that fit ranked by step time, the
-    others with the reason. On this machine (`cluster.cores`), only what the course's 3D
-    step runs (`ParallelPlan.problems(step=True)`), its full recompute a checkpoint a
-    stage: every plan ranked can be started with `train3d --plan`. On a published
-    cluster, what Megatron-LM runs: full recompute a checkpoint a block."""
+    full recompute too in 16 bits, on a published cluster both splits, by layer count and
+    Megatron-LM's blocks alone, cp in fp32, and ep for a GPT with experts); the ones that
+    fit ranked by step time, the others with the reason. On this machine
+    (`cluster.cores`), only what the course's 3D step runs
+    (`ParallelPlan.problems(step=True)`), its full recompute a checkpoint a stage: every
+    plan ranked can be started with `train3d --plan`. On a published cluster, what
+    Megatron-LM runs: full recompute a checkpoint a block."""
     check_dtype(dtype)
     ranked, rejected = [], []
     here = cluster.cores is not None
@@ -90,6 +91,8 @@ def plan(config: GPTConfig, cluster: Cluster, global_batch: int, *, dtype: Dtype
         candidates = choices(cluster.gpus, recompute=("none",) if dtype == "fp32"
                              else ("none", "selective", "full"),
                              split=("layers",) if here else ("layers", "blocks"),
+                             # what it prices: cp's ring in fp32, ep where there are experts
+                             cp=(1, 2, 4, 8) if dtype == "fp32" else (1,),
                              ep=(1, 2, 4, 8) if config.experts else (1,))
     for choice in candidates:
         item = Planned(choice)

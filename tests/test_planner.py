@@ -747,9 +747,10 @@ def test_links_under_load_price_a_pipelines_hops(pool8):
 
 
 def test_this_machines_costs_are_measured_alone_and_priced(pool2):
-    """A layer's fixed cost and the optimizer's, measured on one rank alone (refused on
-    more: they would share its cores), go into every stage's F and B and the step; ranks
-    beyond the cores share them, by how many compute at once."""
+    """A layer's fixed cost, the optimizer's and data parallelism's own work on the
+    gradients (the buckets', ZeRO's), measured on one rank alone (refused on more: they
+    would share its cores), go into every stage's F and B and the step; ranks beyond the
+    cores share them, by how many compute at once."""
     from parcourse.models import gpt
     from parcourse.planner import measure_costs, stage_layers
     from parcourse.planner.predict import _layer_tensors
@@ -768,7 +769,8 @@ def test_this_machines_costs_are_measured_alone_and_priced(pool2):
     # checks the pricing, not the machine's load
     costs = {**measured, "forward_layer_s": 2e-4, "backward_layer_s": 4e-4,
              "forward_stage_s": 1e-3, "backward_stage_s": 2e-3, "optimizer_step_s": 1e-4,
-             "optimizer_tensor_s": 2e-5, "optimizer_number_s": 1e-9}
+             "optimizer_tensor_s": 2e-5, "optimizer_number_s": 1e-9,
+             "dp_tensor_s": 0.0, "zero_tensor_s": 0.0}
     bare = predict_time(CONFIG, Choice(8), BATCH, Cluster.this_machine(8, flops=costs["flops"],
                                                                        cores=8))
     shared = predict_time(CONFIG, Choice(8), BATCH, Cluster.this_machine(8, costs=costs, cores=2))
@@ -783,6 +785,21 @@ def test_this_machines_costs_are_measured_alone_and_priced(pool2):
         apart = len(layers) > 1
         counted = sum(_layer_tensors(CONFIG, lay, apart) for ls in layers for lay in ls)
         assert counted == len(list(gpt(CONFIG).parameters())) + apart
+    # data parallelism's own work on the gradients, a tensor's: the buckets' without ZeRO,
+    # ZeRO's under 1 and 2, on every rank at once (8 ranks, 2 cores: 4 at a time);
+    # nothing without replicas
+    tensors = len(list(gpt(CONFIG).parameters()))
+    kept = {**costs, "dp_tensor_s": 1e-4, "zero_tensor_s": 3e-4}
+    for z, per in ((0, 1e-4), (1, 3e-4), (2, 3e-4)):
+        with_it, without = (predict_time(CONFIG, Choice(8, zero=z), BATCH, Cluster.this_machine(
+            8, costs=c, cores=8))["dp"] for c in (kept, costs))
+        assert with_it - without == pytest.approx(tensors * per, rel=1e-9), z
+    one = [predict_time(CONFIG, Choice(1), BATCH, Cluster.this_machine(1, costs=c, cores=1))
+           for c in (kept, costs)]
+    assert one[0]["step"] == one[1]["step"]
+    two_cores = Cluster.this_machine(8, costs=kept, cores=2)
+    assert predict_time(CONFIG, Choice(8), BATCH, two_cores)["dp"] - shared["dp"] \
+        == pytest.approx(8 / 2 * two_cores.shared_cpu * tensors * 1e-4, rel=1e-9)
 
 
 def test_the_search_tries_both_splits_where_megatron_runs():
@@ -851,8 +868,9 @@ def test_expert_parallelism_is_priced_as_its_all_to_alls_run():
     expert rows (not cut by tp: each tp rank runs the experts whole), and each MoE block
     sends, a microbatch, an all-to-all of the counts, the dispatch and the combine
     forward and the two back, each its P - 1 messages at once (the kept rows, A / P to
-    each peer): a latency and the rank's bytes over its link. The dense gradients are averaged over dp x ep, the experts' over dp, each
-    group's reduction priced apart. The search tries ep for a GPT with experts only."""
+    each peer): a latency and the rank's bytes over its link. The dense gradients are
+    averaged over dp x ep, the experts' over dp, each group's reduction priced apart. The
+    search tries ep for a GPT with experts only."""
     from parcourse.comm import SimulatedLink
     from parcourse.planner import choices
     from parcourse.theory import gpt_layer_flops, moe_flops

@@ -65,7 +65,9 @@ def measure_costs(ctx: Any, config: GPTConfig, batches: tuple[int, int] = (1, 16
     the rate (a tiny model runs far below it otherwise); the rest is fixed, and a model
     of one block beside one of several splits it into a cost per layer and one per
     stage. The optimizer: torch's Adam over the model's tensors, over one tensor of as
-    many numbers, and over one number."""
+    many numbers, and over one number. Data parallelism's own work on the gradients, a
+    tensor's (`_bookkeeping`): lesson 02's buckets ("dp_tensor_s"), and ZeRO-1's step
+    beyond Adam's over the whole weights ("zero_tensor_s")."""
     import torch
 
     if ctx.world_size != 1:
@@ -149,6 +151,7 @@ def _costs_alone(group: Any, config: GPTConfig, batches: tuple[int, int],
     numbers = sum(w.numel() for w in weights)
     t_model, t_flat, t_one = adam(weights), adam([torch.zeros(numbers)]), adam([torch.zeros(1)])
     per_tensor = max(0.0, (t_model - t_flat) / max(1, len(weights) - 1))
+    bucketed, sharded = _bookkeeping(group, config, repeats)
     # The step alone, its quickest of three takes: a busy moment elsewhere on the machine
     # slows it as sharing would, and that is what `measure_sharing` is set against
     return {"flops": rate, "probe_cpu_s": _probe_cpu(group, config, takes=3),
@@ -157,7 +160,47 @@ def _costs_alone(group: Any, config: GPTConfig, batches: tuple[int, int],
             "backward_stage_s": max(0.0, b_many - many * per_layer[1]),
             "optimizer_step_s": max(0.0, t_one - per_tensor),
             "optimizer_tensor_s": per_tensor,
-            "optimizer_number_s": max(0.0, (t_flat - t_one) / max(1, numbers - 1))}
+            "optimizer_number_s": max(0.0, (t_flat - t_one) / max(1, numbers - 1)),
+            "dp_tensor_s": bucketed / len(weights),
+            "zero_tensor_s": max(0.0, sharded - t_model) / len(weights)}
+
+
+def _bookkeeping(group: Any, config: GPTConfig, repeats: int) -> tuple[float, float]:
+    """What data parallelism does to the gradients beside its collectives, for the whole
+    model on one rank (a group of one, so the collectives cost next to nothing): lesson
+    02's buckets packed and unpacked; and ZeRO-1's step (`zero.stages`): the gradients
+    packed into the reduce-scatter's buffer and their rows added to the shards, the
+    shards' Adam, the updated rows written back into the weights. Medians, seconds."""
+    import statistics
+    import time
+
+    import torch
+
+    from parcourse.comm import Comm
+    from parcourse.data_parallel.bucketed import make_buckets
+    from parcourse.models import gpt
+    from parcourse.zero.stages import ShardedStages
+
+    params = [p for p in gpt(config).parameters() if p.requires_grad]
+    buckets = make_buckets(params, 25.0)
+    stages = ShardedStages([params], Comm(group, algorithm="auto"),
+                           lambda shards: torch.optim.Adam(shards, lr=1e-3), stage=1)
+    packed, stepped = [], []
+    for _ in range(3 + 2 * repeats):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        start = time.perf_counter()
+        for bucket in buckets:
+            bucket.pack()
+        for bucket in buckets:
+            bucket.unpack(1)
+        packed.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for unit in stages.units:
+            stages.reduce(unit)
+        stages.step()
+        stepped.append(time.perf_counter() - start)
+    return statistics.median(packed[3:]), statistics.median(stepped[3:])
 
 
 def _probe_cpu(group: Any, config: GPTConfig, batch: int = 2, steps: int = 8,

@@ -94,11 +94,12 @@ def scaled(cluster: Cluster, config: GPTConfig, global_batch: int,
     those seconds (`measure(compute=stage_compute(...))`): the real math runs, then the
     rank sleeps, freeing its core, so ranks no longer share cores for their compute,
     and what the check sees is the schedule, the collectives and the messages. The
-    layers' own call costs go into the padding; the optimizer's stay (it is not
-    padded), and the ranks of a stage (dp x tp) step at once and share the cores for
-    it (`Cluster.compute_simulated`). dp's reduction and the messages run on every rank at
-    once too, and are priced as measured with the ranks idle; no cores are counted as
-    shared for them, which is small for the course's GPT but not for a large model here.
+    layers' own call costs go into the padding; the optimizer's and data parallelism's
+    bookkeeping stay (they are not padded), and the ranks of a stage (dp x tp) run them
+    at once and share the cores for them (`Cluster.compute_simulated`). dp's reduction
+    and the messages run on every rank at once too, and are priced as measured with the
+    ranks idle; no cores are counted as shared for them, which is small for the course's
+    GPT but not for a large model here.
 
     `collectives`: torch's collectives as such a step meets them, each after an idle gap
     (`measure_paced` on the ranks), in place of `cluster`'s back-to-back figures for the
@@ -119,7 +120,8 @@ def scaled(cluster: Cluster, config: GPTConfig, global_batch: int,
         **{key: {**getattr(cluster, key), **by_size} for key, by_size in paced.items()},
         overheads=Overheads(optimizer_step_s=ov.optimizer_step_s,
                             optimizer_tensor_s=ov.optimizer_tensor_s,
-                            optimizer_number_s=ov.optimizer_number_s))
+                            optimizer_number_s=ov.optimizer_number_s,
+                            dp_tensor_s=ov.dp_tensor_s, zero_tensor_s=ov.zero_tensor_s))
 
 
 def measured_against_predicted(results: list[dict[str, Any]], config: GPTConfig,

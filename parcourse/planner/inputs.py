@@ -49,6 +49,12 @@ class Overheads:
     optimizer_step_s: float = 0.0
     optimizer_tensor_s: float = 0.0
     optimizer_number_s: float = 0.0
+    # data parallelism's own work on the gradients beside its collectives, per tensor
+    # (`measure_costs`): lesson 02's buckets packed and unpacked, or ZeRO 1-2's step beyond
+    # Adam's (the gradients packed for the reduce-scatter and added to the shards, the
+    # gathered rows written into the weights)
+    dp_tensor_s: float = 0.0
+    zero_tensor_s: float = 0.0
 
     def optimizer_s(self, tensors: float, numbers: float) -> float:
         """One optimizer step over `tensors` tensors of `numbers` parameters in all."""

@@ -467,8 +467,9 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     `tp_stage_collectives` counts them; Megatron-LM's where the layers are split as it
     splits them, `Choice.split`), "bubble" (the rest of the pipeline's step:
     idle and messages, the tied weights' exchange), "dp" (what the step waits for of the
-    gradients' reduction, after it or, ZeRO-2's, during it, and the loss's mean over the
-    replicas), "optimizer" (its step, on the rank with
+    gradients' reduction, after it or, ZeRO-2's, during it, the buckets' or ZeRO's own
+    work on them, and the loss's mean over the replicas), "optimizer" (its step, on the
+    rank with
     the most parameters), "cores" (on shared cores, waiting for one: what the ranks'
     processor time over the cores adds beyond the rest; 0 with a GPU each) and "step";
     with "tokens_per_s" and "mfu" (model FLOPs against the dense peak).
@@ -630,12 +631,24 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
             held = experts_on[rank] / weight_bytes
             numbers = (numbers - held) / over.dp + held / over_experts.dp
         optimizers.append(worse * ov.optimizer_s(tensors, numbers))
+    # data parallelism's own work on each rank's gradients beside its collectives, per
+    # tensor (`Overheads`): lesson 02's buckets, or ZeRO 1-2's step beyond Adam's (ZeRO-3's
+    # per action is not counted)
+    per_tensor = (ov.zero_tensor_s if choice.zero in (1, 2)
+                  else ov.dp_tensor_s if over.dp > 1 and not choice.zero else 0.0)
+    keeping = [worse * per_tensor * sum(_layer_tensors(config, lay, head_apart)
+                                        for s in mine for lay in layers[s])
+               for mine in on_rank]
     optimizer = max(optimizers)
+    bookkeeping = max(keeping)
     if cluster.compute_simulated:  # a stage's dp x tp ranks step at once, the others
         # asleep: a pipeline's stages end a backward apart
         optimizer *= max(1.0, over.dp * choice.tp / cores)
+        bookkeeping *= max(1.0, over.dp * choice.tp / cores)
     elif shared:  # every rank steps at once
         optimizer *= choice.gpus / cores
+        bookkeeping *= choice.gpus / cores
+    dp_s += bookkeeping
     step = pipeline + dp_s + optimizer
     waiting = 0.0
     if shared:
@@ -653,7 +666,7 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
                          for op, (n, _) in by.items())
             cpu += (m * sum(forward[s] + backward[s]
                             + (cp_hops[s] + ep_hops[s]) * cluster.message_cpu_s
-                            for s in mine) + optimizers[rank] + tp_cpu)
+                            for s in mine) + optimizers[rank] + keeping[rank] + tp_cpu)
             if over.dp > 1:
                 cpu += (_dp_rings(over, len(mine), rank in tied_on)
                         * cluster.ring_cpu_s.get(over.dp, 0.0)

@@ -1,8 +1,9 @@
 """The planner's predictions (`parcourse.planner` says what it is) of one configuration
 from its inputs (`parcourse.planner.inputs`: Choice, Cluster, models): memory, then
 time, read top to bottom in two parts marked by rules, the second using the first. One
-file, under 600 lines, because time prices what memory lays out (`stage_layers`, and
-`predict_memory`'s bytes for dp's reduction): each half is read with the other. The
+file, under 700 lines, because time prices what memory lays out (`stage_layers`,
+`seq_here`, `expert_numbers`, and `predict_memory`'s bytes for dp's reduction): each half
+is read with the other. The
 formulas themselves (FLOPs and bytes moved a layer, ZeRO, bubbles) live in
 `parcourse.theory`; what is measured on this machine, in
 `parcourse.planner.links` and `costs` (and `here`); the search over every

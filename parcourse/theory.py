@@ -415,10 +415,9 @@ def gpt_layer_bytes(config: GPTConfig, layer: int, tp: int = 1, *, batch: int = 
     acts = tp_activation_bytes(dataclasses.replace(config, n_layers=1), b, t, n,
                                sequence_parallel, ring)
     block_acts = acts["total"] - acts["embeddings, ln_f, head"]
-    if config.experts:
-        h = 4 * c
+    if config.experts:  # attention split, the norms and proj's bias, router, experts
         per_block_params = (3 * c * c + 3 * c + c * c) // n + 2 * 2 * c + c \
-            + c * config.experts + config.experts // ep * (c * h + h + h * c + c)
+            + c * config.experts + expert_bytes(config, ep, 1)["params"] // config.n_layers
         block_acts += moe_activation_bytes(config, b * t, ep) - 4 * b * t * (c // n) * 8
     cut = n if sequence_parallel else 1
     stream = b * (t // cut) * c

@@ -30,6 +30,7 @@ from parcourse.theory import (
     CostModel,
     TPCollective,
     attention_flops,
+    expert_bytes,
     moe_flops,
     moe_rows,
     attention_traffic,
@@ -200,8 +201,7 @@ def expert_numbers(config: GPTConfig, choice: Choice, layer: int) -> int:
     their biases too; 0 elsewhere and for a dense GPT)."""
     if not config.experts or not 1 <= layer <= config.n_layers:
         return 0
-    c, h = config.d_model, 4 * config.d_model
-    return config.experts // choice.ep * (c * h + h + h * c + c)
+    return expert_bytes(config, choice.ep, element_size=1)["params"] // config.n_layers
 
 
 def _activation_peak(actions: Any, held: list[float], rebuilt: list[float]) -> float:
@@ -314,11 +314,18 @@ def _cp_on_stages(config: GPTConfig, choice: Choice, layers: list[list[int]], ba
     core = attention_flops(config, 1, tokens) / choice.tp / p / flops  # against one block
     forward = (p - 1) * max(0.0, hop - core)
     backward = (p - 1) * max(0.0, hop - 2 * core) + p * hop
+    return _each_block(config, choice, layers, forward, backward,
+                       (p - 1) * (2 + (choice.recompute == "full")) + p)
+
+
+def _each_block(config: GPTConfig, choice: Choice, layers: list[list[int]], forward: float,
+                backward: float, messages: int) -> tuple[list[float], list[float], list[int]]:
+    """A block's `forward` and `backward` seconds (its forward's again under full
+    recompute) and its `messages`, times the blocks on each stage."""
     again = forward if choice.recompute == "full" else 0.0
     blocks = [sum(1 <= lay <= config.n_layers for lay in ls) for ls in layers]
-    hops = (p - 1) * (2 + (choice.recompute == "full")) + p
     return ([n * forward for n in blocks], [n * (backward + again) for n in blocks],
-            [n * hops for n in blocks])
+            [n * messages for n in blocks])
 
 
 def _ep_on_stages(config: GPTConfig, choice: Choice, layers: list[list[int]], tokens: int,
@@ -340,11 +347,8 @@ def _ep_on_stages(config: GPTConfig, choice: Choice, layers: list[list[int]], to
     counts = link.latency_s + (p - 1) * 8 * config.experts // p / link.bandwidth_Bps
     moved = link.latency_s + (p - 1) * 4 * rows * c / link.bandwidth_Bps
     forward, backward = counts + 2 * moved, 2 * moved
-    again = forward if choice.recompute == "full" else 0.0
-    blocks = [sum(1 <= lay <= config.n_layers for lay in ls) for ls in layers]
-    calls = 5 + 3 * (choice.recompute == "full")
-    return ([n * forward for n in blocks], [n * (backward + again) for n in blocks],
-            [n * calls for n in blocks])
+    return _each_block(config, choice, layers, forward, backward,
+                       5 + 3 * (choice.recompute == "full"))
 
 
 def _dp_seconds(choice: Choice, memory: list[dict[str, float]], link: SimulatedLink,
@@ -535,8 +539,9 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     if loaded and cluster.loaded_p2p_s is not None:
         ep_link = SimulatedLink(cluster.loaded_p2p_s, ep_link.bandwidth_Bps)
     ep_f, ep_b, ep_hops = _ep_on_stages(config, choice, layers, tokens, ep_link)
-    cp_f = [c + e for c, e in zip(cp_f, ep_f)]  # ep's all-to-alls and cp's ring, each
-    cp_b = [c + e for c, e in zip(cp_b, ep_b)]  # exposed in its action: apart below
+    # cp's ring and ep's all-to-alls, each exposed in its action
+    msg_f = [c + e for c, e in zip(cp_f, ep_f)]
+    msg_b = [c + e for c, e in zip(cp_b, ep_b)]
     forward, backward = [], []
     blocks = config.n_layers + 2
     # On shared cores, each action's sends and receives (one from the stage before and one
@@ -562,8 +567,8 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
 
     def simulated(slow: float) -> tuple[tuple[float, ...], float]:
         return _simulated((choice.schedule, choice.pp, choice.microbatches, choice.chunks),
-                          tuple(slow * f + t + c for f, t, c in zip(forward, tp_f, cp_f)),
-                          tuple(slow * b + t + c for b, t, c in zip(backward, tp_b, cp_b)),
+                          tuple(slow * f + t + c for f, t, c in zip(forward, tp_f, msg_f)),
+                          tuple(slow * b + t + c for b, t, c in zip(backward, tp_b, msg_b)),
                           tuple(slow * b / 2 + t for b, t in zip(backward, tp_w)),
                           pp_link.latency_s, pp_link.bandwidth_Bps, activation)
 
@@ -571,7 +576,7 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     on_rank = [[s for s, r in enumerate(plan.stage_rank) if r == rank]
                for rank in range(choice.pp)]  # each pipeline rank's stages
     tp_on = [sum(tp_f[s] + tp_b[s] for s in mine) * m for mine in on_rank]
-    cp_on = [sum(cp_f[s] + cp_b[s] for s in mine) * m for mine in on_rank]
+    msg_on = [sum(msg_f[s] + msg_b[s] for s in mine) * m for mine in on_rank]
     # those once a step, after the schedule (Megatron-LM's sum of the replicated gradients)
     tp_once = max(sum(tp_seconds(on_stage[s]["step"]) for s in mine) for mine in on_rank)
     slow, (busy_s, step_s) = 1.0, simulated(1.0)
@@ -580,18 +585,18 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
             # The replicas and the tp ranks of a stage compute in step with each other,
             # and wait on their collectives together: those waits are not idle time that
             # other ranks could use.
-            busy = sum(b - t - c for b, t, c in zip(busy_s, tp_on, cp_on))
-            at_once = busy / (step_s - max(tp_on) - max(cp_on)) * choice.dp * choice.tp \
+            busy = sum(b - t - c for b, t, c in zip(busy_s, tp_on, msg_on))
+            at_once = busy / (step_s - max(tp_on) - max(msg_on)) * choice.dp * choice.tp \
                 * choice.cp * choice.ep
             want = max(1.0, at_once / cores)
             if abs(want - slow) < 1e-3 * slow:
                 break
             slow, (busy_s, step_s) = want, simulated(want)
     busiest = max(range(choice.pp), key=lambda r: busy_s[r])
-    compute = busy_s[busiest] - tp_on[busiest] - cp_on[busiest]
-    tp_s, cp_s = tp_on[busiest] + tp_once, cp_on[busiest]
-    ep_s = sum(ep_f[s] + ep_b[s] for s in on_rank[busiest]) * m
-    cp_s -= ep_s
+    compute = busy_s[busiest] - tp_on[busiest] - msg_on[busiest]
+    tp_s = tp_on[busiest] + tp_once
+    cp_s, ep_s = (sum(f[s] + b[s] for s in on_rank[busiest]) * m
+                  for f, b in ((cp_f, cp_b), (ep_f, ep_b)))
     pipeline = step_s + tp_once
     head_apart = plan.stages > 1 and _stage_of(layers, 0) != _stage_of(layers, blocks - 1)
     if config.tie_weights and head_apart and \
@@ -599,35 +604,35 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
         tied = (2 if dtype == "bf16" else 4) * math.ceil(config.vocab / choice.tp) * config.d_model
         pipeline += pp_link.latency_s + tied / pp_link.bandwidth_Bps  # summed both ways at once
     memory = predict_memory(config, choice, global_batch, dtype)
-    dp_link = _group_link(cluster, over, "dp")
-    if over.dp in cluster.ring_s or over.dp in cluster.collective_s:
-        dp_link = SimulatedLink(0.0, dp_link.bandwidth_Bps)
     # the gradients (the tied weights, cut apart, a unit of their own), each ring's own
     # cost as measured, and the loss's mean over the replicas (torch's all-reduce)
     apart = config.tie_weights and plan.stages > 1
+
+    def reduced(group: Choice, params: list[float], tied: bool) -> float:
+        """`_dp_seconds` over `group`'s dp ranks (the link, or each ring as measured)."""
+        link = _group_link(cluster, group, "dp")
+        if group.dp in cluster.ring_s or group.dp in cluster.collective_s:
+            link = SimulatedLink(0.0, link.bandwidth_Bps)
+        return _dp_seconds(group, [{"params": p} for p in params], link, compute,
+                           plan.stages // choice.pp, tied,
+                           cluster.ring_s.get(group.dp, cluster.collective_s.get(group.dp, 0.0)))
+
     weight_bytes = 4 if dtype == "fp32" else 2
     experts_on = [weight_bytes * sum(expert_numbers(config, choice, lay) for s in mine
                                      for lay in layers[s]) if choice.ep > 1 else 0
                   for mine in on_rank]  # the bytes of experts each pipeline rank holds
-    dense = [{"params": mem["params"] - e} for mem, e in zip(memory, experts_on)]
-    dp_s = _dp_seconds(over, dense, dp_link, compute, plan.stages // choice.pp, apart,
-                       cluster.ring_s.get(over.dp, cluster.collective_s.get(over.dp, 0.0)))
+    dp_s = reduced(over, [mem["params"] - e for mem, e in zip(memory, experts_on)], apart)
     if choice.ep > 1 and over_experts.dp > 1:  # each stage's experts over their own group
-        experts_link = _group_link(cluster, over_experts, "dp")
-        if over_experts.dp in cluster.ring_s or over_experts.dp in cluster.collective_s:
-            experts_link = SimulatedLink(0.0, experts_link.bandwidth_Bps)
-        dp_s += _dp_seconds(over_experts, [{"params": e} for e in experts_on], experts_link,
-                            compute, plan.stages // choice.pp, False,
-                            cluster.ring_s.get(over_experts.dp,
-                                               cluster.collective_s.get(over_experts.dp, 0.0)))
+        dp_s += reduced(over_experts, experts_on, False)
     if over.dp > 1:
         dp_s += cluster.collective_s.get(over.dp, 0.0)
     last = plan.stage_rank[-1]  # the ranks holding the tied embedding and head
     tied_on = {plan.stage_rank[0], last} if apart else set()
+    tensors_on = [sum(_layer_tensors(config, lay, head_apart) for s in mine for lay in layers[s])
+                  for mine in on_rank]
     optimizers = []  # each pipeline rank's step
-    for rank, mine in enumerate(on_rank):
+    for rank, tensors in enumerate(tensors_on):
         numbers = memory[rank]["params"] / weight_bytes * (over.dp if choice.zero >= 3 else 1)
-        tensors = sum(_layer_tensors(config, lay, head_apart) for s in mine for lay in layers[s])
         if choice.zero:  # ZeRO steps each weight's rows here (`zero.stages`)
             held = experts_on[rank] / weight_bytes
             numbers = (numbers - held) / over.dp + held / over_experts.dp
@@ -637,9 +642,7 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     # per action is not counted)
     per_tensor = (ov.zero_tensor_s if choice.zero in (1, 2)
                   else ov.dp_tensor_s if over.dp > 1 and not choice.zero else 0.0)
-    keeping = [worse * per_tensor * sum(_layer_tensors(config, lay, head_apart)
-                                        for s in mine for lay in layers[s])
-               for mine in on_rank]
+    keeping = [worse * per_tensor * tensors for tensors in tensors_on]
     optimizer = max(optimizers)
     bookkeeping = max(keeping)
     if cluster.compute_simulated:  # a stage's dp x tp ranks step at once, the others

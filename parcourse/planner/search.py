@@ -8,6 +8,7 @@ ranked table (`format_plans`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,7 +54,7 @@ def choices(gpus: int, *, schedules: tuple[str, ...] = ("1f1b", "interleaved-1f1
     dp x cp x ep > 1, only, stages 2 and 3 only without a pipeline, as DeepSpeed allows
     them)."""
     out = []
-    for c, e in ((c, e) for c in cp for e in ep):
+    for c, e in itertools.product(cp, ep):
         if c < 1 or e < 1 or gpus % (c * e):
             continue
         for tp in range(1, gpus // (c * e) + 1):

@@ -13,6 +13,7 @@ draw and `Trace.to_chrome` exports for Perfetto (https://ui.perfetto.dev).
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -109,7 +110,7 @@ class Tracer:
         self.rank = rank
         self.enabled = enabled
         self._status = status
-        self._stack: list[str] = []
+        self._threads = threading.local()  # each thread's own stack of open spans
         self._data = TraceData(rank)
         self._tags: dict[str, Any] = {}
 
@@ -121,6 +122,14 @@ class Tracer:
         view.__dict__.update(self.__dict__)  # the same data, stack and status
         view._tags = {**self._tags, **meta}
         return view
+
+    @property
+    def _stack(self) -> list[str]:
+        """This thread's open spans (a span opened in one thread closes in it)."""
+        stack = getattr(self._threads, "stack", None)
+        if stack is None:
+            stack = self._threads.stack = []
+        return stack
 
     @staticmethod
     def now() -> int:

@@ -192,3 +192,103 @@ def test_lesson_11s_dispatch_exercise_names_each_mistake(capsys):
                         (unsorted, "the routing's own order")):
         assert check_dispatch(wrong) is False
         assert said in capsys.readouterr().out
+
+
+def _one_process_after_sgd(schedule, steps, rows, lr=0.05, **model):
+    """The GPT of `hidden_traffic` trained `steps` SGD steps in one process on both
+    pipelines' batches (each pipeline's loss a mean over its rows, the two averaged)."""
+    from parcourse.experiments.experts import traffic_batch, traffic_config
+
+    config = traffic_config(**model)
+    whole = gpt(config)
+    opt = torch.optim.SGD(whole.parameters(), lr=lr)
+    batches = [traffic_batch(config, rows * schedule.microbatches, q) for q in range(2)]
+    for _ in range(steps):
+        loss = sum(torch.nn.functional.cross_entropy(whole(x).flatten(0, 1), y.flatten())
+                   for x, y in batches) / 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return whole, config
+
+
+@pytest.mark.parametrize("name,overlap", [("dualpipe", True), ("dualpipe", False),
+                                          ("1f1b", False)],
+                         ids=["dualpipe-overlapped", "dualpipe-apart", "1f1b"])
+def test_dualpipe_hiding_the_all_to_all_trains_as_one_process(pool4, name, overlap):
+    """Two pipelines of 2 ranks, the experts cut over the two ranks holding the same
+    stages (ep 2), the all-to-all over a simulated link. Under DualPipe with its pairs
+    overlapped (a forward's all-to-all in one thread while the other's backward computes,
+    `PipelineRuntime(turns=)`), apart, and under 1F1B: every rank's weights after two SGD
+    steps equal one process's (TOL above: the experts' rows arrive in another order and
+    microbatches sum gradients in another order). Overlapped, the device never computes
+    twice at once, and some all-to-all wait was hidden behind the other thread's compute."""
+    from parcourse.experiments.experts import hidden_traffic
+    from parcourse.pipeline.schedule import schedule_by_name
+
+    schedule = schedule_by_name(name, 2, 4, 1)
+    model = {"layers": 2, "width": 16, "experts": 4}
+    whole, config = _one_process_after_sgd(schedule, 2, rows=1, **model)
+    want = dict(whole.named_parameters())
+    results = pool4.run(hidden_traffic, schedule, overlap, steps=2, rows=1,
+                        latency_us=300, **model).results
+    held = config.experts // 2
+    for rank, got in enumerate(results):
+        here = rank // 2  # the pipeline, and the rank's place in its ep group
+        for n, p in got["weights"].items():
+            ref = want[n].detach()
+            if p.shape != ref.shape:  # an expert weight: this rank's slice
+                ref = ref[here * held:(here + 1) * held]
+            assert torch.allclose(p, ref, atol=TOL), (rank, n)
+        last = got["steps"][-1]
+        assert 0 <= last["exposed"] <= last["waited"] + 1e-9
+        if not overlap:  # one thread: every wait leaves the device idle
+            assert last["exposed"] == pytest.approx(last["waited"], abs=1e-6)
+
+
+def test_overlapped_pairs_take_turns_on_one_device(pool4):
+    """DualPipe's pairs overlapped, compute simulated (each piece between all-to-alls
+    holds the turn for its share of 6 ms forward, 12 ms backward): the turn's holders
+    never overlap (one device), the waits of the pairs were partly hidden (the other
+    thread computed during them), and the weights are the same bits as with the pairs run
+    apart: hiding the traffic changes no number."""
+    from parcourse.experiments.experts import hidden_traffic
+    from parcourse.pipeline.schedule import dualpipe
+
+    model = {"layers": 2, "width": 16, "experts": 4, "rows": 1, "steps": 2,
+             "forward_ms": 6, "backward_ms": 12, "latency_us": 1000}
+    together, apart = (pool4.run(hidden_traffic, dualpipe(2, 8), overlap, **model).results
+                       for overlap in (True, False))
+    for a, b in zip(together, apart):
+        for n in a["weights"]:
+            assert torch.equal(a["weights"][n], b["weights"][n]), n
+        held = sorted(a["held"])
+        assert all(end <= nxt for (_, end), (nxt, _) in zip(held, held[1:]))
+        last = a["steps"][-1]
+        assert last["exposed"] < last["waited"]
+        assert b["steps"][-1]["exposed"] == pytest.approx(b["steps"][-1]["waited"],
+                                                         abs=1e-6)
+
+
+def test_taking_turns_and_exposed_waits_by_hand():
+    """The simulator's pair on one device: compute needs the device, waits do not; an
+    action's waits are exposed only when the other has no compute to run beside them."""
+    from parcourse.pipeline.schedule import dualpipe, one_f_one_b
+    from parcourse.pipeline.simulate import exposed_waits, taking_turns
+
+    # F: 1 compute, 2 wait, 1 compute; B: 2 compute, 1 wait, 2 compute.
+    # F 0-1, B 1-3 (F's wait ends at 3), F 3-4, B 4-6: 6, nothing exposed.
+    assert taking_turns([1, 2, 1], [2, 1, 2]) == 6
+    # F's wait of 5 outlasts B's 3 of compute: 2 exposed, 7 in all
+    assert taking_turns([1, 5, 1], [3]) == 7
+    assert taking_turns([1], [1]) == 2
+    parts = {"F": [1.0, 0.5, 1.0], "B": [2.0, 0.5, 2.0], "I": [1.0, 0.5, 1.0], "W": [2.0]}
+    exposed, _ = exposed_waits(one_f_one_b(2, 4), lambda a: parts[a.kind], overlap=False)
+    assert exposed == [4 * 1.0, 4 * 1.0]  # every action's wait, nothing beside it
+    schedule = dualpipe(2, 8)
+    apart, _ = exposed_waits(schedule, lambda a: parts[a.kind], overlap=False)
+    hidden, _ = exposed_waits(schedule, lambda a: parts[a.kind], overlap=True)
+    per_rank = [sum(sum(parts[a.kind][1::2]) for a in acts) for acts in schedule.actions]
+    assert apart == pytest.approx(per_rank)
+    pairs = len(schedule.together) // 2  # each rank's pairs hide both their waits
+    assert hidden == pytest.approx([w - pairs * 1.0 for w in per_rank])

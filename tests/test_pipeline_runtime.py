@@ -428,3 +428,91 @@ def test_ranks_take_a_schedule_built_for_them_never_a_name(pool2):
         pool2.run(train, gpipe(4, 4), 1)
     with pytest.raises(RankError, match=r"pass the schedule itself.*make_schedule\('gpipe'"):
         pool2.run(train, "gpipe", 1)
+
+
+def _fails_in_a_pair(ctx):
+    from parcourse.comm import Turns
+    from parcourse.pipeline.runtime import PipelineRuntime
+    from parcourse.pipeline.schedule import dualpipe
+
+    schedule = dualpipe(2, 4)
+    mine = {s for s, r in enumerate(schedule.stage_rank) if r == ctx.rank}
+
+    class Flaky(nn.Linear):
+        calls = 0
+
+        def forward(self, x):
+            Flaky.calls += 1
+            if ctx.rank == 0 and Flaky.calls == 2:  # 3F3: the forward of a pair
+                raise ValueError("a bad microbatch")
+            return super().forward(x)
+
+    stages = {s: (Flaky(4, 4) if s == 3 else nn.Linear(4, 4)) for s in mine}
+    runtime = PipelineRuntime(schedule, stages, ctx.group, nn.functional.mse_loss,
+                              turns=Turns())
+    assert (schedule.actions[0][4], schedule.actions[0][5]) in schedule.together
+    x = torch.randn(8, 4)
+    runtime.step(x, x)
+
+
+def test_overlapped_pairs_refuse_what_the_whole_rank_shares(pool2):
+    """With turns, DualPipe's pairs run in two threads: what would run the whole rank's
+    collectives from one of them (ZeRO-3's `around`, ZeRO-2's `on_weight_gradients`) is
+    refused, and so is the pacer (the turns pace simulated compute themselves). A
+    forward failing in its pair's thread fails the step at once, naming its action."""
+    with pytest.raises(RankError, match="rank 0 failed at 3F3: ValueError: a bad microbatch"):
+        pool2.run(_fails_in_a_pair)
+    refused = pool2.run(_refusals).results[0]
+    assert len(refused) == 3
+    assert "cannot share around" in refused[0]
+    assert "cannot share on_weight_gradients" in refused[1]
+    assert "give one or the other" in refused[2]
+
+
+def _refusals(ctx):
+    import torch.distributed as dist
+
+    from parcourse.comm import Comm, Turns
+    from parcourse.pipeline.runtime import PipelineRuntime
+    from parcourse.pipeline.schedule import dualpipe
+    from parcourse.pipeline.simulate import SimulatedCompute
+
+    schedule = dualpipe(2, 4)
+    mine = {s for s, r in enumerate(schedule.stage_rank) if r == ctx.rank}
+    refused = []
+    for wrong in ({"around": lambda a: None}, {"on_weight_gradients": lambda s, m: None},
+                  {"paced": Comm(ctx.group), "compute": SimulatedCompute()}):
+        try:
+            PipelineRuntime(schedule, {s: nn.Linear(4, 4) for s in mine}, ctx.group,
+                            nn.functional.mse_loss, turns=Turns(), **wrong)
+        except ValueError as e:
+            refused.append(str(e))
+    dist.barrier()
+    return refused
+
+
+def test_turns_count_what_no_thread_computed_beside_as_exposed():
+    """`Turns.exposed`: the waits' time in which no thread held the turn, overlapping
+    waits once; a wait outside `held` hands nothing on; the turn is not taken twice."""
+    from parcourse.comm.turns import Interval, Turns
+
+    turns = Turns()
+    turns.held_intervals += [Interval("B", 1.0, 3.0), Interval("F", 3.5, 4.0)]
+    turns.waits += [Interval("F", 0.5, 2.0, "all-to-all"), Interval("F", 2.5, 5.0, "all-to-all"),
+                    Interval("B", 4.5, 6.0, "all-to-all"), Interval("B", 0.0, 9.0, "receive")]
+    # [0.5, 2] and [2.5, 6] less [1, 3] and [3.5, 4]: 0.5 + 0.5 + 2
+    assert turns.exposed() == pytest.approx(3.0)
+    assert turns.waited() == pytest.approx(1.5 + 3.5)
+    assert turns.exposed("receive") == pytest.approx(9.0 - 2.5)
+    assert turns.busy() == pytest.approx(2.5)
+    fresh = Turns()
+    with fresh.handed_on("all-to-all"):  # not holding: nothing to hand on, nothing kept
+        pass
+    assert fresh.waits == []
+    with fresh.held("F"):
+        with pytest.raises(RuntimeError, match="holds the turn already"):
+            with fresh.held("F"):
+                pass
+    with pytest.raises(RuntimeError, match="inside held"):
+        with fresh.paced(("F", 0), 0.1):
+            pass

@@ -12,6 +12,9 @@
 - messenger.py: send / recv that count bytes, stage CUDA tensors over gloo and
   apply the simulated link (link.py: `SimulatedLink`, and `Topology`, fast inside a
   node and slow between nodes).
+- turns.py: `Turns`, one device's compute taken in turns by two threads of a rank, each
+  handing it on while it waits for a message (DualPipe's overlapped pair), and the
+  record of what that hid.
 - pacing.py: `Pacer`, simulated compute beside real collectives: an action padded to
   its simulated seconds, the seconds blocked in collectives (`Comm.blocked_s`) on top.
 - common.py: argument checks, `group_info`, `global_rank`, `backend_for`; `chunk_bounds` (how a
@@ -35,6 +38,7 @@ from parcourse.comm.messenger import Arrival, Messenger, messenger
 from parcourse.comm.naive import naive_all_reduce
 from parcourse.comm.pacing import Pacer
 from parcourse.comm.ring import RingPhase, ring_steps
+from parcourse.comm.turns import Turns, in_lane, lane
 from parcourse.comm.ring_fast import (
     SEGMENT_BYTES,
     ring_all_gather,
@@ -62,6 +66,9 @@ __all__ = [
     "SimulatedLink",
     "all_to_all",
     "Topology",
+    "Turns",
+    "in_lane",
+    "lane",
     "link_between",
     "backend_for",
     "check_args",

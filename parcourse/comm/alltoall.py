@@ -7,6 +7,10 @@ P - 1 rounds of send / recv, in round s to rank + s and from rank - s, each mess
 on the tracer and carried over the link; where it runs torch's (NCCL) it is
 `all_to_all_single`. `AllToAll.apply` is the same under autograd: its backward is the
 all-to-all the other way (a dispatch's backward is a combine, and a combine's a dispatch).
+
+Where `comm.turns` is set (a `comm.turns.Turns`, the rank's device taken in turns by two
+threads: DualPipe's overlapped pair), the ring's all-to-all hands the turn to the other
+thread while it waits for its messages, and tags them by the thread's lane.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from parcourse.comm.communicator import Comm
+from parcourse.comm.turns import lane
 
 def all_to_all(comm: Comm, x: torch.Tensor, sends: list[int],
                receives: list[int]) -> torch.Tensor:
@@ -40,20 +45,24 @@ def all_to_all(comm: Comm, x: torch.Tensor, sends: list[int],
     at_out = [sum(receives[:j]) for j in range(comm.size)]
     me = comm.rank
     out.narrow(0, at_out[me], receives[me]).copy_(x.narrow(0, at_x[me], sends[me]))
-    works = []
-    for step in range(1, comm.size):
-        to, frm = (me + step) % comm.size, (me - step) % comm.size
-        if sends[to]:
-            works.append(comm.send(x.narrow(0, at_x[to], sends[to]), to, _A2A_TAG + step))
-        if receives[frm]:
-            works.append(comm.recv(out.narrow(0, at_out[frm], receives[frm]), frm,
-                                   _A2A_TAG + step))
-    for w in works:
-        w.wait()
+    tag = _A2A_TAG * (1 + lane())  # two threads' all-to-alls at once: tags apart
+    # With turns, the compute before it ends here: the messages leave after it
+    with comm.turns.handed_on("all-to-all") if comm.turns is not None else nullcontext():
+        works = []
+        for step in range(1, comm.size):
+            to, frm = (me + step) % comm.size, (me - step) % comm.size
+            if sends[to]:
+                works.append(comm.send(x.narrow(0, at_x[to], sends[to]), to, tag + step))
+            if receives[frm]:
+                works.append(comm.recv(out.narrow(0, at_out[frm], receives[frm]), frm,
+                                       tag + step))
+        for w in works:
+            w.wait()
     return out
 
 
-_A2A_TAG = 1000  # the all-to-all's messages: tags apart from the ring's (its steps)
+_A2A_TAG = 1000  # the all-to-all's messages: tags apart from the ring's (its steps), and
+#                  in each lane (`turns.lane`) 1000 apart from the others'
 
 
 class AllToAll(torch.autograd.Function):

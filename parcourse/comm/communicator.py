@@ -35,6 +35,7 @@ from parcourse.comm.common import Op, backend_for, group_info
 from parcourse.comm.link import Network
 from parcourse.comm.messenger import Messenger, messenger
 from parcourse.comm.ring_fast import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from parcourse.comm.turns import Turns
 from parcourse.trace import Tracer
 
 Algorithm = Literal["torch", "ring", "auto"]
@@ -97,7 +98,9 @@ class Comm:
     reduce-scatter, all-gather) through this object, so that simulated compute can leave
     them out of the work it pads (`comm.pacing.Pacer`); `before_blocking()`, if
     set, is what tensor parallelism calls before each of its collectives, outside their
-    span and not counted (the pacer's `pace`).
+    span and not counted (the pacer's `pace`). `turns`: the rank's device when two
+    threads take turns on it (`comm.turns.Turns`, DualPipe's overlapped pair, set by
+    `PipelineRuntime(turns=)`'s caller): the all-to-all hands the turn on while it waits.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, tracer: Tracer | None = None,
@@ -119,6 +122,7 @@ class Comm:
         self._thread: ThreadPoolExecutor | None = None
         self.blocked_s = 0.0
         self.before_blocking: Callable[[], None] | None = None
+        self.turns: Turns | None = None
 
     @functools.cached_property
     def ranks(self) -> tuple[int, ...]:

@@ -5,6 +5,9 @@ GPT trained with its experts cut over ep."""
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +20,7 @@ from parcourse.experiments.exercises import ask, whole_numbers
 from parcourse.experts import MoE, expert_parallel, moe_layers, permute, update_bias
 from parcourse.launch import RankContext
 from parcourse.models import GPTConfig, gpt
+from parcourse.pipeline.actions import Action, Schedule
 
 DispatchFn = Callable[[list[list[int]], int, int], Any]
 
@@ -212,3 +216,165 @@ def ep_training(ctx: RankContext, experts: int = 4, steps: int = 3) -> dict[str,
     diff = max(float((whole[k] - v).abs().max()) for k, v in one.state_dict().items())
     return {"losses": ours, "one_process": theirs, "weights_diff": diff,
             "memory": model.memory()}
+
+
+def hidden_traffic(ctx: RankContext, schedule: Schedule, overlap: bool = True, *,
+                   steps: int = 3, layers: int = 4, width: int = 64, experts: int = 8,
+                   rows: int = 4, forward_ms: float = 0.0, backward_ms: float = 0.0,
+                   latency_us: float = 1000.0, bandwidth_gbps: float = 0.05,
+                   lr: float = 0.05) -> dict[str, Any]:
+    """Experts' all-to-all under a pipeline schedule: two pipelines of `schedule.ranks`
+    ranks each (world = 2 x schedule.ranks), the course's GPT with `experts` experts in
+    each of its `layers` blocks cut into the schedule's stages, every MoE layer's experts
+    cut over the two ranks that hold the same stages (ep 2, across the pipelines: each
+    pipeline its own batch, the two exchanging tokens), the all-to-all over a simulated
+    link (`latency_us`, `bandwidth_gbps`), the stages' messages free. `overlap`: the
+    schedule's overlapped pairs (DualPipe's) run at once, taking turns on the rank
+    (`PipelineRuntime(turns=)`); without it one after the other. `steps` SGD steps of
+    `schedule.microbatches` microbatches of `rows` sequences a pipeline, the gradients
+    averaged over the two pipelines. `forward_ms`, `backward_ms`: simulated compute, each
+    stage's forward and backward of a microbatch padded to those seconds, piece by piece
+    between its all-to-alls (`Turns.paced`), so that four ranks on two cores behave as
+    four devices would (0: the real math alone).
+
+    Returns, per step, this rank's seconds: the step, the all-to-all waited for, the part
+    of it exposed (the rank computing nothing), the compute; the last step's actions as
+    `taking_turns`' segments (compute, all-to-all wait, compute, ...: what the simulator
+    replays) and the intervals in which the turn was held; the weights (named as in the
+    whole model, this rank's experts' slice)."""
+    from parcourse.comm import SimulatedLink, Turns
+    from parcourse.experiments.pipeline import tied_weights
+    from parcourse.experts import reduce_gradients
+    from parcourse.models import gpt_layers
+    from parcourse.pipeline.partition import partition
+    from parcourse.pipeline.runtime import PipelineRuntime
+    from parcourse.pipeline.simulate import SimulatedCompute
+
+    pp = schedule.ranks
+    if ctx.world_size != 2 * pp:
+        raise ValueError(f"two pipelines of {pp} ranks: run on {2 * pp} ranks, not "
+                         f"{ctx.world_size}")
+    pipelines = [dist.new_group(list(range(q * pp, (q + 1) * pp))) for q in range(2)]
+    places = [dist.new_group([r, r + pp]) for r in range(pp)]
+    here, place = ctx.rank // pp, ctx.rank % pp
+    turns = Turns()
+    ep = Comm(places[place], tracer=ctx.tracer,
+              link=SimulatedLink.of(latency_us, bandwidth_gbps), algorithm="ring")
+    ep.turns = turns  # the all-to-all hands on the turns the runtime takes
+    data = Comm(places[place], algorithm="auto")
+    config = traffic_config(layers, width, experts)
+    ctx.tracer.set_status(f"{schedule.name}: building the model")
+    whole = gpt(config)
+    cut = partition(gpt_layers(whole), schedule.model_stages)
+    mine = {s: cut[schedule.model_stage(s)] for s, r in enumerate(schedule.stage_rank)
+            if r == place}
+    for module in mine.values():
+        expert_parallel(module, ep)
+    names = {id(p): n for n, p in whole.named_parameters()}
+
+    def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    plan = schedule if overlap else dataclasses.replace(schedule, together=())
+    runtime = PipelineRuntime(plan, mine, pipelines[here], lm_loss, tracer=ctx.tracer,
+                              tied=tied_weights(mine, cut), turns=turns,
+                              compute=SimulatedCompute(forward_ms / 1e3, backward_ms / 1e3)
+                              if forward_ms or backward_ms else None)
+    params = list({id(p): p for m in mine.values() for p in m.parameters()}.values())
+    opt = torch.optim.SGD(params, lr=lr)
+    x, y = traffic_batch(config, rows * schedule.microbatches, here)
+    runtime.prepare(x if place in schedule.entry_ranks else None)
+    per_step = []
+    for step in range(steps):
+        ctx.tracer.set_status(f"{schedule.name}: step {step + 1} of {steps}")
+        dist.barrier(group=ctx.group)
+        start = time.perf_counter()
+        runtime.step(x if place in schedule.entry_ranks else None,
+                     y if place in schedule.exit_ranks else None)
+        seconds = time.perf_counter() - start
+        per_step.append({"step": seconds, "waited": turns.waited("all-to-all"),
+                         "exposed": turns.exposed("all-to-all"), "compute": turns.busy()})
+        for module in {id(m): m for m in mine.values()}.values():
+            reduce_gradients(module, data)
+        opt.step()
+        opt.zero_grad()
+    return {"steps": per_step, "segments": segments_of(turns),
+            "held": [(h.start, h.end) for h in turns.held_intervals],
+            "weights": {names[id(p)]: p.detach().clone() for p in params}}
+
+
+def traffic_config(layers: int = 4, width: int = 64, experts: int = 8) -> GPTConfig:
+    """`hidden_traffic`'s GPT: every block's MLP `experts` experts, top 2, dropless, no
+    balancing loss (a loss per microbatch is not one batch's: the runs compare weights)."""
+    return GPTConfig(vocab=64, block_size=32, n_layers=layers, n_heads=4, d_model=width,
+                     experts=experts, top_k=2, aux_loss=0.0)
+
+
+def traffic_batch(config: GPTConfig, rows: int, pipeline: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pipeline `pipeline`'s batch in `hidden_traffic`: `rows` random sequences, inputs
+    and next-token targets."""
+    g = torch.Generator().manual_seed(pipeline)
+    tokens = torch.randint(0, config.vocab, (rows, config.block_size + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def segments_of(turns: Any) -> dict[Action, list[float]]:
+    """Each action's seconds from a `Turns` record, in `taking_turns`' form: compute (the
+    turn held, receives from other stages left out), all-to-all wait, compute, ..."""
+    events: dict[Action, list[tuple[float, float, bool]]] = {}
+    for h in turns.held_intervals:
+        events.setdefault(h.label, []).append((h.start, h.end - h.start, True))
+    for w in turns.waits:
+        if w.reason == "all-to-all":
+            events.setdefault(w.label, []).append((w.start, w.end - w.start, False))
+    out = {}
+    for label, seen in events.items():
+        parts = [0.0]
+        for _, seconds, computing in sorted(seen):
+            if computing:
+                parts[-1] += seconds
+            else:
+                parts += [seconds, 0.0]
+        out[label] = parts
+    return out
+
+
+def predicted_exposure(schedule: Schedule, measured: list[dict[Action, list[float]]],
+                       overlap: bool = True, weight_share: float = 0.5
+                       ) -> tuple[list[float], float]:
+    """What the simulator predicts for `schedule` from another schedule's measured actions
+    (`measured`: every rank's `segments_of`, 1F1B's): each stage's forward and backward
+    as the median of those measured (compute, all-to-all wait, compute, ...), the pairs
+    taking turns if `overlap`. A split backward (I, then W, of `weight_share` of B): on a
+    stage where microbatches enter (no input gradient), I is compute alone and W the
+    whole backward's pieces and waits; elsewhere I has them and W is compute alone.
+    Returns each rank's exposed all-to-all seconds and the step's seconds
+    (`simulate.exposed_waits`)."""
+    from parcourse.pipeline.simulate import exposed_waits
+
+    alike: dict[tuple[int, str], list[list[float]]] = {}
+    for rank in measured:
+        for a, parts in rank.items():
+            alike.setdefault((a.stage, a.kind), []).append(parts)
+    typical = {}
+    for key, runs in alike.items():
+        longest = max(len(r) for r in runs)  # the first step of a key may miss its waits
+        runs = [r for r in runs if len(r) == longest]
+        typical[key] = [statistics.median(r[i] for r in runs) for i in range(longest)]
+
+    def scaled(parts: list[float], by: float) -> list[float]:
+        return [p * by if i % 2 == 0 else p for i, p in enumerate(parts)]
+
+    def segments(a: Action) -> list[float]:
+        stage = schedule.model_stage(a.stage)
+        if a.kind in ("F", "B"):
+            return typical[(stage, a.kind)]
+        whole = typical[(stage, "B")]
+        alone = [sum(whole[::2]) * (weight_share if a.kind == "W" else 1 - weight_share)]
+        entry = a.stage in schedule.entry_stages
+        if (a.kind == "W") == entry:  # the piece that runs the backward's all-to-alls
+            return scaled(whole, weight_share if a.kind == "W" else 1 - weight_share)
+        return alone
+
+    return exposed_waits(schedule, segments, overlap)

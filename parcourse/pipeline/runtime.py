@@ -29,6 +29,7 @@ after the schedule (tied weights, DualPipe's copies) are `tied.py`'s.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -43,6 +44,7 @@ from parcourse.checkpointing import checkpoint
 from parcourse.comm import Comm, SimulatedLink
 from parcourse.comm.common import backend_for
 from parcourse.comm.messenger import Arrival
+from parcourse.comm.turns import Turns, in_lane
 from parcourse.comm.pacing import Pacer
 from parcourse.memory import PeakSavedBytes, SavedActivations, live_bytes
 from parcourse.pipeline.actions import Action, Message, Schedule, check, incoming, outgoing
@@ -98,6 +100,19 @@ class PipelineRuntime:
     `together()`: a context each W runs in, whose backward calls (one per group of
     weights) then count as one backward: `Hybrid` gives sequence parallelism's
     `one_sum`, so that a W sums the replicated gradients once, as a whole B does.
+
+    `turns`: the rank's device (`comm.turns.Turns`). Every action computes holding it and
+    hands it on while it waits for a message; the pairs the schedule means to overlap
+    (`schedule.together`, DualPipe's forward of one microbatch beside the backward of
+    another) run at once, in two threads taking turns, so that one's all-to-all (a `Comm`
+    given the same turns: the experts' ep group's) runs while the other computes. What was
+    hidden is in the turns' record after the step (`Turns.exposed`). The two threads
+    share the rank, so what runs inside their actions must be compute and messages of
+    their own (send / recv, the all-to-all): with pairs, `around`,
+    `on_weight_gradients` and `together` are refused (their collectives belong to the
+    whole rank). Without pairs (1F1B), the turns only keep the record. With simulated
+    `compute`, each action's seconds are padded piece by piece between its waits
+    (`Turns.paced`), so that the device is busy for them whichever thread holds it.
     """
 
     def __init__(self, schedule: Schedule, stages: dict[int, nn.Module],
@@ -108,9 +123,20 @@ class PipelineRuntime:
                  on_weight_gradients: Callable[[int, int], None] | None = None,
                  paced: Comm | None = None,
                  together: Callable[[], AbstractContextManager[Any]] | None = None,
-                 around: Callable[[Action], AbstractContextManager[Any]] | None = None
-                 ) -> None:
+                 around: Callable[[Action], AbstractContextManager[Any]] | None = None,
+                 turns: Turns | None = None) -> None:
         check(schedule)
+        if turns is not None and paced is not None:
+            raise ValueError("turns pace simulated compute piece by piece between the waits; "
+                             "`paced` collectives are the pacer's: give one or the other")
+        if turns is not None and schedule.together:
+            shared = [name for name, given in (("around", around),
+                                               ("on_weight_gradients", on_weight_gradients),
+                                               ("together", together)) if given is not None]
+            if shared:
+                raise ValueError(f"turns: {schedule.name} runs its overlapped pairs in two "
+                                 f"threads, which cannot share {', '.join(shared)} (the whole "
+                                 "rank's collectives); run without turns")
         if recompute and schedule.splits_backward:
             raise ValueError(f"recompute=True runs each stage's backward whole; {schedule.name} "
                              "splits it into I and W, so it cannot recompute")
@@ -164,6 +190,9 @@ class PipelineRuntime:
         self.on_weight_gradients = on_weight_gradients
         self._together = together
         self._around = around
+        self.turns = turns
+        # the forward each overlapped backward runs beside (none without turns)
+        self._pairs = dict(schedule.together) if turns is not None else {}
         # of the last step, when a tracer measures them: the activations held for the
         # microbatches in flight, and under recompute those a backward rebuilds beside them
         self.peak_in_flight_bytes = 0
@@ -210,7 +239,8 @@ class PipelineRuntime:
         self._post(a)
         work, buffer = self._posted.pop(a)
         start = time.perf_counter_ns()
-        work.wait()
+        with self.turns.handed_on("receive") if self.turns is not None else nullcontext():
+            work.wait()
         if self.comm.tracer is not None:
             departed = work.departed if isinstance(work, Arrival) else None
             self._trace_receive(f"{stage}{kind}{a.microbatch}", start, time.perf_counter_ns(),
@@ -303,25 +333,70 @@ class PipelineRuntime:
         self._losses: list[float] = []
         self._posted: dict[Action, tuple[Any, torch.Tensor]] = {}
         self._shared.remember()  # what the tied weights' gradients held before this step
+        if self.turns is not None:
+            self.turns.clear()
         actions = self.schedule.actions[self.rank]
-        for k, action in enumerate(actions):
-            try:
-                for later in self._posts.get(k, ()):
+        k = 0
+        while k < len(actions):
+            action = actions[k]
+            partner = self._pairs.get(action)
+            if partner is not None and (k + 1 == len(actions) or actions[k + 1] != partner):
+                partner = None  # not right after it: run them apart
+            for j in range(k, k + (1 if partner is None else 2)):
+                for later in self._posts.get(j, ()):
                     self._post(later)
-                with self._around(action) if self._around is not None else nullcontext():
-                    self._run(action)
-                if self.on_weight_gradients is not None and action.kind in ("B", "W"):
-                    self.on_weight_gradients(action.stage, action.microbatch)
-            except Exception as e:
-                self._failed = f"at {action}"
-                raise RuntimeError(f"rank {self.rank} failed at {action}: "
-                                   f"{type(e).__name__}: {e}") from e
+            if partner is None:
+                self._act(action)
+            else:
+                self._overlapped(action, partner)
+            k += 1 if partner is None else 2
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
         self._shared.add_up(self.comm, _tag("T", 0, 0, m, self.schedule.stages))
         loss = sum(self._losses) if has_last else None
         return self._whole_loss(loss) if has_last else None
+
+    def _act(self, action: Action) -> None:
+        """Run one action (holding the rank's turn, with turns), its context around it."""
+        try:
+            with self.turns.held(action) if self.turns is not None else nullcontext():
+                with self._around(action) if self._around is not None else nullcontext():
+                    self._run(action)
+            if self.on_weight_gradients is not None and action.kind in ("B", "W"):
+                self.on_weight_gradients(action.stage, action.microbatch)
+        except Exception as e:
+            self._failed = f"at {action}"
+            raise RuntimeError(f"rank {self.rank} failed at {action}: "
+                               f"{type(e).__name__}: {e}") from e
+
+    def _overlapped(self, forward: Action, backward: Action) -> None:
+        """A pair the schedule overlaps: the forward in lane 1, the backward in lane 2, two
+        threads taking the rank's turns. Raises the first failure at once (the other
+        thread may wait for a message that will never come: a daemon, it does not keep
+        the process alive)."""
+        device = self._device.type
+        autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        failed: list[BaseException] = []
+
+        def run(action: Action, number: int) -> None:
+            try:  # autocast is per thread: as the step's caller set it
+                with in_lane(number), torch.autocast(device, dtype=autocast[1],
+                                                     enabled=autocast[0]):
+                    self._act(action)
+            except BaseException as e:  # noqa: BLE001 -- raised again by the step's thread
+                failed.append(e)
+
+        threads = [threading.Thread(target=run, args=(a, n), daemon=True,
+                                    name=f"rank {self.rank} {a}")
+                   for n, a in ((1, forward), (2, backward))]
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads) and not failed:
+            for t in threads:
+                t.join(0.05)
+        if failed:
+            raise failed[0]
 
     def _refuse_if_failed(self) -> None:
         if self._failed is not None:
@@ -413,14 +488,23 @@ class PipelineRuntime:
         with (self.tracer.span(str(a), kind="compute", stage=s, microbatch=i, action=a.kind)
               if self.tracer is not None else nullcontext()):
             # Padded inside the span: a collective's paced share counts from its start.
-            with (self._pacer.padded((s, a.kind), self._seconds[a.kind][s])
-                  if self._pacer is not None and self._seconds is not None
-                  else nullcontext()):
+            with self._padded(a):
                 out = {"F": self._forward, "B": self._backward, "I": self._input_gradient,
                        "W": self._weight_gradient}[a.kind](a, received)
         message = outgoing(a, self.schedule)
         if message is not None:
             self._send(message, out)
+
+    def _padded(self, a: Action) -> AbstractContextManager[Any]:
+        """An action's simulated seconds: by the pacer (collectives on top), or with turns
+        piece by piece between its waits (nothing without simulated compute)."""
+        if self._seconds is None:
+            return nullcontext()
+        seconds = self._seconds[a.kind][a.stage]
+        if self.turns is not None:
+            return self.turns.paced((a.stage, a.kind), seconds)
+        assert self._pacer is not None
+        return self._pacer.padded((a.stage, a.kind), seconds)
 
     def _forward(self, a: Action, received: torch.Tensor | None) -> torch.Tensor:
         """Run the stage; keep its input, output and graph until the backward."""

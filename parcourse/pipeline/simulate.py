@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
 from parcourse.pipeline.actions import Action, Deadlock, Schedule, play
 
 __all__ = ["Costs", "Deadlock", "SimSpan", "SimulatedCompute", "Timeline", "bubble",
-           "in_flight", "measured_bubble", "simulate"]
+           "exposed_waits", "in_flight", "measured_bubble", "simulate", "taking_turns"]
 
 
 def _per_stage(value: float | Sequence[float], stages: int, name: str) -> list[float]:
@@ -192,3 +192,45 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     timeline.step_time = max(rank_end, default=0.0)
     timeline.peak_in_flight = [max(in_flight(acts), default=0) for acts in schedule.actions]
     return timeline
+
+
+def taking_turns(first: Sequence[float], second: Sequence[float]) -> float:
+    """How long two actions last when they run at once on one device, taking turns as the
+    runtime's `turns` make them: each is its seconds in order, compute, then a wait for
+    messages, then compute, and so on (even places compute, odd places waits). Compute
+    needs the device, a wait does not; whichever action has compute ready first takes the
+    device (`first` on a tie) and keeps it to its next wait."""
+    parts, at, ready, free = (first, second), [0, 0], [0.0, 0.0], 0.0
+    while any(at[i] < len(parts[i]) for i in (0, 1)):
+        for i in (0, 1):  # waits cost no device: pass them
+            while at[i] < len(parts[i]) and at[i] % 2 == 1:
+                ready[i] += parts[i][at[i]]
+                at[i] += 1
+        waiting = [i for i in (0, 1) if at[i] < len(parts[i])]
+        if not waiting:
+            break
+        i = min(waiting, key=lambda j: (ready[j], j))
+        ready[i] = free = max(free, ready[i]) + parts[i][at[i]]
+        at[i] += 1
+    return max(ready)
+
+
+def exposed_waits(schedule: Schedule, segments: Callable[[Action], Sequence[float]],
+                  overlap: bool) -> tuple[list[float], float]:
+    """Each rank's seconds of waiting with nothing to compute, and the step time, when each
+    action `a` lasts `segments(a)` (compute, wait, compute, ...: `taking_turns`' form) and
+    messages between stages are free; `overlap`: the pairs of `schedule.together` run
+    taking turns (the runtime with `turns`), else one after the other. The waits a
+    rank's actions expose: the time its slots last beyond their compute."""
+    def duration(a: Action) -> float:
+        return sum(segments(a))
+
+    def together(f: Action, b: Action) -> float:
+        return taking_turns(segments(f), segments(b))
+
+    slots = play(schedule, duration, None, together if overlap else None)
+    length = [0.0] * schedule.ranks
+    for slot in slots:
+        length[slot.rank] += slot.end - slot.start
+    compute = [sum(sum(segments(a)[::2]) for a in acts) for acts in schedule.actions]
+    return [t - c for t, c in zip(length, compute)], max((s.end for s in slots), default=0.0)

@@ -3,7 +3,8 @@ torch's all-to-all, its bytes and memory beside the formulas, and the balance of
 per expert under each balancing method on the real corpus.
 
     python benchmarks/experts.py [--tokens 4096] [--width 128] [--rounds 7] [--steps 200]
-                                 [--device cpu|cuda] [--only steps|bytes|balance]
+                                 [--device cpu|cuda] [--only steps|bytes|balance|dualpipe]
+                                 [--microbatches 8,16] [--pipeline-steps 4]
 
 1. Step time (forward and backward of one MoE layer, 8 experts, top 2, dropless, fp32,
    one thread a rank): the whole batch of --tokens in one process (the batched layer,
@@ -22,6 +23,19 @@ per expert under each balancing method on the real corpus.
    Switch's auxiliary loss (0.01) and with DeepSeek-V3's bias (rate 1e-3): over the last
    quarter of the steps, the busiest expert's tokens over the mean, and at ep 4 the
    busiest rank's rows over the mean (what the slowest rank's expert time is, relative).
+4. DualPipe against 1F1B with the experts' traffic (`experiments.experts.hidden_traffic`):
+   4 ranks, two pipelines of 2, the course's GPT (4 blocks of d_model 32, 8 experts, top
+   2, dropless) with each MoE layer's experts cut over the two ranks holding the same
+   stages (ep 2), the all-to-all over a simulated link (3 ms, 0.05 GB/s), compute
+   simulated (a stage's forward 30 ms and backward 60 ms of a microbatch, padded piece by
+   piece between its all-to-alls, so that four ranks on two cores behave as four
+   devices). For each number of microbatches: 1F1B, DualPipe with its pairs run one after
+   the other, and DualPipe with its pairs overlapped (two threads taking turns on the
+   rank: one's all-to-all while the other computes). Per step, the mean over the ranks of
+   the all-to-all waited for and the part of it exposed (the rank computing nothing),
+   the median over the steps after the first; beside it what the simulator predicts from
+   1F1B's measured actions (`predicted_exposure`). Target: DualPipe overlapped exposes
+   <= 50% of what 1F1B exposes.
 """
 
 from __future__ import annotations
@@ -35,7 +49,9 @@ import torch.nn.functional as F
 
 from parcourse import Pool
 from parcourse.comm import Comm
+from parcourse.experiments.experts import hidden_traffic, predicted_exposure
 from parcourse.experts import MoE, Routing, expert_parallel, run_expert_parallel
+from parcourse.pipeline.schedule import schedule_by_name
 from parcourse.memory import format_bytes
 from parcourse.theory import moe_all_to_all_bytes
 
@@ -143,12 +159,27 @@ def main() -> None:
     parser.add_argument("--corpus", default="runs/corpus")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where section 1's layers run (cuda: the ranks share the GPU)")
-    parser.add_argument("--only", choices=("steps", "bytes", "balance"), default=None)
+    parser.add_argument("--only", choices=("steps", "bytes", "balance", "dualpipe"),
+                        default=None)
+    parser.add_argument("--microbatches", default="8,16",
+                        help="section 4: the numbers of microbatches a step (even, >= 4)")
+    parser.add_argument("--pipeline-steps", type=int, default=4,
+                        help="section 4: steps of each schedule (the first not counted)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU here")
-    steps, counted, balanced = (args.only in (None, part) for part in ("steps", "bytes",
-                                                                         "balance"))
+    steps, counted, balanced, piped = (args.only in (None, part) for part in (
+        "steps", "bytes", "balance", "dualpipe"))
+    try:
+        args.microbatches = [int(m) for m in args.microbatches.split(",")]
+    except ValueError:
+        parser.error(f"--microbatches: numbers separated by commas, got {args.microbatches!r}")
+    if any(m < 4 or m % 2 for m in args.microbatches):
+        parser.error(f"--microbatches: DualPipe on 2 ranks needs an even number >= 4, got "
+                     f"{args.microbatches}")
+    if args.pipeline_steps < 2:
+        parser.error(f"--pipeline-steps must be >= 2 (the first is not counted), got "
+                     f"{args.pipeline_steps}")
     for name in ("tokens", "width", "rounds", "steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -161,6 +192,8 @@ def main() -> None:
         bytes_table(args)
     if balanced:
         balance_table(args)
+    if piped:
+        dualpipe_table(args)
 
 
 def step_table(args: argparse.Namespace) -> None:
@@ -216,6 +249,41 @@ def balance_table(args: argparse.Namespace) -> None:
     for method in ("none", "aux loss", "bias"):
         b = balance(str(corpus.directory), args.steps, method)
         print(f"{method:>10} {b['expert']:>22.2f} {b['rank']:>26.2f} {b['loss']:>7.3f}")
+
+
+PIPELINE = {"layers": 4, "width": 32, "experts": EXPERTS, "rows": 2, "forward_ms": 30.0,
+            "backward_ms": 60.0, "latency_us": 3000.0, "bandwidth_gbps": 0.05}
+
+
+def dualpipe_table(args: argparse.Namespace) -> None:
+    print(f"\n4. the experts' all-to-all under 1F1B and DualPipe: 4 ranks (2 pipelines of "
+          f"2, ep 2 across them), GPT {PIPELINE['layers']} x {PIPELINE['width']} with "
+          f"{EXPERTS} experts (top {TOP_K}), compute simulated ({PIPELINE['forward_ms']:.0f} "
+          f"ms forward, {PIPELINE['backward_ms']:.0f} ms backward a stage), link "
+          f"{PIPELINE['latency_us'] / 1e3:.0f} ms, {PIPELINE['bandwidth_gbps']} GB/s; per "
+          f"step, mean over ranks, median of steps 2-{args.pipeline_steps}")
+    print(f"{'m':>3} {'schedule':<22} {'step':>8} {'all-to-all':>11} {'exposed':>9} "
+          f"{'simulator':>10} {'/ 1F1B':>7} {'target':>7}")
+    runs = (("1F1B", "1f1b", False), ("DualPipe, pairs apart", "dualpipe", False),
+            ("DualPipe, overlapped", "dualpipe", True))
+    with Pool(4, timeout=600) as pool:
+        for m in args.microbatches:
+            measured, base = None, None
+            for label, name, overlap in runs:
+                schedule = schedule_by_name(name, 2, m, 1)
+                got = pool.run(hidden_traffic, schedule, overlap, steps=args.pipeline_steps,
+                               **PIPELINE).results
+                mean = {k: statistics.mean(statistics.median(s[k] for s in r["steps"][1:])
+                                           for r in got) for k in ("step", "waited", "exposed")}
+                if measured is None:
+                    measured = [r["segments"] for r in got]
+                predicted = statistics.mean(predicted_exposure(schedule, measured, overlap)[0])
+                base = mean["exposed"] if base is None else base
+                ratio = mean["exposed"] / base
+                target = ("met" if ratio <= 0.5 else "MISSED") if overlap else ""
+                print(f"{m:>3} {label:<22} {1e3 * mean['step']:>6.0f}ms "
+                      f"{1e3 * mean['waited']:>9.1f}ms {1e3 * mean['exposed']:>7.1f}ms "
+                      f"{1e3 * predicted:>8.1f}ms {ratio:>7.2f} {target:>7}")
 
 
 if __name__ == "__main__":

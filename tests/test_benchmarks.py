@@ -105,14 +105,15 @@ def test_context_parallel_benchmark_prints_the_balance_and_torchs_answer():
     assert bad.returncode == 2 and "--tokens must be >= 1, got 0" in bad.stderr
 
 
-def test_experts_benchmark_prints_its_three_tables(tmp_path):
+def test_experts_benchmark_prints_its_four_tables(tmp_path):
     """Tiny sizes: the step-time rows at 2 and 4 ranks with their ratios, the bytes and
-    memory equal to the formulas, and a balance row per method (a corpus of the test's
-    own, small)."""
+    memory equal to the formulas, a balance row per method (a corpus of the test's own,
+    small), and DualPipe's three rows against 1F1B at 4 microbatches, two steps."""
     script = SCRIPT.parent / "experts.py"
     corpus = tmp_path / "corpus"
     done = subprocess.run([sys.executable, str(script), "--tokens", "64", "--width", "16",
-                           "--rounds", "1", "--steps", "4", "--corpus", str(corpus)],
+                           "--rounds", "1", "--steps", "4", "--corpus", str(corpus),
+                           "--microbatches", "4", "--pipeline-steps", "2"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
@@ -122,9 +123,16 @@ def test_experts_benchmark_prints_its_three_tables(tmp_path):
     assert len(re.findall(r"equal\s+\S+ \S+\s+\S+ \S+\s+equal", out)) == 2, out
     for method in ("none", "aux loss", "bias"):
         assert re.search(rf"^\s+{method}\s+[\d.]+\s+[\d.]+\s+[\d.]+$", out, re.M), out
-    bad = subprocess.run([sys.executable, str(script), "--tokens", "6"], capture_output=True,
-                         text=True, timeout=60)
-    assert bad.returncode == 2 and "--tokens must divide by 4" in bad.stderr
+    piped = re.findall(r"^\s+4 (1F1B|DualPipe, pairs apart|DualPipe, overlapped)\s+\d+ms"
+                       r"\s+[\d.]+ms\s+[\d.]+ms\s+[\d.]+ms\s+([\d.]+)\s*(met|MISSED)?$",
+                       out, re.M)
+    assert [p[0] for p in piped] == ["1F1B", "DualPipe, pairs apart", "DualPipe, overlapped"]
+    assert piped[0][1] == "1.00" and piped[2][2] in ("met", "MISSED"), out
+    for wrong, message in (("--tokens 6", "--tokens must divide by 4"),
+                           ("--microbatches 5", "an even number >= 4")):
+        bad = subprocess.run([sys.executable, str(script), *wrong.split()],
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
 
 
 def test_classroom_benchmark_measures_a_lesson_and_doctor_reads_it(tmp_path):

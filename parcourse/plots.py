@@ -520,3 +520,41 @@ def count(n: int, noun: str, plural: str | None = None) -> str:
     if n == 1:
         return f"1 {noun}"
     return f"{n} {plural or (noun + 'es' if noun.endswith(('ch', 'sh', 's', 'x')) else noun + 's')}"
+
+
+def device_turns(runs: Mapping[str, Mapping[str, object]], ax: Axes | None = None, *,
+                 title: str | None = None) -> Figure:
+    """One rank's device over one step of each run, beside the all-to-all it waited for:
+    for each label (a schedule), a row of the turn held (forward, backward) and under it a
+    row of the all-to-all waits, grey where the other thread computed beside them (hidden),
+    red where the device sat idle (exposed). `runs[label]`: a rank's result of
+    `experiments.experts.hidden_traffic` ("start", "held", "waits")."""
+    from parcourse.comm.turns import uncovered
+
+    fig, ax = _axes(ax, (10, 1.2 + 1.1 * len(runs)))
+    rows, y = [], 0.0
+    for label, run in runs.items():
+        t0 = float(run["start"])  # type: ignore[arg-type]
+        held = [(k, s, e) for k, s, e in run["held"] if e > t0]  # type: ignore[attr-defined]
+        waits = [(s, e) for s, e in run["waits"] if e > t0]  # type: ignore[attr-defined]
+        for kind, s, e in held:
+            ax.broken_barh([((s - t0) * 1e3, (e - s) * 1e3)], (y + 0.55, 0.4),
+                           color=SPAN_COLORS[ACTION_PHASES[kind]])
+        ax.broken_barh([((s - t0) * 1e3, (e - s) * 1e3) for s, e in waits], (y + 0.05, 0.4),
+                       color=SPAN_COLORS["idle"])
+        idle = uncovered(waits, [(s, e) for _, s, e in held])
+        ax.broken_barh([((s - t0) * 1e3, (e - s) * 1e3) for s, e in idle], (y + 0.05, 0.4),
+                       color="#C44E52")
+        rows += [(y + 0.25, f"{label}: all-to-all"), (y + 0.75, f"{label}: device")]
+        y += 1.2
+    ax.set_yticks([r for r, _ in rows], [t for _, t in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms into the step")
+    ax.legend(handles=[Patch(color=SPAN_COLORS["forward"], label="forward"),
+                       Patch(color=SPAN_COLORS["backward"], label="backward"),
+                       Patch(color=SPAN_COLORS["idle"], label="all-to-all, hidden"),
+                       Patch(color="#C44E52", label="all-to-all, exposed")],
+              **LEGEND_OUTSIDE)
+    if title:
+        ax.set_title(title)
+    return fig

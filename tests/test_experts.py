@@ -262,8 +262,9 @@ def test_overlapped_pairs_take_turns_on_one_device(pool4):
     for a, b in zip(together, apart):
         for n in a["weights"]:
             assert torch.equal(a["weights"][n], b["weights"][n]), n
-        held = sorted(a["held"])
+        held = sorted((start, end) for _, start, end in a["held"])
         assert all(end <= nxt for (_, end), (nxt, _) in zip(held, held[1:]))
+        assert {kind for kind, _, _ in a["held"]} == {"F", "B", "I", "W"}
         last = a["steps"][-1]
         assert last["exposed"] < last["waited"]
         assert b["steps"][-1]["exposed"] == pytest.approx(b["steps"][-1]["waited"],

@@ -1,6 +1,7 @@
 """Figures draw from real traces and accept an Axes."""
 
 import matplotlib.colors
+import pytest
 import matplotlib.pyplot as plt
 import torch
 from matplotlib.figure import Figure
@@ -242,3 +243,21 @@ def test_a_collective_waiting_for_its_partner_is_drawn_hatched_not_as_its_axis()
           == matplotlib.colors.to_rgb(plots.AXIS_COLORS["tp"])]
     assert sorted(round(p.get_width()) for p in tp) == [5, 5]
     plt.close("all")
+
+
+def test_device_turns_draws_the_device_and_the_exposed_waits():
+    """Per run, a row of the turn held (forward, backward) and a row of all-to-all waits,
+    red only where no compute covered them: here [3, 4] of the wait [2, 4]."""
+    run = {"start": 0.0, "held": [("F", 0.0, 0.002), ("B", 0.002, 0.003)],
+           "waits": [(0.002, 0.004)]}
+    fig = plots.device_turns({"DualPipe": run}, title="rank 0")
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["DualPipe: all-to-all",
+                                                          "DualPipe: device"]
+    red = [c for c in ax.collections
+           if matplotlib.colors.same_color(c.get_facecolor()[0], "#C44E52")]
+    (exposed,) = red
+    (path,) = exposed.get_paths()
+    box = path.get_extents()
+    assert (box.x0, box.x1) == (pytest.approx(3.0), pytest.approx(4.0))
+    plt.close(fig)

@@ -171,9 +171,8 @@ class Turns:
     def exposed(self, reason: str = "all-to-all") -> float:
         """Seconds of the waits for `reason` in which no thread held the turn: the device
         idle for those messages."""
-        return _length(_subtract(_union([(w.start, w.end) for w in self.waits
-                                         if w.reason == reason]),
-                                 _union([(h.start, h.end) for h in self.held_intervals])))
+        return _length(uncovered([(w.start, w.end) for w in self.waits if w.reason == reason],
+                                 [(h.start, h.end) for h in self.held_intervals]))
 
     def waited(self, reason: str = "all-to-all") -> float:
         """Seconds of the waits for `reason`, hidden or not (overlapping waits once)."""
@@ -188,6 +187,13 @@ def _sleep_until(moment: float) -> None:
     delay = moment - time.perf_counter()
     if delay > 0:
         time.sleep(delay)
+
+
+def uncovered(waits: list[tuple[float, float]], held: list[tuple[float, float]]
+              ) -> list[tuple[float, float]]:
+    """The parts of the (start, end) `waits` that no (start, end) of `held` covers, in
+    order, overlapping waits once: where the device sat idle for them."""
+    return _subtract(_union(waits), _union(held))
 
 
 def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:

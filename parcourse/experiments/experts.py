@@ -240,8 +240,10 @@ def hidden_traffic(ctx: RankContext, schedule: Schedule, overlap: bool = True, *
     Returns, per step, this rank's seconds: the step, the all-to-all waited for, the part
     of it exposed (the rank computing nothing), the compute; the last step's actions as
     `taking_turns`' segments (compute, all-to-all wait, compute, ...: what the simulator
-    replays) and the intervals in which the turn was held; the weights (named as in the
-    whole model, this rank's experts' slice)."""
+    replays); when the last step started, the intervals in which the turn was held (by an
+    action of kind F, B, I or W) and those spent waiting for an all-to-all
+    (`time.perf_counter()` seconds, one clock for the machine's processes); the weights
+    (named as in the whole model, this rank's experts' slice)."""
     from parcourse.comm import SimulatedLink, Turns
     from parcourse.experiments.pipeline import tied_weights
     from parcourse.experts import reduce_gradients
@@ -284,7 +286,7 @@ def hidden_traffic(ctx: RankContext, schedule: Schedule, overlap: bool = True, *
     opt = torch.optim.SGD(params, lr=lr)
     x, y = traffic_batch(config, rows * schedule.microbatches, here)
     runtime.prepare(x if place in schedule.entry_ranks else None)
-    per_step = []
+    per_step, start = [], 0.0
     for step in range(steps):
         ctx.tracer.set_status(f"{schedule.name}: step {step + 1} of {steps}")
         dist.barrier(group=ctx.group)
@@ -299,7 +301,9 @@ def hidden_traffic(ctx: RankContext, schedule: Schedule, overlap: bool = True, *
         opt.step()
         opt.zero_grad()
     return {"steps": per_step, "segments": segments_of(turns),
-            "held": [(h.start, h.end) for h in turns.held_intervals],
+            "start": start, "held": [(h.label.kind, h.start, h.end)
+                                     for h in turns.held_intervals],
+            "waits": [(w.start, w.end) for w in turns.waits if w.reason == "all-to-all"],
             "weights": {names[id(p)]: p.detach().clone() for p in params}}
 
 

@@ -253,8 +253,10 @@ def dualpipe(ranks: int, microbatches: int) -> Schedule:
     Each rank runs the report's eight steps: forwards from the nearer end, then from
     both; a steady state in which a forward of one direction runs beside a backward of
     the other (`together`: DeepSeek overlaps the pair, each one's communication hidden
-    under the other's compute; the simulator can model that, this course's runtime runs
-    them one after the other); some backwards split into I and W, the Ws filling gaps.
+    under the other's compute; the course's runtime runs them one after the other, or,
+    given `turns`, at once in two threads taking turns on the rank, so that one's
+    all-to-all runs while the other computes: `PipelineRuntime`); some backwards split
+    into I and W, the Ws filling gaps.
 
     Needs an even number of ranks and an even number of microbatches, at least 2 x
     ranks (half in each direction, at least one per rank)."""

@@ -221,8 +221,7 @@ def test_dualpipe_hiding_the_all_to_all_trains_as_one_process(pool4, name, overl
     overlapped (a forward's all-to-all in one thread while the other's backward computes,
     `PipelineRuntime(turns=)`), apart, and under 1F1B: every rank's weights after two SGD
     steps equal one process's (TOL above: the experts' rows arrive in another order and
-    microbatches sum gradients in another order). Overlapped, the device never computes
-    twice at once, and some all-to-all wait was hidden behind the other thread's compute."""
+    microbatches sum gradients in another order)."""
     from parcourse.experiments.experts import hidden_traffic
     from parcourse.pipeline.schedule import schedule_by_name
 
@@ -240,10 +239,7 @@ def test_dualpipe_hiding_the_all_to_all_trains_as_one_process(pool4, name, overl
             if p.shape != ref.shape:  # an expert weight: this rank's slice
                 ref = ref[here * held:(here + 1) * held]
             assert torch.allclose(p, ref, atol=TOL), (rank, n)
-        last = got["steps"][-1]
-        assert 0 <= last["exposed"] <= last["waited"] + 1e-9
-        if not overlap:  # one thread: every wait leaves the device idle
-            assert last["exposed"] == pytest.approx(last["waited"], abs=1e-6)
+        assert got["steps"][-1]["waited"] > 0  # the all-to-alls ran under the turns
 
 
 def test_overlapped_pairs_take_turns_on_one_device(pool4):

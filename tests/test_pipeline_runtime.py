@@ -458,21 +458,25 @@ def _fails_in_a_pair(ctx):
 def test_overlapped_pairs_refuse_what_the_whole_rank_shares(pool2):
     """With turns, DualPipe's pairs run in two threads: what would run the whole rank's
     collectives from one of them (ZeRO-3's `around`, ZeRO-2's `on_weight_gradients`) is
-    refused, and so is the pacer (the turns pace simulated compute themselves). A
+    refused, and so is the pacer (the turns pace simulated compute themselves), stages
+    off the CPU (a GPU's backward runs on autograd's own thread), and torch's all-to-all
+    from a Comm with turns (two threads' calls in any order). A
     forward failing in its pair's thread fails the step at once, naming its action."""
     with pytest.raises(RankError, match="rank 0 failed at 3F3: ValueError: a bad microbatch"):
         pool2.run(_fails_in_a_pair)
     refused = pool2.run(_refusals).results[0]
-    assert len(refused) == 3
+    assert len(refused) == 5
     assert "cannot share around" in refused[0]
     assert "cannot share on_weight_gradients" in refused[1]
     assert "give one or the other" in refused[2]
+    assert "on CPU stages; these are on meta" in refused[3]
+    assert "algorithm='ring'" in refused[4]  # torch's all-to-all, in whichever order
 
 
 def _refusals(ctx):
     import torch.distributed as dist
 
-    from parcourse.comm import Comm, Turns
+    from parcourse.comm import Comm, Turns, all_to_all
     from parcourse.pipeline.runtime import PipelineRuntime
     from parcourse.pipeline.schedule import dualpipe
     from parcourse.pipeline.simulate import SimulatedCompute
@@ -487,6 +491,18 @@ def _refusals(ctx):
                             nn.functional.mse_loss, turns=Turns(), **wrong)
         except ValueError as e:
             refused.append(str(e))
+    off_cpu = PipelineRuntime(schedule, {s: nn.Linear(4, 4, device="meta") for s in mine},
+                              ctx.group, nn.functional.mse_loss, turns=Turns())
+    try:  # a GPU's backward runs on autograd's own thread: the meta device stands for it
+        off_cpu.prepare(torch.zeros(8, 4))
+    except ValueError as e:
+        refused.append(str(e))
+    torch_a2a = Comm(ctx.group, algorithm="torch")
+    torch_a2a.turns = Turns()
+    try:
+        all_to_all(torch_a2a, torch.zeros(2, 3), [1, 1], [1, 1])
+    except ValueError as e:
+        refused.append(str(e))
     dist.barrier()
     return refused
 

@@ -39,6 +39,11 @@ def all_to_all(comm: Comm, x: torch.Tensor, sends: list[int],
     x = x.contiguous()
     out = x.new_empty(sum(receives), *x.shape[1:])
     if comm.algorithm == "torch":
+        if comm.turns is not None:
+            raise ValueError("a Comm with turns runs the course's all-to-all (send / recv, "
+                             "tagged by thread): torch's all_to_all_single would run two "
+                             "threads' calls in whatever order they come; make the Comm "
+                             "with algorithm='ring'")
         dist.all_to_all_single(out, x, receives, sends, group=comm.group)
         return out
     at_x = [sum(sends[:j]) for j in range(comm.size)]

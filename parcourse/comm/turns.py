@@ -18,6 +18,9 @@ action of the same key had), and each piece, holding the turn, sleeps out what i
 math left of its share. The device is then busy for those seconds, whichever thread
 holds it, and the cores stay free for the other ranks.
 
+What a message needs beside its wait (posting it, a simulated link's stamp, a copy through
+host memory) runs without the turn, beside the other thread's compute: small next to it.
+
 `Turns` also keeps the record that says what was hidden: every interval in which a thread
 held the turn, and every wait, named by its reason ("all-to-all", "receive"). A wait's
 time in which no thread held the turn is exposed (`exposed`).
@@ -120,7 +123,7 @@ class Turns:
         label, paced = _thread.label, getattr(_thread, "paced", None)
         if paced is not None:  # this piece's share of the action's seconds first
             paced.done += 1
-            if paced.expected:
+            if paced.expected and paced.done <= paced.expected:
                 _sleep_until(paced.piece + paced.seconds / (paced.expected + 1))
             paced.computed += time.perf_counter() - paced.piece
         self._give()

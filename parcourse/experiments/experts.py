@@ -232,7 +232,8 @@ def hidden_traffic(ctx: RankContext, schedule: Schedule, overlap: bool = True, *
     schedule's overlapped pairs (DualPipe's) run at once, taking turns on the rank
     (`PipelineRuntime(turns=)`); without it one after the other. `steps` SGD steps of
     `schedule.microbatches` microbatches of `rows` sequences a pipeline, the gradients
-    averaged over the two pipelines. `forward_ms`, `backward_ms`: simulated compute, each
+    averaged over the two pipelines. The stages run on CPU, over gloo, on any machine (the
+    turns take CPU threads in turns). `forward_ms`, `backward_ms`: simulated compute, each
     stage's forward and backward of a microbatch padded to those seconds, piece by piece
     between its all-to-alls (`Turns.paced`), so that four ranks on two cores behave as
     four devices would (0: the real math alone).
@@ -256,8 +257,11 @@ def hidden_traffic(ctx: RankContext, schedule: Schedule, overlap: bool = True, *
     if ctx.world_size != 2 * pp:
         raise ValueError(f"two pipelines of {pp} ranks: run on {2 * pp} ranks, not "
                          f"{ctx.world_size}")
-    pipelines = [dist.new_group(list(range(q * pp, (q + 1) * pp))) for q in range(2)]
-    places = [dist.new_group([r, r + pp]) for r in range(pp)]
+    # CPU stages, simulated devices (turns run on CPU): gloo groups whatever the launch's
+    pipelines = [dist.new_group(list(range(q * pp, (q + 1) * pp)), backend="gloo")
+                 for q in range(2)]
+    places = [dist.new_group([r, r + pp], backend="gloo") for r in range(pp)]
+    everyone = dist.new_group(list(range(ctx.world_size)), backend="gloo")
     here, place = ctx.rank // pp, ctx.rank % pp
     turns = Turns()
     ep = Comm(places[place], tracer=ctx.tracer,
@@ -289,7 +293,7 @@ def hidden_traffic(ctx: RankContext, schedule: Schedule, overlap: bool = True, *
     per_step, start = [], 0.0
     for step in range(steps):
         ctx.tracer.set_status(f"{schedule.name}: step {step + 1} of {steps}")
-        dist.barrier(group=ctx.group)
+        dist.barrier(group=everyone)
         start = time.perf_counter()
         runtime.step(x if place in schedule.entry_ranks else None,
                      y if place in schedule.exit_ranks else None)
@@ -350,9 +354,12 @@ def predicted_exposure(schedule: Schedule, measured: list[dict[Action, list[floa
     """What the simulator predicts for `schedule` from another schedule's measured actions
     (`measured`: every rank's `segments_of`, 1F1B's): each stage's forward and backward
     as the median of those measured (compute, all-to-all wait, compute, ...), the pairs
-    taking turns if `overlap`. A split backward (I, then W, of `weight_share` of B): on a
-    stage where microbatches enter (no input gradient), I is compute alone and W the
-    whole backward's pieces and waits; elsewhere I has them and W is compute alone.
+    taking turns if `overlap`. A split backward (I, then W), as simulated compute pads
+    it (W `weight_share` of B's compute, I the rest): on a stage where microbatches enter
+    (no input gradient), I is compute alone and W has the backward's waits, its pieces
+    scaled to W's share; elsewhere I has them, scaled to I's, and W is compute alone.
+    With the math alone (no simulated compute) an entry stage's I takes next to nothing
+    and its W the whole backward: the prediction's step is then off by that much.
     Returns each rank's exposed all-to-all seconds and the step's seconds
     (`simulate.exposed_waits`)."""
     from parcourse.pipeline.simulate import exposed_waits

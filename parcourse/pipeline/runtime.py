@@ -112,7 +112,12 @@ class PipelineRuntime:
     `on_weight_gradients` and `together` are refused (their collectives belong to the
     whole rank). Without pairs (1F1B), the turns only keep the record. With simulated
     `compute`, each action's seconds are padded piece by piece between its waits
-    (`Turns.paced`), so that the device is busy for them whichever thread holds it.
+    (`Turns.paced`), so that the device is busy for them whichever thread holds it. The
+    threads inherit the step's autocast, not its other thread-local settings (saved-tensor
+    hooks such as `save_on_cpu` stay with the step's thread). Stages on CPU only: on a GPU,
+    autograd runs backward on a thread of its own for the device, out of the turns. A
+    pair's two compute spans on the tracer each run from the action's start to its end,
+    waits included, so they overlap: the device's own time is the turns' record.
     """
 
     def __init__(self, schedule: Schedule, stages: dict[int, nn.Module],
@@ -392,9 +397,13 @@ class PipelineRuntime:
                    for n, a in ((1, forward), (2, backward))]
         for t in threads:
             t.start()
-        while any(t.is_alive() for t in threads) and not failed:
-            for t in threads:
-                t.join(0.05)
+        try:
+            while any(t.is_alive() for t in threads) and not failed:
+                for t in threads:
+                    t.join(0.05)
+        except BaseException:  # interrupted: the threads may still run; no step after this
+            self._failed = f"interrupted at {forward} beside {backward}"
+            raise
         if failed:
             raise failed[0]
 
@@ -441,6 +450,10 @@ class PipelineRuntime:
         """`prepare` on a checked batch (`step` has checked it already)."""
         m = self.schedule.microbatches
         self._device = next(next(iter(self.stages.values())).parameters()).device
+        if self.turns is not None and self._device.type != "cpu":
+            raise ValueError(f"turns take a rank's threads in turns on CPU stages; these are on "
+                             f"{self._device}, where autograd runs backward on a thread of "
+                             "its own (out of the turns): run without turns")
         if self._posts_device != self._device:
             self._posts = early_receives(self.schedule, self.rank,
                                          backend_for(self.group, self._device))

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from parcourse.comm import Comm
 from parcourse.experiments.exercises import ask, whole_numbers
+from parcourse.experiments.timing import one_thread
 from parcourse.experts import MoE, expert_parallel, moe_layers, permute, update_bias
 from parcourse.launch import RankContext
 from parcourse.models import GPTConfig, gpt
@@ -174,13 +175,14 @@ def imbalance(method: str = "none", steps: int = 60, experts: int = 8,
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     x, y = progressions(32, config.block_size, config.vocab)
     per_step = []
-    for _ in range(steps):
-        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
-        update_bias(model)
-        opt.step()
-        opt.zero_grad()
-        per_step.append([sum(int(m.last.counts[e]) for m in moe_layers(model)  # type: ignore[union-attr]
-                             ) for e in range(experts)])
+    with one_thread():  # a small model: torch's threads cost more than they give, the more so
+        for _ in range(steps):  # on cores busy with other work
+            F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            update_bias(model)
+            opt.step()
+            opt.zero_grad()
+            per_step.append([sum(int(m.last.counts[e])  # type: ignore[union-attr]
+                                 for m in moe_layers(model)) for e in range(experts)])
     return per_step
 
 

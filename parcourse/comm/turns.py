@@ -39,6 +39,8 @@ from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from parcourse.comm.link import sleep_until
+
 _thread = threading.local()
 
 
@@ -88,10 +90,8 @@ class _Paced:
 class Turns:
     """The rank's one device. `with turns.held(label):` computes (blocks until no other
     thread does); inside it, `with turns.handed_on(reason):` around a wait lets the other
-    thread compute meanwhile, and takes the turn back after. `record=False` keeps no
-    intervals (one lock, nothing else)."""
+    thread compute meanwhile, and takes the turn back after."""
 
-    record: bool = True
     held_intervals: list[Interval] = field(default_factory=list)
     waits: list[Interval] = field(default_factory=list)
 
@@ -124,7 +124,7 @@ class Turns:
         if paced is not None:  # this piece's share of the action's seconds first
             paced.done += 1
             if paced.expected and paced.done <= paced.expected:
-                _sleep_until(paced.piece + paced.seconds / (paced.expected + 1))
+                sleep_until(paced.piece + paced.seconds / (paced.expected + 1))
             paced.computed += time.perf_counter() - paced.piece
         self._give()
         start = time.perf_counter()
@@ -135,8 +135,7 @@ class Turns:
             self._take(label)
             if paced is not None:
                 paced.piece = time.perf_counter()
-            if self.record:
-                self.waits.append(Interval(label, start, end, reason))
+            self.waits.append(Interval(label, start, end, reason))
 
     @contextmanager
     def paced(self, key: Hashable, seconds: float) -> Iterator[None]:
@@ -152,7 +151,7 @@ class Turns:
             _thread.paced = None
         self._waits_of[key] = now.done
         computed = now.computed + time.perf_counter() - now.piece
-        _sleep_until(time.perf_counter() + seconds - computed)
+        sleep_until(time.perf_counter() + seconds - computed)
 
     def _take(self, label: Hashable) -> None:
         self._lock.acquire()
@@ -160,9 +159,7 @@ class Turns:
         _thread.since = time.perf_counter()
 
     def _give(self) -> None:
-        if self.record:
-            self.held_intervals.append(Interval(_thread.label, _thread.since,
-                                                time.perf_counter()))
+        self.held_intervals.append(Interval(_thread.label, _thread.since, time.perf_counter()))
         _thread.holds = None
         self._lock.release()
 
@@ -184,12 +181,6 @@ class Turns:
     def busy(self) -> float:
         """Seconds the turn was held."""
         return sum(h.end - h.start for h in self.held_intervals)
-
-
-def _sleep_until(moment: float) -> None:
-    delay = moment - time.perf_counter()
-    if delay > 0:
-        time.sleep(delay)
 
 
 def uncovered(waits: list[tuple[float, float]], held: list[tuple[float, float]]

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from parcourse import Pool
 from parcourse.comm import Comm
-from parcourse.experiments.experts import hidden_traffic, predicted_exposure
+from parcourse.experiments.experts import hidden_traffic, traffic_summary
 from parcourse.experts import MoE, Routing, expert_parallel, run_expert_parallel
 from parcourse.pipeline.schedule import schedule_by_name
 from parcourse.memory import format_bytes
@@ -273,17 +273,15 @@ def dualpipe_table(args: argparse.Namespace) -> None:
                 schedule = schedule_by_name(name, 2, m, 1)
                 got = pool.run(hidden_traffic, schedule, overlap, steps=args.pipeline_steps,
                                **PIPELINE).results
-                mean = {k: statistics.mean(statistics.median(s[k] for s in r["steps"][1:])
-                                           for r in got) for k in ("step", "waited", "exposed")}
                 if measured is None:
                     measured = [r["segments"] for r in got]
-                predicted = statistics.mean(predicted_exposure(schedule, measured, overlap)[0])
+                mean = traffic_summary(got, schedule, measured, overlap)
                 base = mean["exposed"] if base is None else base
                 ratio = mean["exposed"] / base
                 target = ("met" if ratio <= 0.5 else "MISSED") if overlap else ""
                 print(f"{m:>3} {label:<22} {1e3 * mean['step']:>6.0f}ms "
                       f"{1e3 * mean['waited']:>9.1f}ms {1e3 * mean['exposed']:>7.1f}ms "
-                      f"{1e3 * predicted:>8.1f}ms {ratio:>7.2f} {target:>7}")
+                      f"{1e3 * mean['simulated']:>8.1f}ms {ratio:>7.2f} {target:>7}")
 
 
 if __name__ == "__main__":

@@ -537,9 +537,10 @@ def device_turns(runs: Mapping[str, Mapping[str, object]], ax: Axes | None = Non
         t0 = float(run["start"])  # type: ignore[arg-type]
         held = [(k, s, e) for k, s, e in run["held"] if e > t0]  # type: ignore[attr-defined]
         waits = [(s, e) for s, e in run["waits"] if e > t0]  # type: ignore[attr-defined]
-        for kind, s, e in held:
-            ax.broken_barh([((s - t0) * 1e3, (e - s) * 1e3)], (y + 0.55, 0.4),
-                           color=SPAN_COLORS[ACTION_PHASES[kind]])
+        for phase in {ACTION_PHASES[kind] for kind, _, _ in held}:  # one call a colour
+            ax.broken_barh([((s - t0) * 1e3, (e - s) * 1e3) for kind, s, e in held
+                            if ACTION_PHASES[kind] == phase], (y + 0.55, 0.4),
+                           color=SPAN_COLORS[phase])
         ax.broken_barh([((s - t0) * 1e3, (e - s) * 1e3) for s, e in waits], (y + 0.05, 0.4),
                        color=SPAN_COLORS["idle"])
         idle = uncovered(waits, [(s, e) for _, s, e in held])

@@ -14,8 +14,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
-from parcourse.comm import Comm
+from parcourse.comm import Comm, Turns
 from parcourse.experiments.exercises import ask, whole_numbers
 from parcourse.experiments.timing import one_thread
 from parcourse.experts import MoE, expert_parallel, moe_layers, permute, update_bias
@@ -247,7 +248,7 @@ def hidden_traffic(ctx: RankContext, schedule: Schedule, overlap: bool = True, *
     action of kind F, B, I or W) and those spent waiting for an all-to-all
     (`time.perf_counter()` seconds, one clock for the machine's processes); the weights
     (named as in the whole model, this rank's experts' slice)."""
-    from parcourse.comm import SimulatedLink, Turns
+    from parcourse.comm import SimulatedLink
     from parcourse.experiments.pipeline import tied_weights
     from parcourse.experts import reduce_gradients
     from parcourse.models import gpt_layers
@@ -288,7 +289,8 @@ def hidden_traffic(ctx: RankContext, schedule: Schedule, overlap: bool = True, *
                               tied=tied_weights(mine, cut), turns=turns,
                               compute=SimulatedCompute(forward_ms / 1e3, backward_ms / 1e3)
                               if forward_ms or backward_ms else None)
-    params = list({id(p): p for m in mine.values() for p in m.parameters()}.values())
+    held = nn.ModuleList(mine.values())  # the rank's stages, each parameter once (tied ones)
+    params = list(held.parameters())
     opt = torch.optim.SGD(params, lr=lr)
     x, y = traffic_batch(config, rows * schedule.microbatches, here)
     runtime.prepare(x if place in schedule.entry_ranks else None)
@@ -302,8 +304,7 @@ def hidden_traffic(ctx: RankContext, schedule: Schedule, overlap: bool = True, *
         seconds = time.perf_counter() - start
         per_step.append({"step": seconds, "waited": turns.waited("all-to-all"),
                          "exposed": turns.exposed("all-to-all"), "compute": turns.busy()})
-        for module in {id(m): m for m in mine.values()}.values():
-            reduce_gradients(module, data)
+        reduce_gradients(held, data)
         opt.step()
         opt.zero_grad()
     return {"steps": per_step, "segments": segments_of(turns),
@@ -329,7 +330,20 @@ def traffic_batch(config: GPTConfig, rows: int, pipeline: int
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def segments_of(turns: Any) -> dict[Action, list[float]]:
+def traffic_summary(results: list[dict[str, Any]], schedule: Schedule,
+                    measured: list[dict[Action, list[float]]], overlap: bool
+                    ) -> dict[str, float]:
+    """Every rank's `hidden_traffic` results in a few seconds: the step, the all-to-all
+    waited for and exposed (each the median over the steps after the first, then the
+    mean over the ranks), and the exposure the simulator predicts from `measured`
+    (`predicted_exposure`, the mean over the pipeline's ranks)."""
+    out = {k: statistics.mean(statistics.median(s[k] for s in r["steps"][1:])
+                              for r in results) for k in ("step", "waited", "exposed")}
+    out["simulated"] = statistics.mean(predicted_exposure(schedule, measured, overlap)[0])
+    return out
+
+
+def segments_of(turns: Turns) -> dict[Action, list[float]]:
     """Each action's seconds from a `Turns` record, in `taking_turns`' form: compute (the
     turn held, receives from other stages left out), all-to-all wait, compute, ..."""
     events: dict[Action, list[tuple[float, float, bool]]] = {}

@@ -22,9 +22,10 @@ the rule in `actions` (`incoming`, `outgoing`); when receives are posted, the po
 in `posting`.
 
 One file because each part serves the one `step`: read `PipelineRuntime` top down
-(point to point, shapes agreed once, the step, then the four kinds of action), then the
-helpers at the end that find each stage's neighbours. The gradients that ranks add up
-after the schedule (tied weights, DualPipe's copies) are `tied.py`'s.
+(point to point, shapes agreed once, the step with its overlapped pairs, then the four
+kinds of action), then the helpers at the end that find each stage's neighbours. The
+gradients that ranks add up after the schedule (tied weights, DualPipe's copies) are
+`tied.py`'s; the turns that overlapped pairs take on the device are `comm/turns.py`'s.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ TORCH_VERSION ?= 2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.parcourse-installed
 
-.PHONY: lab test install doctor bench clean site
+.PHONY: lab test lint install doctor bench clean site
 
 install: $(STAMP)
 
@@ -34,6 +34,12 @@ lab: $(STAMP)
 TEST_WORKERS ?= 3
 test: $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25
+
+# What .ci/run checks before the tests: ruff's lint (import order included) and its
+# format, over everything but the lessons (their cells are checked by running them).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # The course as a static site in out/site (the lessons executed at their small parameters,
 # the docs, the library's reference): open out/site/index.html.

@@ -26,7 +26,7 @@ import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import checkpoint_sequential as torch_checkpoint_sequential
 
-from parcourse.checkpointing import run_layers, checkpoint_sequential, segment_count
+from parcourse.checkpointing import checkpoint_sequential, run_layers, segment_count
 from parcourse.experiments.checkpointing import chain, sweep
 from parcourse.memory import PeakSavedBytes, format_bytes
 
@@ -66,14 +66,17 @@ def main() -> None:
     layers = chain(n, args.width)
     params = [p for layer in layers for p in layer.parameters()]
     x = torch.randn(args.batch, args.width)
-    print(f"torch {torch.__version__}, CPU, one thread; {n} layers Linear({args.width}) + Tanh, "
-          f"batch {args.batch}, {k} segments")
+    print(
+        f"torch {torch.__version__}, CPU, one thread; {n} layers Linear({args.width}) + Tanh, "
+        f"batch {args.batch}, {k} segments"
+    )
 
     runs = {
         "ours": lambda: checkpoint_sequential(layers, k, x),
         "torch checkpoint": lambda: torch_segments(layers, k, x),
         "torch checkpoint_sequential": lambda: torch_checkpoint_sequential(
-            layers, k, x, use_reentrant=False),
+            layers, k, x, use_reentrant=False
+        ),
         "no checkpointing": lambda: run_layers(layers, x),
     }
 
@@ -95,8 +98,10 @@ def main() -> None:
     for name, t in med.items():
         print(f"{name:>30}: {t * 1e3:7.1f} ms")
     ratio = med["ours"] / med["torch checkpoint"]
-    print(f"ours / torch checkpoint = {ratio:.2f} (target <= 1.05: "
-          f"{'met' if ratio <= 1.05 else 'MISSED'})")
+    print(
+        f"ours / torch checkpoint = {ratio:.2f} (target <= 1.05: "
+        f"{'met' if ratio <= 1.05 else 'MISSED'})"
+    )
 
     print("\n2. peak memory in a step")
     print(f"{'':>30}  {'MemTracker total':>16}  {'of it activations':>17}")
@@ -104,26 +109,36 @@ def main() -> None:
     for name in runs:
         tracked = peak_by_memtracker(lambda name=name: step(name), layers)
         peaks[name] = tracked["total"]
-        print(f"{name:>30}  {format_bytes(tracked['total']):>16}  "
-              f"{format_bytes(tracked.get('act', 0)):>17}")
+        print(
+            f"{name:>30}  {format_bytes(tracked['total']):>16}  "
+            f"{format_bytes(tracked.get('act', 0)):>17}"
+        )
     with PeakSavedBytes(exclude=params) as saved:
         step("ours")
-    print(f"ours, saved activations by PeakSavedBytes: {format_bytes(saved.peak)} "
-          f"({saved.peak / (args.batch * args.width * 4):.0f} layer outputs; theory 2 x {k})")
+    print(
+        f"ours, saved activations by PeakSavedBytes: {format_bytes(saved.peak)} "
+        f"({saved.peak / (args.batch * args.width * 4):.0f} layer outputs; theory 2 x {k})"
+    )
     mem_ratio = peaks["ours"] / peaks["torch checkpoint"]
-    print(f"ours / torch checkpoint (MemTracker) = {mem_ratio:.2f} "
-          f"({peaks['ours']} / {peaks['torch checkpoint']} bytes; target <= 1.0: "
-          f"{'met' if mem_ratio <= 1.0 else 'MISSED'})")
+    print(
+        f"ours / torch checkpoint (MemTracker) = {mem_ratio:.2f} "
+        f"({peaks['ours']} / {peaks['torch checkpoint']} bytes; target <= 1.0: "
+        f"{'met' if mem_ratio <= 1.0 else 'MISSED'})"
+    )
 
-    print("\n3. every policy over n (width 64, batch 32): peak saved activations in layer "
-          "outputs, measured / theory, and step time")
+    print(
+        "\n3. every policy over n (width 64, batch 32): peak saved activations in layer "
+        "outputs, measured / theory, and step time"
+    )
     print(f"{'n':>5}{'policy':>9}{'measured':>10}{'theory':>8}{'step ms':>10}{'extra fwd':>11}")
     for r in sweep([16, 64, 256], ["none", "sqrt", "every", "nothing"], repeats=1):
         if r["n_layers"] == 256 and r["policy"] == "nothing":
             continue  # 32640 extra layer forwards: minutes, and the curve is clear by 64
         one = r["activation_bytes"]
-        print(f"{r['n_layers']:>5}{r['policy']:>9}{r['peak_bytes'] // one:>10}"
-              f"{r['theory_bytes'] // one:>8}{r['step_s'] * 1e3:>10.1f}{r['extra_forwards']:>11}")
+        print(
+            f"{r['n_layers']:>5}{r['policy']:>9}{r['peak_bytes'] // one:>10}"
+            f"{r['theory_bytes'] // one:>8}{r['step_s'] * 1e3:>10.1f}{r['extra_forwards']:>11}"
+        )
 
 
 if __name__ == "__main__":

@@ -65,17 +65,30 @@ def measure(path: Path) -> dict[str, float]:
     sampler.start()
     out = Path(tempfile.mkdtemp()) / path.name
     t0 = time.perf_counter()
-    papermill.execute_notebook(str(path), str(out), kernel_name="python3", progress_bar=False,
-                               cwd=str(path.parent), start_timeout=300)
+    papermill.execute_notebook(
+        str(path),
+        str(out),
+        kernel_name="python3",
+        progress_bar=False,
+        cwd=str(path.parent),
+        start_timeout=300,
+    )
     seconds = time.perf_counter() - t0
     sampler.stop.set()
     sampler.join()
-    said = "".join("".join(o.get("text", "")) for c in json.loads(out.read_text())["cells"]
-                   for o in c.get("outputs", []))
+    said = "".join(
+        "".join(o.get("text", ""))
+        for c in json.loads(out.read_text())["cells"]
+        for o in c.get("outputs", [])
+    )
     ranks = next((int(w.split()[0]) for w in said.split("here: running ")[1:2]), 0)
-    return {"ranks": ranks, "run_all_s": round(seconds, 1),
-            "peak_mib": round(sampler.pss / 2**20), "processes": sampler.processes,
-            "sockets": sampler.sockets}
+    return {
+        "ranks": ranks,
+        "run_all_s": round(seconds, 1),
+        "peak_mib": round(sampler.pss / 2**20),
+        "processes": sampler.processes,
+        "sockets": sampler.sockets,
+    }
 
 
 def main() -> None:
@@ -88,16 +101,26 @@ def main() -> None:
     out = Path(args.out)
     # some lessons measured again: the others' rows stay as they were
     rows = json.loads(out.read_text())["lessons"] if wanted and out.exists() else {}
-    print(f"{'lesson':<34} {'ranks':>5} {'Run All s':>9} {'peak MiB':>9} {'processes':>9} "
-          f"{'sockets':>8}", flush=True)
+    print(
+        f"{'lesson':<34} {'ranks':>5} {'Run All s':>9} {'peak MiB':>9} {'processes':>9} "
+        f"{'sockets':>8}",
+        flush=True,
+    )
     for path in lessons_in(REPO / "lessons"):
         if wanted and path.name[:2] not in wanted:
             continue
         r = rows[path.stem] = measure(path)
-        print(f"{path.stem:<34} {r['ranks']:>5} {r['run_all_s']:>9.1f} {r['peak_mib']:>9} "
-              f"{r['processes']:>9} {r['sockets']:>8}", flush=True)
-    machine = {"cpus": usable_cpus(), "memory_gib": round(psutil.virtual_memory().total / 2**30),
-               "platform": platform.platform(), "date": time.strftime("%Y-%m-%d")}
+        print(
+            f"{path.stem:<34} {r['ranks']:>5} {r['run_all_s']:>9.1f} {r['peak_mib']:>9} "
+            f"{r['processes']:>9} {r['sockets']:>8}",
+            flush=True,
+        )
+    machine = {
+        "cpus": usable_cpus(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30),
+        "platform": platform.platform(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
     rows = {k: rows[k] for k in sorted(rows)}
     out.write_text(json.dumps({"machine": machine, "lessons": rows}, indent=1) + "\n")
     print(f"wrote {args.out} (measured on {machine['cpus']} CPUs)")

@@ -71,8 +71,7 @@ def timed_sizes(ctx, sizes, repeats, algos, pools, batch):
     for size in sizes:
         share = -(-repeats_for(size, repeats) // pools)  # rounded up
         per_sample = min(batch, share)
-        out.update(time_all_reduce(ctx, algos, [size], -(-share // per_sample),
-                                   batch=per_sample))
+        out.update(time_all_reduce(ctx, algos, [size], -(-share // per_sample), batch=per_sample))
     return out
 
 
@@ -105,46 +104,74 @@ def main() -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--min-size", default="4KB")
     parser.add_argument("--max-size", default="256MB")
-    parser.add_argument("--repeats", type=int, default=10,
-                        help="all-reduces at 64 MB and above (more for smaller sizes)")
-    parser.add_argument("--pools", type=int, default=3,
-                        help="fresh sets of rank processes per world size, sharing the samples")
-    parser.add_argument("--batch", type=int, default=8,
-                        help="all-reduces back to back per timed sample (1: one at a time)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=10,
+        help="all-reduces at 64 MB and above (more for smaller sizes)",
+    )
+    parser.add_argument(
+        "--pools",
+        type=int,
+        default=3,
+        help="fresh sets of rank processes per world size, sharing the samples",
+    )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=8,
+        help="all-reduces back to back per timed sample (1: one at a time)",
+    )
     parser.add_argument("--naive", action="store_true", help="also time the parameter server")
     args = parser.parse_args()
     if args.pools < 1:
         parser.error(f"--pools must be >= 1, got {args.pools}")
     if not 1 <= args.batch <= max_batch(max(args.world_sizes)):
-        parser.error(f"--batch must be >= 1 and world_size ** batch <= 2**24 (exact in float32), "
-                     f"got {args.batch} with world size {max(args.world_sizes)}")
+        parser.error(
+            f"--batch must be >= 1 and world_size ** batch <= 2**24 (exact in float32), "
+            f"got {args.batch} with world size {max(args.world_sizes)}"
+        )
     sizes, size = [], parse_size(args.min_size)
     while size <= parse_size(args.max_size):
         sizes.append(size)
         size *= 4
     algos = ["ring", "torch"] + (["naive"] if args.naive else [])
-    how = ("one all-reduce per sample" if args.batch == 1
-           else f"up to {args.batch} all-reduces back to back per sample")
-    print(f"torch {torch.__version__}, gloo on CPU, one thread per rank; "
-          f"{args.repeats}-{MAX_REPEATS} all-reduces per size and algorithm, {how}, "
-          f"shared among {args.pools} pool{'s' * (args.pools > 1)}; medians of paired samples")
+    how = (
+        "one all-reduce per sample"
+        if args.batch == 1
+        else f"up to {args.batch} all-reduces back to back per sample"
+    )
+    print(
+        f"torch {torch.__version__}, gloo on CPU, one thread per rank; "
+        f"{args.repeats}-{MAX_REPEATS} all-reduces per size and algorithm, {how}, "
+        f"shared among {args.pools} pool{'s' * (args.pools > 1)}; medians of paired samples"
+    )
     for world_size in args.world_sizes:
         ceilings, pooled = [], []  # pooled[p][algo, size]: slowest rank's times in pool p
         for p in range(args.pools):
-            print(f"world size {world_size}: pool {p + 1}/{args.pools}...", end="\r",
-                  file=sys.stderr, flush=True)
+            print(
+                f"world size {world_size}: pool {p + 1}/{args.pools}...",
+                end="\r",
+                file=sys.stderr,
+                flush=True,
+            )
             with Pool(world_size, timeout=3600) as pool:
                 if world_size > 1:
                     ceilings.append(pool.run(p2p_bandwidth, 64 << 20, 5).results[0])
-                per_rank = pool.run(timed_sizes, sizes, args.repeats, algos, args.pools,
-                                    args.batch).results
+                per_rank = pool.run(
+                    timed_sizes, sizes, args.repeats, algos, args.pools, args.batch
+                ).results
             pooled.append({(a, s): slowest_rank(per_rank, (a, s)) for a in algos for s in sizes})
         ceiling = statistics.median(ceilings) if ceilings else 0.0
-        print(f"\nworld size {world_size}; loopback p2p ceiling "
-              f"{ceiling / 1e9:.2f} GB/s per direction")
+        print(
+            f"\nworld size {world_size}; loopback p2p ceiling "
+            f"{ceiling / 1e9:.2f} GB/s per direction"
+        )
         head = "".join(f"{a + ' busbw':>14}" for a in algos)
-        print(f"{'size':>8}{head}{'ring / torch':>14}{'95% interval':>15}{'pairs':>7}"
-              f"  {'each pool':<{5 * args.pools}}{'target':>7}")
+        print(
+            f"{'size':>8}{head}{'ring / torch':>14}{'95% interval':>15}{'pairs':>7}"
+            f"  {'each pool':<{5 * args.pools}}{'target':>7}"
+        )
         for size in sizes:
             row = ""
             for algo in algos:
@@ -153,15 +180,18 @@ def main() -> None:
                 row += f"{busbw / 1e9:>10.2f} GB/s"
             # Ratio of bandwidths = inverse ratio of times, taken pair by pair (each pair
             # ran back to back) so drift in the machine's load cancels.
-            each = [[t / r for r, t in zip(one["ring", size], one["torch", size])]
-                    for one in pooled]
+            each = [
+                [t / r for r, t in zip(one["ring", size], one["torch", size])] for one in pooled
+            ]
             ratios = [x for one in each for x in one]
             ratio, (lo, hi) = statistics.median(ratios), median_interval(ratios)
             per_pool = " ".join(f"{statistics.median(one):.2f}" for one in each)
             judged = world_size == 2 and size >= 1 << 20
             target = ("met" if ratio >= 0.9 else "MISSED") if judged else ""
-            print(f"{fmt_size(size):>8}{row}{ratio:>14.2f}{f'{lo:.2f}-{hi:.2f}':>15}"
-                  f"{len(ratios):>7}  {per_pool:<{5 * args.pools}}{target:>7}")
+            print(
+                f"{fmt_size(size):>8}{row}{ratio:>14.2f}{f'{lo:.2f}-{hi:.2f}':>15}"
+                f"{len(ratios):>7}  {per_pool:<{5 * args.pools}}{target:>7}"
+            )
 
 
 if __name__ == "__main__":

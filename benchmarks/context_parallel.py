@@ -58,11 +58,16 @@ def attention_cpu_s(ctx: Any, tokens: int, heads: int, layout: str, rounds: int)
                 return fn(*args, **kwargs)
             finally:
                 spent[0] += time.thread_time() - start
+
         return run
 
     g = torch.Generator().manual_seed(0)
-    q, k, v = (shard_sequence(torch.randn(1, heads, tokens, 64, generator=g), ctx.rank,
-                              ctx.world_size, layout).requires_grad_() for _ in range(3))
+    q, k, v = (
+        shard_sequence(
+            torch.randn(1, heads, tokens, 64, generator=g), ctx.rank, ctx.world_size, layout
+        ).requires_grad_()
+        for _ in range(3)
+    )
     forward, backward = attention._attend, attention._block_gradients
     attention._attend, attention._block_gradients = timed(forward), timed(backward)
     times = []
@@ -70,8 +75,7 @@ def attention_cpu_s(ctx: Any, tokens: int, heads: int, layout: str, rounds: int)
         for i in range(rounds + 1):
             dist.barrier(group=ctx.group)
             spent[0] = 0.0
-            out = context_attention(q, k, v, ctx.group, tokens=tokens, layout=layout,
-                                    causal=True)
+            out = context_attention(q, k, v, ctx.group, tokens=tokens, layout=layout, causal=True)
             out.sum().backward()
             if i:
                 times.append(spent[0])
@@ -80,8 +84,9 @@ def attention_cpu_s(ctx: Any, tokens: int, heads: int, layout: str, rounds: int)
     return statistics.median(times)
 
 
-def against_torch(ctx: Any, tokens: int, heads: int, rounds: int,
-                  rotate: str | None) -> dict[str, Any]:
+def against_torch(
+    ctx: Any, tokens: int, heads: int, rounds: int, rotate: str | None
+) -> dict[str, Any]:
     """Ours and torch's context_parallel (its K/V passed by `rotate`, "allgather" or
     "alltoall"; None: ours alone), causal, forward and backward, taking turns; or torch's
     error where it does not run."""
@@ -98,17 +103,20 @@ def against_torch(ctx: Any, tokens: int, heads: int, rounds: int,
 
     def torchs(_: int) -> None:
         q, k, v = (t.clone() for t in whole)  # sharded in place as it enters: no grad yet
-        with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2],
-                              no_restore_buffers={q, k, v}):
+        with context_parallel(
+            mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2], no_restore_buffers={q, k, v}
+        ):
             for t in (q, k, v):
                 t.requires_grad_()
             F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
     def ours(_: int) -> None:
-        q, k, v = (shard_sequence(t, ctx.rank, ctx.world_size, "zigzag").requires_grad_()
-                   for t in whole)
-        context_attention(q, k, v, ctx.group, tokens=tokens, layout="zigzag",
-                          causal=True).sum().backward()
+        q, k, v = (
+            shard_sequence(t, ctx.rank, ctx.world_size, "zigzag").requires_grad_() for t in whole
+        )
+        context_attention(
+            q, k, v, ctx.group, tokens=tokens, layout="zigzag", causal=True
+        ).sum().backward()
 
     if rotate is None:
         return {"times": take_turns(ctx.group, {"ours": ours}, rounds, device=device)}
@@ -117,8 +125,7 @@ def against_torch(ctx: Any, tokens: int, heads: int, rounds: int,
         torchs(0)
     except Exception as e:  # noqa: BLE001 - reported, not hidden
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
-    return {"times": take_turns(ctx.group, {"ours": ours, "torch": torchs}, rounds,
-                                device=device)}
+    return {"times": take_turns(ctx.group, {"ours": ours, "torch": torchs}, rounds, device=device)}
 
 
 def main() -> None:
@@ -131,45 +138,59 @@ def main() -> None:
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
 
-    print(f"1. causal ring attention, {args.tokens} tokens, {args.heads} heads of 64: each "
-          "rank's processor seconds (forward and backward), median of "
-          f"{args.rounds}")
-    print(f"{'cp':>3} {'layout':>11}  {'per rank (ms)':<36} {'busiest / least':>16} "
-          f"{'target':>7}")
+    print(
+        f"1. causal ring attention, {args.tokens} tokens, {args.heads} heads of 64: each "
+        "rank's processor seconds (forward and backward), median of "
+        f"{args.rounds}"
+    )
+    print(f"{'cp':>3} {'layout':>11}  {'per rank (ms)':<36} {'busiest / least':>16} {'target':>7}")
     for cp in (2, 4):
         with Pool(cp, timeout=600) as pool:
             for layout in ("contiguous", "zigzag"):
-                per_rank = pool.run(attention_cpu_s, args.tokens, args.heads, layout,
-                                    args.rounds).results
+                per_rank = pool.run(
+                    attention_cpu_s, args.tokens, args.heads, layout, args.rounds
+                ).results
                 ratio = max(per_rank) / min(per_rank)
                 target = ("met" if ratio <= 1.1 else "MISSED") if layout == "zigzag" else ""
                 ms = " ".join(f"{1e3 * t:7.1f}" for t in per_rank)
                 print(f"{cp:>3} {layout:>11}  {ms:<36} {ratio:>16.2f} {target:>7}")
 
     lengths = sorted({max(8, args.tokens // 4), max(8, args.tokens // 2), max(8, args.tokens)})
-    print(f"\n2. memory one causal ring attention keeps on its busiest rank, fp32, "
-          f"{args.heads} heads of 64, batch 1, measured")
-    print(f"{'tokens':>7} " + " ".join(f"{f'cp {cp}':>24}" for cp in (1, 2, 4))
-          + f" {'cp 4 / cp 1':>12}")
+    print(
+        f"\n2. memory one causal ring attention keeps on its busiest rank, fp32, "
+        f"{args.heads} heads of 64, batch 1, measured"
+    )
+    print(
+        f"{'tokens':>7} "
+        + " ".join(f"{f'cp {cp}':>24}" for cp in (1, 2, 4))
+        + f" {'cp 4 / cp 1':>12}"
+    )
     kept: dict[int, list[int]] = {}
     differ = []
     for cp in (1, 2, 4):
         with Pool(cp, timeout=600) as pool:
             kept[cp] = []
             for t in lengths:
-                results = pool.run(cp_attention, t, args.heads, 64, 1, "ring", "zigzag",
-                                   True, "float32").results
+                results = pool.run(
+                    cp_attention, t, args.heads, 64, 1, "ring", "zigzag", True, "float32"
+                ).results
                 here = max(r["tokens"] for r in results)
                 kept[cp].append(max(r["saved"] for r in results))
                 want = ring_attention_kept(here, 1, args.heads, 64)["total"]
                 if kept[cp][-1] != want:
-                    differ.append(f"cp {cp}, {t} tokens: measured {kept[cp][-1]} B, theory "
-                                  f"{want} B")
+                    differ.append(
+                        f"cp {cp}, {t} tokens: measured {kept[cp][-1]} B, theory {want} B"
+                    )
     for i, t in enumerate(lengths):
-        print(f"{t:>7} " + " ".join(f"{format_bytes(kept[cp][i]):>24}" for cp in (1, 2, 4))
-              + f" {kept[4][i] / kept[1][i]:>12.2f}")
-    print(f"   equal to theory.ring_attention_kept, all {3 * len(lengths)}: {not differ}"
-          + "".join(f"\n   differs: {d}" for d in differ))
+        print(
+            f"{t:>7} "
+            + " ".join(f"{format_bytes(kept[cp][i]):>24}" for cp in (1, 2, 4))
+            + f" {kept[4][i] / kept[1][i]:>12.2f}"
+        )
+    print(
+        f"   equal to theory.ring_attention_kept, all {3 * len(lengths)}: {not differ}"
+        + "".join(f"\n   differs: {d}" for d in differ)
+    )
 
     print(f"\n3. against torch's context_parallel, 2 ranks, causal, {args.tokens} tokens")
     with Pool(2, timeout=600) as pool:
@@ -180,8 +201,9 @@ def main() -> None:
     for rotate in ("allgather", "alltoall"):
         try:  # a pool of its own: torch's ring may take its ranks down with it
             with Pool(2, timeout=600) as pool:
-                results = pool.run(against_torch, args.tokens, args.heads, args.rounds,
-                                   rotate).results
+                results = pool.run(
+                    against_torch, args.tokens, args.heads, args.rounds, rotate
+                ).results
         except LaunchError as e:
             print(f"   torch's (K/V by {rotate}) crashed its ranks: {str(e).splitlines()[0]}")
             continue
@@ -190,12 +212,17 @@ def main() -> None:
             continue
         ours = max(statistics.median(r["times"]["ours"]) for r in results)
         theirs = max(statistics.median(r["times"]["torch"]) for r in results)
-        print(f"   K/V by {rotate}: ours {1e3 * ours:.1f} ms, torch {1e3 * theirs:.1f} ms: "
-              f"ours / torch {ours / theirs:.2f} ({'met' if ours <= theirs else 'MISSED'}, "
-              "target <= 1.0)")
-    print("   (torch's ring dispatches on the device's attention kernel, which has a sharding "
-          "strategy on GPUs and none on CPU; each block there is its flash or efficient "
-          "kernel, ours two matmuls)")
+        print(
+            f"   K/V by {rotate}: ours {1e3 * ours:.1f} ms, torch {1e3 * theirs:.1f} ms: "
+            f"ours / torch {ours / theirs:.2f} ({'met' if ours <= theirs else 'MISSED'}, "
+            "target <= 1.0)"
+        )
+    print(
+        "   (torch's ring dispatches on the device's attention kernel, which has a sharding "
+        "strategy on GPUs and none on CPU; each block there is its flash or efficient "
+        "kernel, ours two matmuls)"
+    )
+
 
 if __name__ == "__main__":
     main()

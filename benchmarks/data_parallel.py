@@ -19,8 +19,8 @@ import argparse
 import torch
 
 from parcourse import Pool
-from parcourse.experiments.timing import median_of_slowest
 from parcourse.experiments.data_parallel import compare_step_times
+from parcourse.experiments.timing import median_of_slowest
 
 
 def medians(per_rank: list[dict[str, list[float]]]) -> dict[str, float]:
@@ -45,9 +45,11 @@ def main() -> None:
     args = parser.parse_args()
     shape = dict(width=args.width, depth=args.depth, batch=args.batch)
     params = args.depth * (args.width * args.width + args.width)
-    print(f"torch {torch.__version__}, {args.world_size} ranks, gloo, one thread per rank; "
-          f"MLP {args.depth} x {args.width} = {params / 1e6:.2f} M parameters "
-          f"({params * 4 / 2**20:.1f} MiB of gradients), batch {args.batch}")
+    print(
+        f"torch {torch.__version__}, {args.world_size} ranks, gloo, one thread per rank; "
+        f"MLP {args.depth} x {args.width} = {params / 1e6:.2f} M parameters "
+        f"({params * 4 / 2**20:.1f} MiB of gradients), batch {args.batch}"
+    )
     b = args.bucket_mb
     plain = {
         "torch DDP": {"impl": "torch", "bucket_mb": b},
@@ -65,19 +67,30 @@ def main() -> None:
         med = medians(pool.run(compare_step_times, plain, args.steps, **shape).results)
         table("loopback (no simulated link)", med, "torch DDP")
         ratio = med[f"bucketed ({b:g} MB)"] / med["torch DDP"]
-        print(f"bucketed / torch DDP at {b:g} MB: {ratio:.2f} (target <= 1.05: "
-              f"{'met' if ratio <= 1.05 else 'MISSED'}); at 1 MB: "
-              f"{med['bucketed (1 MB)'] / med['torch DDP (1 MB)']:.2f}")
+        print(
+            f"bucketed / torch DDP at {b:g} MB: {ratio:.2f} (target <= 1.05: "
+            f"{'met' if ratio <= 1.05 else 'MISSED'}); at 1 MB: "
+            f"{med['bucketed (1 MB)'] / med['torch DDP (1 MB)']:.2f}"
+        )
         # Many small tensors (as real networks have: biases, norms) make per-message
         # latency count, which is what bucketing saves; enough compute to overlap.
         deep = dict(width=256, depth=24, batch=1024)
-        med = medians(pool.run(compare_step_times, linked, max(4, args.steps // 2), **deep,
-                               latency_us=500.0, bandwidth_gbps=0.2).results)
-        table("simulated link: 500 us, 0.2 GB/s (our ring); MLP 24 x 256, batch 1024",
-              med, "naive")
+        med = medians(
+            pool.run(
+                compare_step_times,
+                linked,
+                max(4, args.steps // 2),
+                **deep,
+                latency_us=500.0,
+                bandwidth_gbps=0.2,
+            ).results
+        )
+        table("simulated link: 500 us, 0.2 GB/s (our ring); MLP 24 x 256, batch 1024", med, "naive")
         speedup = med["naive"] / med["bucketed (1 MB), overlap"]
-        print(f"bucketed with overlap is {speedup:.2f}x faster than naive "
-              f"(target: clearly faster: {'met' if speedup >= 1.15 else 'MISSED'})")
+        print(
+            f"bucketed with overlap is {speedup:.2f}x faster than naive "
+            f"(target: clearly faster: {'met' if speedup >= 1.15 else 'MISSED'})"
+        )
 
 
 if __name__ == "__main__":

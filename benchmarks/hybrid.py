@@ -31,8 +31,7 @@ import math
 
 from parcourse import Pool
 from parcourse.comm import SimulatedLink, Topology
-from parcourse.experiments.hybrid import (PLACEMENTS, placement_predictions,
-                                          placement_step_times)
+from parcourse.experiments.hybrid import PLACEMENTS, placement_predictions, placement_step_times
 from parcourse.experiments.timing import median_of_slowest
 from parcourse.experiments.torch_3d import compare_steps
 
@@ -44,24 +43,26 @@ PAIRS = ({"dp": 2, "tp": 2}, {"dp": 2, "pp": 2})
 
 def placements(args: argparse.Namespace) -> None:
     """The tp and pp placements on the simulated two-level network."""
-    topology = Topology.of(2, between=SimulatedLink.of(latency_us=args.between_latency_us,
-                                                       bandwidth_GBps=0.1))
-    print("GPT 2 blocks, d_model 64, 16 tokens, batch 8, one microbatch; 4 ranks, 2 a node; "
-          f"inside {topology.inside.latency_s * 1e6:g} us, "
-          f"{topology.inside.bandwidth_Bps / 1e9:g} GB/s; between "
-          f"{topology.between.latency_s * 1e6:g} us, {topology.between.bandwidth_Bps / 1e9:g} "
-          "GB/s")
+    topology = Topology.of(
+        2, between=SimulatedLink.of(latency_us=args.between_latency_us, bandwidth_GBps=0.1)
+    )
+    print(
+        "GPT 2 blocks, d_model 64, 16 tokens, batch 8, one microbatch; 4 ranks, 2 a node; "
+        f"inside {topology.inside.latency_s * 1e6:g} us, "
+        f"{topology.inside.bandwidth_Bps / 1e9:g} GB/s; between "
+        f"{topology.between.latency_s * 1e6:g} us, {topology.between.bandwidth_Bps / 1e9:g} "
+        "GB/s"
+    )
     with Pool(4, timeout=600) as pool:
         for axis in [args.only] if args.only else list(PLACEMENTS):
             names = list(PLACEMENTS[axis])
-            print(f"\ndp 2 x {axis} 2\n{'placement':<20}{'step (ms)':>12}"
-                  f"{'model comm (ms)':>18}")
+            print(f"\ndp 2 x {axis} 2\n{'placement':<20}{'step (ms)':>12}{'model comm (ms)':>18}")
             for _ in range(args.repeats):
-                results = pool.run(placement_step_times, topology, args.steps,
-                                   axis=axis).results
+                results = pool.run(placement_step_times, topology, args.steps, axis=axis).results
                 per_rank = [r["times"] for r in results]
                 model = placement_predictions(
-                    topology, max(r["param_bytes"] for r in results), axis=axis)
+                    topology, max(r["param_bytes"] for r in results), axis=axis
+                )
                 med = {name: median_of_slowest(per_rank, name) for name in names}
                 for name in names:
                     print(f"{name:<20}{med[name] * 1e3:>12.1f}{model[name] * 1e3:>18.1f}")
@@ -89,13 +90,17 @@ def _failure(error: str) -> str:
 
 def against_torch(args: argparse.Namespace) -> None:
     """Our Hybrid and torch's composition of the same GPT, taking turns on each shape."""
-    print(f"\nours (Hybrid) against torch's composition (parallelize_module + PipelineStage/"
-          f"Schedule1F1B + replicate or fully_shard on one DeviceMesh); GPT 4 blocks, "
-          f"d_model 64, 16 tokens, global batch 16, 2 microbatches a replica, Adam; gloo on "
-          f"CPU; median of {args.steps} steps (slowest rank); KiB held by the largest rank: "
-          "params+grads+optimizer=total")
-    header = (f"{'shape':<20}{'dp: torch / ours':<22}{'ours ms':>9}{'torch ms':>10}"
-              f"{'ours/torch':>12}  {'ours KiB':<20}{'torch KiB':<20}")
+    print(
+        f"\nours (Hybrid) against torch's composition (parallelize_module + PipelineStage/"
+        f"Schedule1F1B + replicate or fully_shard on one DeviceMesh); GPT 4 blocks, "
+        f"d_model 64, 16 tokens, global batch 16, 2 microbatches a replica, Adam; gloo on "
+        f"CPU; median of {args.steps} steps (slowest rank); KiB held by the largest rank: "
+        "params+grads+optimizer=total"
+    )
+    header = (
+        f"{'shape':<20}{'dp: torch / ours':<22}{'ours ms':>9}{'torch ms':>10}"
+        f"{'ours/torch':>12}  {'ours KiB':<20}{'torch KiB':<20}"
+    )
     losses: list[tuple[str, dict[str, list[float]]]] = []
     shapes = [THREE_AXES]
     while shapes:
@@ -106,11 +111,14 @@ def against_torch(args: argparse.Namespace) -> None:
         # (seen on an H200: the rank aborts in gloo's writev).
         with Pool(math.prod(shape.values()), timeout=600, device="cpu") as pool:
             for label, data_parallel, zero in AGAINST_TORCH:
-                results = pool.run(compare_steps, shape, args.steps,
-                                   data_parallel=data_parallel, zero=zero).results
+                results = pool.run(
+                    compare_steps, shape, args.steps, data_parallel=data_parallel, zero=zero
+                ).results
                 if results[0]["error"] is not None:
-                    print(f"{_shape(shape)}, {label}: torch's composition failed on gloo "
-                          f"CPU: {_failure(results[0]['error'])}")
+                    print(
+                        f"{_shape(shape)}, {label}: torch's composition failed on gloo "
+                        f"CPU: {_failure(results[0]['error'])}"
+                    )
                     failed = True
                     continue
                 if header:
@@ -118,19 +126,24 @@ def against_torch(args: argparse.Namespace) -> None:
                     header = ""
                 times = [r["times"] for r in results]
                 ours, theirs = (median_of_slowest(times, name) for name in ("ours", "torch"))
-                held = {name: max((r["memory"][name] for r in results),
-                                  key=lambda m: sum(m.values())) for name in ("ours", "torch")}
-                print(f"{_shape(shape):<20}{label:<22}{ours * 1e3:>9.1f}{theirs * 1e3:>10.1f}"
-                      f"{ours / theirs:>12.2f}  {_held(held['ours']):<20}"
-                      f"{_held(held['torch']):<20}")
+                held = {
+                    name: max((r["memory"][name] for r in results), key=lambda m: sum(m.values()))
+                    for name in ("ours", "torch")
+                }
+                print(
+                    f"{_shape(shape):<20}{label:<22}{ours * 1e3:>9.1f}{theirs * 1e3:>10.1f}"
+                    f"{ours / theirs:>12.2f}  {_held(held['ours']):<20}"
+                    f"{_held(held['torch']):<20}"
+                )
                 last = next(r for r in results if r["losses"]["ours"][0] is not None)
                 losses.append((f"{_shape(shape)}, {label}", last["losses"]))
         if failed and shape == THREE_AXES:
             shapes = list(PAIRS)
     print("target: ours/torch <= 1.0")
     for label, both in losses:
-        print(f"\nlosses (mean over the global batch), {label}\n{'step':>5}{'ours':>10}"
-              f"{'torch':>10}")
+        print(
+            f"\nlosses (mean over the global batch), {label}\n{'step':>5}{'ours':>10}{'torch':>10}"
+        )
         for step, (a, b) in enumerate(zip(both["ours"], both["torch"])):
             print(f"{step:>5}{a:>10.4f}{b:>10.4f}")
 
@@ -139,9 +152,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--between-latency-us", type=float, default=5000.0,
-                        help="between nodes (5 ms: more than what 4 ranks sharing 2 cores "
-                             "hide under each other's compute)")
+    parser.add_argument(
+        "--between-latency-us",
+        type=float,
+        default=5000.0,
+        help="between nodes (5 ms: more than what 4 ranks sharing 2 cores "
+        "hide under each other's compute)",
+    )
     parser.add_argument("--only", choices=[*sorted(PLACEMENTS), "torch"], default=None)
     args = parser.parse_args()
     if args.only != "torch":

@@ -40,8 +40,9 @@ def smoke(ctx) -> float:
 
 def _spawned(rank: int, world_size: int, port: int) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
     t = torch.full((1024,), float(rank + 1))
     dist.all_reduce(t)
     dist.destroy_process_group()
@@ -69,8 +70,12 @@ def time_cold_launch(world_size: int) -> float:
         "from parcourse import launch; t = time.perf_counter();"
         f"launch(smoke, {world_size}); print(time.perf_counter() - t)"
     )
-    out = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code, os.path.dirname(__file__)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -100,8 +105,13 @@ def main() -> None:
         rows += [
             (world_size, "torch.multiprocessing.spawn", s, s, ""),
             (world_size, "launch, cold (fresh process)", statistics.median(cold), s, ""),
-            (world_size, "launch, warm forkserver", statistics.median(warm), s,
-             "<= 0.3 s" if world_size == 4 else ""),
+            (
+                world_size,
+                "launch, warm forkserver",
+                statistics.median(warm),
+                s,
+                "<= 0.3 s" if world_size == 4 else "",
+            ),
             (world_size, "Pool.run re-run", statistics.median(reruns), s, "<= 20 ms"),
         ]
     print(f"\n{'ranks':>5}  {'what':<30} {'median':>10}  {'spawn / this':>12}  target")

@@ -55,8 +55,20 @@ def when(stamp: str) -> float:
 
 
 def execute(path: Path, out: Path) -> subprocess.Popen:
-    args = [sys.executable, "-m", "papermill", str(path), str(out), "--cwd", str(path.parent),
-            "--execution-timeout", "300", "--no-progress-bar", "--log-level", "ERROR"]
+    args = [
+        sys.executable,
+        "-m",
+        "papermill",
+        str(path),
+        str(out),
+        "--cwd",
+        str(path.parent),
+        "--execution-timeout",
+        "300",
+        "--no-progress-bar",
+        "--log-level",
+        "ERROR",
+    ]
     for name, value in SMALL[path.stem].items():
         args += ["-p", name, str(value)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -73,16 +85,24 @@ def cells_of(out: Path) -> list[dict]:
         if not pm.get("start_time") or not pm.get("end_time"):
             continue
         start, end = when(pm["start_time"]), when(pm["end_time"])
-        marks = [ex.get(k) for k in ("iopub.status.busy", "iopub.status.idle",
-                                     "shell.execute_reply")]
+        marks = [
+            ex.get(k) for k in ("iopub.status.busy", "iopub.status.idle", "shell.execute_reply")
+        ]
         phases = None
         if all(marks):
             busy, idle, reply = map(when, marks)
-            phases = dict(zip(PHASES, (busy - start, idle - busy, reply - idle,
-                                       end - max(reply, idle))))
+            phases = dict(
+                zip(PHASES, (busy - start, idle - busy, reply - idle, end - max(reply, idle)))
+            )
         first = "".join(cell["source"]).strip().splitlines()
-        cells.append({"index": i, "s": end - start, "phases": phases,
-                      "line": next((ln for ln in first if not ln.startswith("#")), "")[:60]})
+        cells.append(
+            {
+                "index": i,
+                "s": end - start,
+                "phases": phases,
+                "line": next((ln for ln in first if not ln.startswith("#")), "")[:60],
+            }
+        )
     return cells
 
 
@@ -110,8 +130,11 @@ def headless(args: argparse.Namespace) -> int:
             if out.exists():
                 runs[path.stem].append((k, wall, cells_of(out)))
             done = sum(len(v) for v in runs.values())
-            print(f"[{time.perf_counter() - t0:6.0f} s] run {k:3d} {path.stem}: {wall:5.1f} s "
-                  f"({done} of {args.runs} done)", flush=True)
+            print(
+                f"[{time.perf_counter() - t0:6.0f} s] run {k:3d} {path.stem}: {wall:5.1f} s "
+                f"({done} of {args.runs} done)",
+                flush=True,
+            )
     slow_total = stalls = 0
     for stem, done in runs.items():
         if not done:
@@ -122,27 +145,51 @@ def headless(args: argparse.Namespace) -> int:
                 by_cell.setdefault(c["index"], []).append(c["s"])
         median = {i: statistics.median(v) for i, v in by_cell.items()}
         walls = [w for _, w, _ in done]
-        slow = [(k, c) for k, _, cells in done for c in cells
-                if c["s"] > max(2 * median[c["index"]], median[c["index"]] + 1.0)]
+        slow = [
+            (k, c)
+            for k, _, cells in done
+            for c in cells
+            if c["s"] > max(2 * median[c["index"]], median[c["index"]] + 1.0)
+        ]
         slow_total += len(slow)
-        stalls += sum(1 for _, _, cells in done for c in cells if c["phases"]
-                      and max(c["phases"]["queued"], c["phases"]["received"]) > 1.0)
-        worst = max(((c["s"] / median[c["index"]], c) for _, _, cs in done for c in cs
-                     if median[c["index"]] > 0.05), key=lambda t: t[0])
-        print(f"\n{stem}: {len(done)} runs, {statistics.median(walls):.1f} s median "
-              f"({min(walls):.1f}-{max(walls):.1f}); slow cells: {len(slow)}; the worst "
-              f"cell against its median: {worst[0]:.2f}x (cell {worst[1]['index']}, "
-              f"{worst[1]['s']:.2f} s against {median[worst[1]['index']]:.2f} s)")
+        stalls += sum(
+            1
+            for _, _, cells in done
+            for c in cells
+            if c["phases"] and max(c["phases"]["queued"], c["phases"]["received"]) > 1.0
+        )
+        worst = max(
+            (
+                (c["s"] / median[c["index"]], c)
+                for _, _, cs in done
+                for c in cs
+                if median[c["index"]] > 0.05
+            ),
+            key=lambda t: t[0],
+        )
+        print(
+            f"\n{stem}: {len(done)} runs, {statistics.median(walls):.1f} s median "
+            f"({min(walls):.1f}-{max(walls):.1f}); slow cells: {len(slow)}; the worst "
+            f"cell against its median: {worst[0]:.2f}x (cell {worst[1]['index']}, "
+            f"{worst[1]['s']:.2f} s against {median[worst[1]['index']]:.2f} s)"
+        )
         for k, c in slow:
-            split = (", ".join(f"{p} {c['phases'][p]:.2f} s" for p in PHASES)
-                     if c["phases"] else "no kernel timestamps")
-            print(f"  run {k}, cell {c['index']} ({c['line']}): {c['s']:.2f} s against a "
-                  f"median of {median[c['index']]:.2f} s: {split}")
+            split = (
+                ", ".join(f"{p} {c['phases'][p]:.2f} s" for p in PHASES)
+                if c["phases"]
+                else "no kernel timestamps"
+            )
+            print(
+                f"  run {k}, cell {c['index']} ({c['line']}): {c['s']:.2f} s against a "
+                f"median of {median[c['index']]:.2f} s: {split}"
+            )
     for k, stem, err in failed:
         print(f"\nrun {k} {stem} FAILED: {err}")
-    print(f"\n{sum(len(v) for v in runs.values())} executions, {len(failed)} failed, "
-          f"{stalls} stalled cells (over 1 s queued or received), {slow_total} slow cells "
-          "(over twice their median and 1 s more)")
+    print(
+        f"\n{sum(len(v) for v in runs.values())} executions, {len(failed)} failed, "
+        f"{stalls} stalled cells (over 1 s queued or received), {slow_total} slow cells "
+        "(over twice their median and 1 s more)"
+    )
     return stalls + len(failed)
 
 
@@ -152,10 +199,23 @@ def browser(n: int) -> int:
     log = REPO / "out" / "browser" / "05_tensor_parallel.log"
     failures, per_run = 0, []
     for k in range(n):
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                               str(REPO / "tests" / "test_browser.py"), "-k", "05"],
-                              cwd=REPO, capture_output=True, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                str(REPO / "tests" / "test_browser.py"),
+                "-k",
+                "05",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
         if "skipped" in tail and "passed" not in tail:
             print(f"browser: skipped ({tail})")
@@ -173,12 +233,15 @@ def browser(n: int) -> int:
     for i in sorted(cells):
         values = [s[i] for s in per_run if i in s]
         med = statistics.median(values)
-        worst = max(worst, (max(values) / med, f"code cell {i}: {max(values):.1f} s against "
-                                               f"{med:.1f} s"))
+        worst = max(
+            worst, (max(values) / med, f"code cell {i}: {max(values):.1f} s against {med:.1f} s")
+        )
         slow += [(k, i, v, med) for k, v in enumerate(values) if v > max(2 * med, med + 1.0)]
-    print(f"browser: {n} runs of lesson 05, {failures} failed; the worst cell against its "
-          f"median: {worst[0]:.2f}x ({worst[1]}; the driver reads a cell's time to 0.5 s); "
-          f"slow cells (over twice their median and 1 s more): {len(slow)}")
+    print(
+        f"browser: {n} runs of lesson 05, {failures} failed; the worst cell against its "
+        f"median: {worst[0]:.2f}x ({worst[1]}; the driver reads a cell's time to 0.5 s); "
+        f"slow cells (over twice their median and 1 s more): {len(slow)}"
+    )
     for k, i, v, med in slow:
         print(f"  run {k}, code cell {i}: {v:.1f} s against a median of {med:.1f} s")
     return failures + len(slow)

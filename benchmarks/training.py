@@ -45,9 +45,14 @@ def main() -> None:
     a = p.parse_args()
     if a.steps <= WARM_UP:
         p.error(f"--steps must be more than {WARM_UP}: the first {WARM_UP} are not timed")
-    s = TrainSettings(plan=ParallelPlan(dp=a.dp, tp=a.tp, pp=a.pp, microbatches=2),
-                      steps=a.steps, width=a.width, layers=a.layers, eval_every=a.steps,
-                      batch=16 * a.dp)
+    s = TrainSettings(
+        plan=ParallelPlan(dp=a.dp, tp=a.tp, pp=a.pp, microbatches=2),
+        steps=a.steps,
+        width=a.width,
+        layers=a.layers,
+        eval_every=a.steps,
+        batch=16 * a.dp,
+    )
     if problems := s.problems():
         raise SystemExit("; ".join(problems))
     from parcourse.planner import measure_flops
@@ -56,40 +61,53 @@ def main() -> None:
     try:
         corpus = build_corpus(work / "corpus")
         run = launch(train_on_corpus, s.world_size, s, str(corpus.directory), timeout=1800)
-        steps = [max(r["history"][i]["seconds"] for r in run.results)
-                 for i in range(WARM_UP, s.steps)]
+        steps = [
+            max(r["history"][i]["seconds"] for r in run.results) for i in range(WARM_UP, s.steps)
+        ]
         seconds = statistics.median(steps)
         tokens = s.batch * s.block_size
         flops = measure_flops(s.config)
         plan = planned(s, flops)
         measured_mfu = tokens / seconds * plan["flops_per_token"] / plan["ranks_flops"]
-        print(f"training loop: {s.plan.label()}, GPT {s.layers} blocks of "
-              f"width {s.width}, batch {s.batch} x {s.block_size} bytes, {s.steps} steps "
-              f"(median of steps 10-{s.steps - 1}); one rank alone: {flops / 1e9:.2f} GFLOP/s")
+        print(
+            f"training loop: {s.plan.label()}, GPT {s.layers} blocks of "
+            f"width {s.width}, batch {s.batch} x {s.block_size} bytes, {s.steps} steps "
+            f"(median of steps 10-{s.steps - 1}); one rank alone: {flops / 1e9:.2f} GFLOP/s"
+        )
         print(f"{'':>10} {'step ms':>9} {'tokens/s':>10} {'MFU':>7}")
-        print(f"{'measured':>10} {seconds * 1e3:>9.1f} {tokens / seconds:>10.0f} "
-              f"{measured_mfu:>7.1%}")
-        print(f"{'planned':>10} {plan['step'] * 1e3:>9.1f} {plan['tokens_per_s']:>10.0f} "
-              f"{plan['mfu']:>7.1%}")
+        print(
+            f"{'measured':>10} {seconds * 1e3:>9.1f} {tokens / seconds:>10.0f} {measured_mfu:>7.1%}"
+        )
+        print(
+            f"{'planned':>10} {plan['step'] * 1e3:>9.1f} {plan['tokens_per_s']:>10.0f} "
+            f"{plan['mfu']:>7.1%}"
+        )
         print(f"measured / planned tokens/s: {tokens / seconds / plan['tokens_per_s']:.2f}\n")
 
         root = work / "checkpoints"
-        costs = launch(checkpoint_costs, s.world_size, s, str(root), a.repeats,
-                       timeout=1800).results
+        costs = launch(
+            checkpoint_costs, s.world_size, s, str(root), a.repeats, timeout=1800
+        ).results
         slowest = {k: max(c["median"][k] for c in costs) for k in costs[0]["median"]}
         torch_s = slowest["torch_save"]
-        print(f"checkpoint of the weights and AdamW's state ({a.repeats} times, medians, "
-              "the slowest rank):")
+        print(
+            f"checkpoint of the weights and AdamW's state ({a.repeats} times, medians, "
+            "the slowest rank):"
+        )
         print(f"{'':>32} {'seconds':>9} {'/ torch.save':>13}")
-        for key, label in (("save", "parcourse.checkpoint.save"),
-                           ("load", "parcourse.checkpoint.load"),
-                           ("async_blocked", "DCP async_save, caller blocked"),
-                           ("async_total", "DCP async_save, until written"),
-                           ("torch_save", "gather + torch.save on rank 0")):
+        for key, label in (
+            ("save", "parcourse.checkpoint.save"),
+            ("load", "parcourse.checkpoint.load"),
+            ("async_blocked", "DCP async_save, caller blocked"),
+            ("async_total", "DCP async_save, until written"),
+            ("torch_save", "gather + torch.save on rank 0"),
+        ):
             print(f"{label:>32} {slowest[key]:>9.4f} {slowest[key] / torch_s:>13.2f}")
-        print("bytes written per rank: " + ", ".join(
-            f"rank {r}: {c['written'] / 1e6:.2f} MB" for r, c in enumerate(costs))
-            + f"; torch.save (weights only, rank 0): {costs[0]['torch_bytes'] / 1e6:.2f} MB")
+        print(
+            "bytes written per rank: "
+            + ", ".join(f"rank {r}: {c['written'] / 1e6:.2f} MB" for r, c in enumerate(costs))
+            + f"; torch.save (weights only, rank 0): {costs[0]['torch_bytes'] / 1e6:.2f} MB"
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -94,8 +94,9 @@ def hand_out(build, home, uid=None, gid=None):
     Owned by uid:gid when given (the hub runs as root)."""
     notebooks = sorted(Path(build).glob("*.ipynb"))
     if not notebooks:
-        raise RuntimeError(f"no student build in {build}: "
-                           f"python -m parcourse build-student {build}")
+        raise RuntimeError(
+            f"no student build in {build}: python -m parcourse build-student {build}"
+        )
     folder = Path(home) / COURSE_FOLDER
     folder.mkdir(parents=True, exist_ok=True)
     for notebook in notebooks:
@@ -127,13 +128,21 @@ c.Spawner.pre_spawn_hook = before_start
 
 # Optional: stop servers left idle (their kernels and ranks with them).
 if importlib.util.find_spec("jupyterhub_idle_culler"):
-    c.JupyterHub.services = [{
-        "name": "idle-culler",
-        "command": [sys.executable, "-m", "jupyterhub_idle_culler",
-                    f"--timeout={IDLE_CULL_AFTER_S}"],
-    }]
-    c.JupyterHub.load_roles = [{
-        "name": "idle-culler",
-        "scopes": ["list:users", "read:users:activity", "read:servers", "delete:servers"],
-        "services": ["idle-culler"],
-    }]
+    c.JupyterHub.services = [
+        {
+            "name": "idle-culler",
+            "command": [
+                sys.executable,
+                "-m",
+                "jupyterhub_idle_culler",
+                f"--timeout={IDLE_CULL_AFTER_S}",
+            ],
+        }
+    ]
+    c.JupyterHub.load_roles = [
+        {
+            "name": "idle-culler",
+            "scopes": ["list:users", "read:users:activity", "read:servers", "delete:servers"],
+            "services": ["idle-culler"],
+        }
+    ]

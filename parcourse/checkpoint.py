@@ -76,9 +76,15 @@ def _committed(root: str | os.PathLike) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)
-            and p.name[len(PREFIX):].isdigit() and (p / META).is_file()]
-    return sorted(done, key=lambda p: int(p.name[len(PREFIX):]), reverse=True)
+    done = [
+        p
+        for p in root.iterdir()
+        if p.is_dir()
+        and p.name.startswith(PREFIX)
+        and p.name[len(PREFIX) :].isdigit()
+        and (p / META).is_file()
+    ]
+    return sorted(done, key=lambda p: int(p.name[len(PREFIX) :]), reverse=True)
 
 
 def problem(path: str | os.PathLike) -> str | None:
@@ -104,8 +110,9 @@ def problem(path: str | os.PathLike) -> str | None:
         return f"{path / '.metadata'} cannot be read ({type(e).__name__}: {e})"
     needed: dict[str, int] = {}
     for info in (index.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0),
-                                         info.offset + info.length)
+        needed[info.relative_path] = max(
+            needed.get(info.relative_path, 0), info.offset + info.length
+        )
     for name, size in sorted(needed.items()):
         file = path / name
         if not file.is_file():
@@ -127,9 +134,13 @@ def resume_problem(root: str | os.PathLike) -> tuple[Path | None, str | None]:
         if said is None:
             said = why
     if said is not None:
-        said += ("; --resume will use step " + found.name[len(PREFIX):].lstrip("0")
-                 + " (the newest complete one)" if found is not None
-                 else "; no complete checkpoint is left to resume from")
+        said += (
+            "; --resume will use step "
+            + found.name[len(PREFIX) :].lstrip("0")
+            + " (the newest complete one)"
+            if found is not None
+            else "; no complete checkpoint is left to resume from"
+        )
     return found, said
 
 
@@ -165,9 +176,14 @@ class _Layout:
 
         if id(p) in self.experts and self.ep > 1:
             shape = (t.shape[0] * self.ep, *t.shape[1:])
-            return DTensor.from_local(t, self.ep_mesh, [Shard(0)], run_check=False,
-                                      shape=torch.Size(shape),
-                                      stride=torch.empty(shape, device="meta").stride())
+            return DTensor.from_local(
+                t,
+                self.ep_mesh,
+                [Shard(0)],
+                run_check=False,
+                shape=torch.Size(shape),
+                stride=torch.empty(shape, device="meta").stride(),
+            )
         if id(p) not in self.dims or self.tp == 1:
             return t
 
@@ -176,9 +192,14 @@ class _Layout:
         shape = list(t.shape)
         shape[dim] = size
         stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(t.narrow(dim, 0, end - start), self.device_mesh,
-                                  [Shard(dim)], run_check=False, shape=torch.Size(shape),
-                                  stride=stride)
+        return DTensor.from_local(
+            t.narrow(dim, 0, end - start),
+            self.device_mesh,
+            [Shard(dim)],
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=stride,
+        )
 
 
 def _optimizer_state(model: Hybrid) -> dict[int, dict[str, torch.Tensor]]:
@@ -188,8 +209,9 @@ def _optimizer_state(model: Hybrid) -> dict[int, dict[str, torch.Tensor]]:
     if model.sharded is None:
         return {id(p): dict(model.optimizer.state.get(p, {})) for p in model.params}
     out: dict[int, dict[str, torch.Tensor]] = {id(p): {} for p in model.params}
-    comms = {id(model.sharded.comm_of(u)): model.sharded.comm_of(u)
-             for u in model.sharded.units}  # dp's, and the experts' copies' group
+    comms = {
+        id(model.sharded.comm_of(u)): model.sharded.comm_of(u) for u in model.sharded.units
+    }  # dp's, and the experts' copies' group
     for key, comm in comms.items():
         units = [u for u in model.sharded.units if id(model.sharded.comm_of(u)) == key]
         out.update(whole_optimizer_state(units, model.optimizer, comm))
@@ -201,12 +223,12 @@ def _buffers(model: Hybrid) -> dict[str, torch.Tensor]:
     the same on every replica, moved where its layer runs)."""
     mine = {id(b) for m in model.runtime.stages.values() for b in m.buffers()}
     kept = model.model.state_dict().keys()
-    return {name: b for name, b in model.model.named_buffers()
-            if id(b) in mine and name in kept}
+    return {name: b for name, b in model.model.named_buffers() if id(b) in mine and name in kept}
 
 
-def _dcp_state(model: Hybrid, keys: dict[str, bool] | None = None,
-               buffers: list[str] | None = None) -> tuple[dict[str, Any], dict[str, bool]]:
+def _dcp_state(
+    model: Hybrid, keys: dict[str, bool] | None = None, buffers: list[str] | None = None
+) -> tuple[dict[str, Any], dict[str, bool]]:
     """({DCP key: tensor or DTensor}, the optimizer's state names): this rank's weights
     and their optimizer state. `keys` (name -> shaped like the weight): what to hold,
     zeros where the optimizer has none yet (before its first step, or for a weight that
@@ -241,9 +263,14 @@ def _dcp_state(model: Hybrid, keys: dict[str, bool] | None = None,
 # -- save and load
 
 
-def save(model: Hybrid, root: str | os.PathLike, step: int,
-         extra: dict[str, Any] | None = None, *, blocking: bool = True
-         ) -> Path | PendingSave:
+def save(
+    model: Hybrid,
+    root: str | os.PathLike,
+    step: int,
+    extra: dict[str, Any] | None = None,
+    *,
+    blocking: bool = True,
+) -> Path | PendingSave:
     """Write a checkpoint of `model` after `step` steps under `root`, on every rank of its
     mesh (a collective); `extra`: anything JSON can hold (the loader's position, the
     corpus' hash, the settings). Returns the committed directory.
@@ -256,8 +283,9 @@ def save(model: Hybrid, root: str | os.PathLike, step: int,
         return _save(model, root, step, extra, blocking)
 
 
-def _save(model: Hybrid, root: str | os.PathLike, step: int, extra: dict[str, Any] | None,
-          blocking: bool) -> Path | PendingSave:
+def _save(
+    model: Hybrid, root: str | os.PathLike, step: int, extra: dict[str, Any] | None, blocking: bool
+) -> Path | PendingSave:
     import torch.distributed.checkpoint as dcp
 
     group = model.mesh.parent
@@ -270,18 +298,25 @@ def _save(model: Hybrid, root: str | os.PathLike, step: int, extra: dict[str, An
     dist.barrier(group=group)
     state, keys = _dcp_state(model)
     state["rng"] = torch.get_rng_state()
-    meta = {"step": step, "config": dataclasses.asdict(model.config),
-            "mesh": {a: model.mesh.size(a) for a in ("dp", "tp", "pp", "cp", "ep")},
-            "plan": model.parallel_plan.label(),
-            "zero": model.zero, "optimizer": type(model.optimizer).__name__,
-            "buffers": sorted({n for n, _ in model.model.named_buffers()}
-                              & model.model.state_dict().keys()),
-            "state": keys, "extra": extra or {}}
+    meta = {
+        "step": step,
+        "config": dataclasses.asdict(model.config),
+        "mesh": {a: model.mesh.size(a) for a in ("dp", "tp", "pp", "cp", "ep")},
+        "plan": model.parallel_plan.label(),
+        "zero": model.zero,
+        "optimizer": type(model.optimizer).__name__,
+        "buffers": sorted(
+            {n for n, _ in model.model.named_buffers()} & model.model.state_dict().keys()
+        ),
+        "state": keys,
+        "extra": extra or {},
+    }
     if not blocking:
         if model.zero == 3:  # its weights are freed when this returns: DCP gets copies
             state = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
-        future = dcp.async_save(state, checkpoint_id=str(tmp),
-                                process_group=_background_group(model))
+        future = dcp.async_save(
+            state, checkpoint_id=str(tmp), process_group=_background_group(model)
+        )
         return PendingSave(future, rank, tmp, final, meta)
     dcp.save(state, checkpoint_id=str(tmp), process_group=group)
     if rank == 0:
@@ -296,8 +331,10 @@ def _background_group(model: Hybrid) -> dist.ProcessGroup:
     mesh's groups to themselves, as DCP asks."""
     group = _BACKGROUND.get(model)
     if group is None:
-        ranks = [dist.get_global_rank(model.mesh.parent, r)
-                 for r in range(dist.get_world_size(model.mesh.parent))]
+        ranks = [
+            dist.get_global_rank(model.mesh.parent, r)
+            for r in range(dist.get_world_size(model.mesh.parent))
+        ]
         group = _BACKGROUND[model] = dist.new_group(ranks, backend="gloo")
     return group
 
@@ -308,8 +345,9 @@ _BACKGROUND: weakref.WeakKeyDictionary[Any, dist.ProcessGroup] = weakref.WeakKey
 class PendingSave:
     """A checkpoint being written in the background (`save(..., blocking=False)`)."""
 
-    def __init__(self, future: Any, rank: int, tmp: Path, final: Path,
-                 meta: dict[str, Any]) -> None:
+    def __init__(
+        self, future: Any, rank: int, tmp: Path, final: Path, meta: dict[str, Any]
+    ) -> None:
         self.future, self.rank, self.tmp, self.final, self.meta = future, rank, tmp, final, meta
         self.committed = False
 
@@ -346,12 +384,16 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     return json.loads((Path(path) / META).read_text())
 
 
-def check_compatible(meta: dict[str, Any], config: Any,
-                     expect: dict[str, Any] | None = None) -> None:
+def check_compatible(
+    meta: dict[str, Any], config: Any, expect: dict[str, Any] | None = None
+) -> None:
     """Refuse a checkpoint of another model (or, through `expect`, another corpus or
     settings: {key of extra: value}), naming what differs."""
-    differ = [f"{k}: saved {v!r}, here {getattr(config, k)!r}"
-              for k, v in meta["config"].items() if getattr(config, k, None) != v]
+    differ = [
+        f"{k}: saved {v!r}, here {getattr(config, k)!r}"
+        for k, v in meta["config"].items()
+        if getattr(config, k, None) != v
+    ]
     for k, v in (expect or {}).items():
         if meta["extra"].get(k) != v:
             differ.append(f"{k}: saved {meta['extra'].get(k)!r}, here {v!r}")
@@ -360,8 +402,9 @@ def check_compatible(meta: dict[str, Any], config: Any,
 
 
 @torch.no_grad()
-def load(model: Hybrid, path: str | os.PathLike,
-         expect: dict[str, Any] | None = None) -> dict[str, Any]:
+def load(
+    model: Hybrid, path: str | os.PathLike, expect: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Load the checkpoint at `path` into `model`, whatever mesh it was saved on (a
     collective over the model's mesh): weights, the optimizer's state (into ZeRO's slices
     if this model shards it) and the CPU generator. Refuses one of another model or,
@@ -371,15 +414,16 @@ def load(model: Hybrid, path: str | os.PathLike,
 
 
 @torch.no_grad()
-def _load(model: Hybrid, path: str | os.PathLike, expect: dict[str, Any] | None
-          ) -> dict[str, Any]:
+def _load(model: Hybrid, path: str | os.PathLike, expect: dict[str, Any] | None) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     meta = read_meta(path)
     check_compatible(meta, model.config, expect)
     if meta["optimizer"] != type(model.optimizer).__name__:
-        raise ValueError(f"this checkpoint's optimizer is {meta['optimizer']}, this "
-                         f"model's {type(model.optimizer).__name__}")
+        raise ValueError(
+            f"this checkpoint's optimizer is {meta['optimizer']}, this "
+            f"model's {type(model.optimizer).__name__}"
+        )
     keys = {k: bool(v) for k, v in meta["state"].items()}
     state, _ = _dcp_state(model, keys, meta.get("buffers", []))
     state["rng"] = torch.get_rng_state()
@@ -425,8 +469,7 @@ def _copy_piece(into: torch.Tensor, piece: torch.Tensor) -> None:
     into.copy_(piece)
 
 
-def _set_optimizer_state(model: Hybrid, per_weight: dict[int, dict[str, torch.Tensor]]
-                         ) -> None:
+def _set_optimizer_state(model: Hybrid, per_weight: dict[int, dict[str, torch.Tensor]]) -> None:
     if model.sharded is None:
         for p in model.params:
             model.optimizer.state[p] = per_weight[id(p)]
@@ -451,5 +494,6 @@ def full_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=str(path), no_dist=True)
     buffers = dict(model.named_buffers())
-    return {k: state[f"model.{k}"] if f"model.{k}" in state else buffers[k]
-            for k in model.state_dict()}
+    return {
+        k: state[f"model.{k}"] if f"model.{k}" in state else buffers[k] for k in model.state_dict()
+    }

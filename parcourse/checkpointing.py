@@ -51,7 +51,8 @@ def _devices(tensors: Sequence[torch.Tensor]) -> list[torch.device]:
 # Each is held for as long as its owner lives: torch 2.11's generators (seen on a GPU
 # machine) cannot be weakly referenced themselves; 2.13's can.
 _EXTRA_GENERATORS: weakref.WeakKeyDictionary[Any, list[torch.Generator]] = (
-    weakref.WeakKeyDictionary())
+    weakref.WeakKeyDictionary()
+)
 
 
 def replay_generator(generator: torch.Generator, owner: Any = None) -> None:
@@ -64,7 +65,8 @@ def replay_generator(generator: torch.Generator, owner: Any = None) -> None:
     except TypeError:
         raise TypeError(
             f"this {type(owner).__name__} cannot be weakly referenced; pass owner=, the object "
-            "whose lifetime the registration should follow") from None
+            "whose lifetime the registration should follow"
+        ) from None
     if not any(g is generator for g in held):
         held.append(generator)
 
@@ -111,8 +113,17 @@ def _autocast_now() -> list[tuple[str, dict[str, Any]]]:
     backward is called in; else it would compute in other dtypes than the forward it
     stands in for."""
     devices = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
-    return [(d, {"enabled": torch.is_autocast_enabled(d), "dtype": torch.get_autocast_dtype(d),
-                 "cache_enabled": torch.is_autocast_cache_enabled()}) for d in devices]
+    return [
+        (
+            d,
+            {
+                "enabled": torch.is_autocast_enabled(d),
+                "dtype": torch.get_autocast_dtype(d),
+                "cache_enabled": torch.is_autocast_cache_enabled(),
+            },
+        )
+        for d in devices
+    ]
 
 
 @contextmanager
@@ -150,13 +161,13 @@ class _Checkpoint(torch.autograd.Function):
             raise RuntimeError(
                 "parcourse.checkpointing.checkpoint recomputes inside backward(), which "
                 "torch.autograd.grad() and backward(inputs=...) do not allow; call "
-                "loss.backward(), or use torch.utils.checkpoint(..., use_reentrant=False)")
+                "loss.backward(), or use torch.utils.checkpoint(..., use_reentrant=False)"
+            )
         run: _Run = ctx.run
         # Fresh leaves: the recomputed graph ends here, and their .grad is what we return.
         # An input without grad is in no graph and goes in as it is (its detached copy
         # would share its memory, but a tracker that has not seen it would count it anew).
-        inputs = [t.detach().requires_grad_() if t.requires_grad else t
-                  for t in ctx.saved_tensors]
+        inputs = [t.detach().requires_grad_() if t.requires_grad else t for t in ctx.saved_tensors]
         with torch.enable_grad():
             outputs = run.recompute(inputs)
         # Backpropagate: torch.autograd.backward(outputs, grads), freeing as it goes.
@@ -203,8 +214,13 @@ def backward_taking(outputs: list[torch.Tensor], grads: list[torch.Tensor | None
 class _Run:
     """fn and its arguments, with tensors taken out so autograd sees them as inputs."""
 
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                 preserve_rng_state: bool) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        preserve_rng_state: bool,
+    ) -> None:
         self.fn = fn
         leaves, self.spec = tree_flatten((args, kwargs))
         self.is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
@@ -226,17 +242,18 @@ class _Run:
         return out_leaves
 
     def forward(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        leaves = self._call(tensors[:self.n_tensors])
+        leaves = self._call(tensors[: self.n_tensors])
         if not any(isinstance(x, torch.Tensor) for x in leaves):
-            raise ValueError("checkpoint: fn returned no tensor, so there is nothing to "
-                             "backpropagate through")
+            raise ValueError(
+                "checkpoint: fn returned no tensor, so there is nothing to backpropagate through"
+            )
         self.out_is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
         self.out_constants = [None if t else x for x, t in zip(leaves, self.out_is_tensor)]
         return tuple(x for x in leaves if isinstance(x, torch.Tensor))
 
     def recompute(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         with _replay(self.rng), _autocast_as(self.autocast):
-            leaves = self._call(tensors[:self.n_tensors])
+            leaves = self._call(tensors[: self.n_tensors])
         return [x for x in leaves if isinstance(x, torch.Tensor)]
 
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> Any:
@@ -245,8 +262,9 @@ class _Run:
         return tree_unflatten(leaves, self.out_spec)
 
 
-def checkpoint(fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = True,
-               **kwargs: Any) -> Any:
+def checkpoint(
+    fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = True, **kwargs: Any
+) -> Any:
     """`fn(*args, **kwargs)`, keeping only the tensor arguments for backward.
 
     Arguments and results may be any nesting of tuples, lists and dicts holding
@@ -288,9 +306,13 @@ def run_layers(layers: Sequence[nn.Module], x: Any) -> Any:
     return x
 
 
-def checkpoint_sequential(layers: Sequence[nn.Module] | nn.Sequential,
-                          segments: int | Literal["sqrt"], input: Any, *,
-                          preserve_rng_state: bool = True) -> Any:
+def checkpoint_sequential(
+    layers: Sequence[nn.Module] | nn.Sequential,
+    segments: int | Literal["sqrt"],
+    input: Any,
+    *,
+    preserve_rng_state: bool = True,
+) -> Any:
     """Run a chain of layers as `segments` checkpointed segments (argument order as
     torch.utils.checkpoint.checkpoint_sequential). Only each segment's input is kept;
     in backward one segment at a time is recomputed. Unlike torch's, the last segment
@@ -310,8 +332,13 @@ class _FromInput(torch.autograd.Function):
     """Keep only the chain's input; rebuild each layer's input from it in backward."""
 
     @staticmethod
-    def forward(ctx: Any, layers: list[nn.Module], rng: _RngState | None, x: torch.Tensor,
-                anchor: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        layers: list[nn.Module],
+        rng: _RngState | None,
+        x: torch.Tensor,
+        anchor: torch.Tensor,
+    ) -> torch.Tensor:
         ctx.layers, ctx.rng, ctx.autocast = layers, rng, _autocast_now()
         ctx.save_for_backward(x)
         with torch.no_grad():
@@ -335,8 +362,12 @@ class _FromInput(torch.autograd.Function):
         return None, None, grad if x.requires_grad else None, None
 
 
-def recompute_from_input(layers: Sequence[nn.Module] | nn.Sequential, input: torch.Tensor, *,
-                         preserve_rng_state: bool = True) -> torch.Tensor:
+def recompute_from_input(
+    layers: Sequence[nn.Module] | nn.Sequential,
+    input: torch.Tensor,
+    *,
+    preserve_rng_state: bool = True,
+) -> torch.Tensor:
     """Run a chain of layers keeping nothing but `input`: O(1) activation memory, and
     n(n-1)/2 extra layer forwards in backward (layer i's input is rebuilt from the
     start through layers 0..i-1 when its backward needs it)."""
@@ -351,8 +382,12 @@ def recompute_from_input(layers: Sequence[nn.Module] | nn.Sequential, input: tor
     return _FromInput.apply(layers, rng, input, torch.empty(0, requires_grad=True))
 
 
-def run_with_policy(layers: Sequence[nn.Module], x: torch.Tensor, policy: Policy,
-                    segments: int | Literal["sqrt"] = "sqrt") -> torch.Tensor:
+def run_with_policy(
+    layers: Sequence[nn.Module],
+    x: torch.Tensor,
+    policy: Policy,
+    segments: int | Literal["sqrt"] = "sqrt",
+) -> torch.Tensor:
     """A chain of layers under one of the course's policies: "none" keeps everything,
     "sqrt" checkpoints sqrt(n) segments (or `segments`), "every" checkpoints each layer,
     "nothing" keeps only the input."""

@@ -70,18 +70,22 @@ def exercises(notebook: dict[str, Any], lesson: str) -> list[Exercise]:
         if _STUB not in text or is_solution(cell):
             continue
         defined = re.findall(r"^(?:def|class) (\w+)", text, re.M)
-        after = next((_source(c) for c in cells[i + 1:] if "check" in _source(c)), None)
+        after = next((_source(c) for c in cells[i + 1 :] if "check" in _source(c)), None)
         if not defined or after is None:
-            raise ValueError(f"{lesson}: the exercise stub {defined or text[:40]!r} has no "
-                             "function and check after it")
+            raise ValueError(
+                f"{lesson}: the exercise stub {defined or text[:40]!r} has no "
+                "function and check after it"
+            )
         call = re.search(r"^passed = (.+)$", after, re.M)
         if call is None:
-            raise ValueError(f"{lesson}: the check after {defined[-1]} does not read "
-                             "`passed = check(...)`")
+            raise ValueError(
+                f"{lesson}: the check after {defined[-1]} does not read `passed = check(...)`"
+            )
         name = next((d for d in defined if re.search(rf"\b{d}\b", call.group(1))), None)
         if name is None:
-            raise ValueError(f"{lesson}: the check {call.group(1)!r} asks none of "
-                             f"{', '.join(defined)}")
+            raise ValueError(
+                f"{lesson}: the check {call.group(1)!r} asks none of {', '.join(defined)}"
+            )
         out.append(Exercise(lesson, name, call.group(1)))
     return out
 
@@ -106,8 +110,9 @@ def student_build(lessons: str | Path, out: str | Path) -> list[Path]:
         notebook = json.loads(path.read_text())
         exercises(notebook, path.stem)  # every exercise well formed, or say which is not
         target = out / path.name
-        target.write_text(json.dumps(student_notebook(notebook), indent=1,
-                                     ensure_ascii=False) + "\n")
+        target.write_text(
+            json.dumps(student_notebook(notebook), indent=1, ensure_ascii=False) + "\n"
+        )
         written.append(target)
     return written
 
@@ -131,10 +136,12 @@ class Grades:
         head = f"{'student':<{width}} " + " ".join(self.exercises) + "  points"
         rows = [head]
         for student, marks in sorted(self.marks.items()):
-            cells = " ".join(f"{'-' if marks[e] is None else int(marks[e]):^{len(e)}}"
-                             for e in self.exercises)
-            rows.append(f"{student:<{width}} {cells}  {self.points(student):>3}/"
-                        f"{len(self.exercises)}")
+            cells = " ".join(
+                f"{'-' if marks[e] is None else int(marks[e]):^{len(e)}}" for e in self.exercises
+            )
+            rows.append(
+                f"{student:<{width}} {cells}  {self.points(student):>3}/{len(self.exercises)}"
+            )
         return "\n".join(rows)
 
 
@@ -153,8 +160,9 @@ print("__verdicts__" + _j.dumps(_verdicts))
 """
 
 
-def grade_notebook(path: Path, found: list[Exercise], timeout: float = 600
-                   ) -> tuple[dict[str, Any], list[str]]:
+def grade_notebook(
+    path: Path, found: list[Exercise], timeout: float = 600
+) -> tuple[dict[str, Any], list[str]]:
     """Execute a student's notebook (a cell that raises does not stop it), then ask each
     exercise's check again in its kernel: ({exercise id: [passed, what the check said]},
     the errors the notebook's own cells raised, one line each)."""
@@ -164,11 +172,20 @@ def grade_notebook(path: Path, found: list[Exercise], timeout: float = 600
     nb = nbformat.read(str(path), as_version=4)
     calls = [(e.id, e.check) for e in found]
     nb.cells.append(nbformat.v4.new_code_cell(_ASK % repr(calls)))
-    NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
-                   startup_timeout=300,  # a class's server starts many kernels at once
-                   resources={"metadata": {"path": str(path.parent)}}).execute()
-    errors = [f"{o.get('ename')}: {o.get('evalue', '')}"[:200] for c in nb.cells[:-1]
-              for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    NotebookClient(
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        allow_errors=True,
+        startup_timeout=300,  # a class's server starts many kernels at once
+        resources={"metadata": {"path": str(path.parent)}},
+    ).execute()
+    errors = [
+        f"{o.get('ename')}: {o.get('evalue', '')}"[:200]
+        for c in nb.cells[:-1]
+        for o in c.get("outputs", [])
+        if o.get("output_type") == "error"
+    ]
     for output in nb.cells[-1].get("outputs", []):
         text = output.get("text", "")
         if "__verdicts__" in text:
@@ -180,14 +197,15 @@ def grade_notebook(path: Path, found: list[Exercise], timeout: float = 600
 def grade(submissions: str | Path, lessons: str | Path, timeout: float = 600) -> Grades:
     """Every student's notebooks under `submissions` (one folder a student, the lessons'
     own file names) graded against the exercises of the lessons under `lessons`."""
-    by_lesson = {p.name: exercises(json.loads(p.read_text()), p.stem)
-                 for p in lessons_in(lessons)}
+    by_lesson = {p.name: exercises(json.loads(p.read_text()), p.stem) for p in lessons_in(lessons)}
     ids = [e.id for found in by_lesson.values() for e in found]
     grades = Grades(ids)
     students = sorted(p for p in Path(submissions).iterdir() if p.is_dir())
     if not students:
-        raise ValueError(f"no student folders under {submissions} (one folder a student, "
-                         "holding their lesson notebooks)")
+        raise ValueError(
+            f"no student folders under {submissions} (one folder a student, "
+            "holding their lesson notebooks)"
+        )
     for student in students:
         marks: dict[str, bool | None] = {i: None for i in ids}
         for name, found in by_lesson.items():
@@ -227,8 +245,9 @@ def _ephemeral_ports() -> int | None:
         return None
 
 
-def class_sizing(students: int, peaks: dict[str, Any] | None = None,
-                 here: dict[str, float | None] | None = None) -> tuple[str, bool]:
+def class_sizing(
+    students: int, peaks: dict[str, Any] | None = None, here: dict[str, float | None] | None = None
+) -> tuple[str, bool]:
     """The server a class of `students` needs, from the measured lesson peaks, against this
     machine (`here`: {"cpus", "memory_gib", "ports"}; default: measured now). Returns the
     text and whether this machine is enough. One lesson open at a time per student: a
@@ -244,25 +263,38 @@ def class_sizing(students: int, peaks: dict[str, Any] | None = None,
     if not rows:
         raise ValueError("no lesson measured: python benchmarks/classroom.py")
     if here is None:
-        here = {"cpus": usable_cpus(), "memory_gib": psutil.virtual_memory().total / 2**30,
-                "ports": _ephemeral_ports()}
+        here = {
+            "cpus": usable_cpus(),
+            "memory_gib": psutil.virtual_memory().total / 2**30,
+            "ports": _ephemeral_ports(),
+        }
     m = peaks["machine"]
-    lines = [f"each lesson at its defaults, run whole (measured on {m['cpus']} CPUs, "
-             f"{m['date']}: python benchmarks/classroom.py)",
-             f"  {'lesson':<32} {'ranks':>5} {'Run All s':>9} {'peak MiB':>9} {'sockets':>8}"]
+    lines = [
+        f"each lesson at its defaults, run whole (measured on {m['cpus']} CPUs, "
+        f"{m['date']}: python benchmarks/classroom.py)",
+        f"  {'lesson':<32} {'ranks':>5} {'Run All s':>9} {'peak MiB':>9} {'sockets':>8}",
+    ]
     for lesson, r in rows.items():
-        lines.append(f"  {lesson:<32} {r['ranks']:>5} {r['run_all_s']:>9.1f} "
-                     f"{r['peak_mib']:>9} {r['sockets']:>8}")
+        lines.append(
+            f"  {lesson:<32} {r['ranks']:>5} {r['run_all_s']:>9.1f} "
+            f"{r['peak_mib']:>9} {r['sockets']:>8}"
+        )
     heaviest = max(rows, key=lambda k: rows[k]["peak_mib"])
     memory_gib = rows[heaviest]["peak_mib"] * HEADROOM / 1024
     sockets = max(r["sockets"] for r in rows.values())
-    need = {"cpus": STUDENT_CPUS * students, "memory_gib": memory_gib * students,
-            "ports": sockets * students}
-    lines += [f"a student: {STUDENT_CPUS} CPUs (1 at the least: the lessons then start fewer "
-              f"ranks and say so), {memory_gib:.1f} GiB ({heaviest[:2]}'s peak + "
-              f"{HEADROOM - 1:.0%}), {sockets} TCP sockets",
-              f"a class of {students}: {need['cpus']} CPUs, {need['memory_gib']:.1f} GiB, "
-              f"{need['ports']} sockets"]
+    need = {
+        "cpus": STUDENT_CPUS * students,
+        "memory_gib": memory_gib * students,
+        "ports": sockets * students,
+    }
+    lines += [
+        f"a student: {STUDENT_CPUS} CPUs (1 at the least: the lessons then start fewer "
+        f"ranks and say so), {memory_gib:.1f} GiB ({heaviest[:2]}'s peak + "
+        f"{HEADROOM - 1:.0%}), {sockets} TCP sockets",
+        f"a class of {students}: {need['cpus']} CPUs, {need['memory_gib']:.1f} GiB, "
+        f"{need['ports']} sockets",
+    ]
+
     def below(key: str) -> bool:
         return here[key] is not None and here[key] < need[key]
 
@@ -271,16 +303,23 @@ def class_sizing(students: int, peaks: dict[str, Any] | None = None,
     too_few_cpus = here["cpus"] is not None and here["cpus"] < students
     short = []
     if below("cpus"):
-        short.append(f"{here['cpus']} CPUs of {need['cpus']}"
-                     + (f", under one a student ({students})" if too_few_cpus else
-                        " (at least one a student: lessons run fewer ranks, slower)"))
+        short.append(
+            f"{here['cpus']} CPUs of {need['cpus']}"
+            + (
+                f", under one a student ({students})"
+                if too_few_cpus
+                else " (at least one a student: lessons run fewer ranks, slower)"
+            )
+        )
     if below("memory_gib"):
         short.append(f"{here['memory_gib']:.1f} GiB of memory of {need['memory_gib']:.1f}")
     if below("ports"):
         short.append(f"{here['ports']} ephemeral ports of {need['ports']}")
     memory = "?" if here["memory_gib"] is None else f"{here['memory_gib']:.1f}"
-    lines.append(f"this machine: {here['cpus']} CPUs, {memory} GiB, "
-                 f"{here['ports'] or '?'} ephemeral ports: "
-                 + ("enough" if not short else "short: " + "; ".join(short)))
+    lines.append(
+        f"this machine: {here['cpus']} CPUs, {memory} GiB, "
+        f"{here['ports'] or '?'} ephemeral ports: "
+        + ("enough" if not short else "short: " + "; ".join(short))
+    )
     enough = not (too_few_cpus or below("memory_gib") or below("ports"))
     return "\n".join(lines), enough

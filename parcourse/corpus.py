@@ -34,8 +34,7 @@ SEPARATOR = b"\n\n"  # between files: a paragraph break, a token the model alrea
 SKIP = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
 
 
-def source_files(root: str | Path | None = None, packages: list[str] | None = None
-                 ) -> list[Path]:
+def source_files(root: str | Path | None = None, packages: list[str] | None = None) -> list[Path]:
     """The standard library's .py files (not its tests, IDLE or installed packages),
     sorted by path relative to `root` (the running interpreter's stdlib by default);
     `packages`: only these top-level modules or packages (for a small corpus)."""
@@ -68,8 +67,13 @@ class Corpus:
     meta: dict[str, Any]
 
 
-def build_corpus(directory: str | Path, *, root: str | Path | None = None,
-                 packages: list[str] | None = None, val_fraction: float = 0.05) -> Corpus:
+def build_corpus(
+    directory: str | Path,
+    *,
+    root: str | Path | None = None,
+    packages: list[str] | None = None,
+    val_fraction: float = 0.05,
+) -> Corpus:
     """Write `train.bin` and `val.bin` (bytes of the files, each followed by a blank line)
     and `meta.json` under `directory`, unless a corpus of the same sources is already
     there; then open it. Files are written to new names and renamed into place, so a
@@ -103,9 +107,15 @@ def build_corpus(directory: str | Path, *, root: str | Path | None = None,
         tmp = directory / f".{split}.bin.{os.getpid()}"
         tmp.write_bytes(data)
         os.replace(tmp, directory / f"{split}.bin")
-    meta = {**key, "root": str(root), "files": counts, "val_fraction": val_fraction,
-            "bytes": {s: (directory / f"{s}.bin").stat().st_size for s in ("train", "val")},
-            "vocab": 256, "sha256": digest.hexdigest()}
+    meta = {
+        **key,
+        "root": str(root),
+        "files": counts,
+        "val_fraction": val_fraction,
+        "bytes": {s: (directory / f"{s}.bin").stat().st_size for s in ("train", "val")},
+        "vocab": 256,
+        "sha256": digest.hexdigest(),
+    }
     tmp = directory / f".meta.json.{os.getpid()}"
     tmp.write_text(json.dumps(meta, indent=1))
     os.replace(tmp, meta_path)  # last: its presence says the corpus is whole
@@ -118,9 +128,12 @@ def open_corpus(directory: str | Path) -> Corpus:
     if not meta_path.exists():
         raise ValueError(f"no corpus at {directory} (build it with build_corpus)")
     meta = json.loads(meta_path.read_text())
-    arrays = {s: np.memmap(directory / f"{s}.bin", dtype=np.uint8, mode="r")
-              if meta["bytes"][s] else np.zeros(0, dtype=np.uint8)  # a split with no file
-              for s in ("train", "val")}
+    arrays = {
+        s: np.memmap(directory / f"{s}.bin", dtype=np.uint8, mode="r")
+        if meta["bytes"][s]
+        else np.zeros(0, dtype=np.uint8)  # a split with no file
+        for s in ("train", "val")
+    }
     return Corpus(directory, arrays["train"], arrays["val"], meta)
 
 
@@ -137,21 +150,32 @@ class ShardedLoader:
     `state_dict()` (epoch and position) makes a resumed run read exactly what the
     uninterrupted one would have."""
 
-    def __init__(self, tokens: np.ndarray, block_size: int, batch: int, *, replica: int = 0,
-                 replicas: int = 1, seed: int = 0) -> None:
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        block_size: int,
+        batch: int,
+        *,
+        replica: int = 0,
+        replicas: int = 1,
+        seed: int = 0,
+    ) -> None:
         if block_size < 1 or batch < 1:
             raise ValueError(f"block_size and batch must be >= 1, got {block_size}, {batch}")
         if not 0 <= replica < replicas:
             raise ValueError(f"replica {replica} is not one of {replicas}")
         if batch < replicas:
-            raise ValueError(f"a global batch of {batch} cannot give each of {replicas} "
-                             "replicas a row")
+            raise ValueError(
+                f"a global batch of {batch} cannot give each of {replicas} replicas a row"
+            )
         self.tokens, self.block_size, self.batch = tokens, block_size, batch
         self.replica, self.replicas, self.seed = replica, replicas, seed
         self.windows = (len(tokens) - 1) // block_size
         if self.windows < batch:
-            raise ValueError(f"{len(tokens)} tokens hold {self.windows} windows of "
-                             f"{block_size}: fewer than one global batch of {batch}")
+            raise ValueError(
+                f"{len(tokens)} tokens hold {self.windows} windows of "
+                f"{block_size}: fewer than one global batch of {batch}"
+            )
         self.epoch, self.position = 0, 0
         self._order = self._shuffle()
 
@@ -169,21 +193,32 @@ class ShardedLoader:
             self.epoch, self.position = self.epoch + 1, 0
             self._order = self._shuffle()
         start, end = chunk_bounds(self.batch, self.replicas)[self.replica]
-        picked = self._order[self.position + start:self.position + end]
+        picked = self._order[self.position + start : self.position + end]
         self.position += self.batch
-        rows = np.stack([self.tokens[w * self.block_size:w * self.block_size
-                                     + self.block_size + 1] for w in picked.tolist()])
+        rows = np.stack(
+            [
+                self.tokens[w * self.block_size : w * self.block_size + self.block_size + 1]
+                for w in picked.tolist()
+            ]
+        )
         data = torch.from_numpy(rows.astype(np.int64))
         return data[:, :-1], data[:, 1:]
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "batch": self.batch, "block_size": self.block_size}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "batch": self.batch,
+            "block_size": self.block_size,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         for key in ("seed", "batch", "block_size"):
             if state[key] != getattr(self, key):
-                raise ValueError(f"this loader's {key} is {getattr(self, key)}, the saved "
-                                 f"one's {state[key]}: resume with the same settings")
+                raise ValueError(
+                    f"this loader's {key} is {getattr(self, key)}, the saved "
+                    f"one's {state[key]}: resume with the same settings"
+                )
         self.epoch, self.position = state["epoch"], state["position"]
         self._order = self._shuffle()

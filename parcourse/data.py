@@ -26,15 +26,17 @@ def shard(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return batch[start:end]
 
 
-def local_regression(n: int, d_in: int, d_out: int, rank: int, world_size: int,
-                     device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def local_regression(
+    n: int, d_in: int, d_out: int, rank: int, world_size: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's rows, on `device`, of the batch `regression(n, d_in, d_out)` all ranks share."""
     x, y = regression(n, d_in, d_out)
     return shard(x, rank, world_size).to(device), shard(y, rank, world_size).to(device)
 
 
-def progressions(batch: int, block_size: int, vocab: int,
-                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def progressions(
+    batch: int, block_size: int, vocab: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Token sequences for a language model: (x, y), each (batch, block_size), y = x
     shifted left by one.
 

@@ -55,10 +55,10 @@ from parcourse.experts import expert_parallel, expert_parameters, set_aux_scale,
 from parcourse.memory import storage_bytes, tensors_in
 from parcourse.mesh import ORDERS, Layout, Mesh
 from parcourse.models import GPT, gpt_layers
-from parcourse.plan import ParallelPlan
 from parcourse.pipeline.partition import partition
 from parcourse.pipeline.runtime import PipelineRuntime
 from parcourse.pipeline.simulate import SimulatedCompute
+from parcourse.plan import ParallelPlan
 from parcourse.tensor_parallel import apply_tensor_parallel, gpt_plan
 from parcourse.tensor_parallel.comm import TPComm
 from parcourse.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -139,31 +139,56 @@ class Hybrid:
     from the token counts of all replicas before each optimizer step.
     """
 
-    def __init__(self, model: GPT, mesh: Mesh, *, cp_method: Method = "ring",
-                 schedule: str = "1f1b",
-                 microbatches: int = 4, chunks: int = 2, sequence_parallel: bool = False,
-                 recompute: bool = False, optimizer: OptimizerFactory | None = None,
-                 zero: Literal[0, 1, 2, 3] = 0, max_norm: float | None = None,
-                 link: Network | None = None, compute: SimulatedCompute | None = None,
-                 tracer: Tracer | None = None, seed: int = 0, bucket_mb: float = 25.0) -> None:
+    def __init__(
+        self,
+        model: GPT,
+        mesh: Mesh,
+        *,
+        cp_method: Method = "ring",
+        schedule: str = "1f1b",
+        microbatches: int = 4,
+        chunks: int = 2,
+        sequence_parallel: bool = False,
+        recompute: bool = False,
+        optimizer: OptimizerFactory | None = None,
+        zero: Literal[0, 1, 2, 3] = 0,
+        max_norm: float | None = None,
+        link: Network | None = None,
+        compute: SimulatedCompute | None = None,
+        tracer: Tracer | None = None,
+        seed: int = 0,
+        bucket_mb: float = 25.0,
+    ) -> None:
         config = model.config
         self.mesh, self.config, self.microbatches = mesh, config, microbatches
         self.sequence_parallel = sequence_parallel
         tp = mesh.size("tp")
         # The run's one plan record, checked by the same rules as the planner and the CLI.
-        shape = {"dp": mesh.size("dp"), "tp": tp, "pp": mesh.size("pp"), "cp": mesh.size("cp"),
-                 "ep": mesh.size("ep")}
+        shape = {
+            "dp": mesh.size("dp"),
+            "tp": tp,
+            "pp": mesh.size("pp"),
+            "cp": mesh.size("cp"),
+            "ep": mesh.size("ep"),
+        }
         order = next((o for o in ORDERS if Layout.of(shape, o) == mesh.layout), "megatron")
         self.parallel_plan = ParallelPlan(
-            **shape, cp_method=cp_method, schedule=schedule, microbatches=microbatches,
-            chunks=chunks, zero=zero,
-            sequence_parallel=sequence_parallel, recompute="full" if recompute else "none",
-            order=order, ranks_per_node=mesh.ranks_per_node  # type: ignore[arg-type]
+            **shape,
+            cp_method=cp_method,
+            schedule=schedule,
+            microbatches=microbatches,
+            chunks=chunks,
+            zero=zero,
+            sequence_parallel=sequence_parallel,
+            recompute="full" if recompute else "none",
+            order=order,
+            ranks_per_node=mesh.ranks_per_node,  # type: ignore[arg-type]
         ).check(config, world=mesh.layout.world_size)
-        if isinstance(link, Topology) and mesh.ranks_per_node not in (None,
-                                                                      link.ranks_per_node):
-            raise ValueError(f"the mesh says {mesh.ranks_per_node} ranks per node, the "
-                             f"simulated network {link.ranks_per_node}")
+        if isinstance(link, Topology) and mesh.ranks_per_node not in (None, link.ranks_per_node):
+            raise ValueError(
+                f"the mesh says {mesh.ranks_per_node} ranks per node, the "
+                f"simulated network {link.ranks_per_node}"
+            )
         self.plan = self.parallel_plan.schedule_value()
         # The model given stays whole (a one-process reference, as DDP leaves it): the
         # split is made on a copy.
@@ -174,64 +199,96 @@ class Hybrid:
 
         # On a simulated network every axis runs the course's ring, which the link slows;
         # dp's gradients go over the ring on gloo anyway (it counts the bytes it sends).
-        self.tp_comm = TPComm(Comm(mesh.group("tp"), tracer=on("tp"), link=link,
-                                   algorithm="ring" if link is not None else "torch"))
+        self.tp_comm = TPComm(
+            Comm(
+                mesh.group("tp"),
+                tracer=on("tp"),
+                link=link,
+                algorithm="ring" if link is not None else "torch",
+            )
+        )
         # The ranks that hold the same weights and average their gradients: dp's, and with
         # the sequence cut over cp, cp's with them (Megatron-LM's cp_dp group), and ep's
         # (each with its own rows) for every weight but the experts.
         self.replicas = mesh.size("dp") * mesh.size("cp") * mesh.size("ep")
-        self.dp_comm = Comm(mesh.group(*self._replica_axes), tracer=on("dp"), link=link,
-                            algorithm="auto")
+        self.dp_comm = Comm(
+            mesh.group(*self._replica_axes), tracer=on("dp"), link=link, algorithm="auto"
+        )
         # Dropout: each pipeline stage (as Megatron offsets its seed by 100 a stage) and
         # each data-parallel replica (which sees other rows) draws its own masks; the
         # ranks of a tp group agree where the activation is replicated (RNGTracker).
         self.model = apply_tensor_parallel(
-            model, gpt_plan(config.experts), mesh.group("tp"),
+            model,
+            gpt_plan(config.experts),
+            mesh.group("tp"),
             sequence_parallel=sequence_parallel,
             comm=self.tp_comm.comm,
-            seed=seed + 100 * mesh.coordinate("pp") + 10007 * mesh.coordinate("dp"))
+            seed=seed + 100 * mesh.coordinate("pp") + 10007 * mesh.coordinate("dp"),
+        )
         # Experts: each MoE layer's cut over ep (its ranks' tokens dispatched to them); the
         # ranks holding the same experts average their gradients (dp's and cp's).
         ep = mesh.size("ep")
         if ep > 1 and compute is not None:
-            raise ValueError("simulated compute pads each action with tp's collectives on top; "
-                             "ep's all-to-alls inside the MoE layers would be padded away as "
-                             "compute: run ep with its compute real")
+            raise ValueError(
+                "simulated compute pads each action with tp's collectives on top; "
+                "ep's all-to-alls inside the MoE layers would be padded away as "
+                "compute: run ep with its compute real"
+            )
         if ep > 1:
-            expert_parallel(self.model, Comm(mesh.group("ep"), tracer=on("ep"), link=link,
-                                             algorithm="auto"))
+            expert_parallel(
+                self.model, Comm(mesh.group("ep"), tracer=on("ep"), link=link, algorithm="auto")
+            )
         set_aux_scale(self.model, 1 / microbatches)  # as each microbatch's loss is weighed
         self._experts = {id(p) for p in expert_parameters(self.model)} if ep > 1 else set()
-        self.expert_comm = Comm(mesh.group(*self._expert_replica_axes), tracer=on("dp"),
-                                link=link, algorithm="auto") if self._experts else None
+        self.expert_comm = (
+            Comm(
+                mesh.group(*self._expert_replica_axes), tracer=on("dp"), link=link, algorithm="auto"
+            )
+            if self._experts
+            else None
+        )
         cut = partition(gpt_layers(self.model), self.plan.stages)
         # Context parallelism: each rank runs every layer on its tokens of the sequence,
         # attention over all of them by the plan's method (`parcourse.context_parallel`).
         self.shard: SequenceShard | None = None
         if mesh.size("cp") > 1 and compute is not None:
-            raise ValueError("simulated compute pads each action with tp's collectives on top; "
-                             "cp's messages inside attention would be padded away as compute: "
-                             "run cp with its compute real")
+            raise ValueError(
+                "simulated compute pads each action with tp's collectives on top; "
+                "cp's messages inside attention would be padded away as compute: "
+                "run cp with its compute real"
+            )
         if mesh.size("cp") > 1:
-            self.shard = SequenceShard(mesh.group("cp"), cp_method, comm=Comm(
-                mesh.group("cp"), tracer=on("cp"), link=link, algorithm="auto"))
+            self.shard = SequenceShard(
+                mesh.group("cp"),
+                cp_method,
+                comm=Comm(mesh.group("cp"), tracer=on("cp"), link=link, algorithm="auto"),
+            )
             context_parallel(cut, self.shard)
         stage = mesh.coordinate("pp")
         mine = {s: cut[s] for s, r in enumerate(self.plan.stage_rank) if r == stage}
         tied_groups = _stages_tied(cut)  # {stage: name} of each weight several stages share
         self.zero = zero
-        self.runtime = PipelineRuntime(self.plan, mine, None, self._loss, tracer=tracer,
-                                       recompute=recompute, tied=tied_groups,
-                                       comm=Comm(mesh.group("pp"), tracer=on("pp"), link=link,
-                                                 algorithm="auto"),
-                                       on_weight_gradients=self._reduce_stage if zero >= 2
-                                       else None if zero else self._reduce_buckets,
-                                       around=self._gathered_for if zero == 3 else None,
-                                       # simulated compute pads each action, tp's
-                                       # collectives on top, met at their share
-                                       compute=compute,
-                                       paced=self.tp_comm.comm if tp > 1 else None,
-                                       together=one_sum if sequence_parallel else None)
+        self.runtime = PipelineRuntime(
+            self.plan,
+            mine,
+            None,
+            self._loss,
+            tracer=tracer,
+            recompute=recompute,
+            tied=tied_groups,
+            comm=Comm(mesh.group("pp"), tracer=on("pp"), link=link, algorithm="auto"),
+            on_weight_gradients=self._reduce_stage
+            if zero >= 2
+            else None
+            if zero
+            else self._reduce_buckets,
+            around=self._gathered_for if zero == 3 else None,
+            # simulated compute pads each action, tp's
+            # collectives on top, met at their share
+            compute=compute,
+            paced=self.tp_comm.comm if tp > 1 else None,
+            together=one_sum if sequence_parallel else None,
+        )
         self.first = stage in self.plan.entry_ranks  # given the inputs
         self.last = stage in self.plan.exit_ranks  # given the targets; the loss is here
         self.params = list({id(p): p for m in mine.values() for p in m.parameters()}.values())
@@ -248,8 +305,11 @@ class Hybrid:
         units: dict[int | None, list[nn.Parameter]] = {}
         expert_units: dict[int, list[nn.Parameter]] = {}
         for s in sorted(mine):
-            held = [p for p in mine[s].parameters() if p.requires_grad
-                    and id(p) not in tied and id(p) not in seen]
+            held = [
+                p
+                for p in mine[s].parameters()
+                if p.requires_grad and id(p) not in tied and id(p) not in seen
+            ]
             seen.update(id(p) for p in held)
             units[s] = [p for p in held if id(p) not in self._experts]
             expert_units[s] = [p for p in held if id(p) in self._experts]
@@ -259,8 +319,9 @@ class Hybrid:
         self._buckets: dict[int | None, list[Bucket]] = {}
         self._expert_buckets: set[int] = set()
         if not zero and self.replicas > 1:
-            self._buckets = {s: make_buckets(ps, bucket_mb) if ps else []
-                             for s, ps in units.items()}
+            self._buckets = {
+                s: make_buckets(ps, bucket_mb) if ps else [] for s, ps in units.items()
+            }
             for s, ps in expert_units.items():
                 made = make_buckets(ps, bucket_mb) if ps else []
                 self._expert_buckets.update(id(b) for b in made)
@@ -271,20 +332,33 @@ class Hybrid:
             keys: list[Any] = [*units, *(("experts", s) for s in expert_units)]
             lists = [*units.values(), *expert_units.values()]
             comms = [self.dp_comm] * len(units) + [self.expert_comm or self.dp_comm] * len(
-                expert_units)
-            self.sharded = ShardedStages(lists, self.dp_comm, factory, stage=zero,  # type: ignore[arg-type]
-                                         comms=comms, mean_over=self.replicas)
+                expert_units
+            )
+            self.sharded = ShardedStages(
+                lists,
+                self.dp_comm,
+                factory,
+                stage=zero,  # type: ignore[arg-type]
+                comms=comms,
+                mean_over=self.replicas,
+            )
             made = iter(self.sharded.units)  # one for each list that holds a weight, in order
             unit_of = {k: next(made) for k, ps in zip(keys, lists) if ps}
             self._tied_unit = unit_of.pop(None, None)
-            self._stage_units = {s: [u for u in (unit_of.get(s), unit_of.get(("experts", s)))
-                                     if u is not None] for s in mine}
+            self._stage_units = {
+                s: [u for u in (unit_of.get(s), unit_of.get(("experts", s))) if u is not None]
+                for s in mine
+            }
             # ZeRO-3: the units each stage's actions need whole (its own, and the tied
             # weights' where it holds one of them)
             holds_tied = {s for g in tied_groups for s in g if s in mine}
-            self._uses = {s: [*self._stage_units[s],
-                              *([self._tied_unit] if s in holds_tied and self._tied_unit
-                                else [])] for s in mine}
+            self._uses = {
+                s: [
+                    *self._stage_units[s],
+                    *([self._tied_unit] if s in holds_tied and self._tied_unit else []),
+                ]
+                for s in mine
+            }
         self.optimizer = self.sharded.optimizer if self.sharded else factory(self.params)
         self._frozen = self._frozen_now()
         if max_norm is not None and not max_norm > 0:
@@ -294,47 +368,70 @@ class Hybrid:
             # Each gradient element counted once over the mesh: a weight left whole on
             # every tp rank only on tp rank 0, a tied weight only on its first stage.
             split = split_dims(self.model)
-            tied_owner = {id(cut[min(g)].get_parameter(g[min(g)])): min(g)
-                          for g in tied_groups}
+            tied_owner = {id(cut[min(g)].get_parameter(g[min(g)])): min(g) for g in tied_groups}
             # Without ZeRO a dense weight's gradient is the same on every ep rank (counted
             # on the first), each expert's on the one ep rank that holds it.
             ep_first = self.mesh.size("ep") == 1 or mesh.coordinate("ep") == 0
             self._counted = [
-                float((id(p) in split or mesh.coordinate("tp") == 0)
-                      and tied_owner.get(id(p), min(mine)) in mine
-                      and (zero or ep_first or id(p) in self._experts))
-                for p in self.params]
+                float(
+                    (id(p) in split or mesh.coordinate("tp") == 0)
+                    and tied_owner.get(id(p), min(mine)) in mine
+                    and (zero or ep_first or id(p) in self._experts)
+                )
+                for p in self.params
+            ]
             # The norm's group: the ranks whose gradients differ (Megatron's model-parallel
             # group, with ep's holding other experts), and dp too when each replica holds a
             # different slice.
             self._norm_group = mesh.group(*self._norm_axes)
 
     @classmethod
-    def from_plan(cls, model: GPT, mesh: Mesh, plan: ParallelPlan | str,
-                  **kwargs: Any) -> Hybrid:
+    def from_plan(cls, model: GPT, mesh: Mesh, plan: ParallelPlan | str, **kwargs: Any) -> Hybrid:
         """`Hybrid` for a `ParallelPlan` (or its label, 'dp2 tp2 pp2 1f1b m4 ZeRO-1') on a
         mesh laid out as the plan says; `kwargs`: what the plan does not hold (optimizer,
         max_norm, link, compute, tracer, seed)."""
         plan = ParallelPlan.parse(plan) if isinstance(plan, str) else plan
-        held = sorted(set(kwargs) & {"cp_method", "schedule", "microbatches", "chunks",
-                                     "sequence_parallel", "recompute", "zero"})
+        held = sorted(
+            set(kwargs)
+            & {
+                "cp_method",
+                "schedule",
+                "microbatches",
+                "chunks",
+                "sequence_parallel",
+                "recompute",
+                "zero",
+            }
+        )
         if held:
-            raise ValueError(f"{', '.join(held)}: given by the plan ({plan.label()}), not "
-                             "beside it")
+            raise ValueError(
+                f"{', '.join(held)}: given by the plan ({plan.label()}), not beside it"
+            )
         plan.check(model.config, world=mesh.layout.world_size)
         want = Layout.of(plan.shape, plan.order)
         if want != mesh.layout:
-            raise ValueError(f"the plan {plan.label()} lays ranks out as {want.axes} "
-                             f"{want.sizes}, the mesh as {mesh.layout.axes} "
-                             f"{mesh.layout.sizes}")
+            raise ValueError(
+                f"the plan {plan.label()} lays ranks out as {want.axes} "
+                f"{want.sizes}, the mesh as {mesh.layout.axes} "
+                f"{mesh.layout.sizes}"
+            )
         if plan.ranks_per_node != mesh.ranks_per_node:
-            raise ValueError(f"the plan says {plan.ranks_per_node} ranks per node, the mesh "
-                             f"{mesh.ranks_per_node}")
-        return cls(model, mesh, cp_method=plan.cp_method, schedule=plan.schedule,
-                   microbatches=plan.microbatches,
-                   chunks=plan.chunks, sequence_parallel=plan.sequence_parallel,
-                   recompute=plan.recompute == "full", zero=plan.zero,  # type: ignore[arg-type]
-                   **kwargs)
+            raise ValueError(
+                f"the plan says {plan.ranks_per_node} ranks per node, the mesh "
+                f"{mesh.ranks_per_node}"
+            )
+        return cls(
+            model,
+            mesh,
+            cp_method=plan.cp_method,
+            schedule=plan.schedule,
+            microbatches=plan.microbatches,
+            chunks=plan.chunks,
+            sequence_parallel=plan.sequence_parallel,
+            recompute=plan.recompute == "full",
+            zero=plan.zero,  # type: ignore[arg-type]
+            **kwargs,
+        )
 
     def _gathered_for(self, action: Any) -> AbstractContextManager[None]:
         """ZeRO-3: the stage's weights gathered over dp for one action (F, B, I or W of
@@ -364,8 +461,10 @@ class Hybrid:
         takes. dp's coordinate and, inside it, ep's (whose ranks take their own rows); the
         ranks of tp, pp and cp in one replica take the same."""
         ep = self.mesh.size("ep")
-        return (self.mesh.coordinate("dp") * ep + self.mesh.coordinate("ep"),
-                self.mesh.size("dp") * ep)
+        return (
+            self.mesh.coordinate("dp") * ep + self.mesh.coordinate("ep"),
+            self.mesh.size("dp") * ep,
+        )
 
     @property
     def _replica_axes(self) -> tuple[str, ...]:
@@ -393,14 +492,16 @@ class Hybrid:
         if self.tp_comm.size == 1:
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         else:
-            loss = vocab_parallel_cross_entropy(logits, targets, self.tp_comm.group,
-                                                self.config.vocab, comm=self.tp_comm)
+            loss = vocab_parallel_cross_entropy(
+                logits, targets, self.tp_comm.group, self.config.vocab, comm=self.tp_comm
+            )
         return loss if self.shard is None else loss * self.shard.loss_scale()
 
     # -- one training step
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, *,
-             local: bool = False) -> float | None:
+    def step(
+        self, inputs: torch.Tensor, targets: torch.Tensor, *, local: bool = False
+    ) -> float | None:
         """One optimizer step on the global batch (the same tensors on every rank; each
         replica takes its rows), or with `local=True` on this replica's rows only (what a
         sharded loader gives it; every replica the same number; the ranks of one replica,
@@ -409,24 +510,32 @@ class Hybrid:
         batch's mean loss on the ranks of the last stage, None elsewhere."""
         replica, dp = self.replica
         if local and inputs.shape[0] % self.microbatches:
-            raise ValueError(f"this replica's {inputs.shape[0]} rows cannot be cut into "
-                             f"{self.microbatches} equal microbatches")
+            raise ValueError(
+                f"this replica's {inputs.shape[0]} rows cannot be cut into "
+                f"{self.microbatches} equal microbatches"
+            )
         if not local:
             self.parallel_plan.check(batch=inputs.shape[0])
         if self.sharded is not None and self._frozen_now() != self._frozen:
-            raise ValueError("weights were frozen or unfrozen after Hybrid(zero=...) was "
-                             "made: ZeRO's flat slices hold the weights that were trainable "
-                             "then. Set requires_grad before making it (as FSDP asks).")
+            raise ValueError(
+                "weights were frozen or unfrozen after Hybrid(zero=...) was "
+                "made: ZeRO's flat slices hold the weights that were trainable "
+                "then. Set requires_grad before making it (as FSDP asks)."
+            )
         if self._buckets and self._frozen - self._frozen_now():  # a frozen one is skipped
-            raise ValueError("weights were unfrozen after Hybrid was made: dp's buckets hold "
-                             "the weights that were trainable then. Set requires_grad before "
-                             "making it (as DDP asks).")
+            raise ValueError(
+                "weights were unfrozen after Hybrid was made: dp's buckets hold "
+                "the weights that were trainable then. Set requires_grad before "
+                "making it (as DDP asks)."
+            )
         x = (inputs if local else shard_rows(inputs, replica, dp)) if self.first else None
         y = (targets if local else shard_rows(targets, replica, dp)) if self.last else None
         if self.shard is not None:  # this rank's tokens of each sequence
             if inputs.shape[1] > self.config.block_size:
-                raise ValueError(f"sequences of {inputs.shape[1]} tokens, longer than "
-                                 f"block_size {self.config.block_size}")
+                raise ValueError(
+                    f"sequences of {inputs.shape[1]} tokens, longer than "
+                    f"block_size {self.config.block_size}"
+                )
             self.shard.tokens = inputs.shape[1]  # every rank's attention needs it
             x = self.shard.cut(x) if x is not None else None
             y = self.shard.cut(y) if y is not None else None
@@ -526,8 +635,12 @@ class Hybrid:
         over the norm's group, `_counted`; under ZeRO this rank's shards of the weights)."""
         counted = {id(p): bool(w) for p, w in zip(self.params, self._counted)}
         if self.sharded is not None:
-            grads = [(sp.grad, counted[id(p)]) for u in self.sharded.units
-                     for p, sp in zip(u.params, u.shard_params) if sp.grad is not None]
+            grads = [
+                (sp.grad, counted[id(p)])
+                for u in self.sharded.units
+                for p, sp in zip(u.params, u.shard_params)
+                if sp.grad is not None
+            ]
         else:
             grads = [(p.grad, counted[id(p)]) for p in self.params if p.grad is not None]
         return float(clip_counted_(grads, self._norm_group, max_norm))
@@ -545,78 +658,161 @@ class Hybrid:
 
         def row(when: str, what: str, axis: str, op: str, ranks: list[int]) -> None:
             if len(ranks) > 1:
-                rows.append({"when": when, "what": what, "axis": axis, "op": op,
-                             "ranks": ranks})
+                rows.append({"when": when, "what": what, "axis": axis, "op": op, "ranks": ranks})
 
-        row("forward", "the token embedding's vocabulary shards", "tp", "all-reduce (sum)"
-            if not sp else "reduce-scatter (sum) along the sequence", tp)
-        row("forward", "the row-parallel layers' partial outputs (attention out, MLP down)",
-            "tp", "reduce-scatter (sum) along the sequence" if sp else "all-reduce (sum)", tp)
+        row(
+            "forward",
+            "the token embedding's vocabulary shards",
+            "tp",
+            "all-reduce (sum)" if not sp else "reduce-scatter (sum) along the sequence",
+            tp,
+        )
+        row(
+            "forward",
+            "the row-parallel layers' partial outputs (attention out, MLP down)",
+            "tp",
+            "reduce-scatter (sum) along the sequence" if sp else "all-reduce (sum)",
+            tp,
+        )
         if sp:
-            row("forward", "the sequence chunks entering attention and the MLP", "tp",
-                "all-gather", tp)
+            row(
+                "forward",
+                "the sequence chunks entering attention and the MLP",
+                "tp",
+                "all-gather",
+                tp,
+            )
         if self.shard is not None:
-            attention = {"ring": "send / recv round the ring (no sum)",
-                         "all-gather": "all-gather",
-                         "ulysses": "all-to-all, to a head cut and back"}[self.shard.method]
-            row("forward", "attention's keys and values, every block of the sequence", "cp",
-                attention, cp)
+            attention = {
+                "ring": "send / recv round the ring (no sum)",
+                "all-gather": "all-gather",
+                "ulysses": "all-to-all, to a head cut and back",
+            }[self.shard.method]
+            row(
+                "forward",
+                "attention's keys and values, every block of the sequence",
+                "cp",
+                attention,
+                cp,
+            )
         ep = self.mesh.ranks("ep") if self._experts else []
-        row("forward", "each MoE layer's tokens to their experts' ranks (after the counts), "
-            "and the outputs back", "ep", "all-to-all, there and back (no sum)", ep)
+        row(
+            "forward",
+            "each MoE layer's tokens to their experts' ranks (after the counts), "
+            "and the outputs back",
+            "ep",
+            "all-to-all, there and back (no sum)",
+            ep,
+        )
         row("forward", "activations, stage to stage", "pp", "send / recv (no sum)", pp)
-        row("loss", "the logits' max, sum of exps and target logit (vocabulary-parallel "
-            "cross entropy)", "tp", "all-reduce (max, sum)", tp)
-        row("backward", "the column-parallel layers' input gradients (qkv, MLP up)", "tp",
-            "reduce-scatter (sum) along the sequence" if sp else "all-reduce (sum)", tp)
+        row(
+            "loss",
+            "the logits' max, sum of exps and target logit (vocabulary-parallel cross entropy)",
+            "tp",
+            "all-reduce (max, sum)",
+            tp,
+        )
+        row(
+            "backward",
+            "the column-parallel layers' input gradients (qkv, MLP up)",
+            "tp",
+            "reduce-scatter (sum) along the sequence" if sp else "all-reduce (sum)",
+            tp,
+        )
         if sp:
-            row("backward", "the LayerNorm weights' gradients (each rank saw its chunk)",
-                "tp", "all-reduce (sum)", tp)
+            row(
+                "backward",
+                "the LayerNorm weights' gradients (each rank saw its chunk)",
+                "tp",
+                "all-reduce (sum)",
+                tp,
+            )
         if self.shard is not None:
-            back = {"ring": "K and V round the ring again, their gradients with them, home "
-                            "(send / recv, summed on the way)",
-                    "all-gather": "reduce-scatter (sum) to each block's owner",
-                    "ulysses": "all-to-all, to a head cut and back"}[self.shard.method]
+            back = {
+                "ring": "K and V round the ring again, their gradients with them, home "
+                "(send / recv, summed on the way)",
+                "all-gather": "reduce-scatter (sum) to each block's owner",
+                "ulysses": "all-to-all, to a head cut and back",
+            }[self.shard.method]
             row("backward", "attention's keys' and values' gradients", "cp", back, cp)
-        row("backward", "the combine's and the dispatch's gradients, the other way", "ep",
-            "all-to-all, there and back (no sum)", ep)
-        row("backward", "activations' gradients, stage to stage", "pp",
-            "send / recv (no sum)", pp)
+        row(
+            "backward",
+            "the combine's and the dispatch's gradients, the other way",
+            "ep",
+            "all-to-all, there and back (no sum)",
+            ep,
+        )
+        row("backward", "activations' gradients, stage to stage", "pp", "send / recv (no sum)", pp)
         if self.zero == 3:
-            row("forward and backward", "a stage's weights, before each of its actions "
-                "(freed after it)", replicas, "all-gather", dp)
+            row(
+                "forward and backward",
+                "a stage's weights, before each of its actions (freed after it)",
+                replicas,
+                "all-gather",
+                dp,
+            )
         if self.zero >= 2:
-            row("backward", "a stage's gradients, after each microbatch's backward of it",
-                replicas, "reduce-scatter (mean) into a slice each, while the schedule goes "
-                "on", dp)
+            row(
+                "backward",
+                "a stage's gradients, after each microbatch's backward of it",
+                replicas,
+                "reduce-scatter (mean) into a slice each, while the schedule goes on",
+                dp,
+            )
         if self.runtime.tied:
-            embedding = next((g for g in self.mesh.layout.embedding_groups()
-                              if self.mesh.local_rank in g), [])
-            row("end of schedule", "the tied embedding's and head's gradients", "embedding",
-                "sum over the first and last stage", embedding)
+            embedding = next(
+                (g for g in self.mesh.layout.embedding_groups() if self.mesh.local_rank in g), []
+            )
+            row(
+                "end of schedule",
+                "the tied embedding's and head's gradients",
+                "embedding",
+                "sum over the first and last stage",
+                embedding,
+            )
         if self.zero >= 2:
-            row("finalize 1", "the tied weights' gradients (the rest went in backward)",
-                replicas, "reduce-scatter (mean): a slice each", dp)
+            row(
+                "finalize 1",
+                "the tied weights' gradients (the rest went in backward)",
+                replicas,
+                "reduce-scatter (mean): a slice each",
+                dp,
+            )
         elif zero:
-            row("finalize 1", "every gradient", replicas,
-                "reduce-scatter (mean): a slice each", dp)
+            row("finalize 1", "every gradient", replicas, "reduce-scatter (mean): a slice each", dp)
         else:
-            row("finalize 1", "every gradient, in buckets: the tied weights' start here, each "
-                "stage's started after its last backward" + (", the experts' apart"
-                                                             if ep else ""),
-                replicas, "all-reduce (mean)", dp)
+            row(
+                "finalize 1",
+                "every gradient, in buckets: the tied weights' start here, each "
+                "stage's started after its last backward" + (", the experts' apart" if ep else ""),
+                replicas,
+                "all-reduce (mean)",
+                dp,
+            )
         if ep:
             copies = self._expert_replica_axes
-            row("finalize 1", "each expert's gradient, over the ranks holding the same "
-                "experts", "-".join(copies), "reduce-scatter (mean over every replica)"
-                if zero else "all-reduce (mean over every replica)", self.mesh.ranks(*copies))
+            row(
+                "finalize 1",
+                "each expert's gradient, over the ranks holding the same experts",
+                "-".join(copies),
+                "reduce-scatter (mean over every replica)"
+                if zero
+                else "all-reduce (mean over every replica)",
+                self.mesh.ranks(*copies),
+            )
         if self.max_norm is not None:
             axes = self._norm_axes
-            row("finalize 2", "the squared gradient norm (each element once)",
-                "-".join(axes), "all-reduce (sum)", self.mesh.ranks(*axes))
+            row(
+                "finalize 2",
+                "the squared gradient norm (each element once)",
+                "-".join(axes),
+                "all-reduce (sum)",
+                self.mesh.ranks(*axes),
+            )
         if zero and self.zero < 3:
-            row("after the step", "the updated slices of the parameters", replicas,
-                "all-gather", dp)
+            row(
+                "after the step", "the updated slices of the parameters", replicas, "all-gather", dp
+            )
         row("report", "the replicas' losses", replicas, "all-reduce (mean)", dp)
         return rows
 
@@ -633,8 +829,12 @@ class Hybrid:
         if self.zero == 3:  # the shards are the weights this rank keeps (P/dp); under
             assert self.sharded is not None  # ZeRO-1 and 2 they are views of the whole ones
             params += storage_bytes(u.master for u in self.sharded.units)
-        return {"params": params, "grads": self.grad_bytes,
-                "optimizer": optimizer, "activations": self.runtime.peak_in_flight_bytes}
+        return {
+            "params": params,
+            "grads": self.grad_bytes,
+            "optimizer": optimizer,
+            "activations": self.runtime.peak_in_flight_bytes,
+        }
 
     # -- export
 
@@ -649,11 +849,17 @@ class Hybrid:
         # this rank's stages' buffers (a balancing bias moves only where its layer runs)
         stage_buffers = {id(b) for m in self.runtime.stages.values() for b in m.buffers()}
         kept = self.model.state_dict().keys()
-        mine.update({name: b.detach().cpu().clone() for name, b in self.model.named_buffers()
-                     if id(b) in stage_buffers and name in kept})
+        mine.update(
+            {
+                name: b.detach().cpu().clone()
+                for name, b in self.model.named_buffers()
+                if id(b) in stage_buffers and name in kept
+            }
+        )
         stages: list[Any] = [None] * self.mesh.size("pp")
-        dist.all_gather_object(stages, {k: v.cpu() for k, v in mine.items()},
-                               group=self.mesh.group("pp"))
+        dist.all_gather_object(
+            stages, {k: v.cpu() for k, v in mine.items()}, group=self.mesh.group("pp")
+        )
         state: dict[str, torch.Tensor] = {}
         for part in stages:
             state.update(part)

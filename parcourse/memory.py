@@ -16,7 +16,6 @@ caching allocator reports.
 from __future__ import annotations
 
 import time
-
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any

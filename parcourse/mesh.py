@@ -68,15 +68,18 @@ class Layout:
         ("megatron", "llama3", or the axes outermost first); axes it leaves out have size 1."""
         if isinstance(order, str):
             if order not in ORDERS:
-                raise ValueError(f"unknown order {order!r}; choose {', '.join(ORDERS)} or give "
-                                 "the axes outermost first")
+                raise ValueError(
+                    f"unknown order {order!r}; choose {', '.join(ORDERS)} or give "
+                    "the axes outermost first"
+                )
             names = ORDERS[order]
         else:
             names = tuple(order)
         unknown = [a for a in shape if a not in AXES]
         if unknown:
-            raise ValueError(f"unknown axis {', '.join(map(repr, unknown))}; the axes are "
-                             f"{', '.join(AXES)}")
+            raise ValueError(
+                f"unknown axis {', '.join(map(repr, unknown))}; the axes are {', '.join(AXES)}"
+            )
         missing = [a for a in shape if a not in names]
         if missing:
             raise ValueError(f"the order {names} has no place for {', '.join(missing)}")
@@ -137,8 +140,7 @@ class Layout:
         """The group of `axes` that holds `rank`."""
         return next(g for g in self.groups(*axes) if rank in g)
 
-    def crosses_nodes(self, rank: int, axes: Sequence[str],
-                      ranks_per_node: int | None) -> bool:
+    def crosses_nodes(self, rank: int, axes: Sequence[str], ranks_per_node: int | None) -> bool:
         """Whether `rank`'s own group of `axes` spans more than one node (consecutive
         `ranks_per_node` ranks share one; None: one node). An axis' groups can differ:
         with 6 ranks, 3 a node, dp 3 x tp 2, tp's [2 3] crosses and [0 1] does not."""
@@ -165,8 +167,9 @@ def check_ranks_per_node(world_size: int, ranks_per_node: int | None) -> None:
     if ranks_per_node is None:
         return
     if ranks_per_node < 1 or world_size % ranks_per_node:
-        raise ValueError(f"ranks_per_node ({ranks_per_node}) must divide the world size "
-                         f"({world_size})")
+        raise ValueError(
+            f"ranks_per_node ({ranks_per_node}) must divide the world size ({world_size})"
+        )
 
 
 # (parent's name, layout) -> (the parent, its groups by axes). The parent is kept to be
@@ -189,16 +192,24 @@ class Mesh:
     same order.
     """
 
-    def __init__(self, shape: Mapping[str, int], group: dist.ProcessGroup | None = None, *,
-                 order: Order | Sequence[str] = "megatron",
-                 ranks_per_node: int | None = None) -> None:
+    def __init__(
+        self,
+        shape: Mapping[str, int],
+        group: dist.ProcessGroup | None = None,
+        *,
+        order: Order | Sequence[str] = "megatron",
+        ranks_per_node: int | None = None,
+    ) -> None:
         self.layout = Layout.of(shape, order)
         self.parent, self.local_rank, world = group_info(group)
         if self.layout.world_size != world:
-            sizes = " x ".join(f"{a} {s}" for a, s in zip(self.layout.axes, self.layout.sizes)
-                               if s > 1) or "1"
-            raise ValueError(f"the mesh {sizes} holds {self.layout.world_size} ranks, the "
-                             f"group has {world}")
+            sizes = (
+                " x ".join(f"{a} {s}" for a, s in zip(self.layout.axes, self.layout.sizes) if s > 1)
+                or "1"
+            )
+            raise ValueError(
+                f"the mesh {sizes} holds {self.layout.world_size} ranks, the group has {world}"
+            )
         check_ranks_per_node(world, ranks_per_node)
         self.ranks_per_node = ranks_per_node
         self._global = [global_rank(self.parent, r) for r in range(world)]
@@ -223,8 +234,9 @@ class Mesh:
         if self.layout.world_size == 1:  # one rank: its group is every axis' group, and
             self._groups[axes] = self.parent  # no other process need take part
             return self.parent
-        groups = (self.layout.embedding_groups() if axes == ("embedding",)
-                  else self.layout.groups(*axes))
+        groups = (
+            self.layout.embedding_groups() if axes == ("embedding",) else self.layout.groups(*axes)
+        )
         mine = None
         for ranks in groups:
             created = dist.new_group([self._global[r] for r in ranks])
@@ -288,8 +300,11 @@ class Mesh:
             device_type = "cuda" if backend_for(self.parent, "cuda") == "nccl" else "cpu"
             mesh = torch.tensor(self._global).view(*self.layout.sizes)
             self._device_mesh = DeviceMesh.from_group(
-                [self._create(a) for a in self.layout.axes], device_type, mesh=mesh,
-                mesh_dim_names=self.layout.axes)
+                [self._create(a) for a in self.layout.axes],
+                device_type,
+                mesh=mesh,
+                mesh_dim_names=self.layout.axes,
+            )
         return self._device_mesh
 
     def __repr__(self) -> str:

@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 
-def mlp(d_in: int, d_hidden: int, d_out: int, depth: int = 2,
-        seed: int | None = 0) -> nn.Sequential:
+def mlp(
+    d_in: int, d_hidden: int, d_out: int, depth: int = 2, seed: int | None = 0
+) -> nn.Sequential:
     """Linear -> ReLU -> ... -> Linear with `depth` linear layers.
 
     `seed` gives every rank the same initial weights (None: drawn from the global RNG).
@@ -83,22 +84,23 @@ class GPTConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if self.d_model % self.n_heads:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads "
-                             f"({self.n_heads})")
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        if isinstance(self.experts, bool) or not isinstance(self.experts, int) \
-                or self.experts < 0:
-            raise ValueError(f"experts must be an int >= 0 (0: a dense MLP), got "
-                             f"{self.experts!r}")
+        if isinstance(self.experts, bool) or not isinstance(self.experts, int) or self.experts < 0:
+            raise ValueError(f"experts must be an int >= 0 (0: a dense MLP), got {self.experts!r}")
         if self.experts:
             from parcourse.experts.routing import check_routing
 
-            check_routing(self.experts, self.top_k, self.router, self.capacity_factor,
-                          self.bias_rate)
+            check_routing(
+                self.experts, self.top_k, self.router, self.capacity_factor, self.bias_rate
+            )
             if self.aux_loss < 0 or self.z_loss < 0:
-                raise ValueError(f"aux_loss and z_loss must be >= 0, got {self.aux_loss}, "
-                                 f"{self.z_loss}")
+                raise ValueError(
+                    f"aux_loss and z_loss must be >= 0, got {self.aux_loss}, {self.z_loss}"
+                )
 
     @property
     def head_dim(self) -> int:
@@ -159,9 +161,17 @@ class MLP(nn.Module):
 def _moe(config: GPTConfig) -> nn.Module:
     from parcourse.experts.layer import MoE
 
-    return MoE(config.d_model, config.experts, config.top_k, 4 * config.d_model,
-               config.router, config.capacity_factor, config.aux_loss, config.z_loss,
-               config.bias_rate)  # type: ignore[arg-type]
+    return MoE(
+        config.d_model,
+        config.experts,
+        config.top_k,
+        4 * config.d_model,
+        config.router,
+        config.capacity_factor,
+        config.aux_loss,
+        config.z_loss,
+        config.bias_rate,
+    )  # type: ignore[arg-type]
 
 
 class Block(nn.Module):
@@ -208,15 +218,19 @@ class GPT(nn.Module):
             if name.endswith("bias"):
                 nn.init.zeros_(p)
             elif p.dim() >= 2:
-                std = 0.02 / (2 * self.config.n_layers) ** 0.5 if name.endswith(
-                    ("attn.proj.weight", "mlp.down.weight", "mlp.down_weight")) else 0.02
+                std = (
+                    0.02 / (2 * self.config.n_layers) ** 0.5
+                    if name.endswith(("attn.proj.weight", "mlp.down.weight", "mlp.down_weight"))
+                    else 0.02
+                )
                 nn.init.normal_(p, std=std)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         length = idx.shape[1]
         if length > self.config.block_size:
-            raise ValueError(f"sequence of {length} tokens, longer than block_size "
-                             f"{self.config.block_size}")
+            raise ValueError(
+                f"sequence of {length} tokens, longer than block_size {self.config.block_size}"
+            )
         positions = torch.arange(length, device=idx.device)  # (T,)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))  # (B, T, C)
         for block in self.blocks:
@@ -249,10 +263,14 @@ class GPTEmbedding(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         if idx.shape[1] > self.block_size:
-            raise ValueError(f"sequence of {idx.shape[1]} tokens, longer than block_size "
-                             f"{self.block_size}")
-        positions = (torch.arange(idx.shape[1], device=idx.device) if self.positions is None
-                     else self.positions(idx))
+            raise ValueError(
+                f"sequence of {idx.shape[1]} tokens, longer than block_size {self.block_size}"
+            )
+        positions = (
+            torch.arange(idx.shape[1], device=idx.device)
+            if self.positions is None
+            else self.positions(idx)
+        )
         return self.drop(self.tok_emb(idx) + self.pos_emb(positions))
 
 

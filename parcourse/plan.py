@@ -106,8 +106,7 @@ class ParallelPlan:
 
     def _sizes(self) -> str:
         """'dp 2 x tp 2 x pp 2', and ' x cp 2', ' x ep 2' where those axes are used."""
-        more = "".join(f" x {a} {getattr(self, a)}" for a in ("cp", "ep")
-                       if getattr(self, a) != 1)
+        more = "".join(f" x {a} {getattr(self, a)}" for a in ("cp", "ep") if getattr(self, a) != 1)
         return f"dp {self.dp} x tp {self.tp} x pp {self.pp}{more}"
 
     def schedule_value(self) -> Schedule:
@@ -116,76 +115,104 @@ class ParallelPlan:
 
     # -- the rules
 
-    def problems(self, config: GPTConfig | None = None, batch: int | None = None, *,
-                 world: int | None = None, step: bool = True) -> list[str]:
+    def problems(
+        self,
+        config: GPTConfig | None = None,
+        batch: int | None = None,
+        *,
+        world: int | None = None,
+        step: bool = True,
+    ) -> list[str]:
         """Why this plan cannot run (empty if it can): one sentence each, naming the
         numbers. `config`, `batch` (the global batch, in sequences) and `world` (the ranks
         there are) add the rules that need them; `step`: also what the course's 3D step
         does not run (see the module)."""
-        out = [f"{name} must be a whole number >= 1, got {getattr(self, name)!r}"
-               for name in SIZES if not _whole(getattr(self, name))]
+        out = [
+            f"{name} must be a whole number >= 1, got {getattr(self, name)!r}"
+            for name in SIZES
+            if not _whole(getattr(self, name))
+        ]
         if self.ranks_per_node is not None and not _whole(self.ranks_per_node):
-            out.append(f"ranks per node must be a whole number >= 1, got "
-                       f"{self.ranks_per_node!r}")
+            out.append(f"ranks per node must be a whole number >= 1, got {self.ranks_per_node!r}")
         if out:  # the rules below divide by these sizes
             return out
         if world is not None and self.gpus != world:
             out.append(f"{self._sizes()} is {self.gpus} ranks, not the {world} there are")
         if self.ranks_per_node is not None and self.gpus % self.ranks_per_node:
-            out.append(f"{self.ranks_per_node} ranks per node do not divide the "
-                       f"{self.gpus} ranks")
+            out.append(f"{self.ranks_per_node} ranks per node do not divide the {self.gpus} ranks")
         if self.order not in ORDERS:
             out.append(f"unknown order {self.order!r}; choose one of {', '.join(ORDERS)}")
         if config is not None and config.n_heads % self.tp:
             out.append(f"tp {self.tp} does not divide the {config.n_heads} heads")
-        if (config is not None and self.sequence_parallel
-                and config.block_size % self.tp):
-            out.append(f"tp {self.tp} does not divide the sequence of {config.block_size} "
-                       "tokens (sequence parallelism cuts it)")
+        if config is not None and self.sequence_parallel and config.block_size % self.tp:
+            out.append(
+                f"tp {self.tp} does not divide the sequence of {config.block_size} "
+                "tokens (sequence parallelism cuts it)"
+            )
         out += self._context_problems(config, step)
         out += self._expert_problems(config, step)
         if batch is not None and batch % (self.replicas * self.microbatches):
             ep = f" x ep {self.ep}" if self.ep != 1 else ""
-            out.append(f"the global batch of {batch} does not cut into dp {self.dp}{ep} x "
-                       f"{self.microbatches} microbatches equal parts")
+            out.append(
+                f"the global batch of {batch} does not cut into dp {self.dp}{ep} x "
+                f"{self.microbatches} microbatches equal parts"
+            )
         if self.zero not in ZERO_STAGES:
             out.append(f"ZeRO stage {self.zero!r} does not exist: 0, 1, 2 or 3")
         if self.recompute not in ("none", "selective", "full"):
             out.append(f"recompute {self.recompute!r} is none of none, selective, full")
         elif step and self.recompute == "selective":
-            out.append("the course's 3D step recomputes whole stages (recompute full), not "
-                       "attention's core alone (selective)")
+            out.append(
+                "the course's 3D step recomputes whole stages (recompute full), not "
+                "attention's core alone (selective)"
+            )
         if self.split not in ("layers", "blocks"):
             out.append(f"split {self.split!r} is neither layers nor blocks")
         elif step and self.split == "blocks":
-            out.append("the course's 3D step cuts stages by layer count (split layers), not "
-                       "Megatron-LM's blocks")
+            out.append(
+                "the course's 3D step cuts stages by layer count (split layers), not "
+                "Megatron-LM's blocks"
+            )
         out += self._schedule_problems(config)
         return out
 
     def _context_problems(self, config: GPTConfig | None, step: bool) -> list[str]:
         """Context parallelism's rules (none at cp 1 but a known method)."""
         if self.cp_method not in METHODS:
-            return [f"unknown context-parallel method {self.cp_method!r}; choose one of "
-                    f"{', '.join(METHODS)}"]
+            return [
+                f"unknown context-parallel method {self.cp_method!r}; choose one of "
+                f"{', '.join(METHODS)}"
+            ]
         if self.cp == 1:
             return []
         out = []
         if config is not None and config.block_size < 2 * self.cp:
-            out.append(f"cp {self.cp} cuts a sequence into {2 * self.cp} chunks (two a rank, "
-                       f"balanced for the causal mask): a block of {config.block_size} "
-                       "tokens cannot fill them")
-        if (config is not None and self.cp_method == "ulysses"
-                and config.n_heads % self.tp == 0 and (config.n_heads // self.tp) % self.cp):
-            out.append(f"Ulysses gives each of the cp {self.cp} ranks whole heads: the "
-                       f"{config.n_heads // self.tp} heads a tp rank holds ({config.n_heads} / "
-                       f"tp {self.tp}) do not divide by {self.cp}")
+            out.append(
+                f"cp {self.cp} cuts a sequence into {2 * self.cp} chunks (two a rank, "
+                f"balanced for the causal mask): a block of {config.block_size} "
+                "tokens cannot fill them"
+            )
+        if (
+            config is not None
+            and self.cp_method == "ulysses"
+            and config.n_heads % self.tp == 0
+            and (config.n_heads // self.tp) % self.cp
+        ):
+            out.append(
+                f"Ulysses gives each of the cp {self.cp} ranks whole heads: the "
+                f"{config.n_heads // self.tp} heads a tp rank holds ({config.n_heads} / "
+                f"tp {self.tp}) do not divide by {self.cp}"
+            )
         if config is not None and config.dropout:
-            out.append(f"context parallelism's attention drops no probabilities: the GPT's "
-                       f"dropout must be 0, not {config.dropout}")
+            out.append(
+                f"context parallelism's attention drops no probabilities: the GPT's "
+                f"dropout must be 0, not {config.dropout}"
+            )
         if step and self.sequence_parallel:
-            out.append(f"the course's 3D step cuts the sequence over tp (SP) or over cp "
-                       f"(cp {self.cp}), not both")
+            out.append(
+                f"the course's 3D step cuts the sequence over tp (SP) or over cp "
+                f"(cp {self.cp}), not both"
+            )
         return out
 
     def _expert_problems(self, config: GPTConfig | None, step: bool) -> list[str]:
@@ -193,48 +220,62 @@ class ParallelPlan:
         experts = 0 if config is None else config.experts
         out = []
         if config is not None and self.ep > 1 and not experts:
-            out.append(f"ep {self.ep} cuts the experts of MoE layers, and this GPT has none "
-                       "(GPTConfig(experts=...))")
+            out.append(
+                f"ep {self.ep} cuts the experts of MoE layers, and this GPT has none "
+                "(GPTConfig(experts=...))"
+            )
         if experts and experts % self.ep:
-            out.append(f"{experts} experts do not divide by ep {self.ep}: every rank of an "
-                       "ep group holds the same number of experts")
+            out.append(
+                f"{experts} experts do not divide by ep {self.ep}: every rank of an "
+                "ep group holds the same number of experts"
+            )
         if step and experts and self.sequence_parallel:
-            out.append("the course's 3D step keeps each expert whole on every tp rank, where "
-                       "all see the same tokens: not under sequence parallelism (SP), which "
-                       "gives each tp rank its own")
+            out.append(
+                "the course's 3D step keeps each expert whole on every tp rank, where "
+                "all see the same tokens: not under sequence parallelism (SP), which "
+                "gives each tp rank its own"
+            )
         return out
 
     def _schedule_problems(self, config: GPTConfig | None) -> list[str]:
         if self.schedule not in SCHEDULES:
-            return [f"unknown schedule {self.schedule!r}; choose one of "
-                    f"{', '.join(SCHEDULES)}"]
+            return [f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}"]
         if not SCHEDULES[self.schedule].microbatched and self.microbatches != 1:
-            return [f"{self.schedule} runs the batch whole: one microbatch, not "
-                    f"{self.microbatches}"]
+            return [
+                f"{self.schedule} runs the batch whole: one microbatch, not {self.microbatches}"
+            ]
         try:
             schedule = self.schedule_value()
         except ValueError as e:
             return [str(e)]
         out = []
         if schedule.copy_of or schedule.routes:
-            out.append(f"{self.schedule} holds two copies of every stage, one for each "
-                       "direction: the 3D step and the planner run the other schedules "
-                       "(dualpipe-v holds one copy)")
+            out.append(
+                f"{self.schedule} holds two copies of every stage, one for each "
+                "direction: the 3D step and the planner run the other schedules "
+                "(dualpipe-v holds one copy)"
+            )
         layers = None if config is None else config.n_layers + 2
         if layers is not None and schedule.stages > layers:
-            out.append(f"{self.schedule} on pp {self.pp} has {schedule.stages} stages; the "
-                       f"GPT's {layers} layers (embedding, {layers - 2} blocks, head) cannot "
-                       "fill them")
-        if (config is not None and self.split == "blocks"
-                and config.n_layers % schedule.stages):
-            out.append(f"{schedule.stages} stages do not split {config.n_layers} blocks "
-                       "evenly")
+            out.append(
+                f"{self.schedule} on pp {self.pp} has {schedule.stages} stages; the "
+                f"GPT's {layers} layers (embedding, {layers - 2} blocks, head) cannot "
+                "fill them"
+            )
+        if config is not None and self.split == "blocks" and config.n_layers % schedule.stages:
+            out.append(f"{schedule.stages} stages do not split {config.n_layers} blocks evenly")
         if self.recompute == "full" and schedule.splits_backward:
             out.append(f"{self.schedule} splits backward into I and W: no full recompute")
         return out
 
-    def check(self, config: GPTConfig | None = None, batch: int | None = None, *,
-              world: int | None = None, step: bool = True) -> ParallelPlan:
+    def check(
+        self,
+        config: GPTConfig | None = None,
+        batch: int | None = None,
+        *,
+        world: int | None = None,
+        step: bool = True,
+    ) -> ParallelPlan:
         """This plan, or ValueError with every problem (`problems`), one per line."""
         if problems := self.problems(config, batch, world=world, step=step):
             raise ValueError("; ".join(problems))
@@ -255,10 +296,11 @@ class ParallelPlan:
         extra += [f"recompute {self.recompute}"] if self.recompute != "none" else []
         extra += [f"split {self.split}"] if self.split != "layers" else []
         extra += [f"order {self.order}"] if self.order != "megatron" else []
-        extra += ([f"{self.ranks_per_node}/node"] if self.ranks_per_node is not None
-                  else [])
-        return (f"dp{self.dp} tp{self.tp} pp{self.pp} {self.schedule} m{self.microbatches}"
-                + "".join(f" {e}" for e in extra))
+        extra += [f"{self.ranks_per_node}/node"] if self.ranks_per_node is not None else []
+        return (
+            f"dp{self.dp} tp{self.tp} pp{self.pp} {self.schedule} m{self.microbatches}"
+            + "".join(f" {e}" for e in extra)
+        )
 
     @classmethod
     def parse(cls, text: str) -> ParallelPlan:
@@ -287,9 +329,11 @@ class ParallelPlan:
             elif low in METHODS:
                 fields["cp_method"] = low
             else:
-                raise ValueError(f"cannot read {word!r} in the plan {text!r}; a plan reads "
-                                 "like 'dp2 tp2 pp2 1f1b m4 ZeRO-1 SP' (schedules: "
-                                 f"{', '.join(SCHEDULES)})")
+                raise ValueError(
+                    f"cannot read {word!r} in the plan {text!r}; a plan reads "
+                    "like 'dp2 tp2 pp2 1f1b m4 ZeRO-1 SP' (schedules: "
+                    f"{', '.join(SCHEDULES)})"
+                )
             i += 1
         return cls(**fields)  # type: ignore[arg-type]
 

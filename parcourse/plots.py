@@ -9,7 +9,6 @@ legends and bar helpers; read it by function: timeline, memory (by rank, and
 from __future__ import annotations
 
 import dataclasses
-
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
 
@@ -46,8 +45,12 @@ SPAN_COLORS = {
 ACTION_PHASES = {"F": "forward", "B": "backward", "I": "backward", "W": "backward"}
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
 # Legends go right of the plotted area, never over the data.
-LEGEND_OUTSIDE = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "borderaxespad": 0.0,
-                  "fontsize": 8}
+LEGEND_OUTSIDE = {
+    "loc": "upper left",
+    "bbox_to_anchor": (1.01, 1.0),
+    "borderaxespad": 0.0,
+    "fontsize": 8,
+}
 CATEGORY_COLORS = {
     "params": "#4C72B0",
     "grads": "#DD8452",
@@ -127,8 +130,7 @@ class BarLabels(Artist):
         self.shown: list[str] = []
 
     def add(self, left: float, width: float, y: float, height: float, text: str) -> None:
-        label = Text(left + width / 2, y, text, ha="center", va="center", fontsize=7,
-                     color="white")
+        label = Text(left + width / 2, y, text, ha="center", va="center", fontsize=7, color="white")
         self._bars.append((left, width, height, label))
 
     def draw(self, renderer: RendererBase) -> None:
@@ -148,8 +150,9 @@ class BarLabels(Artist):
         self.stale = False
 
 
-def _visible_parts(bars: list[tuple[float, float, float, float, str | None]]
-                   ) -> list[tuple[float, float, float, float, str]]:
+def _visible_parts(
+    bars: list[tuple[float, float, float, float, str | None]],
+) -> list[tuple[float, float, float, float, str]]:
     """(y, left, width, height, text) of the longest stretch of each labelled bar that no
     later bar in its lane covers: concurrent spans (all-reduces in flight together, a
     collective's steps nested in it) are drawn over each other, and a label belongs where
@@ -184,9 +187,16 @@ def _visible_parts(bars: list[tuple[float, float, float, float, str | None]]
 AXIS_COLORS = {"dp": "C0", "pp": "C1", "tp": "C2", "cp": "C4", "ep": "C5"}
 
 
-def timeline(trace: Trace, ax: Axes | None = None, *, title: str | None = None,
-             label_key: str | None = None, color_by: str | None = None,
-             comm_lane: bool = False, unit: str = "ms") -> Figure:
+def timeline(
+    trace: Trace,
+    ax: Axes | None = None,
+    *,
+    title: str | None = None,
+    label_key: str | None = None,
+    color_by: str | None = None,
+    comm_lane: bool = False,
+    unit: str = "ms",
+) -> Figure:
     """One row per rank, one bar per span, coloured by what it was (span_color_key):
     forward, backward, optimizer or other compute; all-reduce, reduce-scatter, all-gather
     or other communication; idle.
@@ -205,11 +215,21 @@ def timeline(trace: Trace, ax: Axes | None = None, *, title: str | None = None,
     if trace.world_size == 1:
         # One rank has nobody to talk to: its collectives return at once, and a timeline of
         # them alone would be a few microseconds of nothing.
-        title = (f"{title} (one rank: nothing to communicate)" if title
-                 else "one rank: nothing to communicate")
+        title = (
+            f"{title} (one rank: nothing to communicate)"
+            if title
+            else "one rank: nothing to communicate"
+        )
         if not any(s.kind != "comm" for s in trace.spans):
-            ax.text(0.5, 0.5, "one rank: nothing to communicate", ha="center", va="center",
-                    transform=ax.transAxes, fontsize=11)
+            ax.text(
+                0.5,
+                0.5,
+                "one rank: nothing to communicate",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+                fontsize=11,
+            )
             ax.set_axis_off()
             if title:
                 ax.set_title(title, loc="left")
@@ -222,8 +242,9 @@ def timeline(trace: Trace, ax: Axes | None = None, *, title: str | None = None,
     t0 = trace.t0_ns
     end = max((s.end_ns for s in trace.spans), default=t0 + 1)
     span_width = (end - t0) / scale
-    values = sorted({s.meta[color_by] for s in trace.spans if color_by in s.meta}) \
-        if color_by else []
+    values = (
+        sorted({s.meta[color_by] for s in trace.spans if color_by in s.meta}) if color_by else []
+    )
     palette = plt.get_cmap("tab10" if len(values) <= 10 else "tab20")
     color_of = {v: palette(i % palette.N) for i, v in enumerate(values)}
     if color_by == "axis":  # a mesh axis keeps its colour in every figure of the course
@@ -247,16 +268,33 @@ def timeline(trace: Trace, ax: Axes | None = None, *, title: str | None = None,
             used.add(key)
             color = SPAN_COLORS[key]
         if key == "idle":  # an outline, hatched: time nothing ran, not a kind of work
-            ax.barh(y, width, left=left, height=height, facecolor="none", edgecolor=color,
-                    hatch="////", linewidth=0.5, zorder=2 + s.depth)
+            ax.barh(
+                y,
+                width,
+                left=left,
+                height=height,
+                facecolor="none",
+                edgecolor=color,
+                hatch="////",
+                linewidth=0.5,
+                zorder=2 + s.depth,
+            )
         else:
             action = s.meta.get("action")
             # a pipeline's backward kinds apart, whatever the colour: B darker, I darker
             # and dotted, W lighter and hatched (zero-bubble's W's fill the bubble)
             shade = {"B": 0.65, "I": 0.65, "W": 1.35}.get(str(action), 1.0)
-            ax.barh(y, width, left=left, height=height, color=_shaded(color, shade),
-                    hatch={"I": "..", "W": "\\\\"}.get(str(action)),
-                    edgecolor="white", linewidth=0.5, zorder=2 + s.depth)
+            ax.barh(
+                y,
+                width,
+                left=left,
+                height=height,
+                color=_shaded(color, shade),
+                hatch={"I": "..", "W": "\\\\"}.get(str(action)),
+                edgecolor="white",
+                linewidth=0.5,
+                zorder=2 + s.depth,
+            )
         bars.append((y, left, left + width, height, _span_label(s.meta, label_key)))
     for y, left, width, height, text in _visible_parts(bars):
         labels.add(left, width, y, height, text)
@@ -269,20 +307,29 @@ def timeline(trace: Trace, ax: Axes | None = None, *, title: str | None = None,
     others = [a for a in ax.get_shared_x_axes().get_siblings(ax) if a is not ax and a.has_data()]
     ax.set_xlim(0, max([span_width, *(a.dataLim.x1 for a in others)]) * 1.01 or 1)
     handles = [Patch(color=color_of[v], label=f"{color_by} {v}") for v in values]
-    handles += [Patch(facecolor="none", edgecolor=c, hatch="////", label="idle (waiting)")
-                if k == "idle" else Patch(color=c, label=k)
-                for k, c in SPAN_COLORS.items() if k in used]
-    actions = [a for a in ("F", "B", "I", "W")
-               if any(sp.meta.get("action") == a for sp in trace.spans)]
+    handles += [
+        Patch(facecolor="none", edgecolor=c, hatch="////", label="idle (waiting)")
+        if k == "idle"
+        else Patch(color=c, label=k)
+        for k, c in SPAN_COLORS.items()
+        if k in used
+    ]
+    actions = [
+        a for a in ("F", "B", "I", "W") if any(sp.meta.get("action") == a for sp in trace.spans)
+    ]
     if color_by and len(actions) > 1:  # the shades say which part of a microbatch's work
         names = {"F": "forward", "B": "backward", "I": "input grad.", "W": "weight grad."}
-        handles += [Patch(facecolor=_shaded("#808080", {"B": 0.65, "I": 0.65, "W": 1.35}
-                                            .get(a, 1.0)),
-                          hatch={"I": "..", "W": "\\\\"}.get(a), edgecolor="white",
-                          label=f"{a}: {names[a]}") for a in actions]
+        handles += [
+            Patch(
+                facecolor=_shaded("#808080", {"B": 0.65, "I": 0.65, "W": 1.35}.get(a, 1.0)),
+                hatch={"I": "..", "W": "\\\\"}.get(a),
+                edgecolor="white",
+                label=f"{a}: {names[a]}",
+            )
+            for a in actions
+        ]
     rows = max(1, (trace.world_size * 3) // 2 + 2)  # entries that fit beside the bars
-    ax.legend(handles=handles, frameon=False, ncols=-(-len(handles) // rows) or 1,
-              **LEGEND_OUTSIDE)
+    ax.legend(handles=handles, frameon=False, ncols=-(-len(handles) // rows) or 1, **LEGEND_OUTSIDE)
     ax.grid(axis="x", alpha=0.3)
     if title:
         ax.set_title(title, loc="left")
@@ -292,9 +339,14 @@ def timeline(trace: Trace, ax: Axes | None = None, *, title: str | None = None,
 PLACEMENTS = ("device", "host", "disk")
 
 
-def placement(per_config: Mapping[str, Mapping[str, Mapping[str, float]]], params: int,
-              formulas: Mapping[str, Mapping[str, Mapping[str, float]] | None] | None = None,
-              ax: Axes | None = None, *, title: str | None = None) -> Figure:
+def placement(
+    per_config: Mapping[str, Mapping[str, Mapping[str, float]]],
+    params: int,
+    formulas: Mapping[str, Mapping[str, Mapping[str, float]] | None] | None = None,
+    ax: Axes | None = None,
+    *,
+    title: str | None = None,
+) -> Figure:
     """Bytes per parameter by where they live: for each configuration, a bar for the
     device, the host and the disk, stacked by category ({label: {placement: {category:
     bytes}}}, as `zero.bytes_by_placement` gives them). `formulas` (same shape) are drawn
@@ -306,8 +358,15 @@ def placement(per_config: Mapping[str, Mapping[str, Mapping[str, float]]], param
         for j, where in enumerate(PLACEMENTS):
             x = g + (j - 1) * 0.27
             _stacked_bar(ax, x, 0.25, per_config[label].get(where, {}), params, used)
-            ax.text(x, -0.02, where, ha="center", va="top", fontsize=7,
-                    transform=ax.get_xaxis_transform())
+            ax.text(
+                x,
+                -0.02,
+                where,
+                ha="center",
+                va="top",
+                fontsize=7,
+                transform=ax.get_xaxis_transform(),
+            )
             formula = (formulas or {}).get(label)
             if formula:
                 want = sum(formula.get(where, {}).values()) / params
@@ -315,13 +374,13 @@ def placement(per_config: Mapping[str, Mapping[str, Mapping[str, float]]], param
     ax.set_xticks(range(len(labels)), [textwrap.fill(label, 16) for label in labels])
     ax.tick_params(axis="x", pad=14)
     ax.set_ylabel("bytes per parameter")
-    _category_legend(ax, used, "formula" if formulas and any(formulas.values()) else None,
-                     title)
+    _category_legend(ax, used, "formula" if formulas and any(formulas.values()) else None, title)
     return fig
 
 
-def _stacked_bar(ax: Axes, x: float, width: float, by_category: Mapping[str, float],
-                 div: float, used: set[str]) -> None:
+def _stacked_bar(
+    ax: Axes, x: float, width: float, by_category: Mapping[str, float], div: float, used: set[str]
+) -> None:
     """One bar, its bytes stacked by category (each divided by `div`), in CATEGORIES'
     order; the categories drawn are added to `used`, for the legend."""
     bottom = 0.0
@@ -344,8 +403,14 @@ def _category_legend(ax: Axes, used: set[str], line: str | None, title: str | No
         ax.set_title(title)
 
 
-def memory(trace: Trace, ax: Axes | None = None, *, labels: Sequence[str] | None = None,
-           theory: Mapping[str, float] | None = None, title: str | None = None) -> Figure:
+def memory(
+    trace: Trace,
+    ax: Axes | None = None,
+    *,
+    labels: Sequence[str] | None = None,
+    theory: Mapping[str, float] | None = None,
+    title: str | None = None,
+) -> Figure:
     """Bytes per rank, stacked by category, at each named memory sample.
 
     Groups of bars, one group per label (e.g. "after forward"), one bar per
@@ -365,11 +430,25 @@ def memory(trace: Trace, ax: Axes | None = None, *, labels: Sequence[str] | None
             x = g - 0.4 + width * (rank + 0.5)
             _stacked_bar(ax, x, width * 0.9, sample.bytes, div, used)
             if n <= 8:  # "r0" under each bar; past 4 ranks the number alone (they touch)
-                ax.text(x, -0.02, f"r{rank}" if n <= 4 else str(rank), ha="center",
-                        va="top", fontsize=7, transform=ax.get_xaxis_transform())
+                ax.text(
+                    x,
+                    -0.02,
+                    f"r{rank}" if n <= 4 else str(rank),
+                    ha="center",
+                    va="top",
+                    fontsize=7,
+                    transform=ax.get_xaxis_transform(),
+                )
         if theory and label in theory:
-            ax.hlines(theory[label] / div, g - 0.42, g + 0.42, colors="black", linestyles="--",
-                      zorder=5, label="theory" if g == 0 else None)
+            ax.hlines(
+                theory[label] / div,
+                g - 0.42,
+                g + 0.42,
+                colors="black",
+                linestyles="--",
+                zorder=5,
+                label="theory" if g == 0 else None,
+            )
     # Two short lines rather than one long one: side-by-side plots leave little room.
     ax.set_xticks(range(len(labels)), [textwrap.fill(label, 12) for label in labels])
     ax.tick_params(axis="x", pad=14)
@@ -384,9 +463,13 @@ def memory(trace: Trace, ax: Axes | None = None, *, labels: Sequence[str] | None
 GPU_MEMORY_GB = {"RTX 4090": 24, "A100 / H100": 80, "H200": 141, "MI300X / B200": 192}
 
 
-def memory_against_gpus(per_rank: Mapping[str, float], ax: Axes | None = None, *,
-                        gpus: Mapping[str, float] = GPU_MEMORY_GB,
-                        title: str | None = None) -> Figure:
+def memory_against_gpus(
+    per_rank: Mapping[str, float],
+    ax: Axes | None = None,
+    *,
+    gpus: Mapping[str, float] = GPU_MEMORY_GB,
+    title: str | None = None,
+) -> Figure:
     """Bytes per rank as one bar per category and their stacked total, beside the memory
     of real GPUs (horizontal lines, in GiB): does it fit? Under a GiB a rank, in the unit
     that fits (a few bytes would read 9.31e-07 GiB), and no GPU is near it to draw."""
@@ -399,22 +482,44 @@ def memory_against_gpus(per_rank: Mapping[str, float], ax: Axes | None = None, *
         gpus = {}
     for i, (name, value) in enumerate(zip(names, values)):
         ax.bar(i, value, 0.6, color=CATEGORY_COLORS.get(name, "#8C8C8C"))
-        ax.annotate(f"{value:.3g}", (i, value), ha="center", va="bottom", fontsize=8,
-                    xytext=(0, 2), textcoords="offset points")
+        ax.annotate(
+            f"{value:.3g}",
+            (i, value),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+            xytext=(0, 2),
+            textcoords="offset points",
+        )
     bottom = 0.0
     for name, value in zip(names, values):
         ax.bar(len(names), value, 0.6, bottom=bottom, color=CATEGORY_COLORS.get(name, "#8C8C8C"))
         bottom += value
-    ax.annotate(f"{total:.3g}", (len(names), total), ha="center", va="bottom", fontsize=8,
-                fontweight="bold", xytext=(0, 2), textcoords="offset points")
+    ax.annotate(
+        f"{total:.3g}",
+        (len(names), total),
+        ha="center",
+        va="bottom",
+        fontsize=8,
+        fontweight="bold",
+        xytext=(0, 2),
+        textcoords="offset points",
+    )
     # Up to the first GPU it fits on, so the chart shows how much room is left.
     fits = [size for size in sorted(gpus.values()) if size >= total]
     top = max(total * 1.15, (fits[0] if fits else 0) * 1.1)
     for name, size in gpus.items():
         if size <= top:
             ax.axhline(size, color="black", linestyle=":", linewidth=1)
-            ax.annotate(f"{name} {size:g} GB", (1.0, size), xycoords=("axes fraction", "data"),
-                        xytext=(4, 0), textcoords="offset points", va="center", fontsize=8)
+            ax.annotate(
+                f"{name} {size:g} GB",
+                (1.0, size),
+                xycoords=("axes fraction", "data"),
+                xytext=(4, 0),
+                textcoords="offset points",
+                va="center",
+                fontsize=8,
+            )
     ax.set_ylim(0, top)
     ax.set_xticks(range(len(names) + 1), [*names, "total"])
     ax.set_ylabel(f"per rank ({unit})")
@@ -424,8 +529,12 @@ def memory_against_gpus(per_rank: Mapping[str, float], ax: Axes | None = None, *
     return fig
 
 
-def tensors_before_after(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor],
-                         title: str = "", fig: Figure | None = None) -> Figure:
+def tensors_before_after(
+    before: Sequence[torch.Tensor],
+    after: Sequence[torch.Tensor],
+    title: str = "",
+    fig: Figure | None = None,
+) -> Figure:
     """Each rank's tensor before and after a collective, one row per rank.
 
     Cells are coloured by value and show it, so the learner sees what moved
@@ -441,15 +550,18 @@ def tensors_before_after(before: Sequence[torch.Tensor], after: Sequence[torch.T
     values = [t.float().flatten() for t in [*before, *after] if t.numel()]
     lo = float(min(v.min() for v in values)) if values else 0.0
     hi = float(max(v.max() for v in values)) if values else 1.0
-    for ax, tensors, name, width, ratio in zip(axes, (before, after), ("before", "after"),
-                                              widths, ratios):
+    for ax, tensors, name, width, ratio in zip(
+        axes, (before, after), ("before", "after"), widths, ratios
+    ):
         grid = np.full((rows, width), np.nan)
         for r, t in enumerate(tensors):
             flat = t.detach().float().flatten().numpy()
             grid[r, : flat.size] = flat
         ax.imshow(grid, cmap="viridis", vmin=lo, vmax=hi if hi > lo else lo + 1, aspect="auto")
-        texts = [[f"{v:g}" if isinstance(v, float) else str(v)
-                  for v in t.detach().flatten().tolist()] for t in tensors]
+        texts = [
+            [f"{v:g}" if isinstance(v, float) else str(v) for v in t.detach().flatten().tolist()]
+            for t in tensors
+        ]
         # A cell's width in points, and the font that fits its longest value in it (values
         # in cells too narrow for 5 points are left to the colours): at 8 ranks an
         # all_gather's row is 8 times as long, and its numbers must not run together.
@@ -461,8 +573,15 @@ def tensors_before_after(before: Sequence[torch.Tensor], after: Sequence[torch.T
                 break
             for i, (v, text) in enumerate(zip(t.detach().flatten().tolist(), row)):
                 shade = (v - lo) / (hi - lo) if hi > lo else 0.0
-                ax.text(i, r, text, ha="center", va="center", fontsize=size,
-                        color="black" if shade > 0.6 else "white")
+                ax.text(
+                    i,
+                    r,
+                    text,
+                    ha="center",
+                    va="center",
+                    fontsize=size,
+                    color="black" if shade > 0.6 else "white",
+                )
         ax.set_yticks(range(rows), [f"rank {r}" for r in range(rows)])
         ax.set_xticks([])
         ax.set_title(name, fontsize=10)
@@ -475,10 +594,15 @@ def _width(tensors: Sequence[torch.Tensor]) -> int:
     return max((t.numel() for t in tensors), default=1)
 
 
-def bandwidth(sizes: Sequence[int], measured: Mapping[str, Sequence[float]],
-              models: Mapping[str, Callable[[int], float]] | None = None,
-              ax: Axes | None = None, *, ceiling: float | None = None,
-              title: str | None = None) -> Figure:
+def bandwidth(
+    sizes: Sequence[int],
+    measured: Mapping[str, Sequence[float]],
+    models: Mapping[str, Callable[[int], float]] | None = None,
+    ax: Axes | None = None,
+    *,
+    ceiling: float | None = None,
+    title: str | None = None,
+) -> Figure:
     """Bus bandwidth against message size, measured (dots) beside a model (lines).
 
     `measured` maps an algorithm to its busbw in bytes/s at each size; `models`
@@ -491,8 +615,14 @@ def bandwidth(sizes: Sequence[int], measured: Mapping[str, Sequence[float]],
         color = f"C{i}"
         ax.plot(sizes, np.asarray(values) / 1e9, "o", color=color, label=f"{algo} (measured)")
         if models and algo in models:
-            ax.plot(dense, [models[algo](int(s)) / 1e9 for s in dense], "-", color=color,
-                    alpha=0.7, label=f"{algo} (alpha-beta model)")
+            ax.plot(
+                dense,
+                [models[algo](int(s)) / 1e9 for s in dense],
+                "-",
+                color=color,
+                alpha=0.7,
+                label=f"{algo} (alpha-beta model)",
+            )
     if ceiling:
         ax.axhline(ceiling / 1e9, color="black", linestyle=":", label="link (p2p) bandwidth")
     ax.set_xscale("log", base=2)
@@ -522,8 +652,9 @@ def count(n: int, noun: str, plural: str | None = None) -> str:
     return f"{n} {plural or (noun + 'es' if noun.endswith(('ch', 'sh', 's', 'x')) else noun + 's')}"
 
 
-def device_turns(runs: Mapping[str, Mapping[str, object]], ax: Axes | None = None, *,
-                 title: str | None = None) -> Figure:
+def device_turns(
+    runs: Mapping[str, Mapping[str, object]], ax: Axes | None = None, *, title: str | None = None
+) -> Figure:
     """One rank's device over one step of each run, beside the all-to-all it waited for:
     for each label (a schedule), a row of the turn held (forward, backward) and under it a
     row of the all-to-all waits, grey where the other thread computed beside them (hidden),
@@ -538,24 +669,38 @@ def device_turns(runs: Mapping[str, Mapping[str, object]], ax: Axes | None = Non
         held = [(k, s, e) for k, s, e in run["held"] if e > t0]  # type: ignore[attr-defined]
         waits = [(s, e) for s, e in run["waits"] if e > t0]  # type: ignore[attr-defined]
         for phase in {ACTION_PHASES[kind] for kind, _, _ in held}:  # one call a colour
-            ax.broken_barh([((s - t0) * 1e3, (e - s) * 1e3) for kind, s, e in held
-                            if ACTION_PHASES[kind] == phase], (y + 0.55, 0.4),
-                           color=SPAN_COLORS[phase])
-        ax.broken_barh([((s - t0) * 1e3, (e - s) * 1e3) for s, e in waits], (y + 0.05, 0.4),
-                       color=SPAN_COLORS["idle"])
+            ax.broken_barh(
+                [
+                    ((s - t0) * 1e3, (e - s) * 1e3)
+                    for kind, s, e in held
+                    if ACTION_PHASES[kind] == phase
+                ],
+                (y + 0.55, 0.4),
+                color=SPAN_COLORS[phase],
+            )
+        ax.broken_barh(
+            [((s - t0) * 1e3, (e - s) * 1e3) for s, e in waits],
+            (y + 0.05, 0.4),
+            color=SPAN_COLORS["idle"],
+        )
         idle = uncovered(waits, [(s, e) for _, s, e in held])
-        ax.broken_barh([((s - t0) * 1e3, (e - s) * 1e3) for s, e in idle], (y + 0.05, 0.4),
-                       color="#C44E52")
+        ax.broken_barh(
+            [((s - t0) * 1e3, (e - s) * 1e3) for s, e in idle], (y + 0.05, 0.4), color="#C44E52"
+        )
         rows += [(y + 0.25, f"{label}: all-to-all"), (y + 0.75, f"{label}: device")]
         y += 1.2
     ax.set_yticks([r for r, _ in rows], [t for _, t in rows])
     ax.invert_yaxis()
     ax.set_xlabel("ms into the step")
-    ax.legend(handles=[Patch(color=SPAN_COLORS["forward"], label="forward"),
-                       Patch(color=SPAN_COLORS["backward"], label="backward"),
-                       Patch(color=SPAN_COLORS["idle"], label="all-to-all, hidden"),
-                       Patch(color="#C44E52", label="all-to-all, exposed")],
-              **LEGEND_OUTSIDE)
+    ax.legend(
+        handles=[
+            Patch(color=SPAN_COLORS["forward"], label="forward"),
+            Patch(color=SPAN_COLORS["backward"], label="backward"),
+            Patch(color=SPAN_COLORS["idle"], label="all-to-all, hidden"),
+            Patch(color="#C44E52", label="all-to-all, exposed"),
+        ],
+        **LEGEND_OUTSIDE,
+    )
     if title:
         ax.set_title(title)
     return fig

@@ -27,8 +27,14 @@ if TYPE_CHECKING:
 # ------------------------------------------------------------------------ collectives (lesson 01)
 
 
-def bytes_sent_per_rank(algo: Literal["ring", "naive"], nbytes: int, world_size: int,
-                        rank: int = 0, root: int = 0, itemsize: int | None = None) -> float:
+def bytes_sent_per_rank(
+    algo: Literal["ring", "naive"],
+    nbytes: int,
+    world_size: int,
+    rank: int = 0,
+    root: int = 0,
+    itemsize: int | None = None,
+) -> float:
     """Theory: bytes one rank sends in one all-reduce of `nbytes`.
 
     ring: 2(N-1)/N x S on every rank; naive: (N-1) x S at the root, S elsewhere.
@@ -82,8 +88,9 @@ def _shape(algo: str, nbytes: float, n: int) -> tuple[int, float]:
     return 2, 2 * (n - 1) * float(nbytes)
 
 
-def fit_cost_model(algo: Literal["ring", "naive"], world_size: int, sizes: Sequence[int],
-                   seconds: Sequence[float]) -> CostModel:
+def fit_cost_model(
+    algo: Literal["ring", "naive"], world_size: int, sizes: Sequence[int], seconds: Sequence[float]
+) -> CostModel:
     """Fit alpha and beta of `CostModel.all_reduce_s` to measured times by least squares.
 
     t = latencies x alpha + bytes x (1/beta) is linear in (alpha, 1/beta). Needs
@@ -129,9 +136,13 @@ def adam_bytes_per_param(param_dtype: torch.dtype = torch.float32) -> dict[str, 
     return {"params": size, "grads": size, "optimizer": 12}
 
 
-def zero_bytes(num_params: float, world_size: int, stage: int,
-               param_dtype: torch.dtype = torch.float32,
-               grad_shard_dtype: torch.dtype = torch.float32) -> dict[str, float]:
+def zero_bytes(
+    num_params: float,
+    world_size: int,
+    stage: int,
+    param_dtype: torch.dtype = torch.float32,
+    grad_shard_dtype: torch.dtype = torch.float32,
+) -> dict[str, float]:
     """Theory: bytes per rank for parameters, gradients and Adam state under ZeRO.
 
     stage 0 is plain data parallelism (everything replicated); stage 1 divides
@@ -150,15 +161,22 @@ def zero_bytes(num_params: float, world_size: int, stage: int,
     n = world_size
     return {
         "params": num_params * per["params"] / (n if stage >= 3 else 1),
-        "grads": num_params * per["grads"] if stage < 2 else
-        num_params * torch.empty((), dtype=grad_shard_dtype).element_size() / n,
+        "grads": num_params * per["grads"]
+        if stage < 2
+        else num_params * torch.empty((), dtype=grad_shard_dtype).element_size() / n,
         "optimizer": num_params * per["optimizer"] / (n if stage >= 1 else 1),
     }
 
 
-def offload_bytes(num_params: int, world_size: int, stage: int, *,
-                  offload_params: bool = False, nvme: bool = False,
-                  param_dtype: torch.dtype = torch.bfloat16) -> dict[str, dict[str, float]]:
+def offload_bytes(
+    num_params: int,
+    world_size: int,
+    stage: int,
+    *,
+    offload_params: bool = False,
+    nvme: bool = False,
+    param_dtype: torch.dtype = torch.bfloat16,
+) -> dict[str, dict[str, float]]:
     """Theory: bytes per rank by placement (device, host, disk) and category under
     ZeRO-Offload (arXiv:2101.06840), right after an Adam step (before zero_grad).
 
@@ -175,19 +193,31 @@ def offload_bytes(num_params: int, world_size: int, stage: int, *,
         raise ValueError("offload_params is stage 3's")
     n = world_size
     half = torch.empty((), dtype=param_dtype).element_size()
-    device = {"params": 0.0 if offload_params else
-              num_params * half / (n if stage == 3 else 1), "grads": 0.0, "optimizer": 0.0}
-    host = {"params": num_params * half / n if offload_params else 0.0,
-            "grads": num_params * 4 / n,
-            "optimizer": num_params * (4 if nvme else 12) / n}
+    device = {
+        "params": 0.0 if offload_params else num_params * half / (n if stage == 3 else 1),
+        "grads": 0.0,
+        "optimizer": 0.0,
+    }
+    host = {
+        "params": num_params * half / n if offload_params else 0.0,
+        "grads": num_params * 4 / n,
+        "optimizer": num_params * (4 if nvme else 12) / n,
+    }
     disk = {"optimizer": num_params * 8 / n if nvme else 0.0}
     return {"device": device, "host": host, "disk": disk}
 
 
-def zero_pp_bytes_across(units: list[tuple[int, int]], world_size: int, ranks_per_node: int,
-                         *, quantized_weights: bool = False, hpz: bool = False,
-                         quantized_gradients: bool = False, block: int = 256,
-                         dtype_bytes: int = 4) -> dict[str, int]:
+def zero_pp_bytes_across(
+    units: list[tuple[int, int]],
+    world_size: int,
+    ranks_per_node: int,
+    *,
+    quantized_weights: bool = False,
+    hpz: bool = False,
+    quantized_gradients: bool = False,
+    block: int = 256,
+    dtype_bytes: int = 4,
+) -> dict[str, int]:
     """Theory: bytes that cross nodes in one ZeRO-3 step, summed over ranks, for units
     given as (part_numel, parameters) (each rank's part of a unit's buffer, and how many
     parameters it holds: their used-flags travel with the gradients).
@@ -213,8 +243,12 @@ def zero_pp_bytes_across(units: list[tuple[int, int]], world_size: int, ranks_pe
         grads = sum(n * (n // k - 1) * (int8(p) + 4 * f) for p, f in units)
     else:
         grads = sum(hops * (p + f) * dtype_bytes for p, f in units)
-    return {"forward": forward, "backward": backward, "gradients": grads,
-            "total": forward + backward + grads}
+    return {
+        "forward": forward,
+        "backward": backward,
+        "gradients": grads,
+        "total": forward + backward + grads,
+    }
 
 
 def zero_checked_at(stage: int) -> dict[str, str]:
@@ -300,18 +334,24 @@ def tp_parameter_bytes(config: GPTConfig, world_size: int, ep: int = 1) -> dict[
     per_block = (3 * c * c + 3 * c) + c * c + (0 if config.experts else mlp)
     vocab_rows = math.ceil(config.vocab / n) * c * (1 if config.tie_weights else 2)
     sharded = layers * per_block // n + vocab_rows
-    replicated = layers * (2 * 2 * c + c + (0 if config.experts else c)) \
-        + config.block_size * c + 2 * c
+    replicated = (
+        layers * (2 * 2 * c + c + (0 if config.experts else c)) + config.block_size * c + 2 * c
+    )
     experts = 0
     if config.experts:
         replicated += layers * config.experts * c  # the routers
         experts = layers * (config.experts // ep) * (mlp + c)
-    return {"sharded": 4 * sharded, "replicated": 4 * replicated, "experts": 4 * experts,
-            "total": 4 * (sharded + replicated + experts)}
+    return {
+        "sharded": 4 * sharded,
+        "replicated": 4 * replicated,
+        "experts": 4 * experts,
+        "total": 4 * (sharded + replicated + experts),
+    }
 
 
-def mesh_bytes(config: GPTConfig, shape: dict[str, int], zero: int = 0,
-               stages_per_rank: int = 1) -> dict[str, float]:
+def mesh_bytes(
+    config: GPTConfig, shape: dict[str, int], zero: int = 0, stages_per_rank: int = 1
+) -> dict[str, float]:
     """Theory: bytes per rank for parameters, gradients and Adam state of the GPT on a
     dp x tp x pp mesh (fp32), for stages that balance: a rank holds its tensor-parallel
     share (`tp_parameter_bytes`) of 1/pp of the model, where a tied embedding and head
@@ -339,12 +379,17 @@ def mesh_bytes(config: GPTConfig, shape: dict[str, int], zero: int = 0,
     shard = dense / (dp * ep) + experts / dp  # this rank's rows, under ZeRO
     optimizer = 2 * (shard if zero else params)
     grads = params if zero < 2 else params / stages_per_rank + shard
-    return {"params": shard if zero == 3 else params, "grads": grads,
-            "optimizer": optimizer}
+    return {"params": shard if zero == 3 else params, "grads": grads, "optimizer": optimizer}
 
 
-def tp_activation_bytes(config: GPTConfig, batch: int, seq: int, world_size: int,
-                        sequence_parallel: bool = False, ring: bool = False) -> dict[str, int]:
+def tp_activation_bytes(
+    config: GPTConfig,
+    batch: int,
+    seq: int,
+    world_size: int,
+    sequence_parallel: bool = False,
+    ring: bool = False,
+) -> dict[str, int]:
     """Theory: bytes autograd keeps for backward on each rank, the forward of the split
     GPT to its logits in training mode (the loss not included), by where they are kept.
 
@@ -372,22 +417,37 @@ def tp_activation_bytes(config: GPTConfig, batch: int, seq: int, world_size: int
         "layer norms, dropout masks": 2 * layer_norm + (2 * stream if drop else 0),
         "inputs of qkv and mlp.up (whole)": 2 * 4 * b * t * c,
         "split over ranks": 4 * b * t * (c // n) * (3 + 1 + 4 + 4)  # q, k, v; proj; up, down
-        + (4 * b * heads * t * (c // config.n_heads + 1) if ring  # the ring's output, lse
-           else 4 * b * heads * t * t * (1 + (1 + 1 / 4 if drop else 0))),  # softmax; dropout
+        + (
+            4 * b * heads * t * (c // config.n_heads + 1)
+            if ring  # the ring's output, lse
+            else 4 * b * heads * t * t * (1 + (1 + 1 / 4 if drop else 0))
+        ),  # softmax; dropout
     }
     per_block["split over ranks"] = int(per_block["split over ranks"])
     result = {k: config.n_layers * v for k, v in per_block.items()}
     result["embeddings, ln_f, head"] = (
-        b * t * (8 + 1) + 8 * t  # vocab-parallel lookup: local ids and mask; positions
-        + (stream if drop else 0) + layer_norm + 4 * b * t * c)  # dropout; ln_f; head input
+        b * t * (8 + 1)
+        + 8 * t  # vocab-parallel lookup: local ids and mask; positions
+        + (stream if drop else 0)
+        + layer_norm
+        + 4 * b * t * c
+    )  # dropout; ln_f; head input
     result["total"] = sum(result.values())
     return result
 
 
-def gpt_layer_bytes(config: GPTConfig, layer: int, tp: int = 1, *, batch: int = 1,
-                    sequence_parallel: bool = False, pipelined: bool = False,
-                    seq: int | None = None, ring: bool = False, ep: int = 1
-                    ) -> dict[str, int]:
+def gpt_layer_bytes(
+    config: GPTConfig,
+    layer: int,
+    tp: int = 1,
+    *,
+    batch: int = 1,
+    sequence_parallel: bool = False,
+    pipelined: bool = False,
+    seq: int | None = None,
+    ring: bool = False,
+    ep: int = 1,
+) -> dict[str, int]:
     """Theory, layer by layer: fp32 bytes of one layer of the course's GPT on a rank of a
     tp group, as the pipeline cuts it (`gpt_layers`: layer 0 the embeddings, 1..L the
     blocks, L + 1 ln_f, the head and the loss): its parameters, and what autograd keeps
@@ -410,14 +470,21 @@ def gpt_layer_bytes(config: GPTConfig, layer: int, tp: int = 1, *, batch: int = 
         raise ValueError(f"layer {layer} is not one of the GPT's {config.n_layers + 2}")
     c, n, t, b = config.d_model, tp, config.block_size if seq is None else seq, batch
     vocab_rows = math.ceil(config.vocab / n) * c
-    per_block_params = ((3 * c * c + 3 * c) + c * c + (4 * c * c + 4 * c) + 4 * c * c) // n \
-        + (2 * 2 * c + c + c)  # split; LayerNorms and the row-parallel layers' biases
-    acts = tp_activation_bytes(dataclasses.replace(config, n_layers=1), b, t, n,
-                               sequence_parallel, ring)
+    per_block_params = ((3 * c * c + 3 * c) + c * c + (4 * c * c + 4 * c) + 4 * c * c) // n + (
+        2 * 2 * c + c + c
+    )  # split; LayerNorms and the row-parallel layers' biases
+    acts = tp_activation_bytes(
+        dataclasses.replace(config, n_layers=1), b, t, n, sequence_parallel, ring
+    )
     block_acts = acts["total"] - acts["embeddings, ln_f, head"]
     if config.experts:  # attention split, the norms and proj's bias, router, experts
-        per_block_params = (3 * c * c + 3 * c + c * c) // n + 2 * 2 * c + c \
-            + c * config.experts + expert_bytes(config, ep, 1)["params"] // config.n_layers
+        per_block_params = (
+            (3 * c * c + 3 * c + c * c) // n
+            + 2 * 2 * c
+            + c
+            + c * config.experts
+            + expert_bytes(config, ep, 1)["params"] // config.n_layers
+        )
         block_acts += moe_activation_bytes(config, b * t, ep) - 4 * b * t * (c // n) * 8
     cut = n if sequence_parallel else 1
     stream = b * (t // cut) * c
@@ -439,9 +506,16 @@ def gpt_layer_bytes(config: GPTConfig, layer: int, tp: int = 1, *, batch: int = 
     return {"params": 4 * params, "activations": held, "loss": loss}
 
 
-def korthikanti_layer_bytes(config: GPTConfig, layer: int, tp: int = 1, *, batch: int = 1,
-                            sequence_parallel: bool = False, pipelined: bool = False,
-                            selective: bool = False) -> dict[str, float]:
+def korthikanti_layer_bytes(
+    config: GPTConfig,
+    layer: int,
+    tp: int = 1,
+    *,
+    batch: int = 1,
+    sequence_parallel: bool = False,
+    pipelined: bool = False,
+    selective: bool = False,
+) -> dict[str, float]:
     """Theory for 16-bit training, layer by layer as `gpt_layer_bytes` (whose "params",
     fp32 bytes of the layer's numbers, it shares): the activations one microbatch keeps,
     from Korthikanti et al. 2022 (arXiv:2205.05198, Table 2) with s the sequence, b the
@@ -461,16 +535,21 @@ def korthikanti_layer_bytes(config: GPTConfig, layer: int, tp: int = 1, *, batch
         held = s * b * h / cut if config.dropout > 0 else 0.0
     elif layer <= config.n_layers:
         attention = 0.0 if selective else 5 * a * s * s * b / t
-        held = (34 * s * b * h / t if sequence_parallel
-                else s * b * h * (10 + 24 / t)) + attention
+        held = (34 * s * b * h / t if sequence_parallel else s * b * h * (10 + 24 / t)) + attention
     else:
         loss = 4 * s * b * config.vocab / t
         held = 4 * s * b * h / cut + loss
     return {"params": params, "activations": held, "loss": loss}
 
 
-def tp_collectives(config: GPTConfig, batch: int, seq: int, world_size: int,
-                   sequence_parallel: bool = False, loss: bool = True) -> list[TPCollective]:
+def tp_collectives(
+    config: GPTConfig,
+    batch: int,
+    seq: int,
+    world_size: int,
+    sequence_parallel: bool = False,
+    loss: bool = True,
+) -> list[TPCollective]:
     """Theory: every collective of one training step of one microbatch on each rank
     without a pipeline (with one, `tp_stage_collectives`), as the tracer records them
     (op, phase, where, bytes of the whole tensor).
@@ -485,16 +564,24 @@ def tp_collectives(config: GPTConfig, batch: int, seq: int, world_size: int,
     if world_size == 1:
         return []
     act = 4 * batch * seq * config.d_model  # bytes of a (B, T, C) activation
-    column = ["head"] + [f"blocks.{i}.{m}" for i in range(config.n_layers)
-                         for m in ("attn.qkv", "mlp.up")]
-    row = ["tok_emb"] + [f"blocks.{i}.{m}" for i in range(config.n_layers)
-                         for m in ("attn.proj", "mlp.down")]
+    column = ["head"] + [
+        f"blocks.{i}.{m}" for i in range(config.n_layers) for m in ("attn.qkv", "mlp.up")
+    ]
+    row = ["tok_emb"] + [
+        f"blocks.{i}.{m}" for i in range(config.n_layers) for m in ("attn.proj", "mlp.down")
+    ]
     out: list[TPCollective] = []
     if sequence_parallel:
-        out += [(op, phase, w, act) for w in column
-                for op, phase in (("all_gather", "forward"), ("reduce_scatter", "backward"))]
-        out += [(op, phase, w, act) for w in row
-                for op, phase in (("reduce_scatter", "forward"), ("all_gather", "backward"))]
+        out += [
+            (op, phase, w, act)
+            for w in column
+            for op, phase in (("all_gather", "forward"), ("reduce_scatter", "backward"))
+        ]
+        out += [
+            (op, phase, w, act)
+            for w in row
+            for op, phase in (("reduce_scatter", "forward"), ("all_gather", "backward"))
+        ]
         # Per block two LayerNorms (weight, bias) and the biases of attn.proj and mlp.down;
         # ln_f; the position embedding: one all-reduce of them all.
         replicated = (6 * config.n_layers + 2 + config.block_size) * config.d_model
@@ -507,10 +594,16 @@ def tp_collectives(config: GPTConfig, batch: int, seq: int, world_size: int,
     return sorted(out)
 
 
-def tp_stage_collectives(config: GPTConfig, stages: list[list[int]], batch: int, seq: int,
-                         world_size: int, sequence_parallel: bool = False,
-                         recompute: bool = False, megatron: bool = False
-                         ) -> list[dict[str, list[TPCollective]]]:
+def tp_stage_collectives(
+    config: GPTConfig,
+    stages: list[list[int]],
+    batch: int,
+    seq: int,
+    world_size: int,
+    sequence_parallel: bool = False,
+    recompute: bool = False,
+    megatron: bool = False,
+) -> list[dict[str, list[TPCollective]]]:
     """Theory: `tp_collectives` of one microbatch cut by pipeline stage (`stages`: the
     layers each holds, 0 the embeddings, 1..L the blocks, L + 1 the head), and by the
     action that runs them, "F" (forward) and "B" (backward), with "step": those run once a
@@ -538,8 +631,13 @@ def tp_stage_collectives(config: GPTConfig, stages: list[list[int]], batch: int,
         if where == "replicated grads":
             replicated.append(c)
             continue
-        layer = (0 if where == "tok_emb" else int(where.split(".")[1]) + 1
-                 if where.startswith("blocks.") else config.n_layers + 1)  # head, loss
+        layer = (
+            0
+            if where == "tok_emb"
+            else int(where.split(".")[1]) + 1
+            if where.startswith("blocks.")
+            else config.n_layers + 1
+        )  # head, loss
         mine = by_layer.setdefault(layer, {"F": [], "B": []})
         mine["F" if c[1] == "forward" else "B"].append(c)
         again = 1 <= layer <= config.n_layers if megatron else where != "cross entropy"
@@ -547,23 +645,27 @@ def tp_stage_collectives(config: GPTConfig, stages: list[list[int]], batch: int,
             mine["B"].append(c)
     out: list[dict[str, list[TPCollective]]] = []
     for held in stages:
-        mine = {kind: [c for lay in held for c in by_layer.get(lay, {}).get(kind, [])]
-                for kind in ("F", "B")}
+        mine = {
+            kind: [c for lay in held for c in by_layer.get(lay, {}).get(kind, [])]
+            for kind in ("F", "B")
+        }
         mine["step"] = []
         if replicated and not megatron:
             mine["B"] += replicated
         elif replicated:
-            numbers = sum(6 if 1 <= lay <= config.n_layers else 0 for lay in held) \
-                + (config.block_size if 0 in held else 0) \
+            numbers = (
+                sum(6 if 1 <= lay <= config.n_layers else 0 for lay in held)
+                + (config.block_size if 0 in held else 0)
                 + (2 if config.n_layers + 1 in held else 0)
-            mine["step"] = [("all_reduce", "backward", "replicated grads",
-                             4 * numbers * config.d_model)]
+            )
+            mine["step"] = [
+                ("all_reduce", "backward", "replicated grads", 4 * numbers * config.d_model)
+            ]
         out.append(mine)
     return out
 
 
-def tp_collective_counts(collectives: list[TPCollective]) -> dict[tuple[str, str],
-                                                                  tuple[int, int]]:
+def tp_collective_counts(collectives: list[TPCollective]) -> dict[tuple[str, str], tuple[int, int]]:
     """(op, phase) -> (how many, bytes of their tensors), as `count_collectives` gives them."""
     result: dict[tuple[str, str], tuple[int, int]] = {}
     for op, phase, _, size in collectives:
@@ -580,8 +682,9 @@ def tp_ring_bytes_sent(collectives: list[TPCollective], world_size: int) -> floa
     return sum((2 if op == "all_reduce" else 1) * share * size for op, _, _, size in collectives)
 
 
-def tp_link_seconds(collectives: list[TPCollective], world_size: int, latency_s: float,
-                    bandwidth_Bps: float) -> float:
+def tp_link_seconds(
+    collectives: list[TPCollective], world_size: int, latency_s: float, bandwidth_Bps: float
+) -> float:
     """Theory: seconds these collectives spend on a simulated link (alpha = latency_s,
     beta = bandwidth_Bps), run one after another on the ring with one message per
     chunk, each step waiting for the chunk before it: alpha + S / (N beta) per step,
@@ -591,8 +694,10 @@ def tp_link_seconds(collectives: list[TPCollective], world_size: int, latency_s:
     n = world_size
     if n == 1:
         return 0.0
-    return sum((2 * (n - 1) if op == "all_reduce" else n - 1)
-               * (latency_s + size / n / bandwidth_Bps) for op, _, _, size in collectives)
+    return sum(
+        (2 * (n - 1) if op == "all_reduce" else n - 1) * (latency_s + size / n / bandwidth_Bps)
+        for op, _, _, size in collectives
+    )
 
 
 # --------------------------------------------------------------------------- pipelines (06-07)
@@ -633,8 +738,9 @@ def interleaved_peak_in_flight(ranks: int, chunks: int, microbatches: int, rank:
     return min(warmup + 1, chunks * microbatches)
 
 
-def zero_bubble_h1_bubble_time(stages: int, forward: float, backward: float,
-                               weight: float) -> float:
+def zero_bubble_h1_bubble_time(
+    stages: int, forward: float, backward: float, weight: float
+) -> float:
     """Idle time of each rank under ZB-H1 (Qi et al., arXiv:2401.10241, with B the whole
     backward, I + W): (p - 1)(F + B - 2W), against 1F1B's (p - 1)(F + B). Valid while
     W <= F and the Ws held back fit in the bubble at the end."""
@@ -646,8 +752,9 @@ def one_f_one_b_bubble_time(stages: int, forward: float, backward: float) -> flo
     return (stages - 1) * (forward + backward)
 
 
-def bubble_fraction(bubble_time: float, microbatches: int, forward: float,
-                    backward: float) -> float:
+def bubble_fraction(
+    bubble_time: float, microbatches: int, forward: float, backward: float
+) -> float:
     """Idle fraction from the idle time per rank: bubble / (bubble + m (F + B))."""
     return bubble_time / (bubble_time + microbatches * (forward + backward))
 
@@ -658,8 +765,9 @@ def zero_bubble_h1_peak_in_flight(stages: int, microbatches: int) -> int:
     return min(stages, microbatches)
 
 
-def dualpipe_bubble_time(ranks: int, forward_backward: float, backward: float,
-                         weight: float) -> float:
+def dualpipe_bubble_time(
+    ranks: int, forward_backward: float, backward: float, weight: float
+) -> float:
     """DualPipe's bubble as DeepSeek-V3's report gives it (arXiv:2412.19437, table 2):
     (PP/2 - 1)(F&B + B - 3W) of idle time per rank, where F&B is a forward and a
     backward of two microbatches run overlapped on one device, F, B and W those of one
@@ -671,8 +779,7 @@ def dualpipe_bubble_time(ranks: int, forward_backward: float, backward: float,
     return (ranks / 2 - 1) * (forward_backward + backward - 3 * weight)
 
 
-def dualpipe_apart_bubble_time(ranks: int, forward: float, backward: float,
-                               weight: float) -> float:
+def dualpipe_apart_bubble_time(ranks: int, forward: float, backward: float, weight: float) -> float:
     """DualPipe's idle time per rank when each pair's forward and backward run one after
     the other (this course's runtime): (PP/2 - 1)(F + B - 2W), half ZB-H1's, for F = B - W.
     Not from the report: it is what the simulator gives on those costs, for every even
@@ -680,19 +787,29 @@ def dualpipe_apart_bubble_time(ranks: int, forward: float, backward: float,
     return (ranks / 2 - 1) * (forward + backward - 2 * weight)
 
 
-def deepseek_table(ranks: int, forward: float, backward: float, weight: float,
-                   forward_backward: float) -> dict[str, dict[str, float]]:
+def deepseek_table(
+    ranks: int, forward: float, backward: float, weight: float, forward_backward: float
+) -> dict[str, dict[str, float]]:
     """DeepSeek-V3's report, table 2: for 1F1B, ZB1P (zero-bubble, ZB-H1 here) and
     DualPipe, the bubble (idle time per rank), the parameters a rank holds (x one
     stage's) and the activations (microbatches in flight on a rank, x one stage's)."""
     p = ranks
     return {
-        "1F1B": {"bubble": one_f_one_b_bubble_time(p, forward, backward), "parameters": 1,
-                 "activations": p},
-        "ZB1P": {"bubble": zero_bubble_h1_bubble_time(p, forward, backward, weight),
-                 "parameters": 1, "activations": p},
-        "DualPipe": {"bubble": dualpipe_bubble_time(p, forward_backward, backward, weight),
-                     "parameters": 2, "activations": p + 1},
+        "1F1B": {
+            "bubble": one_f_one_b_bubble_time(p, forward, backward),
+            "parameters": 1,
+            "activations": p,
+        },
+        "ZB1P": {
+            "bubble": zero_bubble_h1_bubble_time(p, forward, backward, weight),
+            "parameters": 1,
+            "activations": p,
+        },
+        "DualPipe": {
+            "bubble": dualpipe_bubble_time(p, forward_backward, backward, weight),
+            "parameters": 2,
+            "activations": p + 1,
+        },
     }
 
 
@@ -722,12 +839,16 @@ def gpt_layer_flops(config: GPTConfig, layer: int, tokens: int) -> float:
 
 def attention_flops(config: GPTConfig, layer: int, tokens: int) -> float:
     """Theory: attention's core (scores and their weighted sum): what selective recompute redoes."""
-    return tokens * 2 * 2 * config.block_size * config.d_model \
-        if 1 <= layer <= config.n_layers else 0.0
+    return (
+        tokens * 2 * 2 * config.block_size * config.d_model
+        if 1 <= layer <= config.n_layers
+        else 0.0
+    )
 
 
-def gpt_layer_traffic(config: GPTConfig, layer: int, tokens: int, tp: int,
-                      sequence_parallel: bool, number: int) -> float:
+def gpt_layer_traffic(
+    config: GPTConfig, layer: int, tokens: int, tp: int, sequence_parallel: bool, number: int
+) -> float:
     """Theory: bytes one layer's memory-bound work reads and writes in its forward, on one
     of `tp` ranks, for `tokens` tokens of `number` bytes a number (a dropout mask: 1 a number),
     counted as Megatron-LM runs it, its elementwise kernels fused: in a block, two layer
@@ -749,20 +870,19 @@ def gpt_layer_traffic(config: GPTConfig, layer: int, tokens: int, tp: int,
     if layer <= config.n_layers:
         norms = 2 * 2 * h * number
         adds = 2 * (3 * h * number + mask * h)
-        return tokens * (stream * (norms + adds) + 8 * h * number / tp) \
-            + attention_traffic(config, layer, tokens, tp, number)
+        return tokens * (stream * (norms + adds) + 8 * h * number / tp) + attention_traffic(
+            config, layer, tokens, tp, number
+        )
     return tokens * (stream * 2 * h * number + (number + 4 + 8 * 4) * config.vocab / tp)
 
 
-def attention_traffic(config: GPTConfig, layer: int, tokens: int, tp: int,
-                      number: int) -> float:
+def attention_traffic(config: GPTConfig, layer: int, tokens: int, tp: int, number: int) -> float:
     """Of `gpt_layer_traffic`, attention's core (softmax and its dropout, over the a x s
     scores a token): what selective recompute runs again."""
     if not 1 <= layer <= config.n_layers:
         return 0.0
     mask = 1 if config.dropout > 0 else 0
-    return tokens * config.n_heads * config.block_size * (
-        2 * number + mask * (2 * number + 1)) / tp
+    return tokens * config.n_heads * config.block_size * (2 * number + mask * (2 * number + 1)) / tp
 
 
 # -- each named schedule's bubble, as `parcourse.pipeline.SCHEDULES` holds it
@@ -774,8 +894,7 @@ def gpipe_formula(p: int, m: int, v: int, f: float, b: float, w: float) -> float
     return gpipe_bubble(p, m)
 
 
-def zero_bubble_h1_formula(p: int, m: int, v: int, f: float, b: float,
-                           w: float) -> float | None:
+def zero_bubble_h1_formula(p: int, m: int, v: int, f: float, b: float, w: float) -> float | None:
     """ZB-H1's bubble fraction from its idle time (None with no costs: real compute)."""
     if f + b <= 0:  # real compute: no costs to put in the formula
         return None
@@ -793,8 +912,9 @@ def dualpipe_formula(p: int, m: int, v: int, f: float, b: float, w: float) -> fl
 # ------------------------------------------------------- long context and experts (11)
 
 
-def ring_attention_bytes(lengths: list[int], rank: int, bytes_per_token: int,
-                         grad_bytes_per_token: int | None = None) -> dict[str, int]:
+def ring_attention_bytes(
+    lengths: list[int], rank: int, bytes_per_token: int, grad_bytes_per_token: int | None = None
+) -> dict[str, int]:
     """Theory: bytes `rank` sends in one step of ring attention (pass-KV, with flash
     attention's backward over the ring), its ring holding `lengths` tokens on each rank, K
     and V together `bytes_per_token` a token (2 x batch x heads x head dim x element size;
@@ -807,9 +927,11 @@ def ring_attention_bytes(lengths: list[int], rank: int, bytes_per_token: int,
     grad = bytes_per_token if grad_bytes_per_token is None else grad_bytes_per_token
     passed = sum(lengths[(rank - s) % p] for s in range(p - 1))
     gradients = sum(lengths[(rank - s) % p] for s in range(p)) if p > 1 else 0
-    return {"forward": passed * bytes_per_token,
-            "backward": passed * bytes_per_token + gradients * grad,
-            "messages": 2 * (p - 1) + (p if p > 1 else 0)}
+    return {
+        "forward": passed * bytes_per_token,
+        "backward": passed * bytes_per_token + gradients * grad,
+        "messages": 2 * (p - 1) + (p if p > 1 else 0),
+    }
 
 
 def all_gather_attention_bytes(lengths: list[int], bytes_per_token: int) -> dict[str, int]:
@@ -833,24 +955,28 @@ def ulysses_bytes(lengths: list[int], rank: int, bytes_per_token: int) -> dict[s
     p = len(lengths)
     mine = (p - 1) * lengths[rank] * bytes_per_token // p  # a sequence cut, sent
     theirs = (sum(lengths) - lengths[rank]) * bytes_per_token // p  # a head cut, sent
-    return {"forward": 3 * mine + theirs, "backward": 3 * theirs + mine,
-            "messages": 8 * (p - 1)}
+    return {"forward": 3 * mine + theirs, "backward": 3 * theirs + mine, "messages": 8 * (p - 1)}
 
 
-def ring_attention_kept(tokens_here: int, batch: int, heads: int, head_dim: int,
-                        element_size: int = 4) -> dict[str, int]:
+def ring_attention_kept(
+    tokens_here: int, batch: int, heads: int, head_dim: int, element_size: int = 4
+) -> dict[str, int]:
     """Theory: bytes ring attention keeps for backward on a rank holding `tokens_here`
     tokens, beyond its q, k and v (which the layer before keeps anyway): its output and
     one log-sum-exp per query and head, in the dtype the blocks are summed in
     (`element_size`: 4 for fp32 and 16-bit inputs, 8 for fp64). No scores, no other rank's
     block: flash attention's backward over the ring rebuilds them."""
     rows = batch * heads * tokens_here
-    return {"output": rows * head_dim * element_size, "lse": rows * element_size,
-            "total": rows * (head_dim + 1) * element_size}
+    return {
+        "output": rows * head_dim * element_size,
+        "lse": rows * element_size,
+        "total": rows * (head_dim + 1) * element_size,
+    }
 
 
-def moe_all_to_all_bytes(tokens: int, top_k: int, d_model: int, ep: int, experts: int,
-                         element_size: int = 4) -> dict[str, int]:
+def moe_all_to_all_bytes(
+    tokens: int, top_k: int, d_model: int, ep: int, experts: int, element_size: int = 4
+) -> dict[str, int]:
     """Theory: bytes one rank sends in one MoE layer's step under expert parallelism, its
     `tokens` routed evenly (each expert chosen by tokens x top_k / experts of them, none
     dropped). Forward: the counts (experts / ep int64 to each of the ep - 1 others), the
@@ -860,20 +986,28 @@ def moe_all_to_all_bytes(tokens: int, top_k: int, d_model: int, ep: int, experts
     rows = tokens * top_k * (ep - 1) // ep
     counts = 8 * (experts // ep) * (ep - 1)
     moved = rows * d_model * element_size
-    return {"counts": counts, "forward": counts + 2 * moved, "backward": 2 * moved,
-            "messages": 5 * (ep - 1)}  # counts, dispatch, combine; two back
+    return {
+        "counts": counts,
+        "forward": counts + 2 * moved,
+        "backward": 2 * moved,
+        "messages": 5 * (ep - 1),
+    }  # counts, dispatch, combine; two back
 
 
-def expert_bytes(config: GPTConfig, ep: int, element_size: int = 4,
-                 optimizer_per_element: int = 8) -> dict[str, int]:
+def expert_bytes(
+    config: GPTConfig, ep: int, element_size: int = 4, optimizer_per_element: int = 8
+) -> dict[str, int]:
     """Theory: bytes of expert weights a rank of an ep group holds, and its Adam state
     (`optimizer_per_element`: 8 for fp32 Adam's two moments), over every block: experts / ep
     MLPs of (C -> 4C -> C) with biases. The routers and dense layers are not counted."""
     c, h = config.d_model, 4 * config.d_model
     per_expert = c * h + h + h * c + c
     elements = config.n_layers * (config.experts // ep) * per_expert
-    return {"params": elements * element_size, "grads": elements * element_size,
-            "optimizer": elements * optimizer_per_element}
+    return {
+        "params": elements * element_size,
+        "grads": elements * element_size,
+        "optimizer": elements * optimizer_per_element,
+    }
 
 
 def moe_rows(config: GPTConfig, tokens: int, ep: int = 1) -> dict[str, int]:

@@ -149,8 +149,9 @@ class Tracer:
             label = self._stack.pop()
             self._set_status("in " + self._stack[-1] if self._stack else "after " + label)
             if self.enabled:
-                self._data.spans.append(Span(self.rank, name, kind, start, end, depth,
-                                             {**self._tags, **meta}))
+                self._data.spans.append(
+                    Span(self.rank, name, kind, start, end, depth, {**self._tags, **meta})
+                )
 
     def add_span(
         self, name: str, start_ns: int, end_ns: int, kind: SpanKind = "comm", **meta: Any
@@ -160,15 +161,17 @@ class Tracer:
         if end_ns < start_ns:
             raise ValueError(f"span {name!r} ends ({end_ns}) before it starts ({start_ns})")
         if self.enabled:
-            span = Span(self.rank, name, kind, start_ns, end_ns, len(self._stack),
-                        {**self._tags, **meta})
+            span = Span(
+                self.rank, name, kind, start_ns, end_ns, len(self._stack), {**self._tags, **meta}
+            )
             self._data.spans.append(span)
 
     def count(self, name: str, value: float, **meta: Any) -> None:
         """Add `value` to counter `name` (e.g. `count("bytes_sent", t.nbytes)`)."""
         if self.enabled:
-            event = CounterEvent(self.rank, name, time.perf_counter_ns(), value,
-                                 {**self._tags, **meta})
+            event = CounterEvent(
+                self.rank, name, time.perf_counter_ns(), value, {**self._tags, **meta}
+            )
             self._data.counters.append(event)
 
     def total(self, name: str) -> float:
@@ -268,27 +271,51 @@ class Trace:
         events: list[dict[str, Any]] = []
         for rank in range(self.world_size):
             events.append(
-                {"ph": "M", "name": "thread_name", "pid": 0, "tid": rank,
-                 "args": {"name": f"rank {rank}"}}
+                {
+                    "ph": "M",
+                    "name": "thread_name",
+                    "pid": 0,
+                    "tid": rank,
+                    "args": {"name": f"rank {rank}"},
+                }
             )
         for s in self.spans:
             events.append(
-                {"ph": "X", "name": s.name, "cat": s.kind, "pid": 0, "tid": s.rank,
-                 "ts": us(s.start_ns), "dur": (s.end_ns - s.start_ns) / 1e3,
-                 "args": _jsonable(s.meta)}
+                {
+                    "ph": "X",
+                    "name": s.name,
+                    "cat": s.kind,
+                    "pid": 0,
+                    "tid": s.rank,
+                    "ts": us(s.start_ns),
+                    "dur": (s.end_ns - s.start_ns) / 1e3,
+                    "args": _jsonable(s.meta),
+                }
             )
         running: dict[tuple[int, str], float] = {}
         for e in self.counters:
             key = (e.rank, e.name)
             running[key] = running.get(key, 0.0) + e.value
             events.append(
-                {"ph": "C", "name": f"{e.name} (rank {e.rank})", "pid": 0, "tid": e.rank,
-                 "ts": us(e.t_ns), "args": {e.name: running[key]}}
+                {
+                    "ph": "C",
+                    "name": f"{e.name} (rank {e.rank})",
+                    "pid": 0,
+                    "tid": e.rank,
+                    "ts": us(e.t_ns),
+                    "args": {e.name: running[key]},
+                }
             )
         for m in self.memory:
             events.append(
-                {"ph": "C", "name": f"memory (rank {m.rank})", "pid": 0, "tid": m.rank,
-                 "ts": us(m.t_ns), "args": dict(m.bytes)}
+                {
+                    "ph": "C",
+                    "name": f"memory (rank {m.rank})",
+                    "pid": 0,
+                    "tid": m.rank,
+                    "ts": us(m.t_ns),
+                    "args": dict(m.bytes),
+                }
             )
         path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
         return path
@@ -328,12 +355,13 @@ def with_collective_waits(trace: Trace) -> Trace:
         if i not in cut:
             spans.append(s)
             continue
-        spans.append(replace(s, name=f"wait for partners ({s.name})", kind="idle",
-                             end_ns=cut[i]))
+        spans.append(replace(s, name=f"wait for partners ({s.name})", kind="idle", end_ns=cut[i]))
         spans.append(replace(s, start_ns=cut[i]))
     return replace(trace, spans=spans)
 
 
 def _jsonable(meta: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v if isinstance(v, (int, float, str, bool, type(None))) else repr(v)
-            for k, v in meta.items()}
+    return {
+        k: v if isinstance(v, (int, float, str, bool, type(None))) else repr(v)
+        for k, v in meta.items()
+    }

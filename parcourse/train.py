@@ -66,17 +66,31 @@ class TrainSettings:
 
     @property
     def config(self) -> GPTConfig:
-        return GPTConfig(vocab=256, block_size=self.block_size, n_layers=self.layers,
-                         n_heads=self.heads, d_model=self.width, experts=self.experts,
-                         top_k=self.top_k)
+        return GPTConfig(
+            vocab=256,
+            block_size=self.block_size,
+            n_layers=self.layers,
+            n_heads=self.heads,
+            d_model=self.width,
+            experts=self.experts,
+            top_k=self.top_k,
+        )
 
     def problems(self) -> list[str]:
         """What cannot run, in words, before any rank starts: the plan's rules
         (`ParallelPlan.problems`, in the words `Hybrid` and the planner use), then the
         model's and the run's."""
         out = self.plan.problems()
-        for name in ("steps", "batch", "block_size", "layers", "width", "heads",
-                     "eval_every", "eval_batch"):
+        for name in (
+            "steps",
+            "batch",
+            "block_size",
+            "layers",
+            "width",
+            "heads",
+            "eval_every",
+            "eval_batch",
+        ):
             if getattr(self, name) < 1:
                 out.append(f"{name} must be at least 1, got {getattr(self, name)}")
         if out:
@@ -101,8 +115,9 @@ def learning_rate(step: int, s: TrainSettings) -> float:
     return s.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (s.lr - s.min_lr)
 
 
-def _evaluate(state: dict[str, torch.Tensor], config: GPTConfig, x: torch.Tensor,
-              y: torch.Tensor) -> float:
+def _evaluate(
+    state: dict[str, torch.Tensor], config: GPTConfig, x: torch.Tensor, y: torch.Tensor
+) -> float:
     from parcourse.models import gpt
 
     model = gpt(config)
@@ -112,9 +127,14 @@ def _evaluate(state: dict[str, torch.Tensor], config: GPTConfig, x: torch.Tensor
         return F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
 
 
-def train_on_corpus(ctx: Any, s: TrainSettings, corpus_dir: str, out: str | None = None,
-                    resume: bool = False, kill: tuple[int, int] | None = None
-                    ) -> dict[str, Any]:
+def train_on_corpus(
+    ctx: Any,
+    s: TrainSettings,
+    corpus_dir: str,
+    out: str | None = None,
+    resume: bool = False,
+    kill: tuple[int, int] | None = None,
+) -> dict[str, Any]:
     """The run, on each rank: `steps` AdamW steps; per step the learning rate, the global
     batch's loss (on the last stage's ranks) and the seconds; the validation loss every
     `eval_every` steps and at the end (on rank 0, from the whole weights gathered over the
@@ -139,14 +159,23 @@ def train_on_corpus(ctx: Any, s: TrainSettings, corpus_dir: str, out: str | None
     s.plan.check(config, s.batch)
     torch.manual_seed(s.seed)
     model = Hybrid.from_plan(
-        gpt(config, seed=s.seed), mesh, s.plan, max_norm=s.clip, seed=s.seed,
-        optimizer=lambda ps: torch.optim.AdamW(ps, lr=s.lr, weight_decay=s.weight_decay))
+        gpt(config, seed=s.seed),
+        mesh,
+        s.plan,
+        max_norm=s.clip,
+        seed=s.seed,
+        optimizer=lambda ps: torch.optim.AdamW(ps, lr=s.lr, weight_decay=s.weight_decay),
+    )
     replica, replicas = model.replica  # dp's coordinate and, inside it, ep's
-    loader = ShardedLoader(corpus.train, s.block_size, s.batch, replica=replica,
-                           replicas=replicas, seed=s.seed)
-    val_x, val_y = ShardedLoader(corpus.val if len(corpus.val) > s.block_size * s.eval_batch
-                                 else corpus.train, s.block_size, s.eval_batch,
-                                 seed=s.seed + 1).next()
+    loader = ShardedLoader(
+        corpus.train, s.block_size, s.batch, replica=replica, replicas=replicas, seed=s.seed
+    )
+    val_x, val_y = ShardedLoader(
+        corpus.val if len(corpus.val) > s.block_size * s.eval_batch else corpus.train,
+        s.block_size,
+        s.eval_batch,
+        seed=s.seed + 1,
+    ).next()
     history: list[dict[str, Any]] = []
     start, resumed_from = 0, None
     saves = None if out is None else f"{out}/checkpoints"
@@ -168,8 +197,12 @@ def train_on_corpus(ctx: Any, s: TrainSettings, corpus_dir: str, out: str | None
     def save(step: int) -> None:
         finish_pending()  # one at a time
         ctx.tracer.set_status(f"saving a checkpoint after step {step}")
-        extra = {"corpus": corpus.meta["sha256"], "loader": loader.state_dict(),
-                 "history": list(history), "settings": dataclasses.asdict(s)}
+        extra = {
+            "corpus": corpus.meta["sha256"],
+            "loader": loader.state_dict(),
+            "history": list(history),
+            "settings": dataclasses.asdict(s),
+        }
         done = checkpoint.save(model, saves, step, extra, blocking=not s.async_save)
         if s.async_save:
             pending.append(done)
@@ -179,8 +212,7 @@ def train_on_corpus(ctx: Any, s: TrainSettings, corpus_dir: str, out: str | None
     for step in range(start, s.steps):
         if pending and pending[0].poll():  # written: committed (rank 0) without waiting
             saved.append(str(pending.pop().result()))
-        ctx.tracer.set_status(step_status(step, s.steps, history[-1]["loss"] if history
-                                          else None))
+        ctx.tracer.set_status(step_status(step, s.steps, history[-1]["loss"] if history else None))
         if kill is not None and kill == (ctx.rank, step):
             os.kill(os.getpid(), signal.SIGKILL)
         lr = learning_rate(step, s)
@@ -195,22 +227,34 @@ def train_on_corpus(ctx: Any, s: TrainSettings, corpus_dir: str, out: str | None
         shared = torch.tensor([0.0 if loss is None else loss])
         dist.all_reduce(shared, group=mesh.group("pp"))
         loss = shared.item()
-        entry = {"step": step, "lr": lr, "loss": loss, "seconds": seconds,
-                 "grad_norm": model.grad_norm}
+        entry = {
+            "step": step,
+            "lr": lr,
+            "loss": loss,
+            "seconds": seconds,
+            "grad_norm": model.grad_norm,
+        }
         if (step + 1) % s.eval_every == 0 or step == s.steps - 1:
             state = model.full_state_dict()
             entry["val_loss"] = _evaluate(state, config, val_x, val_y) if ctx.rank == 0 else None
         history.append(entry)
-        if saves is not None and (step == s.steps - 1
-                                  or (s.save_every and (step + 1) % s.save_every == 0)):
+        if saves is not None and (
+            step == s.steps - 1 or (s.save_every and (step + 1) % s.save_every == 0)
+        ):
             save(step + 1)
     finish_pending()
     dist.barrier(group=ctx.group)  # rank 0 has committed the last one
     final = model.full_state_dict()
-    return {"history": history, "state": final if ctx.rank == 0 else None,
-            "loader": loader.state_dict(), "corpus": corpus.meta["sha256"],
-            "memory": model.memory(), "saved": saved, "resumed_from": resumed_from,
-            "started_at": start}
+    return {
+        "history": history,
+        "state": final if ctx.rank == 0 else None,
+        "loader": loader.state_dict(),
+        "corpus": corpus.meta["sha256"],
+        "memory": model.memory(),
+        "saved": saved,
+        "resumed_from": resumed_from,
+        "started_at": start,
+    }
 
 
 def step_status(step: int, steps: int, last_loss: float | None) -> str:
@@ -218,7 +262,8 @@ def step_status(step: int, steps: int, last_loss: float | None) -> str:
     step before: the launcher shows it, names it when a rank dies, and `read_step_status`
     reads it back for a progress bar or a live curve."""
     return f"in step {step + 1} of {steps}" + (
-        f", loss {last_loss:.4f}" if last_loss is not None else "")
+        f", loss {last_loss:.4f}" if last_loss is not None else ""
+    )
 
 
 _STATUS = re.compile(r"in step (\d+) of \d+, loss ([\d.]+)")
@@ -241,14 +286,22 @@ def planned(s: TrainSettings, flops: float) -> dict[str, float]:
 
     choice = s.plan
     cluster = Cluster.this_machine(s.world_size, flops=flops)
-    return {**predict_time(s.config, choice, s.batch, cluster),
-            "flops_per_token": model_flops_per_token(s.config),
-            "ranks_flops": min(s.world_size, cluster.cores or s.world_size) * cluster.flops}
+    return {
+        **predict_time(s.config, choice, s.batch, cluster),
+        "flops_per_token": model_flops_per_token(s.config),
+        "ranks_flops": min(s.world_size, cluster.cores or s.world_size) * cluster.flops,
+    }
 
 
 @torch.no_grad()
-def sample(state: dict[str, torch.Tensor], config: GPTConfig, prompt: str, tokens: int = 200,
-           temperature: float = 0.0, seed: int = 0) -> str:
+def sample(
+    state: dict[str, torch.Tensor],
+    config: GPTConfig,
+    prompt: str,
+    tokens: int = 200,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> str:
     """Text from the trained weights, in one process: `tokens` bytes after `prompt`,
     greedy (temperature 0) or sampled at `temperature`."""
     from parcourse.models import gpt
@@ -259,7 +312,7 @@ def sample(state: dict[str, torch.Tensor], config: GPTConfig, prompt: str, token
     g = torch.Generator().manual_seed(seed)
     ids = torch.tensor([list(prompt.encode())], dtype=torch.long)
     for _ in range(tokens):
-        logits = model(ids[:, -config.block_size:])[:, -1]
+        logits = model(ids[:, -config.block_size :])[:, -1]
         if temperature <= 0:
             nxt = logits.argmax(-1, keepdim=True)
         else:

@@ -27,8 +27,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PANEL_NOTE = ("This panel needs a running kernel: open this lesson in JupyterLab "
-              "(`make lab`) and run it to use the panel.")
+PANEL_NOTE = (
+    "This panel needs a running kernel: open this lesson in JupyterLab "
+    "(`make lab`) and run it to use the panel."
+)
 
 
 def lessons() -> list[Path]:
@@ -44,10 +46,16 @@ def execute(lesson: Path, out: Path) -> None:
     # every figure undrawn, where the page needs the notebook's own (inline) backend.
     backend = os.environ.pop("MPLBACKEND", None)
     try:
-        papermill.execute_notebook(str(lesson), str(out), parameters=small[lesson.stem],
-                                   kernel_name="python3", cwd=str(lesson.parent),
-                                   progress_bar=False, execution_timeout=600,
-                                   start_timeout=300)  # a busy machine starts kernels slowly
+        papermill.execute_notebook(
+            str(lesson),
+            str(out),
+            parameters=small[lesson.stem],
+            kernel_name="python3",
+            cwd=str(lesson.parent),
+            progress_bar=False,
+            execution_timeout=600,
+            start_timeout=300,
+        )  # a busy machine starts kernels slowly
     finally:
         if backend is not None:
             os.environ["MPLBACKEND"] = backend
@@ -62,9 +70,13 @@ def static(notebook: dict) -> dict:
         for o in cell.get("outputs", []):
             data = o.get("data", {})
             if "application/vnd.jupyter.widget-view+json" in data:
-                outputs.append({"output_type": "display_data", "metadata": {},
-                                "data": {"text/markdown": f"*{PANEL_NOTE}*",
-                                         "text/plain": PANEL_NOTE}})
+                outputs.append(
+                    {
+                        "output_type": "display_data",
+                        "metadata": {},
+                        "data": {"text/markdown": f"*{PANEL_NOTE}*", "text/plain": PANEL_NOTE},
+                    }
+                )
             else:
                 outputs.append(o)
         if cell["cell_type"] == "code":
@@ -79,18 +91,26 @@ def reference() -> str:
     order, by autodoc."""
     import parcourse
 
-    packages = sorted({"parcourse", "parcourse.widgets",
-                       *(m.name for m in pkgutil.walk_packages(parcourse.__path__,
-                                                               "parcourse.") if m.ispkg)})
-    parts = ["# Library reference\n",
-             "Every public name of each package (what its `__all__` exports), with its "
-             "signature and docstring.\n"]
+    packages = sorted(
+        {
+            "parcourse",
+            "parcourse.widgets",
+            *(m.name for m in pkgutil.walk_packages(parcourse.__path__, "parcourse.") if m.ispkg),
+        }
+    )
+    parts = [
+        "# Library reference\n",
+        "Every public name of each package (what its `__all__` exports), with its "
+        "signature and docstring.\n",
+    ]
     for name in packages:
         module = importlib.import_module(name)
         if not getattr(module, "__all__", None):
             continue
-        parts.append(f"\n## `{name}`\n\n```{{eval-rst}}\n.. automodule:: {name}\n"
-                     "   :members:\n   :imported-members:\n   :undoc-members:\n```\n")
+        parts.append(
+            f"\n## `{name}`\n\n```{{eval-rst}}\n.. automodule:: {name}\n"
+            "   :members:\n   :imported-members:\n   :undoc-members:\n```\n"
+        )
     return "".join(parts)
 
 
@@ -103,20 +123,24 @@ def stage(src: Path, executed: dict[str, Path]) -> None:
     (src / "classroom").mkdir()  # the class server's recipe, which the README links to
     shutil.copy(REPO / "classroom" / "README.md", src / "classroom" / "README.md")
     readme = (REPO / "README.md").read_text()
-    (src / "index.md").write_text(readme + "\n\n```{toctree}\n:hidden:\n\nlessons/index\n"
-                                  "docs/README\nreference\nclassroom/README\n```\n")
+    (src / "index.md").write_text(
+        readme + "\n\n```{toctree}\n:hidden:\n\nlessons/index\n"
+        "docs/README\nreference\nclassroom/README\n```\n"
+    )
     names = []
     for lesson in lessons():
         notebook = json.loads(executed[lesson.stem].read_text())
         (src / "lessons" / lesson.name).write_text(json.dumps(static(notebook)))
         names.append(lesson.stem)
     (src / "lessons" / "index.md").write_text(
-        "# Lessons\n\n```{toctree}\n:maxdepth: 1\n\n" + "\n".join(names) + "\n```\n")
+        "# Lessons\n\n```{toctree}\n:maxdepth: 1\n\n" + "\n".join(names) + "\n```\n"
+    )
     (src / "reference.md").write_text(reference())
     pages = sorted(p.stem for p in (src / "docs").glob("*.md") if p.stem != "README")
     index = src / "docs" / "README.md"
-    index.write_text(index.read_text() + "\n\n```{toctree}\n:hidden:\n\n"
-                     + "\n".join(pages) + "\n```\n")
+    index.write_text(
+        index.read_text() + "\n\n```{toctree}\n:hidden:\n\n" + "\n".join(pages) + "\n```\n"
+    )
 
 
 def build(out: Path, executed_dir: Path | None = None) -> Path:
@@ -137,8 +161,11 @@ def build(out: Path, executed_dir: Path | None = None) -> Path:
         executed[lesson.stem] = run_dir / lesson.name
     stage(src, executed)
     shutil.rmtree(out, ignore_errors=True)
-    done = subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", str(src),
-                           str(out)], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-b", "html", "-q", str(src), str(out)],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode:
         raise RuntimeError(f"sphinx failed:\n{done.stderr[-4000:]}")
     return out
@@ -147,10 +174,17 @@ def build(out: Path, executed_dir: Path | None = None) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(REPO / "out" / "site"))
-    parser.add_argument("--executed", default=None, metavar="DIR",
-                        help="take executed lessons from here where present")
-    parser.add_argument("--reference", action="store_true",
-                        help="only write docs/reference.md (the reference GitHub shows)")
+    parser.add_argument(
+        "--executed",
+        default=None,
+        metavar="DIR",
+        help="take executed lessons from here where present",
+    )
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="only write docs/reference.md (the reference GitHub shows)",
+    )
     args = parser.parse_args()
     if args.reference:
         (REPO / "docs" / "reference.md").write_text(reference_markdown())
@@ -158,7 +192,6 @@ def main() -> None:
         return
     out = build(Path(args.out), Path(args.executed) if args.executed else None)
     print(f"the site: {out / 'index.html'}")
-
 
 
 def reference_markdown() -> str:
@@ -171,14 +204,22 @@ def reference_markdown() -> str:
 
     import parcourse
 
-    packages = sorted({"parcourse", "parcourse.widgets",
-                       *(m.name for m in pkgutil.walk_packages(parcourse.__path__,
-                                                               "parcourse.") if m.ispkg)})
-    lines = ["# Library reference", "",
-             "Every public name of each package (what its `__all__` exports): its signature and "
-             "the first paragraph of its docstring. `make site` renders the whole docstrings. "
-             "Generated by `python site/build.py --reference`; a test fails when it is out of "
-             "date.", ""]
+    packages = sorted(
+        {
+            "parcourse",
+            "parcourse.widgets",
+            *(m.name for m in pkgutil.walk_packages(parcourse.__path__, "parcourse.") if m.ispkg),
+        }
+    )
+    lines = [
+        "# Library reference",
+        "",
+        "Every public name of each package (what its `__all__` exports): its signature and "
+        "the first paragraph of its docstring. `make site` renders the whole docstrings. "
+        "Generated by `python site/build.py --reference`; a test fails when it is out of "
+        "date.",
+        "",
+    ]
     for name in packages:
         module = importlib.import_module(name)
         public = getattr(module, "__all__", None)
@@ -199,7 +240,7 @@ def reference_markdown() -> str:
             kind = "class " if inspect.isclass(obj) else ""
             first = " ".join((obj.__doc__ or "").strip().split("\n\n")[0].split())
             lines += [f"- **{kind}`{attr}{signature}`**", f"  {first}" if first else "", ""]
-    return "\n".join(line for line in lines) .replace("\n\n\n", "\n\n") + "\n"
+    return "\n".join(line for line in lines).replace("\n\n\n", "\n\n") + "\n"
 
 
 if __name__ == "__main__":

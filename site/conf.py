@@ -16,8 +16,11 @@ default_role = "literal"  # a docstring's `name` reads as code, as in the source
 autodoc_typehints = "signature"
 html_theme = "alabaster"
 html_title = "parcourse"
-html_theme_options = {"description": "distributed training, built from scratch and measured",
-                      "page_width": "1100px", "sidebar_width": "240px"}
+html_theme_options = {
+    "description": "distributed training, built from scratch and measured",
+    "page_width": "1100px",
+    "sidebar_width": "240px",
+}
 suppress_warnings = ["myst.header", "mystnb.unknown_mime_type"]
 
 

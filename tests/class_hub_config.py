@@ -39,8 +39,9 @@ c.SharedPasswordAuthenticator.user_password = S["password"]
 
 # The test itself is a service whose token may create users and see their servers.
 c.JupyterHub.services.append({"name": "class-test", "api_token": S["token"]})
-c.JupyterHub.load_roles.append({"name": "class-test", "services": ["class-test"],
-                                "scopes": ["admin:users", "admin:servers"]})
+c.JupyterHub.load_roles.append(
+    {"name": "class-test", "services": ["class-test"], "scopes": ["admin:users", "admin:servers"]}
+)
 
 
 class PinnedSpawner(SimpleLocalProcessSpawner):
@@ -66,8 +67,10 @@ class PinnedSpawner(SimpleLocalProcessSpawner):
 c.JupyterHub.spawner_class = PinnedSpawner
 c.SimpleLocalProcessSpawner.home_dir_template = S["homes"] + "/{username}"
 c.Spawner.cpu_limit = S["cpus_per_student"]
-c.Spawner.environment = {**c.Spawner.environment,
-                         "OMP_NUM_THREADS": str(int(S["cpus_per_student"]))}
+c.Spawner.environment = {
+    **c.Spawner.environment,
+    "OMP_NUM_THREADS": str(int(S["cpus_per_student"])),
+}
 # The recipe's hand-out, into the local home (there is no unix account to own it).
 c.Spawner.pre_spawn_hook = lambda spawner: recipe["hand_out"](S["build"], spawner.home_dir)
 if os.geteuid() == 0:  # CI runs as root; a Jupyter server needs to be told that is fine

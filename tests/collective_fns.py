@@ -66,8 +66,9 @@ def all_gather_vs_torch(ctx, numel, dtype, **kw):
     start, end = C.chunk_bounds(numel, ctx.world_size)[ctx.rank]
     shard = full[start:end].clone()
     even = numel % ctx.world_size == 0
-    ours = C.ring_all_gather(shard, ctx.group, numel=None if even else numel,
-                             tracer=ctx.tracer, **kw)
+    ours = C.ring_all_gather(
+        shard, ctx.group, numel=None if even else numel, tracer=ctx.tracer, **kw
+    )
     if even:
         theirs = [torch.empty_like(shard) for _ in range(ctx.world_size)]
         dist.all_gather(theirs, shard, group=ctx.group)
@@ -142,10 +143,16 @@ def fast_vs_readable(ctx, numel, dtype, op, segment_bytes=C.SEGMENT_BYTES):
     reduce-scatter and all-gather from each, and the bytes each sent."""
     t = make(ctx.rank, numel, dtype, integer_valued=False)
     seg = {"segment_bytes": segment_bytes}
-    rings = {"fast": (lambda x, **kw: C.ring_all_reduce(x, ctx.group, op, **seg, **kw),
-                      lambda x: C.ring_reduce_scatter(x, ctx.group, op, **seg)),
-             "readable": (lambda x, **kw: C.ring.all_reduce(x, ctx.group, op, **kw),
-                          lambda x: C.ring.reduce_scatter(x, ctx.group, op))}
+    rings = {
+        "fast": (
+            lambda x, **kw: C.ring_all_reduce(x, ctx.group, op, **seg, **kw),
+            lambda x: C.ring_reduce_scatter(x, ctx.group, op, **seg),
+        ),
+        "readable": (
+            lambda x, **kw: C.ring.all_reduce(x, ctx.group, op, **kw),
+            lambda x: C.ring.reduce_scatter(x, ctx.group, op),
+        ),
+    }
     out = {}
     for name, (all_reduce, reduce_scatter) in rings.items():
         before = ctx.tracer.total("bytes_sent")
@@ -153,8 +160,11 @@ def fast_vs_readable(ctx, numel, dtype, op, segment_bytes=C.SEGMENT_BYTES):
         sent = ctx.tracer.total("bytes_sent") - before
         out[name] = (reduced, reduce_scatter(t.clone()), sent)
     start, end = C.chunk_bounds(numel, ctx.world_size)[ctx.rank]
-    out["fast"] += (C.ring_all_gather(t[start:end].clone(), ctx.group, numel=numel,
-                                      segment_bytes=segment_bytes),)
+    out["fast"] += (
+        C.ring_all_gather(
+            t[start:end].clone(), ctx.group, numel=numel, segment_bytes=segment_bytes
+        ),
+    )
     out["readable"] += (C.ring.all_gather(t[start:end].clone(), numel, ctx.group),)
     return out
 
@@ -174,15 +184,22 @@ def comm_vs_torch(ctx, algorithm, link=None):
         "reduce_scatter": comm.reduce_scatter(t.clone()),
         "async reduce_scatter": comm.reduce_scatter(t.clone(), async_op=True).result(),
     }
-    part = want_sum[12 * rank:12 * (rank + 1)]
+    part = want_sum[12 * rank : 12 * (rank + 1)]
     whole = torch.empty(12 * n)
     got["all_gather"] = comm.all_gather(part.clone(), whole)
     pending = comm.all_gather(part.clone(), torch.empty(12 * n), async_op=True)
     got["async all_gather"] = pending.result()
     assert pending.finished_ns > 0
-    want = {"sum": want_sum, "max": want_max, "avg": want_sum / n, "async sum": want_sum,
-            "reduce_scatter": part, "async reduce_scatter": part, "all_gather": want_sum,
-            "async all_gather": want_sum}
+    want = {
+        "sum": want_sum,
+        "max": want_max,
+        "avg": want_sum / n,
+        "async sum": want_sum,
+        "reduce_scatter": part,
+        "async reduce_scatter": part,
+        "all_gather": want_sum,
+        "async all_gather": want_sum,
+    }
     if n > 1:  # a message around the ring, through the Comm
         sent = comm.send(torch.full((3,), float(rank)), (rank + 1) % n, tag=7)
         incoming = torch.empty(3)
@@ -208,6 +225,11 @@ def paced_actions(ctx, seconds, collectives):
                 comm.before_blocking()
                 starts.append(time.perf_counter() - start)
                 comm.all_reduce(torch.ones(4))
-        out.append({"starts": starts, "end": time.perf_counter() - start,
-                    "blocked": comm.blocked_s - blocked})
+        out.append(
+            {
+                "starts": starts,
+                "end": time.perf_counter() - start,
+                "blocked": comm.blocked_s - blocked,
+            }
+        )
     return out

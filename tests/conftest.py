@@ -43,16 +43,21 @@ def pytest_collection_modifyitems(config, items):
     their controls' ends in its kernel, so papermill's run of the lesson for that goes
     too (15-25 s a lesson). Without Chromium the browser test module skips, collects
     nothing, and papermill's runs stay."""
+
     def name(item):
         return getattr(item, "originalname", None)
 
-    in_browser = {item.callspec.id for item in items
-                  if name(item) == "test_lesson_in_the_browser"}
+    in_browser = {item.callspec.id for item in items if name(item) == "test_lesson_in_the_browser"}
     for item in items:
-        if (name(item) in ("test_lesson_executes_with_small_parameters",
-                           "test_lesson_executes_at_world_size_3",
-                           "test_panels_run_at_their_controls_ends")
-                and item.callspec.id in in_browser):
+        if (
+            name(item)
+            in (
+                "test_lesson_executes_with_small_parameters",
+                "test_lesson_executes_at_world_size_3",
+                "test_panels_run_at_their_controls_ends",
+            )
+            and item.callspec.id in in_browser
+        ):
             reason = "tests/test_browser.py runs this lesson (small, world size 3)"
             if name(item) == "test_panels_run_at_their_controls_ends":
                 reason = "tests/test_browser.py tries these panels at their ends"

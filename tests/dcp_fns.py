@@ -1,12 +1,12 @@
 """Rank functions for distributed checkpoints: train, save midway, resume on any mesh."""
 
 import torch
+from hybrid_fns import BATCH, CONFIG
 
 from parcourse.checkpoint import latest, load, save
 from parcourse.hybrid import Hybrid
 from parcourse.mesh import Mesh
 from parcourse.models import gpt
-from hybrid_fns import BATCH, CONFIG
 
 
 def batch(step, config=CONFIG):
@@ -18,12 +18,20 @@ def batch(step, config=CONFIG):
 
 def model_on(ctx, shape, zero=0, schedule="1f1b", config=CONFIG):
     mesh = Mesh(shape, ctx.group) if ctx is not None else None
-    return Hybrid(gpt(config, seed=0), mesh, schedule=schedule, microbatches=2, zero=zero,
-                  max_norm=1.0, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    return Hybrid(
+        gpt(config, seed=0),
+        mesh,
+        schedule=schedule,
+        microbatches=2,
+        zero=zero,
+        max_norm=1.0,
+        optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    )
 
 
-def train_and_save(ctx, shape, root, steps, save_at, zero=0, crash_in_commit=False,
-                   blocking=True, config=CONFIG):
+def train_and_save(
+    ctx, shape, root, steps, save_at, zero=0, crash_in_commit=False, blocking=True, config=CONFIG
+):
     """`steps` steps, saving a checkpoint after `save_at` of them: the losses and the final
     weights. `crash_in_commit`: after the first save, the next one's rank 0 is killed
     between writing and committing (a save killed halfway). `blocking=False`: the save

@@ -1,6 +1,5 @@
 """Models and rank functions for the data-parallel tests."""
 
-
 import torch
 from torch import nn
 
@@ -78,9 +77,13 @@ def train(ctx, impl, kind, opt_name, steps, batch, bucket_mb=0.0005):
     if impl == "naive":
         ddp = NaiveDataParallel(model, ctx.group)
     else:
-        ddp = BucketedDataParallel(model, ctx.group, bucket_mb=bucket_mb,
-                                   overlap=impl != "bucketed-no-overlap",
-                                   algorithm="ring" if impl == "bucketed-ring" else "torch")
+        ddp = BucketedDataParallel(
+            model,
+            ctx.group,
+            bucket_mb=bucket_mb,
+            overlap=impl != "bucketed-no-overlap",
+            algorithm="ring" if impl == "bucketed-ring" else "torch",
+        )
     opt = make_optimizer(opt_name, [p for p in ddp.parameters() if p.requires_grad])
     x, y = data(batch)
     x, y = shard(x, ctx.rank, ctx.world_size), shard(y, ctx.rank, ctx.world_size)
@@ -96,10 +99,14 @@ def train(ctx, impl, kind, opt_name, steps, batch, bucket_mb=0.0005):
 def grads_vs_torch_ddp(ctx, impl, batch):
     """The same model and data through torch DDP and through ours: same gradients."""
     ours_model, theirs_model = Net(), Net()
-    theirs = nn.parallel.DistributedDataParallel(theirs_model, process_group=ctx.group,
-                                                 find_unused_parameters=True)
-    ours = NaiveDataParallel(ours_model, ctx.group) if impl == "naive" else \
-        BucketedDataParallel(ours_model, ctx.group, bucket_mb=0.0005)
+    theirs = nn.parallel.DistributedDataParallel(
+        theirs_model, process_group=ctx.group, find_unused_parameters=True
+    )
+    ours = (
+        NaiveDataParallel(ours_model, ctx.group)
+        if impl == "naive"
+        else BucketedDataParallel(ours_model, ctx.group, bucket_mb=0.0005)
+    )
     x, y = data(batch, seed=ctx.rank + 7)  # different data on every rank
     for model in (theirs, ours):
         nn.functional.mse_loss(model(x), y).backward()
@@ -112,9 +119,15 @@ def traced_step(ctx, overlap, latency_us=2000.0):
     from parcourse.models import mlp
 
     model = mlp(64, 256, 64, depth=8)
-    ddp = BucketedDataParallel(model, ctx.group, bucket_mb=0.3, overlap=overlap,
-                               algorithm="ring", link=SimulatedLink(latency_us * 1e-6),
-                               tracer=ctx.tracer)
+    ddp = BucketedDataParallel(
+        model,
+        ctx.group,
+        bucket_mb=0.3,
+        overlap=overlap,
+        algorithm="ring",
+        link=SimulatedLink(latency_us * 1e-6),
+        tracer=ctx.tracer,
+    )
     x = torch.randn(256, 64)
     for _ in range(2):
         ddp(x).square().mean().backward()
@@ -140,8 +153,11 @@ def buffers_after_training(ctx, impl, steps=3):
     from torch.nn.parallel import DistributedDataParallel
 
     net = BatchNormNet()
-    wrap = {"naive": NaiveDataParallel, "bucketed": BucketedDataParallel,
-            "torch": lambda m, g: DistributedDataParallel(m, process_group=g)}[impl]
+    wrap = {
+        "naive": NaiveDataParallel,
+        "bucketed": BucketedDataParallel,
+        "torch": lambda m, g: DistributedDataParallel(m, process_group=g),
+    }[impl]
     model = wrap(net, ctx.group)
     x, y = data(16)
     x, y = shard(x, ctx.rank, ctx.world_size), shard(y, ctx.rank, ctx.world_size)

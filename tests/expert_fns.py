@@ -23,8 +23,16 @@ D = 8
 
 def _layer(experts, top_k, score, capacity_factor, starved):
     torch.manual_seed(0)
-    m = MoE(D, experts, top_k, hidden=12, score=score, capacity_factor=capacity_factor,
-            aux_loss=0.05, z_loss=0.01)
+    m = MoE(
+        D,
+        experts,
+        top_k,
+        hidden=12,
+        score=score,
+        capacity_factor=capacity_factor,
+        aux_loss=0.05,
+        z_loss=0.01,
+    )
     if starved is not None:
         m.router.bias[starved] = -1e4  # never chosen: that expert receives no token
     return m
@@ -52,8 +60,9 @@ def layer_against_one_process(ctx, experts, top_k, score, capacity_factor, starv
         ref_out.append(y.detach())
         ref_dx.append(x.grad)
         ref_drops.append(whole.last.dropped)
-    mine = expert_parallel(_layer(experts, top_k, score, capacity_factor, starved),
-                           Comm(ctx.group, algorithm="auto"))
+    mine = expert_parallel(
+        _layer(experts, top_k, score, capacity_factor, starved), Comm(ctx.group, algorithm="auto")
+    )
     x, up = _tokens(ctx.rank)
     x.requires_grad_()
     y = mine(x)
@@ -67,8 +76,9 @@ def layer_against_one_process(ctx, experts, top_k, score, capacity_factor, starv
         "router grad": float((router - whole.router.gate.weight.grad).abs().max()),
     }
     for name in ("up_weight", "up_bias", "down_weight", "down_bias"):
-        errors[name] = float((getattr(mine, name).grad - getattr(whole, name).grad[held])
-                             .abs().max())
+        errors[name] = float(
+            (getattr(mine, name).grad - getattr(whole, name).grad[held]).abs().max()
+        )
     return errors, mine.last.dropped, ref_drops[ctx.rank], mine.last.counts.tolist()
 
 
@@ -98,8 +108,7 @@ def counted_bytes(ctx, experts, top_k, tokens):
     """Bytes this rank sends in one MoE layer's forward and backward (every message
     counted by the tracer), tokens routed evenly."""
     tracer = Tracer(ctx.rank)
-    m = expert_parallel(MoE(D, experts, top_k), Comm(ctx.group, tracer=tracer,
-                                                       algorithm="ring"))
+    m = expert_parallel(MoE(D, experts, top_k), Comm(ctx.group, tracer=tracer, algorithm="ring"))
     x = torch.randn(tokens, D, requires_grad=True)
     routing = _even_routing(tokens, experts, top_k, 0.5)
 
@@ -132,7 +141,7 @@ def train_dp_ep(ctx, ep, steps=2, **changes):
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     x, y = _batch(config)
     rows = BATCH // ctx.world_size
-    x, y = x[ctx.rank * rows:(ctx.rank + 1) * rows], y[ctx.rank * rows:(ctx.rank + 1) * rows]
+    x, y = x[ctx.rank * rows : (ctx.rank + 1) * rows], y[ctx.rank * rows : (ctx.rank + 1) * rows]
     losses = []
     for _ in range(steps):
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())

@@ -19,8 +19,14 @@ def train(ctx, shape, schedule="1f1b", microbatches=2, steps=2, order="megatron"
     gathered whole, and the losses."""
     config = kwargs.pop("config", CONFIG)
     mesh = Mesh(shape, ctx.group, order=order)
-    model = Hybrid(gpt(config), mesh, schedule=schedule, microbatches=microbatches,
-                   optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2), **kwargs)
+    model = Hybrid(
+        gpt(config),
+        mesh,
+        schedule=schedule,
+        microbatches=microbatches,
+        optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2),
+        **kwargs,
+    )
     before = model.full_state_dict()
     x, y = progressions(BATCH, config.block_size, config.vocab)
     losses, norms = [], []
@@ -45,8 +51,7 @@ def one_process(steps=2, config=CONFIG, max_norm=None):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return (before, {k: v.detach().clone() for k, v in model.state_dict().items()}, losses,
-            norms)
+    return (before, {k: v.detach().clone() for k, v in model.state_dict().items()}, losses, norms)
 
 
 def traced_step(ctx, shape):
@@ -59,8 +64,12 @@ def traced_step(ctx, shape):
     x, y = progressions(BATCH, CONFIG.block_size, CONFIG.vocab)
     model.step(x, y)
     data = ctx.tracer.data()
-    return (bytes_by_axis(data.counters), sum(p.numel() * 4 for p in model.params),
-            {s.meta.get("axis") for s in data.spans if s.kind == "comm"}, len(model.params))
+    return (
+        bytes_by_axis(data.counters),
+        sum(p.numel() * 4 for p in model.params),
+        {s.meta.get("axis") for s in data.spans if s.kind == "comm"},
+        len(model.params),
+    )
 
 
 def memory_after_a_step(ctx, shape, zero, config=CONFIG):
@@ -82,8 +91,9 @@ def dp_bytes_by_zero(ctx, shape, zero, microbatches):
     (the stages' first, the tied weights' last)."""
     from parcourse.hybrid import bytes_by_axis
 
-    model = Hybrid(gpt(CONFIG), Mesh(shape, ctx.group), microbatches=microbatches, zero=zero,
-                   tracer=ctx.tracer)
+    model = Hybrid(
+        gpt(CONFIG), Mesh(shape, ctx.group), microbatches=microbatches, zero=zero, tracer=ctx.tracer
+    )
     x, y = progressions(BATCH, CONFIG.block_size, CONFIG.vocab)
     model.step(x, y)
     units = [u.padded for u in model.sharded.units]
@@ -100,14 +110,13 @@ def padded_spans(ctx, shape, compute, link):
     least two latencies from its start (its second message leaves once the first has
     arrived); an all-gather or a reduce-scatter, one message, may meet it arrived."""
     mesh = Mesh(shape, ctx.group)
-    model = Hybrid(gpt(CONFIG), mesh, microbatches=2, tracer=ctx.tracer, compute=compute,
-                   link=link)
+    model = Hybrid(gpt(CONFIG), mesh, microbatches=2, tracer=ctx.tracer, compute=compute, link=link)
     x, y = progressions(BATCH, CONFIG.block_size, CONFIG.vocab)
     comm, span, blocked = model.tp_comm.comm, ctx.tracer.span, []
 
     @contextmanager
     def counting(name, kind="compute", **meta):  # the runtime's spans: tp's clock across
-        before = comm.blocked_s                   # each action, in the order they end
+        before = comm.blocked_s  # each action, in the order they end
         with span(name, kind, **meta):
             yield
         if kind == "compute" and "action" in meta:
@@ -119,17 +128,32 @@ def padded_spans(ctx, shape, compute, link):
     finally:
         del ctx.tracer.span
     spans = ctx.tracer.data().spans
-    tp = [s for s in spans if s.kind == "comm" and s.meta.get("axis") == "tp"
-          and s.meta.get("phase") in ("forward", "backward")]  # TPComm's, not the ring's
+    tp = [
+        s
+        for s in spans
+        if s.kind == "comm"
+        and s.meta.get("axis") == "tp"
+        and s.meta.get("phase") in ("forward", "backward")
+    ]  # TPComm's, not the ring's
     actions = [s for s in spans if s.kind == "compute" and "action" in s.meta]
     assert len(actions) == len(blocked)
     out = []
     for s, apart in zip(actions, blocked):
         inside = [t for t in tp if s.start_ns <= t.start_ns and t.end_ns <= s.end_ns]
         least = sum(2 for t in inside if t.meta["op"] == "all_reduce") * link.latency_s
-        out.append((s.meta["stage"], s.meta["action"], s.meta["microbatch"], s.duration_s,
-                    sum(t.duration_s for t in inside), len(inside),
-                    (min(t.start_ns for t in inside) - s.start_ns) / 1e9, apart, least))
+        out.append(
+            (
+                s.meta["stage"],
+                s.meta["action"],
+                s.meta["microbatch"],
+                s.duration_s,
+                sum(t.duration_s for t in inside),
+                len(inside),
+                (min(t.start_ns for t in inside) - s.start_ns) / 1e9,
+                apart,
+                least,
+            )
+        )
     return out
 
 
@@ -140,8 +164,9 @@ def dropout_masks(ctx, shape):
 
     config = GPTConfig(**{**CONFIG.__dict__, "dropout": 0.5})
     mesh = Mesh(shape, ctx.group)
-    model = Hybrid(gpt(config), mesh, microbatches=2,
-                   optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0))
+    model = Hybrid(
+        gpt(config), mesh, microbatches=2, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0)
+    )
     names = {id(m): n for n, m in model.model.named_modules()}
     drawn = []
 
@@ -161,8 +186,9 @@ def thawed_after_hybrid(ctx, shape=None):
     unfrozen after, then a step."""
     model = gpt(CONFIG)
     model.ln_f.requires_grad_(False)
-    hybrid = Hybrid(model, Mesh(shape or {"tp": 2}, ctx.group), microbatches=2,
-                    sequence_parallel=shape is None)
+    hybrid = Hybrid(
+        model, Mesh(shape or {"tp": 2}, ctx.group), microbatches=2, sequence_parallel=shape is None
+    )
     hybrid.model.ln_f.requires_grad_(True)
     hybrid.step(*progressions(BATCH, CONFIG.block_size, CONFIG.vocab))
 
@@ -171,8 +197,11 @@ def bad_sizes(ctx):
     """What Hybrid says to three shapes the GPT cannot take, caught on every rank (each is
     refused alike everywhere before any message), so one run answers all three."""
     said = []
-    for shape, microbatches in (({"dp": 1, "tp": 8, "pp": 1}, 2), ({"dp": 1, "tp": 1, "pp": 8}, 2),
-                                ({"dp": 4, "tp": 2, "pp": 1}, 4)):
+    for shape, microbatches in (
+        ({"dp": 1, "tp": 8, "pp": 1}, 2),
+        ({"dp": 1, "tp": 1, "pp": 8}, 2),
+        ({"dp": 4, "tp": 2, "pp": 1}, 4),
+    ):
         try:
             train(ctx, shape, microbatches=microbatches, steps=1)
         except ValueError as e:
@@ -187,8 +216,7 @@ def memory_by_zero(ctx, zero):
     category, and Adam's state alone."""
     from parcourse.memory import storage_bytes, tensors_in
 
-    model = Hybrid(gpt(CONFIG), Mesh({"dp": 2, "pp": 2}, ctx.group), microbatches=2,
-                   zero=zero)
+    model = Hybrid(gpt(CONFIG), Mesh({"dp": 2, "pp": 2}, ctx.group), microbatches=2, zero=zero)
     x, y = progressions(BATCH, CONFIG.block_size, CONFIG.vocab)
     model.step(x, y)
     memory = model.memory()
@@ -196,8 +224,17 @@ def memory_by_zero(ctx, zero):
     return memory
 
 
-EXPERTS = GPTConfig(vocab=30, block_size=12, n_layers=4, n_heads=12, d_model=24, experts=4,
-                    top_k=2, aux_loss=0.01, z_loss=0.001)
+EXPERTS = GPTConfig(
+    vocab=30,
+    block_size=12,
+    n_layers=4,
+    n_heads=12,
+    d_model=24,
+    experts=4,
+    top_k=2,
+    aux_loss=0.01,
+    z_loss=0.001,
+)
 
 
 def one_process_by_microbatch(replicas, microbatches, config, steps=2, max_norm=None):
@@ -225,8 +262,7 @@ def one_process_by_microbatch(replicas, microbatches, config, steps=2, max_norm=
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    return (before, {k: v.detach().clone() for k, v in model.state_dict().items()}, losses,
-            norms)
+    return (before, {k: v.detach().clone() for k, v in model.state_dict().items()}, losses, norms)
 
 
 def train_fp64(ctx, *args, **kwargs):

@@ -13,17 +13,23 @@ def groups_on_ranks(ctx, shape, order):
     members torch reports, pipeline neighbours, the embedding group and the DeviceMesh."""
     mesh = Mesh(shape, ctx.group, order=order)
     again = Mesh(shape, ctx.group, order=order)  # the same groups, not new ones
-    out = {"coords": {a: mesh.coordinate(a) for a in shape}, "same": again.group("tp") is
-           mesh.group("tp"), "prev": mesh.previous_rank, "next": mesh.next_rank}
+    out = {
+        "coords": {a: mesh.coordinate(a) for a in shape},
+        "same": again.group("tp") is mesh.group("tp"),
+        "prev": mesh.previous_rank,
+        "next": mesh.next_rank,
+    }
     for axis in (*shape, "embedding"):
         group = mesh.embedding_group if axis == "embedding" else mesh.group(axis)
         t = torch.tensor([float(ctx.rank)])
         dist.all_reduce(t, group=group)
         out[axis] = (t.item(), sorted(dist.get_process_group_ranks(group)))
     dm = mesh.device_mesh
-    out["device_mesh"] = (dm.mesh.tolist(), tuple(dm.mesh_dim_names),
-                          {a: sorted(dist.get_process_group_ranks(dm.get_group(a)))
-                           for a in shape})
+    out["device_mesh"] = (
+        dm.mesh.tolist(),
+        tuple(dm.mesh_dim_names),
+        {a: sorted(dist.get_process_group_ranks(dm.get_group(a))) for a in shape},
+    )
     return out
 
 

@@ -5,8 +5,18 @@ import torch
 from parcourse.experiments.pipeline import model_and_data
 
 
-def one_process(steps=2, *, model="mlp", depth=8, width=16, batch=16, lr=0.05, accumulate=1,
-                frozen=(), weight_decay=0.0):
+def one_process(
+    steps=2,
+    *,
+    model="mlp",
+    depth=8,
+    width=16,
+    batch=16,
+    lr=0.05,
+    accumulate=1,
+    frozen=(),
+    weight_decay=0.0,
+):
     """The reference, in plain torch here: the same model and data as `train` (built by
     `model_and_data`, nothing of the pipeline's), SGD on the whole batch (or its
     `accumulate` parts, gradients added up); the weights afterwards."""

@@ -15,10 +15,16 @@ def rank_and_sum(ctx, offset=0):
         dist.all_reduce(t, group=ctx.group)
     from parcourse.comm import backend_for
 
-    return {"rank": ctx.rank, "world": ctx.world_size, "sum": t.item() + offset,
-            "pid": os.getpid(), "threads": torch.get_num_threads(), "device": str(ctx.device),
-            "backend": ctx.backend,
-            "moves": {d: backend_for(ctx.group, d) for d in ("cpu", "cuda")}}
+    return {
+        "rank": ctx.rank,
+        "world": ctx.world_size,
+        "sum": t.item() + offset,
+        "pid": os.getpid(),
+        "threads": torch.get_num_threads(),
+        "device": str(ctx.device),
+        "backend": ctx.backend,
+        "moves": {d: backend_for(ctx.group, d) for d in ("cpu", "cuda")},
+    }
 
 
 def _note_pid(pid_dir):

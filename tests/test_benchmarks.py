@@ -13,16 +13,26 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "collectives.py"
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_collectives_benchmark_prints_a_ratio_per_size_and_per_pool():
-    done = run("--world-sizes", "2", "--min-size", "4KB", "--max-size", "16KB",
-               "--repeats", "1", "--pools", "2")
+    done = run(
+        "--world-sizes",
+        "2",
+        "--min-size",
+        "4KB",
+        "--max-size",
+        "16KB",
+        "--repeats",
+        "1",
+        "--pools",
+        "2",
+    )
     assert done.returncode == 0, done.stderr
-    rows = [line.split() for line in done.stdout.splitlines()
-            if re.match(r"\s+(4|16) KB\s", line)]
+    rows = [line.split() for line in done.stdout.splitlines() if re.match(r"\s+(4|16) KB\s", line)]
     assert [r[:2] for r in rows] == [["4", "KB"], ["16", "KB"]]
     for r in rows:
         # size, 2 x (busbw, GB/s), ratio, interval, pairs, one ratio per pool
@@ -70,12 +80,19 @@ def test_collectives_benchmark_refuses_a_batch_float32_cannot_sum_exactly():
 
 def test_training_benchmark_prints_the_plan_and_the_checkpoint_costs():
     script = SCRIPT.parent / "training.py"
-    done = subprocess.run([sys.executable, str(script), "--steps", "12", "--repeats", "1"],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(script), "--steps", "12", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(r"measured / planned tokens/s: \d+\.\d\d", done.stdout)
-    for label in ("parcourse.checkpoint.save", "parcourse.checkpoint.load",
-                  "gather + torch.save on rank 0"):
+    for label in (
+        "parcourse.checkpoint.save",
+        "parcourse.checkpoint.load",
+        "gather + torch.save on rank 0",
+    ):
         assert re.search(rf"{re.escape(label)}\s+\d+\.\d+\s+\d+\.\d\d", done.stdout), label
     assert "bytes written per rank: rank 0:" in done.stdout
 
@@ -85,23 +102,36 @@ def test_context_parallel_benchmark_prints_the_balance_and_torchs_answer():
     memory each cp keeps, equal to the formula; and torch's context_parallel run beside
     ours or its error said in a line (CPU ranks)."""
     script = SCRIPT.parent / "context_parallel.py"
-    done = subprocess.run([sys.executable, str(script), "--tokens", "64", "--heads", "2",
-                           "--rounds", "1"], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(script), "--tokens", "64", "--heads", "2", "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = [line.split() for line in done.stdout.splitlines()
-            if re.match(r"\s+[24]\s+(contiguous|zigzag)\s", line)]
-    assert [(r[0], r[1]) for r in rows] == [("2", "contiguous"), ("2", "zigzag"),
-                                           ("4", "contiguous"), ("4", "zigzag")]
+    rows = [
+        line.split()
+        for line in done.stdout.splitlines()
+        if re.match(r"\s+[24]\s+(contiguous|zigzag)\s", line)
+    ]
+    assert [(r[0], r[1]) for r in rows] == [
+        ("2", "contiguous"),
+        ("2", "zigzag"),
+        ("4", "contiguous"),
+        ("4", "zigzag"),
+    ]
     assert all(float(r[-2 if r[1] == "zigzag" else -1]) >= 1.0 for r in rows)
-    assert re.search(r"equal to theory.ring_attention_kept, all 9: True", done.stdout), \
-        done.stdout
+    assert re.search(r"equal to theory.ring_attention_kept, all 9: True", done.stdout), done.stdout
     assert re.search(r"ours alone, ranks on \w+: [\d.]+ ms", done.stdout), done.stdout
     for rotate in ("allgather", "alltoall"):
-        assert re.search(rf"torch's \(K/V by {rotate}\) (does not run here: "
-                         rf"NotImplementedError|crashed)|K/V by {rotate}: ours .* ours / torch",
-                         done.stdout), done.stdout
-    bad = subprocess.run([sys.executable, str(script), "--tokens", "0"], capture_output=True,
-                         text=True, timeout=60)
+        assert re.search(
+            rf"torch's \(K/V by {rotate}\) (does not run here: "
+            rf"NotImplementedError|crashed)|K/V by {rotate}: ours .* ours / torch",
+            done.stdout,
+        ), done.stdout
+    bad = subprocess.run(
+        [sys.executable, str(script), "--tokens", "0"], capture_output=True, text=True, timeout=60
+    )
     assert bad.returncode == 2 and "--tokens must be >= 1, got 0" in bad.stderr
 
 
@@ -111,10 +141,29 @@ def test_experts_benchmark_prints_its_four_tables(tmp_path):
     small), and DualPipe's three rows against 1F1B at 4 microbatches, two steps."""
     script = SCRIPT.parent / "experts.py"
     corpus = tmp_path / "corpus"
-    done = subprocess.run([sys.executable, str(script), "--tokens", "64", "--width", "16",
-                           "--rounds", "1", "--steps", "4", "--corpus", str(corpus),
-                           "--microbatches", "4", "--pipeline-steps", "2"],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--tokens",
+            "64",
+            "--width",
+            "16",
+            "--rounds",
+            "1",
+            "--steps",
+            "4",
+            "--corpus",
+            str(corpus),
+            "--microbatches",
+            "4",
+            "--pipeline-steps",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     rows = [line.split() for line in out.splitlines() if re.match(r"\s+[24]\s+[\d.]+ms", line)]
@@ -123,15 +172,24 @@ def test_experts_benchmark_prints_its_four_tables(tmp_path):
     assert len(re.findall(r"equal\s+\S+ \S+\s+\S+ \S+\s+equal", out)) == 2, out
     for method in ("none", "aux loss", "bias"):
         assert re.search(rf"^\s+{method}\s+[\d.]+\s+[\d.]+\s+[\d.]+$", out, re.M), out
-    piped = re.findall(r"^\s+4 (1F1B|DualPipe, pairs apart|DualPipe, overlapped)\s+\d+ms"
-                       r"\s+[\d.]+ms\s+[\d.]+ms\s+[\d.]+ms\s+([\d.]+)\s*(met|MISSED)?$",
-                       out, re.M)
+    piped = re.findall(
+        r"^\s+4 (1F1B|DualPipe, pairs apart|DualPipe, overlapped)\s+\d+ms"
+        r"\s+[\d.]+ms\s+[\d.]+ms\s+[\d.]+ms\s+([\d.]+)\s*(met|MISSED)?$",
+        out,
+        re.M,
+    )
     assert [p[0] for p in piped] == ["1F1B", "DualPipe, pairs apart", "DualPipe, overlapped"]
     assert piped[0][1] == "1.00" and piped[2][2] in ("met", "MISSED"), out
-    for wrong, message in (("--tokens 6", "--tokens must divide by 4"),
-                           ("--microbatches 5", "an even number >= 4")):
-        bad = subprocess.run([sys.executable, str(script), *wrong.split()],
-                             capture_output=True, text=True, timeout=60)
+    for wrong, message in (
+        ("--tokens 6", "--tokens must divide by 4"),
+        ("--microbatches 5", "an even number >= 4"),
+    ):
+        bad = subprocess.run(
+            [sys.executable, str(script), *wrong.split()],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr
 
 
@@ -142,15 +200,19 @@ def test_classroom_benchmark_measures_a_lesson_and_doctor_reads_it(tmp_path):
     from parcourse.classroom import class_sizing
 
     out = tmp_path / "peaks.json"
-    done = subprocess.run([sys.executable, str(SCRIPT.parent / "classroom.py"), "--lessons",
-                           "08", "--out", str(out)], capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT.parent / "classroom.py"), "--lessons", "08", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     peaks = json.loads(out.read_text())
     row = peaks["lessons"]["08_activation_checkpointing"]
     assert row["ranks"] == 2 and row["run_all_s"] > 0 and row["peak_mib"] > 300
     assert row["processes"] >= 3 and row["sockets"] >= 2
-    assert re.search(rf"^08_activation_checkpointing\s+{row['ranks']}\s+{row['run_all_s']}\s",
-                     done.stdout, re.M), done.stdout
+    assert re.search(
+        rf"^08_activation_checkpointing\s+{row['ranks']}\s+{row['run_all_s']}\s", done.stdout, re.M
+    ), done.stdout
     text, _ = class_sizing(2, peaks, {"cpus": 4, "memory_gib": 64, "ports": 28000})
     assert "a class of 2: 4 CPUs" in text and text.endswith("enough")

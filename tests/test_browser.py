@@ -37,9 +37,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from parcourse.classroom import exercises
 from process_tree import free_port, kill_tree
 from test_lessons import AWKWARD, EDGES_TRIED, LESSONS, PANELS_AT_THEIR_EDGES, SMALL
+
+from parcourse.classroom import exercises
 
 sync_api = pytest.importorskip(
     "playwright.sync_api", reason="playwright is not installed (pip install -e '.[test]')"
@@ -48,8 +49,10 @@ pytest.importorskip("jupyterlab", reason="JupyterLab is not installed (pip insta
 
 CHROMIUM = Path(os.environ.get("PARCOURSE_CHROMIUM", "/usr/bin/chromium"))
 if not os.access(CHROMIUM, os.X_OK):
-    pytest.skip(f"no Chromium at {CHROMIUM} (Debian/Ubuntu: apt-get install chromium)",
-                allow_module_level=True)
+    pytest.skip(
+        f"no Chromium at {CHROMIUM} (Debian/Ubuntu: apt-get install chromium)",
+        allow_module_level=True,
+    )
 
 REPO = Path(__file__).resolve().parent.parent
 SHOTS = REPO / "out" / "browser"
@@ -62,12 +65,6 @@ PANEL_RUN_S = 120
 EDGES_S = 300  # every panel of lesson 07 at its controls' ends: about 80 s on 2 cores
 VIEWPORT = {"width": 1280, "height": 1000}
 SHOT_MAX_H = 8000  # taller notebooks are saved in parts of this height
-
-
-
-
-
-
 
 
 def browser_processes() -> list[psutil.Process]:
@@ -92,29 +89,52 @@ class Lab:
         # Every cell in the DOM (no windowing), so the page shows and the test sees them all;
         # no news or update pop-ups in the screenshots.
         self._write_settings(settings, "notebook-extension/tracker", {"windowingMode": "none"})
-        self._write_settings(settings, "apputils-extension/notification",
-                             {"fetchNews": "false", "checkForUpdates": False})
+        self._write_settings(
+            settings,
+            "apputils-extension/notification",
+            {"fetchNews": "false", "checkForUpdates": False},
+        )
         self.port, self.token = free_port(), secrets.token_hex(16)
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("JUPYTER", "JPY_")) and k != "MPLBACKEND"}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("JUPYTER", "JPY_")) and k != "MPLBACKEND"
+        }
         # conftest.py sets MPLBACKEND=Agg for this process; kernels need the inline backend.
-        env.update(JUPYTERLAB_SETTINGS_DIR=str(settings),
-                   JUPYTERLAB_WORKSPACES_DIR=str(root / "lab-workspaces"),
-                   JUPYTER_RUNTIME_DIR=str(root / "runtime"),
-                   JUPYTER_CONFIG_DIR=str(root / "config"),
-                   JUPYTER_DATA_DIR=str(root / "data"),
-                   IPYTHONDIR=str(root / "ipython"))
-        cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1",
-               f"--port={self.port}", "--ServerApp.port_retries=0",
-               f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.notebooks}",
-               "--LabApp.expose_app_in_browser=True"]  # window.jupyterapp: its commands
+        env.update(
+            JUPYTERLAB_SETTINGS_DIR=str(settings),
+            JUPYTERLAB_WORKSPACES_DIR=str(root / "lab-workspaces"),
+            JUPYTER_RUNTIME_DIR=str(root / "runtime"),
+            JUPYTER_CONFIG_DIR=str(root / "config"),
+            JUPYTER_DATA_DIR=str(root / "data"),
+            IPYTHONDIR=str(root / "ipython"),
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "jupyter",
+            "lab",
+            "--no-browser",
+            "--ip=127.0.0.1",
+            f"--port={self.port}",
+            "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={self.token}",
+            f"--ServerApp.root_dir={self.notebooks}",
+            "--LabApp.expose_app_in_browser=True",
+        ]  # window.jupyterapp: its commands
         if os.geteuid() == 0:
             cmd.append("--allow-root")
         self.log_path = root / "jupyterlab.log"
         self._log = self.log_path.open("w")
-        self.proc = subprocess.Popen(cmd, env=env, cwd=self.notebooks, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env,
+            cwd=self.notebooks,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self._wait_up()
 
     @staticmethod
@@ -124,8 +144,9 @@ class Lab:
         path.write_text(json.dumps(values))
 
     def _api(self, path: str, method: str = "GET") -> object:
-        req = urllib.request.Request(f"{self.url}{path}", method=method,
-                                     headers={"Authorization": f"token {self.token}"})
+        req = urllib.request.Request(
+            f"{self.url}{path}", method=method, headers={"Authorization": f"token {self.token}"}
+        )
         with urllib.request.urlopen(req, timeout=10) as r:
             body = r.read()
         return json.loads(body) if body else None
@@ -141,8 +162,9 @@ class Lab:
             except OSError:
                 time.sleep(0.5)
         self.close()
-        raise RuntimeError(f"JupyterLab did not start in {SERVER_START_S} s:\n"
-                           + self.log_path.read_text()[-3000:])
+        raise RuntimeError(
+            f"JupyterLab did not start in {SERVER_START_S} s:\n" + self.log_path.read_text()[-3000:]
+        )
 
     def shutdown_kernels(self) -> None:
         for kernel in self._api("/api/kernels"):  # type: ignore[union-attr]
@@ -212,23 +234,34 @@ def with_small_parameters(src: Path, dst: Path) -> list[str]:
 # JavaScript run in the page; each function starts by finding the lesson's notebook panel.
 FIND = """const w = [...window.jupyterapp.shell.widgets('main')]
         .find(w => w.context && w.context.path === name);"""
-KERNEL_IDLE = """(name) => {
+KERNEL_IDLE = (
+    """(name) => {
     if (!window.jupyterapp || !window.jupyterapp.shell) return false;  // still loading
-    """ + FIND + """
+    """
+    + FIND
+    + """
     const kernel = w && w.context.isReady && w.sessionContext.session
         && w.sessionContext.session.kernel;
     return !!kernel && kernel.status === 'idle';
 }"""
-PROMPTS = """(name) => {""" + FIND + """
+)
+PROMPTS = (
+    """(name) => {"""
+    + FIND
+    + """
     const session = w.sessionContext.session;
     const status = session && session.kernel ? session.kernel.status : 'no kernel';
     const prompts = [...w.content.node.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')]
         .map(p => p.textContent.trim());
     return {status, prompts};
 }"""
+)
 # Per code cell: its outputs (type, stream name, MIME types, error text) from the notebook
 # model, and its images in the page with whether each has loaded.
-CELLS = """(name) => {""" + FIND + """
+CELLS = (
+    """(name) => {"""
+    + FIND
+    + """
     const cells = [...w.content.widgets].filter(c => c.model.type === 'code');
     return cells.map(c => ({
         outputs: c.model.outputs.toJSON().map(o => ({
@@ -240,6 +273,7 @@ CELLS = """(name) => {""" + FIND + """
             .map(i => i.complete && i.naturalWidth > 0),
     }));
 }"""
+)
 VISIBLE_ERRORS = """() => [...document.querySelectorAll(
         '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"], '
         + '.widget-output pre, .jp-Dialog')]
@@ -256,16 +290,23 @@ CONTENT_HEIGHT = f"""() => {{
 PANEL = ".jp-OutputArea .widget-vbox:has(> .widget-hbox > button.widget-button)"
 # The panel's run is over when its output has changed and the kernel has gone idle (the
 # kernel publishes every output of the click's handler before it reports idle).
-PANEL_DONE = """([name, index, before]) => {""" + FIND + """
+PANEL_DONE = (
+    """([name, index, before]) => {"""
+    + FIND
+    + """
     const panel = w.content.node.querySelectorAll(PANEL)[index];
     const output = panel.querySelector(':scope > .widget-output');
     const button = panel.querySelector(':scope > .widget-hbox > button');
     return output.innerHTML !== before && !button.disabled
         && w.sessionContext.session.kernel.status === 'idle';
 }""".replace("PANEL", json.dumps(PANEL))
+)
 # Code run in the lesson's kernel, out of the notebook's sight (no cell, no history): its
 # status, any error and what it printed, or 'timeout' after `ms`.
-EXECUTE = """async ([name, code, ms]) => {""" + FIND + """
+EXECUTE = (
+    """async ([name, code, ms]) => {"""
+    + FIND
+    + """
     const future = w.sessionContext.session.kernel.requestExecute(
         {code, store_history: false, silent: false});
     let out = '';
@@ -278,6 +319,7 @@ EXECUTE = """async ([name, code, ms]) => {""" + FIND + """
         () => resolve({status: 'timeout', error: null, out}), ms));
     return await Promise.race([done, late]);
 }"""
+)
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 EXPLORER = "Zoom into the timeline, read each span, export"  # widgets/explorer.py's title
 
@@ -293,7 +335,8 @@ def fail(page, lesson: str, message: str, cell: int | None = None) -> None:
     try:
         if cell is not None:
             page.locator(".jp-Notebook .jp-CodeCell").nth(cell).scroll_into_view_if_needed(
-                timeout=5000)
+                timeout=5000
+            )
         page.screenshot(path=str(shot))
         errors = page.evaluate(VISIBLE_ERRORS)
     except Exception as e:  # noqa: BLE001 - the page itself may be what failed
@@ -315,8 +358,10 @@ def run_all_cells(page, name: str, lesson: str, log: Progress) -> list[str]:
         busy = [i for i, p in enumerate(prompts) if p == "[*]:"]
         done = [i for i, p in enumerate(prompts) if re.fullmatch(r"\[\d+\]:", p)]
         if not busy and done and state["status"] == "idle":
-            log(f"all cells ran ({len(done)} of {len(prompts)} code cells numbered) "
-                f"in {time.monotonic() - start:.1f} s")
+            log(
+                f"all cells ran ({len(done)} of {len(prompts)} code cells numbered) "
+                f"in {time.monotonic() - start:.1f} s"
+            )
             return prompts
         if state["status"] in ("dead", "no kernel", "autorestarting", "restarting"):
             fail(page, lesson, f"the kernel died (status {state['status']!r}, prompts {prompts})")
@@ -329,12 +374,16 @@ def run_all_cells(page, name: str, lesson: str, log: Progress) -> list[str]:
         if busy and now - since > CELL_TIMEOUT_S:
             fail(page, lesson, f"code cell {running} still running after {CELL_TIMEOUT_S} s")
         if now - start > LESSON_TIMEOUT_S:
-            fail(page, lesson, f"Run All not finished after {LESSON_TIMEOUT_S} s "
-                               f"(prompts: {prompts})")
+            fail(
+                page,
+                lesson,
+                f"Run All not finished after {LESSON_TIMEOUT_S} s (prompts: {prompts})",
+            )
 
 
-def check_cells(page, name: str, lesson: str, sources: list[str], prompts: list[str],
-                log: Progress) -> None:
+def check_cells(
+    page, name: str, lesson: str, sources: list[str], prompts: list[str], log: Progress
+) -> None:
     cells = page.evaluate(CELLS, name)
     assert len(cells) == len(sources), f"{lesson}: {len(cells)} code cells in the page"
     errors = {i: o["error"] for i, c in enumerate(cells) for o in c["outputs"] if o["error"]}
@@ -351,17 +400,19 @@ def check_cells(page, name: str, lesson: str, sources: list[str], prompts: list[
             continue
         pngs = sum("image/png" in o["mimes"] for o in cell["outputs"])
         if not pngs or not cell["images"] or not all(cell["images"]):
-            missing[i] = (f"code cell {i}: {pngs} image outputs, images loaded in the page: "
-                          f"{cell['images']}")
+            missing[i] = (
+                f"code cell {i}: {pngs} image outputs, images loaded in the page: {cell['images']}"
+            )
     if missing:
-        fail(page, lesson, "figures not rendered:\n" + "\n".join(missing.values()),
-             min(missing))
+        fail(page, lesson, "figures not rendered:\n" + "\n".join(missing.values()), min(missing))
     broken = [i for i, c in enumerate(cells) if not all(c["images"])]
     if broken:
         fail(page, lesson, f"images that did not load in code cells {broken}", broken[0])
     figures = sum(len(c["images"]) for c in cells)
-    log(f"no errors; {figures} images in {sum(bool(c['images']) for c in cells)} cells"
-        + (f"; stderr shown in code cells {stderr}" if stderr else ""))
+    log(
+        f"no errors; {figures} images in {sum(bool(c['images']) for c in cells)} cells"
+        + (f"; stderr shown in code cells {stderr}" if stderr else "")
+    )
 
 
 def screenshot_notebook(page, lesson: str) -> list[Path]:
@@ -370,15 +421,17 @@ def screenshot_notebook(page, lesson: str) -> list[Path]:
     page.wait_for_timeout(300)
     height = page.evaluate(CONTENT_HEIGHT)
     chrome = VIEWPORT["height"] - page.evaluate(
-        f"() => document.querySelector('{SCROLLER}').clientHeight")
+        f"() => document.querySelector('{SCROLLER}').clientHeight"
+    )
     part_h = min(height, SHOT_MAX_H)
     page.set_viewport_size({"width": VIEWPORT["width"], "height": part_h + chrome})
     paths = []
     parts = -(-height // part_h)
     for k in range(parts):
         if k == parts - 1 and k:  # the last part only as tall as what is left
-            page.set_viewport_size({"width": VIEWPORT["width"],
-                                    "height": height - k * part_h + chrome})
+            page.set_viewport_size(
+                {"width": VIEWPORT["width"], "height": height - k * part_h + chrome}
+            )
         page.evaluate(f"(y) => document.querySelector('{SCROLLER}').scrollTop = y", k * part_h)
         page.wait_for_timeout(300)
         path = SHOTS / (f"{lesson}.png" if parts == 1 else f"{lesson}-part{k + 1}.png")
@@ -432,8 +485,9 @@ def change_a_control(panel) -> str:
 def run_panels(page, name: str, lesson: str, expected: int, log: Progress) -> None:
     panels = page.locator(PANEL)
     try:
-        page.wait_for_function(f"() => document.querySelectorAll(\"{PANEL}\").length >= "
-                               f"{expected}", timeout=30_000)
+        page.wait_for_function(
+            f'() => document.querySelectorAll("{PANEL}").length >= {expected}', timeout=30_000
+        )
     except sync_api.TimeoutError:
         fail(page, lesson, f"{panels.count()} of {expected} run panels rendered")
     for k in range(expected):
@@ -454,12 +508,15 @@ def run_panels(page, name: str, lesson: str, expected: int, log: Progress) -> No
         status = panel.locator(":scope > .widget-hbox > .widget-html").inner_text().strip()
         page.wait_for_timeout(300)  # let the new image decode before checking and shooting
         images = output.locator("img").evaluate_all(
-            "imgs => imgs.map(i => i.complete && i.naturalWidth > 0)")
+            "imgs => imgs.map(i => i.complete && i.naturalWidth > 0)"
+        )
         text = output.inner_text().strip()
         shot = SHOTS / f"{lesson}-panel{k}.png"
         panel.screenshot(path=str(shot))
-        log(f"panel {title!r}: {time.monotonic() - t0:.1f} s, status {status!r}, "
-            f"{len(images)} images, summary {text[:80]!r}")
+        log(
+            f"panel {title!r}: {time.monotonic() - t0:.1f} s, status {status!r}, "
+            f"{len(images)} images, summary {text[:80]!r}"
+        )
         if "failed" in status or not re.search(r"\d+ ranks?, \w+: \d+ ms", status):
             fail(page, lesson, f"panel {title!r} after Run: status {status!r}")
         if not images or not all(images):
@@ -492,8 +549,10 @@ def try_the_panels_ends(page, name: str, lesson: str, log: Progress) -> None:
         fail(page, lesson, f"the panels at their ends: not done after {EDGES_S} s")
     if result["status"] != "ok":
         fail(page, lesson, f"the panels at their ends: {ANSI.sub('', result['error'] or '')}")
-    log(f"every panel ran (or refused in one line) at its controls' ends in "
-        f"{time.monotonic() - t0:.1f} s")
+    log(
+        f"every panel ran (or refused in one line) at its controls' ends in "
+        f"{time.monotonic() - t0:.1f} s"
+    )
 
 
 # The exercise's function replaced by one that returns a string (its class, by a subclass
@@ -526,18 +585,25 @@ def give_wrong_answers(page, name: str, lesson: str, path: Path, log: Progress) 
         outcome = verdict if result["status"] == "ok" else result["status"]
         log(f"exercise {exercise.name}, a wrong type: {outcome}, {first!r}")
         if result["status"] != "ok" or "Traceback" in hint:
-            fail(page, lesson, f"{exercise.check} with a wrong type: {result['status']} "
-                 f"{ANSI.sub('', result['error'] or '')}\n{hint}")
+            fail(
+                page,
+                lesson,
+                f"{exercise.check} with a wrong type: {result['status']} "
+                f"{ANSI.sub('', result['error'] or '')}\n{hint}",
+            )
         if verdict != "passed: False" or not hint.strip():
-            fail(page, lesson, f"{exercise.check} with a wrong type: {verdict!r} after "
-                 f"{hint!r} (expected a hint and False)")
+            fail(
+                page,
+                lesson,
+                f"{exercise.check} with a wrong type: {verdict!r} after "
+                f"{hint!r} (expected a hint and False)",
+            )
 
 
 def open_lesson(page, lab: Lab, name: str, lesson: str, log: Progress) -> None:
     page.goto(f"{lab.url}/lab/tree/{name}?reset&token={lab.token}", timeout=90_000)
     try:
-        page.wait_for_function(KERNEL_IDLE, arg=name, timeout=KERNEL_START_S * 1000,
-                               polling=500)
+        page.wait_for_function(KERNEL_IDLE, arg=name, timeout=KERNEL_START_S * 1000, polling=500)
     except sync_api.TimeoutError:
         fail(page, lesson, f"notebook or kernel not ready after {KERNEL_START_S} s")
     log("kernel ready")
@@ -546,8 +612,13 @@ def open_lesson(page, lab: Lab, name: str, lesson: str, log: Progress) -> None:
 # The lessons run here; tests/test_browser_rest.py runs the others, so that `make test`'s
 # processes run the two halves side by side. About as long each (2 cores, seconds): 07 83,
 # 05 31, 02 24, 10 20, 00 16 here; 04 56, 09 33, 06 30, 03 19, 08 17, 01 17 there.
-HERE = {"07_1f1b_and_beyond", "05_tensor_parallel", "02_data_parallel", "10_training_for_real",
-        "00_launching_ranks"}
+HERE = {
+    "07_1f1b_and_beyond",
+    "05_tensor_parallel",
+    "02_data_parallel",
+    "10_training_for_real",
+    "00_launching_ranks",
+}
 
 
 @pytest.mark.notebook

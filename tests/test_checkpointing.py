@@ -8,16 +8,19 @@ import pytest
 import torch
 from torch import nn
 
-from parcourse.checkpointing import (checkpoint, checkpoint_sequential, recompute_from_input,
-                                     run_with_policy)
+from parcourse.checkpointing import (
+    checkpoint,
+    checkpoint_sequential,
+    recompute_from_input,
+    run_with_policy,
+)
 
 POLICIES = ["none", "sqrt", "every", "nothing"]
 
 
 def dropout_chain(n=9, width=8):
     g = torch.Generator().manual_seed(1)
-    layers = [nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Dropout(0.3))
-              for _ in range(n)]
+    layers = [nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Dropout(0.3)) for _ in range(n)]
     with torch.no_grad():
         for p in (p for layer in layers for p in layer.parameters()):
             p.copy_(torch.randn(p.shape, generator=g) * 0.5)
@@ -96,9 +99,11 @@ def test_unused_outputs_and_an_input_returned_as_it_is():
     assert all(torch.equal(g1, g2) for g1, g2 in zip(*results))
 
 
-@pytest.mark.skipif(not hasattr(torch.autograd.Function, "boxed_grads_call"),
-                    reason="without boxed_grads_call, torch holds a checkpoint's incoming "
-                           "gradient to the end of its backward")
+@pytest.mark.skipif(
+    not hasattr(torch.autograd.Function, "boxed_grads_call"),
+    reason="without boxed_grads_call, torch holds a checkpoint's incoming "
+    "gradient to the end of its backward",
+)
 def test_peak_in_a_step_is_no_more_than_torchs_checkpoint():
     """MemTracker's peak over forward and backward, against torch.utils.checkpoint
     (non-reentrant) on the same segments (equal to the byte here). Before backward_taking,
@@ -121,7 +126,7 @@ def test_peak_in_a_step_is_no_more_than_torchs_checkpoint():
     def torchs():
         y = x
         for start in range(0, 8, 2):
-            y = torch_checkpoint(run_layers, layers[start:start + 2], y, use_reentrant=False)
+            y = torch_checkpoint(run_layers, layers[start : start + 2], y, use_reentrant=False)
         return y
 
     peaks = []
@@ -190,8 +195,24 @@ def test_peak_saved_activations_follow_the_theory(n):
 def test_cli_prints_peak_and_theory(capsys):
     from parcourse.cli import main
 
-    assert main(["checkpoint", "--layers", "16", "--policy", "sqrt", "--width", "16",
-                 "--batch", "4", "--repeats", "1"]) == 0
+    assert (
+        main(
+            [
+                "checkpoint",
+                "--layers",
+                "16",
+                "--policy",
+                "sqrt",
+                "--width",
+                "16",
+                "--batch",
+                "4",
+                "--repeats",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "= 8 layer outputs (theory 8)" in out and "recomputes 16 layer forwards" in out
     with pytest.raises(SystemExit):
@@ -215,13 +236,15 @@ def test_checkpointed_tensor_parallel_block_recomputes_its_communication(pools, 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_gpipe_with_recomputation(pools, world_size):
     """Each stage keeps only its microbatches' inputs: less in flight, same weights."""
-    from parcourse.experiments.pipeline import train
-    from parcourse.pipeline import gpipe
     from pipeline_reference import one_process
 
+    from parcourse.experiments.pipeline import train
+    from parcourse.pipeline import gpipe
+
     def peak(run):
-        counts = [c.meta["now"] for c in run.trace.counters
-                  if c.rank == 0 and c.name == "in_flight_bytes"]
+        counts = [
+            c.meta["now"] for c in run.trace.counters if c.rank == 0 and c.name == "in_flight_bytes"
+        ]
         return max(counts)
 
     plain = pools[world_size].run(train, gpipe(world_size, 4), 2)

@@ -45,8 +45,10 @@ from parcourse.classroom import student_build
 pytest.importorskip("jupyter_server", reason="no Jupyter server (pip install -e '.[lab]')")
 websocket = pytest.importorskip("websocket", reason="no websocket-client (jupyter_server's)")
 if not (shutil.which("node") and shutil.which("npm")):
-    pytest.skip("no node and npm: the hub's proxy, configurable-http-proxy, is a Node program",
-                allow_module_level=True)
+    pytest.skip(
+        "no node and npm: the hub's proxy, configurable-http-proxy, is a Node program",
+        allow_module_level=True,
+    )
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "classroom" / "jupyterhub_config.py"
@@ -80,16 +82,26 @@ def install_what_is_missing() -> None:
     except PackageNotFoundError:
         have = None
     if have != wanted:
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet",
-                        f"jupyterhub=={wanted}"], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--quiet", f"jupyterhub=={wanted}"], check=True
+        )
     package = CHP_DIR / "node_modules" / "configurable-http-proxy" / "package.json"
     if not package.exists() or json.loads(package.read_text())["version"] != CHP_VERSION:
-        subprocess.run(["npm", "install", "--prefix", str(CHP_DIR), "--cache",
-                        str(CHP_DIR / "npm-cache"), "--no-audit", "--no-fund",
-                        "--loglevel=error", f"configurable-http-proxy@{CHP_VERSION}"],
-                       check=True)
-
-
+        subprocess.run(
+            [
+                "npm",
+                "install",
+                "--prefix",
+                str(CHP_DIR),
+                "--cache",
+                str(CHP_DIR / "npm-cache"),
+                "--no-audit",
+                "--no-fund",
+                "--loglevel=error",
+                f"configurable-http-proxy@{CHP_VERSION}",
+            ],
+            check=True,
+        )
 
 
 def api(method: str, url: str, token: str | None = None, body: object = None) -> object:
@@ -113,12 +125,11 @@ def processes_of(student: str, hub_port: int) -> list[psutil.Process]:
             env = p.environ()
         except psutil.Error:
             continue
-        if (env.get("JUPYTERHUB_USER") == student
-                and f":{hub_port}/" in env.get("JUPYTERHUB_API_URL", "")):
+        if env.get("JUPYTERHUB_USER") == student and f":{hub_port}/" in env.get(
+            "JUPYTERHUB_API_URL", ""
+        ):
             found.append(p)
     return found
-
-
 
 
 class Hub:
@@ -130,19 +141,35 @@ class Hub:
         self.url = f"http://127.0.0.1:{self.port}"
         self.build = root / "student-build"
         student_build(REPO / "lessons", self.build)  # python -m parcourse build-student
-        settings = {"recipe": str(RECIPE), "port": self.port, "hub_port": self.hub_port,
-                    "proxy_api_port": free_port(), "proxy": str(CHP), "state": str(root),
-                    "homes": str(root / "home"), "build": str(self.build),
-                    "password": self.password, "token": self.token,
-                    "cpus_per_student": CPUS_PER_STUDENT}
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("JUPYTER", "JPY_", "CONFIGPROXY")) and k != "MPLBACKEND"}
+        settings = {
+            "recipe": str(RECIPE),
+            "port": self.port,
+            "hub_port": self.hub_port,
+            "proxy_api_port": free_port(),
+            "proxy": str(CHP),
+            "state": str(root),
+            "homes": str(root / "home"),
+            "build": str(self.build),
+            "password": self.password,
+            "token": self.token,
+            "cpus_per_student": CPUS_PER_STUDENT,
+        }
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("JUPYTER", "JPY_", "CONFIGPROXY")) and k != "MPLBACKEND"
+        }
         env["PARCOURSE_TEST_HUB"] = json.dumps(settings)
         self.log_path = root / "hub.log"
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jupyterhub", "-f", str(TEST_CONFIG)], cwd=root, env=env,
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+            [sys.executable, "-m", "jupyterhub", "-f", str(TEST_CONFIG)],
+            cwd=root,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self._wait_up()
 
     def log(self) -> str:
@@ -209,12 +236,19 @@ def run_lesson(hub: Hub, student: str, token: str) -> tuple[float, str]:
     assert "parameters" in code[0]["metadata"].get("tags", []), "parameters come first"
     cells = [c["source"] if isinstance(c["source"], str) else "".join(c["source"]) for c in code]
     # As JupyterLab does on opening the notebook: a session, its kernel in the notebook's folder.
-    session = api("POST", f"{server}/sessions", token,
-                  {"path": path, "type": "notebook", "name": "", "kernel": {"name": "python3"}})
-    ws_url = (f"ws://127.0.0.1:{hub.port}/user/{student}/api/kernels/"
-              f"{session['kernel']['id']}/channels?session_id={uuid.uuid4().hex}")
-    ws = websocket.create_connection(ws_url, header=[f"Authorization: token {token}"],
-                                     timeout=KERNEL_START_S)
+    session = api(
+        "POST",
+        f"{server}/sessions",
+        token,
+        {"path": path, "type": "notebook", "name": "", "kernel": {"name": "python3"}},
+    )
+    ws_url = (
+        f"ws://127.0.0.1:{hub.port}/user/{student}/api/kernels/"
+        f"{session['kernel']['id']}/channels?session_id={uuid.uuid4().hex}"
+    )
+    ws = websocket.create_connection(
+        ws_url, header=[f"Authorization: token {token}"], timeout=KERNEL_START_S
+    )
     try:
         said = ""
         parameters = {k: v for k, v in SMALL[LESSON].items() if k != "world_size"}
@@ -222,8 +256,9 @@ def run_lesson(hub: Hub, student: str, token: str) -> tuple[float, str]:
             t0 = time.monotonic()
             status, errors, printed = execute(ws, code, student)
             said += printed
-            print(f"[class] {student}: cell {i} {status} in {time.monotonic() - t0:.1f} s",
-                  flush=True)
+            print(
+                f"[class] {student}: cell {i} {status} in {time.monotonic() - t0:.1f} s", flush=True
+            )
             assert status == "ok", f"{student}, cell {i}:\n{code}\n" + "\n".join(errors)
     finally:
         ws.close()
@@ -237,14 +272,32 @@ def execute(ws, code: str, student: str) -> tuple[str, list[str], str]:
     """One execute_request on the kernel's websocket (Jupyter's JSON messages); its reply's
     status, any error tracebacks and what it printed."""
     msg_id = uuid.uuid4().hex
-    ws.send(json.dumps({
-        "header": {"msg_id": msg_id, "msg_type": "execute_request", "username": student,
-                   "session": msg_id, "version": "5.3",
-                   "date": datetime.now(timezone.utc).isoformat()},
-        "parent_header": {}, "metadata": {}, "channel": "shell", "buffers": [],
-        "content": {"code": code, "silent": False, "store_history": True,
-                    "user_expressions": {}, "allow_stdin": False, "stop_on_error": True},
-    }))
+    ws.send(
+        json.dumps(
+            {
+                "header": {
+                    "msg_id": msg_id,
+                    "msg_type": "execute_request",
+                    "username": student,
+                    "session": msg_id,
+                    "version": "5.3",
+                    "date": datetime.now(timezone.utc).isoformat(),
+                },
+                "parent_header": {},
+                "metadata": {},
+                "channel": "shell",
+                "buffers": [],
+                "content": {
+                    "code": code,
+                    "silent": False,
+                    "store_history": True,
+                    "user_expressions": {},
+                    "allow_stdin": False,
+                    "stop_on_error": True,
+                },
+            }
+        )
+    )
     errors, printed, deadline = [], "", time.monotonic() + CELL_TIMEOUT_S
     while time.monotonic() < deadline:
         raw = ws.recv()
@@ -269,17 +322,28 @@ def test_three_students_run_lesson_00_at_once(hub):
     hub.api("POST", "/users", body={"usernames": STUDENTS})
 
     # Each student logs in with their password and gets a token of their own.
-    tokens = {name: api("POST", f"{hub.url}/hub/api/users/{name}/tokens", None,
-                        {"auth": {"username": name, "password": hub.password},
-                         "note": "class test"})["token"]
-              for name in STUDENTS}
+    tokens = {
+        name: api(
+            "POST",
+            f"{hub.url}/hub/api/users/{name}/tokens",
+            None,
+            {"auth": {"username": name, "password": hub.password}, "note": "class test"},
+        )["token"]
+        for name in STUDENTS
+    }
     t0 = time.monotonic()
     with ThreadPoolExecutor(len(STUDENTS)) as pool:  # everyone at once, from here on
         # (the hub answers a start after up to 10 s, "pending", so these are sent together)
         list(pool.map(lambda n: hub.api("POST", f"/users/{n}/server", tokens[n]), STUDENTS))
         for name in STUDENTS:
-            wait_for(f"{name}'s server", lambda n=name: hub.api("GET", f"/users/{n}", tokens[n])
-                     ["servers"].get("", {}).get("ready"), SERVER_START_S, hub)
+            wait_for(
+                f"{name}'s server",
+                lambda n=name: (
+                    hub.api("GET", f"/users/{n}", tokens[n])["servers"].get("", {}).get("ready")
+                ),
+                SERVER_START_S,
+                hub,
+            )
         print(f"[class] 3 servers ready in {time.monotonic() - t0:.1f} s", flush=True)
 
         runs = {name: pool.submit(run_lesson, hub, name, tokens[name]) for name in STUDENTS}
@@ -298,8 +362,11 @@ def test_three_students_run_lesson_00_at_once(hub):
         cores[name] = affinity.pop()
         assert len(cores[name]) == CPUS_PER_STUDENT, (name, cores[name])
         rss = sum(p.memory_info().rss for p in procs if p.is_running()) / 2**20
-        print(f"[class] {name}: {len(procs)} processes on cores {sorted(cores[name])}, "
-              f"{rss:.0f} MB resident", flush=True)
+        print(
+            f"[class] {name}: {len(procs)} processes on cores {sorted(cores[name])}, "
+            f"{rss:.0f} MB resident",
+            flush=True,
+        )
     if len(os.sched_getaffinity(0)) > 1:
         assert len(set(cores.values())) > 1, f"every student on the same core: {cores}"
 
@@ -308,12 +375,20 @@ def test_three_students_run_lesson_00_at_once(hub):
     with ThreadPoolExecutor(len(STUDENTS)) as pool:
         list(pool.map(lambda n: hub.api("DELETE", f"/users/{n}/server", tokens[n]), STUDENTS))
     for name in STUDENTS:
-        wait_for(f"{name}'s server to stop", lambda n=name: not hub.api(
-            "GET", f"/users/{n}", tokens[n])["servers"], SERVER_START_S, hub)
+        wait_for(
+            f"{name}'s server to stop",
+            lambda n=name: not hub.api("GET", f"/users/{n}", tokens[n])["servers"],
+            SERVER_START_S,
+            hub,
+        )
         deadline = time.monotonic() + GRACE_S
         while (left := processes_of(name, hub.hub_port)) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not left, f"{name}'s server stopped, these remain: " + ", ".join(
-            f"{p.pid} {' '.join(p.cmdline())[:80]}" for p in left)
-    print(f"[class] 3 servers stopped and nothing of theirs left {time.monotonic() - t1:.1f} s "
-          f"after the stop; {time.monotonic() - t0:.1f} s from the first start", flush=True)
+            f"{p.pid} {' '.join(p.cmdline())[:80]}" for p in left
+        )
+    print(
+        f"[class] 3 servers stopped and nothing of theirs left {time.monotonic() - t1:.1f} s "
+        f"after the stop; {time.monotonic() - t0:.1f} s from the first start",
+        flush=True,
+    )

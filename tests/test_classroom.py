@@ -26,17 +26,22 @@ def solved(notebook):
     solution's names turned into the stub's): what a class that solved every exercise
     hands in."""
     lesson = notebook["_lesson"]
-    solutions = [_source(c) for c in lesson["cells"] if is_solution(c)
-                 and c["cell_type"] == "code" and re.search(r"^(def|class) (solution_|Solution)",
-                                                            _source(c), re.M)]
+    solutions = [
+        _source(c)
+        for c in lesson["cells"]
+        if is_solution(c)
+        and c["cell_type"] == "code"
+        and re.search(r"^(def|class) (solution_|Solution)", _source(c), re.M)
+    ]
     out = json.loads(json.dumps(notebook["_student"]))
     stubs = [c for c in out["cells"] if "raise NotImplementedError" in _source(c)]
     assert len(stubs) == len(solutions)
     for stub, answer in zip(stubs, solutions):
         mine = re.findall(r"^(?:def|class) (\w+)", _source(stub), re.M)[-1]
         theirs = re.findall(r"^(?:def|class) (solution_\w+|Solution\w*)", answer, re.M)[-1]
-        keep = [line for line in _source(stub).splitlines()
-                if line.startswith(("import ", "from "))]  # the stub cell's own imports
+        keep = [
+            line for line in _source(stub).splitlines() if line.startswith(("import ", "from "))
+        ]  # the stub cell's own imports
         stub["source"] = "\n".join(keep + [""] + [re.sub(rf"\b{theirs}\b", mine, answer)])
     return out
 
@@ -55,8 +60,11 @@ def test_the_student_build_has_no_solution_text(build):
         student = json.loads(text)
         assert not SOLUTION_NAME.search(text), lesson.stem
         assert all(not c.get("outputs") for c in student["cells"] if c["cell_type"] == "code")
-        given = "\n".join(_source(c) for c in source["cells"]  # what the lesson says anyway
-                           if not is_solution(c))
+        given = "\n".join(
+            _source(c)
+            for c in source["cells"]  # what the lesson says anyway
+            if not is_solution(c)
+        )
         for cell in source["cells"]:
             if not is_solution(cell):
                 continue
@@ -68,14 +76,22 @@ def test_the_student_build_has_no_solution_text(build):
 
 
 def test_every_exercise_is_found_with_its_check_and_solution():
-    found = [e for lesson in lessons_in(LESSONS)
-             for e in exercises(json.loads(lesson.read_text()), lesson.stem)]
+    found = [
+        e
+        for lesson in lessons_in(LESSONS)
+        for e in exercises(json.loads(lesson.read_text()), lesson.stem)
+    ]
     assert len(found) >= 16
     for lesson in lessons_in(LESSONS):
         notebook = json.loads(lesson.read_text())
         stubs = len(exercises(notebook, lesson.stem))
-        answers = [c for c in notebook["cells"] if is_solution(c) and c["cell_type"] == "code"
-                   and re.search(r"^(def|class) (solution_|Solution)", _source(c), re.M)]
+        answers = [
+            c
+            for c in notebook["cells"]
+            if is_solution(c)
+            and c["cell_type"] == "code"
+            and re.search(r"^(def|class) (solution_|Solution)", _source(c), re.M)
+        ]
         assert len(answers) == stubs, lesson.stem
         for cell in notebook["cells"]:  # nothing outside the solution needs the solution
             if not is_solution(cell):
@@ -92,10 +108,10 @@ def test_the_grader_gives_the_solutions_full_marks_the_stubs_none(build, tmp_pat
     wrong = json.loads(json.dumps(student))
     for cell in wrong["cells"]:
         if "raise NotImplementedError" in _source(cell):
-            cell["source"] = re.sub(r"raise NotImplementedError", "return param.flatten()",
-                                    _source(cell))
-    hand_in = {"ada": solved({"_lesson": lesson, "_student": student}), "bob": student,
-               "cy": wrong}
+            cell["source"] = re.sub(
+                r"raise NotImplementedError", "return param.flatten()", _source(cell)
+            )
+    hand_in = {"ada": solved({"_lesson": lesson, "_student": student}), "bob": student, "cy": wrong}
     submissions, only = tmp_path / "submissions", tmp_path / "lessons"
     for who, notebook in hand_in.items():
         (submissions / who).mkdir(parents=True)
@@ -104,8 +120,11 @@ def test_the_grader_gives_the_solutions_full_marks_the_stubs_none(build, tmp_pat
     shutil.copy(LESSONS / name, only / name)
     grades = grade(submissions, only)
     assert grades.exercises == ["03 my_rows"]
-    assert grades.marks == {"ada": {"03 my_rows": True}, "bob": {"03 my_rows": False},
-                            "cy": {"03 my_rows": False}}
+    assert grades.marks == {
+        "ada": {"03 my_rows": True},
+        "bob": {"03 my_rows": False},
+        "cy": {"03 my_rows": False},
+    }
     assert not grades.errors, grades.errors  # Run All ran to the end, unsolved too
     assert grades.said[("bob", "03 my_rows")].startswith("Not written yet")
     assert grades.said[("cy", "03 my_rows")].startswith("Not quite")  # the check's hint
@@ -125,15 +144,17 @@ def test_solved_builds_replace_every_stub():
         answered = solved({"_lesson": source, "_student": student})
         assert "raise NotImplementedError" not in json.dumps(answered), lesson.stem
         for e in exercises(source, lesson.stem):
-            assert any(re.search(rf"^(def|class) {e.name}\b", _source(c), re.M)
-                       for c in answered["cells"]), (lesson.stem, e.name)
+            assert any(
+                re.search(rf"^(def|class) {e.name}\b", _source(c), re.M) for c in answered["cells"]
+            ), (lesson.stem, e.name)
 
 
 def test_build_student_and_grade_refuse_bad_folders_in_one_line(capsys, tmp_path):
-    for argv, said in ((["build-student", str(LESSONS), "--lessons", str(LESSONS)],
-                        "would overwrite the lessons"),
-                       (["grade", str(tmp_path / "none")], "is not a folder"),
-                       (["grade", str(tmp_path), "--lessons", str(tmp_path)], "no lessons under")):
+    for argv, said in (
+        (["build-student", str(LESSONS), "--lessons", str(LESSONS)], "would overwrite the lessons"),
+        (["grade", str(tmp_path / "none")], "is not a folder"),
+        (["grade", str(tmp_path), "--lessons", str(tmp_path)], "no lessons under"),
+    ):
         with pytest.raises(SystemExit):
             main(argv)
         assert said in capsys.readouterr().err
@@ -141,11 +162,25 @@ def test_build_student_and_grade_refuse_bad_folders_in_one_line(capsys, tmp_path
         grade(tmp_path, LESSONS)
 
 
-PEAKS = {"machine": {"cpus": 2, "memory_gib": 16, "platform": "Linux", "date": "2026-11-28"},
-         "lessons": {"00_launching_ranks": {"ranks": 4, "run_all_s": 9.7, "peak_mib": 560,
-                                            "processes": 7, "sockets": 41},
-                     "09_mesh_and_3d": {"ranks": 8, "run_all_s": 46.0, "peak_mib": 2048,
-                                        "processes": 11, "sockets": 120}}}
+PEAKS = {
+    "machine": {"cpus": 2, "memory_gib": 16, "platform": "Linux", "date": "2026-11-28"},
+    "lessons": {
+        "00_launching_ranks": {
+            "ranks": 4,
+            "run_all_s": 9.7,
+            "peak_mib": 560,
+            "processes": 7,
+            "sockets": 41,
+        },
+        "09_mesh_and_3d": {
+            "ranks": 8,
+            "run_all_s": 46.0,
+            "peak_mib": 2048,
+            "processes": 11,
+            "sockets": 120,
+        },
+    },
+}
 
 
 def test_a_class_is_sized_from_its_heaviest_lesson():

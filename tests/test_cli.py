@@ -27,15 +27,32 @@ def test_doctor_sizes_a_class_from_the_lessons_measured_peaks(capsys):
     assert main(["doctor", "--class", "1000000"]) == 1
     out = capsys.readouterr().out
     assert "short: " in out and "GiB of memory of" in out and "doctor      FAILED" in out
-    bad = subprocess.run([sys.executable, "-m", "parcourse", "doctor", "--class", "0"],
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "parcourse", "doctor", "--class", "0"],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "--class needs 1 student or more, got 0" in bad.stderr
 
 
 @pytest.mark.parametrize(("algo", "world_size"), [("ring", 3), ("naive", 3), ("torch", 2)])
 def test_allreduce_prints_bandwidth_and_bytes_against_theory(capsys, algo, world_size):
-    assert main(["allreduce", "--world-size", str(world_size), "--size", "96KB",
-                 "--algo", algo, "--repeats", "2"]) == 0
+    assert (
+        main(
+            [
+                "allreduce",
+                "--world-size",
+                str(world_size),
+                "--size",
+                "96KB",
+                "--algo",
+                algo,
+                "--repeats",
+                "2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert f"all-reduce  {algo}, {world_size} ranks" in out
     assert "algbw" in out and "busbw" in out
@@ -46,14 +63,21 @@ def test_allreduce_prints_bandwidth_and_bytes_against_theory(capsys, algo, world
 
 
 def test_help_and_bad_input():
-    out = subprocess.run([sys.executable, "-m", "parcourse", "--help"], capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "parcourse", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     assert "doctor" in out and "allreduce" in out
-    bad = subprocess.run([sys.executable, "-m", "parcourse", "allreduce", "--size", "12XB"],
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "parcourse", "allreduce", "--size", "12XB"],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "cannot read a size from '12XB'" in bad.stderr
-    bad = subprocess.run([sys.executable, "-m", "parcourse", "allreduce", "--algo", "tree"],
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "parcourse", "allreduce", "--algo", "tree"],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "invalid choice: 'tree'" in bad.stderr
 
 
@@ -69,15 +93,36 @@ def test_parse_size():
 
 @pytest.mark.parametrize("impl", ["naive", "bucketed", "torch"])
 def test_ddp_prints_step_time_and_loss(capsys, impl):
-    assert main(["ddp", "--impl", impl, "--steps", "2", "--width", "32", "--depth", "3",
-                 "--batch", "16", "--bucket-mb", "0.01"]) == 0
+    assert (
+        main(
+            [
+                "ddp",
+                "--impl",
+                impl,
+                "--steps",
+                "2",
+                "--width",
+                "32",
+                "--depth",
+                "3",
+                "--batch",
+                "16",
+                "--bucket-mb",
+                "0.01",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert f"ddp         {impl}, 2 ranks" in out and "step time" in out and "loss" in out
 
 
 def test_ddp_refuses_a_link_for_torch():
-    bad = subprocess.run([sys.executable, "-m", "parcourse", "ddp", "--impl", "torch",
-                          "--latency-us", "100"], capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "parcourse", "ddp", "--impl", "torch", "--latency-us", "100"],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "cannot use the simulated link" in bad.stderr
 
 
@@ -92,7 +137,8 @@ def test_zero_prints_bytes_per_rank_against_the_formula(capsys):
 
 @pytest.mark.parametrize("command", ["train", "train3d"])
 def test_a_mesh_that_is_not_the_launchers_size_is_refused_before_training(
-        command, monkeypatch, capsys):
+    command, monkeypatch, capsys
+):
     """Under torchrun (RANK and WORLD_SIZE set) the world size is the launcher's: a mesh
     of another size is refused in one line by the command's check, before any process
     group or rank, instead of raising in every worker after the start."""
@@ -101,5 +147,7 @@ def test_a_mesh_that_is_not_the_launchers_size_is_refused_before_training(
     with pytest.raises(SystemExit) as refused:
         main([command, "--dp", "2", "--tp", "1", "--pp", "2"])
     assert refused.value.code == 2
-    assert ("the mesh dp 2 x tp 1 x pp 2 needs 4 ranks, but the launcher started 2"
-            in capsys.readouterr().err)
+    assert (
+        "the mesh dp 2 x tp 1 x pp 2 needs 4 ranks, but the launcher started 2"
+        in capsys.readouterr().err
+    )

@@ -2,13 +2,13 @@
 
 import math
 
+import collective_fns as F
 import pytest
 import torch
 
 from parcourse import Pool, RankError
 from parcourse import comm as C
 from parcourse import theory as T
-import collective_fns as F
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64]
 
@@ -38,8 +38,15 @@ def test_all_reduce_equals_torch_exactly(pools, world_size, algo):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_random_floats_match_within_reduction_order(pools, world_size):
-    run = pools[world_size].run(F.all_reduce_vs_torch, "ring", 17 * 241, torch.float32, "sum",
-                                integer_valued=False, shape=(17, 241))
+    run = pools[world_size].run(
+        F.all_reduce_vs_torch,
+        "ring",
+        17 * 241,
+        torch.float32,
+        "sum",
+        integer_valued=False,
+        shape=(17, 241),
+    )
     for ours, ref, _ in run.results:
         assert ours.shape == (17, 241)
         # fp32: only the order of the N additions differs from gloo's; a few ulps.
@@ -53,25 +60,32 @@ def test_segmented_chunks_equal_torch_exactly(pools, world_size):
     for dtype in (torch.float32, torch.float16, torch.int64):
         for numel in (1000, 2):
             for op in ("sum", "max"):
-                for ours, ref, _ in pools[world_size].run(
-                        F.all_reduce_vs_torch, "ring", numel, dtype, op, segment_bytes=12).results:
+                for ours, ref, _ in (
+                    pools[world_size]
+                    .run(F.all_reduce_vs_torch, "ring", numel, dtype, op, segment_bytes=12)
+                    .results
+                ):
                     assert torch.equal(ours, ref), (dtype, numel, op)
-            for shard, expected in pools[world_size].run(
-                    F.reduce_scatter_vs_torch, numel, dtype, "sum", segment_bytes=12).results:
+            for shard, expected in (
+                pools[world_size]
+                .run(F.reduce_scatter_vs_torch, numel, dtype, "sum", segment_bytes=12)
+                .results
+            ):
                 assert torch.equal(shard, expected)
-            for ours, full, _ in pools[world_size].run(F.all_gather_vs_torch, numel, dtype,
-                                                       segment_bytes=12).results:
+            for ours, full, _ in (
+                pools[world_size].run(F.all_gather_vs_torch, numel, dtype, segment_bytes=12).results
+            ):
                 assert torch.equal(ours, full)
 
 
 def test_segments_are_traced_and_send_the_same_bytes(pools):
     # 1200 float32 over 4 ranks: chunks of 1200 bytes, in segments of at most 500: 3 each.
-    run = pools[4].run(F.all_reduce_vs_torch, "ring", 1200, torch.float32, "sum",
-                       segment_bytes=500)
+    run = pools[4].run(F.all_reduce_vs_torch, "ring", 1200, torch.float32, "sum", segment_bytes=500)
     for rank in range(4):
         spans = run.trace.spans_of(rank=rank, kind="comm")
-        assert [(s.meta["step"], s.meta["segment"]) for s in spans] == \
-            [(step, j) for _ in range(2) for step in range(3) for j in range(3)]
+        assert [(s.meta["step"], s.meta["segment"]) for s in spans] == [
+            (step, j) for _ in range(2) for step in range(3) for j in range(3)
+        ]
         assert run.results[rank][2] == T.bytes_sent_per_rank("ring", 4800, 4, rank)
     with pytest.raises(RankError, match="segment_bytes must be >= 1"):
         pools[2].run(F.all_reduce_vs_torch, "ring", 10, torch.float32, "sum", segment_bytes=0)
@@ -87,11 +101,11 @@ def test_reduce_scatter_and_all_gather_equal_torch(pools, world_size):
     for numel in (24, 1001):
         for dtype in DTYPES:
             for op in ("sum", "max"):
-                for shard, expected in pools[world_size].run(
-                        F.reduce_scatter_vs_torch, numel, dtype, op).results:
+                for shard, expected in (
+                    pools[world_size].run(F.reduce_scatter_vs_torch, numel, dtype, op).results
+                ):
                     assert torch.equal(shard, expected)
-            for ours, full, _ in pools[world_size].run(F.all_gather_vs_torch, numel,
-                                                       dtype).results:
+            for ours, full, _ in pools[world_size].run(F.all_gather_vs_torch, numel, dtype).results:
                 assert torch.equal(ours, full)
 
 
@@ -167,8 +181,13 @@ def test_latency_is_a_delay_paid_once_by_messages_sent_together(pools):
     # The parameter server waits for latency twice (gather, send back), the ring
     # once per step: 2 x 50 ms against 6 x 50 ms with 4 ranks and a tiny tensor.
     model = T.CostModel(alpha, 1e9)
-    naive, ring = (min(max(r[0] for r in pools[4].run(F.linked, algo, 64, alpha, 1e9).results)
-                       for _ in range(3)) for algo in ("naive", "ring"))
+    naive, ring = (
+        min(
+            max(r[0] for r in pools[4].run(F.linked, algo, 64, alpha, 1e9).results)
+            for _ in range(3)
+        )
+        for algo in ("naive", "ring")
+    )
     assert model.all_reduce_s("naive", 64, 4) == pytest.approx(2 * alpha, rel=1e-3)
     assert 2 * alpha <= naive < 4 * alpha
     assert 6 * alpha <= ring < 8 * alpha
@@ -181,8 +200,9 @@ def test_a_link_changes_the_time_only(pools):
     for algo in ("ring", "naive"):
         for dtype in (torch.float16, torch.int64):
             for _ in range(2):
-                for ours, ref, _ in pools[3].run(F.all_reduce_vs_torch, algo, 1001, dtype,
-                                                    "sum", link=link).results:
+                for ours, ref, _ in (
+                    pools[3].run(F.all_reduce_vs_torch, algo, 1001, dtype, "sum", link=link).results
+                ):
                     assert torch.equal(ours, ref), (algo, dtype)
 
 
@@ -196,8 +216,7 @@ def test_messages_queue_on_the_links_for_their_bytes_only():
     assert [d - departed[0] for d in departed] == pytest.approx([0, 1e-3, 2e-3], abs=1e-4)
     assert [t - departed[0] for t in left] == pytest.approx([1e-3, 2e-3, 3e-3], abs=1e-4)
     arrived = [receiver.arrive(d, 10**6) for d in departed]
-    assert [a - departed[0] for a in arrived] == pytest.approx([0.011, 0.012, 0.013],
-                                                               abs=1e-4)
+    assert [a - departed[0] for a in arrived] == pytest.approx([0.011, 0.012, 0.013], abs=1e-4)
     # Two senders, one receiver: both messages reach it together and queue on its
     # incoming link (the parameter server's root).
     root = C.link.Wire(link)
@@ -208,8 +227,12 @@ def test_messages_queue_on_the_links_for_their_bytes_only():
 
 @pytest.mark.parametrize(
     ("what", "message"),
-    [("op", "unsupported op 'min'"), ("dtype", "unsupported dtype torch.bool"),
-     ("avg-int", "op 'avg' needs a floating-point tensor"), ("root", "root must be a rank")],
+    [
+        ("op", "unsupported op 'min'"),
+        ("dtype", "unsupported dtype torch.bool"),
+        ("avg-int", "op 'avg' needs a floating-point tensor"),
+        ("root", "root must be a rank"),
+    ],
 )
 def test_unsupported_arguments_are_clear(pools, what, message):
     with pytest.raises(RankError, match=message):
@@ -256,12 +279,19 @@ def test_fast_ring_equals_the_readable_ring_bitwise(pools, world_size):
     for dtype in (torch.float32, torch.bfloat16):
         for numel, segment_bytes in ((1001, C.SEGMENT_BYTES), (1001, 12), (2, 12)):
             for op in ("sum", "avg", "max"):
-                for r in pools[world_size].run(F.fast_vs_readable, numel, dtype, op,
-                                               segment_bytes).results:
+                for r in (
+                    pools[world_size]
+                    .run(F.fast_vs_readable, numel, dtype, op, segment_bytes)
+                    .results
+                ):
                     fast, readable = r["fast"], r["readable"]
                     for a, b in zip(fast, readable):
-                        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, \
-                            (dtype, numel, segment_bytes, op)
+                        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, (
+                            dtype,
+                            numel,
+                            segment_bytes,
+                            op,
+                        )
 
 
 def test_the_readable_ring_is_short():

@@ -4,10 +4,10 @@ for every method, layout and mask, with sequences that divide evenly and not."""
 
 import pytest
 import torch
+from cp_fns import errors_against_sdpa, ring_traffic
 
 from parcourse import Pool, RankError
 from parcourse.context_parallel import chunks_of, positions, shard_sequence, unshard_sequence
-from cp_fns import errors_against_sdpa, ring_traffic
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +71,11 @@ def test_the_rings_bytes_and_the_causal_balance(pools, layout):
     assert sum(lengths) == 13
     for rank, r in enumerate(results):
         want = ring_attention_bytes(lengths, rank, 2 * 2 * 3 * 4 * 4)
-        assert (r["forward"], r["backward"], r["messages"]) == \
-            (want["forward"], want["backward"], want["messages"]), rank
+        assert (r["forward"], r["backward"], r["messages"]) == (
+            want["forward"],
+            want["backward"],
+            want["messages"],
+        ), rank
         assert r["forward_messages"] == 3
     blocks = [r["blocks"] for r in results]
     assert blocks == ([1, 2, 3, 4] if layout == "contiguous" else [9, 9, 9, 9])
@@ -93,7 +96,13 @@ def test_all_gather_and_ulysses_send_the_bytes_theory_counts(pool4, method):
     assert lengths == [3, 3, 3, 4]
     one = 2 * 4 * 4 * 4  # batch x heads x head dim x 4 bytes: one tensor, a token
     for rank, r in enumerate(results):
-        want = (all_gather_attention_bytes(lengths, 2 * one) if method == "all-gather"
-                else ulysses_bytes(lengths, rank, one))
-        assert (r["forward"], r["backward"], r["messages"]) == \
-            (want["forward"], want["backward"], want["messages"]), (rank, r, want)
+        want = (
+            all_gather_attention_bytes(lengths, 2 * one)
+            if method == "all-gather"
+            else ulysses_bytes(lengths, rank, one)
+        )
+        assert (r["forward"], r["backward"], r["messages"]) == (
+            want["forward"],
+            want["backward"],
+            want["messages"],
+        ), (rank, r, want)

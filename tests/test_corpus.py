@@ -9,12 +9,9 @@ import torch
 from parcourse.corpus import ShardedLoader, build_corpus, is_validation, open_corpus, source_files
 
 
-
 def test_the_corpus_is_deterministic_split_by_file_and_reused(tmp_path):
-    a = build_corpus(tmp_path / "a", packages=["json", "email", "http", "string"],
-                     val_fraction=0.3)
-    b = build_corpus(tmp_path / "b", packages=["json", "email", "http", "string"],
-                     val_fraction=0.3)
+    a = build_corpus(tmp_path / "a", packages=["json", "email", "http", "string"], val_fraction=0.3)
+    b = build_corpus(tmp_path / "b", packages=["json", "email", "http", "string"], val_fraction=0.3)
     assert a.meta["sha256"] == b.meta["sha256"] and a.meta["vocab"] == 256
     assert a.meta["files"]["val"] > 0 and a.meta["files"]["train"] > a.meta["files"]["val"]
     assert len(a.train) == a.meta["bytes"]["train"] and a.train.dtype == np.uint8
@@ -26,8 +23,9 @@ def test_the_corpus_is_deterministic_split_by_file_and_reused(tmp_path):
     share = sum(is_validation(n, 0.05) for n in names) / len(names)
     assert 0.02 < share < 0.1
     stamp = os.stat(tmp_path / "a" / "train.bin").st_mtime_ns
-    again = build_corpus(tmp_path / "a", packages=["json", "email", "http", "string"],
-                         val_fraction=0.3)
+    again = build_corpus(
+        tmp_path / "a", packages=["json", "email", "http", "string"], val_fraction=0.3
+    )
     assert os.stat(tmp_path / "a" / "train.bin").st_mtime_ns == stamp  # reused, not rebuilt
     assert again.meta == a.meta
 
@@ -66,8 +64,7 @@ def test_each_epoch_reads_every_window_once_in_a_new_order():
     loader = ShardedLoader(data, 40, 7, seed=2)  # 100 windows: 14 batches, 2 left out
     orders = []
     for _ in range(3):
-        starts = [int(t) for _ in range(loader.batches_per_epoch)
-                  for t in loader.next()[0][:, 0]]
+        starts = [int(t) for _ in range(loader.batches_per_epoch) for t in loader.next()[0][:, 0]]
         assert len(set(starts)) == len(starts) == 98
         assert all(s % 40 == 0 for s in starts)
         orders.append(starts)

@@ -68,33 +68,45 @@ def test_a_cgroup_quota_caps_the_cpus(version, tmp_path, monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
     assert usable_cpus() == 1
     (leaf / ("cpu.max" if version == "v2" else "cpu.cfs_quota_us")).write_text(
-        "max 100000\n" if version == "v2" else "-1\n")
+        "max 100000\n" if version == "v2" else "-1\n"
+    )
     assert cpus.cgroup_cpu_quota() == (None if version == "v2" else 4.0)
 
 
 @pytest.mark.notebook
-@pytest.mark.skipif(bool(shutil.which("node") and shutil.which("npm")),
-                    reason="tests/test_class_server.py runs lesson 00 this way, its world size "
-                           "left to the lesson, for each of its students (each on one core)")
+@pytest.mark.skipif(
+    bool(shutil.which("node") and shutil.which("npm")),
+    reason="tests/test_class_server.py runs lesson 00 this way, its world size "
+    "left to the lesson, for each of its students (each on one core)",
+)
 def test_a_lesson_under_one_cpu_picks_ranks_it_can_run_and_finishes(tmp_path):
     """Lesson 00 with its world size left to the machine, its kernel (and so its ranks)
     pinned to one CPU: it says so in one line, runs 2 ranks, and runs to its end."""
-    from test_lessons import KERNEL_START_S, LESSONS, SMALL
-
     import papermill
+    from test_lessons import KERNEL_START_S, LESSONS, SMALL
 
     path = next(p for p in LESSONS if p.stem == "00_launching_ranks")
     parameters = {k: v for k, v in SMALL[path.stem].items() if k != "world_size"}
     before = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(before)})  # this thread's mask, which the kernel inherits
     try:
-        papermill.execute_notebook(str(path), str(tmp_path / path.name), parameters=parameters,
-                                   kernel_name="python3", progress_bar=False,
-                                   start_timeout=KERNEL_START_S, cwd=str(path.parent))
+        papermill.execute_notebook(
+            str(path),
+            str(tmp_path / path.name),
+            parameters=parameters,
+            kernel_name="python3",
+            progress_bar=False,
+            start_timeout=KERNEL_START_S,
+            cwd=str(path.parent),
+        )
     finally:
         os.sched_setaffinity(0, before)
     cells = json.loads((tmp_path / path.name).read_text())["cells"]
-    said = "".join("".join(o.get("text", "")) for c in cells if c["cell_type"] == "code"
-                   for o in c.get("outputs", []))
+    said = "".join(
+        "".join(o.get("text", ""))
+        for c in cells
+        if c["cell_type"] == "code"
+        for o in c.get("outputs", [])
+    )
     assert "1 CPU here: running 2 ranks on 1 core" in said
     assert "rank 1 of 2" in said

@@ -6,12 +6,12 @@ Adam's normalisation can amplify for parameters with tiny gradients, hence
 rtol=1e-5, atol=1e-6 after five steps.
 """
 
+import dp_fns as F
 import pytest
 import torch
 
 from parcourse import RankError
 from parcourse.data_parallel import make_buckets
-import dp_fns as F
 
 IMPLS = ["naive", "bucketed", "bucketed-no-overlap", "bucketed-ring"]
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -21,8 +21,9 @@ def assert_same_weights(results, expected):
     for rank, weights in enumerate(results):
         assert weights.keys() == expected.keys()
         for name in expected:
-            torch.testing.assert_close(weights[name], expected[name], **TOL,
-                                       msg=lambda m: f"rank {rank}, {name}: {m}")
+            torch.testing.assert_close(
+                weights[name], expected[name], **TOL, msg=lambda m: f"rank {rank}, {name}: {m}"
+            )
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -91,8 +92,11 @@ def test_communication_overlaps_backward_only_when_asked(pools):
         assert run.results[0] >= 3, "several buckets"
         for rank in range(2):
             backward = run.trace.spans_of(rank=rank, name="backward")[-1]
-            comm = [s for s in run.trace.spans_of(rank=rank, kind="comm")
-                    if s.start_ns >= backward.start_ns]
+            comm = [
+                s
+                for s in run.trace.spans_of(rank=rank, kind="comm")
+                if s.start_ns >= backward.start_ns
+            ]
             assert len(comm) == run.results[0]
             # launched (a bucket's span is drawn from when the one before it finished)
             started_inside = [s for s in comm if s.meta["launched_ns"] < backward.end_ns]
@@ -140,7 +144,8 @@ def test_buffers_follow_the_first_rank_as_with_ddp(pools, impl):
     got = pools[2].run(F.buffers_after_training, impl).results
     for (state, out), (want_state, want_out) in zip(got, want):
         for name in want_state:
-            torch.testing.assert_close(state[name], want_state[name], rtol=1e-5, atol=1e-6,
-                                       msg=name)
+            torch.testing.assert_close(
+                state[name], want_state[name], rtol=1e-5, atol=1e-6, msg=name
+            )
         torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got[0][1], got[1][1])

@@ -11,11 +11,11 @@ off by the size of the weights themselves."""
 
 import pytest
 import torch
+from dcp_fns import resume, train_and_save
+from hybrid_fns import CONFIG
 
 from parcourse import RankDied, RankError, launch
 from parcourse.checkpoint import check_compatible, full_state_dict, latest, read_meta
-from dcp_fns import resume, train_and_save
-from hybrid_fns import CONFIG
 
 STEPS, SAVE_AT = 4, 2
 SAVED_ON = {"dp": 2, "pp": 2}
@@ -23,8 +23,11 @@ SAVED_ON = {"dp": 2, "pp": 2}
 
 def close(a, b):
     """The same keys, none missing on either side, and every value close."""
-    return a.keys() == b.keys() and len(a) > 0 and all(
-        torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-5) for k in a)
+    return (
+        a.keys() == b.keys()
+        and len(a) > 0
+        and all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-5) for k in a)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -36,15 +39,19 @@ def saved(tmp_path_factory, pool4):
     return root, losses, run.results[0][1]
 
 
-@pytest.mark.parametrize("shape,zero", [
-    (SAVED_ON, 0),
-    ({"tp": 2, "pp": 2}, 0),
-    ({"tp": 4}, 0),  # 30 tokens over 4 ranks: vocabulary shards of 8, 8, 8 and 6
-    ({"dp": 4}, 1),  # ZeRO-1's slices at another dp
-    ({"dp": 2, "pp": 2}, 2),
-    ({"dp": 2, "pp": 2}, 3),  # ZeRO-3: weights gathered to load, then each keeps a slice
-    ({"dp": 4}, 3),
-], ids=lambda v: "x".join(f"{k}{n}" for k, n in v.items()) if isinstance(v, dict) else f"zero{v}")
+@pytest.mark.parametrize(
+    "shape,zero",
+    [
+        (SAVED_ON, 0),
+        ({"tp": 2, "pp": 2}, 0),
+        ({"tp": 4}, 0),  # 30 tokens over 4 ranks: vocabulary shards of 8, 8, 8 and 6
+        ({"dp": 4}, 1),  # ZeRO-1's slices at another dp
+        ({"dp": 2, "pp": 2}, 2),
+        ({"dp": 2, "pp": 2}, 3),  # ZeRO-3: weights gathered to load, then each keeps a slice
+        ({"dp": 4}, 3),
+    ],
+    ids=lambda v: "x".join(f"{k}{n}" for k, n in v.items()) if isinstance(v, dict) else f"zero{v}",
+)
 def test_resumed_on_another_mesh_continues_as_uninterrupted(saved, pool4, shape, zero):
     root, losses, weights = saved
     run = pool4.run(resume, shape, str(root), STEPS, zero)
@@ -81,8 +88,7 @@ def test_the_weights_read_in_one_process(saved):
 
 def test_a_save_killed_before_its_commit_leaves_the_last_one(tmp_path, pool4):
     with pytest.raises(RankDied, match="rank 0 was killed by SIGKILL"):
-        pool4.run(train_and_save, SAVED_ON, str(tmp_path), STEPS, SAVE_AT,
-                  crash_in_commit=True)
+        pool4.run(train_and_save, SAVED_ON, str(tmp_path), STEPS, SAVE_AT, crash_in_commit=True)
     assert latest(tmp_path).name == f"step-{SAVE_AT:08d}"
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")]
     pool4.close()  # it lost a rank: the next run starts fresh ones
@@ -105,8 +111,7 @@ def test_a_checkpoint_written_in_the_background_while_training_goes_on(tmp_path,
     """save(blocking=False): the state is copied, then written while the next steps
     change the weights (ZeRO-3: and free them); resumed, it is the state of its own
     step."""
-    run = pool4.run(train_and_save, SAVED_ON, str(tmp_path), STEPS, SAVE_AT, zero,
-                    blocking=False)
+    run = pool4.run(train_and_save, SAVED_ON, str(tmp_path), STEPS, SAVE_AT, zero, blocking=False)
     losses = next(r[0] for r in run.results if r[0][0] is not None)
     assert latest(tmp_path).name == f"step-{SAVE_AT:08d}"
     resumed = pool4.run(resume, {"tp": 2, "pp": 2}, str(tmp_path), STEPS)
@@ -121,8 +126,9 @@ def test_a_frozen_weight_leaves_the_others_state_saved(tmp_path, pool4):
     from dcp_fns import frozen_first
 
     whole = pool4.run(frozen_first, SAVED_ON, str(tmp_path), STEPS, SAVE_AT)
-    resumed = pool4.run(frozen_first, {"tp": 2, "pp": 2}, str(tmp_path), STEPS, SAVE_AT,
-                        resuming=True)
+    resumed = pool4.run(
+        frozen_first, {"tp": 2, "pp": 2}, str(tmp_path), STEPS, SAVE_AT, resuming=True
+    )
     ours = next(r[0] for r in resumed.results if r[0][0] is not None)
     theirs = next(r[0] for r in whole.results if r[0][0] is not None)
     assert ours == pytest.approx(theirs, rel=1e-5)
@@ -150,8 +156,7 @@ def test_experts_cut_over_ep_resume_on_another_cut(tmp_path, pool4):
 
     config = dataclasses.replace(EXPERTS, bias_rate=0.01)
     root = str(tmp_path / "experts")
-    whole = pool4.run(train_and_save, {"dp": 2, "ep": 2}, root, STEPS, SAVE_AT, 1,
-                      config=config)
+    whole = pool4.run(train_and_save, {"dp": 2, "ep": 2}, root, STEPS, SAVE_AT, 1, config=config)
     losses = next(r[0] for r in whole.results if r[0][0] is not None)
     weights = whole.results[0][1]
     assert weights["blocks.0.mlp.router.bias"].abs().sum() > 0  # it moved, and is saved

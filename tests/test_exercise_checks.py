@@ -34,9 +34,20 @@ WRONG = [_raises, _stub, _none, _text, _one, _list_of_one]
 
 
 def _checks():
-    from parcourse.experiments import (all_reduce, checkpointing, context_parallel,
-                                       data_parallel, experts, hybrid, launching, pipeline,
-                                       planning, training, zero, zero_beyond)
+    from parcourse.experiments import (
+        all_reduce,
+        checkpointing,
+        context_parallel,
+        data_parallel,
+        experts,
+        hybrid,
+        launching,
+        pipeline,
+        planning,
+        training,
+        zero,
+        zero_beyond,
+    )
 
     return {  # lesson: check, taking (answer) or (answer, pool)
         "00 average": (launching.check_average, True),

@@ -25,8 +25,10 @@ def exchange(flat, bounds, step, rank, n, group):
     send = bounds[(rank - step - 1) % n]
     recv = bounds[(rank - step - 2) % n]
     incoming = torch.empty(recv[1] - recv[0])
-    works = [dist.irecv(incoming, (rank - 1) % n, group),
-             dist.isend(flat[send[0]:send[1]], (rank + 1) % n, group)]
+    works = [
+        dist.irecv(incoming, (rank - 1) % n, group),
+        dist.isend(flat[send[0] : send[1]], (rank + 1) % n, group),
+    ]
     for w in works:
         w.wait()
     return incoming, recv
@@ -49,8 +51,10 @@ def swapped_step(flat, bounds, step, rank, n, group):  # sends left, receives fr
     send_start, send_end = bounds[(rank - step - 1) % n]
     recv_start, recv_end = bounds[(rank - step - 2) % n]
     incoming = torch.empty(recv_end - recv_start)
-    works = [dist.irecv(incoming, (rank + 1) % n, group),
-             dist.isend(flat[send_start:send_end], (rank - 1) % n, group)]
+    works = [
+        dist.irecv(incoming, (rank + 1) % n, group),
+        dist.isend(flat[send_start:send_end], (rank - 1) % n, group),
+    ]
     for work in works:
         work.wait()
     flat[recv_start:recv_end] += incoming
@@ -116,7 +120,8 @@ def test_average_check_tells_stub_wrong_and_right(pool3, capsys):
     assert launching.check_average(wrong, pool3) is False
     assert capsys.readouterr().out == (
         "Not quite: expected 2 on every rank, got [6.0, 6.0, 6.0]. Hint: all_reduce sums in "
-        "place; divide by ctx.world_size afterwards, and return a number.\n")
+        "place; divide by ctx.world_size afterwards, and return a number.\n"
+    )
     assert launching.check_average(lambda ctx: None, pool3) is False
     assert "got [None, None, None]" in capsys.readouterr().out
     assert launching.check_average(right, pool3)
@@ -181,8 +186,9 @@ def test_traced_all_reduce_counts_bytes_and_checks_its_result(pool3):
 def test_time_all_reduce_runs_a_batch_back_to_back_and_checks_its_result(pool3):
     # A sample of 5 sums ones 5 times over: 3**5 = 243 everywhere, checked after each sample.
     per_rank = pool3.run(all_reduce.time_all_reduce, ["ring", "torch"], [4096], 4, batch=5)
-    assert all(len(ts) == 4 and all(t > 0 for t in ts) for r in per_rank.results
-               for ts in r.values())
+    assert all(
+        len(ts) == 4 and all(t > 0 for t in ts) for r in per_rank.results for ts in r.values()
+    )
     # One wrong sum in the middle of a sample (call 3: the warm-up, then the sample's
     # second) carries through the rest of it: 9 + 10 + 9 = 28 where 27 was due.
     with pytest.raises(Exception, match=r"ring all-reduce of 4096 bytes gave \[28.0.*expected 27"):
@@ -205,6 +211,7 @@ def test_max_batch_keeps_sums_of_ones_exact():
 
 
 # Lesson 02's exercises: the rule that starts buckets during backward, and bucket assignment.
+
 
 def rule_stub(ready, buckets, next_bucket, launch):
     raise NotImplementedError
@@ -245,8 +252,10 @@ def test_launch_rule_check_tells_stub_wrong_and_right(capsys):
         assert out.startswith("Not quite (") and "expected bucket 0 after" in out
         assert "; got " in out and "Hint:" in out and out.count("\n") == 1
     assert data_parallel.check_launch_rule(lambda *a: 1 / 0) is False
-    assert capsys.readouterr().out == "Not yet: your function raised ZeroDivisionError: " \
-                                      "division by zero\n"
+    assert (
+        capsys.readouterr().out == "Not yet: your function raised ZeroDivisionError: "
+        "division by zero\n"
+    )
     assert data_parallel.check_launch_rule(data_parallel.launch_ready_buckets)
 
 
@@ -273,7 +282,8 @@ def test_bucket_check_tells_stub_wrong_and_right(capsys):
     assert capsys.readouterr().out == (
         "Not quite (sizes [400, 40, 4000, 40], limit 1000): expected [[3], [2], [1, 0]], "
         "got [[0, 1], [2], [3]]. Hint: walk the parameters from the last to the first, and "
-        "start a new bucket when the next one would not fit.\n")
+        "start a new bucket when the next one would not fit.\n"
+    )
     assert data_parallel.check_buckets(right)
     capsys.readouterr()
     # every reasonable spelling of a right answer: tuples, numpy's or torch's integers
@@ -324,15 +334,22 @@ def test_the_planning_exercise_answers_every_wrong_answer_in_a_line(capsys):
     best = plans.ranked[0].choice
     assert check_plan(lambda: (best.dp, best.tp, best.pp, best.microbatches))
     assert capsys.readouterr().out.startswith("Correct: ")
-    slow = next(p.choice for p in plans.ranked
-                if p.time["step"] > 1.2 * plans.ranked[0].time["step"])
-    turned_down = next(p.choice for p in plans.rejected
-                       if p.why_not.startswith("out of memory"))
-    cases = {(1, 1, 1, 1): f"the cluster has {cluster.gpus} GPUs",
-             (slow.dp, slow.tp, slow.pp, slow.microbatches): "the best's",
-             (turned_down.dp, turned_down.tp, turned_down.pp, turned_down.microbatches):
-                 "is turned down: out of memory",
-             "dp2": "return four whole numbers", None: "return four whole numbers"}
+    slow = next(
+        p.choice for p in plans.ranked if p.time["step"] > 1.2 * plans.ranked[0].time["step"]
+    )
+    turned_down = next(p.choice for p in plans.rejected if p.why_not.startswith("out of memory"))
+    cases = {
+        (1, 1, 1, 1): f"the cluster has {cluster.gpus} GPUs",
+        (slow.dp, slow.tp, slow.pp, slow.microbatches): "the best's",
+        (
+            turned_down.dp,
+            turned_down.tp,
+            turned_down.pp,
+            turned_down.microbatches,
+        ): "is turned down: out of memory",
+        "dp2": "return four whole numbers",
+        None: "return four whole numbers",
+    }
     for answer, said in cases.items():
         assert not check_plan(lambda answer=answer: answer)
         out = capsys.readouterr().out
@@ -347,12 +364,16 @@ def test_the_planning_exercise_answers_every_wrong_answer_in_a_line(capsys):
 def test_data_parallel_steps_times_every_configuration_over_every_link(pool2):
     from parcourse.comm import SimulatedLink
 
-    configs = {"alone": {"impl": "none"}, "naive": {"impl": "naive"},
-               "buckets": {"impl": "bucketed", "bucket_mb": 0.01, "overlap": False}}
+    configs = {
+        "alone": {"impl": "none"},
+        "naive": {"impl": "naive"},
+        "buckets": {"impl": "bucketed", "bucket_mb": 0.01, "overlap": False},
+    }
     links = {"slow": SimulatedLink(0.002), "free": SimulatedLink()}
     # the quickest of 4 steps: a preempted step only reads slower
-    per_rank = pool2.run(data_parallel.data_parallel_steps, configs, links, 4, width=32, depth=3,
-                         batch=16).results
+    per_rank = pool2.run(
+        data_parallel.data_parallel_steps, configs, links, 4, width=32, depth=3, batch=16
+    ).results
     med = {k: min(timing.slowest_rank(per_rank, k)) for k in per_rank[0]}
     assert set(med) == {(c, n) for c in configs for n in links}
     # Two ranks: 2 ring steps per all-reduce, 2 ms each. naive: 6 parameters; buckets of
@@ -365,13 +386,24 @@ def test_a_launch_rule_drives_real_buckets(pool2):
     # The rule decides when buckets start: during backward (the library's rule) or,
     # with no rule, only after it. A slow link makes every all-reduce last 4 ms or more.
     for rule in (data_parallel.launch_ready_buckets, None):
-        run = pool2.run(data_parallel.train_with_rule, rule, 1, width=64, depth=6, batch=64,
-                        bucket_mb=0.02, latency_us=2000.0)
+        run = pool2.run(
+            data_parallel.train_with_rule,
+            rule,
+            1,
+            width=64,
+            depth=6,
+            batch=64,
+            bucket_mb=0.02,
+            latency_us=2000.0,
+        )
         assert len(run.results[0]) == 1
         for rank in range(2):
             backward = run.trace.spans_of(rank=rank, name="backward")[-1]
-            comm = [s for s in run.trace.spans_of(rank=rank, kind="comm")
-                    if s.start_ns >= run.trace.spans_of(rank=rank, name="forward")[-1].start_ns]
+            comm = [
+                s
+                for s in run.trace.spans_of(rank=rank, kind="comm")
+                if s.start_ns >= run.trace.spans_of(rank=rank, name="forward")[-1].start_ns
+            ]
             # launched during backward (a bucket's span is drawn from when the one before
             # it finished: on this slow link they queue)
             early = [s for s in comm if s.meta["launched_ns"] < backward.end_ns]

@@ -7,10 +7,6 @@ all-to-all's counted bytes equal the formula."""
 
 import pytest
 import torch
-
-from parcourse.experts import MoE, check_ep, expert_parallel, update_bias
-from parcourse.models import GPTConfig, gpt
-from parcourse.theory import expert_bytes, moe_all_to_all_bytes
 from expert_fns import (
     CONFIG,
     counted_bytes,
@@ -20,6 +16,10 @@ from expert_fns import (
     one_process,
     train_dp_ep,
 )
+
+from parcourse.experts import MoE, check_ep, expert_parallel, update_bias
+from parcourse.models import GPTConfig, gpt
+from parcourse.theory import expert_bytes, moe_all_to_all_bytes
 
 # fp32. An expert's rows arrive from the ranks in another order and are padded to another
 # length than in one process, so its batched products may block their sums differently:
@@ -32,8 +32,16 @@ TOL = 1e-5
 @pytest.mark.parametrize("capacity_factor", [None, 1.0], ids=["dropless", "capacity1"])
 def test_loop_and_batched_are_the_same_layer(score, capacity_factor):
     torch.manual_seed(0)
-    m = MoE(16, 8, 2, score=score, capacity_factor=capacity_factor, aux_loss=0.01,
-            z_loss=0.001, mode="loop")
+    m = MoE(
+        16,
+        8,
+        2,
+        score=score,
+        capacity_factor=capacity_factor,
+        aux_loss=0.01,
+        z_loss=0.001,
+        mode="loop",
+    )
     x = torch.randn(4, 10, 16, requires_grad=True)
     results = []
     for mode in ("loop", "batched"):
@@ -60,16 +68,22 @@ def test_capacity_drops_second_choices_first():
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("score,capacity_factor,starved", [
-    ("softmax", None, 3), ("sigmoid", 1.0, None), ("softmax", 0.75, 0)])
-def test_expert_parallel_layer_equals_one_process(pools, world_size, score, capacity_factor,
-                                                  starved):
+@pytest.mark.parametrize(
+    "score,capacity_factor,starved",
+    [("softmax", None, 3), ("sigmoid", 1.0, None), ("softmax", 0.75, 0)],
+)
+def test_expert_parallel_layer_equals_one_process(
+    pools, world_size, score, capacity_factor, starved
+):
     """8 experts, top 2, ranks holding 5, 8, 11 and 14 tokens; an expert that no token
     chooses (its bias -1e4: it receives nothing on any rank), capacity drops the same as
     one process's (each rank's tokens are routed and capped as the whole layer caps
     them)."""
-    for errors, drops, ref_drops, counts in pools[world_size].run(
-            layer_against_one_process, 8, 2, score, capacity_factor, starved).results:
+    for errors, drops, ref_drops, counts in (
+        pools[world_size]
+        .run(layer_against_one_process, 8, 2, score, capacity_factor, starved)
+        .results
+    ):
         assert drops == ref_drops
         if starved is not None:
             assert counts[starved] == 0
@@ -91,11 +105,14 @@ def test_all_to_all_bytes_equal_the_formula(pools, world_size):
         assert (forward, backward) == (want["forward"], want["backward"])
 
 
-@pytest.mark.parametrize("world_size,ep,changes", [
-    (2, 2, {}),
-    (4, 2, {"capacity_factor": 1.0, "router": "sigmoid"}),
-    (4, 4, {"bias_rate": 0.01, "aux_loss": 0.0, "z_loss": 0.001}),
-])
+@pytest.mark.parametrize(
+    "world_size,ep,changes",
+    [
+        (2, 2, {}),
+        (4, 2, {"capacity_factor": 1.0, "router": "sigmoid"}),
+        (4, 4, {"bias_rate": 0.01, "aux_loss": 0.0, "z_loss": 0.001}),
+    ],
+)
 def test_gpt_with_experts_data_parallel_equals_one_process(pools, world_size, ep, changes):
     """Data parallel over every rank, experts cut over ep of them (ep 2 of 4: each expert
     held twice, its gradient summed over both copies). One process's weights, losses and
@@ -112,16 +129,18 @@ def test_the_balancing_bias_after_accumulated_microbatches_is_one_batchs():
     """DeepSeek-V3's bias moves from the tokens counted since the last update: four
     microbatches of 4 sequences, then one update, give the bias one batch of 16 gives."""
     config = GPTConfig(**{**CONFIG, "bias_rate": 0.1, "aux_loss": 0.0})
-    x = torch.randint(0, config.vocab, (16, config.block_size),
-                      generator=torch.Generator().manual_seed(0))
+    x = torch.randint(
+        0, config.vocab, (16, config.block_size), generator=torch.Generator().manual_seed(0)
+    )
     whole, parts = gpt(config), gpt(config)
     whole(x)
     for chunk in x.split(4):
         parts(chunk)
     update_bias(whole)
     update_bias(parts)
-    biases = [[b for n, b in m.named_buffers() if n.endswith("router.bias")]
-              for m in (whole, parts)]
+    biases = [
+        [b for n, b in m.named_buffers() if n.endswith("router.bias")] for m in (whole, parts)
+    ]
     assert all(torch.equal(a, b) for a, b in zip(*biases))
     assert any(b.abs().sum() > 0 for b in biases[0])
 
@@ -129,8 +148,11 @@ def test_the_balancing_bias_after_accumulated_microbatches_is_one_batchs():
 def test_expert_bytes_count_the_held_experts():
     config = GPTConfig(**CONFIG)
     model = expert_parallel(gpt(config), _OneRank())
-    held = sum(p.numel() * 4 for n, p in model.named_parameters()
-               if n.endswith(("up_weight", "up_bias", "down_weight", "down_bias")))
+    held = sum(
+        p.numel() * 4
+        for n, p in model.named_parameters()
+        if n.endswith(("up_weight", "up_bias", "down_weight", "down_bias"))
+    )
     assert expert_bytes(config, 1)["params"] == held
     assert expert_bytes(config, 4)["params"] == held // 4
     assert expert_bytes(config, 4)["optimizer"] == 2 * held // 4
@@ -140,12 +162,15 @@ class _OneRank:
     rank, size = 0, 1
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"experts": 4, "top_k": 5}, "top_k must be between 1 and the 4 experts"),
-    ({"experts": 4, "capacity_factor": 0.0}, "capacity_factor must be > 0"),
-    ({"experts": 4, "router": "relu"}, "unknown router score 'relu'"),
-    ({"experts": -1}, "experts must be an int >= 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"experts": 4, "top_k": 5}, "top_k must be between 1 and the 4 experts"),
+        ({"experts": 4, "capacity_factor": 0.0}, "capacity_factor must be > 0"),
+        ({"experts": 4, "router": "relu"}, "unknown router score 'relu'"),
+        ({"experts": -1}, "experts must be an int >= 0"),
+    ],
+)
 def test_bad_settings_are_refused_in_one_line(kwargs, message):
     with pytest.raises(ValueError, match=message):
         GPTConfig(**kwargs)
@@ -171,9 +196,14 @@ def test_lesson_11s_dispatch_exercise_names_each_mistake(capsys):
 
     assert check_dispatch(dispatch_plan)
     chosen = torch.tensor([[2, 0], [1, 2], [3, 0], [0, 3], [2, 1]])
-    routing = Routing(chosen, torch.ones(5, 2), torch.ones(5, 2, dtype=torch.bool),
-                      torch.bincount(chosen.flatten(), minlength=4), torch.zeros(()),
-                      torch.zeros(()))
+    routing = Routing(
+        chosen,
+        torch.ones(5, 2),
+        torch.ones(5, 2, dtype=torch.bool),
+        torch.bincount(chosen.flatten(), minlength=4),
+        torch.zeros(()),
+        torch.zeros(()),
+    )
     sort = permute(routing, 4)
     assert dispatch_plan(chosen.tolist(), 4, 2)[1] == (sort.tokens * 2 + sort.slots).tolist()
     capsys.readouterr()
@@ -188,8 +218,11 @@ def test_lesson_11s_dispatch_exercise_names_each_mistake(capsys):
     def unsorted(c, e, r):
         return dispatch_plan(c, e, r)[0], list(range(len(c) * len(c[0])))
 
-    for wrong, said in ((per_expert, "rows per expert"), (unstable, "stable sort"),
-                        (unsorted, "the routing's own order")):
+    for wrong, said in (
+        (per_expert, "rows per expert"),
+        (unstable, "stable sort"),
+        (unsorted, "the routing's own order"),
+    ):
         assert check_dispatch(wrong) is False
         assert said in capsys.readouterr().out
 
@@ -204,17 +237,24 @@ def _one_process_after_sgd(schedule, steps, rows, lr=0.05, **model):
     opt = torch.optim.SGD(whole.parameters(), lr=lr)
     batches = [traffic_batch(config, rows * schedule.microbatches, q) for q in range(2)]
     for _ in range(steps):
-        loss = sum(torch.nn.functional.cross_entropy(whole(x).flatten(0, 1), y.flatten())
-                   for x, y in batches) / 2
+        loss = (
+            sum(
+                torch.nn.functional.cross_entropy(whole(x).flatten(0, 1), y.flatten())
+                for x, y in batches
+            )
+            / 2
+        )
         loss.backward()
         opt.step()
         opt.zero_grad()
     return whole, config
 
 
-@pytest.mark.parametrize("name,overlap", [("dualpipe", True), ("dualpipe", False),
-                                          ("1f1b", False)],
-                         ids=["dualpipe-overlapped", "dualpipe-apart", "1f1b"])
+@pytest.mark.parametrize(
+    "name,overlap",
+    [("dualpipe", True), ("dualpipe", False), ("1f1b", False)],
+    ids=["dualpipe-overlapped", "dualpipe-apart", "1f1b"],
+)
 def test_dualpipe_hiding_the_all_to_all_trains_as_one_process(pool4, name, overlap):
     """Two pipelines of 2 ranks, the experts cut over the two ranks holding the same
     stages (ep 2), the all-to-all over a simulated link. Under DualPipe with its pairs
@@ -229,15 +269,16 @@ def test_dualpipe_hiding_the_all_to_all_trains_as_one_process(pool4, name, overl
     model = {"layers": 2, "width": 16, "experts": 4}
     whole, config = _one_process_after_sgd(schedule, 2, rows=1, **model)
     want = dict(whole.named_parameters())
-    results = pool4.run(hidden_traffic, schedule, overlap, steps=2, rows=1,
-                        latency_us=300, **model).results
+    results = pool4.run(
+        hidden_traffic, schedule, overlap, steps=2, rows=1, latency_us=300, **model
+    ).results
     held = config.experts // 2
     for rank, got in enumerate(results):
         here = rank // 2  # the pipeline, and the rank's place in its ep group
         for n, p in got["weights"].items():
             ref = want[n].detach()
             if p.shape != ref.shape:  # an expert weight: this rank's slice
-                ref = ref[here * held:(here + 1) * held]
+                ref = ref[here * held : (here + 1) * held]
             assert torch.allclose(p, ref, atol=TOL), (rank, n)
         assert got["steps"][-1]["waited"] > 0  # the all-to-alls ran under the turns
 
@@ -251,10 +292,20 @@ def test_overlapped_pairs_take_turns_on_one_device(pool4):
     from parcourse.experiments.experts import hidden_traffic
     from parcourse.pipeline.schedule import dualpipe
 
-    model = {"layers": 2, "width": 16, "experts": 4, "rows": 1, "steps": 2,
-             "forward_ms": 6, "backward_ms": 12, "latency_us": 1000}
-    together, apart = (pool4.run(hidden_traffic, dualpipe(2, 8), overlap, **model).results
-                       for overlap in (True, False))
+    model = {
+        "layers": 2,
+        "width": 16,
+        "experts": 4,
+        "rows": 1,
+        "steps": 2,
+        "forward_ms": 6,
+        "backward_ms": 12,
+        "latency_us": 1000,
+    }
+    together, apart = (
+        pool4.run(hidden_traffic, dualpipe(2, 8), overlap, **model).results
+        for overlap in (True, False)
+    )
     for a, b in zip(together, apart):
         for n in a["weights"]:
             assert torch.equal(a["weights"][n], b["weights"][n]), n
@@ -263,8 +314,7 @@ def test_overlapped_pairs_take_turns_on_one_device(pool4):
         assert {kind for kind, _, _ in a["held"]} == {"F", "B", "I", "W"}
         last = a["steps"][-1]
         assert last["exposed"] < last["waited"]
-        assert b["steps"][-1]["exposed"] == pytest.approx(b["steps"][-1]["waited"],
-                                                         abs=1e-6)
+        assert b["steps"][-1]["exposed"] == pytest.approx(b["steps"][-1]["waited"], abs=1e-6)
 
 
 def test_taking_turns_and_exposed_waits_by_hand():

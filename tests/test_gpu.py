@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from parcourse import launch
 from parcourse import comm as C
+from parcourse import launch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -47,8 +47,14 @@ def _beyond_stage_3_on_gpu(ctx, options):
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(256, 512), nn.Tanh(), nn.Linear(512, 256)).to(ctx.device)
-    zmodel, opt = zero.shard(net, lambda ps: torch.optim.Adam(ps, lr=1e-3), 3, ctx.group,
-                             mixed_precision=torch.bfloat16, **options)
+    zmodel, opt = zero.shard(
+        net,
+        lambda ps: torch.optim.Adam(ps, lr=1e-3),
+        3,
+        ctx.group,
+        mixed_precision=torch.bfloat16,
+        **options,
+    )
     g = torch.Generator().manual_seed(ctx.rank)
     x = torch.randn(16, 256, generator=g).to(ctx.device)
     losses = []
@@ -60,10 +66,13 @@ def _beyond_stage_3_on_gpu(ctx, options):
     torch.cuda.synchronize()
     inner = getattr(opt, "optimizer", opt)
     on_host = host_tensors(zmodel, inner)
-    return {"placement": zero.bytes_by_placement(zmodel, opt),
-            "host_on_cpu": all(not t.is_cuda for t in on_host) and bool(on_host),
-            "device_on_gpu": all(u.full.is_cuda for u in zmodel.units),
-            "allocated": torch.cuda.memory_allocated(ctx.device), "losses": losses}
+    return {
+        "placement": zero.bytes_by_placement(zmodel, opt),
+        "host_on_cpu": all(not t.is_cuda for t in on_host) and bool(on_host),
+        "device_on_gpu": all(u.full.is_cuda for u in zmodel.units),
+        "allocated": torch.cuda.memory_allocated(ctx.device),
+        "losses": losses,
+    }
 
 
 def test_offload_puts_each_byte_where_it_says():
@@ -71,8 +80,9 @@ def test_offload_puts_each_byte_where_it_says():
     the host is a CPU tensor, and with the weights offloaded too the device holds none of
     the model's bytes between steps (only what forward and backward leave: the input)."""
     plain = launch(_beyond_stage_3_on_gpu, 2, {}).results
-    offloaded = launch(_beyond_stage_3_on_gpu, 2,
-                       {"offload_optimizer": "cpu", "offload_params": True}).results
+    offloaded = launch(
+        _beyond_stage_3_on_gpu, 2, {"offload_optimizer": "cpu", "offload_params": True}
+    ).results
     for p, o in zip(plain, offloaded):
         assert o["host_on_cpu"] and o["device_on_gpu"]
         assert sum(o["placement"]["device"].values()) == 0
@@ -85,9 +95,16 @@ def test_zero_pp_runs_on_gpu():
     """qwZ, hpZ and qgZ on CUDA ranks (NCCL when each rank has a GPU, else gloo staging
     through the host): the loss within 1% of plain ZeRO-3's."""
     plain = launch(_beyond_stage_3_on_gpu, 2, {}).results
-    plus = launch(_beyond_stage_3_on_gpu, 2,
-                  {"quantized_weights": True, "hpz_partition_size": 1,
-                   "quantized_gradients": True, "ranks_per_node": 1}).results
+    plus = launch(
+        _beyond_stage_3_on_gpu,
+        2,
+        {
+            "quantized_weights": True,
+            "hpz_partition_size": 1,
+            "quantized_gradients": True,
+            "ranks_per_node": 1,
+        },
+    ).results
     for p, q in zip(plain, plus):
         for a, b in zip(p["losses"], q["losses"]):
             assert abs(a - b) <= 1e-2 * abs(a)
@@ -100,8 +117,10 @@ def test_lesson_04s_runs_beyond_stage_3_put_each_byte_on_the_gpu_or_the_host():
     device is the host, so only a GPU shows the split."""
     from parcourse.experiments.zero_beyond import Beyond, beyond_run
 
-    for settings in (Beyond(offload="cpu", dtype="bfloat16"),
-                     Beyond(offload="nvme", offload_params=True, dtype="bfloat16")):
+    for settings in (
+        Beyond(offload="cpu", dtype="bfloat16"),
+        Beyond(offload="nvme", offload_params=True, dtype="bfloat16"),
+    ):
         for r in launch(beyond_run, 2, settings, 200_000, 2, 2).results:
             tensors = sum(n for _, n in r["units"])  # parameter tensors
             for where in ("device", "host"):
@@ -119,8 +138,11 @@ def _tensor_parallel_on(ctx, device, checkpointed):
     from parcourse.checkpointing import checkpoint
     from parcourse.experiments.tensor_parallel.training import batch_for
     from parcourse.models import GPTConfig, gpt
-    from parcourse.tensor_parallel import (GPT_PLAN, apply_tensor_parallel,
-                                          vocab_parallel_cross_entropy)
+    from parcourse.tensor_parallel import (
+        GPT_PLAN,
+        apply_tensor_parallel,
+        vocab_parallel_cross_entropy,
+    )
 
     config = GPTConfig(dropout=0.1)
     model = gpt(config, seed=0).to(device)
@@ -132,8 +154,9 @@ def _tensor_parallel_on(ctx, device, checkpointed):
     losses = []
     for step in range(3):
         x, y = (t.to(device) for t in batch_for(step, 8, config))
-        loss = vocab_parallel_cross_entropy(model(x), y, ctx.group, config.vocab,
-                                            comm=model.head.comm)
+        loss = vocab_parallel_cross_entropy(
+            model(x), y, ctx.group, config.vocab, comm=model.head.comm
+        )
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -200,8 +223,11 @@ def _experts_on(ctx):
     y_whole, y_mine = whole(a), mine(b)
     y_whole.sum().backward()
     y_mine.sum().backward()
-    return (float((y_whole - y_mine).abs().max()), float((a.grad - b.grad).abs().max()),
-            str(y_mine.device))
+    return (
+        float((y_whole - y_mine).abs().max()),
+        float((a.grad - b.grad).abs().max()),
+        str(y_mine.device),
+    )
 
 
 def test_expert_parallelism_on_gpu_ranks_equals_one_process():

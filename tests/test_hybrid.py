@@ -7,15 +7,22 @@ whose gradient is near zero can move by a larger fraction of its tiny change: tw
 stay below 1e-5.
 """
 
-
 import dataclasses
 import math
 
 import pytest
 import torch
+from hybrid_fns import (
+    EXPERTS,
+    bad_sizes,
+    dropout_masks,
+    one_process,
+    one_process_by_microbatch,
+    thawed_after_hybrid,
+    train,
+    train_fp64,
+)
 
-from hybrid_fns import (EXPERTS, bad_sizes, dropout_masks, one_process,
-                        one_process_by_microbatch, thawed_after_hybrid, train, train_fp64)
 from parcourse import Pool, RankError
 from parcourse.models import GPTConfig
 
@@ -51,20 +58,26 @@ def pool8():
         yield pool
 
 
-@pytest.mark.parametrize("shape", [
-    {"dp": 2, "tp": 2, "pp": 2},
-    {"dp": 1, "tp": 2, "pp": 4},
-    {"dp": 2, "tp": 1, "pp": 4},
-    {"dp": 4, "tp": 2, "pp": 1},
-    {"dp": 1, "tp": 4, "pp": 2},
-])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {"dp": 2, "tp": 2, "pp": 2},
+        {"dp": 1, "tp": 2, "pp": 4},
+        {"dp": 2, "tp": 1, "pp": 4},
+        {"dp": 4, "tp": 2, "pp": 1},
+        {"dp": 1, "tp": 4, "pp": 2},
+    ],
+)
 def test_3d_on_eight_ranks_equals_one_process(pool8, shape):
     check(pool8.run(train, shape).results)
 
 
 def test_3d_with_interleaving_and_sequence_parallelism(pool8):
-    check(pool8.run(train, {"dp": 2, "tp": 2, "pp": 2}, "interleaved-1f1b",
-                    sequence_parallel=True).results)
+    check(
+        pool8.run(
+            train, {"dp": 2, "tp": 2, "pp": 2}, "interleaved-1f1b", sequence_parallel=True
+        ).results
+    )
 
 
 @pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
@@ -78,8 +91,12 @@ def test_sequence_parallelism_with_a_split_backward_equals_one_process(pools, sc
 def test_3d_with_dualpipe_v_and_clipping_equals_one_process(pool8):
     """DualPipeV's V: rank 0 holds the first and the last stage, so the tied embedding and
     head sit on one rank (one Parameter, counted once in the norm)."""
-    check(pool8.run(train, {"dp": 2, "tp": 2, "pp": 2}, "dualpipe-v", microbatches=4,
-                    max_norm=CLIP).results, CLIP)
+    check(
+        pool8.run(
+            train, {"dp": 2, "tp": 2, "pp": 2}, "dualpipe-v", microbatches=4, max_norm=CLIP
+        ).results,
+        CLIP,
+    )
 
 
 @pytest.mark.parametrize("shape", [{"dp": 3, "tp": 1, "pp": 2}, {"dp": 1, "tp": 3, "pp": 2}])
@@ -106,8 +123,9 @@ def test_bad_sizes_name_the_numbers(pool8):
         tp, pp, batch = said
         assert tp == "tp 8 does not divide the 12 heads", tp
         assert "has 8 stages; the GPT's 6 layers" in pp, pp
-        assert batch == ("the global batch of 24 does not cut into dp 4 x 4 microbatches "
-                         "equal parts"), batch
+        assert batch == (
+            "the global batch of 24 does not cut into dp 4 x 4 microbatches equal parts"
+        ), batch
 
 
 def test_cli_trains_beside_one_process(capsys):
@@ -131,11 +149,14 @@ def test_3d_with_zero_1_over_dp_equals_one_process(pool8, shape):
     check(pool8.run(train, shape, zero=1).results)
 
 
-@pytest.mark.parametrize("shape,schedule,microbatches", [
-    ({"dp": 2, "tp": 2, "pp": 2}, "1f1b", 4),
-    ({"dp": 4, "tp": 1, "pp": 2}, "interleaved-1f1b", 2),
-    ({"dp": 2, "tp": 1, "pp": 4}, "zb-h1", 4),
-])
+@pytest.mark.parametrize(
+    "shape,schedule,microbatches",
+    [
+        ({"dp": 2, "tp": 2, "pp": 2}, "1f1b", 4),
+        ({"dp": 4, "tp": 1, "pp": 2}, "interleaved-1f1b", 2),
+        ({"dp": 2, "tp": 1, "pp": 4}, "zb-h1", 4),
+    ],
+)
 def test_3d_with_zero_2_over_dp_equals_one_process(pool8, shape, schedule, microbatches):
     """ZeRO-2 over dp: each microbatch's gradients of a stage reduce-scattered into the
     slices as soon as its backward (B, or W under zero bubble) is done, summed over the
@@ -143,15 +164,17 @@ def test_3d_with_zero_2_over_dp_equals_one_process(pool8, shape, schedule, micro
     check(pool8.run(train, shape, schedule, zero=2, microbatches=microbatches).results)
 
 
-@pytest.mark.parametrize("shape,schedule,microbatches,kwargs", [
-    ({"dp": 2, "tp": 2, "pp": 2}, "1f1b", 4, {}),
-    ({"dp": 4, "tp": 1, "pp": 2}, "1f1b", 2, {"max_norm": CLIP}),
-    ({"dp": 2, "tp": 1, "pp": 4}, "interleaved-1f1b", 4, {"config": EIGHT_BLOCKS}),
-    ({"dp": 2, "tp": 2, "pp": 2}, "zb-h1", 2, {"sequence_parallel": True}),
-    ({"dp": 2, "tp": 1, "pp": 2}, "gpipe", 2, {"recompute": True}),
-])
-def test_3d_with_zero_3_over_dp_equals_one_process(request, shape, schedule, microbatches,
-                                                    kwargs):
+@pytest.mark.parametrize(
+    "shape,schedule,microbatches,kwargs",
+    [
+        ({"dp": 2, "tp": 2, "pp": 2}, "1f1b", 4, {}),
+        ({"dp": 4, "tp": 1, "pp": 2}, "1f1b", 2, {"max_norm": CLIP}),
+        ({"dp": 2, "tp": 1, "pp": 4}, "interleaved-1f1b", 4, {"config": EIGHT_BLOCKS}),
+        ({"dp": 2, "tp": 2, "pp": 2}, "zb-h1", 2, {"sequence_parallel": True}),
+        ({"dp": 2, "tp": 1, "pp": 2}, "gpipe", 2, {"recompute": True}),
+    ],
+)
+def test_3d_with_zero_3_over_dp_equals_one_process(request, shape, schedule, microbatches, kwargs):
     """ZeRO-3 over dp: a stage's weights gathered from the replicas' slices before each of
     its actions (F, B, I, W of one microbatch) and freed after, the gradients reduced as
     ZeRO-2's. Each gathered value is the one a whole copy would hold, so the result is one
@@ -162,8 +185,11 @@ def test_3d_with_zero_3_over_dp_equals_one_process(request, shape, schedule, mic
     size, and the order of the sums shows)."""
     world = shape["dp"] * shape["tp"] * shape["pp"]
     pool = request.getfixturevalue(f"pool{world}")
-    check(pool.run(train, shape, schedule, zero=3, microbatches=microbatches,
-                   **kwargs).results, kwargs.get("max_norm"), kwargs.get("config"))
+    check(
+        pool.run(train, shape, schedule, zero=3, microbatches=microbatches, **kwargs).results,
+        kwargs.get("max_norm"),
+        kwargs.get("config"),
+    )
 
 
 def test_zero_3_holds_a_slice_of_the_weights_between_actions(pool4):
@@ -173,8 +199,9 @@ def test_zero_3_holds_a_slice_of_the_weights_between_actions(pool4):
     optimizer holds nothing else (it steps views into the whole weights)."""
     from hybrid_fns import memory_by_zero
 
-    for zero1, zero3 in zip(pool4.run(memory_by_zero, 1).results,
-                            pool4.run(memory_by_zero, 3).results):
+    for zero1, zero3 in zip(
+        pool4.run(memory_by_zero, 1).results, pool4.run(memory_by_zero, 3).results
+    ):
         assert 2 * zero3["params"] == zero1["params"]
         assert zero3["optimizer"] == zero3["adam"] == zero1["adam"] == zero1["optimizer"]
 
@@ -195,11 +222,14 @@ def test_zero_2_reduce_scatters_each_microbatch(pool4):
         assert sent2 - sent1 == (m - 1) * stages / 2
 
 
-@pytest.mark.parametrize("shape,kwargs", [
-    ({"dp": 2, "tp": 2, "pp": 2}, {"sequence_parallel": True}),
-    ({"dp": 2, "tp": 2, "pp": 2}, {"zero": 1}),
-    ({"dp": 1, "tp": 2, "pp": 4}, {}),
-])
+@pytest.mark.parametrize(
+    "shape,kwargs",
+    [
+        ({"dp": 2, "tp": 2, "pp": 2}, {"sequence_parallel": True}),
+        ({"dp": 2, "tp": 2, "pp": 2}, {"zero": 1}),
+        ({"dp": 1, "tp": 2, "pp": 4}, {}),
+    ],
+)
 def test_clipping_by_the_global_norm_equals_one_process(pool8, shape, kwargs):
     """The norm over every axis, each element counted once (LayerNorms held whole on every
     tp rank, the tied embedding on the first and last stage, ZeRO's slices), equals
@@ -220,6 +250,7 @@ def test_simulated_compute_pads_each_action_leaving_tps_collectives_on_top(pool4
     collective waits for its share of the seconds, cut evenly at the n collectives:
     S / (n + 1)."""
     from hybrid_fns import padded_spans
+
     from parcourse.comm import SimulatedLink
     from parcourse.pipeline.simulate import SimulatedCompute
 
@@ -241,8 +272,9 @@ def test_simulated_compute_pads_each_action_leaving_tps_collectives_on_top(pool4
 def test_a_traced_step_says_each_messages_axis(pool8):
     from hybrid_fns import traced_step
 
-    for sent, param_bytes, axes, weights in pool8.run(traced_step,
-                                                      {"dp": 2, "tp": 2, "pp": 2}).results:
+    for sent, param_bytes, axes, weights in pool8.run(
+        traced_step, {"dp": 2, "tp": 2, "pp": 2}
+    ).results:
         assert {"tp", "pp", "dp"} <= axes
         # dp: the ring all-reduce of every gradient, 2(N-1)/N x S = S for N = 2, in lesson
         # 02's buckets, each with a used-flag (fp32) per weight
@@ -256,34 +288,38 @@ def test_placement_runs_both_ways_beside_the_model(pool4, axis):
     the axis across nodes above it inside a node for tp (the timing itself is the
     benchmark's to judge)."""
     from parcourse.comm import Topology
-    from parcourse.experiments.hybrid import (PLACEMENTS, placement_predictions,
-                                              placement_step_times)
+    from parcourse.experiments.hybrid import PLACEMENTS, placement_predictions, placement_step_times
 
     topology = Topology.of(2)
     results = pool4.run(placement_step_times, topology, 1, axis=axis).results
     for r in results:
         assert set(r["times"]) == set(PLACEMENTS[axis])
         assert all(len(t) == 1 for t in r["times"].values())
-    model = placement_predictions(topology, max(r["param_bytes"] for r in results),
-                                  axis=axis)
+    model = placement_predictions(topology, max(r["param_bytes"] for r in results), axis=axis)
     inside, across = PLACEMENTS[axis]
     assert model[inside] > 0 and model[across] > 0
     if axis == "tp":
         assert model[across] > model[inside]
 
 
-@pytest.mark.parametrize("shape,zero,experts", [({"dp": 2, "tp": 2, "pp": 1}, 1, False),
-                                                ({"dp": 1, "tp": 2, "pp": 2}, 0, False),
-                                                ({"dp": 2, "tp": 1, "pp": 2}, 1, False),
-                                                ({"ep": 2, "tp": 2}, 0, True),
-                                                ({"dp": 2, "ep": 2}, 1, True),
-                                                ({"ep": 2, "pp": 2}, 1, True)])
+@pytest.mark.parametrize(
+    "shape,zero,experts",
+    [
+        ({"dp": 2, "tp": 2, "pp": 1}, 1, False),
+        ({"dp": 1, "tp": 2, "pp": 2}, 0, False),
+        ({"dp": 2, "tp": 1, "pp": 2}, 1, False),
+        ({"ep": 2, "tp": 2}, 0, True),
+        ({"dp": 2, "ep": 2}, 1, True),
+        ({"ep": 2, "pp": 2}, 1, True),
+    ],
+)
 def test_memory_per_rank_beside_the_formula(pool4, shape, zero, experts):
     """Parameters and gradients: the mean over ranks is theory.mesh_bytes' balanced figure
     exactly (stages are uneven; the formula is their mean). Adam's state: the formula
     plus Adam's step counter (4 bytes a tensor). With experts cut over ep: each rank's
     share of them, its router whole, ZeRO sharding them over their copies only."""
     from hybrid_fns import CONFIG, memory_after_a_step
+
     from parcourse.theory import mesh_bytes
 
     config = EXPERTS if experts else CONFIG
@@ -305,8 +341,9 @@ def test_what_each_group_reduces_follows_the_model(pool4):
     """Lesson 09's table: the rows follow the model's own choices and groups."""
     from hybrid_fns import reductions
 
-    rows = pool4.run(reductions, {"dp": 2, "tp": 2, "pp": 1}, zero=1, max_norm=1.0,
-                     sequence_parallel=True).results
+    rows = pool4.run(
+        reductions, {"dp": 2, "tp": 2, "pp": 1}, zero=1, max_norm=1.0, sequence_parallel=True
+    ).results
     ops = {(r["axis"], r["op"]) for r in rows[3]}
     assert ("dp", "reduce-scatter (mean): a slice each") in ops
     assert ("dp", "all-gather") in ops and ("dp-tp-pp", "all-reduce (sum)") in ops
@@ -319,7 +356,8 @@ def test_what_each_group_reduces_follows_the_model(pool4):
         assert axes["pp"] == [rank % 2, rank % 2 + 2] and axes["embedding"] == axes["pp"]
         assert axes["dp"] == [rank - rank % 2, rank - rank % 2 + 1]
         assert "tp" not in axes and ("dp", "all-reduce (mean)") in {
-            (r["axis"], r["op"]) for r in mine if r["when"] == "finalize 1"}
+            (r["axis"], r["op"]) for r in mine if r["when"] == "finalize 1"
+        }
 
 
 @pytest.mark.parametrize("shape", [{"dp": 2}, {"pp": 2}, {"tp": 2}], ids=["dp", "pp", "tp"])
@@ -329,8 +367,12 @@ def test_dropout_masks_differ_across_replicas_and_stages(pools, shape):
     the two ranks of a tp group drop the same elements of a whole activation."""
     (_, first), (_, second) = pools[2].run(dropout_masks, shape).results
     assert first and second
-    same = [(a, b) for a, ma in first for b, mb in second
-            if ma.shape == mb.shape and torch.equal(ma, mb)]
+    same = [
+        (a, b)
+        for a, ma in first
+        for b, mb in second
+        if ma.shape == mb.shape and torch.equal(ma, mb)
+    ]
     if "tp" in shape:  # the residual stream's dropouts are whole on both ranks
         assert any(a == b and "attn_drop" not in a for a, b in same), same
         assert not any("attn_drop" in a for a, _ in same)  # each rank's own heads
@@ -378,15 +420,19 @@ def test_each_axis_keeps_its_colour_in_lesson_09s_figure(pools, shape):
         assert colours == {to_rgba(AXIS_COLORS[axis])}, axis
 
 
-@pytest.mark.parametrize("shape,schedule,microbatches,kwargs", [
-    ({"cp": 2}, "1f1b", 2, {"config": THIRTEEN_TOKENS}),
-    ({"pp": 2, "cp": 2}, "gpipe", 2, {"cp_method": "all-gather", "max_norm": CLIP}),
-    ({"dp": 2, "cp": 2}, "1f1b", 2, {"cp_method": "ulysses", "zero": 3}),
-    ({"dp": 1, "tp": 2, "pp": 2, "cp": 2}, "1f1b", 2, {}),
-    ({"dp": 2, "cp": 4}, "1f1b", 2, {"zero": 1, "config": THIRTEEN_TOKENS}),
-])
-def test_3d_with_the_sequence_cut_over_cp_equals_one_process(request, shape, schedule,
-                                                             microbatches, kwargs):
+@pytest.mark.parametrize(
+    "shape,schedule,microbatches,kwargs",
+    [
+        ({"cp": 2}, "1f1b", 2, {"config": THIRTEEN_TOKENS}),
+        ({"pp": 2, "cp": 2}, "gpipe", 2, {"cp_method": "all-gather", "max_norm": CLIP}),
+        ({"dp": 2, "cp": 2}, "1f1b", 2, {"cp_method": "ulysses", "zero": 3}),
+        ({"dp": 1, "tp": 2, "pp": 2, "cp": 2}, "1f1b", 2, {}),
+        ({"dp": 2, "cp": 4}, "1f1b", 2, {"zero": 1, "config": THIRTEEN_TOKENS}),
+    ],
+)
+def test_3d_with_the_sequence_cut_over_cp_equals_one_process(
+    request, shape, schedule, microbatches, kwargs
+):
     """Context parallelism as the mesh's cp axis: each rank runs every layer on its tokens
     (zigzag, two chunks a rank), attention over the whole sequence by ring, all-gather or
     Ulysses, the loss weighed by the rank's share, gradients averaged over dp x cp (ZeRO
@@ -396,8 +442,11 @@ def test_3d_with_the_sequence_cut_over_cp_equals_one_process(request, shape, sch
     the loss's weights not 1."""
     world = math.prod(shape.values())
     pool = request.getfixturevalue(f"pool{world}")
-    check(pool.run(train, shape, schedule, microbatches=microbatches, **kwargs).results,
-          kwargs.get("max_norm"), kwargs.get("config"))
+    check(
+        pool.run(train, shape, schedule, microbatches=microbatches, **kwargs).results,
+        kwargs.get("max_norm"),
+        kwargs.get("config"),
+    )
 
 
 def test_cli_trains_with_the_sequence_cut_over_cp(capsys):
@@ -405,8 +454,26 @@ def test_cli_trains_with_the_sequence_cut_over_cp(capsys):
     and each rank's keys and values travel on cp (Ulysses' all-to-alls here)."""
     from parcourse.cli import main
 
-    assert main(["train3d", "--dp", "1", "--tp", "1", "--pp", "2", "--cp", "2",
-                 "--cp-method", "ulysses", "--steps", "2"]) == 0
+    assert (
+        main(
+            [
+                "train3d",
+                "--dp",
+                "1",
+                "--tp",
+                "1",
+                "--pp",
+                "2",
+                "--cp",
+                "2",
+                "--cp-method",
+                "ulysses",
+                "--steps",
+                "2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "dp 1 x tp 1 x pp 2 x cp 2 = 4 ranks" in out and "cut over cp (ulysses)" in out
     assert "plan        dp1 tp1 pp2 1f1b m2 cp2 ulysses" in out
@@ -421,8 +488,9 @@ def test_cp_over_a_simulated_link_with_stages_equals_one_process(pool4):
     process does; every message over the link."""
     from parcourse.comm import SimulatedLink
 
-    check(pool4.run(train, {"pp": 2, "cp": 2}, "1f1b",
-                    link=SimulatedLink.of(latency_us=50)).results)
+    check(
+        pool4.run(train, {"pp": 2, "cp": 2}, "1f1b", link=SimulatedLink.of(latency_us=50)).results
+    )
 
 
 def test_reductions_with_cp_name_the_replicas_and_attentions_traffic(pool4):
@@ -431,8 +499,9 @@ def test_reductions_with_cp_name_the_replicas_and_attentions_traffic(pool4):
     and the norm over every axis that splits the gradients."""
     from hybrid_fns import reductions
 
-    rows = pool4.run(reductions, {"dp": 2, "cp": 2}, zero=1, max_norm=1.0,
-                     cp_method="ulysses").results[0]
+    rows = pool4.run(
+        reductions, {"dp": 2, "cp": 2}, zero=1, max_norm=1.0, cp_method="ulysses"
+    ).results[0]
     by = {(r["when"], r["axis"]): r for r in rows}
     assert by["forward", "cp"]["op"] == "all-to-all, to a head cut and back"
     assert by["finalize 1", "dp-cp"]["ranks"] == [0, 1, 2, 3]
@@ -442,6 +511,7 @@ def test_reductions_with_cp_name_the_replicas_and_attentions_traffic(pool4):
 
 def test_simulated_compute_with_cp_is_refused(pool2):
     from hybrid_fns import reductions
+
     from parcourse.pipeline.simulate import SimulatedCompute
 
     with pytest.raises(RankError, match="cp's messages inside attention would be padded"):
@@ -456,17 +526,19 @@ def test_simulated_compute_with_cp_is_refused(pool2):
 EXPERT_TOL = {"rtol": 1e-4, "atol": 5e-5}
 
 
-@pytest.mark.parametrize("shape,schedule,kwargs,changes", [
-    ({"ep": 2}, "1f1b", {}, {}),
-    ({"dp": 2, "ep": 2}, "1f1b", {"zero": 1}, {"router": "sigmoid", "capacity_factor": 1.0}),
-    ({"ep": 2, "pp": 2}, "gpipe", {"max_norm": CLIP}, {}),
-    ({"ep": 2, "tp": 2}, "1f1b", {"max_norm": CLIP}, {"bias_rate": 0.01}),
-    ({"dp": 2, "ep": 2}, "1f1b", {"zero": 3, "max_norm": CLIP}, {}),
-    ({"ep": 4}, "1f1b", {"zero": 2}, {"capacity_factor": 1.25}),
-    ({"ep": 2, "pp": 2}, "1f1b", {"recompute": True}, {"bias_rate": 0.01}),
-])
-def test_3d_with_experts_cut_over_ep_equals_one_process(request, shape, schedule, kwargs,
-                                                         changes):
+@pytest.mark.parametrize(
+    "shape,schedule,kwargs,changes",
+    [
+        ({"ep": 2}, "1f1b", {}, {}),
+        ({"dp": 2, "ep": 2}, "1f1b", {"zero": 1}, {"router": "sigmoid", "capacity_factor": 1.0}),
+        ({"ep": 2, "pp": 2}, "gpipe", {"max_norm": CLIP}, {}),
+        ({"ep": 2, "tp": 2}, "1f1b", {"max_norm": CLIP}, {"bias_rate": 0.01}),
+        ({"dp": 2, "ep": 2}, "1f1b", {"zero": 3, "max_norm": CLIP}, {}),
+        ({"ep": 4}, "1f1b", {"zero": 2}, {"capacity_factor": 1.25}),
+        ({"ep": 2, "pp": 2}, "1f1b", {"recompute": True}, {"bias_rate": 0.01}),
+    ],
+)
+def test_3d_with_experts_cut_over_ep_equals_one_process(request, shape, schedule, kwargs, changes):
     """A GPT with 4 experts of top 2 in every block, the experts cut over ep (tokens
     dispatched to them and combined back by all-to-alls), ep's ranks each with their own
     rows: one process running the same microbatches in turn (the routing, capacity and
@@ -478,10 +550,12 @@ def test_3d_with_experts_cut_over_ep_equals_one_process(request, shape, schedule
     world = math.prod(shape.values())
     replicas = shape.get("dp", 1) * shape.get("ep", 1)
     pool = request.getfixturevalue(f"pool{world}")
-    before, after, losses, norms = one_process_by_microbatch(replicas, 2, config,
-                                                             max_norm=kwargs.get("max_norm"))
+    before, after, losses, norms = one_process_by_microbatch(
+        replicas, 2, config, max_norm=kwargs.get("max_norm")
+    )
     for got_before, got_after, got_losses, got_norms in pool.run(
-            train, shape, schedule, microbatches=2, config=config, **kwargs).results:
+        train, shape, schedule, microbatches=2, config=config, **kwargs
+    ).results:
         if "max_norm" in kwargs:
             assert got_norms == pytest.approx(norms, rel=1e-5)
         assert got_after.keys() == after.keys()
@@ -492,8 +566,9 @@ def test_3d_with_experts_cut_over_ep_equals_one_process(request, shape, schedule
             assert got_losses == pytest.approx(losses, rel=1e-5)
 
 
-@pytest.mark.parametrize("shape,kwargs", [({"ep": 2}, {}), ({"dp": 2, "ep": 2},
-                                                             {"zero": 2, "max_norm": CLIP})])
+@pytest.mark.parametrize(
+    "shape,kwargs", [({"ep": 2}, {}), ({"dp": 2, "ep": 2}, {"zero": 2, "max_norm": CLIP})]
+)
 def test_3d_with_experts_in_fp64_equals_one_process_to_its_rounding(request, shape, kwargs):
     world = math.prod(shape.values())
     pool = request.getfixturevalue(f"pool{world}")
@@ -501,18 +576,21 @@ def test_3d_with_experts_in_fp64_equals_one_process_to_its_rounding(request, sha
     before_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        _, after, losses, _ = one_process_by_microbatch(replicas, 2, EXPERTS,
-                                                        max_norm=kwargs.get("max_norm"))
+        _, after, losses, _ = one_process_by_microbatch(
+            replicas, 2, EXPERTS, max_norm=kwargs.get("max_norm")
+        )
     finally:
         torch.set_default_dtype(before_dtype)
-    for _, got_after, got_losses, _ in pool.run(train_fp64, shape, "1f1b", microbatches=2,
-                                                config=EXPERTS, **kwargs).results:
+    for _, got_after, got_losses, _ in pool.run(
+        train_fp64, shape, "1f1b", microbatches=2, config=EXPERTS, **kwargs
+    ).results:
         if got_losses[0] is not None:
             assert got_losses == pytest.approx(losses, rel=1e-12)
         for name in after:
             assert got_after[name].dtype == torch.float64
-            torch.testing.assert_close(got_after[name], after[name], rtol=1e-12, atol=1e-12,
-                                       msg=name)
+            torch.testing.assert_close(
+                got_after[name], after[name], rtol=1e-12, atol=1e-12, msg=name
+            )
 
 
 def test_experts_on_eight_ranks_with_every_axis(pool8):
@@ -520,8 +598,14 @@ def test_experts_on_eight_ranks_with_every_axis(pool8):
     config = EXPERTS
     before, after, losses, norms = one_process_by_microbatch(4, 2, config, max_norm=CLIP)
     for _, got_after, got_losses, got_norms in pool8.run(
-            train, {"dp": 2, "ep": 2, "pp": 2}, "1f1b", microbatches=2, config=config,
-            zero=1, max_norm=CLIP).results:
+        train,
+        {"dp": 2, "ep": 2, "pp": 2},
+        "1f1b",
+        microbatches=2,
+        config=config,
+        zero=1,
+        max_norm=CLIP,
+    ).results:
         assert got_norms == pytest.approx(norms, rel=1e-5)
         for name in after:
             torch.testing.assert_close(got_after[name], after[name], **EXPERT_TOL, msg=name)
@@ -535,8 +619,9 @@ def test_cp_with_experts_equals_one_process(pool4):
     semantics), so the whole-sequence one process is the reference."""
     config = dataclasses.replace(EXPERTS, aux_loss=0.0, z_loss=0.0)
     before, after, losses, _ = one_process_by_microbatch(2, 2, config)
-    for _, got_after, got_losses, _ in pool4.run(train, {"ep": 2, "cp": 2}, "1f1b",
-                                                 microbatches=2, config=config).results:
+    for _, got_after, got_losses, _ in pool4.run(
+        train, {"ep": 2, "cp": 2}, "1f1b", microbatches=2, config=config
+    ).results:
         for name in after:
             torch.testing.assert_close(got_after[name], after[name], **EXPERT_TOL, msg=name)
         if got_losses[0] is not None:
@@ -549,8 +634,26 @@ def test_cli_trains_with_experts_cut_over_ep(capsys):
     formula's."""
     from parcourse.cli import main
 
-    assert main(["train3d", "--dp", "1", "--tp", "1", "--pp", "2", "--ep", "2", "--experts",
-                 "4", "--steps", "2"]) == 0
+    assert (
+        main(
+            [
+                "train3d",
+                "--dp",
+                "1",
+                "--tp",
+                "1",
+                "--pp",
+                "2",
+                "--ep",
+                "2",
+                "--experts",
+                "4",
+                "--steps",
+                "2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "dp 1 x tp 1 x pp 2 x ep 2 = 4 ranks" in out and "4 experts cut over ep" in out
     assert "plan        dp1 tp1 pp2 1f1b m2 ep2" in out
@@ -560,12 +663,15 @@ def test_cli_trains_with_experts_cut_over_ep(capsys):
     assert "on ep" in out
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--ep", "2"], "ep 2 cuts the experts of MoE layers, and this GPT has none"),
-    (["--ep", "4", "--experts", "6", "--dp", "1"], "6 experts do not divide by ep 4"),
-    (["--experts", "4", "--top-k", "5"], "top_k must be between 1 and the 4 experts"),
-    (["--experts", "4", "--sequence-parallel"], "keeps each expert whole on every tp rank"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--ep", "2"], "ep 2 cuts the experts of MoE layers, and this GPT has none"),
+        (["--ep", "4", "--experts", "6", "--dp", "1"], "6 experts do not divide by ep 4"),
+        (["--experts", "4", "--top-k", "5"], "top_k must be between 1 and the 4 experts"),
+        (["--experts", "4", "--sequence-parallel"], "keeps each expert whole on every tp rank"),
+    ],
+)
 def test_cli_refuses_bad_expert_settings_in_one_line(capsys, argv, message):
     from parcourse.cli import main
 

@@ -17,8 +17,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Not copied for the build: version control, environments, build outputs, and the
 # top-level folders that hold no package (so the copy stays small).
-_TOP_LEVEL_SKIPPED = {".git", ".venv", "build", "dist", "out", ".pytest_cache", "lessons",
-                      "tests", "benchmarks"}
+_TOP_LEVEL_SKIPPED = {
+    ".git",
+    ".venv",
+    "build",
+    "dist",
+    "out",
+    ".pytest_cache",
+    "lessons",
+    "tests",
+    "benchmarks",
+}
 
 
 def _not_copied(folder: str, names: list[str]) -> set[str]:
@@ -60,13 +69,16 @@ def _run(args: list[str], cwd: Path) -> str:
 def _source_modules() -> set[str]:
     """Every module in the source tree, named as it is installed."""
     names = set()
-    for package, folder in (("parcourse", REPO / "parcourse"),
-                            ("parcourse.widgets", REPO / "widgets")):
+    for package, folder in (
+        ("parcourse", REPO / "parcourse"),
+        ("parcourse.widgets", REPO / "widgets"),
+    ):
         for path in folder.rglob("*.py"):
             parts = path.relative_to(folder).with_suffix("").parts
             # Only files inside packages (every folder down to them has an __init__.py).
-            if all((folder.joinpath(*parts[:i]) / "__init__.py").exists()
-                   for i in range(len(parts))):
+            if all(
+                (folder.joinpath(*parts[:i]) / "__init__.py").exists() for i in range(len(parts))
+            ):
                 names.add(".".join((package, *parts)).removesuffix(".__init__"))
     return names
 
@@ -77,18 +89,32 @@ def test_wheel_installs_and_imports_every_module(tmp_path):
     wheels, target = tmp_path / "wheels", tmp_path / "installed"
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
     # --no-build-isolation: the venv's setuptools builds it, nothing is fetched.
-    _run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(wheels),
-          str(tree)], tmp_path)
+    _run(
+        [
+            *pip,
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            str(wheels),
+            str(tree),
+        ],
+        tmp_path,
+    )
     (wheel,) = wheels.glob("parcourse-*.whl")
-    _run([*pip, "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
-         tmp_path)
+    _run(
+        [*pip, "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)], tmp_path
+    )
 
     # This interpreter's paths for torch and the rest, less any that hold a parcourse
     # (the repository root would let the source tree stand in for the wheel).
-    extra = [p for p in sys.path
-             if os.path.isdir(p) and not os.path.exists(os.path.join(p, "parcourse"))]
-    out = _run([sys.executable, "-I", "-S", "-c", _IMPORT_ALL, str(target), json.dumps(extra)],
-               tmp_path)
+    extra = [
+        p for p in sys.path if os.path.isdir(p) and not os.path.exists(os.path.join(p, "parcourse"))
+    ]
+    out = _run(
+        [sys.executable, "-I", "-S", "-c", _IMPORT_ALL, str(target), json.dumps(extra)], tmp_path
+    )
     files = json.loads(out)
 
     for name, file in files.items():

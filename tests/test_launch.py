@@ -12,6 +12,16 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from rankfns import (
+    deadlock,
+    die,
+    fail_on,
+    ignore_sigint,
+    rank_and_sum,
+    slow,
+    unpicklable_result,
+)
+from torchrun import torchrun
 
 import parcourse
 from parcourse import (
@@ -26,16 +36,6 @@ from parcourse import (
     live_pools,
 )
 from parcourse.launch.plan import make_plan
-from rankfns import (
-    deadlock,
-    die,
-    fail_on,
-    ignore_sigint,
-    rank_and_sum,
-    slow,
-    unpicklable_result,
-)
-from torchrun import torchrun
 
 
 def rank_processes():
@@ -259,8 +259,9 @@ def test_nccl_without_gpus_is_refused():
 
 def test_ranks_exit_when_the_caller_is_killed(tmp_path):
     script = tmp_path / "owner.py"
-    script.write_text(textwrap.dedent(
-        """
+    script.write_text(
+        textwrap.dedent(
+            """
         import sys, time
         sys.path.insert(0, sys.argv[1])
         from parcourse import Pool
@@ -269,10 +270,12 @@ def test_ranks_exit_when_the_caller_is_killed(tmp_path):
         print(*pool.pids, flush=True)
         pool.run(slow, 60)
         """
-    ))
+        )
+    )
     tests_dir = str(Path(__file__).parent)
-    owner = subprocess.Popen([sys.executable, str(script), tests_dir], stdout=subprocess.PIPE,
-                             text=True)
+    owner = subprocess.Popen(
+        [sys.executable, str(script), tests_dir], stdout=subprocess.PIPE, text=True
+    )
     pids = [int(p) for p in owner.stdout.readline().split()]
     assert len(pids) == 2
     time.sleep(0.5)
@@ -318,12 +321,14 @@ def test_a_kernel_that_ran_ranks_shuts_down_by_itself(tmp_path):
     client.start_channels()
     try:
         client.wait_for_ready(timeout=60)
-        code = ("from parcourse import Pool\npool = Pool(2)\n"
-                "print(*pool.pids, sum(pool.run(lambda ctx: ctx.rank + 1).results))")
+        code = (
+            "from parcourse import Pool\npool = Pool(2)\n"
+            "print(*pool.pids, sum(pool.run(lambda ctx: ctx.rank + 1).results))"
+        )
         out = []
         reply = client.execute_interactive(
-            code, timeout=120,
-            output_hook=lambda m: out.append(m["content"].get("text", "")))
+            code, timeout=120, output_hook=lambda m: out.append(m["content"].get("text", ""))
+        )
         assert reply["content"]["status"] == "ok", reply["content"]
         *pids, total = map(int, "".join(out).split())
         assert total == 3 and len(pids) == 2
@@ -342,8 +347,9 @@ def test_a_kernel_that_ran_ranks_shuts_down_by_itself(tmp_path):
 
 def test_same_function_runs_under_torchrun(tmp_path):
     script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(
-        """
+    script.write_text(
+        textwrap.dedent(
+            """
         import os, sys
         sys.path.insert(0, sys.argv[1])
         from parcourse import Pool, launch
@@ -353,9 +359,16 @@ def test_same_function_runs_under_torchrun(tmp_path):
             print("RESULT", run.backend, [r["sum"] for r in run.results], len(run.trace.spans),
                   Pool(2).external)
         """
-    ))
-    code, stdout, stderr = torchrun("--standalone", "--nproc-per-node", "2", str(script),
-                                    str(Path(__file__).parent), timeout=120)
+        )
+    )
+    code, stdout, stderr = torchrun(
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(script),
+        str(Path(__file__).parent),
+        timeout=120,
+    )
     assert code == 0, stderr[-3000:]
     lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT")]
     assert lines == ["RESULT gloo [11.0, 11.0] 2 True"], stdout
@@ -408,10 +421,19 @@ def test_a_long_run_in_a_notebook_shows_a_live_status_line(capsys):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell("from parcourse import launch\nfrom rankfns import slow\n"
-                                          "print(launch(slow, 2, 4.5).results)")]
-    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=120, startup_timeout=300,
-                                     resources={"metadata": {"path": str(Path(__file__).parent)}})
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            "from parcourse import launch\nfrom rankfns import slow\n"
+            "print(launch(slow, 2, 4.5).results)"
+        )
+    ]
+    client = nbclient.NotebookClient(
+        nb,
+        kernel_name="python3",
+        timeout=120,
+        startup_timeout=300,
+        resources={"metadata": {"path": str(Path(__file__).parent)}},
+    )
     seen = []
     process = client.process_message
 
@@ -440,8 +462,13 @@ def test_messages_between_caller_and_ranks_pickle_by_name():
     from parcourse.launch.messages import Done, Failed, Ready, Stop, Task, Unpicklable
     from parcourse.trace import TraceData
 
-    for message in (Task(b"payload"), Stop(), Ready(1), Done(1, b"result", TraceData(1), 0.5),
-                    Failed(2, 7, "ValueError", "bad", "traceback", TraceData(2)),
-                    Unpicklable(3, "rank 3 returned a generator")):
+    for message in (
+        Task(b"payload"),
+        Stop(),
+        Ready(1),
+        Done(1, b"result", TraceData(1), 0.5),
+        Failed(2, 7, "ValueError", "bad", "traceback", TraceData(2)),
+        Unpicklable(3, "rank 3 returned a generator"),
+    ):
         assert pickle.loads(pickle.dumps(message)) == message
     assert Failed(2, 7, "ValueError", "bad", "tb", TraceData(2)).summary == "ValueError: bad"

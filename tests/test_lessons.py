@@ -14,8 +14,7 @@ import pytest
 LESSONS = sorted((Path(__file__).parent.parent / "lessons").glob("[0-9][0-9]_*.ipynb"))
 # Small enough to run in seconds on a 2-core machine; the same fields as each parameters
 # cell. The site's build (site/build.py) executes the lessons with the same.
-SMALL = json.loads((Path(__file__).parent.parent / "lessons" / "small_parameters.json")
-                   .read_text())
+SMALL = json.loads((Path(__file__).parent.parent / "lessons" / "small_parameters.json").read_text())
 # A world size that divides nothing, as a learner may type it into the parameters cell:
 # whatever depends on it (chunks, slices, batches) must be derived, not assumed.
 AWKWARD = {"world_size": 3}
@@ -43,16 +42,29 @@ def execute(path, out, parameters, then=None):
     and assert no cell failed."""
     if then is not None:
         notebook = json.loads(path.read_text())
-        notebook["cells"].append({"cell_type": "code", "execution_count": None, "id": "then",
-                                  "metadata": {}, "outputs": [], "source": then})
+        notebook["cells"].append(
+            {
+                "cell_type": "code",
+                "execution_count": None,
+                "id": "then",
+                "metadata": {},
+                "outputs": [],
+                "source": then,
+            }
+        )
         copy = out.with_name("with_then_" + path.name)
         copy.write_text(json.dumps(notebook))
         path = copy
     for attempt in (1, 2):
         try:
             papermill.execute_notebook(
-                str(path), str(out), parameters=parameters, kernel_name="python3",
-                cwd=str(path.parent), execution_timeout=CELL_TIMEOUT_S, progress_bar=False,
+                str(path),
+                str(out),
+                parameters=parameters,
+                kernel_name="python3",
+                cwd=str(path.parent),
+                execution_timeout=CELL_TIMEOUT_S,
+                progress_bar=False,
                 start_timeout=KERNEL_START_S,
             )
             break
@@ -64,8 +76,12 @@ def execute(path, out, parameters, then=None):
             if attempt == 2 or "Kernel died before replying" not in str(e):
                 raise
     executed = json.loads(out.read_text())
-    errors = [o for c in executed["cells"] for o in c.get("outputs", [])
-              if o.get("output_type") == "error"]
+    errors = [
+        o
+        for c in executed["cells"]
+        for o in c.get("outputs", [])
+        if o.get("output_type") == "error"
+    ]
     assert not errors
 
 
@@ -87,13 +103,20 @@ panels = {id(v): v for k, v in globals().items()  # not _, _12: IPython's output
 problems = [p for panel in panels.values() for p in panel.try_edges(_cheapest(panel))]
 assert not problems, "\\n".join(problems)
 """
-EDGES_TRIED = {"04_zero3", "05_tensor_parallel", "06_pipelines", "07_1f1b_and_beyond",
-               "08_activation_checkpointing", "09_mesh_and_3d"}
+EDGES_TRIED = {
+    "04_zero3",
+    "05_tensor_parallel",
+    "06_pipelines",
+    "07_1f1b_and_beyond",
+    "08_activation_checkpointing",
+    "09_mesh_and_3d",
+}
 
 
 @pytest.mark.notebook
-@pytest.mark.parametrize("path", [p for p in LESSONS if p.stem not in EDGES_TRIED],
-                         ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path", [p for p in LESSONS if p.stem not in EDGES_TRIED], ids=lambda p: p.stem
+)
 def test_lesson_executes_with_small_parameters(path, tmp_path):
     """The lessons with panels tried at their ends run at their small parameters in
     test_panels_run_at_their_controls_ends, which executes the whole lesson first."""
@@ -101,8 +124,9 @@ def test_lesson_executes_with_small_parameters(path, tmp_path):
 
 
 @pytest.mark.notebook
-@pytest.mark.parametrize("path", [p for p in LESSONS if p.stem in EDGES_TRIED],
-                         ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path", [p for p in LESSONS if p.stem in EDGES_TRIED], ids=lambda p: p.stem
+)
 def test_panels_run_at_their_controls_ends(path, tmp_path):
     """The lesson at its small parameters, then every panel it made at each control's
     ends (PANELS_AT_THEIR_EDGES). Where tests/test_browser.py runs the lesson, it tries
@@ -139,13 +163,16 @@ def test_every_lesson_says_which_world_sizes_it_runs_at():
 
 # Sizes a lesson names beyond a contiguous range ("1 to 4, or 6"): each runs here, so that
 # the comment and the lesson cannot drift apart (2 and 3 run above, the defaults in nbval).
-EXTRA = [(path, size) for path in LESSONS for size in advertised(path)
-         if size - 1 not in advertised(path) and size > 1]
+EXTRA = [
+    (path, size)
+    for path in LESSONS
+    for size in advertised(path)
+    if size - 1 not in advertised(path) and size > 1
+]
 
 
 @pytest.mark.notebook
-@pytest.mark.parametrize(("path", "size"), EXTRA,
-                         ids=[f"{p.stem}-{n}" for p, n in EXTRA])
+@pytest.mark.parametrize(("path", "size"), EXTRA, ids=[f"{p.stem}-{n}" for p, n in EXTRA])
 def test_lesson_executes_at_every_size_it_names(path, size, tmp_path):
     execute(path, tmp_path / path.name, {**SMALL[path.stem], "world_size": size})
 
@@ -166,18 +193,20 @@ def test_lesson_hygiene(path):
             assert "NBVAL_IGNORE_OUTPUT" in text, f"cell {i}: a panel without NBVAL_IGNORE_OUTPUT"
         assert not text.endswith(";"), f"cell {i}: nbval does not honour a trailing ';'"
         last = text.splitlines()[-1] if text else ""
-        assert not re.match(r"[\w.]*check\w*\(", last), \
+        assert not re.match(r"[\w.]*check\w*\(", last), (
             f"cell {i}: a check's verdict would echo as Out: False; assign it (passed = ...)"
+        )
         if "NBVAL_CHECK_OUTPUT" not in text:
             assert not cell.get("outputs"), f"cell {i}: commit notebooks without noisy outputs"
         else:
             assert cell.get("outputs"), f"cell {i}: a checked cell needs its expected output"
     exercises = [c for c in cells if "raise NotImplementedError" in source(c)]
     for stub in exercises:
-        after = cells[cells.index(stub) + 1:]
+        after = cells[cells.index(stub) + 1 :]
         assert any("check" in source(c) for c in after), "every exercise stub has a check"
         assert any("solution" in source(c).lower() for c in after), "…and a solution"
     for i, cell in enumerate(cells):
         if source(cell).lstrip().startswith("def solution"):
-            assert cell["metadata"].get("jupyter", {}).get("source_hidden"), \
+            assert cell["metadata"].get("jupyter", {}).get("source_hidden"), (
                 f"cell {i}: a solution starts collapsed (metadata jupyter.source_hidden)"
+            )

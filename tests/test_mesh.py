@@ -6,15 +6,19 @@ import itertools
 
 import pytest
 import torch
+from mesh_fns import a_group_made_again, groups_on_ranks, wrong_product
 
 from parcourse import Pool, RankError
 from parcourse.mesh import ORDERS, Layout, nodes_of
-from mesh_fns import a_group_made_again, groups_on_ranks, wrong_product
 
 
 def factorisations(n):
-    return [(dp, tp, n // (dp * tp)) for dp in range(1, n + 1) for tp in range(1, n + 1)
-            if n % (dp * tp) == 0]
+    return [
+        (dp, tp, n // (dp * tp))
+        for dp in range(1, n + 1)
+        for tp in range(1, n + 1)
+        if n % (dp * tp) == 0
+    ]
 
 
 def torch_groups(layout, axis):

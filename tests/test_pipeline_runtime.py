@@ -8,15 +8,15 @@ one process computes the whole batch's at once, so sums are ordered differently
 
 import pytest
 import torch
+from pipeline_reference import one_process
 from torch import nn
 
 from parcourse import RankError
 from parcourse.experiments.pipeline import make_schedule, train
-from parcourse.pipeline.partition import partition
 from parcourse.pipeline import gpipe
+from parcourse.pipeline.partition import partition
 from parcourse.pipeline.runtime import SimulatedCompute
 from parcourse.pipeline.simulate import in_flight
-from pipeline_reference import one_process
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -50,8 +50,7 @@ def test_every_schedule_trains_like_one_process(pools, world_size, model, schedu
         torch.testing.assert_close(got[name], expected[name], **TOL, msg=name)
 
 
-@pytest.mark.parametrize("schedule,model", [("1f1b", "gpt"), ("zb-h1", "gpt"),
-                                            ("dualpipe", "mlp")])
+@pytest.mark.parametrize("schedule,model", [("1f1b", "gpt"), ("zb-h1", "gpt"), ("dualpipe", "mlp")])
 def test_gradients_accumulate_over_steps_as_in_one_process(pools, schedule, model):
     """Two runtime steps (the batch's halves) before each optimizer step: a weight held
     on two ranks (the GPT's tied embedding and head, DualPipe's two copies of every
@@ -68,16 +67,21 @@ def test_a_frozen_tied_weight_stays_as_it_was(pools):
     """The GPT's embedding, tied to its head on the other rank, frozen: it gets no
     gradient and SGD leaves it, as in one process (the sum over its ranks had given it
     zeros, and an optimizer with weight decay or momentum moved it)."""
-    run = pools[2].run(train, make_schedule("1f1b", 2, 4), 2, model="gpt",
-                       frozen=("tok_emb.weight",), weight_decay=0.1)
+    run = pools[2].run(
+        train,
+        make_schedule("1f1b", 2, 4),
+        2,
+        model="gpt",
+        frozen=("tok_emb.weight",),
+        weight_decay=0.1,
+    )
     expected = one_process(2, model="gpt", frozen=("tok_emb.weight",), weight_decay=0.1)
     got = gathered(run)
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], **TOL, msg=name)
 
 
-@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb-h1", "zbv", "dualpipe-v",
-                                      "dualpipe"])
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb-h1", "zbv", "dualpipe-v", "dualpipe"])
 def test_uneven_stages_train_like_one_process(pools, schedule):
     """11 layers over 8 stages (4 ranks x 2 chunks, or 4 ranks): stages of 1 and 2 layers."""
     run = pools[4].run(train, make_schedule(schedule, 4, 8), 2, depth=11, batch=24)
@@ -88,8 +92,10 @@ def test_uneven_stages_train_like_one_process(pools, schedule):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("schedule,microbatches", [("naive", 1), ("gpipe", 1), ("gpipe", 2),
-                                                   ("gpipe", 8), ("1f1b", 2), ("1f1b", 8)])
+@pytest.mark.parametrize(
+    "schedule,microbatches",
+    [("naive", 1), ("gpipe", 1), ("gpipe", 2), ("gpipe", 8), ("1f1b", 2), ("1f1b", 8)],
+)
 def test_same_weights_as_one_process(pools, world_size, schedule, microbatches):
     run = pools[world_size].run(train, make_schedule(schedule, world_size, microbatches), 2)
     expected = one_process(2)
@@ -110,10 +116,13 @@ def check_runs_the_schedule(run, seconds):
     plan = run.results[0]["schedule"]
     spans = {}
     for rank, result in enumerate(run.results):
-        mine = sorted((s for s in result["spans"] if s.kind == "compute" and "action" in s.meta),
-                      key=lambda s: s.start_ns)
+        mine = sorted(
+            (s for s in result["spans"] if s.kind == "compute" and "action" in s.meta),
+            key=lambda s: s.start_ns,
+        )
         assert [(s.meta["action"], s.meta["stage"], s.meta["microbatch"]) for s in mine] == [
-            (a.kind, a.stage, a.microbatch) for a in plan.actions[rank]], rank
+            (a.kind, a.stage, a.microbatch) for a in plan.actions[rank]
+        ], rank
         for s in mine:
             assert s.duration_s >= seconds[s.meta["action"]] - 1e-3, (rank, s.name)
             spans[s.meta["action"], s.meta["stage"], s.meta["microbatch"]] = s
@@ -123,15 +132,17 @@ def check_runs_the_schedule(run, seconds):
         other = plan.previous_stage(stage, m) if kind == "F" else plan.next_stage(stage, m)
         if other is None:
             continue
-        needed = spans.get(("F", other, m)) if kind == "F" else (
-            spans.get(("B", other, m)) or spans.get(("I", other, m)))
+        needed = (
+            spans.get(("F", other, m))
+            if kind == "F"
+            else (spans.get(("B", other, m)) or spans.get(("I", other, m)))
+        )
         assert needed is not None and span.start_ns >= needed.end_ns, (kind, stage, m)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("microbatches", [1, 4, 8])
-def test_a_step_with_simulated_compute_runs_the_schedule_in_order(pools, world_size,
-                                                                  microbatches):
+def test_a_step_with_simulated_compute_runs_the_schedule_in_order(pools, world_size, microbatches):
     """GPipe, F 30 ms and B 60 ms a stage: the real math (a tiny MLP) takes far less, so
     every rank behaves like a device of its own; checked by what cannot be noise (the
     measured bubble against (p-1)/(m+p-1) is benchmarks/pipeline.py's)."""
@@ -147,7 +158,6 @@ def test_in_flight_activations_on_the_first_stage(pools, schedule, expected):
     counters = [c for c in run.trace.counters if c.rank == 0 and c.name == "in_flight_bytes"]
     one = counters[0].value  # bytes one microbatch holds on stage 0
     assert max(c.meta["now"] for c in counters) == expected * one
-
 
 
 def test_recomputing_keeps_each_microbatchs_own_bytes_on_every_stage(pool2):
@@ -179,11 +189,13 @@ def test_a_schedule_runs_in_order_and_holds_what_the_simulator_counts(pools, sch
     per_rank = plan.model_stages // plan.ranks
     split = plan.splits_backward
     forward, backward = 0.08 / per_rank, 0.16 / per_rank
-    check_runs_the_schedule(first, {"F": forward, "B": backward, "I": backward / 2,
-                                    "W": backward / 2} if split else
-                            {"F": forward, "B": backward})
-    counters = [c for c in first.trace.counters
-                if c.rank == 0 and c.name == "in_flight_bytes"]
+    check_runs_the_schedule(
+        first,
+        {"F": forward, "B": backward, "I": backward / 2, "W": backward / 2}
+        if split
+        else {"F": forward, "B": backward},
+    )
+    counters = [c for c in first.trace.counters if c.rank == 0 and c.name == "in_flight_bytes"]
     held = {}  # bytes one microbatch holds on each of rank 0's stages: its first forward
     for c in counters:
         held.setdefault(c.meta["stage"], c.value)
@@ -205,8 +217,9 @@ def _fails_at_microbatch_2(ctx):
                 raise ValueError("a bad microbatch")
             return super().forward(x)
 
-    runtime = PipelineRuntime(gpipe(2, 4), {ctx.rank: Flaky(4, 4)}, ctx.group,
-                              nn.functional.mse_loss)
+    runtime = PipelineRuntime(
+        gpipe(2, 4), {ctx.rank: Flaky(4, 4)}, ctx.group, nn.functional.mse_loss
+    )
     x = torch.randn(8, 4)
     runtime.step(x if ctx.rank == 0 else None, x if ctx.rank == 1 else None)
 
@@ -232,12 +245,16 @@ def _steps_again_after_a_failure(ctx):
                 raise ValueError("a bad microbatch")
             return super().forward(x)
 
-    runtime = PipelineRuntime(gpipe(1, 2), {0: Once(4, 4)}, groups[ctx.rank],
-                              nn.functional.mse_loss)
+    runtime = PipelineRuntime(
+        gpipe(1, 2), {0: Once(4, 4)}, groups[ctx.rank], nn.functional.mse_loss
+    )
     x = torch.randn(8, 4)
     messages = []
-    for again in (lambda: runtime.step(x, x), lambda: runtime.step(x, x),
-                  lambda: runtime.prepare(x)):
+    for again in (
+        lambda: runtime.step(x, x),
+        lambda: runtime.step(x, x),
+        lambda: runtime.prepare(x),
+    ):
         try:
             again()
         except RuntimeError as e:
@@ -259,11 +276,12 @@ def _prepares_before_the_first_step(ctx):
     from parcourse.pipeline.schedule import gpipe
 
     torch.manual_seed(0)
-    runtime = PipelineRuntime(gpipe(2, 4), {ctx.rank: nn.Linear(4, 4)}, ctx.group,
-                              nn.functional.mse_loss)
+    runtime = PipelineRuntime(
+        gpipe(2, 4), {ctx.rank: nn.Linear(4, 4)}, ctx.group, nn.functional.mse_loss
+    )
     x, first = torch.randn(8, 4), ctx.rank == 0
     refused = []
-    for wrong in ((None, torch.randn(6, 4)) if first else ()):
+    for wrong in (None, torch.randn(6, 4)) if first else ():
         try:
             runtime.prepare(wrong)
         except ValueError as e:
@@ -316,15 +334,36 @@ def test_bad_batches_and_schedules_are_refused():
     with pytest.raises(ValueError, match="at least 2 x ranks"):
         make_schedule("dualpipe-v", 4, 4)
     with pytest.raises(ValueError, match="cannot recompute"):
-        PipelineRuntime(make_schedule("zb-h1", 1, 2), {0: nn.Linear(2, 2)}, None,
-                        nn.functional.mse_loss, recompute=True)
+        PipelineRuntime(
+            make_schedule("zb-h1", 1, 2),
+            {0: nn.Linear(2, 2)},
+            None,
+            nn.functional.mse_loss,
+            recompute=True,
+        )
 
 
 def test_cli_prints_grid_bubbles_and_in_flight(capsys):
     from parcourse.cli import main
 
-    assert main(["pipeline", "--schedule", "gpipe", "--stages", "2", "--microbatches", "4",
-                 "--forward-ms", "5", "--backward-ms", "10"]) == 0
+    assert (
+        main(
+            [
+                "pipeline",
+                "--schedule",
+                "gpipe",
+                "--stages",
+                "2",
+                "--microbatches",
+                "4",
+                "--forward-ms",
+                "5",
+                "--backward-ms",
+                "10",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "formula (p-1)/(m+p-1) 0.200   simulated 0.200   measured" in out
     assert "of a rank's layers): [4, 4]" in out and "0F3" in out
@@ -335,12 +374,46 @@ def test_cli_prints_grid_bubbles_and_in_flight(capsys):
 def test_cli_runs_every_schedule_name(capsys):
     from parcourse.cli import main
 
-    assert main(["pipeline", "--schedule", "zb-h1", "--stages", "2", "--microbatches", "4",
-                 "--forward-ms", "0", "--backward-ms", "0", "--model", "gpt"]) == 0
+    assert (
+        main(
+            [
+                "pipeline",
+                "--schedule",
+                "zb-h1",
+                "--stages",
+                "2",
+                "--microbatches",
+                "4",
+                "--forward-ms",
+                "0",
+                "--backward-ms",
+                "0",
+                "--model",
+                "gpt",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "zb-h1, 2 ranks, 2 stages" in out and "1I3" in out and "1W3" in out
-    assert main(["pipeline", "--schedule", "interleaved-1f1b", "--stages", "2",
-                 "--microbatches", "4", "--forward-ms", "0", "--backward-ms", "0"]) == 0
+    assert (
+        main(
+            [
+                "pipeline",
+                "--schedule",
+                "interleaved-1f1b",
+                "--stages",
+                "2",
+                "--microbatches",
+                "4",
+                "--forward-ms",
+                "0",
+                "--backward-ms",
+                "0",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "formula (p-1)/(v m+p-1) 0.111" in out and "3F3" in out
     with pytest.raises(SystemExit, match="16 stages; --layers 8 cannot fill them"):
@@ -354,8 +427,9 @@ def test_gpipe_exercise_check(capsys):
     from parcourse.pipeline.schedule import B, F
 
     def right(p, m):
-        return [[F(s, i) for i in range(m)] + [B(s, i) for i in reversed(range(m))]
-                for s in range(p)]
+        return [
+            [F(s, i) for i in range(m)] + [B(s, i) for i in reversed(range(m))] for s in range(p)
+        ]
 
     def backward_first(p, m):  # can never run
         return [[B(s, i) for i in range(m)] + [F(s, i) for i in range(m)] for s in range(p)]
@@ -407,8 +481,7 @@ def test_a_receive_is_idle_until_its_message_left_and_communication_after(pool2)
     communication from then (or from when it began waiting, if later), ending at least
     the link's latency after the forward. The schedule is given as a value, built here,
     as every caller passes it."""
-    run = pool2.run(train, gpipe(2, 2), 1, forward_ms=30, backward_ms=60,
-                    latency_us=20_000)
+    run = pool2.run(train, gpipe(2, 2), 1, forward_ms=30, backward_ms=60, latency_us=20_000)
     rank0, rank1 = (r["spans"] for r in run.results)
     forward_end = {s.name: s.end_ns for s in rank0 if s.kind == "compute"}
     for m in range(2):
@@ -448,8 +521,7 @@ def _fails_in_a_pair(ctx):
             return super().forward(x)
 
     stages = {s: (Flaky(4, 4) if s == 3 else nn.Linear(4, 4)) for s in mine}
-    runtime = PipelineRuntime(schedule, stages, ctx.group, nn.functional.mse_loss,
-                              turns=Turns())
+    runtime = PipelineRuntime(schedule, stages, ctx.group, nn.functional.mse_loss, turns=Turns())
     assert (schedule.actions[0][4], schedule.actions[0][5]) in schedule.together
     x = torch.randn(8, 4)
     runtime.step(x, x)
@@ -484,15 +556,29 @@ def _refusals(ctx):
     schedule = dualpipe(2, 4)
     mine = {s for s, r in enumerate(schedule.stage_rank) if r == ctx.rank}
     refused = []
-    for wrong in ({"around": lambda a: None}, {"on_weight_gradients": lambda s, m: None},
-                  {"paced": Comm(ctx.group), "compute": SimulatedCompute()}):
+    for wrong in (
+        {"around": lambda a: None},
+        {"on_weight_gradients": lambda s, m: None},
+        {"paced": Comm(ctx.group), "compute": SimulatedCompute()},
+    ):
         try:
-            PipelineRuntime(schedule, {s: nn.Linear(4, 4) for s in mine}, ctx.group,
-                            nn.functional.mse_loss, turns=Turns(), **wrong)
+            PipelineRuntime(
+                schedule,
+                {s: nn.Linear(4, 4) for s in mine},
+                ctx.group,
+                nn.functional.mse_loss,
+                turns=Turns(),
+                **wrong,
+            )
         except ValueError as e:
             refused.append(str(e))
-    off_cpu = PipelineRuntime(schedule, {s: nn.Linear(4, 4, device="meta") for s in mine},
-                              ctx.group, nn.functional.mse_loss, turns=Turns())
+    off_cpu = PipelineRuntime(
+        schedule,
+        {s: nn.Linear(4, 4, device="meta") for s in mine},
+        ctx.group,
+        nn.functional.mse_loss,
+        turns=Turns(),
+    )
     try:  # a GPU's backward runs on autograd's own thread: the meta device stands for it
         off_cpu.prepare(torch.zeros(8, 4))
     except ValueError as e:
@@ -514,8 +600,12 @@ def test_turns_count_what_no_thread_computed_beside_as_exposed():
 
     turns = Turns()
     turns.held_intervals += [Interval("B", 1.0, 3.0), Interval("F", 3.5, 4.0)]
-    turns.waits += [Interval("F", 0.5, 2.0, "all-to-all"), Interval("F", 2.5, 5.0, "all-to-all"),
-                    Interval("B", 4.5, 6.0, "all-to-all"), Interval("B", 0.0, 9.0, "receive")]
+    turns.waits += [
+        Interval("F", 0.5, 2.0, "all-to-all"),
+        Interval("F", 2.5, 5.0, "all-to-all"),
+        Interval("B", 4.5, 6.0, "all-to-all"),
+        Interval("B", 0.0, 9.0, "receive"),
+    ]
     # [0.5, 2] and [2.5, 6] less [1, 3] and [3.5, 4]: 0.5 + 0.5 + 2
     assert turns.exposed() == pytest.approx(3.0)
     assert turns.waited() == pytest.approx(1.5 + 3.5)

@@ -3,13 +3,32 @@ the bubble and the in-flight activations the papers give."""
 
 import pytest
 
-from parcourse.pipeline import (Action, Costs, Deadlock, Op, Schedule, check, dualpipe_v, gpipe,
-                                happens_before, interleaved_1f1b, naive, one_f_one_b, simulate,
-                                zero_bubble_h1)
-from parcourse.theory import (bubble_fraction, gpipe_bubble, interleaved_bubble,
-                              interleaved_peak_in_flight, one_f_one_b_bubble_time,
-                              one_f_one_b_peak_in_flight, zero_bubble_h1_bubble_time,
-                              zero_bubble_h1_peak_in_flight)
+from parcourse.pipeline import (
+    Action,
+    Costs,
+    Deadlock,
+    Op,
+    Schedule,
+    check,
+    dualpipe_v,
+    gpipe,
+    happens_before,
+    interleaved_1f1b,
+    naive,
+    one_f_one_b,
+    simulate,
+    zero_bubble_h1,
+)
+from parcourse.theory import (
+    bubble_fraction,
+    gpipe_bubble,
+    interleaved_bubble,
+    interleaved_peak_in_flight,
+    one_f_one_b_bubble_time,
+    one_f_one_b_peak_in_flight,
+    zero_bubble_h1_bubble_time,
+    zero_bubble_h1_peak_in_flight,
+)
 
 SIZES = [(p, m) for p in range(1, 9) for m in range(1, 17)]
 
@@ -25,8 +44,9 @@ def test_bubble_equals_the_formula_with_equal_costs(build):
     for p, m in SIZES:
         for costs in (Costs(forward=1, backward=1), Costs(forward=1, backward=2)):
             # Exact: the simulated times are sums of small integers.
-            assert simulate(build(p, m), costs).bubble == pytest.approx(gpipe_bubble(p, m),
-                                                                        abs=1e-12), (p, m)
+            assert simulate(build(p, m), costs).bubble == pytest.approx(
+                gpipe_bubble(p, m), abs=1e-12
+            ), (p, m)
 
 
 def test_in_flight_microbatches():
@@ -44,8 +64,12 @@ def test_prints_as_torch_pipelining_does():
     assert text.splitlines()[0].split() == ["step", "rank", "0", "rank", "1"]
     assert "0F1" in text and "1B0" in text
     # A malformed schedule still prints (each rank's order), for `check` to say what is wrong.
-    off_route = Schedule("bad", 2, (0, 1), ((Action(0, "F", 0), Action(0, "F", 2)),
-                                           (Action(1, "F", 0), Action(1, "B", 0))))
+    off_route = Schedule(
+        "bad",
+        2,
+        (0, 1),
+        ((Action(0, "F", 0), Action(0, "F", 2)), (Action(1, "F", 0), Action(1, "B", 0))),
+    )
     assert "0F2" in str(off_route)
     with pytest.raises(ValueError, match="0F2 is outside 2 stages x 2 microbatches"):
         check(off_route)
@@ -65,8 +89,12 @@ def test_naive_is_one_microbatch_one_rank_at_a_time():
 
 
 def test_broken_schedules_are_named():
-    backward_first = Schedule("bad", 1, (0, 1), ((Action(0, "B", 0), Action(0, "F", 0)),
-                                                 (Action(1, "F", 0), Action(1, "B", 0))))
+    backward_first = Schedule(
+        "bad",
+        1,
+        (0, 1),
+        ((Action(0, "B", 0), Action(0, "F", 0)), (Action(1, "F", 0), Action(1, "B", 0))),
+    )
     with pytest.raises(Deadlock, match="rank 0 waits at 0B0"):
         check(backward_first)
     missing = Schedule("bad", 2, (0,), ((Action(0, "F", 0), Action(0, "B", 0)),))
@@ -85,7 +113,6 @@ def test_messages_and_link_cost():
     assert free.messages == 2 * (p - 1) * m  # activations forward, gradients back
     slow = simulate(gpipe(p, m), Costs(latency=0.5))
     assert slow.step_time > free.step_time
-
 
 
 # --------------------------------------------------------------------------- pipelines II
@@ -110,8 +137,7 @@ def test_interleaved_bubble_shrinks_by_the_number_of_chunks():
                 continue
             t = simulate(interleaved_1f1b(p, v, m), Costs(forward=1 / v, backward=2 / v))
             assert t.bubble == pytest.approx(interleaved_bubble(p, v, m), abs=1e-9), (p, v, m)
-            assert t.peak_in_flight == [interleaved_peak_in_flight(p, v, m, r)
-                                        for r in range(p)]
+            assert t.peak_in_flight == [interleaved_peak_in_flight(p, v, m, r) for r in range(p)]
     assert interleaved_1f1b(4, 1, 8).actions == one_f_one_b(4, 8).actions
     with pytest.raises(ValueError, match="not a multiple of 4"):
         interleaved_1f1b(4, 2, 6)
@@ -122,6 +148,7 @@ def test_interleaved_bubble_shrinks_by_the_number_of_chunks():
 def test_interleaving_costs_messages():
     free = [simulate(interleaved_1f1b(4, v, 8)).messages for v in (1, 2, 4)]
     assert free == [2 * 3 * 8, 2 * 7 * 8, 2 * 15 * 8]  # every stage boundary is a message
+
     def step(v, latency=0.0):
         costs = Costs(forward=1 / v, backward=2 / v, latency=latency)
         return simulate(interleaved_1f1b(4, v, 8), costs).step_time
@@ -142,8 +169,7 @@ def test_zero_bubble_h1_bubble_is_the_papers(f, b, w):
         assert t.peak_in_flight == [zero_bubble_h1_peak_in_flight(p, m)] * p
         one = simulate(one_f_one_b(p, m), Costs(forward=f, backward=b))
         assert t.step_time - sum(t.busy) / p < one.step_time - sum(one.busy) / p + 1e-9
-        assert one.step_time - sum(one.busy) / p == pytest.approx(
-            one_f_one_b_bubble_time(p, f, b))
+        assert one.step_time - sum(one.busy) / p == pytest.approx(one_f_one_b_bubble_time(p, f, b))
 
 
 def test_zero_bubble_splits_every_backward_and_defers_weights():
@@ -175,8 +201,9 @@ def test_each_receive_is_posted_once_before_its_action_and_when_its_sender_start
     simulator's timeline, when the action sending the message starts."""
     from parcourse.pipeline.posting import receives_to_post
 
-    schedules = [build(p, m) for p, m in SIZES[::7] for build in (gpipe, one_f_one_b,
-                                                                   zero_bubble_h1)]
+    schedules = [
+        build(p, m) for p, m in SIZES[::7] for build in (gpipe, one_f_one_b, zero_bubble_h1)
+    ]
     schedules += [interleaved_1f1b(4, 2, 8), dualpipe_v(4, 8), dualpipe_v(2, 4)]
     for schedule in schedules:
         timeline = simulate(schedule, Costs())
@@ -209,15 +236,28 @@ def test_each_receive_is_posted_once_before_its_action_and_when_its_sender_start
     # 1F1B on 2 ranks, m = 4: rank 1 posts F1's receive with F0's (rank 0 starts F1 as
     # rank 1 starts F0), not all four at once and not when F1 comes up.
     assert named(receives_to_post(one_f_one_b(2, 4), 1)) == {
-        0: ["1F0", "1F1"], 3: ["1F2"], 5: ["1F3"]}
+        0: ["1F0", "1F1"],
+        3: ["1F2"],
+        5: ["1F3"],
+    }
     # ZB-H1: the gradient comes from the next stage's I.
     assert named(receives_to_post(zero_bubble_h1(2, 4), 0)) == {
-        2: ["0I0"], 3: ["0I1"], 6: ["0I2"], 9: ["0I3"]}
+        2: ["0I0"],
+        3: ["0I1"],
+        6: ["0I2"],
+        9: ["0I3"],
+    }
     # DualPipeV on 2 ranks: rank 0 holds stages 0 and 3, and receives from rank 1 both the
     # activations of stage 2 and the gradients of stage 1.
     assert named(receives_to_post(dualpipe_v(2, 4), 0)) == {
-        2: ["3F0"], 4: ["3F1"], 8: ["3F2", "0B0"], 11: ["3F3"], 12: ["0B1"], 14: ["0I2"],
-        16: ["0I3"]}
+        2: ["3F0"],
+        4: ["3F1"],
+        8: ["3F2", "0B0"],
+        11: ["3F3"],
+        12: ["0B1"],
+        14: ["0I2"],
+        16: ["0I3"],
+    }
 
 
 def test_the_registry_states_what_each_schedule_accepts():
@@ -254,9 +294,13 @@ def test_imports_go_one_way():
         if path.stem == "__init__":
             continue
         tree = ast.parse(path.read_text())
-        graph[path.stem] = {n.module.rsplit(".", 1)[1] for n in ast.walk(tree)
-                            if isinstance(n, ast.ImportFrom) and n.module
-                            and n.module.startswith("parcourse.pipeline.")}
+        graph[path.stem] = {
+            n.module.rsplit(".", 1)[1]
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom)
+            and n.module
+            and n.module.startswith("parcourse.pipeline.")
+        }
     assert graph["actions"] == set()
     assert graph["schedule"] == {"actions"} and graph["simulate"] == {"actions"}
     done: set[str] = set()
@@ -305,16 +349,18 @@ def test_dualpipe_is_complete_and_runs_for_even_ranks():
             # Rank r holds stage r of the copy the first half goes down, and stage
             # p-1-r of the copy the second half comes up.
             for r in range(p):
-                held = sorted(s.model_stage(t) for t, rank in enumerate(s.stage_rank)
-                              if rank == r)
+                held = sorted(s.model_stage(t) for t, rank in enumerate(s.stage_rank) if rank == r)
                 assert held == sorted({r, p - 1 - r}) and len(held) == 2
             assert [s.route(i)[0] for i in range(m)] == [0] * (m // 2) + [p] * (m // 2)
             for f, b in s.together:  # each pair: a forward, then a backward, on one rank
                 acts = s[s.stage_rank[f.stage]]
                 assert f.kind == "F" and b.kind == "B"
                 assert acts.index(b) == acts.index(f) + 1
-    for p, m, message in ((3, 6, "even number of ranks"), (4, 6, "at least 2 x ranks"),
-                          (4, 9, "even number of microbatches")):
+    for p, m, message in (
+        (3, 6, "even number of ranks"),
+        (4, 6, "at least 2 x ranks"),
+        (4, 9, "even number of microbatches"),
+    ):
         with pytest.raises(ValueError, match=message):
             dualpipe(p, m)
 
@@ -333,11 +379,13 @@ def test_the_simulated_dualpipe_bubble_is_deepseeks_where_it_applies(p):
     f, b, w = 1.0, 2.0, 1.0
     for overlap in (0.7, 0.85, 1.0, None):
         for m in (2 * p, 6 * p):
-            t = simulate(dualpipe(p, m), Costs(forward=f, backward=b, weight=w,
-                                               overlap=overlap))
+            t = simulate(dualpipe(p, m), Costs(forward=f, backward=b, weight=w, overlap=overlap))
             idle = max(t.step_time - busy for busy in t.busy)
-            want = (theory.dualpipe_apart_bubble_time(p, f, b, w) if overlap is None else
-                    theory.deepseek_table(p, f, b, w, overlap * (f + b))["DualPipe"]["bubble"])
+            want = (
+                theory.dualpipe_apart_bubble_time(p, f, b, w)
+                if overlap is None
+                else theory.deepseek_table(p, f, b, w, overlap * (f + b))["DualPipe"]["bubble"]
+            )
             assert idle == pytest.approx(want, abs=1e-9), (overlap, m)
     for build, row in ((one_f_one_b, "1F1B"), (zero_bubble_h1, "ZB1P")):
         t = simulate(build(p, 4 * p), Costs(forward=f, backward=b, weight=w))

@@ -29,8 +29,9 @@ def both_ways(module, x, *, input_grad=True):
         else:
             y.backward(g)
             dx = xi.grad if input_grad and x.is_floating_point() else None
-        results.append(([None if p.grad is None else p.grad.clone()
-                         for p in module.parameters()], dx))
+        results.append(
+            ([None if p.grad is None else p.grad.clone() for p in module.parameters()], dx)
+        )
     return results
 
 
@@ -62,6 +63,7 @@ def test_gpt_blocks_embedding_and_tied_head():
 
 def test_frozen_and_unused_weights():
     torch.manual_seed(0)
+
     class WithUnused(nn.Module):
         def __init__(self):
             super().__init__()

@@ -4,79 +4,179 @@ its label read back; `crosses_nodes` judged per rank."""
 
 import dataclasses
 
+import plan_fns as F
 import pytest
+from mesh_fns import nodes_crossed
 
 from parcourse.launch import launch
 from parcourse.mesh import Layout
 from parcourse.models import GPTConfig
 from parcourse.plan import ParallelPlan
-from mesh_fns import nodes_crossed
-import plan_fns as F
 
 CONFIG = GPTConfig(vocab=64, block_size=16, n_layers=4, n_heads=4, d_model=32)  # train3d's
 
 # (plan, batch, world, step, the sentence problems() gives). One per rule.
 RULES = [
     (ParallelPlan(dp=0), None, None, True, "dp must be a whole number >= 1, got 0"),
-    (ParallelPlan(microbatches=-2), None, None, True,
-     "microbatches must be a whole number >= 1, got -2"),
+    (
+        ParallelPlan(microbatches=-2),
+        None,
+        None,
+        True,
+        "microbatches must be a whole number >= 1, got -2",
+    ),
     (ParallelPlan(dp=2, tp=2), None, 8, True, "dp 2 x tp 2 x pp 1 is 4 ranks, not the 8 there are"),
-    (ParallelPlan(dp=6, ranks_per_node=4), None, None, True,
-     "4 ranks per node do not divide the 6 ranks"),
-    (ParallelPlan(order="zigzag"), None, None, True,  # type: ignore[arg-type]
-     "unknown order 'zigzag'; choose one of megatron, llama3"),
+    (
+        ParallelPlan(dp=6, ranks_per_node=4),
+        None,
+        None,
+        True,
+        "4 ranks per node do not divide the 6 ranks",
+    ),
+    (
+        ParallelPlan(order="zigzag"),
+        None,
+        None,
+        True,  # type: ignore[arg-type]
+        "unknown order 'zigzag'; choose one of megatron, llama3",
+    ),
     (ParallelPlan(tp=8), None, None, True, "tp 8 does not divide the 4 heads"),
     (ParallelPlan(tp=4, sequence_parallel=True), None, None, True, None),  # 16 tokens: fine
-    (ParallelPlan(dp=3), 8, None, True,
-     "the global batch of 8 does not cut into dp 3 x 1 microbatches equal parts"),
+    (
+        ParallelPlan(dp=3),
+        8,
+        None,
+        True,
+        "the global batch of 8 does not cut into dp 3 x 1 microbatches equal parts",
+    ),
     (ParallelPlan(zero=4), None, None, True, "ZeRO stage 4 does not exist: 0, 1, 2 or 3"),
-    (ParallelPlan(recompute="some"), None, None, True,  # type: ignore[arg-type]
-     "recompute 'some' is none of none, selective, full"),
-    (ParallelPlan(recompute="selective"), None, None, True,
-     "the course's 3D step recomputes whole stages (recompute full), not attention's core "
-     "alone (selective)"),
-    (ParallelPlan(split="rows"), None, None, True,  # type: ignore[arg-type]
-     "split 'rows' is neither layers nor blocks"),
-    (ParallelPlan(split="blocks"), None, None, True,
-     "the course's 3D step cuts stages by layer count (split layers), not Megatron-LM's "
-     "blocks"),
-    (ParallelPlan(pp=3, split="blocks", microbatches=3), None, None, False,
-     "3 stages do not split 4 blocks evenly"),
-    (ParallelPlan(schedule="zigzag"), None, None, True,
-     "unknown schedule 'zigzag'; choose one of naive, gpipe, 1f1b, interleaved-1f1b, zb-h1, "
-     "zbv, dualpipe, dualpipe-v"),
-    (ParallelPlan(pp=2, schedule="naive", microbatches=2), None, None, True,
-     "naive runs the batch whole: one microbatch, not 2"),
-    (ParallelPlan(pp=2, schedule="interleaved-1f1b", microbatches=3), None, None, True,
-     "interleaved 1F1B runs microbatches in rounds of 2 (the number of ranks): 3 "
-     "microbatches is not a multiple of 2"),
-    (ParallelPlan(pp=2, schedule="dualpipe", microbatches=4), None, None, True,
-     "dualpipe holds two copies of every stage, one for each direction: the 3D step and the "
-     "planner run the other schedules (dualpipe-v holds one copy)"),
-    (ParallelPlan(pp=8, microbatches=8), None, None, True,
-     "1f1b on pp 8 has 8 stages; the GPT's 6 layers (embedding, 4 blocks, head) cannot fill "
-     "them"),
-    (ParallelPlan(pp=2, schedule="zb-h1", microbatches=2, recompute="full"), None, None, True,
-     "zb-h1 splits backward into I and W: no full recompute"),
+    (
+        ParallelPlan(recompute="some"),
+        None,
+        None,
+        True,  # type: ignore[arg-type]
+        "recompute 'some' is none of none, selective, full",
+    ),
+    (
+        ParallelPlan(recompute="selective"),
+        None,
+        None,
+        True,
+        "the course's 3D step recomputes whole stages (recompute full), not attention's core "
+        "alone (selective)",
+    ),
+    (
+        ParallelPlan(split="rows"),
+        None,
+        None,
+        True,  # type: ignore[arg-type]
+        "split 'rows' is neither layers nor blocks",
+    ),
+    (
+        ParallelPlan(split="blocks"),
+        None,
+        None,
+        True,
+        "the course's 3D step cuts stages by layer count (split layers), not Megatron-LM's blocks",
+    ),
+    (
+        ParallelPlan(pp=3, split="blocks", microbatches=3),
+        None,
+        None,
+        False,
+        "3 stages do not split 4 blocks evenly",
+    ),
+    (
+        ParallelPlan(schedule="zigzag"),
+        None,
+        None,
+        True,
+        "unknown schedule 'zigzag'; choose one of naive, gpipe, 1f1b, interleaved-1f1b, zb-h1, "
+        "zbv, dualpipe, dualpipe-v",
+    ),
+    (
+        ParallelPlan(pp=2, schedule="naive", microbatches=2),
+        None,
+        None,
+        True,
+        "naive runs the batch whole: one microbatch, not 2",
+    ),
+    (
+        ParallelPlan(pp=2, schedule="interleaved-1f1b", microbatches=3),
+        None,
+        None,
+        True,
+        "interleaved 1F1B runs microbatches in rounds of 2 (the number of ranks): 3 "
+        "microbatches is not a multiple of 2",
+    ),
+    (
+        ParallelPlan(pp=2, schedule="dualpipe", microbatches=4),
+        None,
+        None,
+        True,
+        "dualpipe holds two copies of every stage, one for each direction: the 3D step and the "
+        "planner run the other schedules (dualpipe-v holds one copy)",
+    ),
+    (
+        ParallelPlan(pp=8, microbatches=8),
+        None,
+        None,
+        True,
+        "1f1b on pp 8 has 8 stages; the GPT's 6 layers (embedding, 4 blocks, head) cannot fill "
+        "them",
+    ),
+    (
+        ParallelPlan(pp=2, schedule="zb-h1", microbatches=2, recompute="full"),
+        None,
+        None,
+        True,
+        "zb-h1 splits backward into I and W: no full recompute",
+    ),
     (ParallelPlan(cp=0), None, None, True, "cp must be a whole number >= 1, got 0"),
-    (ParallelPlan(dp=2, cp=2), None, 8, True,
-     "dp 2 x tp 1 x pp 1 x cp 2 is 4 ranks, not the 8 there are"),
-    (ParallelPlan(cp=2, cp_method="rings"), None, None, True,  # type: ignore[arg-type]
-     "unknown context-parallel method 'rings'; choose one of ring, all-gather, ulysses"),
-    (ParallelPlan(cp=16), None, None, True,
-     "cp 16 cuts a sequence into 32 chunks (two a rank, balanced for the causal mask): a "
-     "block of 16 tokens cannot fill them"),
-    (ParallelPlan(tp=2, cp=4, cp_method="ulysses"), None, None, True,
-     "Ulysses gives each of the cp 4 ranks whole heads: the 2 heads a tp rank holds (4 / "
-     "tp 2) do not divide by 4"),
-    (ParallelPlan(tp=2, cp=2, sequence_parallel=True), None, None, True,
-     "the course's 3D step cuts the sequence over tp (SP) or over cp (cp 2), not both"),
+    (
+        ParallelPlan(dp=2, cp=2),
+        None,
+        8,
+        True,
+        "dp 2 x tp 1 x pp 1 x cp 2 is 4 ranks, not the 8 there are",
+    ),
+    (
+        ParallelPlan(cp=2, cp_method="rings"),
+        None,
+        None,
+        True,  # type: ignore[arg-type]
+        "unknown context-parallel method 'rings'; choose one of ring, all-gather, ulysses",
+    ),
+    (
+        ParallelPlan(cp=16),
+        None,
+        None,
+        True,
+        "cp 16 cuts a sequence into 32 chunks (two a rank, balanced for the causal mask): a "
+        "block of 16 tokens cannot fill them",
+    ),
+    (
+        ParallelPlan(tp=2, cp=4, cp_method="ulysses"),
+        None,
+        None,
+        True,
+        "Ulysses gives each of the cp 4 ranks whole heads: the 2 heads a tp rank holds (4 / "
+        "tp 2) do not divide by 4",
+    ),
+    (
+        ParallelPlan(tp=2, cp=2, sequence_parallel=True),
+        None,
+        None,
+        True,
+        "the course's 3D step cuts the sequence over tp (SP) or over cp (cp 2), not both",
+    ),
     (ParallelPlan(tp=2, cp=2, sequence_parallel=True), None, None, False, None),
 ]
 
 
-@pytest.mark.parametrize("plan,batch,world,step,said", RULES,
-                         ids=[r[-1][:40] if r[-1] else "fine" for r in RULES])
+@pytest.mark.parametrize(
+    "plan,batch,world,step,said", RULES, ids=[r[-1][:40] if r[-1] else "fine" for r in RULES]
+)
 def test_each_rule_is_one_sentence_naming_the_numbers(plan, batch, world, step, said):
     got = plan.problems(CONFIG, batch, world=world, step=step)
     assert got == ([said] if said else []), got
@@ -91,11 +191,12 @@ def _escaped(text):
     return re.escape(text)
 
 
-@pytest.mark.parametrize("plan,batch,world,step,said",
-                         [r for r in RULES if r[-1] and r[3] and r[2] is None],
-                         ids=lambda v: v[:40] if isinstance(v, str) else None)
-def test_train3d_refuses_each_plan_with_the_same_sentence(capsys, plan, batch, world, step,
-                                                           said):
+@pytest.mark.parametrize(
+    "plan,batch,world,step,said",
+    [r for r in RULES if r[-1] and r[3] and r[2] is None],
+    ids=lambda v: v[:40] if isinstance(v, str) else None,
+)
+def test_train3d_refuses_each_plan_with_the_same_sentence(capsys, plan, batch, world, step, said):
     """`train3d`, before any rank starts: the plan given field by field, and as a label
     (`--plan`) where the label can carry it (a negative size or an unknown schedule cannot
     be read from one: the label's own refusal names the word)."""
@@ -105,8 +206,7 @@ def test_train3d_refuses_each_plan_with_the_same_sentence(capsys, plan, batch, w
     try:
         given.append(["--plan", ParallelPlan.parse(plan.label()).label()])
     except ValueError as e:
-        assert plan.microbatches < 0 or "zigzag" in (plan.schedule,) or \
-            plan.cp_method == "rings", e
+        assert plan.microbatches < 0 or "zigzag" in (plan.schedule,) or plan.cp_method == "rings", e
     for flags in given:
         with pytest.raises(SystemExit) as exit_:
             main(["train3d", *flags, "--batch", str(batch or max(1, plan.dp * plan.microbatches))])
@@ -133,14 +233,26 @@ def _flags(plan):
 HYBRID_KEYWORDS = [
     (ParallelPlan(zero=4), {"dp": 2}, {"zero": 4}),
     (ParallelPlan(schedule="zigzag"), {"dp": 2}, {"schedule": "zigzag"}),
-    (ParallelPlan(pp=2, schedule="naive", microbatches=2), {"pp": 2},
-     {"schedule": "naive", "microbatches": 2}),
-    (ParallelPlan(pp=2, schedule="interleaved-1f1b", microbatches=3), {"pp": 2},
-     {"schedule": "interleaved-1f1b", "microbatches": 3}),
-    (ParallelPlan(pp=2, schedule="dualpipe", microbatches=4), {"pp": 2},
-     {"schedule": "dualpipe", "microbatches": 4}),
-    (ParallelPlan(pp=2, schedule="zb-h1", microbatches=2, recompute="full"), {"pp": 2},
-     {"schedule": "zb-h1", "microbatches": 2, "recompute": True}),
+    (
+        ParallelPlan(pp=2, schedule="naive", microbatches=2),
+        {"pp": 2},
+        {"schedule": "naive", "microbatches": 2},
+    ),
+    (
+        ParallelPlan(pp=2, schedule="interleaved-1f1b", microbatches=3),
+        {"pp": 2},
+        {"schedule": "interleaved-1f1b", "microbatches": 3},
+    ),
+    (
+        ParallelPlan(pp=2, schedule="dualpipe", microbatches=4),
+        {"pp": 2},
+        {"schedule": "dualpipe", "microbatches": 4},
+    ),
+    (
+        ParallelPlan(pp=2, schedule="zb-h1", microbatches=2, recompute="full"),
+        {"pp": 2},
+        {"schedule": "zb-h1", "microbatches": 2, "recompute": True},
+    ),
 ]
 
 
@@ -152,11 +264,15 @@ def test_hybrid_and_train_refuse_each_rule_in_the_same_sentence(pool2):
 
     model = {"block_size": 16, "layers": 4, "width": 32, "heads": 4}
     for plan, batch, world, step, said in RULES:
-        if world is not None or not step or plan.order == "zigzag" or plan.dp < 1 \
-                or plan.microbatches < 1:
+        if (
+            world is not None
+            or not step
+            or plan.order == "zigzag"
+            or plan.dp < 1
+            or plan.microbatches < 1
+        ):
             continue  # the world is the plan's own, and sizes below 1 fail Layout first
-        settings = TrainSettings(plan=plan, batch=batch or plan.dp * plan.microbatches,
-                                 **model)
+        settings = TrainSettings(plan=plan, batch=batch or plan.dp * plan.microbatches, **model)
         assert settings.problems() == ([said] if said else []), (plan, settings.problems())
     rules = {plan: said for plan, _, _, _, said in RULES}
     cases = [(shape, kwargs) for _, shape, kwargs in HYBRID_KEYWORDS]
@@ -183,10 +299,10 @@ def test_the_planner_ranks_only_what_the_step_runs_here():
     """On this machine the search refuses, in the plan's words, what the course's step
     cannot start (a published cluster keeps selective recompute, which Megatron-LM runs);
     every plan it ranks can be given to `train3d --plan`."""
+    import argparse
+
     from parcourse.cli.options import plan_from, plan_options
     from parcourse.planner import Cluster, plan
-
-    import argparse
 
     cluster = Cluster.this_machine(8, flops=1e9, cores=2)
     selective = ParallelPlan(dp=8, recompute="selective")
@@ -207,19 +323,32 @@ def test_the_planner_ranks_only_what_the_step_runs_here():
 def test_a_plan_of_other_ranks_than_the_cluster_has_is_refused():
     from parcourse.planner import Cluster, plan
 
-    plans = plan(CONFIG, Cluster.preset("h100", gpus=8), 16,
-                 candidates=[ParallelPlan(dp=2, tp=2)])
+    plans = plan(CONFIG, Cluster.preset("h100", gpus=8), 16, candidates=[ParallelPlan(dp=2, tp=2)])
     assert plans.rejected[0].why_not == "dp 2 x tp 2 x pp 1 is 4 ranks, not the 8 there are"
 
 
-@pytest.mark.parametrize("plan", [
-    ParallelPlan(),
-    ParallelPlan(dp=2, tp=2, pp=2, schedule="1f1b", microbatches=4, zero=1),
-    ParallelPlan(dp=1, tp=4, pp=2, schedule="interleaved-1f1b", microbatches=8, chunks=3,
-                 sequence_parallel=True, recompute="full", order="llama3", ranks_per_node=4),
-    ParallelPlan(pp=4, schedule="zb-h1", microbatches=4, zero=2, split="blocks",
-                 recompute="selective"),
-])
+@pytest.mark.parametrize(
+    "plan",
+    [
+        ParallelPlan(),
+        ParallelPlan(dp=2, tp=2, pp=2, schedule="1f1b", microbatches=4, zero=1),
+        ParallelPlan(
+            dp=1,
+            tp=4,
+            pp=2,
+            schedule="interleaved-1f1b",
+            microbatches=8,
+            chunks=3,
+            sequence_parallel=True,
+            recompute="full",
+            order="llama3",
+            ranks_per_node=4,
+        ),
+        ParallelPlan(
+            pp=4, schedule="zb-h1", microbatches=4, zero=2, split="blocks", recompute="selective"
+        ),
+    ],
+)
 def test_a_label_reads_back_as_its_plan(plan):
     assert ParallelPlan.parse(plan.label()) == plan
     assert ParallelPlan.parse(plan.label().upper().replace("ZERO", "ZeRO")) == plan
@@ -228,8 +357,7 @@ def test_a_label_reads_back_as_its_plan(plan):
 def test_a_label_that_cannot_be_read_names_the_word():
     with pytest.raises(ValueError, match="cannot read 'xp2' in the plan 'dp2 xp2'"):
         ParallelPlan.parse("dp2 xp2")
-    assert ParallelPlan.parse("dp2 tp2 pp2 1f1b m4 ZeRO-1").label() == \
-        "dp2 tp2 pp2 1f1b m4 ZeRO-1"
+    assert ParallelPlan.parse("dp2 tp2 pp2 1f1b m4 ZeRO-1").label() == "dp2 tp2 pp2 1f1b m4 ZeRO-1"
 
 
 def test_the_cli_takes_the_plan_or_its_flags_not_both(capsys):
@@ -237,8 +365,7 @@ def test_the_cli_takes_the_plan_or_its_flags_not_both(capsys):
 
     with pytest.raises(SystemExit):
         main(["train3d", "--plan", "dp2 tp2 pp2 1f1b m2", "--zero", "1"])
-    assert "--plan gives the whole layout: leave out --zero or --plan" in \
-        capsys.readouterr().err
+    assert "--plan gives the whole layout: leave out --zero or --plan" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["train", "--plan", "dp2 pp2 1f1b m2 recompute full"])
     assert "this command does not set recompute" in capsys.readouterr().err
@@ -258,13 +385,20 @@ def test_train3d_runs_a_plan_given_as_a_label(capsys):
 
 # -- ranks per node, judged per rank
 
+
 def test_crosses_nodes_is_judged_by_this_ranks_group():
     """6 ranks, 3 a node, dp 3 x tp 2: tp's groups are [0 1] [2 3] [4 5], and only [2 3]
     spans the two nodes {0 1 2} {3 4 5}: an axis is judged by the rank's own group, not by
     its first."""
     layout = Layout.of({"dp": 3, "tp": 2})
-    assert [layout.crosses_nodes(r, ("tp",), 3) for r in range(6)] == \
-        [False, False, True, True, False, False]
+    assert [layout.crosses_nodes(r, ("tp",), 3) for r in range(6)] == [
+        False,
+        False,
+        True,
+        True,
+        False,
+        False,
+    ]
     assert all(layout.crosses_nodes(r, ("dp",), 3) for r in range(6))
     assert not any(layout.crosses_nodes(r, ("dp", "tp"), None) for r in range(6))
     run = launch(nodes_crossed, 6, {"dp": 3, "tp": 2}, 3, timeout=120)
@@ -272,11 +406,18 @@ def test_crosses_nodes_is_judged_by_this_ranks_group():
     assert all(r["dp"] for r in run.results)
 
 
-
 # -- the planner refuses what it cannot price
 
-@pytest.mark.parametrize("plan", [ParallelPlan(dp=0), ParallelPlan(dp=-2, tp=4),
-                                  ParallelPlan(tp=-1, dp=8), ParallelPlan(microbatches=0)])
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        ParallelPlan(dp=0),
+        ParallelPlan(dp=-2, tp=4),
+        ParallelPlan(tp=-1, dp=8),
+        ParallelPlan(microbatches=0),
+    ],
+)
 def test_the_planner_turns_down_sizes_below_one_in_words(plan):
     """Once a ZeroDivisionError (dp 0, microbatches 0), a plan accepted (dp -2) or a
     negative cost (tp -1): now a rejection naming the size."""
@@ -296,9 +437,11 @@ def test_a_dtype_the_planner_does_not_know_is_refused():
     from parcourse.planner import plan as search
 
     cluster = Cluster.preset("h100", gpus=8)
-    for call in (lambda: search(CONFIG, cluster, 16, dtype="fp16"),
-                 lambda: predict_memory(CONFIG, ParallelPlan(dp=8), 16, dtype="fp16"),
-                 lambda: predict_time(CONFIG, ParallelPlan(dp=8), 16, cluster, dtype="bf61")):
+    for call in (
+        lambda: search(CONFIG, cluster, 16, dtype="fp16"),
+        lambda: predict_memory(CONFIG, ParallelPlan(dp=8), 16, dtype="fp16"),
+        lambda: predict_time(CONFIG, ParallelPlan(dp=8), 16, cluster, dtype="bf61"),
+    ):
         with pytest.raises(ValueError, match="dtype must be one of fp32, bf16"):
             call()
 
@@ -332,26 +475,30 @@ def test_hybrid_from_a_plan_refuses_what_the_plan_already_says():
     from plan_fns import from_plan_refusals
 
     said = launch(from_plan_refusals, 1, timeout=60).results[0]
-    assert said == ["zero: given by the plan (dp1 tp1 pp1 1f1b m1), not beside it",
-                    "dp 2 x tp 1 x pp 1 is 2 ranks, not the 1 there are"]
+    assert said == [
+        "zero: given by the plan (dp1 tp1 pp1 1f1b m1), not beside it",
+        "dp 2 x tp 1 x pp 1 is 2 ranks, not the 1 there are",
+    ]
 
 
-@pytest.mark.parametrize("plan,batch,world,step,said",
-                         [r for r in RULES if r[-1] and r[3] and r[2] is None],
-                         ids=lambda v: v[:40] if isinstance(v, str) else None)
-def test_the_planner_turns_down_each_plan_with_the_same_sentence(plan, batch, world, step,
-                                                                  said):
+@pytest.mark.parametrize(
+    "plan,batch,world,step,said",
+    [r for r in RULES if r[-1] and r[3] and r[2] is None],
+    ids=lambda v: v[:40] if isinstance(v, str) else None,
+)
+def test_the_planner_turns_down_each_plan_with_the_same_sentence(plan, batch, world, step, said):
     """The search here (this machine: what the course's step runs) rejects each plan in
     the words `problems()` uses, and ranks none of them."""
     from parcourse.planner import Cluster
     from parcourse.planner import plan as search
 
-    sizes_ok = all(isinstance(getattr(plan, f), int) and getattr(plan, f) >= 1
-                   for f in ("dp", "tp", "pp", "cp", "microbatches", "chunks"))
+    sizes_ok = all(
+        isinstance(getattr(plan, f), int) and getattr(plan, f) >= 1
+        for f in ("dp", "tp", "pp", "cp", "microbatches", "chunks")
+    )
     gpus = plan.gpus if sizes_ok else 1
     batch = batch or (plan.dp * plan.microbatches if sizes_ok else 8)
-    plans = search(CONFIG, Cluster.this_machine(gpus, flops=1e9, cores=2), batch,
-                   candidates=[plan])
+    plans = search(CONFIG, Cluster.this_machine(gpus, flops=1e9, cores=2), batch, candidates=[plan])
     assert not plans.ranked and plans.rejected[0].why_not == said
 
 
@@ -363,19 +510,23 @@ def test_the_planner_refuses_the_context_parallelism_it_does_not_price():
     from parcourse.comm import SimulatedLink
     from parcourse.planner import Cluster, plan, predict_memory, predict_time
 
-    cluster = dataclasses.replace(Cluster.this_machine(4, flops=1e9, cores=2),
-                                  inside=SimulatedLink(1e-4, 1e9))  # a message costs
+    cluster = dataclasses.replace(
+        Cluster.this_machine(4, flops=1e9, cores=2), inside=SimulatedLink(1e-4, 1e9)
+    )  # a message costs
     cp = ParallelPlan(dp=2, cp=2, microbatches=2)
     assert cp.problems(CONFIG, 8, world=4) == []
     assert plan(CONFIG, cluster, 8, candidates=[cp]).ranked[0].choice == cp
     assert predict_time(CONFIG, cp, 8, cluster)["cp"] > 0
     ulysses = dataclasses.replace(cp, cp_method="ulysses")
     for choice, dtype in ((ulysses, "fp32"), (cp, "bf16")):
-        said = (f"cp 2: the planner prices the ring in fp32 only (its memory and its "
-                f"messages), not {choice.cp_method} in {dtype}")
+        said = (
+            f"cp 2: the planner prices the ring in fp32 only (its memory and its "
+            f"messages), not {choice.cp_method} in {dtype}"
+        )
         plans = plan(CONFIG, cluster, 8, dtype=dtype, candidates=[choice])
         assert not plans.ranked and plans.rejected[0].why_not == said
         for predict in (predict_memory, predict_time):
             with pytest.raises(ValueError, match=_escaped(said)):
-                predict(CONFIG, choice, 8, *((cluster,) if predict is predict_time else ()),
-                        dtype=dtype)
+                predict(
+                    CONFIG, choice, 8, *((cluster,) if predict is predict_time else ()), dtype=dtype
+                )

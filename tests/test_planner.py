@@ -13,9 +13,16 @@ import pytest
 
 from parcourse import Pool
 from parcourse.models import GPTConfig
-from parcourse.planner import Choice, Cluster, measure, measured_against_predicted, plan
-from parcourse.planner import predict_memory, predict_time
 from parcourse.plan import _schedule
+from parcourse.planner import (
+    Choice,
+    Cluster,
+    measure,
+    measured_against_predicted,
+    plan,
+    predict_memory,
+    predict_time,
+)
 from parcourse.theory import tp_collectives
 
 CONFIG = GPTConfig(vocab=64, block_size=16, n_layers=4, n_heads=4, d_model=32)
@@ -69,10 +76,11 @@ def test_memory_with_the_sequence_cut_over_cp_is_predicted_exactly(pool8):
     ZeRO-3, full recompute and an uneven cut; Adam's state but its step counters."""
     odd = GPTConfig(vocab=64, block_size=13, n_layers=4, n_heads=4, d_model=32)
     for config, choice in [
-            (CONFIG, Choice(dp=1, tp=2, pp=2, microbatches=2, cp=2)),
-            (odd, Choice(dp=2, pp=2, microbatches=2, cp=2, zero=1)),
-            (odd, Choice(pp=2, schedule="gpipe", microbatches=2, cp=4, recompute="full")),
-            (CONFIG, Choice(dp=2, tp=2, microbatches=2, cp=2, zero=3))]:
+        (CONFIG, Choice(dp=1, tp=2, pp=2, microbatches=2, cp=2)),
+        (odd, Choice(dp=2, pp=2, microbatches=2, cp=2, zero=1)),
+        (odd, Choice(pp=2, schedule="gpipe", microbatches=2, cp=4, recompute="full")),
+        (CONFIG, Choice(dp=2, tp=2, microbatches=2, cp=2, zero=3)),
+    ]:
         _exact_but_adams_counters(pool8, config, choice)
 
 
@@ -104,8 +112,10 @@ def test_full_recompute_holds_the_inputs_and_rebuilds_a_checkpoint():
     block = korthikanti_layer_bytes(config, 1, batch=batch)["activations"]
     stream = 2 * config.block_size * config.d_model  # a block's input, 16 bits
     loss = korthikanti_layer_bytes(config, config.n_layers + 1, batch=batch)
-    whole = sum(korthikanti_layer_bytes(config, lay, batch=batch)["activations"]
-                for lay in range(config.n_layers + 2))
+    whole = sum(
+        korthikanti_layer_bytes(config, lay, batch=batch)["activations"]
+        for lay in range(config.n_layers + 2)
+    )
     ids = 8 * config.block_size
     (stage,) = predict_memory(config, choice, 512, "bf16", checkpoint="stage")
     (blocks,) = predict_memory(config, choice, 512, "bf16", checkpoint="block")
@@ -113,7 +123,8 @@ def test_full_recompute_holds_the_inputs_and_rebuilds_a_checkpoint():
     # whole model rebuilt at once; or every block's input and one block rebuilt
     assert stage["activations"] == pytest.approx(ids + whole)
     assert blocks["activations"] == pytest.approx(
-        config.n_layers * stream + loss["activations"] + block - stream)
+        config.n_layers * stream + loss["activations"] + block - stream
+    )
     assert blocks["activations"] > 2 * 2**30 and stage["activations"] > 100 * 2**30
     with pytest.raises(ValueError, match="checkpoint 'layer' is neither stage nor block"):
         predict_memory(config, choice, 512, "bf16", checkpoint="layer")  # type: ignore[arg-type]
@@ -142,18 +153,31 @@ def test_activations_against_korthikanti():
     from parcourse.theory import korthikanti_layer_bytes
 
     for heads, width, saves in ((96, 12288, 0.70), (128, 20480, 0.65)):
-        cfg = GPTConfig(vocab=51200, block_size=2048, n_layers=105, n_heads=heads,
-                        d_model=width, dropout=0.1)
+        cfg = GPTConfig(
+            vocab=51200, block_size=2048, n_layers=105, n_heads=heads, d_model=width, dropout=0.1
+        )
         sp = korthikanti_layer_bytes(cfg, 1, 8, sequence_parallel=True)["activations"]
-        kept = korthikanti_layer_bytes(cfg, 1, 8, sequence_parallel=True,
-                                       selective=True)["activations"]
+        kept = korthikanti_layer_bytes(cfg, 1, 8, sequence_parallel=True, selective=True)[
+            "activations"
+        ]
         assert round(1 - kept / sp, 2) == saves
         assert kept == 34 * 2048 * width / 8
     layers, p, v = 105, 35, 3
-    for schedule, chunks, want in (("1f1b", 2, layers),
-                                   ("interleaved-1f1b", v, layers * (1 + (p - 1) / (p * v)))):
-        choice = Choice(1, 8, p, schedule, 280, chunks=chunks, sequence_parallel=True,
-                        recompute="selective", split="blocks")
+    for schedule, chunks, want in (
+        ("1f1b", 2, layers),
+        ("interleaved-1f1b", v, layers * (1 + (p - 1) / (p * v))),
+    ):
+        choice = Choice(
+            1,
+            8,
+            p,
+            schedule,
+            280,
+            chunks=chunks,
+            sequence_parallel=True,
+            recompute="selective",
+            split="blocks",
+        )
         first = predict_memory(cfg, choice, 280, "bf16")[0]["activations"]
         assert first / kept == pytest.approx(want, rel=0.02), schedule
 
@@ -161,15 +185,22 @@ def test_activations_against_korthikanti():
 def test_configurations_turned_down_say_why():
     cluster = Cluster.preset("h100", gpus=16)
     big = GPTConfig(vocab=32000, block_size=4096, n_layers=80, n_heads=64, d_model=8192)
-    plans = plan(big, cluster, 64, dtype="bf16", candidates=[
-        Choice(16, 1, 1, "1f1b", 1),  # 70B replicated: far out of memory
-        Choice(1, 16, 1, "1f1b", 4),  # tp across two nodes of 8
-        Choice(1, 8, 2, "1f1b", 1),  # one microbatch for two stages
-        Choice(1, 3, 1, "1f1b", 1),  # 3 does not divide 64 heads (nor 16 GPUs)
-    ])
+    plans = plan(
+        big,
+        cluster,
+        64,
+        dtype="bf16",
+        candidates=[
+            Choice(16, 1, 1, "1f1b", 1),  # 70B replicated: far out of memory
+            Choice(1, 16, 1, "1f1b", 4),  # tp across two nodes of 8
+            Choice(1, 8, 2, "1f1b", 1),  # one microbatch for two stages
+            Choice(1, 3, 1, "1f1b", 1),  # 3 does not divide 64 heads (nor 16 GPUs)
+        ],
+    )
     reasons = [p.why_not for p in plans.rejected]
-    assert any(r.startswith("out of memory by") and "GiB on pipeline rank 0" in r
-               for r in reasons), reasons
+    assert any(
+        r.startswith("out of memory by") and "GiB on pipeline rank 0" in r for r in reasons
+    ), reasons
     assert any("spans nodes of 8" in r for r in reasons)
     assert any("1 microbatches for 2 stages" in r for r in reasons)
     assert any("tp 3 does not divide the 64 heads" in r for r in reasons)
@@ -182,8 +213,14 @@ def test_plans_are_ranked_by_predicted_step_time():
     assert times == sorted(times) and len(times) > 10
     best = plans.ranked[0].time
     assert best["compute"] > 0 and 0 < best["mfu"] <= 1
-    assert best["step"] == pytest.approx(best["compute"] + best["tp"] + best["bubble"]
-                                         + best["dp"] + best["optimizer"] + best["cores"])
+    assert best["step"] == pytest.approx(
+        best["compute"]
+        + best["tp"]
+        + best["bubble"]
+        + best["dp"]
+        + best["optimizer"]
+        + best["cores"]
+    )
 
 
 def test_the_last_stage_is_not_the_busiest_under_1f1b():
@@ -208,7 +245,7 @@ def test_plan_command_ranks_and_checks_here(capsys):
     assert len([ln for ln in out.splitlines() if ln[:3].strip() in ("1", "2", "3")]) == 3
     assert main(["plan", "--gpus", "2", "--top", "2", "--check"]) == 0  # as on 4, 10 s sooner
     out = capsys.readouterr().out
-    measured = out[out.index("measured here"):].splitlines()[2:]
+    measured = out[out.index("measured here") :].splitlines()[2:]
     assert len(measured) == 3 and measured[-1].startswith("steal: the host's")
     for line in measured[:2]:  # the two best, each predicted beside measured, and what
         *row, steal, others = line.split()  # else held the processors meanwhile
@@ -222,8 +259,10 @@ def test_plan_command_ranks_and_checks_here(capsys):
     assert main(["plan", "--experts", "8", "--gpu", "h100", "--top", "500"]) == 0
     out = capsys.readouterr().out
     assert " ep " in out.splitlines()[3] and any(" ep4 " in ln for ln in out.splitlines())
-    for bad, why in ((["--model", "13B", "--experts", "8"], "--model course"),
-                     (["--experts", "4", "--top-k", "5"], "--top-k between 1 and")):
+    for bad, why in (
+        (["--model", "13B", "--experts", "8"], "--model course"),
+        (["--experts", "4", "--top-k", "5"], "--top-k between 1 and"),
+    ):
         with pytest.raises(SystemExit):
             main(["plan", *bad])
         assert why in capsys.readouterr().err
@@ -231,14 +270,16 @@ def test_plan_command_ranks_and_checks_here(capsys):
     assert main(["plan", "--gpus", "2", "--top", "1", "--check", "--scaled", "0.5"]) == 0
     out = capsys.readouterr().out
     assert "this machine, compute simulated" in out
-    line, _ = out[out.index("compute simulated: one rank alone 0.5 s"):].splitlines()[2:]
+    line, _ = out[out.index("compute simulated: one rank alone 0.5 s") :].splitlines()[2:]
     predicted, got = map(float, line.split()[-4:-2])
     # 0.5 s of compute over 2 ranks: the floor of both; how close they are is measured by
     # benchmarks/planner.py, not asserted here (a busy machine stretches the measured step)
     assert predicted > 200 and got > 200
-    for bad, why in ((["--scaled", "0"], "positive number of seconds"),
-                     (["--scaled", "inf"], "positive number of seconds"),
-                     (["--model", "70B", "--scaled", "1"], "--model course, --gpu here")):
+    for bad, why in (
+        (["--scaled", "0"], "positive number of seconds"),
+        (["--scaled", "inf"], "positive number of seconds"),
+        (["--model", "70B", "--scaled", "1"], "--model course, --gpu here"),
+    ):
         with pytest.raises(SystemExit):
             main(["plan", *bad])
         assert why in capsys.readouterr().err
@@ -258,6 +299,7 @@ BURN = "print('on', flush=True)\nwhile True: pass"  # a process spinning until k
 
 class _NoRanks:
     """A pool whose ranks `Contention` cannot tell apart: it counts every process."""
+
     pids: tuple[int, ...] = ()
     external = False
 
@@ -292,7 +334,10 @@ def test_what_else_held_the_processors_is_told_from_the_ranks(pool2):
     # seconds, give or take what the others ran between the nested samples (reading
     # every process's counters takes tens of milliseconds, longer on a busy machine)
     assert abs(seconds(everyone) - seconds(alone) - ranks) < 0.4, (
-        seconds(everyone), seconds(alone), ranks)
+        seconds(everyone),
+        seconds(alone),
+        ranks,
+    )
     burner = subprocess.Popen([sys.executable, "-c", BURN], stdout=subprocess.PIPE)
     try:
         assert burner.stdout.readline() == b"on\n"
@@ -346,8 +391,10 @@ def test_this_machines_links_are_measured_and_priced(pool2):
     bare = Cluster.this_machine(2, flops=1e9)
     priced = Cluster.this_machine(2, flops=1e9, links=links)
     choice = Choice(1, 2, 1, "1f1b", 2)
-    assert predict_time(CONFIG, choice, BATCH, priced)["tp"] > predict_time(
-        CONFIG, choice, BATCH, bare)["tp"]
+    assert (
+        predict_time(CONFIG, choice, BATCH, priced)["tp"]
+        > predict_time(CONFIG, choice, BATCH, bare)["tp"]
+    )
     # Each of tp's collectives costs its own op's figure: sequence parallelism's
     # all-gathers and reduce-scatters theirs, the rest an all-reduce's
     assert priced.collective("all_gather", 2) == links["gather_s"][2]
@@ -357,10 +404,16 @@ def test_this_machines_links_are_measured_and_priced(pool2):
     with pytest.raises(ValueError, match="unknown collective 'broadcast'"):
         priced.collective("broadcast", 2)
     sp = Choice(1, 2, 1, "1f1b", 2, sequence_parallel=True)
-    ops = [op for op, *_ in tp_collectives(CONFIG, BATCH // 2, CONFIG.block_size, 2,
-                                           sequence_parallel=True)]
-    a, b = (predict_time(CONFIG, sp, BATCH, dataclasses.replace(priced, gather_s={2: x}))
-            for x in (0.01, 0.02))
+    ops = [
+        op
+        for op, *_ in tp_collectives(
+            CONFIG, BATCH // 2, CONFIG.block_size, 2, sequence_parallel=True
+        )
+    ]
+    a, b = (
+        predict_time(CONFIG, sp, BATCH, dataclasses.replace(priced, gather_s={2: x}))
+        for x in (0.01, 0.02)
+    )
     assert b["tp"] - a["tp"] == pytest.approx(2 * ops.count("all_gather") * 0.01)
 
 
@@ -374,8 +427,12 @@ def test_compute_simulated_is_the_planners_own():
 
     from parcourse.planner import Overheads, scaled, stage_compute
 
-    costs = {"flops": 1e9, "forward_layer_s": 1e-3, "backward_layer_s": 2e-3,
-             "optimizer_tensor_s": 1e-5}
+    costs = {
+        "flops": 1e9,
+        "forward_layer_s": 1e-3,
+        "backward_layer_s": 2e-3,
+        "optimizer_tensor_s": 1e-5,
+    }
     here = Cluster.this_machine(8, costs=costs, cores=2, shared_cpu=1.5)
     sim = scaled(here, CONFIG, BATCH, alone_s=6.0)
     assert sim.cores == 2 and sim.compute_simulated and sim.shared_cpu == 1.0
@@ -432,7 +489,8 @@ def test_memory_bound_work_is_priced_at_the_gpus_memory_bandwidth():
         both = stage_compute(cfg, choice, BATCH, a100.flops, a100.memory_bandwidth, "bf16")
         assert both.forward[0] - flops_only.forward[0] == pytest.approx(moved / 2.0e12)
         assert both.backward[0] - flops_only.backward[0] == pytest.approx(
-            (1.5 + again) * moved / 2.0e12)
+            (1.5 + again) * moved / 2.0e12
+        )
     # the prediction's compute is what `stage_compute` says, bandwidth and all
     t = predict_time(cfg, Choice(1), BATCH, a100, dtype="bf16")
     both = stage_compute(cfg, Choice(1), BATCH, a100.flops, a100.memory_bandwidth, "bf16")
@@ -449,41 +507,52 @@ def test_zero_2_waits_only_for_its_last_reduce_scatter():
     from parcourse.comm import SimulatedLink
 
     ring_s = 0.01  # a ring's own cost; a reduce-scatter or an all-gather half of it
-    slow = dataclasses.replace(Cluster.this_machine(4, flops=1e8, cores=4), ring_s={2: ring_s},
-                               inside=SimulatedLink(0.0, 1e7))  # 10 MB/s: bytes count
-    assert predict_time(CONFIG, Choice(2, 1, 2, "1f1b", 8, zero=2), BATCH,
-                        slow)["compute"] > 0.2  # hides seven reduce-scatters of 2
+    slow = dataclasses.replace(
+        Cluster.this_machine(4, flops=1e8, cores=4),
+        ring_s={2: ring_s},
+        inside=SimulatedLink(0.0, 1e7),
+    )  # 10 MB/s: bytes count
+    assert (
+        predict_time(CONFIG, Choice(2, 1, 2, "1f1b", 8, zero=2), BATCH, slow)["compute"] > 0.2
+    )  # hides seven reduce-scatters of 2
     tied = dataclasses.replace(CONFIG, tie_weights=True)
     untied = dataclasses.replace(CONFIG, tie_weights=False)
     for config in (untied, tied):
         for m in (2, 4, 8):
             # one stage a rank: ZeRO-1's reduce-scatter and all-gather of each unit (a
             # ring's bytes and cost each) are what ZeRO-2 waits for, to the bytes
-            one, two = (predict_time(config, Choice(2, 1, 2, "1f1b", m, zero=z), BATCH,
-                                     slow)["dp"] for z in (1, 2))
-            assert two == pytest.approx(one, rel=1e-9) and one > ring_s * (
-                1 + config.tie_weights)
+            one, two = (
+                predict_time(config, Choice(2, 1, 2, "1f1b", m, zero=z), BATCH, slow)["dp"]
+                for z in (1, 2)
+            )
+            assert two == pytest.approx(one, rel=1e-9) and one > ring_s * (1 + config.tie_weights)
     # two stages a rank (interleaved) and the tied weights: ZeRO-1 three rings' cost and
     # a ring's bytes; ZeRO-2 the all-gathers (1.5), the last scatter and the tied
     # weights' (1), and of the bytes the gathers' half and the last stage's quarter
     fast = dataclasses.replace(slow, inside=SimulatedLink())
-    one, two = (predict_time(tied, Choice(2, 1, 2, "interleaved-1f1b", 4, 2, zero=z), BATCH,
-                             fast)["dp"] for z in (1, 2))
+    one, two = (
+        predict_time(tied, Choice(2, 1, 2, "interleaved-1f1b", 4, 2, zero=z), BATCH, fast)["dp"]
+        for z in (1, 2)
+    )
     assert (one, two) == (pytest.approx(3 * ring_s), pytest.approx(2.5 * ring_s))
-    bytes_one, bytes_two = (predict_time(tied, Choice(2, 1, 2, "interleaved-1f1b", 4, 2,
-                                                      zero=z), BATCH, slow)["dp"] - d
-                            for z, d in ((1, one), (2, two)))
+    bytes_one, bytes_two = (
+        predict_time(tied, Choice(2, 1, 2, "interleaved-1f1b", 4, 2, zero=z), BATCH, slow)["dp"] - d
+        for z, d in ((1, one), (2, two))
+    )
     assert bytes_two == pytest.approx(0.75 * bytes_one) and bytes_one > 0
     # compute too short to hide them: each of the seven before the last costs its own
     quick = dataclasses.replace(fast, peak_flops=1e15)
-    two, eight = (predict_time(untied, Choice(2, 1, 2, "1f1b", m, zero=2), BATCH,
-                               quick)["dp"] for m in (2, 8))
+    two, eight = (
+        predict_time(untied, Choice(2, 1, 2, "1f1b", m, zero=2), BATCH, quick)["dp"] for m in (2, 8)
+    )
     assert eight - two == pytest.approx(6 * ring_s / 2, rel=1e-3)
     # on 1 core, processor time: a stage's reduce-scatter per microbatch and an
     # all-gather, the tied weights' scatter and gather once (4 ranks, each holding them)
     shared = dataclasses.replace(quick, cores=1, ring_s={}, ring_cpu_s={2: 1.0})
-    waits = [predict_time(tied, Choice(2, 1, 2, "1f1b", m, zero=2), BATCH, shared)["cores"]
-             for m in (2, 8)]
+    waits = [
+        predict_time(tied, Choice(2, 1, 2, "1f1b", m, zero=2), BATCH, shared)["cores"]
+        for m in (2, 8)
+    ]
     assert waits[1] - waits[0] == pytest.approx(4 * (8 - 2) / 2, abs=0.01)
 
 
@@ -497,8 +566,7 @@ def test_tps_collectives_priced_as_a_scaled_step_meets_them(pool4):
     paced = pool4.run(measure_paced, None, 0.002, 3).results[0]
     links = pool4.run(measure_links, 1 << 12, 5, 0.05, 1).results[0]
     assert set(paced) == {"collective_s", "gather_s", "scatter_s"}
-    assert all(set(by_size) == {2, 4} and min(by_size.values()) > 0
-               for by_size in paced.values())
+    assert all(set(by_size) == {2, 4} and min(by_size.values()) > 0 for by_size in paced.values())
     here = Cluster.this_machine(4, flops=1e9, links=links)
     sim = scaled(here, CONFIG, BATCH, 6.0, {k: {2: v[2]} for k, v in paced.items()})
     assert sim.collective("all_reduce", 2) == paced["collective_s"][2]
@@ -506,12 +574,18 @@ def test_tps_collectives_priced_as_a_scaled_step_meets_them(pool4):
     assert sim.collective("reduce_scatter", 2) == paced["scatter_s"][2]
     assert sim.collective("all_gather", 4) == links["gather_s"][4]  # not given: kept
     sp = Choice(2, 2, 1, "1f1b", 2, sequence_parallel=True)
-    ops = [op for op, *_ in tp_collectives(CONFIG, BATCH // 4, CONFIG.block_size, 2,
-                                           sequence_parallel=True)]
+    ops = [
+        op
+        for op, *_ in tp_collectives(
+            CONFIG, BATCH // 4, CONFIG.block_size, 2, sequence_parallel=True
+        )
+    ]
     plain = scaled(here, CONFIG, BATCH, 6.0)
-    assert predict_time(CONFIG, sp, BATCH, sim)["tp"] - predict_time(
-        CONFIG, sp, BATCH, plain)["tp"] == pytest.approx(sp.microbatches * sum(
-            sim.collective(op, 2) - plain.collective(op, 2) for op in ops))
+    assert predict_time(CONFIG, sp, BATCH, sim)["tp"] - predict_time(CONFIG, sp, BATCH, plain)[
+        "tp"
+    ] == pytest.approx(
+        sp.microbatches * sum(sim.collective(op, 2) - plain.collective(op, 2) for op in ops)
+    )
     with pytest.raises(ValueError, match="unknown ring_s"):
         scaled(here, CONFIG, BATCH, 6.0, {"ring_s": {2: 1.0}})
     with pytest.raises(RankError, match="a group of 3 does not cut 4 ranks"):
@@ -532,10 +606,17 @@ def _tp_collectives_by_action(ctx, choice):
     from parcourse.models import gpt
 
     mesh = Mesh(choice.shape, ctx.group)
-    model = Hybrid(gpt(CONFIG), mesh, schedule=choice.schedule, chunks=choice.chunks,
-                   microbatches=choice.microbatches, recompute=choice.recompute == "full",
-                   sequence_parallel=choice.sequence_parallel, tracer=ctx.tracer,
-                   optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0))
+    model = Hybrid(
+        gpt(CONFIG),
+        mesh,
+        schedule=choice.schedule,
+        chunks=choice.chunks,
+        microbatches=choice.microbatches,
+        recompute=choice.recompute == "full",
+        sequence_parallel=choice.sequence_parallel,
+        tracer=ctx.tracer,
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0),
+    )
     batch = progressions(BATCH, CONFIG.block_size, CONFIG.vocab)
     model.step(*batch)  # the first also runs the stages to agree on their messages' shapes
     first = len(ctx.tracer.data().spans)
@@ -551,12 +632,17 @@ def _tp_collectives_by_action(ctx, choice):
     return dict(seen) if mesh.coordinate("dp") == mesh.coordinate("tp") == 0 else None
 
 
-@pytest.mark.parametrize("choice", [
-    Choice(1, 4, 2, "1f1b", 2, sequence_parallel=True),
-    Choice(2, 2, 2, "1f1b", 2, recompute="full"),
-    Choice(2, 2, 2, "1f1b", 2, recompute="full", sequence_parallel=True),
-    Choice(1, 4, 2, "interleaved-1f1b", 2),
-    Choice(1, 4, 2, "zb-h1", 2, sequence_parallel=True)], ids=Choice.label)
+@pytest.mark.parametrize(
+    "choice",
+    [
+        Choice(1, 4, 2, "1f1b", 2, sequence_parallel=True),
+        Choice(2, 2, 2, "1f1b", 2, recompute="full"),
+        Choice(2, 2, 2, "1f1b", 2, recompute="full", sequence_parallel=True),
+        Choice(1, 4, 2, "interleaved-1f1b", 2),
+        Choice(1, 4, 2, "zb-h1", 2, sequence_parallel=True),
+    ],
+    ids=Choice.label,
+)
 def test_tps_collectives_are_priced_on_the_stage_that_runs_them(pool8, choice):
     """`tp_stage_collectives`: tp's collectives of a microbatch on each stage, in its
     forward and its backward, as a real step runs them (each with its layer, the loss's
@@ -578,13 +664,20 @@ def test_tps_collectives_are_priced_on_the_stage_that_runs_them(pool8, choice):
             if where == "replicated grads":
                 sums[stage, action] += n
     if choice.sequence_parallel:  # once a microbatch on each stage, in B, or in W
-        assert sums == {(s, "W" if choice.schedule == "zb-h1" else "B"): choice.microbatches
-                        for s in range(choice.pp)}
+        assert sums == {
+            (s, "W" if choice.schedule == "zb-h1" else "B"): choice.microbatches
+            for s in range(choice.pp)
+        }
     want = collections.Counter()
-    on_stage = tp_stage_collectives(CONFIG, stage_layers(CONFIG, choice),
-                                    BATCH // choice.dp // choice.microbatches,
-                                    CONFIG.block_size, choice.tp, choice.sequence_parallel,
-                                    choice.recompute == "full")
+    on_stage = tp_stage_collectives(
+        CONFIG,
+        stage_layers(CONFIG, choice),
+        BATCH // choice.dp // choice.microbatches,
+        CONFIG.block_size,
+        choice.tp,
+        choice.sequence_parallel,
+        choice.recompute == "full",
+    )
     for stage, by in enumerate(on_stage):
         for kind, collectives in by.items():
             for op, _, where, _ in collectives:
@@ -594,14 +687,25 @@ def test_tps_collectives_are_priced_on_the_stage_that_runs_them(pool8, choice):
     # a collective's cost counted once on the busiest rank for each of its microbatches
     bare = Cluster.this_machine(8, flops=1e12)
     ops = {op for by in on_stage for c in by.values() for op, *_ in c}
-    a, b = (predict_time(CONFIG, choice, BATCH, dataclasses.replace(
-        bare, collective_s={choice.tp: x}, gather_s={choice.tp: x}, scatter_s={choice.tp: x}))
-        for x in (0.01, 0.02))
+    a, b = (
+        predict_time(
+            CONFIG,
+            choice,
+            BATCH,
+            dataclasses.replace(
+                bare, collective_s={choice.tp: x}, gather_s={choice.tp: x}, scatter_s={choice.tp: x}
+            ),
+        )
+        for x in (0.01, 0.02)
+    )
     plan = _schedule(choice.schedule, choice.pp, choice.microbatches, choice.chunks)
-    per_rank = [sum(len(c) for s, r in enumerate(plan.stage_rank) if r == rank
-                    for c in on_stage[s].values()) for rank in range(choice.pp)]
-    assert ops and b["tp"] - a["tp"] == pytest.approx(
-        max(per_rank) * choice.microbatches * 0.01)
+    per_rank = [
+        sum(
+            len(c) for s, r in enumerate(plan.stage_rank) if r == rank for c in on_stage[s].values()
+        )
+        for rank in range(choice.pp)
+    ]
+    assert ops and b["tp"] - a["tp"] == pytest.approx(max(per_rank) * choice.microbatches * 0.01)
 
 
 def test_megatrons_tp_collectives_and_16_bit_activations():
@@ -612,13 +716,17 @@ def test_megatrons_tp_collectives_and_16_bit_activations():
     from parcourse.planner.predict import stage_layers
     from parcourse.theory import tp_stage_collectives
 
-    choice = Choice(1, 2, 2, "1f1b", 2, sequence_parallel=True, recompute="full",
-                    split="blocks")
+    choice = Choice(1, 2, 2, "1f1b", 2, sequence_parallel=True, recompute="full", split="blocks")
     layers = stage_layers(CONFIG, choice)
-    course, megatron = (tp_stage_collectives(CONFIG, layers, 4, CONFIG.block_size, 2, True,
-                                             True, m) for m in (False, True))
-    whole = [c for c in tp_collectives(CONFIG, 4, CONFIG.block_size, 2, True)
-             if c[2] == "replicated grads"]
+    course, megatron = (
+        tp_stage_collectives(CONFIG, layers, 4, CONFIG.block_size, 2, True, True, m)
+        for m in (False, True)
+    )
+    whole = [
+        c
+        for c in tp_collectives(CONFIG, 4, CONFIG.block_size, 2, True)
+        if c[2] == "replicated grads"
+    ]
     assert all(whole[0] in by["B"] and not by["step"] for by in course)
     assert all(not any(c[2] == "replicated grads" for c in by["B"]) for by in megatron)
     assert sum(by["step"][0][3] for by in megatron) == whole[0][3]
@@ -633,10 +741,18 @@ def test_megatrons_tp_collectives_and_16_bit_activations():
     bare = dataclasses.replace(bare, inside=SimulatedLink(0.0, 1e9))
     plain = Choice(2, 2, 1, "1f1b", 2)
     b, n = BATCH // (plain.dp * plain.microbatches), plain.tp
-    loss = plain.microbatches * 3 * 2 * (n - 1) * 4 * b * CONFIG.block_size / n \
+    loss = (
+        plain.microbatches
+        * 3
+        * 2
+        * (n - 1)
+        * 4
+        * b
+        * CONFIG.block_size
+        / n
         / bare.inside.bandwidth_Bps
-    fp32, bf16 = (predict_time(CONFIG, plain, BATCH, bare, dtype=d)["tp"]
-                  for d in ("fp32", "bf16"))
+    )
+    fp32, bf16 = (predict_time(CONFIG, plain, BATCH, bare, dtype=d)["tp"] for d in ("fp32", "bf16"))
     assert loss > 0 and fp32 > 2 * loss
     assert bf16 == pytest.approx((fp32 - loss) / 2 + loss, rel=1e-9)
 
@@ -677,33 +793,44 @@ def test_links_under_load_price_a_pipelines_hops(pool8):
     cluster = Cluster.this_machine(8, flops=1e9, links=links, cores=2)
     assert cluster.loaded_p2p_s == loaded["p2p_s"]
     assert cluster.message_cpu_s == links["message_cpu_s"]
-    slow = dataclasses.replace(cluster, loaded_p2p_s=0.05, loaded_collective_s={2: 0.05},
-                               message_cpu_s=0.05)
-    for choice, priced in ((Choice(2, 2, 2, "1f1b", 2), True),
-                           (Choice(4, 2, 1, "1f1b", 1), False)):
+    slow = dataclasses.replace(
+        cluster, loaded_p2p_s=0.05, loaded_collective_s={2: 0.05}, message_cpu_s=0.05
+    )
+    for choice, priced in ((Choice(2, 2, 2, "1f1b", 2), True), (Choice(4, 2, 1, "1f1b", 1), False)):
         a, b = (predict_time(CONFIG, choice, BATCH, c) for c in (cluster, slow))
         assert (b["step"] > a["step"] + 0.05) is priced, choice.label()
     # A collective's processor time on each member, gloo's threads too: a step cannot beat
     # its ranks' processor time over the cores, where tp reduces at every layer
     assert set(links["collective_cpu_s"]) == {2, 4, 8} and set(links["ring_cpu_s"]) == {2, 4, 8}
     assert all(v > 0 for v in [*links["collective_cpu_s"].values(), *links["ring_cpu_s"].values()])
+
     def cpu(collective: dict[int, float], ring: dict[int, float]) -> Cluster:
-        return dataclasses.replace(cluster, collective_cpu_s={**cluster.collective_cpu_s,
-                                                              **collective},
-                                   ring_cpu_s={**cluster.ring_cpu_s, **ring})
+        return dataclasses.replace(
+            cluster,
+            collective_cpu_s={**cluster.collective_cpu_s, **collective},
+            ring_cpu_s={**cluster.ring_cpu_s, **ring},
+        )
 
     # Where the floor holds, each rank's share of it adds up: tp's collectives per
     # microbatch over all ranks; dp's rings on every rank (ZeRO 0); the loss's mean
     # on the last stage's ranks alone. Over 2 cores.
     for choice in (Choice(4, 2, 1, "1f1b", 1), Choice(2, 2, 2, "1f1b", 2)):
-        ops = len(tp_collectives(CONFIG, BATCH // choice.dp // choice.microbatches,
-                                 CONFIG.block_size, 2)) * choice.microbatches
+        ops = (
+            len(
+                tp_collectives(
+                    CONFIG, BATCH // choice.dp // choice.microbatches, CONFIG.block_size, 2
+                )
+            )
+            * choice.microbatches
+        )
         a, b = (predict_time(CONFIG, choice, BATCH, cpu({2: x}, {})) for x in (0.05, 0.06))
         loss = choice.dp == 2  # dp 2's loss mean is a collective of 2 too (the last stage)
         assert a["cores"] > 0 and b["step"] - a["step"] == pytest.approx(
-            choice.dp * choice.tp * (ops + loss) * 0.01 / 2), choice.label()
-        assert a["step"] == pytest.approx(sum(a[k] for k in (
-            "compute", "tp", "bubble", "dp", "optimizer", "cores")))
+            choice.dp * choice.tp * (ops + loss) * 0.01 / 2
+        ), choice.label()
+        assert a["step"] == pytest.approx(
+            sum(a[k] for k in ("compute", "tp", "bubble", "dp", "optimizer", "cores"))
+        )
     dp_pp = Choice(2, 1, 2, "1f1b", 2)
     a, b = (predict_time(CONFIG, dp_pp, BATCH, cpu({}, {2: x})) for x in (0.5, 0.6))
     # every rank's two rings: its stage's bucket and the tied weights' (lesson 02's buckets)
@@ -711,7 +838,8 @@ def test_links_under_load_price_a_pipelines_hops(pool8):
     a, b = (predict_time(CONFIG, dp_pp, BATCH, cpu({2: x}, {2: 0.5})) for x in (0.5, 0.6))
     assert b["step"] - a["step"] == pytest.approx(2 * 0.1 / 2)  # the last stage's two
     assert predict_time(CONFIG, Choice(8), BATCH, cpu({2: 0.05}, {}))["cores"] == pytest.approx(
-        predict_time(CONFIG, Choice(8), BATCH, cluster)["cores"])  # no group of 2 in it
+        predict_time(CONFIG, Choice(8), BATCH, cluster)["cores"]
+    )  # no group of 2 in it
     # The same waits where a step meets them: after a stage's or a layer's work, every
     # rank working; they take the tight loop's place in the cluster, and sequence
     # parallelism's all-gathers and reduce-scatters are priced apart from all-reduces
@@ -720,9 +848,14 @@ def test_links_under_load_price_a_pipelines_hops(pool8):
     waits = pool8.run(measure_waits, CONFIG, 2).results[0]
     assert waits["message_cpu_s"] > 0 and set(waits["collective_cpu_s"]) == {2, 4, 8}
     assert set(waits["gather_cpu_s"]) == set(waits["scatter_cpu_s"]) == {2, 4}  # tp's sizes
-    assert all(v > 0 for v in [*waits["collective_cpu_s"].values(),
-                               *waits["gather_cpu_s"].values(),
-                               *waits["scatter_cpu_s"].values()])
+    assert all(
+        v > 0
+        for v in [
+            *waits["collective_cpu_s"].values(),
+            *waits["gather_cpu_s"].values(),
+            *waits["scatter_cpu_s"].values(),
+        ]
+    )
     in_step = Cluster.this_machine(8, flops=1e9, links={**links, **waits}, cores=2)
     assert in_step.message_cpu_s == waits["message_cpu_s"]
     assert in_step.collective_cpu("all_gather", 4) == waits["gather_cpu_s"][4]
@@ -732,10 +865,16 @@ def test_links_under_load_price_a_pipelines_hops(pool8):
     with pytest.raises(ValueError, match="unknown collective 'all_to_all'"):
         in_step.collective_cpu("all_to_all", 2)
     sp = Choice(4, 2, 1, "1f1b", 1, sequence_parallel=True)
-    gathers = sum(op == "all_gather" for op, *_ in tp_collectives(
-        CONFIG, BATCH // 4, CONFIG.block_size, 2, sequence_parallel=True))
-    a, b = (predict_time(CONFIG, sp, BATCH, dataclasses.replace(in_step, gather_cpu_s={2: x}))
-            for x in (0.05, 0.06))
+    gathers = sum(
+        op == "all_gather"
+        for op, *_ in tp_collectives(
+            CONFIG, BATCH // 4, CONFIG.block_size, 2, sequence_parallel=True
+        )
+    )
+    a, b = (
+        predict_time(CONFIG, sp, BATCH, dataclasses.replace(in_step, gather_cpu_s={2: x}))
+        for x in (0.05, 0.06)
+    )
     assert a["cores"] > 0 and b["step"] - a["step"] == pytest.approx(8 * gathers * 0.01 / 2)
     # A rank's own work, every rank at it at once: its processor time, which sharing the
     # cores raises over a pool of one's, and the step's compute and optimizer with it
@@ -773,17 +912,27 @@ def test_this_machines_costs_are_measured_alone_and_priced(pool2):
         pool2.run(measure_costs, CONFIG, (1, 64), 2)
     # priced: the fitted costs as a quiet run reads them here, so that what follows
     # checks the pricing, not the machine's load
-    costs = {**measured, "forward_layer_s": 2e-4, "backward_layer_s": 4e-4,
-             "forward_stage_s": 1e-3, "backward_stage_s": 2e-3, "optimizer_step_s": 1e-4,
-             "optimizer_tensor_s": 2e-5, "optimizer_number_s": 1e-9,
-             "dp_tensor_s": 0.0, "zero_tensor_s": 0.0}
-    bare = predict_time(CONFIG, Choice(8), BATCH, Cluster.this_machine(8, flops=costs["flops"],
-                                                                       cores=8))
+    costs = {
+        **measured,
+        "forward_layer_s": 2e-4,
+        "backward_layer_s": 4e-4,
+        "forward_stage_s": 1e-3,
+        "backward_stage_s": 2e-3,
+        "optimizer_step_s": 1e-4,
+        "optimizer_tensor_s": 2e-5,
+        "optimizer_number_s": 1e-9,
+        "dp_tensor_s": 0.0,
+        "zero_tensor_s": 0.0,
+    }
+    bare = predict_time(
+        CONFIG, Choice(8), BATCH, Cluster.this_machine(8, flops=costs["flops"], cores=8)
+    )
     shared = predict_time(CONFIG, Choice(8), BATCH, Cluster.this_machine(8, costs=costs, cores=2))
     assert shared["sharing"] == 4 and bare["sharing"] == 1 and bare["optimizer"] == 0
     assert shared["compute"] > 4 * bare["compute"] and shared["optimizer"] > 0
-    piped = predict_time(CONFIG, Choice(1, 1, 4, "1f1b", 16), BATCH,
-                         Cluster.this_machine(4, costs=costs, cores=2))
+    piped = predict_time(
+        CONFIG, Choice(1, 1, 4, "1f1b", 16), BATCH, Cluster.this_machine(4, costs=costs, cores=2)
+    )
     assert 1 < piped["sharing"] < 2  # the pipeline's idle ranks leave their cores to others
     # the tensors the optimizer steps, counted per layer as the GPT holds them
     for choice in (Choice(), Choice(1, 1, 2, "1f1b", 2)):
@@ -797,15 +946,22 @@ def test_this_machines_costs_are_measured_alone_and_priced(pool2):
     tensors = len(list(gpt(CONFIG).parameters()))
     kept = {**costs, "dp_tensor_s": 1e-4, "zero_tensor_s": 3e-4}
     for z, per in ((0, 1e-4), (1, 3e-4), (2, 3e-4)):
-        with_it, without = (predict_time(CONFIG, Choice(8, zero=z), BATCH, Cluster.this_machine(
-            8, costs=c, cores=8))["dp"] for c in (kept, costs))
+        with_it, without = (
+            predict_time(
+                CONFIG, Choice(8, zero=z), BATCH, Cluster.this_machine(8, costs=c, cores=8)
+            )["dp"]
+            for c in (kept, costs)
+        )
         assert with_it - without == pytest.approx(tensors * per, rel=1e-9), z
-    one = [predict_time(CONFIG, Choice(1), BATCH, Cluster.this_machine(1, costs=c, cores=1))
-           for c in (kept, costs)]
+    one = [
+        predict_time(CONFIG, Choice(1), BATCH, Cluster.this_machine(1, costs=c, cores=1))
+        for c in (kept, costs)
+    ]
     assert one[0]["step"] == one[1]["step"]
     two_cores = Cluster.this_machine(8, costs=kept, cores=2)
-    assert predict_time(CONFIG, Choice(8), BATCH, two_cores)["dp"] - shared["dp"] \
-        == pytest.approx(8 / 2 * two_cores.shared_cpu * tensors * 1e-4, rel=1e-9)
+    assert predict_time(CONFIG, Choice(8), BATCH, two_cores)["dp"] - shared["dp"] == pytest.approx(
+        8 / 2 * two_cores.shared_cpu * tensors * 1e-4, rel=1e-9
+    )
 
 
 def test_the_search_tries_both_splits_where_megatron_runs():
@@ -829,8 +985,9 @@ def test_nothing_fits_says_why():
     whatever its numbers, rather than hiding it under a few hundred one-off lines."""
     from parcourse.planner import format_plans, model
 
-    text = format_plans(plan(model("13B", 4096), Cluster.preset("h100", 32), 100000,
-                             dtype="bf16"), 5)
+    text = format_plans(
+        plan(model("13B", 4096), Cluster.preset("h100", 32), 100000, dtype="bf16"), 5
+    )
     assert "nothing fits" in text
     assert "runs microbatches of 3125 sequences" in text, text
     assert "x the global batch does not cut into dp x microbatches equal parts" in text, text
@@ -844,22 +1001,36 @@ def test_a_gpt_with_experts_is_priced_as_the_3d_step_runs_it(pool8):
     router), parameters, gradients and activations to the byte on 8 ranks, with dp, tp,
     pp, ZeRO-1 and full recompute; Adam's state but its step counters. What it does not
     price (16 bits, ZeRO 2-3 with experts) it refuses in one sentence."""
-    config = GPTConfig(vocab=64, block_size=16, n_layers=4, n_heads=4, d_model=32,
-                       experts=8, top_k=2, capacity_factor=0.25)
-    for choice in [Choice(dp=2, ep=4, microbatches=2),
-                   Choice(dp=1, tp=2, pp=2, ep=2, microbatches=2),
-                   Choice(dp=2, pp=2, ep=2, microbatches=2, zero=1),
-                   Choice(pp=2, ep=4, microbatches=2, recompute="full")]:
+    config = GPTConfig(
+        vocab=64,
+        block_size=16,
+        n_layers=4,
+        n_heads=4,
+        d_model=32,
+        experts=8,
+        top_k=2,
+        capacity_factor=0.25,
+    )
+    for choice in [
+        Choice(dp=2, ep=4, microbatches=2),
+        Choice(dp=1, tp=2, pp=2, ep=2, microbatches=2),
+        Choice(dp=2, pp=2, ep=2, microbatches=2, zero=1),
+        Choice(pp=2, ep=4, microbatches=2, recompute="full"),
+    ]:
         _exact_but_adams_counters(pool8, config, choice)
     for choice, dtype, said in [
-            (Choice(dp=2, microbatches=2), "bf16", "not in bf16 under ZeRO-0"),
-            (Choice(ep=2, microbatches=2, zero=2), "fp32", "not in fp32 under ZeRO-2")]:
-        said = ("the planner prices a mixture of experts in fp32 under ZeRO 0-1 (each "
-                f"expert sharded over its own group), {said}")
+        (Choice(dp=2, microbatches=2), "bf16", "not in bf16 under ZeRO-0"),
+        (Choice(ep=2, microbatches=2, zero=2), "fp32", "not in fp32 under ZeRO-2"),
+    ]:
+        said = (
+            "the planner prices a mixture of experts in fp32 under ZeRO 0-1 (each "
+            f"expert sharded over its own group), {said}"
+        )
         with pytest.raises(ValueError, match=said.replace("(", r"\(").replace(")", r"\)")):
             predict_memory(config, choice, 8, dtype)
-        rejected = plan(config, Cluster.preset("a100", 2), 8, dtype=dtype,
-                        candidates=[choice]).rejected
+        rejected = plan(
+            config, Cluster.preset("a100", 2), 8, dtype=dtype, candidates=[choice]
+        ).rejected
         assert rejected[0].why_not == said
 
 
@@ -877,10 +1048,12 @@ def test_expert_parallelism_is_priced_as_its_all_to_alls_run():
     from parcourse.theory import gpt_layer_flops, moe_flops
 
     latency, bandwidth, flops = 1e-3, 1e8, 1e9
-    cluster = dataclasses.replace(Cluster.this_machine(8, flops=flops, cores=8),
-                                  inside=SimulatedLink(latency, bandwidth))
-    config = GPTConfig(vocab=64, block_size=16, n_layers=4, n_heads=4, d_model=32,
-                       experts=8, top_k=2)
+    cluster = dataclasses.replace(
+        Cluster.this_machine(8, flops=flops, cores=8), inside=SimulatedLink(latency, bandwidth)
+    )
+    config = GPTConfig(
+        vocab=64, block_size=16, n_layers=4, n_heads=4, d_model=32, experts=8, top_k=2
+    )
     for p in (2, 4):
         t = predict_time(config, Choice(1, 1, 1, "1f1b", 1, ep=p), 4 * p, cluster)
         tokens = 4 * CONFIG.block_size  # 4 rows a rank
@@ -888,9 +1061,12 @@ def test_expert_parallelism_is_priced_as_its_all_to_alls_run():
         counts = latency + (p - 1) * 8 * config.experts // p / bandwidth
         moved = latency + (p - 1) * 4 * rows * config.d_model / bandwidth
         assert t["ep"] == pytest.approx(config.n_layers * (counts + 4 * moved), rel=1e-9)
-        assert t["compute"] == pytest.approx(3 * sum(
-            gpt_layer_flops(config, lay, tokens) for lay in range(config.n_layers + 2))
-            / flops, rel=1e-9)
+        assert t["compute"] == pytest.approx(
+            3
+            * sum(gpt_layer_flops(config, lay, tokens) for lay in range(config.n_layers + 2))
+            / flops,
+            rel=1e-9,
+        )
         assert t["dp"] > 0  # the dense weights over the ep ranks; the experts over none
     # tp 2 cuts attention and the head, not the experts
     tp = predict_time(config, Choice(1, 2, 1, "1f1b", 1, ep=2), 8, cluster)
@@ -900,15 +1076,17 @@ def test_expert_parallelism_is_priced_as_its_all_to_alls_run():
     assert tp["compute"] == pytest.approx(3 * ((whole - experts) / 2 + experts) / flops)
     # the experts reduced over dp 2 apart from the dense weights over dp x ep 4: a ring
     # of each, at its measured cost (bytes free here)
-    rings = dataclasses.replace(cluster, inside=SimulatedLink(0.0, math.inf),
-                                ring_s={2: 0.01, 4: 0.1}, collective_s={})
-    assert predict_time(config, Choice(2, 1, 1, "1f1b", 1, ep=2), 16, rings)["dp"] \
-        == pytest.approx(0.1 + 0.01)
-    assert predict_time(config, Choice(4, 1, 1, "1f1b", 1), 16, rings)["dp"] \
-        == pytest.approx(0.1)
+    rings = dataclasses.replace(
+        cluster, inside=SimulatedLink(0.0, math.inf), ring_s={2: 0.01, 4: 0.1}, collective_s={}
+    )
+    assert predict_time(config, Choice(2, 1, 1, "1f1b", 1, ep=2), 16, rings)["dp"] == pytest.approx(
+        0.1 + 0.01
+    )
+    assert predict_time(config, Choice(4, 1, 1, "1f1b", 1), 16, rings)["dp"] == pytest.approx(0.1)
     assert {c.ep for c in choices(8)} == {1}
-    here = dataclasses.replace(Cluster.this_machine(8, flops=flops, cores=2),
-                               inside=SimulatedLink(latency, bandwidth))
+    here = dataclasses.replace(
+        Cluster.this_machine(8, flops=flops, cores=2), inside=SimulatedLink(latency, bandwidth)
+    )
     ranked = [p.choice for p in plan(config, here, BATCH).ranked]
     assert {c.ep for c in ranked} == {1, 2, 4, 8}
     assert all(not c.problems(config, BATCH, world=8, step=True) for c in ranked)
@@ -928,8 +1106,9 @@ def test_context_parallelism_is_priced_as_the_ring_runs_it():
     from parcourse.theory import attention_flops
 
     latency, bandwidth, flops = 1e-3, 1e8, 1e9
-    cluster = dataclasses.replace(Cluster.this_machine(8, flops=flops, cores=8),
-                                  inside=SimulatedLink(latency, bandwidth))
+    cluster = dataclasses.replace(
+        Cluster.this_machine(8, flops=flops, cores=8), inside=SimulatedLink(latency, bandwidth)
+    )
     batch = 4  # a microbatch of 4 sequences: dp 1, one microbatch
     one = predict_time(CONFIG, Choice(1, 1, 1, "1f1b", 1), batch, cluster)
     for p in (2, 4):
@@ -938,11 +1117,11 @@ def test_context_parallelism_is_priced_as_the_ring_runs_it():
         tokens = batch * CONFIG.block_size // p  # evenly: a rank's
         hop = latency + 2 * tokens * CONFIG.d_model * 4 / bandwidth
         core = attention_flops(CONFIG, 1, tokens) / p / flops  # against one block
-        per_block = ((p - 1) * max(0.0, hop - core) + (p - 1) * max(0.0, hop - 2 * core)
-                     + p * hop)
+        per_block = (p - 1) * max(0.0, hop - core) + (p - 1) * max(0.0, hop - 2 * core) + p * hop
         assert t["cp"] == pytest.approx(CONFIG.n_layers * per_block, rel=1e-9)
-        assert t["step"] == pytest.approx(t["compute"] + t["cp"] + t["dp"] + t["optimizer"],
-                                          rel=1e-9)
+        assert t["step"] == pytest.approx(
+            t["compute"] + t["cp"] + t["dp"] + t["optimizer"], rel=1e-9
+        )
         # the gradients over dp x cp: as dp P's (the same weights, the same bytes)
         same = predict_time(CONFIG, Choice(p, 1, 1, "1f1b", 1), batch * p, cluster)
         assert t["dp"] == pytest.approx(same["dp"], rel=1e-9) and t["dp"] > 0
@@ -951,13 +1130,15 @@ def test_context_parallelism_is_priced_as_the_ring_runs_it():
     tokens = batch * CONFIG.block_size // 2
     hop = latency + 2 * tokens * CONFIG.d_model // 2 * 4 / bandwidth
     core = attention_flops(CONFIG, 1, tokens) / 2 / 2 / flops
-    assert tp["cp"] == pytest.approx(CONFIG.n_layers * (max(0.0, hop - core)
-                                                        + max(0.0, hop - 2 * core) + 2 * hop))
+    assert tp["cp"] == pytest.approx(
+        CONFIG.n_layers * (max(0.0, hop - core) + max(0.0, hop - 2 * core) + 2 * hop)
+    )
     searched = choices(8)
     assert {c.cp for c in searched} == {1, 2, 4, 8}
     assert not any(c.cp > 1 and c.sequence_parallel for c in searched)
-    here = dataclasses.replace(Cluster.this_machine(8, flops=flops, cores=2),
-                               inside=SimulatedLink(latency, bandwidth))
+    here = dataclasses.replace(
+        Cluster.this_machine(8, flops=flops, cores=2), inside=SimulatedLink(latency, bandwidth)
+    )
     ranked = plan(CONFIG, here, BATCH).ranked
     with_cp = [p.choice for p in ranked if p.choice.cp > 1]
     assert {c.cp for c in with_cp} == {2, 4, 8}

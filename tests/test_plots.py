@@ -1,8 +1,8 @@
 """Figures draw from real traces and accept an Axes."""
 
 import matplotlib.colors
-import pytest
 import matplotlib.pyplot as plt
+import pytest
 import torch
 from matplotlib.figure import Figure
 from torch import nn
@@ -54,8 +54,9 @@ def test_tensors_before_after_shows_every_value():
 def spans_trace(world_size, *spans):
     """A trace from (rank, name, kind, start_ms, end_ms, depth, meta) tuples."""
     ms = 1_000_000
-    return Trace(world_size, [Span(r, n, k, int(a * ms), int(b * ms), d, m)
-                              for r, n, k, a, b, d, m in spans])
+    return Trace(
+        world_size, [Span(r, n, k, int(a * ms), int(b * ms), d, m) for r, n, k, a, b, d, m in spans]
+    )
 
 
 def shown_labels(fig):
@@ -69,8 +70,10 @@ def test_timeline_labels_only_where_they_fit():
         2,
         (0, "work", "compute", 0, 100, 0, {"label": "wide"}),
         # four bars far too narrow for their labels: nothing, rather than "b0b1b2b3"
-        *[(0, "all_reduce", "comm", 100 + i * 0.2, 100.2 + i * 0.2, 0, {"bucket": i})
-          for i in range(4)],
+        *[
+            (0, "all_reduce", "comm", 100 + i * 0.2, 100.2 + i * 0.2, 0, {"bucket": i})
+            for i in range(4)
+        ],
         # in flight together: b1 is drawn over all of b0 but its first millisecond
         (1, "all_reduce", "comm", 0, 50, 0, {"bucket": 0}),
         (1, "all_reduce", "comm", 1, 60, 0, {"bucket": 1}),
@@ -83,22 +86,44 @@ def test_timeline_labels_only_where_they_fit():
 
 
 def test_timeline_colours_phases_and_collectives_apart_with_a_legend():
-    kinds = [("forward", "compute", {}), ("backward (DDP inside)", "compute", {}),
-             ("optimizer", "compute", {}), ("0F1", "compute", {"action": "F"}),
-             ("all_reduce", "comm", {}), ("reduce_scatter", "comm", {}),
-             ("all-gather 2", "comm", {"phase": "all-gather"}),
-             ("row (forward)", "comm", {"op": "all_reduce"}), ("send", "comm", {}),
-             ("barrier", "idle", {})]
+    kinds = [
+        ("forward", "compute", {}),
+        ("backward (DDP inside)", "compute", {}),
+        ("optimizer", "compute", {}),
+        ("0F1", "compute", {"action": "F"}),
+        ("all_reduce", "comm", {}),
+        ("reduce_scatter", "comm", {}),
+        ("all-gather 2", "comm", {"phase": "all-gather"}),
+        ("row (forward)", "comm", {"op": "all_reduce"}),
+        ("send", "comm", {}),
+        ("barrier", "idle", {}),
+    ]
     trace = spans_trace(2, *[(0, n, k, i, i + 1, 0, m) for i, (n, k, m) in enumerate(kinds)])
     assert [plots.span_color_key(s) for s in trace.spans] == [
-        "forward", "backward", "optimizer", "forward", "all-reduce", "reduce-scatter",
-        "all-gather", "all-reduce", "comm", "idle"]
+        "forward",
+        "backward",
+        "optimizer",
+        "forward",
+        "all-reduce",
+        "reduce-scatter",
+        "all-gather",
+        "all-reduce",
+        "comm",
+        "idle",
+    ]
     ax = plots.timeline(trace).axes[0]
     colours = {tuple(p.get_facecolor()) for p in ax.patches}
     assert len(colours) == 8  # forward, backward, optimizer, 3 collectives, comm, idle
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [
-        "forward", "backward", "optimizer", "all-reduce", "reduce-scatter", "all-gather",
-        "comm", "idle (waiting)"]
+        "forward",
+        "backward",
+        "optimizer",
+        "all-reduce",
+        "reduce-scatter",
+        "all-gather",
+        "comm",
+        "idle (waiting)",
+    ]
     # waiting is drawn as no work: an outline, hatched, not a filled bar of some kind
     (idle,) = [p for p in ax.patches if p.get_hatch()]
     assert idle.get_facecolor()[3] == 0
@@ -107,9 +132,12 @@ def test_timeline_colours_phases_and_collectives_apart_with_a_legend():
 
 def test_legends_sit_outside_the_plotted_area():
     trace = two_rank_trace()
-    figures = [plots.timeline(trace), plots.timeline(trace, comm_lane=True),
-               plots.memory(trace, theory={"after forward": 300}),
-               plots.bandwidth([1024, 4096], {"ring": [1e6, 2e6]}, {"ring": lambda s: 500 * s})]
+    figures = [
+        plots.timeline(trace),
+        plots.timeline(trace, comm_lane=True),
+        plots.memory(trace, theory={"after forward": 300}),
+        plots.bandwidth([1024, 4096], {"ring": [1e6, 2e6]}, {"ring": lambda s: 500 * s}),
+    ]
     for fig in figures:
         fig.canvas.draw()
         renderer = fig.canvas.get_renderer()
@@ -139,8 +167,11 @@ def test_timeline_of_one_rank_says_there_is_nothing_to_communicate():
 def test_counts_are_singular_after_one():
     from parcourse.plots import count
 
-    assert [count(1, "rank"), count(2, "rank"), count(0, "stage")] == ["1 rank", "2 ranks",
-                                                                       "0 stages"]
+    assert [count(1, "rank"), count(2, "rank"), count(0, "stage")] == [
+        "1 rank",
+        "2 ranks",
+        "0 stages",
+    ]
     assert [count(1, "microbatch"), count(4, "microbatch")] == ["1 microbatch", "4 microbatches"]
 
 
@@ -168,9 +199,13 @@ def test_timelines_sharing_a_time_axis_show_the_longer_whole():
 def test_a_comm_lane_holds_the_disks_reads_and_writes_too():
     """With `comm_lane`, data moving is drawn under the compute: messages, and a disk's
     reads and writes (ZeRO-Infinity's, beside the update), not on top of the update."""
-    trace = spans_trace(2, (0, "update", "compute", 0, 10, 0, {}),
-                        (0, "disk read", "other", 2, 8, 0, {}),
-                        (0, "send", "comm", 3, 4, 0, {}), (1, "update", "compute", 20, 30, 0, {}))
+    trace = spans_trace(
+        2,
+        (0, "update", "compute", 0, 10, 0, {}),
+        (0, "disk read", "other", 2, 8, 0, {}),
+        (0, "send", "comm", 3, 4, 0, {}),
+        (1, "update", "compute", 20, 30, 0, {}),
+    )
     ax = plots.timeline(trace, comm_lane=True).axes[0]
     update, disk, send, _ = sorted(ax.patches, key=lambda p: p.get_x())
     assert disk.get_y() == send.get_y() != update.get_y()
@@ -200,15 +235,22 @@ def test_memory_bars_are_numbered_without_touching_at_eight_ranks():
     numbered under it, no label over the next one ("r0r1r2..." was)."""
     from parcourse.trace import MemorySample, Trace
 
-    trace = Trace(8, memory=[MemorySample(r, label, 0, {"params": 100 * (r + 1)}, {})
-                             for label in ("after forward", "after backward", "after step")
-                             for r in range(8)])
+    trace = Trace(
+        8,
+        memory=[
+            MemorySample(r, label, 0, {"params": 100 * (r + 1)}, {})
+            for label in ("after forward", "after backward", "after step")
+            for r in range(8)
+        ],
+    )
     fig, ax = plt.subplots(figsize=(3.4, 3), layout="constrained")
     plots.memory(trace, ax=ax)
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
-    numbers = sorted((t for t in ax.texts if t.get_text()[-1:].isdigit()),
-                     key=lambda t: t.get_window_extent(renderer).x0)
+    numbers = sorted(
+        (t for t in ax.texts if t.get_text()[-1:].isdigit()),
+        key=lambda t: t.get_window_extent(renderer).x0,
+    )
     assert len(numbers) == 24
     boxes = [t.get_window_extent(renderer) for t in numbers]
     assert all(a.x1 <= b.x0 for a, b in zip(boxes, boxes[1:])), "labels overlap"
@@ -232,15 +274,23 @@ def test_a_collective_waiting_for_its_partner_is_drawn_hatched_not_as_its_axis()
     """Rank 0 enters a tp all-reduce at 10 ms, rank 1 at 60: rank 0's first 50 ms are
     drawn as waiting (an outline, hatched), not as a 55 ms bar of tp's colour."""
     group = {"axis": "tp", "group": (0, 1)}
-    trace = spans_trace(2, (0, "all_reduce", "comm", 10, 65, 0, group),
-                        (1, "all_reduce", "comm", 60, 65, 0, group),
-                        (0, "work", "compute", 0, 10, 0, {}), (1, "work", "compute", 0, 60, 0, {}))
+    trace = spans_trace(
+        2,
+        (0, "all_reduce", "comm", 10, 65, 0, group),
+        (1, "all_reduce", "comm", 60, 65, 0, group),
+        (0, "work", "compute", 0, 10, 0, {}),
+        (1, "work", "compute", 0, 60, 0, {}),
+    )
     fig = plots.timeline(trace, color_by="axis")
     bars = [p for p in fig.axes[0].patches if p.get_width() > 0]
     hatched = [p for p in bars if p.get_hatch()]
     assert [(round(p.get_x()), round(p.get_width())) for p in hatched] == [(10, 50)]
-    tp = [p for p in bars if not p.get_hatch() and p.get_facecolor()[:3]
-          == matplotlib.colors.to_rgb(plots.AXIS_COLORS["tp"])]
+    tp = [
+        p
+        for p in bars
+        if not p.get_hatch()
+        and p.get_facecolor()[:3] == matplotlib.colors.to_rgb(plots.AXIS_COLORS["tp"])
+    ]
     assert sorted(round(p.get_width()) for p in tp) == [5, 5]
     plt.close("all")
 
@@ -248,14 +298,20 @@ def test_a_collective_waiting_for_its_partner_is_drawn_hatched_not_as_its_axis()
 def test_device_turns_draws_the_device_and_the_exposed_waits():
     """Per run, a row of the turn held (forward, backward) and a row of all-to-all waits,
     red only where no compute covered them: here [3, 4] of the wait [2, 4]."""
-    run = {"start": 0.0, "held": [("F", 0.0, 0.002), ("B", 0.002, 0.003)],
-           "waits": [(0.002, 0.004)]}
+    run = {
+        "start": 0.0,
+        "held": [("F", 0.0, 0.002), ("B", 0.002, 0.003)],
+        "waits": [(0.002, 0.004)],
+    }
     fig = plots.device_turns({"DualPipe": run}, title="rank 0")
     ax = fig.axes[0]
-    assert [t.get_text() for t in ax.get_yticklabels()] == ["DualPipe: all-to-all",
-                                                          "DualPipe: device"]
-    red = [c for c in ax.collections
-           if matplotlib.colors.same_color(c.get_facecolor()[0], "#C44E52")]
+    assert [t.get_text() for t in ax.get_yticklabels()] == [
+        "DualPipe: all-to-all",
+        "DualPipe: device",
+    ]
+    red = [
+        c for c in ax.collections if matplotlib.colors.same_color(c.get_facecolor()[0], "#C44E52")
+    ]
     (exposed,) = red
     (path,) = exposed.get_paths()
     box = path.get_extents()

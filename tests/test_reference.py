@@ -12,8 +12,9 @@ import parcourse
 
 def public_packages() -> list[str]:
     """parcourse, every package under it, and parcourse.widgets (shipped from widgets/)."""
-    names = ["parcourse"] + [m.name for m in pkgutil.walk_packages(parcourse.__path__,
-                                                                   "parcourse.") if m.ispkg]
+    names = ["parcourse"] + [
+        m.name for m in pkgutil.walk_packages(parcourse.__path__, "parcourse.") if m.ispkg
+    ]
     return sorted({*names, "parcourse.widgets"})
 
 
@@ -52,5 +53,6 @@ def test_the_reference_github_shows_is_up_to_date():
     spec = importlib.util.spec_from_file_location("site_build", repo / "site" / "build.py")
     build = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build)
-    assert (repo / "docs" / "reference.md").read_text() == build.reference_markdown(), \
+    assert (repo / "docs" / "reference.md").read_text() == build.reference_markdown(), (
         "docs/reference.md is out of date: python site/build.py --reference"
+    )

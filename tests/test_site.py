@@ -56,8 +56,12 @@ def test_the_site_builds_and_every_link_resolves(tmp_path):
             target = (page.parent / unquote(url.path)).resolve() if url.path else page
             if not target.exists():
                 broken.append(f"{page.relative_to(out)}: {link}")
-            elif url.fragment and target.suffix == ".html" and target in pages \
-                    and url.fragment not in pages[target].ids:
+            elif (
+                url.fragment
+                and target.suffix == ".html"
+                and target in pages
+                and url.fragment not in pages[target].ids
+            ):
                 broken.append(f"{page.relative_to(out)}: {link} (no such anchor)")
     assert not broken, "\n".join(broken[:20])
     lessons = sorted((REPO / "lessons").glob("[0-9][0-9]_*.ipynb"))
@@ -69,11 +73,17 @@ def test_the_site_builds_and_every_link_resolves(tmp_path):
         if "RunPanel(" in lesson.read_text():
             assert build.PANEL_NOTE.split(":")[0] in text, lesson.stem
         assert "widget-view" not in text, f"{lesson.stem}: a dead control on the page"
-    for name in ("docs/README.html", "docs/design.html", "docs/experts.html",
-                 "reference.html", "index.html"):
+    for name in (
+        "docs/README.html",
+        "docs/design.html",
+        "docs/experts.html",
+        "reference.html",
+        "index.html",
+    ):
         assert (out / name).exists(), name
     reference = (out / "reference.html").read_text()
     import parcourse
+
     for name in parcourse.__all__:
         obj = getattr(parcourse, name)
         if inspect.isclass(obj) or inspect.isfunction(obj):

@@ -12,8 +12,8 @@ import re
 
 import pytest
 import torch
-
 import tp_fns as TP
+
 from parcourse import RankError
 from parcourse.comm import SimulatedLink
 from parcourse.experiments.tensor_parallel import (
@@ -53,8 +53,9 @@ def test_row_parallel_linear(pools, world_size, sequence_parallel, input_is_para
 
 @SIZES
 @SP
-def test_vocab_parallel_embedding_with_a_vocabulary_no_size_divides(pools, world_size,
-                                                                      sequence_parallel):
+def test_vocab_parallel_embedding_with_a_vocabulary_no_size_divides(
+    pools, world_size, sequence_parallel
+):
     pools[world_size].run(TP.vocab_embedding, sequence_parallel)
 
 
@@ -91,9 +92,10 @@ def test_three_adam_steps_reach_the_same_weights(pools, world_size, sequence_par
 
 
 @SIZES
-@pytest.mark.parametrize(("reduction", "scale", "ignore_index"),
-                         [("mean", 1.0, -100), ("sum", 1.0, 7), ("none", 1.0, -100),
-                          ("mean", 1000.0, -100)])
+@pytest.mark.parametrize(
+    ("reduction", "scale", "ignore_index"),
+    [("mean", 1.0, -100), ("sum", 1.0, 7), ("none", 1.0, -100), ("mean", 1000.0, -100)],
+)
 def test_vocab_parallel_cross_entropy(pools, world_size, reduction, scale, ignore_index):
     pools[world_size].run(TP.cross_entropy, reduction, scale, ignore_index)
 
@@ -102,8 +104,9 @@ def test_vocab_parallel_cross_entropy(pools, world_size, reduction, scale, ignor
 @SP
 def test_collectives_bytes_and_memory_equal_the_formulas(pools, world_size, sequence_parallel):
     config, batch = TP.CONFIG, TP.B
-    results = pools[world_size].run(train, config, 2, batch,
-                                    sequence_parallel=sequence_parallel).results
+    results = (
+        pools[world_size].run(train, config, 2, batch, sequence_parallel=sequence_parallel).results
+    )
     for r in results:
         assert r["algorithm"] == "ring"  # gloo: bytes counted message by message
         assert r["collectives"] == r["theory"]["collectives"]
@@ -120,23 +123,30 @@ def test_dropout_masks_agree_where_activations_are_replicated(pools, sequence_pa
         assert set(regions.values()) == {"sharded"}
         assert draws == {"sharded": False}
         return
-    assert regions == {"drop": "replicated", "blocks.0.attn.attn_drop": "sharded",
-                       "blocks.0.drop": "replicated", "blocks.1.attn.attn_drop": "sharded",
-                       "blocks.1.drop": "replicated"}
+    assert regions == {
+        "drop": "replicated",
+        "blocks.0.attn.attn_drop": "sharded",
+        "blocks.0.drop": "replicated",
+        "blocks.1.attn.attn_drop": "sharded",
+        "blocks.1.drop": "replicated",
+    }
     assert same == [True, True], "block outputs differ across ranks"
     assert draws == {"replicated": True, "sharded": False}
 
 
-@pytest.mark.parametrize(("case", "message"), [
-    ("no match", r"plan\['blocks.\*.mlp.gate'\] matches no module of GPT"),
-    ("unknown style", r"plan\['blocks.\*.mlp.up'\]: unknown style 'colum'"),
-    ("wrong module", r"blocks.0.ln1: 'column' splits an nn.Linear, this is a LayerNorm"),
-    ("two styles", r"blocks.0.mlp.up: the plan says both 'column' and 'row'"),
-    ("tied split one way", r"tok_emb and head share a weight"),
-    ("not a plan", r"a plan maps module names to styles, got list"),
-    ("indivisible hidden", r"0: 6 output features cannot be split over 4 ranks"),
-    ("indivisible heads", r"blocks.0.attn.qkv: 3 attention heads cannot be split over 4 ranks"),
-])
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("no match", r"plan\['blocks.\*.mlp.gate'\] matches no module of GPT"),
+        ("unknown style", r"plan\['blocks.\*.mlp.up'\]: unknown style 'colum'"),
+        ("wrong module", r"blocks.0.ln1: 'column' splits an nn.Linear, this is a LayerNorm"),
+        ("two styles", r"blocks.0.mlp.up: the plan says both 'column' and 'row'"),
+        ("tied split one way", r"tok_emb and head share a weight"),
+        ("not a plan", r"a plan maps module names to styles, got list"),
+        ("indivisible hidden", r"0: 6 output features cannot be split over 4 ranks"),
+        ("indivisible heads", r"blocks.0.attn.qkv: 3 attention heads cannot be split over 4 ranks"),
+    ],
+)
 def test_bad_plans_raise_before_changing_anything(pools, case, message):
     text, unchanged = pools[4].run(TP.bad_plan, case).results[0]
     assert text is not None, "no ValueError"
@@ -153,22 +163,28 @@ def test_formulas_without_ranks():
     config = TP.CONFIG
     # One rank holds everything: the formula counts the model's parameters.
     assert tp_parameter_bytes(config, 1)["total"] == 4 * sum(
-        p.numel() for p in gpt(config).parameters())
-    assert tp_parameter_bytes(config, 1)["replicated"] + tp_parameter_bytes(
-        config, 1)["sharded"] == tp_parameter_bytes(config, 1)["total"]
+        p.numel() for p in gpt(config).parameters()
+    )
+    assert (
+        tp_parameter_bytes(config, 1)["replicated"] + tp_parameter_bytes(config, 1)["sharded"]
+        == tp_parameter_bytes(config, 1)["total"]
+    )
     assert tp_collectives(config, 3, 8, 1) == []
     # Per block: 2 all-reduces forward, 2 backward; with sequence parallelism an
     # all-gather and a reduce-scatter in place of each, the same bytes on a ring
     # (apart from the all-reduces of the replicated parameters' gradients).
     n, layers, act = 4, config.n_layers, 4 * 3 * 8 * config.d_model
     plain = tp_collective_counts(tp_collectives(config, 3, 8, n, loss=False))
-    assert plain == {("all_reduce", "backward"): (2 * layers + 1, (2 * layers + 1) * act),
-                     ("all_reduce", "forward"): (2 * layers + 1, (2 * layers + 1) * act)}
+    assert plain == {
+        ("all_reduce", "backward"): (2 * layers + 1, (2 * layers + 1) * act),
+        ("all_reduce", "forward"): (2 * layers + 1, (2 * layers + 1) * act),
+    }
     sp = tp_collectives(config, 3, 8, n, sequence_parallel=True, loss=False)
     activations = [c for c in sp if c[0] != "all_reduce"]
     assert len(activations) == 2 * len(tp_collectives(config, 3, 8, n, loss=False))
     assert tp_ring_bytes_sent(activations, n) == tp_ring_bytes_sent(
-        tp_collectives(config, 3, 8, n, loss=False), n)
+        tp_collectives(config, 3, 8, n, loss=False), n
+    )
     # Sequence parallelism divides the LayerNorm inputs (and masks) by N, not the rest.
     tp, spar = (tp_activation_bytes(config, 3, 8, n, s) for s in (False, True))
     assert spar["layer norms, dropout masks"] * n == tp["layer norms, dropout masks"]
@@ -190,12 +206,15 @@ def test_cli_tp_trains_and_prints_against_the_formulas(capsys):
 # --------------------------------------------------------------------------- lesson 05
 
 
-@pytest.mark.parametrize(("g", "verdict"), [
-    ("GoodG", "Correct: g sums the partial sums forward"),
-    ("AllReduceBothWaysG", "the gradient of the MLP's input is 2 x one process's"),
-    ("IdentityG", "g's output differs from one process's"),
-    ("StubG", "Not written yet"),
-])
+@pytest.mark.parametrize(
+    ("g", "verdict"),
+    [
+        ("GoodG", "Correct: g sums the partial sums forward"),
+        ("AllReduceBothWaysG", "the gradient of the MLP's input is 2 x one process's"),
+        ("IdentityG", "g's output differs from one process's"),
+        ("StubG", "Not written yet"),
+    ],
+)
 def test_exercise_check_accepts_g_and_rejects_wrong_answers(pools, capsys, g, verdict):
     passed = check_g(getattr(TP, g), pools[2])
     out = capsys.readouterr().out
@@ -276,8 +295,7 @@ def test_memory_by_tp_size_equals_the_formulas_at_every_size(pools):
 @SP
 def test_traced_step_labels_f_and_g_and_pays_the_link(pools, sequence_parallel):
     link = SimulatedLink.of(latency_us=300)
-    run = pools[2].run(tp_step, TP.CONFIG, TP.B, 1, sequence_parallel=sequence_parallel,
-                       link=link)
+    run = pools[2].run(tp_step, TP.CONFIG, TP.B, 1, sequence_parallel=sequence_parallel, link=link)
     r = run.results[0]
     assert r["collectives"] == r["theory"]["collectives"]
     assert r["param_bytes"] == r["theory"]["param_bytes"]
@@ -290,8 +308,11 @@ def test_traced_step_labels_f_and_g_and_pays_the_link(pools, sequence_parallel):
         assert ("reduce_scatter", "forward", "g") in labels
         assert ("all_reduce", "backward", "grads") in labels
     else:
-        assert labels == {("all_reduce", "forward", "g"), ("all_reduce", "backward", "f"),
-                          ("all_reduce", "forward", "loss")}
+        assert labels == {
+            ("all_reduce", "forward", "g"),
+            ("all_reduce", "backward", "f"),
+            ("all_reduce", "forward", "loss"),
+        }
     # Every message waits out the link after the one before it: a lower bound.
     model = tp_link_seconds(r["theory"]["collectives"], 2, link.latency_s, link.bandwidth_Bps)
     assert min(x["comm_s"][0] for x in run.results) >= 0.99 * model

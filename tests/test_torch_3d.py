@@ -23,12 +23,14 @@ def pool4():
         yield pool
 
 
-@pytest.mark.parametrize(("shape", "data_parallel"), [
-    ({"dp": 2, "tp": 2}, "replicate"),
-    ({"dp": 2, "pp": 2}, "fsdp"),
-])
-def test_ours_and_torchs_composition_time_a_step_from_the_same_loss(pool4, shape,
-                                                                     data_parallel):
+@pytest.mark.parametrize(
+    ("shape", "data_parallel"),
+    [
+        ({"dp": 2, "tp": 2}, "replicate"),
+        ({"dp": 2, "pp": 2}, "fsdp"),
+    ],
+)
+def test_ours_and_torchs_composition_time_a_step_from_the_same_loss(pool4, shape, data_parallel):
     results = pool4.run(compare_steps, shape, 1, data_parallel=data_parallel).results
     assert results[0]["error"] is None, results[0]["error"]
     for r in results:

@@ -4,11 +4,11 @@ import json
 
 import pytest
 import torch
+from rankfns import sleep_then_barrier
 from torch import nn
 
 from parcourse import Tracer, launch
 from parcourse.memory import SavedActivations, format_bytes, live_bytes
-from rankfns import sleep_then_barrier
 
 
 def small_model():

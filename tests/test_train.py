@@ -27,12 +27,14 @@ def test_the_learning_rate_warms_up_then_decays_to_its_floor(steps, warmup):
     s = TrainSettings(steps=steps, warmup=warmup, lr=lr, min_lr=min_lr)
     for step in range(steps + 5):
         assert learning_rate(step, s) == pytest.approx(
-            cosine_with_warmup(step, steps, warmup, lr, min_lr), rel=1e-12, abs=0), step
+            cosine_with_warmup(step, steps, warmup, lr, min_lr), rel=1e-12, abs=0
+        ), step
 
 
 def test_settings_that_do_not_divide_are_refused():
     assert TrainSettings(plan="dp3 pp2 1f1b m2", batch=16).problems() == [
-        "the global batch of 16 does not cut into dp 3 x 2 microbatches equal parts"]
+        "the global batch of 16 does not cut into dp 3 x 2 microbatches equal parts"
+    ]
 
 
 def local_and_global(ctx):
@@ -66,8 +68,27 @@ def test_train_command_learns_real_text_and_samples(tmp_path, capsys):
     from parcourse.cli import main
 
     corpus, run = ["--corpus", str(tmp_path / "corpus")], ["--out", str(tmp_path / "run")]
-    assert main(["train", "--dp", "2", "--pp", "2", "--steps", "30", "--eval-every", "15",
-                 "--save-every", "15", "--async-save", *corpus, *run]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--dp",
+                "2",
+                "--pp",
+                "2",
+                "--steps",
+                "30",
+                "--eval-every",
+                "15",
+                "--save-every",
+                "15",
+                "--async-save",
+                *corpus,
+                *run,
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "standard library" in out and "sha256" in out
     rows = [ln.split() for ln in out.splitlines() if ln.strip()[:1].isdigit()]
@@ -78,8 +99,24 @@ def test_train_command_learns_real_text_and_samples(tmp_path, capsys):
     # Two steps more, on another mesh (each sequence cut over cp), from the checkpoint
     # after step 30: a longer run is asked for by name; without it, the other --steps is
     # refused before any rank starts.
-    longer = ["train", "--dp", "1", "--tp", "2", "--pp", "1", "--cp", "2", "--steps", "32",
-              "--eval-every", "16", "--resume", *corpus, *run]
+    longer = [
+        "train",
+        "--dp",
+        "1",
+        "--tp",
+        "2",
+        "--pp",
+        "1",
+        "--cp",
+        "2",
+        "--steps",
+        "32",
+        "--eval-every",
+        "16",
+        "--resume",
+        *corpus,
+        *run,
+    ]
     with pytest.raises(SystemExit):
         main(longer)
     err = capsys.readouterr().err
@@ -134,7 +171,8 @@ def test_a_killed_rank_is_named_and_the_run_resumes_on_another_mesh(corpus, tmp_
     resumed = launch(train_on_corpus, 4, other, corpus, str(tmp_path), True).results[0]
     assert resumed["started_at"] == 4 and resumed["resumed_from"].endswith("step-00000004")
     assert [h["loss"] for h in resumed["history"]] == pytest.approx(
-        [h["loss"] for h in whole], rel=1e-4)
+        [h["loss"] for h in whole], rel=1e-4
+    )
     assert resumed["history"][-1]["val_loss"] == pytest.approx(whole[-1]["val_loss"], rel=1e-4)
 
 
@@ -147,9 +185,30 @@ def test_under_torchrun_a_killed_rank_restarts_and_resumes_by_itself(corpus, tmp
     from torchrun import torchrun
 
     code, stdout, stderr = torchrun(
-        "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "-m", "parcourse",
-        "train", "--pp", "1", "--steps", "8", "--eval-every", "8", "--save-every", "4",
-        "--corpus", corpus, "--out", str(tmp_path), "--kill", "1:6", timeout=240)
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "-m",
+        "parcourse",
+        "train",
+        "--pp",
+        "1",
+        "--steps",
+        "8",
+        "--eval-every",
+        "8",
+        "--save-every",
+        "4",
+        "--corpus",
+        corpus,
+        "--out",
+        str(tmp_path),
+        "--kill",
+        "1:6",
+        timeout=240,
+    )
     assert code == 0, stderr[-3000:]
     assert "resumed     from" in stdout and "after step 4" in stdout, stdout
     assert "step-00000008" in stdout
@@ -168,8 +227,13 @@ def test_lesson_10s_exercise_check_and_meshes(capsys):
     assert "at most one apart" in capsys.readouterr().out
     # the round-robin rows the prose has just described, no answer, a raise, a wrong type:
     # each a line, never a traceback from the course's code
-    for wrong in (lambda b, n, r: list(range(r, b, n)), lambda b, n, r: None,
-                  lambda b, n, r: 1 / 0, lambda b, n, r: "0:4", lambda b, n, r: (0.5, 2)):
+    for wrong in (
+        lambda b, n, r: list(range(r, b, n)),
+        lambda b, n, r: None,
+        lambda b, n, r: 1 / 0,
+        lambda b, n, r: "0:4",
+        lambda b, n, r: (0.5, 2),
+    ):
         assert not check_replica_rows(wrong)
         out = capsys.readouterr().out
         assert out.count("\n") == 1 and out.startswith("Not "), out

@@ -2,11 +2,11 @@
 
 import ipywidgets as W
 import pytest
+from parcourse.widgets import RunPanel, close_shared_pools, shared_pool
+from rankfns import fail_on, fail_on_rank, slow
 
 from parcourse import limit_pools
 from parcourse.experiments import launching
-from parcourse.widgets import RunPanel, close_shared_pools, shared_pool
-from rankfns import fail_on, fail_on_rank, slow
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -24,8 +24,13 @@ def test_panel_runs_on_creation_and_on_click():
         seen.append(op)
         return f"{op}: {[after.tolist() for _, after in run.results]}"
 
-    panel = RunPanel(launching.show_collective, {"op": op, "numel": W.IntSlider(2, 1, 8)},
-                     render, world_size=2, check=launching.check_collective_args)
+    panel = RunPanel(
+        launching.show_collective,
+        {"op": op, "numel": W.IntSlider(2, 1, 8)},
+        render,
+        world_size=2,
+        check=launching.check_collective_args,
+    )
     assert panel.last_error is None
     assert panel.summary == "all_reduce: [[2, 4], [2, 4]]"
     op.value = "all_gather"
@@ -40,26 +45,38 @@ def test_panel_shows_errors_and_recovers():
     assert panel.run() is None
     assert "RankError: rank 1 raised ValueError" in panel.last_error
     assert "failed" in panel.status.value
-    bad = RunPanel(launching.show_collective,
-                   {"op": W.Dropdown(options=["reduce_scatter"]), "numel": W.IntSlider(3, 1, 8)},
-                   world_size=2, check=launching.check_collective_args, run_now=False)
+    bad = RunPanel(
+        launching.show_collective,
+        {"op": W.Dropdown(options=["reduce_scatter"]), "numel": W.IntSlider(3, 1, 8)},
+        world_size=2,
+        check=launching.check_collective_args,
+        run_now=False,
+    )
     bad.button.click()  # a learner's click: the error goes into the panel
     assert "not divisible by world_size=2" in bad.last_error
     ok = RunPanel(slow, {"seconds": W.FloatSlider(0.01)}, world_size=2)
     assert ok.last_error is None and ok.last_run.results == [0, 1]
 
 
-
 def test_trying_a_panel_at_its_edges_names_what_failed_and_accepts_refusals():
     """try_edges: a rank that fails at a control's end is a problem; a one-line refusal
     by the panel's check, before any rank starts, is not. Values come back after."""
+
     def check(world_size, bad_rank, flag, op):
         if op == "refused":
             raise ValueError("op 'refused' is refused here")
 
-    panel = RunPanel(fail_on_rank, {"bad_rank": W.IntSlider(5, 0, 5), "flag": W.Checkbox(False),
-                               "op": W.Dropdown(options=["fine", "refused"])},
-                     world_size=2, check=check, title="edges")
+    panel = RunPanel(
+        fail_on_rank,
+        {
+            "bad_rank": W.IntSlider(5, 0, 5),
+            "flag": W.Checkbox(False),
+            "op": W.Dropdown(options=["fine", "refused"]),
+        },
+        world_size=2,
+        check=check,
+        title="edges",
+    )
     assert panel.last_error is None  # bad_rank 5: no rank fails
     assert panel.edges() == [("bad_rank", 0), ("flag", True), ("op", "refused")]
     problems = panel.try_edges()
@@ -69,14 +86,20 @@ def test_trying_a_panel_at_its_edges_names_what_failed_and_accepts_refusals():
     # now too, and flag fails there: rank 1 still fails).
     problems = panel.try_edges(start={"bad_rank": 1})
     assert [p.split(":")[0] for p in problems] == [
-        "edges, bad_rank = 1", "edges, bad_rank = 0", "edges, flag = True"]
+        "edges, bad_rank = 1",
+        "edges, bad_rank = 0",
+        "edges, flag = True",
+    ]
     assert panel.params() == {"bad_rank": 5, "flag": False, "op": "fine"}
     with pytest.raises(ValueError, match="no control named rank"):
         panel.try_edges(start={"rank": 1})
     # a list of (label, value) options whose values are dicts (lesson 09's mesh shapes)
-    shapes = RunPanel(fail_on_rank, {"shape": W.Dropdown(options=[("dp 2", {"dp": 2}),
-                                                                   ("tp 2", {"tp": 2})])},
-                      world_size=2, run_now=False)
+    shapes = RunPanel(
+        fail_on_rank,
+        {"shape": W.Dropdown(options=[("dp 2", {"dp": 2}), ("tp 2", {"tp": 2})])},
+        world_size=2,
+        run_now=False,
+    )
     assert shapes.edges() == [("shape", {"tp": 2})]
 
 
@@ -121,15 +144,17 @@ def test_a_panel_that_fails_when_made_raises():
         return "never"
 
     with pytest.raises(TypeError, match="unexpected keyword argument"):
-        RunPanel(launching.show_collective,
-                 {"op": W.Dropdown(options=["all_reduce"]), "numel": W.IntSlider(2, 1, 8)},
-                 render, world_size=2)
+        RunPanel(
+            launching.show_collective,
+            {"op": W.Dropdown(options=["all_reduce"]), "numel": W.IntSlider(2, 1, 8)},
+            render,
+            world_size=2,
+        )
 
 
 def test_panel_says_when_it_starts_ranks_what_they_do_and_what_it_clamped():
     seconds = W.FloatSlider(0.4, min=0.0, max=0.5)
-    panel = RunPanel(slow, {"world_size": W.IntSlider(3, 1, 4), "seconds": seconds},
-                     run_now=False)
+    panel = RunPanel(slow, {"world_size": W.IntSlider(3, 1, 4), "seconds": seconds}, run_now=False)
     seen = []
     panel.status.observe(lambda change: seen.append(change["new"]), names="value")
     shared_pool(3).close()  # a world size whose ranks are not up: the first click starts them
@@ -155,8 +180,12 @@ def test_explorer_zooms_reads_spans_and_exports(tmp_path):
 
     from rankfns import sleep_then_barrier
 
-    panel = RunPanel(sleep_then_barrier, {"seconds": W.FloatSlider(0.02, min=0.0, max=0.1)},
-                     world_size=2, title="Barrier, then work")
+    panel = RunPanel(
+        sleep_then_barrier,
+        {"seconds": W.FloatSlider(0.02, min=0.0, max=0.1)},
+        world_size=2,
+        title="Barrier, then work",
+    )
     explorer = panel.explorer
     assert explorer.widget.layout.display != "none"
     assert explorer.table.value == ""  # nothing drawn while closed
@@ -170,8 +199,9 @@ def test_explorer_zooms_reads_spans_and_exports(tmp_path):
     lo, hi = explorer.range.value
     first = min(s.end_ns for s in explorer.spans_in_range()) - panel.last_run.trace.t0_ns
     explorer.range.value = (lo, first / 1e6 * 0.5)  # before any span has ended
-    assert all(s.start_ns - panel.last_run.trace.t0_ns <= first / 2 + 1
-               for s in explorer.spans_in_range())
+    assert all(
+        s.start_ns - panel.last_run.trace.t0_ns <= first / 2 + 1 for s in explorer.spans_in_range()
+    )
     explorer.folder = tmp_path
     path = explorer.write()
     events = json.loads(path.read_text())
@@ -198,7 +228,7 @@ def test_planner_panel_plans_when_made_and_refuses_a_bad_batch():
         PlannerPanel(gpus=12)
 
 
-PANEL_CELL = '''
+PANEL_CELL = """
 import matplotlib.pyplot as plt
 import ipywidgets as W
 from parcourse.experiments import launching
@@ -214,7 +244,7 @@ panel.run()
 panel._fail("shown as an error")
 calculator = MemoryCalculator()
 panel
-'''
+"""
 
 
 def test_a_panel_cell_leaves_the_clients_shell_socket_alone():
@@ -230,8 +260,7 @@ def test_a_panel_cell_leaves_the_clients_shell_socket_alone():
     for attempt in (1, 2):
         notebook = nbformat.v4.new_notebook()
         notebook.cells = [nbformat.v4.new_code_cell(PANEL_CELL)]
-        client = NotebookClient(notebook, kernel_name="python3", timeout=120,
-                                startup_timeout=300)
+        client = NotebookClient(notebook, kernel_name="python3", timeout=120, startup_timeout=300)
         sent = []
 
         def count_what_the_client_sends(client=client, sent=sent, **_):

@@ -7,12 +7,12 @@ order than autograd's in one process (rtol=1e-5, atol=1e-6 after five steps).
 import json
 import math
 
+import dp_fns as F
 import pytest
 import torch
+import zero_fns as Z
 
 from parcourse import RankError
-import dp_fns as F
-import zero_fns as Z
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 N_PARAMS = 7 * 13 + 13 + 13 * 13 + 13 + 13 * 5 + 5 + 13 * 5 + 5  # Net: 426, odd on purpose
@@ -26,8 +26,9 @@ def test_same_weights_as_one_process(pools, world_size, stage, opt_name):
     expected = F.reference("plain", opt_name, 5, 18, world_size)
     for rank, (weights, _) in enumerate(results):
         for name in expected:
-            torch.testing.assert_close(weights[name], expected[name], **TOL,
-                                       msg=lambda m: f"rank {rank}, {name}: {m}")
+            torch.testing.assert_close(
+                weights[name], expected[name], **TOL, msg=lambda m: f"rank {rank}, {name}: {m}"
+            )
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -102,8 +103,7 @@ def test_zero_bytes_formula():
     mixed = zero_bytes(p, 1, 0, torch.bfloat16)  # the paper's 2 + 2 + 12 = 16 bytes
     assert mixed == {"params": 2000, "grads": 2000, "optimizer": 12000}
     # Gradient shards reach the optimizer in fp32, the dtype of its masters.
-    assert zero_bytes(p, n, 2, torch.bfloat16) == {"params": 2000, "grads": 1000,
-                                                   "optimizer": 3000}
+    assert zero_bytes(p, n, 2, torch.bfloat16) == {"params": 2000, "grads": 1000, "optimizer": 3000}
     with pytest.raises(ValueError, match="stage must be"):
         zero_bytes(p, n, 4)
 
@@ -201,8 +201,9 @@ def pool3():
 def assert_same_weights(results, expected):
     for rank, (weights, *_) in enumerate(results):
         for name in expected:
-            torch.testing.assert_close(weights[name], expected[name], **LOOP_TOL,
-                                       msg=lambda m: f"rank {rank}, {name}: {m}")
+            torch.testing.assert_close(
+                weights[name], expected[name], **LOOP_TOL, msg=lambda m: f"rank {rank}, {name}: {m}"
+            )
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -250,8 +251,9 @@ def test_torch_collectives_train_alike(pools, stage):
 @pytest.mark.parametrize("no_sync", [False, True])
 def test_accumulation_over_backward_passes(pools, world_size, stage, microsteps, no_sync):
     """Several backward passes before one step, synchronised each time or only the last."""
-    results = pools[world_size].run(Z.fsdp2_loop, "plain", stage, 2, 24, microsteps,
-                                    no_sync).results
+    results = (
+        pools[world_size].run(Z.fsdp2_loop, "plain", stage, 2, 24, microsteps, no_sync).results
+    )
     assert_same_weights(results, Z.one_process("plain", 2, 24, world_size, microsteps))
 
 
@@ -261,8 +263,11 @@ def test_kept_modules_stay_whole_and_fp32(pools, world_size):
     exact = pools[world_size].run(Z.fsdp2_loop, "gpt", 3, 3, 24, keep_ln=True).results
     expected = Z.one_process("gpt", 3, 24, world_size)
     assert_same_weights(exact, expected)
-    mixed = pools[world_size].run(Z.fsdp2_loop, "gpt", 3, 3, 24, keep_ln=True,
-                                  mixed_precision="bfloat16").results
+    mixed = (
+        pools[world_size]
+        .run(Z.fsdp2_loop, "gpt", 3, 3, 24, keep_ln=True, mixed_precision="bfloat16")
+        .results
+    )
     for weights, ln_dtype in mixed:
         assert ln_dtype == "torch.float32"
         for name in expected:
@@ -278,8 +283,9 @@ def test_kept_modules_stay_whole_and_fp32(pools, world_size):
 def test_clip_grad_norm_over_every_rank(pools, world_size, stage):
     """model.clip_grad_norm_ clips by the norm over the whole model, as torch's over one
     process (tied embedding counted once, the kept LayerNorm's replicated grads once)."""
-    results = pools[world_size].run(Z.fsdp2_loop, "gpt", stage, 3, 24, keep_ln=True,
-                                    clip=0.05).results
+    results = (
+        pools[world_size].run(Z.fsdp2_loop, "gpt", stage, 3, 24, keep_ln=True, clip=0.05).results
+    )
     assert_same_weights(results, Z.one_process("gpt", 3, 24, world_size, clip=0.05))
 
 
@@ -288,10 +294,12 @@ def test_clip_grad_norm_by_the_largest_gradient(pools, stage):
     """norm_type=inf: the largest |gradient| over every rank, shards and kept parameters,
     as torch's inf norm over one process (it had taken 0 ** 0: a norm of 1, whatever the
     gradients). 0.01 clips: the largest gradient is about 0.09."""
-    results = pools[4].run(Z.fsdp2_loop, "gpt", stage, 3, 24, keep_ln=True, clip=0.01,
-                           norm_type=float("inf")).results
-    assert_same_weights(results, Z.one_process("gpt", 3, 24, 4, clip=0.01,
-                                               norm_type=float("inf")))
+    results = (
+        pools[4]
+        .run(Z.fsdp2_loop, "gpt", stage, 3, 24, keep_ln=True, clip=0.01, norm_type=float("inf"))
+        .results
+    )
+    assert_same_weights(results, Z.one_process("gpt", 3, 24, 4, clip=0.01, norm_type=float("inf")))
 
 
 def test_a_load_after_a_forward_is_what_the_next_forward_uses(pools):
@@ -348,8 +356,10 @@ def test_a_layer_frozen_midway_stops_training(pools, how):
 def test_a_layer_unfrozen_after_wrapping_is_refused(pools, kind):
     """Frozen parameters are in no bucket or shard; unfrozen later, each rank would train
     its own copy. The next forward raises, naming them."""
-    with pytest.raises(RankError, match="inp.weight, inp.bias did not require a gradient "
-                                        "when the model was wrapped"):
+    with pytest.raises(
+        RankError,
+        match="inp.weight, inp.bias did not require a gradient when the model was wrapped",
+    ):
         pools[2].run(Z.thawed_after_wrapping, kind)
 
 
@@ -392,11 +402,11 @@ def test_rows_exercise_check(capsys):
 
     def right(param, rank, n):
         c = math.ceil(param.shape[0] / n)
-        return param[rank * c:(rank + 1) * c]
+        return param[rank * c : (rank + 1) * c]
 
     def floor_division(param, rank, n):  # loses the last rows when N does not divide them
         c = param.shape[0] // n
-        return param[rank * c:(rank + 1) * c]
+        return param[rank * c : (rank + 1) * c]
 
     def stub(param, rank, n):
         raise NotImplementedError
@@ -409,8 +419,9 @@ def test_rows_exercise_check(capsys):
     assert not check_rows(stub)
     assert "Not written yet" in capsys.readouterr().out
     assert not check_rows(lambda param, rank, n: param.rows)  # a bug: one line, no traceback
-    assert "raised AttributeError: 'Tensor' object has no attribute 'rows'" in \
-        capsys.readouterr().out
+    assert (
+        "raised AttributeError: 'Tensor' object has no attribute 'rows'" in capsys.readouterr().out
+    )
 
 
 def test_unpack_exercise_check(capsys):
@@ -421,14 +432,14 @@ def test_unpack_exercise_check(capsys):
         for shape in shapes:
             rows, rest = shape[0], math.prod(shape[1:])
             c = math.ceil(rows / n)
-            params.append(parts[:, offset:offset + c * rest].reshape(n * c, *shape[1:])[:rows])
+            params.append(parts[:, offset : offset + c * rest].reshape(n * c, *shape[1:])[:rows])
             offset += c * rest
         return params
 
     def ignores_padding(parts, shapes, n):  # reads the parts as if nothing were padded
         flat, out, offset = parts.reshape(-1), [], 0
         for shape in shapes:
-            out.append(flat[offset:offset + math.prod(shape)].view(shape))
+            out.append(flat[offset : offset + math.prod(shape)].view(shape))
             offset += math.prod(shape)
         return out
 
@@ -445,7 +456,8 @@ def test_unpack_exercise_check(capsys):
     assert not check_unpack(forgets_return)
     assert capsys.readouterr().out == (
         "Not quite: expected a list of tensors, one per parameter, got NoneType (is a return "
-        "missing?).\n")
+        "missing?).\n"
+    )
     assert check_unpack(lambda parts, shapes, n: tuple(right(parts, shapes, n)))
 
 
@@ -510,40 +522,52 @@ def test_a_layer_frozen_before_wrapping_runs_in_16_bits_and_exports_in_32(pools,
 
 # --- a DeepSpeed configuration
 
-DS_CONFIG = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 2000,
-                                   "allgather_bucket_size": 2000, "overlap_comm": True},
-             "optimizer": {"type": "Adam", "params": {"lr": 0.01, "betas": [0.9, 0.999]}},
-             "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
-             "train_batch_size": "auto", "gradient_clipping": 0.05}
+DS_CONFIG = {
+    "zero_optimization": {
+        "stage": 2,
+        "reduce_bucket_size": 2000,
+        "allgather_bucket_size": 2000,
+        "overlap_comm": True,
+    },
+    "optimizer": {"type": "Adam", "params": {"lr": 0.01, "betas": [0.9, 0.999]}},
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 2,
+    "train_batch_size": "auto",
+    "gradient_clipping": 0.05,
+}
 
 
 BEYOND = {
     "offload": {"offload_optimizer": {"device": "cpu", "pin_memory": True}},
-    "infinity": {"offload_optimizer": {"device": "nvme", "nvme_path": "{tmp}"},
-                 "offload_param": {"device": "cpu"}},
+    "infinity": {
+        "offload_optimizer": {"device": "nvme", "nvme_path": "{tmp}"},
+        "offload_param": {"device": "cpu"},
+    },
     "zero++": {"zero_hpz_partition_size": 2},
 }
 
 
-@pytest.mark.parametrize("stage,beyond", [(1, None), (2, None), (3, None), (2, "offload"),
-                                          (3, "infinity"), (3, "zero++")])
-def test_a_ds_config_trains_as_one_process_with_the_same_settings(pools, tmp_path, stage,
-                                                                  beyond):
+@pytest.mark.parametrize(
+    "stage,beyond",
+    [(1, None), (2, None), (3, None), (2, "offload"), (3, "infinity"), (3, "zero++")],
+)
+def test_a_ds_config_trains_as_one_process_with_the_same_settings(pools, tmp_path, stage, beyond):
     """DeepSpeed's loop (backward per micro-batch, step at the accumulation boundary,
     clipping by the global norm) on 2 ranks x 2 micro-batches of 4 equals one process
     stepping on the 16 rows with clip_grad_norm_ (0.05 clips: the norm is above it).
     Offload and Infinity change where the optimizer's side lives, not the numbers (ZeRO++'s
     quantizing options are tested against their bounds in test_zero_beyond.py)."""
     extra = json.loads(json.dumps(BEYOND.get(beyond, {})).replace("{tmp}", str(tmp_path)))
-    config = {**DS_CONFIG, "zero_optimization": {**DS_CONFIG["zero_optimization"],
-                                                 "stage": stage, **extra}}
+    config = {
+        **DS_CONFIG,
+        "zero_optimization": {**DS_CONFIG["zero_optimization"], "stage": stage, **extra},
+    }
     from dp_fns import Net, data
 
     results = pools[2].run(Z.from_config_train, config, 3, 16).results
     model = Net()
     # An offloaded optimizer is built fused (its update runs on the host): so is this one.
-    opt = torch.optim.Adam(model.parameters(), lr=0.01,
-                           fused=beyond in ("offload", "infinity"))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=beyond in ("offload", "infinity"))
     x, y = data(16)
     norms = []
     for _ in range(3):
@@ -557,27 +581,46 @@ def test_a_ds_config_trains_as_one_process_with_the_same_settings(pools, tmp_pat
             torch.testing.assert_close(state[name], value, **LOOP_TOL, msg=name)
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"steps_per_print": 10}, "unknown key 'steps_per_print'; supported: zero_optimization"),
-    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu",
-                                                              "buffer_count": 4}}},
-     "'buffer_count' asks for DeepSpeed's count of NVMe swap buffers"),
-    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}},
-     "needs its nvme_path"),
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
-     "is not built here"),
-    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
-     "offload_param is stage 3's"),
-    ({"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}},
-     "ZeRO\\+\\+ .* is stage 3's"),
-    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "gpu"}}},
-     "must be 'none', 'cpu' or 'nvme'"),
-    ({"train_batch_size": 32}, r"train_batch_size 32 != .* 4 x .* 2 x 2 ranks = 16"),
-    ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, "only you know it"),
-    ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "choose one"),
-    ({"fp16": {"enabled": True}}, "fp16.enabled: fp16 needs loss scaling .* use bf16"),
-    ({"zero_optimization": {"stage": 0}}, "plain data parallelism"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"steps_per_print": 10}, "unknown key 'steps_per_print'; supported: zero_optimization"),
+        (
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_optimizer": {"device": "cpu", "buffer_count": 4},
+                }
+            },
+            "'buffer_count' asks for DeepSpeed's count of NVMe swap buffers",
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}},
+            "needs its nvme_path",
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+            "is not built here",
+        ),
+        (
+            {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+            "offload_param is stage 3's",
+        ),
+        (
+            {"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}},
+            "ZeRO\\+\\+ .* is stage 3's",
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "gpu"}}},
+            "must be 'none', 'cpu' or 'nvme'",
+        ),
+        ({"train_batch_size": 32}, r"train_batch_size 32 != .* 4 x .* 2 x 2 ranks = 16"),
+        ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, "only you know it"),
+        ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "choose one"),
+        ({"fp16": {"enabled": True}}, "fp16.enabled: fp16 needs loss scaling .* use bf16"),
+        ({"zero_optimization": {"stage": 0}}, "plain data parallelism"),
+    ],
+)
 def test_a_ds_config_refuses_what_it_does_not_build_by_name(pools, change, message):
     import re
 
@@ -592,6 +635,8 @@ def test_offloaded_optimizer_state_is_refused_in_another_rank(pools, rows):
     or aborted the rank (7 rows: "double free or corruption"). Now its state says whose
     shard it is, and another rank's is refused in one line."""
     said = pools[2].run(Z.offloaded_state_in_the_other_rank, rows).results
-    assert said[0] == ("this optimizer state holds (stage, rank, world_size) = (2, 1, 2), "
-                       "this rank's optimizer is (2, 0, 2)")
+    assert said[0] == (
+        "this optimizer state holds (stage, rank, world_size) = (2, 1, 2), "
+        "this rank's optimizer is (2, 0, 2)"
+    )
     assert said[1].startswith("this optimizer state holds (stage, rank, world_size) = (2, 0, 2)")

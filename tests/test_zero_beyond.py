@@ -10,13 +10,13 @@ where they are tested.
 
 import os
 
+import dp_fns as F
 import pytest
 import torch
+import zero_beyond_fns as B
 
 from parcourse import Pool, RankDied, RankError, theory
 from parcourse.zero import zeropp
-import dp_fns as F
-import zero_beyond_fns as B
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 WIDE = 64 * 256 + 256 + 256 * 64 + 64 + 64 * 8 + 8  # B.Wide's parameters
@@ -25,29 +25,33 @@ WIDE = 64 * 256 + 256 + 256 * 64 + 64 + 64 * 8 + 8  # B.Wide's parameters
 def _same(results, expected, exact=None):
     for rank, weights in enumerate(results):
         for name in expected:
-            torch.testing.assert_close(weights[name], expected[name], **TOL,
-                                       msg=lambda m: f"rank {rank}, {name}: {m}")
+            torch.testing.assert_close(
+                weights[name], expected[name], **TOL, msg=lambda m: f"rank {rank}, {name}: {m}"
+            )
             if exact is not None:
                 assert torch.equal(weights[name], exact[rank][name]), (rank, name)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("stage,options", [
-    (1, {"offload_optimizer": "cpu"}),
-    (2, {"offload_optimizer": "cpu"}),
-    (3, {"offload_optimizer": "cpu"}),
-    (3, {"offload_optimizer": "cpu", "offload_params": True}),
-])
-def test_offload_trains_as_zero_without_it_and_as_one_process(pools, world_size, stage,
-                                                              options):
+@pytest.mark.parametrize(
+    "stage,options",
+    [
+        (1, {"offload_optimizer": "cpu"}),
+        (2, {"offload_optimizer": "cpu"}),
+        (3, {"offload_optimizer": "cpu"}),
+        (3, {"offload_optimizer": "cpu", "offload_params": True}),
+    ],
+)
+def test_offload_trains_as_zero_without_it_and_as_one_process(pools, world_size, stage, options):
     pool = pools[world_size]
     plain = pool.run(B.train, stage, 5, 18).results
     offloaded = pool.run(B.train, stage, 5, 18, **options).results
     _same(offloaded, F.reference("plain", "adam", 5, 18, world_size), exact=plain)
 
 
-@pytest.mark.parametrize("stage,options", [(1, {}), (2, {}), (3, {}),
-                                           (2, {"offload_optimizer": "cpu"})])
+@pytest.mark.parametrize(
+    "stage,options", [(1, {}), (2, {}), (3, {}), (2, {"offload_optimizer": "cpu"})]
+)
 def test_a_fused_optimizer_trains_as_one_process(pools, stage, options):
     """torch's fused optimizers write the parameters without bumping their version
     counters, by which a unit used to notice a step; every optimizer step now marks its
@@ -63,12 +67,15 @@ def test_a_fused_optimizer_trains_as_one_process(pools, stage, options):
     _same(results, model.state_dict())
 
 
-@pytest.mark.parametrize("stage,options", [
-    (2, {"offload_optimizer": "cpu"}),
-    (3, {"offload_optimizer": "cpu", "offload_params": True}),
-    (3, {"offload_optimizer": "cpu", "nvme_path": True}),
-    (3, {"hpz_partition_size": 2}),
-])
+@pytest.mark.parametrize(
+    "stage,options",
+    [
+        (2, {"offload_optimizer": "cpu"}),
+        (3, {"offload_optimizer": "cpu", "offload_params": True}),
+        (3, {"offload_optimizer": "cpu", "nvme_path": True}),
+        (3, {"hpz_partition_size": 2}),
+    ],
+)
 def test_a_real_loop_offloaded_trains_as_one_process(pools, tmp_path, stage, options):
     """The GPT-shaped model with its embedding tied to the head, AdamW with two param
     groups and an LR scheduler, two micro-batches accumulated under no_sync, clipping by
@@ -77,13 +84,15 @@ def test_a_real_loop_offloaded_trains_as_one_process(pools, tmp_path, stage, opt
 
     if options.get("nvme_path"):
         options = {**options, "nvme_path": str(tmp_path)}
-    results = pools[4].run(Z.fsdp2_loop, "gpt", stage, 3, 24, 2, True, True, clip=0.05,
-                           **options).results
+    results = (
+        pools[4].run(Z.fsdp2_loop, "gpt", stage, 3, 24, 2, True, True, clip=0.05, **options).results
+    )
     expected = Z.one_process("gpt", 3, 24, 4, microsteps=2, clip=0.05)
     for rank, (weights, _) in enumerate(results):
         for name, value in expected.items():
-            torch.testing.assert_close(weights[name], value, **TOL,
-                                       msg=lambda m: f"rank {rank}, {name}: {m}")
+            torch.testing.assert_close(
+                weights[name], value, **TOL, msg=lambda m: f"rank {rank}, {name}: {m}"
+            )
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -95,13 +104,16 @@ def test_infinity_trains_as_zero_without_it(pools, tmp_path, world_size, stage):
     _same(on_disk, F.reference("plain", "adam", 5, 18, world_size), exact=plain)
 
 
-@pytest.mark.parametrize("stage,options", [
-    (1, {"offload_optimizer": "cpu"}),
-    (2, {"offload_optimizer": "cpu"}),
-    (3, {"offload_optimizer": "cpu"}),
-    (3, {"offload_optimizer": "cpu", "offload_params": True}),
-    (2, {"offload_optimizer": "nvme"}),
-])
+@pytest.mark.parametrize(
+    "stage,options",
+    [
+        (1, {"offload_optimizer": "cpu"}),
+        (2, {"offload_optimizer": "cpu"}),
+        (3, {"offload_optimizer": "cpu"}),
+        (3, {"offload_optimizer": "cpu", "offload_params": True}),
+        (2, {"offload_optimizer": "nvme"}),
+    ],
+)
 def test_bytes_by_placement_follow_the_formula(pools, tmp_path, stage, options):
     """bf16 compute, Adam, world size 4, right after a step. Every figure is exact but
     Adam's step counters (a 4-byte scalar per parameter tensor, which the formula leaves
@@ -110,18 +122,21 @@ def test_bytes_by_placement_follow_the_formula(pools, tmp_path, stage, options):
     nvme = options.get("offload_optimizer") == "nvme"
     if nvme:
         options = {**options, "nvme_path": str(tmp_path)}
-    expected = theory.offload_bytes(WIDE, 4, stage, nvme=nvme,
-                                    offload_params=options.get("offload_params", False))
+    expected = theory.offload_bytes(
+        WIDE, 4, stage, nvme=nvme, offload_params=options.get("offload_params", False)
+    )
     for got in pools[4].run(B.placement, stage, "bfloat16", **options).results:
         for where in ("device", "host"):
             for category, value in expected[where].items():
                 measured = got[where].get(category, 0)
-                counters = 4 * 6 if (category == "optimizer" and where == "host"
-                                     and not nvme) else 0
+                counters = (
+                    4 * 6 if (category == "optimizer" and where == "host" and not nvme) else 0
+                )
                 assert measured - counters == value, (where, category, measured, value)
         if nvme:
-            assert 0 <= got["disk"]["optimizer"] - expected["disk"]["optimizer"] - 4 * 6 \
-                < 512 * 6 * 3, got["disk"]
+            assert (
+                0 <= got["disk"]["optimizer"] - expected["disk"]["optimizer"] - 4 * 6 < 512 * 6 * 3
+            ), got["disk"]
         else:
             assert not got["disk"].get("optimizer")
         device_per_param = sum(got["device"].values()) / WIDE
@@ -155,8 +170,12 @@ def test_infinity_counts_its_disk_traffic_and_saves_its_state(pools, tmp_path):
         assert stats["steps"] == 3
         assert stats["bytes_written"] == 3 * on_disk
         assert stats["bytes_read"] == 2 * on_disk
-        moments = [t for s in state["optimizer"]["state"].values() for k, t in s.items()
-                   if k in ("exp_avg", "exp_avg_sq")]
+        moments = [
+            t
+            for s in state["optimizer"]["state"].values()
+            for k, t in s.items()
+            if k in ("exp_avg", "exp_avg_sq")
+        ]
         assert moments and on_disk >= sum(t.nbytes for t in moments)
 
 
@@ -196,8 +215,7 @@ def test_offload_and_zero_pp_refuse_what_does_not_fit(pools):
     def make(ctx, stage, **options):
         from parcourse import zero
 
-        zero.shard(F.Net(), lambda ps: torch.optim.SGD(ps, lr=0.1), stage, ctx.group,
-                   **options)
+        zero.shard(F.Net(), lambda ps: torch.optim.SGD(ps, lr=0.1), stage, ctx.group, **options)
 
     cases = [
         ((3,), {"offload_params": True}, "give offload_optimizer='cpu' too"),
@@ -221,7 +239,7 @@ def half_steps(x, block=256):
     levels a side over max|block|, so max|block| / 254 (and fp32's rounding of the
     product, a few parts in 2**24 of it)."""
     rows = torch.nn.functional.pad(x, (0, -x.numel() % block)).view(-1, block)
-    most = rows.abs().amax(dim=1, keepdim=True).expand_as(rows).reshape(-1)[:x.numel()]
+    most = rows.abs().amax(dim=1, keepdim=True).expand_as(rows).reshape(-1)[: x.numel()]
     return most / 254 * (1 + 2**-20)
 
 
@@ -261,9 +279,16 @@ def test_quantized_reduce_scatter_is_the_sum_within_its_bound(pools, ranks_per_n
 ALL = {"quantized_weights": True, "hpz_partition_size": 2, "quantized_gradients": True}
 
 
-@pytest.mark.parametrize("options", [
-    {}, {"quantized_weights": True}, {"hpz_partition_size": 2}, {"quantized_gradients": True},
-    ALL])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"quantized_weights": True},
+        {"hpz_partition_size": 2},
+        {"quantized_gradients": True},
+        ALL,
+    ],
+)
 def test_bytes_across_nodes_are_the_formulas(pools, options):
     """World size 4 in two nodes of 2, three SGD steps of Wide: the bytes every message
     carried between nodes equal `theory.zero_pp_bytes_across`, to the byte."""
@@ -271,9 +296,13 @@ def test_bytes_across_nodes_are_the_formulas(pools, options):
     across = sum(r[2] for r in results)
     units = results[0][3]
     expected = theory.zero_pp_bytes_across(
-        units, 4, 2, quantized_weights=options.get("quantized_weights", False),
+        units,
+        4,
+        2,
+        quantized_weights=options.get("quantized_weights", False),
         hpz="hpz_partition_size" in options,
-        quantized_gradients=options.get("quantized_gradients", False))
+        quantized_gradients=options.get("quantized_gradients", False),
+    )
     assert across == 3 * expected["total"], (across, expected)
     if options == ALL:
         zero3 = theory.zero_pp_bytes_across(units, 4, 2)["total"]
@@ -340,7 +369,7 @@ def test_quantize_exercise_check(capsys):
     def truncates(x, block):
         q, scales = zeropp.quantize(x, block)
         rows = torch.zeros(q.numel())
-        rows[:x.numel()] = x
+        rows[: x.numel()] = x
         return torch.trunc(rows.view(-1, block) / scales[:, None]).to(torch.int8).view(-1), scales
 
     assert check_quantize(right)
@@ -352,8 +381,9 @@ def test_quantize_exercise_check(capsys):
     assert "expected a pair (q, scales)" in capsys.readouterr().out
     # a right answer spelt otherwise: a list, scales as a column
     assert check_quantize(lambda x, block: list(zeropp.quantize(x, block)))
-    assert check_quantize(lambda x, block: (zeropp.quantize(x, block)[0],
-                                            zeropp.quantize(x, block)[1][:, None]))
+    assert check_quantize(
+        lambda x, block: (zeropp.quantize(x, block)[0], zeropp.quantize(x, block)[1][:, None])
+    )
     assert capsys.readouterr().out.count("correct: ") == 2
 
 
@@ -362,9 +392,12 @@ def test_a_configuration_is_checked_before_any_rank_starts():
     model or a process group, so a lesson or a script refuses a bad key in one line."""
     from parcourse.zero import check_config
 
-    good = {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW",
-                                                            "params": {"lr": 1e-3}},
-            "train_micro_batch_size_per_gpu": 2, "train_batch_size": 8}
+    good = {
+        "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "train_micro_batch_size_per_gpu": 2,
+        "train_batch_size": 8,
+    }
     assert check_config(good, 4).stage == 2
     with pytest.raises(ValueError, match="train_batch_size 8 != .* x 3 ranks = 6"):
         check_config(good, 3)

@@ -43,7 +43,7 @@ def test_pack_then_unpack_gives_the_tensors_back(world_size):
     out = torch.empty(unit.numel)
     unit.unpack(parts, into=out)
     for t, offset, size in zip(tensors, unit.full_offsets, unit.numels):
-        assert torch.equal(out[offset:offset + size].view(t.shape), t)
+        assert torch.equal(out[offset : offset + size].view(t.shape), t)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])

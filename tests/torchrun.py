@@ -13,9 +13,14 @@ def torchrun(*args: str, timeout: float) -> tuple[int, str, str]:
     alone."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"
-    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           env=env, start_new_session=True)
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = job.communicate(timeout=timeout)
     finally:

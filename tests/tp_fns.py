@@ -11,7 +11,7 @@ from torch import nn
 
 from parcourse.comm import Comm
 from parcourse.data import progressions
-from parcourse.models import GPT, Block, CausalSelfAttention, GPTConfig, MLP, gpt
+from parcourse.models import GPT, MLP, Block, CausalSelfAttention, GPTConfig, gpt
 from parcourse.tensor_parallel import (
     ATTENTION_PLAN,
     BLOCK_PLAN,
@@ -51,11 +51,12 @@ def leaf(t):
 def shard_like(module, param_name, full, rank, world_size):
     """The part of a single-process tensor (a weight or its gradient) that `module` holds."""
     vocab = isinstance(module, VocabParallelEmbedding) or (
-        isinstance(module, ColumnParallelLinear) and module.vocab)
+        isinstance(module, ColumnParallelLinear) and module.vocab
+    )
     if vocab:
         start, end = vocab_range(full.shape[0], rank, world_size)
         out = full.new_zeros(math.ceil(full.shape[0] / world_size), *full.shape[1:])
-        out[:end - start] = full[start:end]
+        out[: end - start] = full[start:end]
         return out
     if isinstance(module, ColumnParallelLinear):
         return full.chunk(world_size, 0)[rank]
@@ -81,8 +82,9 @@ def check_params(ctx, split, reference, grads=True):
                 pairs.append(("grad", p.grad, ref.grad))
             for what, got, want in pairs:
                 expected = shard_like(m, p_name, want, ctx.rank, ctx.world_size)
-                torch.testing.assert_close(got, expected, **TOL,
-                                           msg=lambda e, n=name, w=what: f"{n} ({w}): {e}")
+                torch.testing.assert_close(
+                    got, expected, **TOL, msg=lambda e, n=name, w=what: f"{n} ({w}): {e}"
+                )
     assert len(checked) == len({id(p) for p in reference.parameters()}), "parameters missing"
 
 
@@ -97,8 +99,12 @@ def upstream(shape, seed=1):
 def column(ctx, gather_output, sequence_parallel):
     torch.manual_seed(0)
     linear = nn.Linear(C, 24)
-    split = ColumnParallelLinear(copy.deepcopy(linear), TPComm(Comm(ctx.group)),
-                                 gather_output=gather_output, sequence_parallel=sequence_parallel)
+    split = ColumnParallelLinear(
+        copy.deepcopy(linear),
+        TPComm(Comm(ctx.group)),
+        gather_output=gather_output,
+        sequence_parallel=sequence_parallel,
+    )
     x = torch.randn(B, T, C, requires_grad=True)
     x_in = leaf(seq_chunk(x, ctx) if sequence_parallel else x)
     out, out_split = linear(x), split(x_in)
@@ -108,17 +114,21 @@ def column(ctx, gather_output, sequence_parallel):
     torch.testing.assert_close(out_split, want_out, **TOL)
     (out * g).sum().backward()
     (out_split * want_g).sum().backward()
-    torch.testing.assert_close(x_in.grad, seq_chunk(x.grad, ctx) if sequence_parallel
-                               else x.grad, **TOL)
+    torch.testing.assert_close(
+        x_in.grad, seq_chunk(x.grad, ctx) if sequence_parallel else x.grad, **TOL
+    )
     check_params(ctx, _wrap(split), _wrap(linear))
 
 
 def row(ctx, input_is_parallel, sequence_parallel):
     torch.manual_seed(0)
     linear = nn.Linear(24, C)
-    split = RowParallelLinear(copy.deepcopy(linear), TPComm(Comm(ctx.group)),
-                              input_is_parallel=input_is_parallel,
-                              sequence_parallel=sequence_parallel)
+    split = RowParallelLinear(
+        copy.deepcopy(linear),
+        TPComm(Comm(ctx.group)),
+        input_is_parallel=input_is_parallel,
+        sequence_parallel=sequence_parallel,
+    )
     x = torch.randn(B, T, 24, requires_grad=True)
     x_in = leaf(x.chunk(ctx.world_size, -1)[ctx.rank] if input_is_parallel else x)
     out, out_split = linear(x), split(x_in)
@@ -137,8 +147,9 @@ def row(ctx, input_is_parallel, sequence_parallel):
 def vocab_embedding(ctx, sequence_parallel):
     torch.manual_seed(0)
     embedding = nn.Embedding(CONFIG.vocab, C)
-    split = VocabParallelEmbedding(copy.deepcopy(embedding), TPComm(Comm(ctx.group)),
-                                   sequence_parallel=sequence_parallel)
+    split = VocabParallelEmbedding(
+        copy.deepcopy(embedding), TPComm(Comm(ctx.group)), sequence_parallel=sequence_parallel
+    )
     idx = torch.randint(CONFIG.vocab, (B, T))
     out, out_split = embedding(idx), split(idx)
     g = upstream(out.shape)
@@ -169,8 +180,9 @@ def module(ctx, what, sequence_parallel):
     make, plan = MODULES[what]
     torch.manual_seed(0)
     reference = make(CONFIG)
-    split = apply_tensor_parallel(copy.deepcopy(reference), plan, ctx.group,
-                                  sequence_parallel=sequence_parallel)
+    split = apply_tensor_parallel(
+        copy.deepcopy(reference), plan, ctx.group, sequence_parallel=sequence_parallel
+    )
     x = torch.randn(B, T, C, requires_grad=True)
     x_in = leaf(seq_chunk(x, ctx) if sequence_parallel else x)
     out, out_split = reference(x), split(x_in)
@@ -179,8 +191,9 @@ def module(ctx, what, sequence_parallel):
     torch.testing.assert_close(out_split, want_out, **TOL)
     (out * g).sum().backward()
     (out_split * want_g).sum().backward()
-    torch.testing.assert_close(x_in.grad, seq_chunk(x.grad, ctx) if sequence_parallel
-                               else x.grad, **TOL)
+    torch.testing.assert_close(
+        x_in.grad, seq_chunk(x.grad, ctx) if sequence_parallel else x.grad, **TOL
+    )
     check_params(ctx, split, reference)
 
 
@@ -188,15 +201,16 @@ def whole_gpt(ctx, sequence_parallel, tie_weights=True):
     """The GPT to its loss: logits (this rank's vocabulary), loss, every weight gradient."""
     config = GPTConfig(**{**CONFIG.__dict__, "tie_weights": tie_weights})
     reference = gpt(config)
-    split = apply_tensor_parallel(gpt(config), GPT_PLAN, ctx.group,
-                                  sequence_parallel=sequence_parallel)
+    split = apply_tensor_parallel(
+        gpt(config), GPT_PLAN, ctx.group, sequence_parallel=sequence_parallel
+    )
     x, y = progressions(B, T, config.vocab)
     logits = reference(x)
     loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
     logits_split = split(x)
     loss_split = vocab_parallel_cross_entropy(logits_split, y, ctx.group, config.vocab)
     start, end = vocab_range(config.vocab, ctx.rank, ctx.world_size)
-    torch.testing.assert_close(logits_split[..., :end - start], logits[..., start:end], **TOL)
+    torch.testing.assert_close(logits_split[..., : end - start], logits[..., start:end], **TOL)
     torch.testing.assert_close(loss_split, loss, **TOL)
     loss.backward()
     loss_split.backward()
@@ -209,8 +223,9 @@ def accumulated(ctx, sequence_parallel, microbatches=3):
     whole batch: the replicated gradients of sequence parallelism are summed over ranks
     once per backward, only what that backward added."""
     reference = gpt(CONFIG)
-    split = apply_tensor_parallel(gpt(CONFIG), GPT_PLAN, ctx.group,
-                                  sequence_parallel=sequence_parallel)
+    split = apply_tensor_parallel(
+        gpt(CONFIG), GPT_PLAN, ctx.group, sequence_parallel=sequence_parallel
+    )
     x, y = progressions(B * microbatches, T, CONFIG.vocab)
     F.cross_entropy(reference(x).flatten(0, 1), y.flatten()).backward()
     for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches)):
@@ -230,8 +245,9 @@ def adam_steps(ctx, sequence_parallel, dtype, steps=3):
     lr x noise / eps = 1e-4 x lr. In fp64 the noise is 1e-19 and the weights agree.
     """
     reference = gpt(CONFIG).to(dtype)
-    split = apply_tensor_parallel(gpt(CONFIG).to(dtype), GPT_PLAN, ctx.group,
-                                  sequence_parallel=sequence_parallel)
+    split = apply_tensor_parallel(
+        gpt(CONFIG).to(dtype), GPT_PLAN, ctx.group, sequence_parallel=sequence_parallel
+    )
     opt_ref = torch.optim.Adam(reference.parameters(), lr=1e-2)
     opt = torch.optim.Adam(split.parameters(), lr=1e-2)
     losses = []
@@ -263,21 +279,28 @@ def cross_entropy(ctx, reduction, scale, ignore_index=-100):
     target[0, 1] = target[1, 3] = ignore_index
     start, end = vocab_range(vocab, ctx.rank, ctx.world_size)
     shard = logits.detach().new_zeros(2, 5, math.ceil(vocab / ctx.world_size))
-    shard[..., :end - start] = logits.detach()[..., start:end]
+    shard[..., : end - start] = logits.detach()[..., start:end]
     shard.requires_grad_()
     tracer = Tracer(ctx.rank)
-    loss = F.cross_entropy(logits.transpose(1, 2), target, ignore_index=ignore_index,
-                           reduction=reduction)
-    loss_split = vocab_parallel_cross_entropy(shard, target, ctx.group, vocab,
-                                              ignore_index=ignore_index, reduction=reduction,
-                                              tracer=tracer)
+    loss = F.cross_entropy(
+        logits.transpose(1, 2), target, ignore_index=ignore_index, reduction=reduction
+    )
+    loss_split = vocab_parallel_cross_entropy(
+        shard,
+        target,
+        ctx.group,
+        vocab,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        tracer=tracer,
+    )
     assert torch.isfinite(loss_split).all()
     torch.testing.assert_close(loss_split, loss, **TOL)
     w = upstream(loss.shape)
     (loss * w).sum().backward()
     (loss_split * w).sum().backward()
-    torch.testing.assert_close(shard.grad[..., :end - start], logits.grad[..., start:end], **TOL)
-    assert (shard.grad[..., end - start:] == 0).all(), "padding columns get no gradient"
+    torch.testing.assert_close(shard.grad[..., : end - start], logits.grad[..., start:end], **TOL)
+    assert (shard.grad[..., end - start :] == 0).all(), "padding columns get no gradient"
     # Never the logits themselves: three all-reduces of one number per token.
     assert count_collectives(tracer.data().counters) == {("all_reduce", "forward"): (3, 3 * 4 * n)}
 
@@ -289,10 +312,10 @@ def dropout(ctx, sequence_parallel):
     """With dropout on, the activations that should be whole and identical on every rank
     stay identical; the regions each dropout draws from."""
     config = GPTConfig(**{**CONFIG.__dict__, "dropout": 0.5})
-    model = apply_tensor_parallel(gpt(config), GPT_PLAN, ctx.group,
-                                  sequence_parallel=sequence_parallel, seed=3)
-    regions = {name: m.region for name, m in model.named_modules()
-               if isinstance(m, TrackedDropout)}
+    model = apply_tensor_parallel(
+        gpt(config), GPT_PLAN, ctx.group, sequence_parallel=sequence_parallel, seed=3
+    )
+    regions = {name: m.region for name, m in model.named_modules() if isinstance(m, TrackedDropout)}
     outputs = []
     for b in model.blocks:
         b.register_forward_hook(lambda m, i, out: outputs.append(out.detach()))
@@ -308,8 +331,11 @@ def dropout(ctx, sequence_parallel):
     # A draw from each region's generator, from every rank.
     draws = {}
     for region in ("replicated", "sharded"):
-        m = next(m for m in model.modules() if isinstance(m, TrackedDropout)
-                 and m.region == region) if region in regions.values() else None
+        m = (
+            next(m for m in model.modules() if isinstance(m, TrackedDropout) and m.region == region)
+            if region in regions.values()
+            else None
+        )
         if m is not None:
             draw = torch.rand(4, generator=m.generator)
             gathered = [torch.empty(4) for _ in range(ctx.world_size)]
@@ -414,12 +440,15 @@ def frozen_before_splitting(ctx, sequence_parallel):
     """Weights of each kind of split layer (column, row, vocab embedding and its tied
     head) frozen before apply_tensor_parallel: which require a gradient after."""
     model = gpt(CONFIG)
-    names = ("blocks.0.mlp.up.weight", "blocks.0.mlp.up.bias", "blocks.0.attn.proj.weight",
-             "tok_emb.weight")
+    names = (
+        "blocks.0.mlp.up.weight",
+        "blocks.0.mlp.up.bias",
+        "blocks.0.attn.proj.weight",
+        "tok_emb.weight",
+    )
     for name in names:
         model.get_parameter(name).requires_grad_(False)
-    split = apply_tensor_parallel(model, GPT_PLAN, ctx.group,
-                                  sequence_parallel=sequence_parallel)
+    split = apply_tensor_parallel(model, GPT_PLAN, ctx.group, sequence_parallel=sequence_parallel)
     return {name: split.get_parameter(name).requires_grad for name in (*names, "head.weight")}
 
 
@@ -463,8 +492,9 @@ def one_sum_over_two_backwards(ctx):
     halves = [(x[:B], y[:B]), (x[B:], y[B:])]
     for xs, ys in halves:
         F.cross_entropy(reference(xs).flatten(0, 1), ys.flatten()).backward()
-    losses = [vocab_parallel_cross_entropy(split(xs), ys, ctx.group, CONFIG.vocab)
-              for xs, ys in halves]
+    losses = [
+        vocab_parallel_cross_entropy(split(xs), ys, ctx.group, CONFIG.vocab) for xs, ys in halves
+    ]
     with one_sum():
         losses[0].backward()
         mine = split.ln_f.weight.grad.clone()

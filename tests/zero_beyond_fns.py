@@ -3,13 +3,12 @@
 import os
 
 import torch
+import zero_fns as Z
+from dp_fns import Net
 from torch import nn
 
 from parcourse import zero
 from parcourse.zero import zeropp
-
-import zero_fns as Z
-from dp_fns import Net
 
 
 class Wide(nn.Module):
@@ -43,17 +42,23 @@ def train(ctx, stage, steps, batch, opt_name="adam", path=None, **options):
     """Net under ZeRO with these options; the full weights, and the placement counts."""
     if path is not None:
         options = {**options, "offload_optimizer": "nvme", "nvme_path": path}
-    zmodel, opt = zero.shard(Net(), Z.factory(opt_name), stage=stage, group=ctx.group,
-                             bucket_mb=0.0005, **options)
+    zmodel, opt = zero.shard(
+        Net(), Z.factory(opt_name), stage=stage, group=ctx.group, bucket_mb=0.0005, **options
+    )
     Z.fit(zmodel, opt, *Z.local_batch(ctx, batch), steps)
     return zmodel.full_state_dict()
 
 
 def placement(ctx, stage, dtype, **options):
     """One Adam step of Wide; bytes by placement right after it (before zero_grad)."""
-    zmodel, opt = zero.shard(Wide(), lambda ps: torch.optim.Adam(ps, lr=1e-3), stage=stage,
-                             group=ctx.group, mixed_precision=getattr(torch, dtype),
-                             **options)
+    zmodel, opt = zero.shard(
+        Wide(),
+        lambda ps: torch.optim.Adam(ps, lr=1e-3),
+        stage=stage,
+        group=ctx.group,
+        mixed_precision=getattr(torch, dtype),
+        **options,
+    )
     x, y = wide_batch(ctx, 16)
     nn.functional.mse_loss(zmodel(x), y).backward()
     opt.step()
@@ -63,8 +68,15 @@ def placement(ctx, stage, dtype, **options):
 def infinity_killed(ctx, path, steps_before):
     """Adam with its state on disk: `steps_before` steps, the state then, and a step that
     dies after writing its first unit (the process ends there)."""
-    zmodel, opt = zero.shard(Net(), Z.factory("adam"), stage=2, group=ctx.group,
-                             bucket_mb=0.0005, offload_optimizer="nvme", nvme_path=path)
+    zmodel, opt = zero.shard(
+        Net(),
+        Z.factory("adam"),
+        stage=2,
+        group=ctx.group,
+        bucket_mb=0.0005,
+        offload_optimizer="nvme",
+        nvme_path=path,
+    )
     x, y = Z.local_batch(ctx, 16)
     Z.fit(zmodel, opt, x, y, steps_before)
     torch.save(zero.infinity.read_state(path, ctx.rank), os.path.join(path, f"before{ctx.rank}"))
@@ -79,8 +91,15 @@ def infinity_killed(ctx, path, steps_before):
 
 
 def infinity_stats(ctx, path, steps):
-    zmodel, opt = zero.shard(Net(), Z.factory("adam"), stage=3, group=ctx.group,
-                             bucket_mb=0.0005, offload_optimizer="nvme", nvme_path=path)
+    zmodel, opt = zero.shard(
+        Net(),
+        Z.factory("adam"),
+        stage=3,
+        group=ctx.group,
+        bucket_mb=0.0005,
+        offload_optimizer="nvme",
+        nvme_path=path,
+    )
     Z.fit(zmodel, opt, *Z.local_batch(ctx, 16), steps)
     state = opt.state_dict()
     return opt.disk_stats(), opt.disk_bytes(), state
@@ -93,12 +112,13 @@ def quantized_sum(ctx, ranks_per_node, width, seed=0):
     g = torch.Generator().manual_seed(seed + ctx.rank)
     parts = torch.randn(ctx.world_size, width + 2, generator=g) * (1 + ctx.rank)
     parts[:, width:] = 1.0  # flags travel exactly
-    every = [torch.randn(ctx.world_size, width + 2,
-                         generator=torch.Generator().manual_seed(seed + r)) * (1 + r)
-             for r in range(ctx.world_size)]
+    every = [
+        torch.randn(ctx.world_size, width + 2, generator=torch.Generator().manual_seed(seed + r))
+        * (1 + r)
+        for r in range(ctx.world_size)
+    ]
     nodes = zeropp.Nodes.of(ctx.group, ctx.rank, ctx.world_size, ranks_per_node)
-    got = zeropp.quantized_reduce_scatter(Comm(ctx.group, algorithm="ring"), parts, width,
-                                          nodes)
+    got = zeropp.quantized_reduce_scatter(Comm(ctx.group, algorithm="ring"), parts, width, nodes)
     exact = sum(e[ctx.rank, :width] for e in every)
     most = max(float(e[:, :width].abs().max()) for e in every)
     return got[:width], got[width:], exact, most
@@ -115,8 +135,14 @@ def zeropp_step(ctx, steps, options, ranks_per_node=2, lr=0.05):
     seen = []
     if options.get("hpz_partition_size") or options.get("quantized_gradients"):
         options = {**options, "ranks_per_node": ranks_per_node}
-    zmodel, opt = zero.shard(model, lambda ps: torch.optim.SGD(ps, lr=lr), stage=3,
-                             group=ctx.group, tracer=tracer, **options)
+    zmodel, opt = zero.shard(
+        model,
+        lambda ps: torch.optim.SGD(ps, lr=lr),
+        stage=3,
+        group=ctx.group,
+        tracer=tracer,
+        **options,
+    )
     # After ZeRO's own hook, which gathers the weights this one reads.
     model.up.register_forward_pre_hook(lambda m, a: seen.append(m.weight.detach().clone()))
     masters = zmodel.full_state_dict()["up.weight"]
@@ -129,8 +155,14 @@ def zeropp_step(ctx, steps, options, ranks_per_node=2, lr=0.05):
 def fused(ctx, stage, steps, batch, **options):
     """Net under ZeRO stepped by torch's fused Adam, which writes the parameters in one
     kernel without bumping their version counters."""
-    zmodel, opt = zero.shard(Net(), lambda ps: torch.optim.Adam(ps, lr=0.01, fused=True),
-                             stage=stage, group=ctx.group, bucket_mb=0.0005, **options)
+    zmodel, opt = zero.shard(
+        Net(),
+        lambda ps: torch.optim.Adam(ps, lr=0.01, fused=True),
+        stage=stage,
+        group=ctx.group,
+        bucket_mb=0.0005,
+        **options,
+    )
     Z.fit(zmodel, opt, *Z.local_batch(ctx, batch), steps)
     return zmodel.full_state_dict()
 
@@ -140,13 +172,15 @@ def infinity_resume(ctx, path, before, after):
     go on; then a fresh model and InfinityOptimizer load the save and go on alike."""
     x, y = Z.local_batch(ctx, 16)
     options = {"offload_optimizer": "nvme", "bucket_mb": 0.0005}
-    zmodel, opt = zero.shard(Net(), Z.factory("adam"), 3, ctx.group,
-                             nvme_path=os.path.join(path, "a"), **options)
+    zmodel, opt = zero.shard(
+        Net(), Z.factory("adam"), 3, ctx.group, nvme_path=os.path.join(path, "a"), **options
+    )
     Z.fit(zmodel, opt, x, y, before)
     saved = {"model": zmodel.full_state_dict(), "opt": opt.state_dict()}
     Z.fit(zmodel, opt, x, y, after)
-    fresh, opt2 = zero.shard(Net(), Z.factory("adam"), 3, ctx.group,
-                             nvme_path=os.path.join(path, "b"), **options)
+    fresh, opt2 = zero.shard(
+        Net(), Z.factory("adam"), 3, ctx.group, nvme_path=os.path.join(path, "b"), **options
+    )
     fresh.load_full_state_dict(saved["model"])
     opt2.load_state_dict(saved["opt"])
     Z.fit(fresh, opt2, x, y, after)
@@ -167,8 +201,9 @@ class Checkpointed(nn.Module):
 
         h = torch.tanh(self.net.inp(x))
         hidden = self.net.hidden
-        h = torch.tanh(checkpoint(hidden, h, use_reentrant=False) if self.checkpointed
-                       else hidden(h))
+        h = torch.tanh(
+            checkpoint(hidden, h, use_reentrant=False) if self.checkpointed else hidden(h)
+        )
         return self.net.out(h)
 
 
@@ -178,8 +213,14 @@ def hazards(ctx, case, stage=3, steps=4, **options):
     backward and step), `zero_false` (zero_grad(set_to_none=False)), or `plain`. The
     losses and the weights."""
     model = Checkpointed(case == "recompute")
-    zmodel, opt = zero.shard(model, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-                             stage=stage, group=ctx.group, bucket_mb=0.0005, **options)
+    zmodel, opt = zero.shard(
+        model,
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        stage=stage,
+        group=ctx.group,
+        bucket_mb=0.0005,
+        **options,
+    )
     x, y = Z.local_batch(ctx, 16)
     losses = []
     for _ in range(steps):
@@ -197,8 +238,15 @@ def hazards(ctx, case, stage=3, steps=4, **options):
 def infinity_after_a_failed_step(ctx, path):
     """A step that raises (a hook of the torch optimizer inside, once), then steps that
     go on: the same weights as steps that never failed, less the failed one."""
-    zmodel, opt = zero.shard(Net(), Z.factory("adam"), 2, ctx.group, bucket_mb=0.0005,
-                             offload_optimizer="nvme", nvme_path=path)
+    zmodel, opt = zero.shard(
+        Net(),
+        Z.factory("adam"),
+        2,
+        ctx.group,
+        bucket_mb=0.0005,
+        offload_optimizer="nvme",
+        nvme_path=path,
+    )
     x, y = Z.local_batch(ctx, 16)
     failed = []
 
@@ -221,6 +269,8 @@ def infinity_after_a_failed_step(ctx, path):
 
 def node_groups_twice(ctx):
     """Two models with hpZ over the same ranks: do they share one node group?"""
-    made = [zero.ZeroModel(Wide(), 3, ctx.group, hpz_partition_size=2, ranks_per_node=2)
-            for _ in range(2)]
+    made = [
+        zero.ZeroModel(Wide(), 3, ctx.group, hpz_partition_size=2, ranks_per_node=2)
+        for _ in range(2)
+    ]
     return made[0].node_comm.group is made[1].node_comm.group

@@ -4,13 +4,12 @@ import contextlib
 import io
 
 import torch
+from dp_fns import Net, data, make_optimizer
 from torch import nn
 
 from parcourse import zero
 from parcourse.data import shard as shard_rows
 from parcourse.experiments.data_parallel import backward_in_microsteps
-
-from dp_fns import Net, data, make_optimizer
 
 
 def factory(opt_name):
@@ -41,11 +40,16 @@ def train(ctx, stage, opt_name, steps, batch, bucket_mb=0.0005):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
-    zmodel, opt = zero.shard(model, factory(opt_name), stage=stage, group=ctx.group,
-                             bucket_mb=bucket_mb)
+    zmodel, opt = zero.shard(
+        model, factory(opt_name), stage=stage, group=ctx.group, bucket_mb=bucket_mb
+    )
     fit(zmodel, opt, *local_batch(ctx, batch), steps)
-    state_numel = sum(t.numel() for s in opt.state.values() for t in s.values()
-                      if torch.is_tensor(t) and t.dim() > 0)
+    state_numel = sum(
+        t.numel()
+        for s in opt.state.values()
+        for t in s.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )
     return zmodel.full_state_dict(), state_numel
 
 
@@ -65,8 +69,9 @@ def resume(ctx, stage, steps_before, steps_after, batch):
     with torch.no_grad():  # other weights than saved: the load must replace them all
         for p in fresh.parameters():
             p.add_(1.0)
-    zmodel2, opt2 = zero.shard(fresh, factory("adam"), stage=stage, group=ctx.group,
-                               bucket_mb=0.0005)
+    zmodel2, opt2 = zero.shard(
+        fresh, factory("adam"), stage=stage, group=ctx.group, bucket_mb=0.0005
+    )
     zmodel2.load_full_state_dict(saved["model"])
     opt2.load_state_dict(saved["opt"])
     fit(zmodel2, opt2, x, y, steps_after)
@@ -80,8 +85,11 @@ def drop_in(ctx, opt_name, steps, batch):
 
     model = Net()
     ddp = NaiveDataParallel(model, ctx.group)
-    cls, kw = (torch.optim.Adam, {"lr": 0.01}) if opt_name == "adam" else \
-        (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9})
+    cls, kw = (
+        (torch.optim.Adam, {"lr": 0.01})
+        if opt_name == "adam"
+        else (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9})
+    )
     opt = ZeroOptimizer(ddp.parameters(), cls, group=ctx.group, **kw)
     fit(ddp, opt, *local_batch(ctx, batch), steps)
     return {k: v.clone() for k, v in model.state_dict().items()}, opt.local_state_bytes()
@@ -92,8 +100,14 @@ def mixed(ctx, stage, steps, batch, dtype):
     seen = []
     model = Net()
     model.inp.register_forward_hook(lambda m, a, out: seen.append((m.weight.dtype, out.dtype)))
-    zmodel, opt = zero.shard(model, factory("sgd"), stage=stage, group=ctx.group,
-                             mixed_precision=getattr(torch, dtype), bucket_mb=0.0005)
+    zmodel, opt = zero.shard(
+        model,
+        factory("sgd"),
+        stage=stage,
+        group=ctx.group,
+        mixed_precision=getattr(torch, dtype),
+        bucket_mb=0.0005,
+    )
     losses = fit(zmodel, opt, *local_batch(ctx, batch), steps)
     masters = {str(p.dtype) for p in opt.shard_params}
     dtypes = sorted({str(d) for pair in seen for d in pair})
@@ -119,8 +133,9 @@ class TinyGPT(nn.Module):
         super().__init__()
         g = torch.Generator().manual_seed(0)
         self.emb = nn.Embedding(vocab, width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
-                                 nn.Linear(4 * width, width))
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
         self.ln = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.emb.weight
@@ -144,8 +159,10 @@ def tokens(batch, seed=2):
 def adamw_groups(named):
     """nanoGPT's split: decay matrices, not biases or norms; each group its own lr."""
     named = list(named)
-    return [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.1, "lr": 0.02},
-            {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0, "lr": 0.005}]
+    return [
+        {"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.1, "lr": 0.02},
+        {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0, "lr": 0.005},
+    ]
 
 
 def step_loss(model, kind, x, y):
@@ -184,18 +201,38 @@ def one_process(kind, steps, batch, world_size, microsteps=1, clip=None, norm_ty
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def fsdp2_loop(ctx, kind, stage, steps, batch, microsteps=1, no_sync=False, keep_ln=False,
-               mixed_precision=None, clip=None, algorithm="auto", nvme_path=None,
-               norm_type=2.0, **options):
+def fsdp2_loop(
+    ctx,
+    kind,
+    stage,
+    steps,
+    batch,
+    microsteps=1,
+    no_sync=False,
+    keep_ln=False,
+    mixed_precision=None,
+    clip=None,
+    algorithm="auto",
+    nvme_path=None,
+    norm_type=2.0,
+    **options,
+):
     """As a loop written for FSDP2 would drive it: shard, then an ordinary AdamW with
     param groups over model.named_parameters(), an LR scheduler, accumulation. `options`
     go to ZeroModel (offload, ZeRO++); `nvme_path` wraps the AdamW in an
     InfinityOptimizer (the scheduler stays on the AdamW, whose param groups it steps)."""
     net = make_model(kind)
     keep = [net.ln] if keep_ln else []
-    model = zero.ZeroModel(net, stage, ctx.group, bucket_mb=0.0005, keep_modules=keep,
-                           compute_dtype=mixed_precision and getattr(torch, mixed_precision),
-                           algorithm=algorithm, **options)
+    model = zero.ZeroModel(
+        net,
+        stage,
+        ctx.group,
+        bucket_mb=0.0005,
+        keep_modules=keep,
+        compute_dtype=mixed_precision and getattr(torch, mixed_precision),
+        algorithm=algorithm,
+        **options,
+    )
     adamw = torch.optim.AdamW(adamw_groups(model.named_parameters()))
     sched = torch.optim.lr_scheduler.StepLR(adamw, step_size=1, gamma=0.5)
     opt = adamw if nvme_path is None else zero.InfinityOptimizer(model, adamw, nvme_path)
@@ -232,8 +269,7 @@ def groups_drop_in(ctx, steps, batch):
         sched.step()
         opt.zero_grad()
     saved = opt.state_dict()
-    fresh = ZeroOptimizer(adamw_groups(net.named_parameters()), torch.optim.AdamW,
-                          group=ctx.group)
+    fresh = ZeroOptimizer(adamw_groups(net.named_parameters()), torch.optim.AdamW, group=ctx.group)
     fresh.load_state_dict(saved)
     hyper = [(g["lr"], g["weight_decay"]) for g in fresh.param_groups]
     return {k: v.clone() for k, v in net.state_dict().items()}, hyper
@@ -262,8 +298,7 @@ def masters_at_start(ctx):
             torch.manual_seed(0)  # the same weights on every rank
             model = Net()
             given = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            zmodel = zero.ZeroModel(model, stage, ctx.group, compute_dtype=dtype,
-                                    bucket_mb=0.0005)
+            zmodel = zero.ZeroModel(model, stage, ctx.group, compute_dtype=dtype, bucket_mb=0.0005)
             out.append((stage, str(dtype), given, zmodel.full_state_dict()))
     return out
 
@@ -271,9 +306,14 @@ def masters_at_start(ctx):
 def mixed_one_step(ctx, stage, dtype, lr=0.1):
     """One SGD step under ZeRO with 16-bit compute: the fp32 masters afterwards."""
     torch.manual_seed(0)
-    zmodel, opt = zero.shard(Net(), lambda ps: torch.optim.SGD(ps, lr=lr), stage=stage,
-                             group=ctx.group, mixed_precision=getattr(torch, dtype),
-                             bucket_mb=0.0005)
+    zmodel, opt = zero.shard(
+        Net(),
+        lambda ps: torch.optim.SGD(ps, lr=lr),
+        stage=stage,
+        group=ctx.group,
+        mixed_precision=getattr(torch, dtype),
+        bucket_mb=0.0005,
+    )
     x, y = local_batch(ctx, 16)
     nn.functional.mse_loss(zmodel(x), y).backward()
     opt.step()
@@ -289,8 +329,9 @@ def mixed_reference(dtype, world_size, lr=0.1, kind="plain"):
     grads = {n: torch.zeros_like(p) for n, p in master.named_parameters()}
     for rank in range(world_size):
         half = Net(kind).to(getattr(torch, dtype))
-        half.load_state_dict({k: v.to(getattr(torch, dtype))
-                              for k, v in master.state_dict().items()})
+        half.load_state_dict(
+            {k: v.to(getattr(torch, dtype)) for k, v in master.state_dict().items()}
+        )
         x, y = data(16)
         x, y = shard_rows(x, rank, world_size), shard_rows(y, rank, world_size)
         loss = nn.functional.mse_loss(half(x.to(half.inp.weight.dtype)).float(), y)
@@ -336,11 +377,14 @@ def dropped_models_are_freed(ctx):
 
     from parcourse.data_parallel import BucketedDataParallel, NaiveDataParallel
 
-    makers = {"naive": lambda net: NaiveDataParallel(net, ctx.group),
-              "bucketed": lambda net: BucketedDataParallel(net, ctx.group),
-              **{f"zero {s}": (lambda net, s=s: zero.ZeroModel(net, s, ctx.group,
-                                                              bucket_mb=0.0005))
-                 for s in (1, 2, 3)}}
+    makers = {
+        "naive": lambda net: NaiveDataParallel(net, ctx.group),
+        "bucketed": lambda net: BucketedDataParallel(net, ctx.group),
+        **{
+            f"zero {s}": (lambda net, s=s: zero.ZeroModel(net, s, ctx.group, bucket_mb=0.0005))
+            for s in (1, 2, 3)
+        },
+    }
     freed = {}
     for name, make in makers.items():
         model = make(Net())
@@ -388,8 +432,7 @@ def load_refused(ctx, stage, change):
     if change == "extra":
         state["extra.weight"] = torch.zeros(3)
     else:
-        state[name] = state[name].t().contiguous() if state[name].dim() == 2 \
-            else state[name][:1]
+        state[name] = state[name].t().contiguous() if state[name].dim() == 2 else state[name][:1]
     try:
         model.load_full_state_dict(state)
     except (KeyError, ValueError) as e:
@@ -448,14 +491,18 @@ def kept_branches(ctx, stage, batch, steps=3, world_size=None):
     if ctx is None:
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         for _ in range(steps):
-            sum(nn.functional.mse_loss(net(shard_rows(x, r, world_size), r % 2),
-                                       shard_rows(y, r, world_size))
-                for r in range(world_size)).div(world_size).backward()
+            sum(
+                nn.functional.mse_loss(
+                    net(shard_rows(x, r, world_size), r % 2), shard_rows(y, r, world_size)
+                )
+                for r in range(world_size)
+            ).div(world_size).backward()
             opt.step()
             opt.zero_grad()
         return {k: v.clone() for k, v in net.state_dict().items()}
-    model = zero.ZeroModel(net, stage, ctx.group, bucket_mb=0.0005,
-                           keep_modules=[net.ln_a, net.ln_b])
+    model = zero.ZeroModel(
+        net, stage, ctx.group, bucket_mb=0.0005, keep_modules=[net.ln_a, net.ln_b]
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     xs, ys = shard_rows(x, ctx.rank, ctx.world_size), shard_rows(y, ctx.rank, ctx.world_size)
     for _ in range(steps):
@@ -511,8 +558,9 @@ def thawed_after_wrapping(ctx, kind):
 
     net = Net()
     net.inp.requires_grad_(False)
-    model = NaiveDataParallel(net, ctx.group) if kind == "ddp" else \
-        zero.ZeroModel(net, 1, ctx.group)
+    model = (
+        NaiveDataParallel(net, ctx.group) if kind == "ddp" else zero.ZeroModel(net, 1, ctx.group)
+    )
     net.inp.requires_grad_(True)
     model(data(4)[0])
 
@@ -526,8 +574,11 @@ def rewrapped_after_unfreezing(ctx, kind):
     from parcourse.data_parallel import NaiveDataParallel
 
     def wrap(net):
-        return NaiveDataParallel(net, ctx.group) if kind == "ddp" else \
-            zero.ZeroModel(net, 1, ctx.group)
+        return (
+            NaiveDataParallel(net, ctx.group)
+            if kind == "ddp"
+            else zero.ZeroModel(net, 1, ctx.group)
+        )
 
     net = Net()
     net.inp.requires_grad_(False)
@@ -554,9 +605,14 @@ def mixed_one_step_frozen(ctx, stage, dtype, lr=0.1):
     seen = []
     model = Net("frozen")
     model.hidden.register_forward_hook(lambda m, a, out: seen.append(str(m.weight.dtype)))
-    zmodel, opt = zero.shard(model, lambda ps: torch.optim.SGD(ps, lr=lr), stage=stage,
-                             group=ctx.group, mixed_precision=getattr(torch, dtype),
-                             bucket_mb=0.0005)
+    zmodel, opt = zero.shard(
+        model,
+        lambda ps: torch.optim.SGD(ps, lr=lr),
+        stage=stage,
+        group=ctx.group,
+        mixed_precision=getattr(torch, dtype),
+        bucket_mb=0.0005,
+    )
     x, y = local_batch(ctx, 16)
     nn.functional.mse_loss(zmodel(x), y).backward()
     opt.step()
@@ -575,9 +631,11 @@ def offloaded_state_in_the_other_rank(ctx, rows):
     state loads."""
     import torch.distributed as dist
 
-    config = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-              "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
-              "train_micro_batch_size_per_gpu": 4}
+    config = {
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+        "train_micro_batch_size_per_gpu": 4,
+    }
     torch.manual_seed(0)
     engine = zero.from_config(nn.Linear(8, rows), config, ctx.group)
     engine.backward(engine(torch.randn(4, 8)).square().sum())

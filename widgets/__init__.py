@@ -4,9 +4,9 @@ Installed as `parcourse.widgets`. The library (`parcourse`) never imports this.
 """
 
 from parcourse.widgets.calculator import MemoryCalculator
-from parcourse.launch.shared import close_shared_pools, shared_pool
 from parcourse.widgets.panel import RunPanel
 from parcourse.widgets.planner import PlannerPanel
 
-__all__ = ["MemoryCalculator", "PlannerPanel", "RunPanel", "close_shared_pools",
-           "shared_pool"]
+from parcourse.launch.shared import close_shared_pools, shared_pool
+
+__all__ = ["MemoryCalculator", "PlannerPanel", "RunPanel", "close_shared_pools", "shared_pool"]

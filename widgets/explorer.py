@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 import ipywidgets as W
+from parcourse.widgets.outputs import show
 
 from parcourse import plots
 from parcourse.trace import Trace
-from parcourse.widgets.outputs import show
 
 MAX_ROWS = 200  # rows of the span table; the rest are counted
 
@@ -31,24 +31,32 @@ class SpanExplorer:
         self.folder = Path(folder)
         self.trace: Trace | None = None
         self.title = ""
-        self.range = W.FloatRangeSlider(value=(0.0, 1.0), min=0.0, max=1.0, step=0.01,
-                                        description="zoom (ms)", continuous_update=False,
-                                        readout_format=".2f", layout=W.Layout(width="95%"))
+        self.range = W.FloatRangeSlider(
+            value=(0.0, 1.0),
+            min=0.0,
+            max=1.0,
+            step=0.01,
+            description="zoom (ms)",
+            continuous_update=False,
+            readout_format=".2f",
+            layout=W.Layout(width="95%"),
+        )
         self.rank = W.Dropdown(options=[("all ranks", -1)], value=-1, description="rank")
         self.figure = W.Output()
         self.table = W.HTML()
-        self.export = W.Button(description="Export for Perfetto", icon="download",
-                               layout=W.Layout(width="max-content"))
+        self.export = W.Button(
+            description="Export for Perfetto", icon="download", layout=W.Layout(width="max-content")
+        )
         self.exported = W.HTML()
         self.range.observe(lambda _: self.draw(), names="value")
         self.rank.observe(lambda _: self.draw(), names="value")
         self.export.on_click(lambda _: self.write())
         # No box of its own around the button: a panel is found in a page as a box holding
         # a row with a button (the browser test's selector), and this is not a panel.
-        body = W.VBox([self.rank, self.export, self.exported, self.range, self.figure,
-                       self.table])
-        self.widget = W.Accordion(children=[body],
-                                  titles=("Zoom into the timeline, read each span, export",))
+        body = W.VBox([self.rank, self.export, self.exported, self.range, self.figure, self.table])
+        self.widget = W.Accordion(
+            children=[body], titles=("Zoom into the timeline, read each span, export",)
+        )
         self.widget.selected_index = None
         self.widget.layout.display = "none"  # until a run with spans
         # Drawn when opened: a panel's run does not pay for a figure nobody looks at.
@@ -69,8 +77,9 @@ class SpanExplorer:
             self.range.step = max(length / 1000, 0.001)
             self.range.value = (0.0, length)
         with self.rank.hold_trait_notifications():
-            self.rank.options = [("all ranks", -1)] + [(f"rank {r}", r)
-                                                       for r in range(trace.world_size)]
+            self.rank.options = [("all ranks", -1)] + [
+                (f"rank {r}", r) for r in range(trace.world_size)
+            ]
             self.rank.value = -1
         self.exported.value = ""
         self.draw()
@@ -81,10 +90,14 @@ class SpanExplorer:
             return []
         t0 = self.trace.t0_ns
         lo, hi = (t0 + v * 1e6 for v in self.range.value)
-        return sorted((s for s in self.trace.spans
-                       if s.end_ns >= lo and s.start_ns <= hi
-                       and self.rank.value in (-1, s.rank)),
-                      key=lambda s: (s.start_ns, s.rank))
+        return sorted(
+            (
+                s
+                for s in self.trace.spans
+                if s.end_ns >= lo and s.start_ns <= hi and self.rank.value in (-1, s.rank)
+            ),
+            key=lambda s: (s.start_ns, s.rank),
+        )
 
     def draw(self) -> None:
         """The zoomed timeline and the table, while the explorer is open."""
@@ -105,13 +118,18 @@ class SpanExplorer:
             f"<td style='text-align:right'>{(s.start_ns - t0) / 1e6:.3f}</td>"
             f"<td style='text-align:right'>{(s.end_ns - s.start_ns) / 1e6:.3f}</td>"
             f"<td style='text-align:right'>{_bytes(s.meta.get('bytes'))}</td></tr>"
-            for s in spans[:MAX_ROWS])
-        more = (f"<p>and {len(spans) - MAX_ROWS} more: narrow the range or pick a rank</p>"
-                if len(spans) > MAX_ROWS else "")
+            for s in spans[:MAX_ROWS]
+        )
+        more = (
+            f"<p>and {len(spans) - MAX_ROWS} more: narrow the range or pick a rank</p>"
+            if len(spans) > MAX_ROWS
+            else ""
+        )
         self.table.value = (
             "<table style='font-family:monospace; font-size:12px'>"
             "<tr><th>rank</th><th>span</th><th>kind</th><th>start (ms)</th>"
-            f"<th>duration (ms)</th><th>bytes</th></tr>{rows}</table>{more}")
+            f"<th>duration (ms)</th><th>bytes</th></tr>{rows}</table>{more}"
+        )
 
     def write(self) -> Path | None:
         """The run as a Chrome trace-event file under `folder`; a link and what to do."""
@@ -125,7 +143,8 @@ class SpanExplorer:
             f"wrote <a href='{html.escape(path.as_posix())}' download>"
             f"{html.escape(path.as_posix())}</a> ({len(self.trace.spans)} spans): open "
             "<a href='https://ui.perfetto.dev' target='_blank'>ui.perfetto.dev</a> and drop "
-            "the file on it")
+            "the file on it"
+        )
         return path
 
 

@@ -38,11 +38,14 @@ def _figure(fig: Figure) -> dict[str, Any]:
     fig.savefig(buffer, format="png", bbox_inches="tight", dpi=fig.dpi)
     plt.close(fig)
     width, height = fig.get_size_inches() * fig.dpi
-    return {"output_type": "display_data",
-            "data": {"image/png": base64.b64encode(buffer.getvalue()).decode("ascii"),
-                     "text/plain": f"<Figure size {width:.0f}x{height:.0f} with "
-                                   f"{len(fig.axes)} Axes>"},
-            "metadata": {}}
+    return {
+        "output_type": "display_data",
+        "data": {
+            "image/png": base64.b64encode(buffer.getvalue()).decode("ascii"),
+            "text/plain": f"<Figure size {width:.0f}x{height:.0f} with {len(fig.axes)} Axes>",
+        },
+        "metadata": {},
+    }
 
 
 def output_of(item: Any) -> dict[str, Any]:
@@ -51,12 +54,17 @@ def output_of(item: Any) -> dict[str, Any]:
     if isinstance(item, Figure):
         return _figure(item)
     if hasattr(item, "_repr_html_"):
-        return {"output_type": "display_data",
-                "data": {"text/html": item._repr_html_(), "text/plain": repr(item)},
-                "metadata": {}}
+        return {
+            "output_type": "display_data",
+            "data": {"text/html": item._repr_html_(), "text/plain": repr(item)},
+            "metadata": {},
+        }
     text = str(item)
-    return {"output_type": "stream", "name": "stdout",
-            "text": text if text.endswith("\n") else text + "\n"}
+    return {
+        "output_type": "stream",
+        "name": "stdout",
+        "text": text if text.endswith("\n") else text + "\n",
+    }
 
 
 def show(output: W.Output, *items: Any) -> None:

@@ -35,16 +35,18 @@ from typing import Any
 import ipywidgets as W
 from IPython.display import HTML, display
 from matplotlib.figure import Figure
+from parcourse.widgets.explorer import SpanExplorer
+from parcourse.widgets.outputs import show
 
 from parcourse import LaunchError, Pool, Run
 from parcourse.launch import group_ranks
 from parcourse.launch.shared import shared_pool
-from parcourse.widgets.explorer import SpanExplorer
-from parcourse.widgets.outputs import show
 
 Rendered = str | Figure | Iterable[str | Figure] | None
-_WHY_SLOW = ("a new world size: the first run starts the ranks, each imports torch and joins "
-             "the process group; later runs reuse them")
+_WHY_SLOW = (
+    "a new world size: the first run starts the ranks, each imports torch and joins "
+    "the process group; later runs reuse them"
+)
 
 
 class RunPanel:
@@ -84,12 +86,19 @@ class RunPanel:
         self.button.on_click(lambda _: self.run())
         header = [W.HTML(f"<b>{html.escape(title)}</b>")] if title else []
         if self.fixed:
-            runs = ", ".join(f"{k} = {v:g}" if isinstance(v, float) else f"{k} = {v}"
-                             for k, v in self.fixed.items())
+            runs = ", ".join(
+                f"{k} = {v:g}" if isinstance(v, float) else f"{k} = {v}"
+                for k, v in self.fixed.items()
+            )
             header.append(W.HTML(f"<small>runs with {html.escape(runs)}</small>"))
         self.widget = W.VBox(
-            [*header, *self.controls.values(), W.HBox([self.button, self.status]), self.output,
-             self.explorer.widget]
+            [
+                *header,
+                *self.controls.values(),
+                W.HBox([self.button, self.status]),
+                self.output,
+                self.explorer.widget,
+            ]
         )
         if run_now:
             self.run(raise_errors=True)
@@ -110,12 +119,13 @@ class RunPanel:
         n, elapsed = len(statuses), time.perf_counter() - t0
         if pool.starting:
             ready = statuses.count("ready")
-            head = (f"starting {n} rank{'s' * (n > 1)}… {elapsed:.1f} s, {ready} ready "
-                    f"({_WHY_SLOW})")
+            head = f"starting {n} rank{'s' * (n > 1)}… {elapsed:.1f} s, {ready} ready ({_WHY_SLOW})"
             busy = {r: s for r, s in enumerate(statuses) if s != "ready"}
         else:
-            head = (f"running… {elapsed:.1f} s, {statuses.count('done')} of {n} "
-                    f"rank{'s' * (n != 1)} done")
+            head = (
+                f"running… {elapsed:.1f} s, {statuses.count('done')} of {n} "
+                f"rank{'s' * (n != 1)} done"
+            )
             busy = {r: s for r, s in enumerate(statuses) if s != "done"}
         rows = "".join(f"<br>&nbsp;&nbsp;{html.escape(line)}" for line in group_ranks(busy))
         self.status.value = f"<span>{html.escape(head)}{rows}</span>"
@@ -135,19 +145,26 @@ class RunPanel:
                 rank_kwargs = {**rank_kwargs, **(built or {})}
             pool = self._pool_for(world_size)
             self.status.value = html.escape(
-                "running…" if pool.alive
-                else f"starting {world_size} rank{'s' * (world_size != 1)}… ({_WHY_SLOW})")
-            run = pool.run(self.rank_fn, timeout=self.timeout,
-                           on_progress=lambda s, _: self._show_progress(pool, t0, s),
-                           **rank_kwargs)
+                "running…"
+                if pool.alive
+                else f"starting {world_size} rank{'s' * (world_size != 1)}… ({_WHY_SLOW})"
+            )
+            run = pool.run(
+                self.rank_fn,
+                timeout=self.timeout,
+                on_progress=lambda s, _: self._show_progress(pool, t0, s),
+                **rank_kwargs,
+            )
             self.last_run = run
-            started = (f", of which {run.startup_s:.1f} s starting the ranks"
-                       if run.startup_s >= 0.05 else "")
+            started = (
+                f", of which {run.startup_s:.1f} s starting the ranks"
+                if run.startup_s >= 0.05
+                else ""
+            )
             notes = "".join(f"<br>{html.escape(n)}" for n in self._clamped())
             self._initial = dict(params)
             # The ranks are done, the figures not yet: say so until they are drawn.
-            self.status.value = html.escape(f"ranks done in {run.wall_s * 1e3:.0f} ms; "
-                                            "drawing…")
+            self.status.value = html.escape(f"ranks done in {run.wall_s * 1e3:.0f} ms; drawing…")
             self._show(run, params)
             self.explorer.show(run.trace, self.title or getattr(self.rank_fn, "__name__", ""))
             self.status.value = (
@@ -176,7 +193,7 @@ class RunPanel:
             if isinstance(control, W.Checkbox):
                 values: list[Any] = [False, True]
             elif hasattr(control, "base"):  # a log slider: min and max are exponents
-                values = [control.base ** control.min, control.base ** control.max]
+                values = [control.base**control.min, control.base**control.max]
             elif hasattr(control, "min") and hasattr(control, "max"):
                 values = [control.min, control.max]
             elif getattr(control, "options", None):
@@ -198,24 +215,28 @@ class RunPanel:
         current = {name: c.value for name, c in self.controls.items()}
         unknown = sorted(set(start or {}) - set(current))
         if unknown:
-            raise ValueError(f"no control named {', '.join(unknown)}; the panel has "
-                             f"{', '.join(current)}")
+            raise ValueError(
+                f"no control named {', '.join(unknown)}; the panel has {', '.join(current)}"
+            )
         base = {**current, **(start or {})}
         problems: list[str] = []
 
         def attempt(what: str) -> None:
             self.run()
             error = self.last_error
-            if error is not None and not (error.startswith("ValueError: ")
-                                          and "\n" not in error.strip()):
-                problems.append(f"{self.title or 'panel'}, {what}: "
-                                f"{error.strip().splitlines()[-1]}")
+            if error is not None and not (
+                error.startswith("ValueError: ") and "\n" not in error.strip()
+            ):
+                problems.append(
+                    f"{self.title or 'panel'}, {what}: {error.strip().splitlines()[-1]}"
+                )
 
         try:
             for name, value in base.items():
                 self.controls[name].value = value
-            moved = [f"{name} = {value!r}" for name, value in base.items()
-                     if value != current[name]]
+            moved = [
+                f"{name} = {value!r}" for name, value in base.items() if value != current[name]
+            ]
             if moved:
                 attempt(", ".join(moved))
             for name, value in self.edges():
@@ -234,16 +255,24 @@ class RunPanel:
         for name, control in self.controls.items():
             low, high = getattr(control, "min", None), getattr(control, "max", None)
             value = control.value
-            if (low is None or high is None or isinstance(value, bool)
-                    or value == self._initial.get(name)):
+            if (
+                low is None
+                or high is None
+                or isinstance(value, bool)
+                or value == self._initial.get(name)
+            ):
                 continue
             label = control.description or name
             if value == high:
-                notes.append(f"{label} = {value:g} is the slider's maximum: a larger value "
-                             "typed in is cut to it")
+                notes.append(
+                    f"{label} = {value:g} is the slider's maximum: a larger value "
+                    "typed in is cut to it"
+                )
             elif value == low:
-                notes.append(f"{label} = {value:g} is the slider's minimum: a smaller value "
-                             "typed in is raised to it")
+                notes.append(
+                    f"{label} = {value:g} is the slider's minimum: a smaller value "
+                    "typed in is raised to it"
+                )
         return notes
 
     def _show(self, run: Run, params: dict[str, Any]) -> None:
@@ -256,5 +285,7 @@ class RunPanel:
     def _fail(self, message: str) -> None:
         self.last_error = message
         self.status.value = "<span style='color:#b00'>failed, see below</span>"
-        show(self.output, HTML(f"<pre style='color:#b00; white-space:pre-wrap'>"
-                               f"{html.escape(message)}</pre>"))
+        show(
+            self.output,
+            HTML(f"<pre style='color:#b00; white-space:pre-wrap'>{html.escape(message)}</pre>"),
+        )

@@ -10,16 +10,38 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from parcourse.cli import (allreduce, checkpoint, ddp, doctor, mesh, pipeline, plan, tp,
-                           train, train3d, zero)
+from parcourse.cli import (
+    allreduce,
+    checkpoint,
+    ddp,
+    doctor,
+    mesh,
+    pipeline,
+    plan,
+    tp,
+    train,
+    train3d,
+    zero,
+)
 from parcourse.cli.classroom import BuildStudent, Grade
 from parcourse.cli.options import parse_count, parse_size
 
 # The order `--help` lists them in.
-COMMANDS = {"doctor": doctor, "allreduce": allreduce, "ddp": ddp, "zero": zero,
-            "checkpoint": checkpoint, "pipeline": pipeline, "tp": tp, "mesh": mesh,
-            "train3d": train3d, "plan": plan, "train": train,
-            "build-student": BuildStudent, "grade": Grade}
+COMMANDS = {
+    "doctor": doctor,
+    "allreduce": allreduce,
+    "ddp": ddp,
+    "zero": zero,
+    "checkpoint": checkpoint,
+    "pipeline": pipeline,
+    "tp": tp,
+    "mesh": mesh,
+    "train3d": train3d,
+    "plan": plan,
+    "train": train,
+    "build-student": BuildStudent,
+    "grade": Grade,
+}
 
 __all__ = ["COMMANDS", "build_parser", "main", "parse_count", "parse_size"]
 

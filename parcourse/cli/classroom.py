@@ -32,8 +32,10 @@ class BuildStudent:
 
         written = student_build(args.lessons, args.out)
         count = sum(len(exercises(json.loads(p.read_text()), p.stem)) for p in written)
-        print(f"build-student  {len(written)} lessons, {count} exercises, solutions removed "
-              f"and outputs cleared, in {args.out}")
+        print(
+            f"build-student  {len(written)} lessons, {count} exercises, solutions removed "
+            f"and outputs cleared, in {args.out}"
+        )
         return 0
 
 

@@ -39,21 +39,37 @@ def run(args: argparse.Namespace) -> int:
 
     where = ranks(args)
     world_size = where.world_size
-    trained = launch(train_steps, world_size, args.impl, args.steps + 1, width=args.width,
-                     depth=args.depth, batch=args.batch, bucket_mb=args.bucket_mb,
-                     overlap=not args.no_overlap, latency_us=args.latency_us,
-                     bandwidth_gbps=args.bandwidth_gbps, traced=False, timeout=args.timeout)
+    trained = launch(
+        train_steps,
+        world_size,
+        args.impl,
+        args.steps + 1,
+        width=args.width,
+        depth=args.depth,
+        batch=args.batch,
+        bucket_mb=args.bucket_mb,
+        overlap=not args.no_overlap,
+        latency_us=args.latency_us,
+        bandwidth_gbps=args.bandwidth_gbps,
+        traced=False,
+        timeout=args.timeout,
+    )
     if where.quiet:
         return 0
     # Each step lasts as long as its slowest rank; the first step warms up.
     steps = [max(ts) for ts in zip(*(r["step_s"] for r in trained.results))][1:]
     first = trained.results[0]
-    print(f"ddp         {args.impl}, {world_size} ranks, backend {trained.backend}, "
-          f"MLP {args.depth} x {args.width} ({first['params'] / 1e6:.2f} M parameters, "
-          f"{first['params'] * 4 / 2**20:.1f} MiB of gradients)")
+    print(
+        f"ddp         {args.impl}, {world_size} ranks, backend {trained.backend}, "
+        f"MLP {args.depth} x {args.width} ({first['params'] / 1e6:.2f} M parameters, "
+        f"{first['params'] * 4 / 2**20:.1f} MiB of gradients)"
+    )
     overlap = "off" if args.no_overlap else "on"
-    print(f"buckets     {args.bucket_mb:g} MB, overlap {overlap}" if args.impl != "naive"
-          else "buckets     none: one all-reduce per parameter, after backward")
+    print(
+        f"buckets     {args.bucket_mb:g} MB, overlap {overlap}"
+        if args.impl != "naive"
+        else "buckets     none: one all-reduce per parameter, after backward"
+    )
     if args.latency_us or args.bandwidth_gbps:
         print(f"link        simulated: {args.latency_us:g} us, {args.bandwidth_gbps or 'inf'} GB/s")
     print(f"step time   {statistics.median(steps) * 1e3:.1f} ms (median of {len(steps)})")

@@ -20,9 +20,15 @@ HELP = "check this machine: versions, backends, a 2-rank run"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, default=2, help="ranks for the smoke run (2)")
-    p.add_argument("--class", dest="students", type=int, default=None, metavar="N",
-                   help="also size a class server for N students (cores, memory, sockets, "
-                        "from the lessons' measured peaks) and check this machine against it")
+    p.add_argument(
+        "--class",
+        dest="students",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also size a class server for N students (cores, memory, sockets, "
+        "from the lessons' measured peaks) and check this machine against it",
+    )
 
 
 def check(args: argparse.Namespace) -> str | None:
@@ -53,9 +59,15 @@ def run(args: argparse.Namespace) -> int:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     names = [torch.cuda.get_device_name(i) for i in range(gpus)]
     say(f"gpus        {gpus}{' - ' + ', '.join(names) if names else ''}")
-    backends = [b for b, ok in (("gloo", dist.is_gloo_available()),
-                                ("nccl", dist.is_nccl_available()),
-                                ("mpi", dist.is_mpi_available())) if ok]
+    backends = [
+        b
+        for b, ok in (
+            ("gloo", dist.is_gloo_available()),
+            ("nccl", dist.is_nccl_available()),
+            ("mpi", dist.is_mpi_available()),
+        )
+        if ok
+    ]
     say(f"backends    {', '.join(backends) or 'none'}")
     world_size = where.world_size
     expected = world_size * (world_size + 1) / 2
@@ -64,8 +76,10 @@ def run(args: argparse.Namespace) -> int:
     cold = time.perf_counter() - t0
     ok = all(r == expected for r in smoke.results)
     how = "under an external launcher" if where.external else "launched here"
-    say(f"all_reduce  {world_size} ranks {how}, backend {smoke.backend}: "
-        f"{'OK' if ok else 'WRONG ' + str(smoke.results)} in {cold * 1e3:.0f} ms (with start-up)")
+    say(
+        f"all_reduce  {world_size} ranks {how}, backend {smoke.backend}: "
+        f"{'OK' if ok else 'WRONG ' + str(smoke.results)} in {cold * 1e3:.0f} ms (with start-up)"
+    )
     if not where.external:
         with Pool(world_size) as pool:
             pool.run(_smoke_all_reduce)

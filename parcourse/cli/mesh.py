@@ -11,13 +11,23 @@ HELP = "a device mesh: each rank's coordinates and each axis' groups (no process
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shape", default="pp=2,dp=2,tp=2",
-                   help="axis=size pairs, e.g. pp=2,dp=2,tp=2 (axes: " + ", ".join(AXES) + ")")
-    p.add_argument("--order", default="megatron",
-                   help="megatron (pp, dp, tp innermost), llama3 (dp, pp, tp innermost), or "
-                        "the axes outermost first, e.g. dp,pp,tp")
-    p.add_argument("--ranks-per-node", type=int, default=None,
-                   help="consecutive ranks that share a node (marks groups that cross nodes)")
+    p.add_argument(
+        "--shape",
+        default="pp=2,dp=2,tp=2",
+        help="axis=size pairs, e.g. pp=2,dp=2,tp=2 (axes: " + ", ".join(AXES) + ")",
+    )
+    p.add_argument(
+        "--order",
+        default="megatron",
+        help="megatron (pp, dp, tp innermost), llama3 (dp, pp, tp innermost), or "
+        "the axes outermost first, e.g. dp,pp,tp",
+    )
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        help="consecutive ranks that share a node (marks groups that cross nodes)",
+    )
 
 
 def parse_shape(text: str) -> dict[str, int]:
@@ -32,8 +42,7 @@ def parse_shape(text: str) -> dict[str, int]:
 
 
 def _layout(args: argparse.Namespace) -> Layout:
-    order = args.order if args.order in ORDERS else tuple(a.strip() for a in
-                                                            args.order.split(","))
+    order = args.order if args.order in ORDERS else tuple(a.strip() for a in args.order.split(","))
     return Layout.of(parse_shape(args.shape), order)
 
 
@@ -52,8 +61,10 @@ def run(args: argparse.Namespace) -> int:
     shown = [a for a, s in zip(layout.axes, layout.sizes) if s > 1] or [layout.axes[-1]]
     sizes = " x ".join(f"{a} {layout.size(a)}" for a in shown)
     nodes = f", {per_node} ranks a node" if per_node else ""
-    print(f"mesh        {sizes} = {layout.world_size} ranks, order {args.order} "
-          f"({shown[0]} outermost, {shown[-1]} innermost){nodes}")
+    print(
+        f"mesh        {sizes} = {layout.world_size} ranks, order {args.order} "
+        f"({shown[0]} outermost, {shown[-1]} innermost){nodes}"
+    )
     print("\nrank" + ("  node" if per_node else "") + "".join(f"{a:>4}" for a in shown))
     for rank in range(layout.world_size):
         coords = layout.coordinates(rank)
@@ -62,8 +73,11 @@ def run(args: argparse.Namespace) -> int:
     print("\ngroups" + ("   (* crosses a node boundary)" if per_node else ""))
     for axis in shown:
         print(f"  {axis:<10}" + " ".join(_group(g, per_node) for g in layout.groups(axis)))
-    print("  embedding " + " ".join(_group(g, per_node) for g in layout.embedding_groups())
-          + "   (first and last stage of each pipeline: the tied embedding and head)")
+    print(
+        "  embedding "
+        + " ".join(_group(g, per_node) for g in layout.embedding_groups())
+        + "   (first and last stage of each pipeline: the tied embedding and head)"
+    )
     return 0
 
 

@@ -15,8 +15,15 @@ from parcourse.launch import external_env
 from parcourse.pipeline.schedule import SCHEDULES
 from parcourse.plan import ZERO_STAGES, ParallelPlan
 
-_UNITS = {"B": 1, "KB": 1 << 10, "KIB": 1 << 10, "MB": 1 << 20, "MIB": 1 << 20,
-          "GB": 1 << 30, "GIB": 1 << 30}
+_UNITS = {
+    "B": 1,
+    "KB": 1 << 10,
+    "KIB": 1 << 10,
+    "MB": 1 << 20,
+    "MIB": 1 << 20,
+    "GB": 1 << 30,
+    "GIB": 1 << 30,
+}
 
 
 def parse_size(text: str) -> int:
@@ -45,15 +52,20 @@ def parse_count(text: str) -> int:
 
 
 def ranks_option(p: argparse.ArgumentParser, default: int) -> None:
-    p.add_argument("--world-size", type=int, default=default,
-                   help=f"ranks ({default}; under torchrun, the launcher's)")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=default,
+        help=f"ranks ({default}; under torchrun, the launcher's)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
 
 
 def link_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency-us", type=float, default=0.0, help="simulated link latency")
-    p.add_argument("--bandwidth-gbps", type=float, default=None,
-                   help="simulated link bandwidth in GB/s")
+    p.add_argument(
+        "--bandwidth-gbps", type=float, default=None, help="simulated link bandwidth in GB/s"
+    )
 
 
 def at_least_one(args: argparse.Namespace, *names: str) -> str | None:
@@ -91,36 +103,48 @@ def mesh_against_launcher(plan: ParallelPlan) -> str | None:
     axes = [a for a, n in plan.shape.items() if n > 1 or a in ("dp", "tp", "pp")]
     sizes = " x ".join(f"{a} {plan.shape[a]}" for a in axes)
     flags = ", ".join(f"--{a}" for a in axes[:-1]) + f" and --{axes[-1]}"
-    return (f"the mesh {sizes} needs {plan.gpus} ranks, but the launcher started "
-            f"{external[1]}: give {flags} whose product is {external[1]}")
+    return (
+        f"the mesh {sizes} needs {plan.gpus} ranks, but the launcher started "
+        f"{external[1]}: give {flags} whose product is {external[1]}"
+    )
 
 
 # What each of the plan's fields means on a command line.
 PLAN_HELP = {
-    "dp": "data-parallel replicas", "tp": "tensor-parallel ranks", "pp": "pipeline ranks",
+    "dp": "data-parallel replicas",
+    "tp": "tensor-parallel ranks",
+    "pp": "pipeline ranks",
     "cp": "context-parallel ranks: each sequence cut over them",
     "cp_method": "how cp's ranks attend over the whole sequence",
     "ep": "expert-parallel ranks: each MoE layer's experts cut over them (each with its "
-          "own rows, as dp's)",
-    "schedule": "the pipeline schedule", "microbatches": "per replica",
-    "chunks": "stages per rank, interleaved-1f1b", "zero": "ZeRO's stage over dp",
+    "own rows, as dp's)",
+    "schedule": "the pipeline schedule",
+    "microbatches": "per replica",
+    "chunks": "stages per rank, interleaved-1f1b",
+    "zero": "ZeRO's stage over dp",
     "sequence_parallel": "cut the sequence over tp outside attention and the MLP",
     "recompute": "what backward recomputes (full: each stage keeps only its input)",
-    "split": "how layers are cut into stages", "order": "the mesh's order of axes",
+    "split": "how layers are cut into stages",
+    "order": "the mesh's order of axes",
     "ranks_per_node": "consecutive ranks that share a node",
 }
 
 
-def plan_options(p: argparse.ArgumentParser, defaults: ParallelPlan,
-                 fields: Sequence[str] | None = None) -> None:
+def plan_options(
+    p: argparse.ArgumentParser, defaults: ParallelPlan, fields: Sequence[str] | None = None
+) -> None:
     """`--plan LABEL` and one flag for each of the plan's `fields` (all by default), made
     from the dataclass' fields and types; `plan_from` reads them back."""
     hints = typing.get_type_hints(ParallelPlan)
     names = [f.name for f in dataclasses.fields(ParallelPlan)]
     fields = names if fields is None else list(fields)
-    p.add_argument("--plan", default=None, metavar="LABEL",
-                   help=f"the whole plan in one line (e.g. \"{defaults.label()}\"), instead "
-                        f"of --{' --'.join(f.replace('_', '-') for f in fields)}")
+    p.add_argument(
+        "--plan",
+        default=None,
+        metavar="LABEL",
+        help=f'the whole plan in one line (e.g. "{defaults.label()}"), instead '
+        f"of --{' --'.join(f.replace('_', '-') for f in fields)}",
+    )
     for name in fields:
         kind, default = hints[name], getattr(defaults, name)
         flag = f"--{name.replace('_', '-')}"
@@ -131,9 +155,15 @@ def plan_options(p: argparse.ArgumentParser, defaults: ParallelPlan,
         # The choices are shown, not enforced by argparse: the plan's `problems()` refuses
         # a wrong one in the same words as everywhere else.
         options: dict[str, Any] = {"default": None, "help": what}
-        choices = (typing.get_args(kind) if typing.get_origin(kind) is Literal
-                   else tuple(SCHEDULES) if name == "schedule"
-                   else ZERO_STAGES if name == "zero" else None)
+        choices = (
+            typing.get_args(kind)
+            if typing.get_origin(kind) is Literal
+            else tuple(SCHEDULES)
+            if name == "schedule"
+            else ZERO_STAGES
+            if name == "zero"
+            else None
+        )
         if choices is not None:
             options["metavar"] = "{" + ",".join(map(str, choices)) + "}"
         if kind is int or name in ("zero", "ranks_per_node"):
@@ -149,18 +179,24 @@ def plan_from(args: argparse.Namespace) -> ParallelPlan | str:
     given = {f: getattr(args, f) for f in args.plan_fields if getattr(args, f) is not None}
     if args.plan is not None:
         if given:
-            return (f"--plan gives the whole layout: leave out "
-                    f"{', '.join('--' + f.replace('_', '-') for f in given)} or --plan")
+            return (
+                f"--plan gives the whole layout: leave out "
+                f"{', '.join('--' + f.replace('_', '-') for f in given)} or --plan"
+            )
         try:
             plan = ParallelPlan.parse(args.plan)
         except ValueError as e:
             return str(e)
-        fixed = [f.name for f in dataclasses.fields(ParallelPlan)
-                 if f.name not in args.plan_fields
-                 and getattr(plan, f.name) != getattr(defaults, f.name)]
+        fixed = [
+            f.name
+            for f in dataclasses.fields(ParallelPlan)
+            if f.name not in args.plan_fields and getattr(plan, f.name) != getattr(defaults, f.name)
+        ]
         if fixed:
-            return (f"--plan {args.plan!r}: this command does not set "
-                    f"{', '.join(fixed)} (only {', '.join(args.plan_fields)})")
+            return (
+                f"--plan {args.plan!r}: this command does not set "
+                f"{', '.join(fixed)} (only {', '.join(args.plan_fields)})"
+            )
     else:
         plan = dataclasses.replace(defaults, **given)
     for f in args.plan_fields:

@@ -26,28 +26,52 @@ HELP = "the planner: predicted memory and step time of every 3D configuration, r
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from parcourse.planner import MODELS
 
-    p.add_argument("--model", default="course", choices=("course", *MODELS),
-                   help="course: lesson 09's GPT, fp32, on this machine (default); or a "
-                        "GPT-style shape of that size, bf16")
+    p.add_argument(
+        "--model",
+        default="course",
+        choices=("course", *MODELS),
+        help="course: lesson 09's GPT, fp32, on this machine (default); or a "
+        "GPT-style shape of that size, bf16",
+    )
     p.add_argument("--gpus", type=int, default=8)
-    p.add_argument("--gpu", default=None, choices=("a100", "h100", "h200", "here"),
-                   help="h100 by default; here (this machine's ranks) for the course's GPT")
+    p.add_argument(
+        "--gpu",
+        default=None,
+        choices=("a100", "h100", "h200", "here"),
+        help="h100 by default; here (this machine's ranks) for the course's GPT",
+    )
     p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--batch", type=int, default=None,
-                   help="global batch in sequences (16 for the course's GPT, else 1024)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="global batch in sequences (16 for the course's GPT, else 1024)",
+    )
     p.add_argument("--seq", type=int, default=None, help="tokens a sequence (2048)")
-    p.add_argument("--experts", type=int, default=0,
-                   help="the course's GPT with each block's MLP a mixture of this many "
-                        "experts (dropless): the planner searches ep too")
+    p.add_argument(
+        "--experts",
+        type=int,
+        default=0,
+        help="the course's GPT with each block's MLP a mixture of this many "
+        "experts (dropless): the planner searches ep too",
+    )
     p.add_argument("--top-k", type=int, default=2, help="experts a token (with --experts)")
     p.add_argument("--top", type=int, default=10)
-    p.add_argument("--check", action="store_true",
-                   help="measure the top configurations here (the course's GPT only)")
-    p.add_argument("--scaled", type=float, default=None, metavar="SECONDS",
-                   help="the course's GPT here with its compute simulated, as a GPU's beside "
-                        "this machine's links: one rank alone takes SECONDS a step; each "
-                        "stage's forward and backward is padded to the planner's compute "
-                        "(planned and, with --check, measured so)")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="measure the top configurations here (the course's GPT only)",
+    )
+    p.add_argument(
+        "--scaled",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="the course's GPT here with its compute simulated, as a GPU's beside "
+        "this machine's links: one rank alone takes SECONDS a step; each "
+        "stage's forward and backward is padded to the planner's compute "
+        "(planned and, with --check, measured so)",
+    )
 
 
 def _gpu(args: argparse.Namespace) -> str:
@@ -56,8 +80,9 @@ def _gpu(args: argparse.Namespace) -> str:
     return args.gpu or ("here" if args.model == "course" else "h100")
 
 
-def _setup(args: argparse.Namespace, pool: Pool | None = None
-           ) -> tuple[GPTConfig, Cluster, int, str]:
+def _setup(
+    args: argparse.Namespace, pool: Pool | None = None
+) -> tuple[GPTConfig, Cluster, int, str]:
     from parcourse.experiments.hybrid import LESSON_CONFIG
     from parcourse.planner import Cluster, measure_paced, measured_here, model, scaled
 
@@ -84,11 +109,15 @@ def _setup(args: argparse.Namespace, pool: Pool | None = None
 
 def check(args: argparse.Namespace) -> str | None:
     if args.experts and args.model != "course":
-        return ("--experts makes the course's GPT a mixture of experts (the planner prices "
-                "experts in fp32): --model course")
+        return (
+            "--experts makes the course's GPT a mixture of experts (the planner prices "
+            "experts in fp32): --model course"
+        )
     if args.experts < 0 or args.experts and not 1 <= args.top_k <= args.experts:
-        return (f"--experts must be >= 0 and --top-k between 1 and the experts, got "
-                f"{args.experts} and {args.top_k}")
+        return (
+            f"--experts must be >= 0 and --top-k between 1 and the experts, got "
+            f"{args.experts} and {args.top_k}"
+        )
     if problem := at_least_one(args, "gpus", "gpus_per_node", "top"):
         return problem
     if args.batch is not None and args.batch < 1:
@@ -101,8 +130,9 @@ def check(args: argparse.Namespace) -> str | None:
         return f"--check runs {args.gpus} ranks on this machine: at most 8"
     here = _gpu(args) == "here"
     if here and args.gpus > 8:
-        return (f"--gpu here measures what a step costs on {args.gpus} ranks of this "
-                "machine: at most 8")
+        return (
+            f"--gpu here measures what a step costs on {args.gpus} ranks of this machine: at most 8"
+        )
     if args.scaled is not None and not (args.model == "course" and here):
         return "--scaled simulates the course's GPT's compute here: --model course, --gpu here"
     if args.scaled is not None and not (math.isfinite(args.scaled) and args.scaled > 0):
@@ -135,16 +165,23 @@ def _run(args: argparse.Namespace, pool: Pool | None) -> int:
 
     config, cluster, batch, dtype = _setup(args, pool)
     plans = plan(config, cluster, batch, dtype=dtype)  # type: ignore[arg-type]
-    print(f"plan        {args.model}: {parameters(config) / 1e9:.3g}B parameters, "
-          f"{config.n_layers} layers, width {config.d_model}, {config.n_heads} heads, "
-          f"{config.block_size} tokens; global batch {batch}; {dtype}")
-    print(f"cluster     {cluster.gpus} x {cluster.name}, {cluster.gpus_per_node} a node, "
-          f"{_gib(cluster.memory)} each, {cluster.peak_flops / 1e12:.3g} TFLOP/s peak x "
-          f"{cluster.achievable:g} achievable"
-          + (f", memory-bound work at {cluster.memory_bandwidth / 1e12:.3g} TB/s"
-             if cluster.memory_bandwidth else "")
-          + (f"; {cluster.gpus} ranks share {cluster.cores} cores" if cluster.cores else "")
-          + (" (for the optimizer)" if cluster.compute_simulated else ""))
+    print(
+        f"plan        {args.model}: {parameters(config) / 1e9:.3g}B parameters, "
+        f"{config.n_layers} layers, width {config.d_model}, {config.n_heads} heads, "
+        f"{config.block_size} tokens; global batch {batch}; {dtype}"
+    )
+    print(
+        f"cluster     {cluster.gpus} x {cluster.name}, {cluster.gpus_per_node} a node, "
+        f"{_gib(cluster.memory)} each, {cluster.peak_flops / 1e12:.3g} TFLOP/s peak x "
+        f"{cluster.achievable:g} achievable"
+        + (
+            f", memory-bound work at {cluster.memory_bandwidth / 1e12:.3g} TB/s"
+            if cluster.memory_bandwidth
+            else ""
+        )
+        + (f"; {cluster.gpus} ranks share {cluster.cores} cores" if cluster.cores else "")
+        + (" (for the optimizer)" if cluster.compute_simulated else "")
+    )
     print()
     print(format_plans(plans, args.top))
     if args.check:
@@ -153,8 +190,14 @@ def _run(args: argparse.Namespace, pool: Pool | None) -> int:
     return 0
 
 
-def _check(args: argparse.Namespace, config: GPTConfig, cluster: Cluster, plans: object,
-           batch: int, pool: Pool) -> None:
+def _check(
+    args: argparse.Namespace,
+    config: GPTConfig,
+    cluster: Cluster,
+    plans: object,
+    batch: int,
+    pool: Pool,
+) -> None:
     """The top configurations the course's 3D step runs, measured here beside the
     prediction: the busiest rank's memory and the step time (with --scaled, each stage's
     compute padded to the planner's: `stage_compute`)."""
@@ -165,19 +208,31 @@ def _check(args: argparse.Namespace, config: GPTConfig, cluster: Cluster, plans:
     # and the MoE layers: padding each action to its compute would hide them
     # (`Hybrid(compute=)` refuses them)
     ranked = plans.ranked  # type: ignore[attr-defined]
-    runnable = [p for p in ranked if args.scaled is None
-                or p.choice.cp == p.choice.ep == 1][:min(3, args.top)]
-    if runnable != ranked[:len(runnable)]:
+    runnable = [p for p in ranked if args.scaled is None or p.choice.cp == p.choice.ep == 1][
+        : min(3, args.top)
+    ]
+    if runnable != ranked[: len(runnable)]:
         print("\n(plans with cp or ep are measured with their compute real: without --scaled)")
-    print(f"\nmeasured here ({args.gpus} ranks"
-          + (f", compute simulated: one rank alone {args.scaled:g} s a step"
-             if args.scaled is not None else "") + f"), the top {len(runnable)}:")
-    print(f"{'':>3}  {'configuration':<44} {'memory pred.':>13} {'measured':>10} "
-          f"{'step pred. ms':>14} {'measured':>9}  {Contention.HEADER}")
+    print(
+        f"\nmeasured here ({args.gpus} ranks"
+        + (
+            f", compute simulated: one rank alone {args.scaled:g} s a step"
+            if args.scaled is not None
+            else ""
+        )
+        + f"), the top {len(runnable)}:"
+    )
+    print(
+        f"{'':>3}  {'configuration':<44} {'memory pred.':>13} {'measured':>10} "
+        f"{'step pred. ms':>14} {'measured':>9}  {Contention.HEADER}"
+    )
     busiest = 0.0  # the most that steal or others read in a row
     for k, p in enumerate(runnable, 1):
-        compute = (stage_compute(config, p.choice, batch, cluster.flops)
-                   if args.scaled is not None else None)
+        compute = (
+            stage_compute(config, p.choice, batch, cluster.flops)
+            if args.scaled is not None
+            else None
+        )
         with Contention(pool) as contention:
             results = pool.run(measure, config, p.choice, batch, 4, compute).results
         busiest = max(busiest, contention.steal or 0, contention.others or 0)
@@ -185,10 +240,17 @@ def _check(args: argparse.Namespace, config: GPTConfig, cluster: Cluster, plans:
         got = max(r["measured"]["total"] for r in rows)
         want = max(r["predicted"]["total"] for r in rows)
         times = sorted(max(ts) for ts in zip(*(r["times"] for r in results)))
-        print(f"{k:>3}  {p.choice.label():<44} {_gib(want):>13} {_gib(got):>10} "
-              f"{1e3 * p.time['step']:>14.1f} {1e3 * times[len(times) // 2]:>9.1f}  "
-              f"{contention}")
-    print("steal: the host's other tenants' share of the processors while the row ran; "
-          "others: this machine's other processes'"
-          + (". Where either is large, that row's step may read slower than it is."
-             if busiest >= 0.05 else ""))
+        print(
+            f"{k:>3}  {p.choice.label():<44} {_gib(want):>13} {_gib(got):>10} "
+            f"{1e3 * p.time['step']:>14.1f} {1e3 * times[len(times) // 2]:>9.1f}  "
+            f"{contention}"
+        )
+    print(
+        "steal: the host's other tenants' share of the processors while the row ran; "
+        "others: this machine's other processes'"
+        + (
+            ". Where either is large, that row's step may read slower than it is."
+            if busiest >= 0.05
+            else ""
+        )
+    )

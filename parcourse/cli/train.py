@@ -20,37 +20,59 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     d = TrainSettings()
     # --plan, and --dp ... --zero from the plan's fields (what TrainSettings holds of it)
-    plan_options(p, d.plan, ("dp", "tp", "pp", "cp", "cp_method", "ep", "schedule",
-                             "microbatches", "zero"))
+    plan_options(
+        p, d.plan, ("dp", "tp", "pp", "cp", "cp_method", "ep", "schedule", "microbatches", "zero")
+    )
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch", type=int, default=d.batch, help="global, in sequences")
     p.add_argument("--block-size", type=int, default=d.block_size, help="bytes a sequence")
     p.add_argument("--layers", type=int, default=d.layers)
     p.add_argument("--width", type=int, default=d.width)
     p.add_argument("--heads", type=int, default=d.heads)
-    p.add_argument("--experts", type=int, default=d.experts,
-                   help="every block's MLP a mixture of this many experts (0: dense)")
+    p.add_argument(
+        "--experts",
+        type=int,
+        default=d.experts,
+        help="every block's MLP a mixture of this many experts (0: dense)",
+    )
     p.add_argument("--top-k", type=int, default=d.top_k, help="experts a token goes to")
     p.add_argument("--lr", type=float, default=d.lr, help="peak, after the warm-up")
     p.add_argument("--clip", type=float, default=d.clip)
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--corpus", default="runs/corpus", help="where the corpus is built once")
-    p.add_argument("--out", default=None,
-                   help="a run directory: checkpoints go to OUT/checkpoints")
-    p.add_argument("--save-every", type=int, default=d.save_every,
-                   help="steps between checkpoints (0: only at the end); needs --out")
-    p.add_argument("--async-save", action="store_true",
-                   help="write checkpoints in the background while training goes on")
-    p.add_argument("--resume", action="store_true",
-                   help="start from the newest checkpoint in --out, on this mesh (after a "
-                        "restart by torchrun --max-restarts, without being asked)")
-    p.add_argument("--change", default=None, metavar="SETTING[,SETTING]",
-                   type=lambda text: [t.strip() for t in text.split(",") if t.strip()],
-                   help="with --resume: settings that may differ from the saved run's "
-                        "(e.g. steps, for a longer run); the others must match")
-    p.add_argument("--kill", default=None, metavar="RANK:STEP",
-                   help="a fault on purpose: that rank kills itself (SIGKILL) when it "
-                        "reaches that step (not again after a restart)")
+    p.add_argument("--out", default=None, help="a run directory: checkpoints go to OUT/checkpoints")
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=d.save_every,
+        help="steps between checkpoints (0: only at the end); needs --out",
+    )
+    p.add_argument(
+        "--async-save",
+        action="store_true",
+        help="write checkpoints in the background while training goes on",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="start from the newest checkpoint in --out, on this mesh (after a "
+        "restart by torchrun --max-restarts, without being asked)",
+    )
+    p.add_argument(
+        "--change",
+        default=None,
+        metavar="SETTING[,SETTING]",
+        type=lambda text: [t.strip() for t in text.split(",") if t.strip()],
+        help="with --resume: settings that may differ from the saved run's "
+        "(e.g. steps, for a longer run); the others must match",
+    )
+    p.add_argument(
+        "--kill",
+        default=None,
+        metavar="RANK:STEP",
+        help="a fault on purpose: that rank kills itself (SIGKILL) when it "
+        "reaches that step (not again after a restart)",
+    )
     p.add_argument("--prompt", default="def ", help="the start of the sampled text")
     p.add_argument("--timeout", type=float, default=1800.0)
 
@@ -58,13 +80,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _settings(args: argparse.Namespace) -> object:
     from parcourse.train import TrainSettings
 
-    return TrainSettings(plan=args.parallel_plan, steps=args.steps,
-                         batch=args.batch, block_size=args.block_size, layers=args.layers,
-                         width=args.width, heads=args.heads, lr=args.lr,
-                         experts=args.experts, top_k=args.top_k,
-                         min_lr=min(args.lr, 3e-4), clip=args.clip,
-                         eval_every=args.eval_every, save_every=args.save_every,
-                         async_save=args.async_save)
+    return TrainSettings(
+        plan=args.parallel_plan,
+        steps=args.steps,
+        batch=args.batch,
+        block_size=args.block_size,
+        layers=args.layers,
+        width=args.width,
+        heads=args.heads,
+        lr=args.lr,
+        experts=args.experts,
+        top_k=args.top_k,
+        min_lr=min(args.lr, 3e-4),
+        clip=args.clip,
+        eval_every=args.eval_every,
+        save_every=args.save_every,
+        async_save=args.async_save,
+    )
 
 
 def check(args: argparse.Namespace) -> str | None:
@@ -90,15 +122,29 @@ def check(args: argparse.Namespace) -> str | None:
             return f"--kill takes RANK:STEP (two whole numbers), got {args.kill!r}"
         world = settings.world_size  # type: ignore[attr-defined]
         if not (0 <= rank < world and 0 <= step < args.steps):
-            return (f"--kill {args.kill}: the rank must be below {world} and the step below "
-                    f"{args.steps}")
+            return (
+                f"--kill {args.kill}: the rank must be below {world} and the step below "
+                f"{args.steps}"
+            )
     return None
 
 
 # What a resumed run must share with the run it resumes: everything that shapes its
 # weights (the mesh, the schedule and ZeRO may change: a checkpoint loads on any layout).
-RESUMED_ALIKE = ("steps", "batch", "block_size", "layers", "width", "heads", "lr", "min_lr",
-                 "warmup", "weight_decay", "clip", "seed")
+RESUMED_ALIKE = (
+    "steps",
+    "batch",
+    "block_size",
+    "layers",
+    "width",
+    "heads",
+    "lr",
+    "min_lr",
+    "warmup",
+    "weight_decay",
+    "clip",
+    "seed",
+)
 
 
 def _resumable(args: argparse.Namespace, settings: Any) -> str | None:
@@ -124,15 +170,22 @@ def _resumable(args: argparse.Namespace, settings: Any) -> str | None:
     changed = set(args.change or ())
     unknown = changed - set(RESUMED_ALIKE)
     if unknown:
-        return (f"--change {', '.join(sorted(unknown))}: what may change on resuming is one "
-                f"of {', '.join(RESUMED_ALIKE)}")
+        return (
+            f"--change {', '.join(sorted(unknown))}: what may change on resuming is one "
+            f"of {', '.join(RESUMED_ALIKE)}"
+        )
     now = dataclasses.asdict(settings)
-    differ = [f"--{k.replace('_', '-')} {now[k]} (saved: {saved[k]})" for k in RESUMED_ALIKE
-              if k in saved and saved[k] != now[k] and k not in changed]
+    differ = [
+        f"--{k.replace('_', '-')} {now[k]} (saved: {saved[k]})"
+        for k in RESUMED_ALIKE
+        if k in saved and saved[k] != now[k] and k not in changed
+    ]
     if differ:
-        return (f"--resume from {found} with other settings: {', '.join(differ)}; give "
-                f"--change {','.join(k.split()[0][2:].replace('-', '_') for k in differ)} "
-                "to change them on purpose, or the saved values")
+        return (
+            f"--resume from {found} with other settings: {', '.join(differ)}; give "
+            f"--change {','.join(k.split()[0][2:].replace('-', '_') for k in differ)} "
+            "to change them on purpose, or the saved values"
+        )
     return None
 
 
@@ -155,8 +208,9 @@ class _Progress:
 
         self.tokens = s.batch * s.block_size
         self.plan = planned(s, measure_flops(s.config)) if s.plan.cp == 1 else None
-        self.bar = tqdm(total=s.steps, unit="step", desc="train", file=sys.stderr,
-                        dynamic_ncols=True)
+        self.bar = tqdm(
+            total=s.steps, unit="step", desc="train", file=sys.stderr, dynamic_ncols=True
+        )
         self.first: tuple[int, float] | None = None
 
     def update(self, statuses: list[str], elapsed: float) -> None:
@@ -174,8 +228,7 @@ class _Progress:
             rate = f", {per_s:,.0f} tokens/s"
             if plan is not None:
                 mfu = per_s * plan["flops_per_token"] / plan["ranks_flops"]
-                rate += (f", MFU {mfu:.0%} (planned {plan['tokens_per_s']:,.0f}, "
-                         f"{plan['mfu']:.0%})")
+                rate += f", MFU {mfu:.0%} (planned {plan['tokens_per_s']:,.0f}, {plan['mfu']:.0%})"
         self.bar.n = done
         self.bar.set_postfix_str(f"loss {loss:.3f}{rate}", refresh=False)
         self.bar.refresh()
@@ -202,8 +255,9 @@ def run(args: argparse.Namespace) -> int:
     from parcourse.checkpoint import latest
 
     restarted = _restarted()
-    resume = args.resume or (restarted and args.out is not None
-                             and latest(f"{args.out}/checkpoints") is not None)
+    resume = args.resume or (
+        restarted and args.out is not None and latest(f"{args.out}/checkpoints") is not None
+    )
     kill = _kill(args) if args.kill is not None and not restarted else None
     run_args = (settings, str(corpus.directory), args.out, resume, kill)
     if where.external:
@@ -216,14 +270,18 @@ def run(args: argparse.Namespace) -> int:
     if where.quiet:
         return 0
     s = settings
-    print(f"train       {s.plan.label()} = {where.world_size} ranks; "  # type: ignore[attr-defined]
-          f"GPT {s.layers} blocks, width {s.width}, "  # type: ignore[attr-defined]
-          f"{s.block_size} bytes a sequence, global batch {s.batch}; AdamW, peak lr "  # type: ignore[attr-defined]
-          f"{s.lr:g}, warm-up {s.warmup}, cosine, clip {s.clip:g}")  # type: ignore[attr-defined]
-    print(f"corpus      {corpus.meta['files']['train']} + {corpus.meta['files']['val']} files "
-          f"of Python {corpus.meta['python']}'s standard library, "
-          f"{corpus.meta['bytes']['train'] / 1e6:.1f} + {corpus.meta['bytes']['val'] / 1e6:.1f}"
-          f" MB (train + validation), sha256 {corpus.meta['sha256'][:16]}")
+    print(
+        f"train       {s.plan.label()} = {where.world_size} ranks; "  # type: ignore[attr-defined]
+        f"GPT {s.layers} blocks, width {s.width}, "  # type: ignore[attr-defined]
+        f"{s.block_size} bytes a sequence, global batch {s.batch}; AdamW, peak lr "  # type: ignore[attr-defined]
+        f"{s.lr:g}, warm-up {s.warmup}, cosine, clip {s.clip:g}"
+    )  # type: ignore[attr-defined]
+    print(
+        f"corpus      {corpus.meta['files']['train']} + {corpus.meta['files']['val']} files "
+        f"of Python {corpus.meta['python']}'s standard library, "
+        f"{corpus.meta['bytes']['train'] / 1e6:.1f} + {corpus.meta['bytes']['val'] / 1e6:.1f}"
+        f" MB (train + validation), sha256 {corpus.meta['sha256'][:16]}"
+    )
     first = trained.results[0]
     if first["resumed_from"]:
         print(f"resumed     from {first['resumed_from']}, after step {first['started_at']}")
@@ -232,15 +290,16 @@ def run(args: argparse.Namespace) -> int:
     losses = first["history"]
     evals = trained.results[0]["history"]
     tokens = s.batch * s.block_size  # type: ignore[attr-defined]
-    print(f"\n{'step':>6} {'lr':>9} {'loss':>8} {'val loss':>9} {'grad norm':>10} "
-          f"{'tokens/s':>9}")
+    print(f"\n{'step':>6} {'lr':>9} {'loss':>8} {'val loss':>9} {'grad norm':>10} {'tokens/s':>9}")
     for mine, ev in zip(losses, evals):
         if "val_loss" not in ev and mine["step"] % max(1, s.eval_every // 2):  # type: ignore[attr-defined]
             continue
         seconds = max(r["history"][mine["step"]]["seconds"] for r in trained.results)
         val = f"{ev['val_loss']:>9.3f}" if ev.get("val_loss") is not None else f"{'':>9}"
-        print(f"{mine['step']:>6} {mine['lr']:>9.2e} {mine['loss']:>8.3f} {val} "
-              f"{mine['grad_norm']:>10.3f} {tokens / seconds:>9.0f}")
+        print(
+            f"{mine['step']:>6} {mine['lr']:>9.2e} {mine['loss']:>8.3f} {val} "
+            f"{mine['grad_norm']:>10.3f} {tokens / seconds:>9.0f}"
+        )
     state, config = trained.results[0]["state"], s.config  # type: ignore[attr-defined]
     print(f"\nsample      greedy, after {args.prompt!r}:")
     print(sample(state, config, args.prompt, 160))

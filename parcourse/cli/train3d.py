@@ -6,8 +6,13 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from parcourse.cli.options import (at_least_one, mesh_against_launcher, plan_from,
-                                   plan_options, ranks)
+from parcourse.cli.options import (
+    at_least_one,
+    mesh_against_launcher,
+    plan_from,
+    plan_options,
+    ranks,
+)
 from parcourse.launch import RankContext, launch
 from parcourse.plan import ParallelPlan
 
@@ -23,16 +28,25 @@ DEFAULT_PLAN = ParallelPlan(dp=2, tp=2, pp=2, schedule="1f1b", microbatches=2)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     plan_options(p, DEFAULT_PLAN)  # --plan, and --dp, --tp, ... from the plan's fields
-    p.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
-                   help="clip the gradients by their global norm (over every axis)")
+    p.add_argument(
+        "--clip",
+        type=float,
+        default=None,
+        metavar="MAX_NORM",
+        help="clip the gradients by their global norm (over every axis)",
+    )
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--batch", type=int, default=8, help="global batch, in sequences")
     p.add_argument("--layers", type=int, default=4, help="transformer blocks")
     p.add_argument("--width", type=int, default=32, help="d_model")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--block-size", type=int, default=16, help="tokens per sequence")
-    p.add_argument("--experts", type=int, default=0,
-                   help="every block's MLP a mixture of this many experts (0: dense)")
+    p.add_argument(
+        "--experts",
+        type=int,
+        default=0,
+        help="every block's MLP a mixture of this many experts (0: dense)",
+    )
     p.add_argument("--top-k", type=int, default=2, help="experts a token goes to")
     p.add_argument("--timeout", type=float, default=600.0)
 
@@ -40,9 +54,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _config(args: argparse.Namespace) -> GPTConfig:
     from parcourse.models import GPTConfig
 
-    return GPTConfig(vocab=64, block_size=args.block_size, n_layers=args.layers,
-                     n_heads=args.heads, d_model=args.width, experts=args.experts,
-                     top_k=args.top_k)
+    return GPTConfig(
+        vocab=64,
+        block_size=args.block_size,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        d_model=args.width,
+        experts=args.experts,
+        top_k=args.top_k,
+    )
 
 
 def check(args: argparse.Namespace) -> str | None:
@@ -51,8 +71,7 @@ def check(args: argparse.Namespace) -> str | None:
     plan = plan_from(args)
     if isinstance(plan, str):
         return plan
-    if problem := at_least_one(args, "steps", "batch", "layers", "width", "heads",
-                               "block_size"):
+    if problem := at_least_one(args, "steps", "batch", "layers", "width", "heads", "block_size"):
         return problem
     try:
         config = _config(args)
@@ -80,17 +99,28 @@ def _train(ctx: RankContext, args: argparse.Namespace) -> dict[str, object]:
     config = _config(args)
     plan = args.parallel_plan
     mesh = Mesh(plan.shape, ctx.group, order=plan.order, ranks_per_node=plan.ranks_per_node)
-    model = Hybrid.from_plan(gpt(config), mesh, plan, max_norm=args.clip, tracer=ctx.tracer,
-                             optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    model = Hybrid.from_plan(
+        gpt(config),
+        mesh,
+        plan,
+        max_norm=args.clip,
+        tracer=ctx.tracer,
+        optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    )
     x, y = progressions(args.batch, config.block_size, config.vocab)
     losses, times = [], []
     for _ in range(args.steps):
         start = time.perf_counter()
         losses.append(model.step(x, y))
         times.append(time.perf_counter() - start)
-    return {"losses": losses, "times": times, "state": model.full_state_dict(),
-            "coords": {a: mesh.coordinate(a) for a in ("dp", "tp", "pp", "cp", "ep")},
-            "bytes": bytes_by_axis(ctx.tracer.data().counters), "memory": model.memory()}
+    return {
+        "losses": losses,
+        "times": times,
+        "state": model.full_state_dict(),
+        "coords": {a: mesh.coordinate(a) for a in ("dp", "tp", "pp", "cp", "ep")},
+        "bytes": bytes_by_axis(ctx.tracer.data().counters),
+        "memory": model.memory(),
+    }
 
 
 def _one_process(args: argparse.Namespace) -> tuple[list[float], dict[str, object]]:
@@ -111,8 +141,10 @@ def _one_process(args: argparse.Namespace) -> tuple[list[float], dict[str, objec
     set_aux_scale(model, 1 / parts)
     losses = []
     for _ in range(args.steps):
-        loss = sum(F.cross_entropy(model(xs).flatten(0, 1), ys.flatten()) / parts
-                   for xs, ys in zip(x.chunk(parts), y.chunk(parts)))
+        loss = sum(
+            F.cross_entropy(model(xs).flatten(0, 1), ys.flatten()) / parts
+            for xs, ys in zip(x.chunk(parts), y.chunk(parts))
+        )
         loss.backward()  # type: ignore[union-attr]
         update_bias(model)
         if args.clip is not None:
@@ -130,23 +162,29 @@ def run(args: argparse.Namespace) -> int:
         return 0
     config = _config(args)
     cp = "".join(f" x {a} {getattr(args, a)}" for a in ("cp", "ep") if getattr(args, a) > 1)
-    experts = (f", {args.experts} experts cut over ep ({args.experts // args.ep} a rank)"
-               if args.ep > 1 else "")
-    print(f"train3d     dp {args.dp} x tp {args.tp} x pp {args.pp}{cp} = {where.world_size} ranks "
-          f"({args.order} order), {args.schedule}, {args.microbatches} microbatches a replica"
-          f"{', sequence parallel' if args.sequence_parallel else ''}"
-          f"{f', the sequence cut over cp ({args.cp_method})' if args.cp > 1 else ''}"
-          f"{experts}"
-          f"{f', ZeRO-{args.zero} over dp' if args.zero else ''}"
-          f"{f', recompute {args.recompute}' if args.recompute != 'none' else ''}"
-          f"{f', clipped at norm {args.clip}' if args.clip is not None else ''}"
-          f", backend {trained.backend}")
+    experts = (
+        f", {args.experts} experts cut over ep ({args.experts // args.ep} a rank)"
+        if args.ep > 1
+        else ""
+    )
+    print(
+        f"train3d     dp {args.dp} x tp {args.tp} x pp {args.pp}{cp} = {where.world_size} ranks "
+        f"({args.order} order), {args.schedule}, {args.microbatches} microbatches a replica"
+        f"{', sequence parallel' if args.sequence_parallel else ''}"
+        f"{f', the sequence cut over cp ({args.cp_method})' if args.cp > 1 else ''}"
+        f"{experts}"
+        f"{f', ZeRO-{args.zero} over dp' if args.zero else ''}"
+        f"{f', recompute {args.recompute}' if args.recompute != 'none' else ''}"
+        f"{f', clipped at norm {args.clip}' if args.clip is not None else ''}"
+        f", backend {trained.backend}"
+    )
     print(f"plan        {args.parallel_plan.label()}")
-    moe = (f", MLPs of {config.experts} experts (top {config.top_k})" if config.experts
-           else "")
-    print(f"model       GPT, {config.n_layers} blocks, d_model {config.d_model}, "
-          f"{config.n_heads} heads, {config.block_size} tokens{moe}; global batch "
-          f"{args.batch}, Adam, fp32")
+    moe = f", MLPs of {config.experts} experts (top {config.top_k})" if config.experts else ""
+    print(
+        f"model       GPT, {config.n_layers} blocks, d_model {config.d_model}, "
+        f"{config.n_heads} heads, {config.block_size} tokens{moe}; global batch "
+        f"{args.batch}, Adam, fp32"
+    )
     losses = next(r["losses"] for r in trained.results if r["losses"][0] is not None)
     reference, state = _one_process(args)
     print(f"\nloss        step   {where.world_size} ranks    one process")
@@ -154,13 +192,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"            {step:>4}   {ours:>8.4f}    {one:>8.4f}")
     ours = trained.results[0]["state"]
     diff = max((ours[k] - v).abs().max().item() for k, v in state.items())
-    print(f"\nweights     largest difference from one process after {args.steps} steps: "
-          f"{diff:.2e} (fp32: only the order of the sums differs)")
+    print(
+        f"\nweights     largest difference from one process after {args.steps} steps: "
+        f"{diff:.2e} (fp32: only the order of the sums differs)"
+    )
     _print_bytes_and_memory(args, trained.results)
     times = [max(ts) for ts in zip(*(r["times"] for r in trained.results))][1:]
     if times:
-        print(f"step time   {1e3 * sorted(times)[len(times) // 2]:.1f} ms (median of "
-              f"{len(times)} after the first, slowest rank)")
+        print(
+            f"step time   {1e3 * sorted(times)[len(times) // 2]:.1f} ms (median of "
+            f"{len(times)} after the first, slowest rank)"
+        )
     return 0
 
 
@@ -173,23 +215,28 @@ def _print_bytes_and_memory(args: argparse.Namespace, results: list[dict[str, An
 
     shape = args.parallel_plan.shape
     plan = args.parallel_plan.schedule_value()
-    theory = mesh_bytes(_config(args), shape, args.zero,
-                        stages_per_rank=plan.stages // args.pp)
+    theory = mesh_bytes(_config(args), shape, args.zero, stages_per_rank=plan.stages // args.pp)
     print(f"\nper rank    (bytes sent over all {args.steps} steps; what each rank holds after)")
     more = [a for a in ("cp", "ep") if getattr(args, a) > 1]
     axes = ("dp", "tp", "pp", *more)
     # cp: attention's keys and values; ep: tokens to their experts and back
     on_more = "".join(f" {f'on {a}':>10}" for a in more)
-    on_dp = 'on dp, cp' if args.cp > 1 else 'on dp'  # the gradients' mean: over both
-    print(f"{'rank':>8}    {' '.join(axes):>8}  {'sent on pp':>10} {on_dp:>10}{on_more}  "
-          f"{'params':>9} {'grads':>9} {'Adam':>9}")
+    on_dp = "on dp, cp" if args.cp > 1 else "on dp"  # the gradients' mean: over both
+    print(
+        f"{'rank':>8}    {' '.join(axes):>8}  {'sent on pp':>10} {on_dp:>10}{on_more}  "
+        f"{'params':>9} {'grads':>9} {'Adam':>9}"
+    )
     for rank, r in enumerate(results):
         c, sent, mem = r["coords"], r["bytes"], r["memory"]
         cp_sent = "".join(f" {format_bytes(sent.get(a, 0)):>10}" for a in more)
-        print(f"{rank:>8}    {' '.join(f'{c[a]:>2}' for a in axes)}  "
-              f"{format_bytes(sent.get('pp', 0)):>10} {format_bytes(sent.get('dp', 0)):>10}"
-              f"{cp_sent}  "
-              f"{format_bytes(mem['params']):>9} {format_bytes(mem['grads']):>9} "
-              f"{format_bytes(mem['optimizer']):>9}")
-    print(f"{'theory':>8}    {'(stages that balance)':<32}  {format_bytes(theory['params']):>9} "
-          f"{format_bytes(theory['grads']):>9} {format_bytes(theory['optimizer']):>9}")
+        print(
+            f"{rank:>8}    {' '.join(f'{c[a]:>2}' for a in axes)}  "
+            f"{format_bytes(sent.get('pp', 0)):>10} {format_bytes(sent.get('dp', 0)):>10}"
+            f"{cp_sent}  "
+            f"{format_bytes(mem['params']):>9} {format_bytes(mem['grads']):>9} "
+            f"{format_bytes(mem['optimizer']):>9}"
+        )
+    print(
+        f"{'theory':>8}    {'(stages that balance)':<32}  {format_bytes(theory['params']):>9} "
+        f"{format_bytes(theory['grads']):>9} {format_bytes(theory['optimizer']):>9}"
+    )

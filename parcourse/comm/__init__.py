@@ -38,13 +38,13 @@ from parcourse.comm.messenger import Arrival, Messenger, messenger
 from parcourse.comm.naive import naive_all_reduce
 from parcourse.comm.pacing import Pacer
 from parcourse.comm.ring import RingPhase, ring_steps
-from parcourse.comm.turns import Turns, in_lane, lane
 from parcourse.comm.ring_fast import (
     SEGMENT_BYTES,
     ring_all_gather,
     ring_all_reduce,
     ring_reduce_scatter,
 )
+from parcourse.comm.turns import Turns, in_lane, lane
 from parcourse.ranges import Cut, chunk_bounds
 
 __all__ = [

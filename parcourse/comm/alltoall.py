@@ -24,26 +24,30 @@ import torch.distributed as dist
 from parcourse.comm.communicator import Comm
 from parcourse.comm.turns import lane
 
-def all_to_all(comm: Comm, x: torch.Tensor, sends: list[int],
-               receives: list[int]) -> torch.Tensor:
+
+def all_to_all(comm: Comm, x: torch.Tensor, sends: list[int], receives: list[int]) -> torch.Tensor:
     """`sends[j]` rows of x (along dim 0, in rank order) to rank j, `receives[j]` rows from
     it into the result, in rank order. The course's own from send / recv where `comm` runs
     the ring (gloo: each message counted on its tracer, over its link): P - 1 rounds, in
     round s to rank + s and from rank - s; torch's `all_to_all_single` where it runs
     torch's (NCCL, whose messages run in order on one stream)."""
     if len(sends) != comm.size or len(receives) != comm.size:
-        raise ValueError(f"all_to_all needs a count per rank of the group ({comm.size}), got "
-                         f"{len(sends)} to send and {len(receives)} to receive")
+        raise ValueError(
+            f"all_to_all needs a count per rank of the group ({comm.size}), got "
+            f"{len(sends)} to send and {len(receives)} to receive"
+        )
     if sum(sends) != x.shape[0]:
         raise ValueError(f"all_to_all sends {sum(sends)} rows, x has {x.shape[0]}")
     x = x.contiguous()
     out = x.new_empty(sum(receives), *x.shape[1:])
     if comm.algorithm == "torch":
         if comm.turns is not None:
-            raise ValueError("a Comm with turns runs the course's all-to-all (send / recv, "
-                             "tagged by thread): torch's all_to_all_single would run two "
-                             "threads' calls in whatever order they come; make the Comm "
-                             "with algorithm='ring'")
+            raise ValueError(
+                "a Comm with turns runs the course's all-to-all (send / recv, "
+                "tagged by thread): torch's all_to_all_single would run two "
+                "threads' calls in whatever order they come; make the Comm "
+                "with algorithm='ring'"
+            )
         dist.all_to_all_single(out, x, receives, sends, group=comm.group)
         return out
     at_x = [sum(sends[:j]) for j in range(comm.size)]
@@ -59,8 +63,7 @@ def all_to_all(comm: Comm, x: torch.Tensor, sends: list[int],
             if sends[to]:
                 works.append(comm.send(x.narrow(0, at_x[to], sends[to]), to, tag + step))
             if receives[frm]:
-                works.append(comm.recv(out.narrow(0, at_out[frm], receives[frm]), frm,
-                                       tag + step))
+                works.append(comm.recv(out.narrow(0, at_out[frm], receives[frm]), frm, tag + step))
         for w in works:
             w.wait()
     return out
@@ -75,8 +78,14 @@ class AllToAll(torch.autograd.Function):
     tracer around each (forward `name`, backward `name` + " grad"), for a timeline."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, sends: list[int],
-                receives: list[int], name: str | None = None) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        comm: Comm,
+        sends: list[int],
+        receives: list[int],
+        name: str | None = None,
+    ) -> torch.Tensor:
         ctx.comm, ctx.sends, ctx.receives, ctx.name = comm, sends, receives, name
         with _span(comm, name):
             return all_to_all(comm, x, sends, receives)

@@ -14,7 +14,12 @@ from parcourse.trace import Tracer
 Op = Literal["sum", "avg", "max"]
 OPS: tuple[str, ...] = ("sum", "avg", "max")
 DTYPES: tuple[torch.dtype, ...] = (
-    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int32,
+    torch.int64,
 )
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # An all-gather only copies: bytes (quantized messages, ZeRO++'s) travel too.
@@ -32,8 +37,9 @@ def check_args(tensor: torch.Tensor, op: str | None) -> None:
         names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
         raise ValueError(f"unsupported dtype {tensor.dtype}; supported: {names}")
     if op == "avg" and tensor.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"op 'avg' needs a floating-point tensor, got {tensor.dtype}; "
-                         "use 'sum' and divide")
+        raise ValueError(
+            f"op 'avg' needs a floating-point tensor, got {tensor.dtype}; use 'sum' and divide"
+        )
 
 
 def reduce_into(acc: torch.Tensor, other: torch.Tensor, op: str) -> None:
@@ -48,8 +54,10 @@ def group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int,
     """(group, this rank in it, its size); None means all ranks (WORLD)."""
     group = group or dist.group.WORLD
     if group is None:
-        raise RuntimeError("torch.distributed is not initialized: run this inside a Pool, "
-                           "under torchrun, or after init_process_group")
+        raise RuntimeError(
+            "torch.distributed is not initialized: run this inside a Pool, "
+            "under torchrun, or after init_process_group"
+        )
     if not isinstance(group, dist.ProcessGroup):
         raise ValueError(f"this rank is not a member of the group (got {group!r})")
     # The group's own rank()/size(): dist.get_rank/get_world_size look the group

@@ -53,9 +53,14 @@ class Pending:
 
     __slots__ = ("out", "finished_ns", "_work", "_times", "_thread")
 
-    def __init__(self, out: torch.Tensor | None, *, work: dist.Work | None = None,
-                 times: torch.futures.Future | None = None,
-                 thread: Future[tuple[torch.Tensor, int]] | None = None) -> None:
+    def __init__(
+        self,
+        out: torch.Tensor | None,
+        *,
+        work: dist.Work | None = None,
+        times: torch.futures.Future | None = None,
+        thread: Future[tuple[torch.Tensor, int]] | None = None,
+    ) -> None:
         self.out, self.finished_ns = out, 0
         self._work, self._times, self._thread = work, times, thread
 
@@ -67,8 +72,9 @@ class Pending:
             self._work.wait()
             # The callback's time, when asked for (it ran on the backend's thread the
             # moment the collective completed); else now.
-            self.finished_ns = (self._times.wait() if self._times is not None
-                                else time.perf_counter_ns())
+            self.finished_ns = (
+                self._times.wait() if self._times is not None else time.perf_counter_ns()
+            )
         assert self.out is not None
         return self.out
 
@@ -77,6 +83,7 @@ class Pending:
 
 def _blocking(collective: Callable[..., Any]) -> Callable[..., Any]:
     """A collective that adds the seconds its blocking calls take to `Comm.blocked_s`."""
+
     @functools.wraps(collective)
     def timed(self: Comm, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
         if async_op:
@@ -86,6 +93,7 @@ def _blocking(collective: Callable[..., Any]) -> Callable[..., Any]:
             return collective(self, *args, **kwargs)
         finally:
             self.blocked_s += time.perf_counter() - start
+
     return timed
 
 
@@ -103,9 +111,15 @@ class Comm:
     `PipelineRuntime(turns=)`'s caller): the all-to-all hands the turn on while it waits.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, *, tracer: Tracer | None = None,
-                 link: Network | None = None, algorithm: Algorithm = "torch",
-                 timed: bool = False) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        tracer: Tracer | None = None,
+        link: Network | None = None,
+        algorithm: Algorithm = "torch",
+        timed: bool = False,
+    ) -> None:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; choose 'torch', 'ring' or 'auto'")
         self.group, self.rank, self.size = group_info(group)
@@ -114,8 +128,10 @@ class Comm:
             ring = link is not None or self._gloo
             algorithm = "ring" if ring else "torch"
         if link is not None and algorithm != "ring":
-            raise ValueError("a simulated link needs algorithm='ring' (torch's collectives "
-                             "cannot be slowed down)")
+            raise ValueError(
+                "a simulated link needs algorithm='ring' (torch's collectives "
+                "cannot be slowed down)"
+            )
         self.algorithm: Literal["torch", "ring"] = algorithm
         self.tracer, self.link, self.timed = tracer, link, timed
         self._wires: dict[bool, dist.ProcessGroup | Messenger] = {}
@@ -130,27 +146,34 @@ class Comm:
         return tuple(dist.get_process_group_ranks(self.group))
 
     def __repr__(self) -> str:
-        return (f"Comm(rank {self.rank} of {self.size}, algorithm={self.algorithm!r}, "
-                f"link={self.link!r})")
+        return (
+            f"Comm(rank {self.rank} of {self.size}, algorithm={self.algorithm!r}, "
+            f"link={self.link!r})"
+        )
 
     # -- collectives
 
     @overload
-    def all_reduce(self, tensor: torch.Tensor, op: Op = ..., *,
-                   async_op: Literal[False] = ...) -> torch.Tensor: ...
+    def all_reduce(
+        self, tensor: torch.Tensor, op: Op = ..., *, async_op: Literal[False] = ...
+    ) -> torch.Tensor: ...
     @overload
-    def all_reduce(self, tensor: torch.Tensor, op: Op = ..., *,
-                   async_op: Literal[True]) -> Pending: ...
+    def all_reduce(
+        self, tensor: torch.Tensor, op: Op = ..., *, async_op: Literal[True]
+    ) -> Pending: ...
 
     @_blocking
-    def all_reduce(self, tensor: torch.Tensor, op: Op = "sum", *,
-                   async_op: bool = False) -> torch.Tensor | Pending:
+    def all_reduce(
+        self, tensor: torch.Tensor, op: Op = "sum", *, async_op: bool = False
+    ) -> torch.Tensor | Pending:
         """`tensor` reduced over the group, in place (and returned)."""
         if self.algorithm == "ring" and tensor.is_meta:
             return self._shape_only(tensor, async_op)
         if self.algorithm == "ring":
+
             def ring() -> torch.Tensor:
                 return ring_all_reduce(tensor, self.group, op, tracer=self.tracer, link=self.link)
+
             return self._on_thread(ring) if async_op else ring()
         if op == "avg" and not async_op:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
@@ -161,46 +184,57 @@ class Comm:
         return self._pending(work, tensor) if async_op else tensor
 
     @overload
-    def reduce_scatter(self, buffer: torch.Tensor, *,
-                       async_op: Literal[False] = ...) -> torch.Tensor: ...
+    def reduce_scatter(
+        self, buffer: torch.Tensor, *, async_op: Literal[False] = ...
+    ) -> torch.Tensor: ...
     @overload
     def reduce_scatter(self, buffer: torch.Tensor, *, async_op: Literal[True]) -> Pending: ...
 
     @_blocking
-    def reduce_scatter(self, buffer: torch.Tensor, *,
-                       async_op: bool = False) -> torch.Tensor | Pending:
+    def reduce_scatter(
+        self, buffer: torch.Tensor, *, async_op: bool = False
+    ) -> torch.Tensor | Pending:
         """This rank's part of `buffer` summed over ranks: rank r's is chunk r of N equal
         ones. `buffer` (contiguous, numel divisible by N) is the ring's scratch: its
         contents afterwards are undefined."""
         if self.algorithm == "ring" and buffer.is_meta:
-            return self._shape_only(buffer.view(-1)[:buffer.numel() // self.size], async_op)
+            return self._shape_only(buffer.view(-1)[: buffer.numel() // self.size], async_op)
         if self.algorithm == "ring":
+
             def ring() -> torch.Tensor:
-                return ring_reduce_scatter(buffer, self.group, tracer=self.tracer,
-                                           link=self.link, scratch=True)
+                return ring_reduce_scatter(
+                    buffer, self.group, tracer=self.tracer, link=self.link, scratch=True
+                )
+
             return self._on_thread(ring) if async_op else ring()
         out = torch.empty(buffer.numel() // self.size, dtype=buffer.dtype, device=buffer.device)
         work = reduce_scatter_single(out, buffer, group=self.group, async_op=async_op)
         return self._pending(work, out) if async_op else out
 
     @overload
-    def all_gather(self, part: torch.Tensor, whole: torch.Tensor, *,
-                   async_op: Literal[False] = ...) -> torch.Tensor: ...
+    def all_gather(
+        self, part: torch.Tensor, whole: torch.Tensor, *, async_op: Literal[False] = ...
+    ) -> torch.Tensor: ...
     @overload
-    def all_gather(self, part: torch.Tensor, whole: torch.Tensor, *,
-                   async_op: Literal[True]) -> Pending: ...
+    def all_gather(
+        self, part: torch.Tensor, whole: torch.Tensor, *, async_op: Literal[True]
+    ) -> Pending: ...
 
     @_blocking
-    def all_gather(self, part: torch.Tensor, whole: torch.Tensor, *,
-                   async_op: bool = False) -> torch.Tensor | Pending:
+    def all_gather(
+        self, part: torch.Tensor, whole: torch.Tensor, *, async_op: bool = False
+    ) -> torch.Tensor | Pending:
         """Every rank's `part`, in rank order, into the contiguous 1-D `whole` (returned);
         `part` may be this rank's own chunk of `whole`."""
         if self.algorithm == "ring" and whole.is_meta:
             return self._shape_only(whole, async_op)
         if self.algorithm == "ring":
+
             def ring() -> torch.Tensor:
-                return ring_all_gather(part, self.group, tracer=self.tracer, link=self.link,
-                                       out=whole)
+                return ring_all_gather(
+                    part, self.group, tracer=self.tracer, link=self.link, out=whole
+                )
+
             return self._on_thread(ring) if async_op else ring()
         work = all_gather_single(whole, part, group=self.group, async_op=async_op)
         return self._pending(work, whole) if async_op else whole
@@ -244,8 +278,9 @@ class Comm:
     def _pending(self, work: dist.Work, out: torch.Tensor) -> Pending:
         if not self.timed:
             return Pending(out, work=work)  # no callback: nothing to time, nothing to wake up
-        return Pending(out, work=work, times=work.get_future().then(
-            lambda _: time.perf_counter_ns()))
+        return Pending(
+            out, work=work, times=work.get_future().then(lambda _: time.perf_counter_ns())
+        )
 
     def _on_thread(self, run: Callable[[], torch.Tensor]) -> Pending:
         """Run the ring on this object's communication thread (one: messages go out in
@@ -258,4 +293,3 @@ class Comm:
             return out, time.perf_counter_ns()
 
         return Pending(None, thread=self._thread.submit(timed))
-

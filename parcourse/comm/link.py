@@ -91,11 +91,17 @@ class Topology:
             raise ValueError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
 
     @classmethod
-    def of(cls, ranks_per_node: int, inside: SimulatedLink | None = None,
-           between: SimulatedLink | None = None) -> Topology:
-        return cls(ranks_per_node,
-                   inside or SimulatedLink.of(latency_us=20, bandwidth_GBps=4.0),
-                   between or SimulatedLink.of(latency_us=1000, bandwidth_GBps=0.1))
+    def of(
+        cls,
+        ranks_per_node: int,
+        inside: SimulatedLink | None = None,
+        between: SimulatedLink | None = None,
+    ) -> Topology:
+        return cls(
+            ranks_per_node,
+            inside or SimulatedLink.of(latency_us=20, bandwidth_GBps=4.0),
+            between or SimulatedLink.of(latency_us=1000, bandwidth_GBps=0.1),
+        )
 
     def node(self, rank: int) -> int:
         return rank // self.ranks_per_node
@@ -115,8 +121,9 @@ def link_between(network: Network | None, rank: int, peer: int) -> SimulatedLink
     return network
 
 
-def simulated_link(latency_us: float = 0.0,
-                   bandwidth_gbps: float | None = None) -> SimulatedLink | None:
+def simulated_link(
+    latency_us: float = 0.0, bandwidth_gbps: float | None = None
+) -> SimulatedLink | None:
     """The link for these settings (as panels and the CLI take them), or None when both are off."""
     if not (latency_us or bandwidth_gbps):
         return None

@@ -36,7 +36,7 @@ def _stamped(way: str, peer: int, tag: int, nbytes: int) -> torch.Tensor:
     buf = cache.get(key)
     if buf is None or buf.numel() < STAMP + nbytes:
         buf = cache[key] = torch.empty(STAMP + nbytes, dtype=torch.uint8)
-    return buf[:STAMP + nbytes]
+    return buf[: STAMP + nbytes]
 
 
 class Arrival:
@@ -49,8 +49,7 @@ class Arrival:
     machine): a receiver that waited from before then was waiting for the sender, and
     from then on for the link. None over a real link, where no rank can see it."""
 
-    def __init__(self, work: dist.Work, host: torch.Tensor, dest: torch.Tensor,
-                 wire: Wire) -> None:
+    def __init__(self, work: dist.Work, host: torch.Tensor, dest: torch.Tensor, wire: Wire) -> None:
         self.work, self.host, self.dest, self.wire = work, host, dest, wire
         self.departed: float | None = None
 
@@ -76,8 +75,9 @@ class Messenger:
     peer's link is the one between this rank's node and the peer's.
     """
 
-    def __init__(self, group: dist.ProcessGroup, tracer: Tracer | None,
-                 link: Network | None, staged: bool) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, tracer: Tracer | None, link: Network | None, staged: bool
+    ) -> None:
         self.group = group
         self.tracer = tracer
         self.network = link
@@ -108,8 +108,7 @@ class Messenger:
             payload = t.cpu() if self.staged else t
         work = self.group.send([payload], peer, tag)
         if self.tracer is not None:
-            self.tracer.count("bytes_sent", t.nbytes, peer=peer,
-                              to=global_rank(self.group, peer))
+            self.tracer.count("bytes_sent", t.nbytes, peer=peer, to=global_rank(self.group, peer))
         return work
 
     def recv(self, tensors: list[torch.Tensor], peer: int, tag: int) -> Arrival:
@@ -129,8 +128,12 @@ class Messenger:
             sleep_until(self.sent_until)
 
 
-def messenger(group: dist.ProcessGroup, like: torch.Tensor, tracer: Tracer | None = None,
-              link: Network | None = None) -> dist.ProcessGroup | Messenger:
+def messenger(
+    group: dist.ProcessGroup,
+    like: torch.Tensor,
+    tracer: Tracer | None = None,
+    link: Network | None = None,
+) -> dist.ProcessGroup | Messenger:
     """What a collective sends through: the group itself, or a messenger when
     bytes are counted (tracer), a link is simulated, or CUDA tensors go over
     gloo (which moves CPU tensors only, so they are staged through host memory).

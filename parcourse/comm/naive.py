@@ -18,9 +18,15 @@ from parcourse.comm.messenger import messenger, settle
 from parcourse.trace import Tracer
 
 
-def naive_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
-                     op: Op = "sum", root: int = 0, *, tracer: Tracer | None = None,
-                     link: Network | None = None) -> torch.Tensor:
+def naive_all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    op: Op = "sum",
+    root: int = 0,
+    *,
+    tracer: Tracer | None = None,
+    link: Network | None = None,
+) -> torch.Tensor:
     """Parameter-server all-reduce, in place: gather at `root`, reduce, send back.
 
     The root receives N-1 tensors and sends N-1 results: (N-1) x S bytes each

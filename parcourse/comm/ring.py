@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from parcourse.comm.common import Op, check_args, comm_span, group_info, reduce_into
-from parcourse.ranges import chunk_bounds
 from parcourse.comm.link import Network
 from parcourse.comm.messenger import messenger, settle
+from parcourse.ranges import chunk_bounds
 from parcourse.trace import Tracer
 
 RingPhase = Literal["reduce-scatter", "all-gather"]

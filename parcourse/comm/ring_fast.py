@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 
 from parcourse.comm.common import Op, check_args, comm_span, group_info, reduce_into
-from parcourse.ranges import chunk_bounds
 from parcourse.comm.link import Network
 from parcourse.comm.messenger import messenger, settle
 from parcourse.comm.ring import RingPhase, ring_steps
+from parcourse.ranges import chunk_bounds
 from parcourse.trace import Tracer
 
 _scratch_per_thread = threading.local()
@@ -52,7 +52,6 @@ def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
     return buf[:numel]
 
 
-
 SEGMENT_BYTES = 2 << 20
 """Chunks larger than this travel as several messages (segments) of at most this size."""
 
@@ -70,8 +69,13 @@ _Planned = tuple[int, int, "tuple[int, int] | None"]  # segment sent, received, 
 
 
 @functools.lru_cache(maxsize=256)
-def _ring_plan(numel: int, rank: int, n: int, phases: tuple[RingPhase, ...], k: int,
-               ) -> tuple[tuple[tuple[int, int], ...], tuple[_Planned, ...], tuple[_Step, ...]]:
+def _ring_plan(
+    numel: int,
+    rank: int,
+    n: int,
+    phases: tuple[RingPhase, ...],
+    k: int,
+) -> tuple[tuple[tuple[int, int], ...], tuple[_Planned, ...], tuple[_Step, ...]]:
     """Every message of a ring, worked out once per shape: (segments, messages, steps).
 
     segments: [start, end) in the flat buffer of segment j of chunk c, at index
@@ -102,9 +106,17 @@ def _ring_plan(numel: int, rank: int, n: int, phases: tuple[RingPhase, ...], k: 
 _NO_SPAN = nullcontext()
 
 
-def _ring(flat: torch.Tensor, phases: tuple[RingPhase, ...], op: str, group: dist.ProcessGroup,
-          rank: int, n: int, tracer: Tracer | None, link: Network | None,
-          segment_bytes: int = SEGMENT_BYTES) -> None:
+def _ring(
+    flat: torch.Tensor,
+    phases: tuple[RingPhase, ...],
+    op: str,
+    group: dist.ProcessGroup,
+    rank: int,
+    n: int,
+    tracer: Tracer | None,
+    link: Network | None,
+    segment_bytes: int = SEGMENT_BYTES,
+) -> None:
     """Run ring steps in place on a flat buffer cut by `chunk_bounds`: each step
     sends one chunk to the right, receives one from the left and, in
     reduce-scatter, reduces it in.
@@ -148,14 +160,17 @@ def _ring(flat: torch.Tensor, phases: tuple[RingPhase, ...], op: str, group: dis
         if land is None:  # all-gather: lands in place
             messages.append((views[sent], segment, None))
         else:  # reduce-scatter: lands in scratch, then is reduced into its segment
-            into = None if segment is None else scratch[land[0]:land[1]]
+            into = None if segment is None else scratch[land[0] : land[1]]
             messages.append((views[sent], into, segment))
     send, recv = wire.send, wire.recv
     sends, arrivals, posted, last = [], [], 0, len(messages)
     for i, (_, into, acc) in enumerate(messages):
         # Without a tracer, not even the span's name is made.
-        span = _NO_SPAN if tracer is None else comm_span(
-            tracer, f"{steps[i].phase} {steps[i].step}", **steps[i]._asdict())
+        span = (
+            _NO_SPAN
+            if tracer is None
+            else comm_span(tracer, f"{steps[i].phase} {steps[i].step}", **steps[i]._asdict())
+        )
         with span:
             # Message q carries what message q - k brought in: send every message
             # whose segment has arrived (all of the first step's at once).
@@ -172,10 +187,15 @@ def _ring(flat: torch.Tensor, phases: tuple[RingPhase, ...], op: str, group: dis
     settle(wire, sends)
 
 
-def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
-                    op: Op = "sum", *, tracer: Tracer | None = None,
-                    link: Network | None = None,
-                    segment_bytes: int = SEGMENT_BYTES) -> torch.Tensor:
+def ring_all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    op: Op = "sum",
+    *,
+    tracer: Tracer | None = None,
+    link: Network | None = None,
+    segment_bytes: int = SEGMENT_BYTES,
+) -> torch.Tensor:
     """Ring all-reduce, in place: reduce-scatter, then all-gather. Returns `tensor`.
 
     Any numel (chunks may differ by one element), any world size, non-contiguous
@@ -189,8 +209,9 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     contiguous = tensor.is_contiguous()
     flat = tensor.view(-1) if contiguous else tensor.flatten().clone()
     if n > 1:
-        _ring(flat, ("reduce-scatter", "all-gather"), op, group, rank, n, tracer, link,
-              segment_bytes)
+        _ring(
+            flat, ("reduce-scatter", "all-gather"), op, group, rank, n, tracer, link, segment_bytes
+        )
     if op == "avg":
         flat.div_(n)
     if not contiguous:
@@ -198,11 +219,16 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     return tensor
 
 
-def ring_reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
-                        op: Op = "sum", *, tracer: Tracer | None = None,
-                        link: Network | None = None,
-                        segment_bytes: int = SEGMENT_BYTES,
-                        scratch: bool = False) -> torch.Tensor:
+def ring_reduce_scatter(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    op: Op = "sum",
+    *,
+    tracer: Tracer | None = None,
+    link: Network | None = None,
+    segment_bytes: int = SEGMENT_BYTES,
+    scratch: bool = False,
+) -> torch.Tensor:
     """Return this rank's chunk of the reduction over ranks.
 
     Rank r gets chunk r of `chunk_bounds(numel, N)`, as torch's reduce_scatter
@@ -223,11 +249,16 @@ def ring_reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = 
     return shard.div_(n) if op == "avg" else shard
 
 
-def ring_all_gather(shard: torch.Tensor, group: dist.ProcessGroup | None = None, *,
-                    numel: int | None = None, tracer: Tracer | None = None,
-                    link: Network | None = None,
-                    segment_bytes: int = SEGMENT_BYTES,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+def ring_all_gather(
+    shard: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    numel: int | None = None,
+    tracer: Tracer | None = None,
+    link: Network | None = None,
+    segment_bytes: int = SEGMENT_BYTES,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Concatenate every rank's flattened shard, in rank order, on every rank.
 
     With equal shards, leave `numel` out. With shards cut by `chunk_bounds`
@@ -241,12 +272,17 @@ def ring_all_gather(shard: torch.Tensor, group: dist.ProcessGroup | None = None,
     bounds = chunk_bounds(numel, n)
     start, end = bounds[rank]
     if end - start != shard.numel():
-        raise ValueError(f"rank {rank}'s shard has {shard.numel()} elements, but chunk {rank} "
-                         f"of numel={numel} over {n} ranks has {end - start}")
-    if out is not None and (out.shape != (numel,) or not out.is_contiguous()
-                            or out.dtype != shard.dtype):
-        raise ValueError(f"out must be a contiguous 1-D {shard.dtype} tensor of {numel} "
-                         f"elements, got {out.dtype} {tuple(out.shape)}")
+        raise ValueError(
+            f"rank {rank}'s shard has {shard.numel()} elements, but chunk {rank} "
+            f"of numel={numel} over {n} ranks has {end - start}"
+        )
+    if out is not None and (
+        out.shape != (numel,) or not out.is_contiguous() or out.dtype != shard.dtype
+    ):
+        raise ValueError(
+            f"out must be a contiguous 1-D {shard.dtype} tensor of {numel} "
+            f"elements, got {out.dtype} {tuple(out.shape)}"
+        )
     flat = torch.empty(numel, dtype=shard.dtype, device=shard.device) if out is None else out
     if flat[start:end].data_ptr() != shard.data_ptr() or not shard.is_contiguous():
         flat[start:end] = shard.flatten()

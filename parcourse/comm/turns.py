@@ -171,8 +171,12 @@ class Turns:
     def exposed(self, reason: str = "all-to-all") -> float:
         """Seconds of the waits for `reason` in which no thread held the turn: the device
         idle for those messages."""
-        return _length(uncovered([(w.start, w.end) for w in self.waits if w.reason == reason],
-                                 [(h.start, h.end) for h in self.held_intervals]))
+        return _length(
+            uncovered(
+                [(w.start, w.end) for w in self.waits if w.reason == reason],
+                [(h.start, h.end) for h in self.held_intervals],
+            )
+        )
 
     def waited(self, reason: str = "all-to-all") -> float:
         """Seconds of the waits for `reason`, hidden or not (overlapping waits once)."""
@@ -183,8 +187,9 @@ class Turns:
         return sum(h.end - h.start for h in self.held_intervals)
 
 
-def uncovered(waits: list[tuple[float, float]], held: list[tuple[float, float]]
-              ) -> list[tuple[float, float]]:
+def uncovered(
+    waits: list[tuple[float, float]], held: list[tuple[float, float]]
+) -> list[tuple[float, float]]:
     """The parts of the (start, end) `waits` that no (start, end) of `held` covers, in
     order, overlapping waits once: where the device sat idle for them."""
     return _subtract(_union(waits), _union(held))
@@ -200,8 +205,9 @@ def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
-def _subtract(spans: list[tuple[float, float]], minus: list[tuple[float, float]]
-              ) -> list[tuple[float, float]]:
+def _subtract(
+    spans: list[tuple[float, float]], minus: list[tuple[float, float]]
+) -> list[tuple[float, float]]:
     """`spans` less `minus` (both sorted and disjoint, as `_union` returns them)."""
     out, j = [], 0
     for start, end in spans:

@@ -37,6 +37,16 @@ from parcourse.context_parallel.attention import (
 )
 from parcourse.context_parallel.model import SequenceShard, context_parallel
 
-__all__ = ["LAYOUTS", "METHODS", "SequenceShard", "block_attention", "chunks_of",
-           "context_attention", "context_parallel", "merge", "positions", "shard_sequence",
-           "unshard_sequence"]
+__all__ = [
+    "LAYOUTS",
+    "METHODS",
+    "SequenceShard",
+    "block_attention",
+    "chunks_of",
+    "context_attention",
+    "context_parallel",
+    "merge",
+    "positions",
+    "shard_sequence",
+    "unshard_sequence",
+]

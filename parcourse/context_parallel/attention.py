@@ -51,28 +51,31 @@ def chunks_of(rank: int, size: int, layout: Layout) -> list[int]:
 def _bounds(tokens: int, size: int, layout: Layout) -> list[tuple[int, int]]:
     n = size if layout == "contiguous" else 2 * size
     if tokens < n:
-        raise ValueError(f"a sequence of {tokens} tokens cannot be cut into the {n} chunks "
-                         f"the {layout} layout gives {size} ranks")
+        raise ValueError(
+            f"a sequence of {tokens} tokens cannot be cut into the {n} chunks "
+            f"the {layout} layout gives {size} ranks"
+        )
     return chunk_bounds(tokens, n)
 
 
-def positions(tokens: int, rank: int, size: int, layout: Layout = "contiguous"
-              ) -> torch.Tensor:
+def positions(tokens: int, rank: int, size: int, layout: Layout = "contiguous") -> torch.Tensor:
     """The positions in the whole sequence of rank `rank`'s tokens, in its order (for the
     position embedding, and the causal mask)."""
     bounds = _bounds(tokens, size, layout)
     return torch.cat([torch.arange(*bounds[c]) for c in chunks_of(rank, size, layout)])
 
 
-def shard_sequence(x: torch.Tensor, rank: int, size: int, layout: Layout = "contiguous",
-                   dim: int = TOKENS) -> torch.Tensor:
+def shard_sequence(
+    x: torch.Tensor, rank: int, size: int, layout: Layout = "contiguous", dim: int = TOKENS
+) -> torch.Tensor:
     """Rank `rank`'s tokens of the whole sequence `x` (cut along `dim`); uneven lengths
     are fine, the first chunks one token longer (`chunk_bounds`)."""
     return x.index_select(dim, positions(x.shape[dim], rank, size, layout).to(x.device))
 
 
-def unshard_sequence(parts: Sequence[torch.Tensor], layout: Layout = "contiguous",
-                     dim: int = TOKENS) -> torch.Tensor:
+def unshard_sequence(
+    parts: Sequence[torch.Tensor], layout: Layout = "contiguous", dim: int = TOKENS
+) -> torch.Tensor:
     """The whole sequence again from every rank's part, in rank order."""
     size = len(parts)
     tokens = sum(p.shape[dim] for p in parts)
@@ -84,9 +87,14 @@ def unshard_sequence(parts: Sequence[torch.Tensor], layout: Layout = "contiguous
 # --------------------------------------------------------------------------- one block
 
 
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None,
-                    scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def block_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor | None = None,
+    k_pos: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of queries `q` over the keys `k` and values `v` of one block:
     (out, lse), out in fp32 (fp64 for fp64 inputs), lse the log-sum-exp of each query's
     scores (batch, heads, queries). With positions, a causal mask: a key after its query
@@ -104,8 +112,9 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return p @ v.to(acc), lse
 
 
-def merge(out_a: torch.Tensor | None, lse_a: torch.Tensor | None, out_b: torch.Tensor,
-          lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def merge(
+    out_a: torch.Tensor | None, lse_a: torch.Tensor | None, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Two blocks' results for the same queries as one: each rescaled by its share of
     the two softmax sums, exp(lse - lse of both), so the result is the softmax over both
     blocks' keys exactly (no block needs the others' maximum). `out_a` None: nothing yet."""
@@ -119,9 +128,16 @@ def merge(out_a: torch.Tensor | None, lse_a: torch.Tensor | None, out_b: torch.T
     return out_a * wa[..., None] + out_b * wb[..., None], lse
 
 
-def _attend(acc: tuple[Any, Any], q: torch.Tensor, q_chunks: list[tuple[int, torch.Tensor]],
-            k: torch.Tensor, v: torch.Tensor, k_chunks: list[tuple[int, torch.Tensor]],
-            causal: bool, scale: float | None) -> tuple[Any, Any]:
+def _attend(
+    acc: tuple[Any, Any],
+    q: torch.Tensor,
+    q_chunks: list[tuple[int, torch.Tensor]],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_chunks: list[tuple[int, torch.Tensor]],
+    causal: bool,
+    scale: float | None,
+) -> tuple[Any, Any]:
     """Merge into `acc` (out, lse) of all of this rank's queries what the block (k, v)
     gives them, chunk by chunk of each; pairs the mask hides entirely are skipped."""
     outs, lses = [], []
@@ -136,8 +152,9 @@ def _attend(acc: tuple[Any, Any], q: torch.Tensor, q_chunks: list[tuple[int, tor
             if causal and kc > qc:
                 continue  # every key after every query: nothing to see
             masked = causal and kc == qc  # the diagonal; before it, every key is seen
-            o, s = block_attention(qs, ks, vs, q_pos if masked else None,
-                                   k_pos if masked else None, scale)
+            o, s = block_attention(
+                qs, ks, vs, q_pos if masked else None, k_pos if masked else None, scale
+            )
             out, lse = merge(out, lse, o, s)
         if out is None or lse is None:  # no key of the block for these queries
             shape = (*q.shape[:TOKENS], len(q_pos))
@@ -153,13 +170,21 @@ def _attend(acc: tuple[Any, Any], q: torch.Tensor, q_chunks: list[tuple[int, tor
 # --------------------------------------------------------------------------- transfers
 
 
-def _shift(comm: Comm, x: torch.Tensor, shape: Sequence[int], left: int, right: int,
-           tag: int, dtype: torch.dtype | None = None) -> tuple[list[Any], torch.Tensor]:
+def _shift(
+    comm: Comm,
+    x: torch.Tensor,
+    shape: Sequence[int],
+    left: int,
+    right: int,
+    tag: int,
+    dtype: torch.dtype | None = None,
+) -> tuple[list[Any], torch.Tensor]:
     """Send `x` to the right neighbour and receive a tensor of `shape` from the left one,
     both started (wait on the works before reading what arrives)."""
     incoming = torch.empty(tuple(shape), dtype=dtype or x.dtype, device=x.device)
-    works = _paired(comm, lambda: comm.send(x.contiguous(), right, tag),
-                    lambda: comm.recv(incoming, left, tag))
+    works = _paired(
+        comm, lambda: comm.send(x.contiguous(), right, tag), lambda: comm.recv(incoming, left, tag)
+    )
     return works, incoming
 
 
@@ -170,8 +195,11 @@ def _wait(works: list[Any]) -> None:
 
 def _span(comm: Comm, name: str, kind: str, **meta: Any) -> AbstractContextManager[Any]:
     """A span on the Comm's tracer (the ring drawn on a timeline), or nothing."""
-    return (comm.tracer.span(name, kind, **meta)  # type: ignore[arg-type]
-            if comm.tracer is not None else nullcontext())
+    return (
+        comm.tracer.span(name, kind, **meta)  # type: ignore[arg-type]
+        if comm.tracer is not None
+        else nullcontext()
+    )
 
 
 def _paired(comm: Comm, send: Any, recv: Any) -> list[Any]:
@@ -205,11 +233,19 @@ class _AllGather(torch.autograd.Function):
 # --------------------------------------------------------------------------- the methods
 
 
-def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      group: dist.ProcessGroup | None = None, *, tokens: int,
-                      method: Method = "ring", layout: Layout = "contiguous",
-                      causal: bool = False, scale: float | None = None,
-                      comm: Comm | None = None) -> torch.Tensor:
+def context_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    tokens: int,
+    method: Method = "ring",
+    layout: Layout = "contiguous",
+    causal: bool = False,
+    scale: float | None = None,
+    comm: Comm | None = None,
+) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence's keys, each rank of
     `group` holding its tokens (`shard_sequence(x, rank, size, layout)`) of a sequence
     of `tokens`: this rank's rows of `scaled_dot_product_attention(q, k, v,
@@ -223,15 +259,18 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return torch.empty_like(q)  # and no message sent, as Comm's collectives on meta
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     if not q.shape[:2] == k.shape[:2] == v.shape[:2]:
-        raise ValueError(f"q, k and v need the same batch and heads, got {tuple(q.shape[:2])}, "
-                         f"{tuple(k.shape[:2])}, {tuple(v.shape[:2])} (grouped-query attention, "
-                         "fewer K/V heads, is not built here)")
+        raise ValueError(
+            f"q, k and v need the same batch and heads, got {tuple(q.shape[:2])}, "
+            f"{tuple(k.shape[:2])}, {tuple(v.shape[:2])} (grouped-query attention, "
+            "fewer K/V heads, is not built here)"
+        )
     mine = positions(tokens, rank, size, layout)
-    if q.shape[TOKENS] != len(mine) or k.shape[TOKENS] != len(mine) \
-            or v.shape[TOKENS] != len(mine):
-        raise ValueError(f"rank {rank} of {size} holds {len(mine)} of the {tokens} tokens "
-                         f"({layout}), got q, k, v of {q.shape[TOKENS]}, {k.shape[TOKENS]}, "
-                         f"{v.shape[TOKENS]}")
+    if q.shape[TOKENS] != len(mine) or k.shape[TOKENS] != len(mine) or v.shape[TOKENS] != len(mine):
+        raise ValueError(
+            f"rank {rank} of {size} holds {len(mine)} of the {tokens} tokens "
+            f"({layout}), got q, k, v of {q.shape[TOKENS]}, {k.shape[TOKENS]}, "
+            f"{v.shape[TOKENS]}"
+        )
     cut = _RingPlan(rank, size, _bounds(tokens, size, layout), layout)
     chunks = cut.chunks
     comm = comm or Comm(group, algorithm="auto")
@@ -243,8 +282,16 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         keys = _AllGather.apply(k, comm, max(lengths))
         values = _AllGather.apply(v, comm, max(lengths))
         for r in range(size):
-            acc = _attend(acc, q, chunks(rank), keys[r].narrow(TOKENS, 0, lengths[r]),
-                          values[r].narrow(TOKENS, 0, lengths[r]), chunks(r), causal, scale)
+            acc = _attend(
+                acc,
+                q,
+                chunks(rank),
+                keys[r].narrow(TOKENS, 0, lengths[r]),
+                values[r].narrow(TOKENS, 0, lengths[r]),
+                chunks(r),
+                causal,
+                scale,
+            )
         return acc[0].to(q.dtype)
     if k.shape != v.shape:
         raise ValueError("the ring passes K and V together: they must have one shape")
@@ -259,8 +306,16 @@ class _Ring(torch.autograd.Function):
     docstring): forward keeps q, k, v, the output and the log-sum-exp only."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm,
-                ring: _RingPlan, causal: bool, scale: float | None) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        comm: Comm,
+        ring: _RingPlan,
+        causal: bool,
+        scale: float | None,
+    ) -> torch.Tensor:
         rank, size = ring.rank, ring.size
         acc: tuple[Any, Any] = (None, None)
         kv = torch.stack([k, v])
@@ -268,14 +323,20 @@ class _Ring(torch.autograd.Function):
             source = (rank - step) % size  # whose block this rank holds now
             pending = None
             if step < size - 1:  # the next block on its way while this one is used
-                pending = _shift(comm, kv, ring.shape(kv, step + 1), ring.left, ring.right,
-                                 tag=step)
+                pending = _shift(
+                    comm, kv, ring.shape(kv, step + 1), ring.left, ring.right, tag=step
+                )
             with _span(comm, f"attend to rank {source}'s K/V", "compute", chunk=source):
-                acc = _attend(acc, q, ring.chunks(rank), kv[0], kv[1], ring.chunks(source),
-                              causal, scale)
+                acc = _attend(
+                    acc, q, ring.chunks(rank), kv[0], kv[1], ring.chunks(source), causal, scale
+                )
             if pending is not None:
-                with _span(comm, f"wait for rank {ring.source(step + 1)}'s K/V", "comm",
-                           chunk=ring.source(step + 1)):
+                with _span(
+                    comm,
+                    f"wait for rank {ring.source(step + 1)}'s K/V",
+                    "comm",
+                    chunk=ring.source(step + 1),
+                ):
                     _wait(pending[0])
                 kv = pending[1]
         out, lse = acc
@@ -298,29 +359,45 @@ class _Ring(torch.autograd.Function):
             source = ring.source(step)
             pending = None
             if step < size - 1:  # K and V again, the next block on its way meanwhile
-                pending = _shift(comm, kv, ring.shape(kv, step + 1), ring.left, ring.right,
-                                 tag=_BACK_KV + step)
+                pending = _shift(
+                    comm, kv, ring.shape(kv, step + 1), ring.left, ring.right, tag=_BACK_KV + step
+                )
             with _span(comm, f"back through rank {source}'s K/V", "compute", chunk=source):
-                _block_gradients(q, ring.chunks(rank), kv, ring.chunks(source), d_out, lse,
-                                 delta, causal, scale, dq, dkv)
+                _block_gradients(
+                    q,
+                    ring.chunks(rank),
+                    kv,
+                    ring.chunks(source),
+                    d_out,
+                    lse,
+                    delta,
+                    causal,
+                    scale,
+                    dq,
+                    dkv,
+                )
             if size > 1:  # the block's gradient goes on with it; the last hop takes it home
                 with _span(comm, f"pass on rank {source}'s dK/dV", "comm", chunk=source):
-                    works, dkv = _shift(comm, dkv, ring.shape(dkv, step + 1), ring.left,
-                                        ring.right, tag=_BACK_GRAD + step)
+                    works, dkv = _shift(
+                        comm,
+                        dkv,
+                        ring.shape(dkv, step + 1),
+                        ring.left,
+                        ring.right,
+                        tag=_BACK_GRAD + step,
+                    )
                     _wait(works)
             if pending is not None:
                 _wait(pending[0])
                 kv = pending[1]
-        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
-                None, None, None, None)
+        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None)
 
 
 class _RingPlan:
     """The cut of a sequence over a group, seen from one rank: each rank's chunks, and
     for the ring, whose block this rank holds at each step."""
 
-    def __init__(self, rank: int, size: int, bounds: list[tuple[int, int]],
-                 layout: Layout) -> None:
+    def __init__(self, rank: int, size: int, bounds: list[tuple[int, int]], layout: Layout) -> None:
         self.rank, self.size, self.bounds, self.layout = rank, size, bounds, layout
         self.left, self.right = (rank - 1) % size, (rank + 1) % size
 
@@ -334,13 +411,22 @@ class _RingPlan:
     def shape(self, like: torch.Tensor, step: int) -> tuple[int, ...]:
         """A block like `like` (K and V stacked) of the rank held at `step`."""
         tokens = sum(len(p) for _, p in self.chunks(self.source(step)))
-        return (*like.shape[:TOKENS + 1], tokens, like.shape[-1])
+        return (*like.shape[: TOKENS + 1], tokens, like.shape[-1])
 
 
-def _block_gradients(q: torch.Tensor, q_chunks: list[tuple[int, torch.Tensor]],
-                     kv: torch.Tensor, k_chunks: list[tuple[int, torch.Tensor]],
-                     d_out: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
-                     causal: bool, scale: float, dq: torch.Tensor, dkv: torch.Tensor) -> None:
+def _block_gradients(
+    q: torch.Tensor,
+    q_chunks: list[tuple[int, torch.Tensor]],
+    kv: torch.Tensor,
+    k_chunks: list[tuple[int, torch.Tensor]],
+    d_out: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    causal: bool,
+    scale: float,
+    dq: torch.Tensor,
+    dkv: torch.Tensor,
+) -> None:
     """One block's part of backward, chunk pair by chunk pair (those the mask hides
     skipped): P = exp(S - lse) rebuilt from the whole row's log-sum-exp, dV += P^T dO,
     dS = P * (dO V^T - D), dQ += dS K scale, dK += dS^T Q scale; into dq and dkv."""
@@ -370,13 +456,24 @@ def _block_gradients(q: torch.Tensor, q_chunks: list[tuple[int, torch.Tensor]],
         q_start += n_q
 
 
-def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, rank: int,
-             size: int, tokens: int, layout: Layout, causal: bool,
-             scale: float | None) -> torch.Tensor:
+def _ulysses(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    comm: Comm,
+    rank: int,
+    size: int,
+    tokens: int,
+    layout: Layout,
+    causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
     heads = q.shape[1]
     if heads % size:
-        raise ValueError(f"Ulysses gives each of the {size} ranks whole heads: {heads} heads "
-                         f"do not divide by {size}")
+        raise ValueError(
+            f"Ulysses gives each of the {size} ranks whole heads: {heads} heads "
+            f"do not divide by {size}"
+        )
     lengths = [len(positions(tokens, r, size, layout)) for r in range(size)]
     mine = lengths[rank]
 
@@ -384,16 +481,19 @@ def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, rank
         """(B, H, mine, D) -> (B, H / P, all tokens in rank order, D)."""
         b, h, _, d = x.shape
         pieces = x.reshape(b, size, h // size, mine, d).permute(1, 3, 0, 2, 4)
-        got = AllToAll.apply(pieces.reshape(size * mine, b, h // size, d), comm,
-                              [mine] * size, lengths)
+        got = AllToAll.apply(
+            pieces.reshape(size * mine, b, h // size, d), comm, [mine] * size, lengths
+        )
         return got.permute(1, 2, 0, 3)
 
     qh, kh, vh = to_heads(q), to_heads(k), to_heads(v)
     order = torch.cat([positions(tokens, r, size, layout) for r in range(size)])
-    out, _ = block_attention(qh, kh, vh, order if causal else None,
-                             order if causal else None, scale)
+    out, _ = block_attention(
+        qh, kh, vh, order if causal else None, order if causal else None, scale
+    )
     b, hs, _, d = out.shape
-    back = AllToAll.apply(out.permute(2, 0, 1, 3).contiguous(), comm, lengths,
-                           [mine] * size)  # (P x mine, B, H / P, D): rank j's heads
+    back = AllToAll.apply(
+        out.permute(2, 0, 1, 3).contiguous(), comm, lengths, [mine] * size
+    )  # (P x mine, B, H / P, D): rank j's heads
     back = back.reshape(size, mine, b, hs, d).permute(2, 0, 3, 1, 4)
     return back.reshape(b, size * hs, mine, d).to(q.dtype)

@@ -45,8 +45,13 @@ class SequenceShard:
     simulated link), one over `group` without it. `cut(x)` takes this rank's tokens of a
     batch of whole sequences and remembers their length for the layers that need it."""
 
-    def __init__(self, group: dist.ProcessGroup, method: Method = "ring",
-                 layout: Layout = "zigzag", comm: Comm | None = None) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        method: Method = "ring",
+        layout: Layout = "zigzag",
+        comm: Comm | None = None,
+    ) -> None:
         self.group, self.method, self.layout = group, method, layout
         self.comm = comm if comm is not None else Comm(group)
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
@@ -59,8 +64,9 @@ class SequenceShard:
 
     def _length(self) -> int:
         if self.tokens is None:
-            raise RuntimeError("the sequence's length is known once a batch is cut "
-                               "(SequenceShard.cut)")
+            raise RuntimeError(
+                "the sequence's length is known once a batch is cut (SequenceShard.cut)"
+            )
         return self.tokens
 
     def positions(self, idx: torch.Tensor) -> torch.Tensor:
@@ -79,9 +85,18 @@ class SequenceShard:
         b, t, _ = qkv.shape
         hd = attention.head_dim
         q, k, v = (x.transpose(1, TOKENS) for x in qkv.view(b, t, -1, 3 * hd).split(hd, -1))
-        out = context_attention(q, k, v, self.group, tokens=self._length(),
-                                method=self.method, layout=self.layout, causal=True,
-                                scale=hd**-0.5, comm=self.comm)
+        out = context_attention(
+            q,
+            k,
+            v,
+            self.group,
+            tokens=self._length(),
+            method=self.method,
+            layout=self.layout,
+            causal=True,
+            scale=hd**-0.5,
+            comm=self.comm,
+        )
         return out.transpose(1, TOKENS).reshape(b, t, -1)
 
 

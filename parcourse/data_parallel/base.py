@@ -33,7 +33,6 @@ from parcourse.memory import tensors_in
 from parcourse.trace import Tracer
 
 
-
 def weakly(method: Callable[..., Any]) -> Callable[..., Any]:
     """A hook that calls a wrapper's method through a weak reference. A parameter's
     post-accumulate-grad hook held strongly closes a cycle (wrapper -> module ->
@@ -46,6 +45,7 @@ def weakly(method: Callable[..., Any]) -> Callable[..., Any]:
     def hook(*args: Any) -> Any:
         bound = ref()
         return None if bound is None else bound(*args)
+
     return hook
 
 
@@ -60,8 +60,13 @@ def broadcast_module(module: nn.Module, group: dist.ProcessGroup) -> None:
 class GradSyncModule(nn.Module, ABC):
     """Base of the data-parallel wrappers: hooks, no_sync, the end-of-backward callback."""
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None,
-                 tracer: Tracer | None, broadcast_buffers: bool = False) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        group: dist.ProcessGroup | None,
+        tracer: Tracer | None,
+        broadcast_buffers: bool = False,
+    ) -> None:
         super().__init__()
         self.module = module
         self.broadcast_buffers = broadcast_buffers
@@ -74,11 +79,11 @@ class GradSyncModule(nn.Module, ABC):
         broadcast_module(module, self.group)
         # Frozen parameters never get gradients; they take no part in synchronization.
         self.sync_params = [p for p in module.parameters() if p.requires_grad]
-        self._hooks = [p.register_post_accumulate_grad_hook(weakly(self._hook))
-                       for p in self.sync_params]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(weakly(self._hook)) for p in self.sync_params
+        ]
         synced = {id(p) for p in self.sync_params}
-        self._frozen = [(name, p) for name, p in module.named_parameters()
-                        if id(p) not in synced]
+        self._frozen = [(name, p) for name, p in module.named_parameters() if id(p) not in synced]
         module.register_forward_pre_hook(weakly(self._check_frozen))
 
     def _check_frozen(self, module: nn.Module, args: Any) -> None:
@@ -89,7 +94,8 @@ class GradSyncModule(nn.Module, ABC):
             raise ValueError(
                 f"{', '.join(thawed)} did not require a gradient when the model was wrapped "
                 f"and {'do' if len(thawed) > 1 else 'does'} now: wrap the model after "
-                "unfreezing (frozen parameters take no part in synchronization)")
+                "unfreezing (frozen parameters take no part in synchronization)"
+            )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.broadcast_buffers and self._buffers_due:
@@ -130,8 +136,9 @@ class GradSyncModule(nn.Module, ABC):
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         if self.tracer is not None and self._backward_start is not None:
-            self.tracer.add_span("backward", self._backward_start, time.perf_counter_ns(),
-                                 kind="compute")
+            self.tracer.add_span(
+                "backward", self._backward_start, time.perf_counter_ns(), kind="compute"
+            )
             self._backward_start = None
         self.finish_gradient_sync()
 
@@ -146,4 +153,3 @@ class GradSyncModule(nn.Module, ABC):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-

@@ -58,20 +58,20 @@ class Bucket:
         """The gradients into the buffer (a missing one: zeros) and a used-flag each: what
         an all-reduce sums. Every rank sends the same layout, whichever it used."""
         for p, offset in zip(self.params, self.offsets):
-            view = self.buffer[offset:offset + p.numel()]
+            view = self.buffer[offset : offset + p.numel()]
             if p.grad is None:
                 view.zero_()
             else:
                 view.copy_(p.grad.reshape(-1))
         used = [float(p.grad is not None) for p in self.params]  # one copy, not one per flag
-        self.buffer[self.numel:].copy_(torch.tensor(used, dtype=self.buffer.dtype))
+        self.buffer[self.numel :].copy_(torch.tensor(used, dtype=self.buffer.dtype))
         return self.buffer
 
     def unpack(self, world_size: int) -> None:
         """The summed buffer back into the gradients, averaged over `world_size` ranks; a
         parameter no rank used keeps no gradient, as in one process."""
-        grads = self.buffer[:self.numel]
-        counts = self.buffer[self.numel:].tolist()  # one read (one GPU sync), not one per flag
+        grads = self.buffer[: self.numel]
+        counts = self.buffer[self.numel :].tolist()  # one read (one GPU sync), not one per flag
         for count, p, offset in zip(counts, self.params, self.offsets):
             if count == 0:
                 p.grad = None  # no rank used it: as in one process
@@ -79,7 +79,7 @@ class Bucket:
             if p.grad is None:
                 p.grad = torch.empty_like(p)
             # The average and the copy back in one pass over the bucket, not two.
-            torch.div(grads[offset:offset + p.numel()].view_as(p), world_size, out=p.grad)
+            torch.div(grads[offset : offset + p.numel()].view_as(p), world_size, out=p.grad)
 
 
 def group_by_size(params: list[nn.Parameter], bucket_mb: float) -> list[list[nn.Parameter]]:
@@ -117,10 +117,18 @@ class BucketedDataParallel(GradSyncModule):
     same bytes and buckets, no overlap — the comparison the lesson draws.
     """
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, *,
-                 bucket_mb: float = 25.0, overlap: bool = True,
-                 algorithm: Algorithm = "torch", link: SimulatedLink | None = None,
-                 tracer: Tracer | None = None, broadcast_buffers: bool = True) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        group: dist.ProcessGroup | None = None,
+        *,
+        bucket_mb: float = 25.0,
+        overlap: bool = True,
+        algorithm: Algorithm = "torch",
+        link: SimulatedLink | None = None,
+        tracer: Tracer | None = None,
+        broadcast_buffers: bool = True,
+    ) -> None:
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
         # The end time of each bucket's all-reduce only for a trace: timing it is a
@@ -160,8 +168,8 @@ class BucketedDataParallel(GradSyncModule):
     def finish_gradient_sync(self) -> None:
         if self._next == 0 and not any(b.ready for b in self.buckets):
             return
-        for bucket in self.buckets[self._next:]:  # incomplete buckets, or all of them
-            self._launch(bucket)                  # when overlap is off
+        for bucket in self.buckets[self._next :]:  # incomplete buckets, or all of them
+            self._launch(bucket)  # when overlap is off
         wait_start = time.perf_counter_ns()
         before = 0  # when the bucket before finished
         for bucket in self.buckets:
@@ -172,14 +180,21 @@ class BucketedDataParallel(GradSyncModule):
                 # communication thread): each is drawn from when it could start, the one
                 # before done, not from its launch, which a queue of them would stack.
                 start = min(max(bucket.launched_ns, before), bucket.done.finished_ns)
-                self.tracer.add_span("all_reduce", start, bucket.done.finished_ns,
-                                     kind="comm", bucket=bucket.index, bytes=bucket.nbytes,
-                                     launched_ns=bucket.launched_ns)
+                self.tracer.add_span(
+                    "all_reduce",
+                    start,
+                    bucket.done.finished_ns,
+                    kind="comm",
+                    bucket=bucket.index,
+                    bytes=bucket.nbytes,
+                    launched_ns=bucket.launched_ns,
+                )
             before = bucket.done.finished_ns
             bucket.unpack(self.world_size)
             bucket.ready.clear()
             bucket.done = None
         if self.tracer is not None:
-            self.tracer.add_span("wait for buckets", wait_start, time.perf_counter_ns(),
-                                 kind="idle")
+            self.tracer.add_span(
+                "wait for buckets", wait_start, time.perf_counter_ns(), kind="idle"
+            )
         self._next = 0

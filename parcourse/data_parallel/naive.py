@@ -29,9 +29,16 @@ class NaiveDataParallel(GradSyncModule):
     which can go over a simulated link.
     """
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, *,
-                 algorithm: Algorithm = "torch", link: SimulatedLink | None = None,
-                 tracer: Tracer | None = None, broadcast_buffers: bool = True) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        group: dist.ProcessGroup | None = None,
+        *,
+        algorithm: Algorithm = "torch",
+        link: SimulatedLink | None = None,
+        tracer: Tracer | None = None,
+        broadcast_buffers: bool = True,
+    ) -> None:
         comm = Comm(group, link=link, algorithm=algorithm)  # checks them before anything moves
         super().__init__(module, group, tracer, broadcast_buffers)
         self.comm = comm
@@ -47,8 +54,9 @@ class NaiveDataParallel(GradSyncModule):
         params = self.sync_params
         # Which parameters got a gradient anywhere? (Every rank must call the same
         # collectives in the same order, so this is agreed on first.)
-        used = torch.tensor([p.grad is not None for p in params], dtype=torch.float32,
-                            device=params[0].device)
+        used = torch.tensor(
+            [p.grad is not None for p in params], dtype=torch.float32, device=params[0].device
+        )
         dist.all_reduce(used, group=self.group)
         for i, (p, count) in enumerate(zip(params, used.tolist())):
             if count == 0:
@@ -59,5 +67,11 @@ class NaiveDataParallel(GradSyncModule):
             self.comm.all_reduce(p.grad)
             p.grad.div_(self.world_size)
             if self.tracer is not None:
-                self.tracer.add_span("all_reduce", start, time.perf_counter_ns(), kind="comm",
-                                     param=i, bytes=p.grad.nbytes)
+                self.tracer.add_span(
+                    "all_reduce",
+                    start,
+                    time.perf_counter_ns(),
+                    kind="comm",
+                    param=i,
+                    bytes=p.grad.nbytes,
+                )

@@ -12,8 +12,13 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from parcourse.comm import (SimulatedLink, chunk_bounds, naive_all_reduce,
-                            ring_all_reduce, simulated_link)
+from parcourse.comm import (
+    SimulatedLink,
+    chunk_bounds,
+    naive_all_reduce,
+    ring_all_reduce,
+    simulated_link,
+)
 from parcourse.experiments.exercises import run_exercise
 from parcourse.launch import Pool, RankContext
 
@@ -23,8 +28,14 @@ Algo = Literal["ring", "naive", "torch"]
 ALGOS: tuple[str, ...] = ("ring", "naive", "torch")
 
 
-def all_reduce_with(algo: Algo, t: torch.Tensor, ctx: RankContext, *,
-                    link: SimulatedLink | None = None, traced: bool = False) -> None:
+def all_reduce_with(
+    algo: Algo,
+    t: torch.Tensor,
+    ctx: RankContext,
+    *,
+    link: SimulatedLink | None = None,
+    traced: bool = False,
+) -> None:
     """One all-reduce of `t` with the chosen algorithm (torch's ignores the link)."""
     tracer = ctx.tracer if traced else None
     if algo == "ring":
@@ -41,12 +52,20 @@ def all_reduce_with(algo: Algo, t: torch.Tensor, ctx: RankContext, *,
 def check_all_reduced(ctx: RankContext, algo: str, t: torch.Tensor, expected: float) -> None:
     """Raise, naming this rank, unless every element of `t` equals `expected`."""
     if not bool(t.eq(expected).all()):
-        raise AssertionError(f"rank {ctx.rank}: {algo} all-reduce of {t.nbytes} bytes gave "
-                             f"{t.view(-1)[:4].tolist()}…, expected {expected}")
+        raise AssertionError(
+            f"rank {ctx.rank}: {algo} all-reduce of {t.nbytes} bytes gave "
+            f"{t.view(-1)[:4].tolist()}…, expected {expected}"
+        )
 
 
-_EXACT_UP_TO = {"float16": 1 << 11, "bfloat16": 1 << 8, "float32": 1 << 24,
-                "float64": 1 << 53, "int32": (1 << 31) - 1, "int64": (1 << 63) - 1}
+_EXACT_UP_TO = {
+    "float16": 1 << 11,
+    "bfloat16": 1 << 8,
+    "float32": 1 << 24,
+    "float64": 1 << 53,
+    "int32": (1 << 31) - 1,
+    "int64": (1 << 63) - 1,
+}
 
 
 def max_batch(world_size: int, dtype: str = "float32") -> int:
@@ -60,8 +79,9 @@ def max_batch(world_size: int, dtype: str = "float32") -> int:
     return batch
 
 
-def _timed(ctx: RankContext, algo: str, t: torch.Tensor, ops: int,
-           link: SimulatedLink | None) -> float:
+def _timed(
+    ctx: RankContext, algo: str, t: torch.Tensor, ops: int, link: SimulatedLink | None
+) -> float:
     """Seconds per all-reduce of `ops` run back to back from ones after a barrier;
     the result is checked afterwards (untimed)."""
     t.fill_(1)
@@ -72,13 +92,19 @@ def _timed(ctx: RankContext, algo: str, t: torch.Tensor, ops: int,
     if t.is_cuda:
         torch.cuda.synchronize()
     seconds = (time.perf_counter() - t0) / ops
-    check_all_reduced(ctx, algo, t, ctx.world_size ** ops)
+    check_all_reduced(ctx, algo, t, ctx.world_size**ops)
     return seconds
 
 
-def time_all_reduce(ctx: RankContext, algos: list[str], sizes: list[int], repeats: int,
-                    dtype: str = "float32", link: SimulatedLink | None = None,
-                    batch: int = 1) -> dict[tuple[str, int], list[float]]:
+def time_all_reduce(
+    ctx: RankContext,
+    algos: list[str],
+    sizes: list[int],
+    repeats: int,
+    dtype: str = "float32",
+    link: SimulatedLink | None = None,
+    batch: int = 1,
+) -> dict[tuple[str, int], list[float]]:
     """Seconds per all-reduce on this rank, for each (algorithm, size in bytes).
 
     Each of the `repeats` samples times `batch` all-reduces run back to back
@@ -95,13 +121,14 @@ def time_all_reduce(ctx: RankContext, algos: list[str], sizes: list[int], repeat
     """
     torch_dtype = getattr(torch, dtype)
     if not 1 <= batch <= max_batch(ctx.world_size, dtype):
-        raise ValueError(f"batch={batch} with {ctx.world_size} ranks sums to "
-                         f"{ctx.world_size}**{batch}, more than {dtype} holds exactly; "
-                         "use a smaller batch")
+        raise ValueError(
+            f"batch={batch} with {ctx.world_size} ranks sums to "
+            f"{ctx.world_size}**{batch}, more than {dtype} holds exactly; "
+            "use a smaller batch"
+        )
     out: dict[tuple[str, int], list[float]] = {}
     for size in sizes:
-        t = torch.ones(max(1, size // torch_dtype.itemsize), dtype=torch_dtype,
-                       device=ctx.device)
+        t = torch.ones(max(1, size // torch_dtype.itemsize), dtype=torch_dtype, device=ctx.device)
         for algo in algos:
             _timed(ctx, algo, t, 1, link)  # warm-up
         for i in range(repeats):
@@ -110,9 +137,13 @@ def time_all_reduce(ctx: RankContext, algos: list[str], sizes: list[int], repeat
     return out
 
 
-def time_over_links(ctx: RankContext, algos: list[str], nbytes: int,
-                    links: Mapping[str, SimulatedLink | None],
-                    repeats: int) -> dict[tuple[str, str], list[float]]:
+def time_over_links(
+    ctx: RankContext,
+    algos: list[str],
+    nbytes: int,
+    links: Mapping[str, SimulatedLink | None],
+    repeats: int,
+) -> dict[tuple[str, str], list[float]]:
     """Seconds per all-reduce of `nbytes` floats' bytes on this rank, for each
     (algorithm, name of a link in `links`), every combination alternating (and
     swapping order every sample) as in `time_all_reduce`, so that they can be
@@ -128,8 +159,13 @@ def time_over_links(ctx: RankContext, algos: list[str], nbytes: int,
     return out
 
 
-def traced_all_reduce(ctx: RankContext, algo: Algo, numel: int, latency_us: float = 0.0,
-                      bandwidth_gbps: float | None = None) -> float:
+def traced_all_reduce(
+    ctx: RankContext,
+    algo: Algo,
+    numel: int,
+    latency_us: float = 0.0,
+    bandwidth_gbps: float | None = None,
+) -> float:
     """One traced all-reduce of `numel` floats (rank r holds r + 1); returns bytes sent.
 
     The spans (one per ring step, coloured by chunk) and the bytes_sent counter
@@ -143,8 +179,9 @@ def traced_all_reduce(ctx: RankContext, algo: Algo, numel: int, latency_us: floa
     return ctx.tracer.total("bytes_sent")
 
 
-def _ring_steps_with(ctx: RankContext, step_fn: Callable[..., Any],
-                     numel: int) -> tuple[list[float], list[float]]:
+def _ring_steps_with(
+    ctx: RankContext, step_fn: Callable[..., Any], numel: int
+) -> tuple[list[float], list[float]]:
     """Run a learner's reduce-scatter step n - 1 times; return (my chunk, expected)."""
     n, rank = ctx.world_size, ctx.rank
     flat = torch.arange(numel, dtype=torch.float32) * (rank + 1)
@@ -156,27 +193,37 @@ def _ring_steps_with(ctx: RankContext, step_fn: Callable[..., Any],
     return flat[start:end].tolist(), expected[start:end].tolist()
 
 
-def check_ring_step(step_fn: Callable[..., Any], pool: Pool, numel: int = 10,
-                    timeout: float = 30.0) -> bool:
+def check_ring_step(
+    step_fn: Callable[..., Any], pool: Pool, numel: int = 10, timeout: float = 30.0
+) -> bool:
     """Exercise check for lesson 01: n - 1 of your steps must leave chunk r fully summed
     on rank r. Prints what it found (expected, got and a hint when wrong); True only
     when every rank owns its reduced chunk. Needs at least 2 ranks."""
     if pool.world_size < 2:
         print("One rank has no ring: run this check on a pool of 2 ranks or more.")
         return False
-    run = run_exercise(pool, _ring_steps_with, step_fn, numel, timeout=timeout,
-                       died=". Hint: a message met a receive of another size, or none: does "
-                            "each step send to the right and receive from the left, the "
-                            "chunks the step names?")
+    run = run_exercise(
+        pool,
+        _ring_steps_with,
+        step_fn,
+        numel,
+        timeout=timeout,
+        died=". Hint: a message met a receive of another size, or none: does "
+        "each step send to the right and receive from the left, the "
+        "chunks the step names?",
+    )
     if run is None:
         return False
     for rank, (got, expected) in enumerate(run.results):
         if got != expected:
-            print(f"Not quite: rank {rank} ended with chunk {got}, expected {expected}. "
-                  "Hint: step s sends chunk (rank - s - 1) % n to the right and adds chunk "
-                  "(rank - s - 2) % n, received from the left, into its own copy.")
+            print(
+                f"Not quite: rank {rank} ended with chunk {got}, expected {expected}. "
+                "Hint: step s sends chunk (rank - s - 1) % n to the right and adds chunk "
+                "(rank - s - 2) % n, received from the left, into its own copy."
+            )
             return False
     steps = pool.world_size - 1
-    print(f"Correct: after {steps} step{'s' * (steps > 1)} every rank owns its fully reduced "
-          "chunk.")
+    print(
+        f"Correct: after {steps} step{'s' * (steps > 1)} every rank owns its fully reduced chunk."
+    )
     return True

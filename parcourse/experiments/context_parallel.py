@@ -27,8 +27,9 @@ from parcourse.models import CausalSelfAttention, GPTConfig
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
-def attention_memory(tokens: Sequence[int], heads: int = 4, head_dim: int = 16,
-                     batch: int = 2) -> list[dict[str, int]]:
+def attention_memory(
+    tokens: Sequence[int], heads: int = 4, head_dim: int = 16, batch: int = 2
+) -> list[dict[str, int]]:
     """One process, the course's GPT attention (`CausalSelfAttention.attend`, fp32): the
     bytes autograd keeps for backward over sequences of each length, and what the scores'
     softmax keeps of them (batch x heads x T x T x 4 bytes): the part that grows with T
@@ -40,14 +41,23 @@ def attention_memory(tokens: Sequence[int], heads: int = 4, head_dim: int = 16,
         qkv = torch.randn(batch, t, 3 * config.d_model, requires_grad=True)
         with PeakSavedBytes(exclude=[qkv]) as saved:
             attention.attend(qkv).sum().backward()
-        rows.append({"tokens": t, "saved": saved.peak + qkv.nbytes,
-                     "scores": batch * heads * t * t * 4})
+        rows.append(
+            {"tokens": t, "saved": saved.peak + qkv.nbytes, "scores": batch * heads * t * t * 4}
+        )
     return rows
 
 
-def cp_attention(ctx: RankContext, tokens: int, heads: int = 4, head_dim: int = 16,
-                 batch: int = 2, method: str = "ring", layout: str = "zigzag",
-                 causal: bool = True, dtype: str = "float64") -> dict[str, Any]:
+def cp_attention(
+    ctx: RankContext,
+    tokens: int,
+    heads: int = 4,
+    head_dim: int = 16,
+    batch: int = 2,
+    method: str = "ring",
+    layout: str = "zigzag",
+    causal: bool = True,
+    dtype: str = "float64",
+) -> dict[str, Any]:
     """One forward and backward of attention over a sequence of `tokens` cut over these
     ranks (`context_attention`), every message through a traced `Comm` (the ring's spans
     on the run's timeline). This rank's largest difference from one process's
@@ -58,8 +68,10 @@ def cp_attention(ctx: RankContext, tokens: int, heads: int = 4, head_dim: int = 
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     dt = DTYPES[dtype]
     g = torch.Generator().manual_seed(0)
-    whole = [torch.randn(batch, heads, tokens, head_dim, generator=g, dtype=dt,
-                         requires_grad=True) for _ in range(4)]
+    whole = [
+        torch.randn(batch, heads, tokens, head_dim, generator=g, dtype=dt, requires_grad=True)
+        for _ in range(4)
+    ]
     q, k, v, d_out = whole
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
     ref.backward(d_out)
@@ -75,20 +87,33 @@ def cp_attention(ctx: RankContext, tokens: int, heads: int = 4, head_dim: int = 
     ctx.tracer.set_status(f"{method} attention over {tokens} tokens")
     dist.barrier(group=ctx.group)
     with PeakSavedBytes(exclude=local) as saved:
-        out = context_attention(*local, ctx.group, tokens=tokens,
-                                method=method, layout=layout,  # type: ignore[arg-type]
-                                causal=causal, comm=comm)
+        out = context_attention(
+            *local,
+            ctx.group,
+            tokens=tokens,
+            method=method,
+            layout=layout,  # type: ignore[arg-type]
+            causal=causal,
+            comm=comm,
+        )
         sent = [c.value for c in ctx.tracer.data().counters[counted:] if c.name == "bytes_sent"]
         out.backward(mine(d_out))
     every = [c.value for c in ctx.tracer.data().counters[counted:] if c.name == "bytes_sent"]
     with torch.no_grad():
         errors = [(out - mine(ref)).abs().max()] + [
-            (a.grad - mine(b.grad)).abs().max() for a, b in zip(local, (q, k, v))]
+            (a.grad - mine(b.grad)).abs().max() for a, b in zip(local, (q, k, v))
+        ]
     attend = [s for s in ctx.tracer.data().spans[spans:] if s.name.startswith("attend")]
-    return {"error": float(max(errors)), "forward": sum(sent), "backward": sum(every) - sum(sent),
-            "messages": len(every), "saved": saved.peak, "tokens": out.shape[2],
-            "attend_s": sum(s.end_ns - s.start_ns for s in attend) / 1e9,
-            "blocks": len(attend)}
+    return {
+        "error": float(max(errors)),
+        "forward": sum(sent),
+        "backward": sum(every) - sum(sent),
+        "messages": len(every),
+        "saved": saved.peak,
+        "tokens": out.shape[2],
+        "attend_s": sum(s.end_ns - s.start_ns for s in attend) / 1e9,
+        "blocks": len(attend),
+    }
 
 
 def causal_work(ranks: int, layout: str) -> list[int]:
@@ -128,16 +153,23 @@ def check_merge(fn: MergeFn) -> bool:
         ok, got = ask(fn, *(t.clone() for t in given))
         if not ok:
             return False
-        if not (isinstance(got, tuple | list) and len(got) == 2
-                and all(isinstance(t, torch.Tensor) for t in got)):
-            print(f"Not yet: return two tensors, (out, lse); got {type(got).__name__}."
-                  + (" Hint: a missing `return`?" if got is None else ""))
+        if not (
+            isinstance(got, tuple | list)
+            and len(got) == 2
+            and all(isinstance(t, torch.Tensor) for t in got)
+        ):
+            print(
+                f"Not yet: return two tensors, (out, lse); got {type(got).__name__}."
+                + (" Hint: a missing `return`?" if got is None else "")
+            )
             return False
         out, lse = got
         if out.shape != want_out.shape or lse.shape != want_lse.shape:
-            print(f"Not yet: out should keep out_a's shape {tuple(want_out.shape)} and lse "
-                  f"lse_a's {tuple(want_lse.shape)}; got {tuple(out.shape)} and "
-                  f"{tuple(lse.shape)}.")
+            print(
+                f"Not yet: out should keep out_a's shape {tuple(want_out.shape)} and lse "
+                f"lse_a's {tuple(want_lse.shape)}; got {tuple(out.shape)} and "
+                f"{tuple(lse.shape)}."
+            )
             return False
 
         def near(x: torch.Tensor, y: torch.Tensor) -> bool:
@@ -146,40 +178,56 @@ def check_merge(fn: MergeFn) -> bool:
         if near(out, want_out) and near(lse, want_lse):
             continue
         if not torch.isfinite(out).all() or not torch.isfinite(lse).all():
-            hint = (f"the result has inf or nan{what}: exp(lse_a) alone overflows. Weigh "
-                    "each block by exp(lse_a - lse), where lse = torch.logaddexp(lse_a, lse_b)")
+            hint = (
+                f"the result has inf or nan{what}: exp(lse_a) alone overflows. Weigh "
+                "each block by exp(lse_a - lse), where lse = torch.logaddexp(lse_a, lse_b)"
+            )
         elif near(out, out_a + out_b):
-            hint = ("you added the outputs without rescaling: each block's output is "
-                    "normalised over its own keys only; weigh it by its share of both "
-                    "softmax sums, exp(lse_a - lse)")
+            hint = (
+                "you added the outputs without rescaling: each block's output is "
+                "normalised over its own keys only; weigh it by its share of both "
+                "softmax sums, exp(lse_a - lse)"
+            )
         elif near(out, (out_a + out_b) / 2):
-            hint = ("you averaged the outputs: a block's weight is its share of both softmax "
-                    "sums, exp(lse_a - lse), not one half")
+            hint = (
+                "you averaged the outputs: a block's weight is its share of both softmax "
+                "sums, exp(lse_a - lse), not one half"
+            )
         elif near(out, want_out) and near(lse, lse_a + lse_b):
-            hint = ("the output is right; the lse of both is log(exp(lse_a) + exp(lse_b)), "
-                    "torch.logaddexp(lse_a, lse_b), not lse_a + lse_b")
+            hint = (
+                "the output is right; the lse of both is log(exp(lse_a) + exp(lse_b)), "
+                "torch.logaddexp(lse_a, lse_b), not lse_a + lse_b"
+            )
         elif near(out, want_out) and near(lse, torch.maximum(lse_a, lse_b)):
-            hint = ("the output is right; the lse of both is torch.logaddexp(lse_a, lse_b): "
-                    "the larger one alone drops the other block's sum")
+            hint = (
+                "the output is right; the lse of both is torch.logaddexp(lse_a, lse_b): "
+                "the larger one alone drops the other block's sum"
+            )
         elif near(out, want_out):
             hint = "the output is right, the lse is not: torch.logaddexp(lse_a, lse_b)"
         else:
             diff = float((out.to(want_out.dtype) - want_out).abs().max())
-            hint = (f"the merged output differs from attention over both blocks by {diff:.3g}"
-                    f"{what}. Hint: lse = torch.logaddexp(lse_a, lse_b); out = out_a x "
-                    "exp(lse_a - lse) + out_b x exp(lse_b - lse), the weights per query "
-                    "(unsqueeze them over the head dim)")
+            hint = (
+                f"the merged output differs from attention over both blocks by {diff:.3g}"
+                f"{what}. Hint: lse = torch.logaddexp(lse_a, lse_b); out = out_a x "
+                "exp(lse_a - lse) + out_b x exp(lse_b - lse), the weights per query "
+                "(unsqueeze them over the head dim)"
+            )
         print(f"Not yet: {hint}.")
         return False
-    print("Right: the two blocks merge into attention over all their keys, also where "
-          "exp(lse) alone would overflow.")
+    print(
+        "Right: the two blocks merge into attention over all their keys, also where "
+        "exp(lse) alone would overflow."
+    )
     return True
 
 
 # --------------------------------------------------------------------------- the GPT
 
-def cp_training(ctx: RankContext, method: str = "ring", steps: int = 3,
-                tokens: int = 32) -> dict[str, Any]:
+
+def cp_training(
+    ctx: RankContext, method: str = "ring", steps: int = 3, tokens: int = 32
+) -> dict[str, Any]:
     """The course's GPT trained `steps` Adam steps with each sequence cut over these ranks
     (a mesh of cp = world size, `Hybrid`), and the same in one process: both runs'
     losses and the largest difference of their weights."""
@@ -191,8 +239,13 @@ def cp_training(ctx: RankContext, method: str = "ring", steps: int = 3,
     from parcourse.models import gpt
 
     config = GPTConfig(vocab=64, block_size=tokens, n_layers=2, n_heads=4, d_model=32)
-    model = Hybrid(gpt(config), Mesh({"cp": ctx.world_size}, ctx.group), cp_method=method,
-                   microbatches=1, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    model = Hybrid(
+        gpt(config),
+        Mesh({"cp": ctx.world_size}, ctx.group),
+        cp_method=method,
+        microbatches=1,
+        optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    )
     one = gpt(config)
     opt = torch.optim.Adam(one.parameters(), lr=1e-2)
     x, y = progressions(8, tokens, config.vocab)
@@ -207,5 +260,9 @@ def cp_training(ctx: RankContext, method: str = "ring", steps: int = 3,
         theirs.append(loss.item())
     whole = model.full_state_dict()
     diff = max(float((whole[k] - v).abs().max()) for k, v in one.state_dict().items())
-    return {"losses": ours, "one_process": theirs, "weights_diff": diff,
-            "tokens": len(positions(tokens, ctx.rank, ctx.world_size, "zigzag"))}
+    return {
+        "losses": ours,
+        "one_process": theirs,
+        "weights_diff": diff,
+        "tokens": len(positions(tokens, ctx.rank, ctx.world_size, "zigzag")),
+    }

@@ -26,30 +26,55 @@ Impl = Literal["naive", "bucketed", "torch"]
 IMPLS: tuple[str, ...] = ("naive", "bucketed", "torch")
 
 
-def wrap(model: nn.Module, impl: str, ctx: RankContext, *, bucket_mb: float = 25.0,
-         overlap: bool = True, link: SimulatedLink | None = None,
-         traced: bool = False) -> nn.Module:
+def wrap(
+    model: nn.Module,
+    impl: str,
+    ctx: RankContext,
+    *,
+    bucket_mb: float = 25.0,
+    overlap: bool = True,
+    link: SimulatedLink | None = None,
+    traced: bool = False,
+) -> nn.Module:
     """The model under one of the data-parallel implementations."""
     tracer = ctx.tracer if traced else None
     algorithm = "ring" if link is not None else "torch"
     if impl == "naive":
         return NaiveDataParallel(model, ctx.group, algorithm=algorithm, link=link, tracer=tracer)
     if impl == "bucketed":
-        return BucketedDataParallel(model, ctx.group, bucket_mb=bucket_mb, overlap=overlap,
-                                    algorithm=algorithm, link=link, tracer=tracer)
+        return BucketedDataParallel(
+            model,
+            ctx.group,
+            bucket_mb=bucket_mb,
+            overlap=overlap,
+            algorithm=algorithm,
+            link=link,
+            tracer=tracer,
+        )
     if impl == "torch":
         if link is not None:
             raise ValueError("torch's DDP cannot use the simulated link; use naive or bucketed")
-        return nn.parallel.DistributedDataParallel(model, process_group=ctx.group,
-                                                   bucket_cap_mb=bucket_mb)
+        return nn.parallel.DistributedDataParallel(
+            model, process_group=ctx.group, bucket_cap_mb=bucket_mb
+        )
     raise ValueError(f"unknown implementation {impl!r}; choose one of {', '.join(IMPLS)}")
 
 
-def train_steps(ctx: RankContext, impl: str, steps: int = 5, *, width: int = 256,
-                depth: int = 6, batch: int = 64, bucket_mb: float = 25.0,
-                overlap: bool = True, latency_us: float = 0.0,
-                bandwidth_gbps: float | None = None, traced: bool = True,
-                lr: float = 0.01) -> dict[str, Any]:
+def train_steps(
+    ctx: RankContext,
+    impl: str,
+    steps: int = 5,
+    *,
+    width: int = 256,
+    depth: int = 6,
+    batch: int = 64,
+    bucket_mb: float = 25.0,
+    overlap: bool = True,
+    latency_us: float = 0.0,
+    bandwidth_gbps: float | None = None,
+    traced: bool = True,
+    lr: float = 0.01,
+) -> dict[str, Any]:
     """`steps` Adam steps of an MLP on this rank's shard of a synthetic batch.
 
     Returns per-step seconds (barrier-aligned, slowest-rank comparable), losses
@@ -85,10 +110,17 @@ def train_steps(ctx: RankContext, impl: str, steps: int = 5, *, width: int = 256
     return {"step_s": times, "loss": losses, "params": params}
 
 
-def compare_step_times(ctx: RankContext, configs: dict[str, dict[str, Any]], steps: int = 10, *,
-                       width: int = 512, depth: int = 6, batch: int = 256,
-                       latency_us: float = 0.0,
-                       bandwidth_gbps: float | None = None) -> dict[str, list[float]]:
+def compare_step_times(
+    ctx: RankContext,
+    configs: dict[str, dict[str, Any]],
+    steps: int = 10,
+    *,
+    width: int = 512,
+    depth: int = 6,
+    batch: int = 256,
+    latency_us: float = 0.0,
+    bandwidth_gbps: float | None = None,
+) -> dict[str, list[float]]:
     """Step times of several configurations, alternating step by step in one run.
 
     `configs` maps a name to `wrap` arguments, e.g. {"ours": {"impl": "bucketed",
@@ -106,24 +138,35 @@ def compare_step_times(ctx: RankContext, configs: dict[str, dict[str, Any]], ste
     return alternate_steps(ctx, runs, x, y, steps)
 
 
-def alternate_steps(ctx: RankContext, runs: dict[str, tuple[Any, Any]], x: torch.Tensor,
-                    y: torch.Tensor, steps: int) -> dict[str, list[float]]:
+def alternate_steps(
+    ctx: RankContext, runs: dict[str, tuple[Any, Any]], x: torch.Tensor, y: torch.Tensor, steps: int
+) -> dict[str, list[float]]:
     """Seconds per training step of each (model, optimizer) on (x, y), taking turns step
     by step (`timing.take_turns`); the first step of each is a warm-up, not returned."""
+
     def step(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[int], None]:
         def run(_: int) -> None:
             nn.functional.mse_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+
         return run
 
-    return take_turns(ctx.group, {name: step(*pair) for name, pair in runs.items()}, steps,
-                      device=x.device)
+    return take_turns(
+        ctx.group, {name: step(*pair) for name, pair in runs.items()}, steps, device=x.device
+    )
 
 
-def final_weights(ctx: RankContext, impl: str, steps: int = 5, *, width: int = 32,
-                  depth: int = 3, batch: int = 64, bucket_mb: float = 0.01
-                  ) -> dict[str, torch.Tensor]:
+def final_weights(
+    ctx: RankContext,
+    impl: str,
+    steps: int = 5,
+    *,
+    width: int = 32,
+    depth: int = 3,
+    batch: int = 64,
+    bucket_mb: float = 0.01,
+) -> dict[str, torch.Tensor]:
     """Weights after `steps` Adam steps under data parallelism (to compare with one process)."""
     model = mlp(width, width, width, depth=depth)
     ddp = wrap(model, impl, ctx, bucket_mb=bucket_mb)
@@ -136,8 +179,9 @@ def final_weights(ctx: RankContext, impl: str, steps: int = 5, *, width: int = 3
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def one_process_weights(steps: int = 5, *, width: int = 32, depth: int = 3,
-                        batch: int = 64) -> dict[str, torch.Tensor]:
+def one_process_weights(
+    steps: int = 5, *, width: int = 32, depth: int = 3, batch: int = 64
+) -> dict[str, torch.Tensor]:
     """The same training in one process on the whole batch."""
     model = mlp(width, width, width, depth=depth)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -149,8 +193,9 @@ def one_process_weights(steps: int = 5, *, width: int = 32, depth: int = 3,
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def backward_in_microsteps(module: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                           microsteps: int) -> None:
+def backward_in_microsteps(
+    module: nn.Module, x: torch.Tensor, y: torch.Tensor, microsteps: int
+) -> None:
     """Accumulate the gradient of one batch over `microsteps` backward passes; all
     but the last run under the module's no_sync(), so gradients are synchronised once."""
     for i, (xm, ym) in enumerate(zip(x.chunk(microsteps), y.chunk(microsteps))):
@@ -159,8 +204,9 @@ def backward_in_microsteps(module: nn.Module, x: torch.Tensor, y: torch.Tensor,
             loss.backward()
 
 
-def accumulated_gradients(ctx: RankContext, impl: str, microsteps: int, *, width: int = 32,
-                          batch: int = 64) -> list[torch.Tensor]:
+def accumulated_gradients(
+    ctx: RankContext, impl: str, microsteps: int, *, width: int = 32, batch: int = 64
+) -> list[torch.Tensor]:
     """Gradients after `microsteps` backward passes, all but the last under no_sync()."""
     model = mlp(width, width, width, depth=3)
     ddp = wrap(model, impl, ctx, bucket_mb=0.01)
@@ -177,10 +223,16 @@ _LAUNCH_CASES = [
 ]
 
 
-def data_parallel_steps(ctx: RankContext, configs: Mapping[str, Mapping[str, Any]],
-                        links: Mapping[str, SimulatedLink | None], steps: int = 4, *,
-                        width: int = 256, depth: int = 6,
-                        batch: int = 256) -> dict[tuple[str, str], list[float]]:
+def data_parallel_steps(
+    ctx: RankContext,
+    configs: Mapping[str, Mapping[str, Any]],
+    links: Mapping[str, SimulatedLink | None],
+    steps: int = 4,
+    *,
+    width: int = 256,
+    depth: int = 6,
+    batch: int = 256,
+) -> dict[tuple[str, str], list[float]]:
     """Seconds per training step of each (configuration, link), all alternating step by
     step (`alternate_steps`), so that they can be compared with each other.
 
@@ -207,21 +259,22 @@ def data_parallel_steps(ctx: RankContext, configs: Mapping[str, Mapping[str, Any
 LaunchRule = Callable[[set[int], list[list[int]], int, Callable[[int], None]], int]
 
 
-def _launches(rule: LaunchRule, buckets: list[list[int]],
-              order: list[int]) -> list[tuple[int, int]]:
+def _launches(
+    rule: LaunchRule, buckets: list[list[int]], order: list[int]
+) -> list[tuple[int, int]]:
     """Feed gradients to `rule` in `order`; return (gradients arrived, bucket) per launch."""
     launched: list[tuple[int, int]] = []
     ready: set[int] = set()
     next_bucket = 0
     for param in order:
         ready.add(param)
-        next_bucket = rule(ready, buckets, next_bucket,
-                           lambda k: launched.append((len(ready), k)))
+        next_bucket = rule(ready, buckets, next_bucket, lambda k: launched.append((len(ready), k)))
     return launched
 
 
-def launch_ready_buckets(ready: set[int], buckets: list[list[int]], next_bucket: int,
-                         launch: Callable[[int], None]) -> int:
+def launch_ready_buckets(
+    ready: set[int], buckets: list[list[int]], next_bucket: int, launch: Callable[[int], None]
+) -> int:
     """The rule BucketedDataParallel follows when a gradient arrives: start every bucket
     from `next_bucket` on whose gradients have all arrived, in order, stopping at the
     first that is not complete (every rank must start the same buckets in the same
@@ -254,22 +307,25 @@ def check_launch_rule(rule: LaunchRule) -> bool:
         try:
             answered, got = ask(_launches, recorded, buckets, order)
         except _NotAnIndex:
-            print(f"Not quite: your rule returned {returned[-1]!r}"
-                  f"{' (is a return missing?)' if returned[-1] is None else ''}; it must "
-                  "return the first bucket not started yet, a whole number.")
+            print(
+                f"Not quite: your rule returned {returned[-1]!r}"
+                f"{' (is a return missing?)' if returned[-1] is None else ''}; it must "
+                "return the first bucket not started yet, a whole number."
+            )
             return False
         if not answered:
             return False
         if got != expected:
             show = "; ".join(f"bucket {k} after {n}" for n, k in expected)
             mine = "; ".join(f"bucket {k} after {n}" for n, k in got) or "nothing"
-            print(f"Not quite ({why}: buckets {buckets}, gradients arriving {order}): "
-                  f"expected {show}; got {mine}. Hint: start buckets strictly in order, each "
-                  "as soon as all its gradients are in, and keep going while the next one "
-                  "is complete too.")
+            print(
+                f"Not quite ({why}: buckets {buckets}, gradients arriving {order}): "
+                f"expected {show}; got {mine}. Hint: start buckets strictly in order, each "
+                "as soon as all its gradients are in, and keep going while the next one "
+                "is complete too."
+            )
             return False
-    print(f"Correct: every bucket starts as soon as it may, in order ({len(_LAUNCH_CASES)} "
-          "cases).")
+    print(f"Correct: every bucket starts as soon as it may, in order ({len(_LAUNCH_CASES)} cases).")
     return True
 
 
@@ -292,13 +348,17 @@ def check_buckets(fn: Callable[[list[int], int], list[list[int]]]) -> bool:
         except TypeError:  # not a list of anything
             got = None
         if got is None or None in got:
-            print("expected a list of buckets, each a list (or tuple) of parameter indices, "
-                  f"e.g. {expected}")
+            print(
+                "expected a list of buckets, each a list (or tuple) of parameter indices, "
+                f"e.g. {expected}"
+            )
             return False
         if got != expected:
-            print(f"Not quite (sizes {[p.numel() * 4 for p in params]}, limit {limit}): "
-                  f"expected {expected}, got {got}. Hint: walk the parameters from the last "
-                  "to the first, and start a new bucket when the next one would not fit.")
+            print(
+                f"Not quite (sizes {[p.numel() * 4 for p in params]}, limit {limit}): "
+                f"expected {expected}, got {got}. Hint: walk the parameters from the last "
+                "to the first, and start a new bucket when the next one would not fit."
+            )
             return False
     print("Correct: same buckets as BucketedDataParallel.")
     return True
@@ -309,8 +369,13 @@ class RuledDataParallel(BucketedDataParallel):
     02's exercise): `rule(ready, buckets, next_bucket, launch)` as
     `launch_ready_buckets`, with parameters and buckets as indices."""
 
-    def __init__(self, module: torch.nn.Module, group: dist.ProcessGroup | None, rule: LaunchRule,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        group: dist.ProcessGroup | None,
+        rule: LaunchRule,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(module, group, **kwargs)
         self.rule = rule
         self._index = {id(p): i for i, p in enumerate(self.sync_params)}
@@ -320,17 +385,27 @@ class RuledDataParallel(BucketedDataParallel):
     def grad_ready(self, param: torch.Tensor) -> None:
         self._bucket_of[id(param)].ready.add(id(param))
         self._ready.add(self._index[id(param)])
-        self._next = self.rule(self._ready, self._indices, self._next,
-                               lambda k: self._launch(self.buckets[k]))
+        self._next = self.rule(
+            self._ready, self._indices, self._next, lambda k: self._launch(self.buckets[k])
+        )
 
     def finish_gradient_sync(self) -> None:
         super().finish_gradient_sync()
         self._ready.clear()
 
 
-def train_with_rule(ctx: RankContext, rule: LaunchRule | str | None, steps: int = 3, *,
-                    width: int = 256, depth: int = 6, batch: int = 256, bucket_mb: float = 1.0,
-                    latency_us: float = 0.0, bandwidth_gbps: float | None = None) -> list[float]:
+def train_with_rule(
+    ctx: RankContext,
+    rule: LaunchRule | str | None,
+    steps: int = 3,
+    *,
+    width: int = 256,
+    depth: int = 6,
+    batch: int = 256,
+    bucket_mb: float = 1.0,
+    latency_us: float = 0.0,
+    bandwidth_gbps: float | None = None,
+) -> list[float]:
     """Traced training steps with buckets started by `rule` (None: only after backward,
     no overlap; "library": `BucketedDataParallel`'s own rule); returns seconds per step,
     the first one (warm-up) left out."""

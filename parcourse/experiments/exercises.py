@@ -39,8 +39,9 @@ def whole_numbers(answer: Any, count: int | None = None) -> list[int] | None:
     return numbers if count is None or len(numbers) == count else None
 
 
-def run_exercise(pool: Pool, fn: Callable[..., Any], *args: Any,
-                 timeout: float = 30.0, died: str = "") -> Run | None:
+def run_exercise(
+    pool: Pool, fn: Callable[..., Any], *args: Any, timeout: float = 30.0, died: str = ""
+) -> Run | None:
     """Run a learner's rank function for an exercise check.
 
     Returns the run, or None after printing one line that says why there is
@@ -56,13 +57,16 @@ def run_exercise(pool: Pool, fn: Callable[..., Any], *args: Any,
         if e.exc_type == "NotImplementedError":
             print(NOT_WRITTEN)
         else:  # a backend's error (gloo's: RuntimeError) may want the hint; the learner's not
-            print(f"Not yet: {_first_sentence(str(e))}"
-                  f"{died if e.exc_type == 'RuntimeError' else ''}")
+            print(
+                f"Not yet: {_first_sentence(str(e))}{died if e.exc_type == 'RuntimeError' else ''}"
+            )
         return None
     except RankTimeout as e:
-        print(f"Not yet: ranks {', '.join(map(str, e.running))} were still waiting after "
-              f"{timeout:g} s. Hint: every send needs a matching receive on the other rank, "
-              "and every rank must call each collective.")
+        print(
+            f"Not yet: ranks {', '.join(map(str, e.running))} were still waiting after "
+            f"{timeout:g} s. Hint: every send needs a matching receive on the other rank, "
+            "and every rank must call each collective."
+        )
         return None
     except LaunchError as e:  # a rank died, or the function or its result cannot be sent
         print(f"Not yet: {_first_sentence(str(e))}{died}")

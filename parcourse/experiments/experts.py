@@ -27,24 +27,38 @@ from parcourse.pipeline.actions import Action, Schedule
 DispatchFn = Callable[[list[list[int]], int, int], Any]
 
 
-def routing_example(tokens: int = 12, experts: int = 8, top_k: int = 2,
-                    score: str = "softmax", capacity_factor: float | None = None,
-                    seed: int = 0) -> dict[str, Any]:
+def routing_example(
+    tokens: int = 12,
+    experts: int = 8,
+    top_k: int = 2,
+    score: str = "softmax",
+    capacity_factor: float | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
     """One MoE layer's routing of `tokens` random tokens: each token's experts, weights
     and which were kept (a capacity drops the rest), and the assignments per expert."""
     torch.manual_seed(seed)
-    layer = MoE(16, experts, top_k, score=score,  # type: ignore[arg-type]
-                capacity_factor=capacity_factor)
+    layer = MoE(
+        16,
+        experts,
+        top_k,
+        score=score,  # type: ignore[arg-type]
+        capacity_factor=capacity_factor,
+    )
     with torch.no_grad():
         layer(torch.randn(tokens, 16))
     r = layer.last
     assert r is not None
-    return {"experts": r.experts.tolist(), "weights": r.weights.tolist(),
-            "kept": r.kept.tolist(), "counts": r.counts.tolist(), "dropped": r.dropped}
+    return {
+        "experts": r.experts.tolist(),
+        "weights": r.weights.tolist(),
+        "kept": r.kept.tolist(),
+        "counts": r.counts.tolist(),
+        "dropped": r.dropped,
+    }
 
 
-def dispatch_plan(chosen: list[list[int]], experts: int, ranks: int
-                  ) -> tuple[list[int], list[int]]:
+def dispatch_plan(chosen: list[list[int]], experts: int, ranks: int) -> tuple[list[int], list[int]]:
     """The solution of the exercise: for tokens' chosen experts (`chosen[t]`: token t's k
     experts), the rows sent to each rank (rank r holds experts r E/P to (r + 1) E/P - 1)
     and the order of the assignments (t k + slot) sorted by expert, token order within one
@@ -63,37 +77,47 @@ def check_dispatch(fn: DispatchFn) -> bool:
     routing the lesson prints and on a larger random one; prints one short verdict, naming
     the mistake when it is a common one."""
     g = torch.Generator().manual_seed(3)
-    cases = [([[2, 0], [1, 2], [3, 0], [0, 3], [2, 1]], 4, 2),
-             (torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(16)]).tolist(),
-              8, 4)]
+    cases = [
+        ([[2, 0], [1, 2], [3, 0], [0, 3], [2, 1]], 4, 2),
+        (torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(16)]).tolist(), 8, 4),
+    ]
     for chosen, experts, ranks in cases:
         ok, got = ask(fn, [list(row) for row in chosen], experts, ranks)
         if not ok:
             return False
         want_counts, want_order = dispatch_plan(chosen, experts, ranks)
         if not (isinstance(got, tuple | list) and len(got) == 2):
-            print(f"Not yet: return two lists, (rows per rank, order); got "
-                  f"{type(got).__name__}." + (" Hint: a missing `return`?" if got is None
-                                              else ""))
+            print(
+                f"Not yet: return two lists, (rows per rank, order); got "
+                f"{type(got).__name__}." + (" Hint: a missing `return`?" if got is None else "")
+            )
             return False
         counts, order = (whole_numbers(x) for x in got)
         if counts is None or order is None:
-            print("Not yet: both parts should be lists of whole numbers (rows per rank, and "
-                  "the assignments' numbers t x k + slot).")
+            print(
+                "Not yet: both parts should be lists of whole numbers (rows per rank, and "
+                "the assignments' numbers t x k + slot)."
+            )
             return False
         per_expert = [sum(row.count(e) for row in chosen) for e in range(experts)]
         if counts != want_counts:
             if counts == per_expert:
-                hint = (f"those are rows per expert; a rank holds {experts // ranks} experts: "
-                        "add up the counts of the experts each rank holds")
+                hint = (
+                    f"those are rows per expert; a rank holds {experts // ranks} experts: "
+                    "add up the counts of the experts each rank holds"
+                )
             elif sum(counts) != sum(want_counts):
-                hint = (f"every token sends one row per chosen expert: {sum(want_counts)} "
-                        f"rows in all, your counts add up to {sum(counts)}")
+                hint = (
+                    f"every token sends one row per chosen expert: {sum(want_counts)} "
+                    f"rows in all, your counts add up to {sum(counts)}"
+                )
             elif counts == want_counts[::-1]:
                 hint = "the ranks are reversed: rank 0 holds the first experts"
             else:
-                hint = f"rank r holds experts r x {experts // ranks} to (r + 1) x " \
-                       f"{experts // ranks} - 1"
+                hint = (
+                    f"rank r holds experts r x {experts // ranks} to (r + 1) x "
+                    f"{experts // ranks} - 1"
+                )
             print(f"Not yet (rows per rank): {hint}. Expected {want_counts}, got {counts}.")
             return False
         if order != want_order:
@@ -101,23 +125,35 @@ def check_dispatch(fn: DispatchFn) -> bool:
             if order == list(range(len(flat))):
                 hint = "that is the routing's own order: sort the assignments by expert"
             elif sorted(order) != list(range(len(flat))):
-                hint = (f"the order should name each assignment (t x k + slot, 0 to "
-                        f"{len(flat) - 1}) once")
+                hint = (
+                    f"the order should name each assignment (t x k + slot, 0 to "
+                    f"{len(flat) - 1}) once"
+                )
             elif [flat[i] for i in order] == sorted(flat):
-                hint = ("sorted by expert, but within one expert keep the token order (a "
-                        "stable sort): the receiver's rows must match the combine's")
+                hint = (
+                    "sorted by expert, but within one expert keep the token order (a "
+                    "stable sort): the receiver's rows must match the combine's"
+                )
             else:
                 hint = "sort the assignment numbers by their expert, ties by token"
             print(f"Not yet (order): {hint}.")
             return False
-    print("Correct: the rows each rank receives, and the order they leave in, grouped by "
-          "expert (so by rank) with the tokens in order within each.")
+    print(
+        "Correct: the rows each rank receives, and the order they leave in, grouped by "
+        "expert (so by rank) with the tokens in order within each."
+    )
     return True
 
 
-def ep_layer(ctx: RankContext, tokens: int = 64, experts: int = 8, top_k: int = 2,
-             capacity_factor: float | None = None, score: str = "softmax",
-             width: int = 32) -> dict[str, Any]:
+def ep_layer(
+    ctx: RankContext,
+    tokens: int = 64,
+    experts: int = 8,
+    top_k: int = 2,
+    capacity_factor: float | None = None,
+    score: str = "softmax",
+    width: int = 32,
+) -> dict[str, Any]:
     """One forward and backward of an MoE layer with its experts cut over these ranks,
     every message through a traced `Comm` (dispatch, experts, combine on the timeline),
     beside the whole layer in this process on this rank's tokens: the largest difference
@@ -128,8 +164,13 @@ def ep_layer(ctx: RankContext, tokens: int = 64, experts: int = 8, top_k: int = 
 
     def layer() -> MoE:
         torch.manual_seed(0)
-        return MoE(width, experts, top_k, score=score,  # type: ignore[arg-type]
-                   capacity_factor=capacity_factor)
+        return MoE(
+            width,
+            experts,
+            top_k,
+            score=score,  # type: ignore[arg-type]
+            capacity_factor=capacity_factor,
+        )
 
     g = torch.Generator().manual_seed(ctx.rank)
     x, up = torch.randn(tokens, width, generator=g), torch.randn(tokens, width, generator=g)
@@ -146,32 +187,45 @@ def ep_layer(ctx: RankContext, tokens: int = 64, experts: int = 8, top_k: int = 
     out = mine(here)
     sent = sum(c.value for c in ctx.tracer.data().counters[counted:] if c.name == "bytes_sent")
     out.backward(up)
-    every = sum(c.value for c in ctx.tracer.data().counters[counted:]
-                if c.name == "bytes_sent")
+    every = sum(c.value for c in ctx.tracer.data().counters[counted:] if c.name == "bytes_sent")
     routing = mine.last
     assert routing is not None and here.grad is not None and ref_x.grad is not None
     sort = permute(routing, experts)
-    return {"error": float(max((out - ref).detach().abs().max(),
-                               (here.grad - ref_x.grad).abs().max())),
-            "forward": sent, "backward": every - sent, "counts": sort.counts,
-            "dropped": routing.dropped, "held": list(range(mine.first,
-                                                           mine.first + mine.local_experts))}
+    return {
+        "error": float(max((out - ref).detach().abs().max(), (here.grad - ref_x.grad).abs().max())),
+        "forward": sent,
+        "backward": every - sent,
+        "counts": sort.counts,
+        "dropped": routing.dropped,
+        "held": list(range(mine.first, mine.first + mine.local_experts)),
+    }
 
 
-def imbalance(method: str = "none", steps: int = 60, experts: int = 8,
-              seed: int = 0) -> list[list[int]]:
+def imbalance(
+    method: str = "none", steps: int = 60, experts: int = 8, seed: int = 0
+) -> list[list[int]]:
     """A small GPT with `experts` experts (top 2) trained `steps` steps in one process on
     the course's counting sequences, balanced by `method` ("none", "aux loss" or "bias"):
     the tokens each expert received at each step (every block's router, summed)."""
-    settings = {"none": {"aux_loss": 0.0}, "aux loss": {"aux_loss": 0.05},
-                "bias": {"aux_loss": 0.0, "bias_rate": 0.01}}
+    settings = {
+        "none": {"aux_loss": 0.0},
+        "aux loss": {"aux_loss": 0.05},
+        "bias": {"aux_loss": 0.0, "bias_rate": 0.01},
+    }
     if method not in settings:
-        raise ValueError(f"unknown balancing {method!r}; choose one of "
-                         f"{', '.join(settings)}")
+        raise ValueError(f"unknown balancing {method!r}; choose one of {', '.join(settings)}")
     from parcourse.data import progressions
 
-    config = GPTConfig(vocab=64, block_size=16, n_layers=2, n_heads=4, d_model=32,
-                       experts=experts, top_k=2, **settings[method])  # type: ignore[arg-type]
+    config = GPTConfig(
+        vocab=64,
+        block_size=16,
+        n_layers=2,
+        n_heads=4,
+        d_model=32,
+        experts=experts,
+        top_k=2,
+        **settings[method],
+    )  # type: ignore[arg-type]
     model = gpt(config, seed=seed)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     x, y = progressions(32, config.block_size, config.vocab)
@@ -182,8 +236,15 @@ def imbalance(method: str = "none", steps: int = 60, experts: int = 8,
             update_bias(model)
             opt.step()
             opt.zero_grad()
-            per_step.append([sum(int(m.last.counts[e])  # type: ignore[union-attr]
-                                 for m in moe_layers(model)) for e in range(experts)])
+            per_step.append(
+                [
+                    sum(
+                        int(m.last.counts[e])  # type: ignore[union-attr]
+                        for m in moe_layers(model)
+                    )
+                    for e in range(experts)
+                ]
+            )
     return per_step
 
 
@@ -197,10 +258,15 @@ def ep_training(ctx: RankContext, experts: int = 4, steps: int = 3) -> dict[str,
     from parcourse.hybrid import Hybrid
     from parcourse.mesh import Mesh
 
-    config = GPTConfig(vocab=64, block_size=16, n_layers=2, n_heads=4, d_model=32,
-                       experts=experts, top_k=2)
-    model = Hybrid(gpt(config), Mesh({"ep": ctx.world_size}, ctx.group), microbatches=1,
-                   optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    config = GPTConfig(
+        vocab=64, block_size=16, n_layers=2, n_heads=4, d_model=32, experts=experts, top_k=2
+    )
+    model = Hybrid(
+        gpt(config),
+        Mesh({"ep": ctx.world_size}, ctx.group),
+        microbatches=1,
+        optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    )
     one = gpt(config)
     set_aux_scale(one, 1 / ctx.world_size)
     opt = torch.optim.Adam(one.parameters(), lr=1e-2)
@@ -209,23 +275,35 @@ def ep_training(ctx: RankContext, experts: int = 4, steps: int = 3) -> dict[str,
     for step in range(steps):
         ctx.tracer.set_status(f"step {step + 1} of {steps}")
         ours.append(model.step(x, y))
-        loss = sum(F.cross_entropy(one(a).flatten(0, 1), b.flatten()) / ctx.world_size
-                   for a, b in zip(x.chunk(ctx.world_size), y.chunk(ctx.world_size)))
+        loss = sum(
+            F.cross_entropy(one(a).flatten(0, 1), b.flatten()) / ctx.world_size
+            for a, b in zip(x.chunk(ctx.world_size), y.chunk(ctx.world_size))
+        )
         loss.backward()  # type: ignore[union-attr]
         opt.step()
         opt.zero_grad()
         theirs.append(loss.item())  # type: ignore[union-attr]
     whole = model.full_state_dict()
     diff = max(float((whole[k] - v).abs().max()) for k, v in one.state_dict().items())
-    return {"losses": ours, "one_process": theirs, "weights_diff": diff,
-            "memory": model.memory()}
+    return {"losses": ours, "one_process": theirs, "weights_diff": diff, "memory": model.memory()}
 
 
-def hidden_traffic(ctx: RankContext, schedule: Schedule, overlap: bool = True, *,
-                   steps: int = 3, layers: int = 4, width: int = 64, experts: int = 8,
-                   rows: int = 4, forward_ms: float = 0.0, backward_ms: float = 0.0,
-                   latency_us: float = 1000.0, bandwidth_gbps: float = 0.05,
-                   lr: float = 0.05) -> dict[str, Any]:
+def hidden_traffic(
+    ctx: RankContext,
+    schedule: Schedule,
+    overlap: bool = True,
+    *,
+    steps: int = 3,
+    layers: int = 4,
+    width: int = 64,
+    experts: int = 8,
+    rows: int = 4,
+    forward_ms: float = 0.0,
+    backward_ms: float = 0.0,
+    latency_us: float = 1000.0,
+    bandwidth_gbps: float = 0.05,
+    lr: float = 0.05,
+) -> dict[str, Any]:
     """Experts' all-to-all under a pipeline schedule: two pipelines of `schedule.ranks`
     ranks each (world = 2 x schedule.ranks), the course's GPT with `experts` experts in
     each of its `layers` blocks cut into the schedule's stages, every MoE layer's experts
@@ -258,25 +336,32 @@ def hidden_traffic(ctx: RankContext, schedule: Schedule, overlap: bool = True, *
 
     pp = schedule.ranks
     if ctx.world_size != 2 * pp:
-        raise ValueError(f"two pipelines of {pp} ranks: run on {2 * pp} ranks, not "
-                         f"{ctx.world_size}")
+        raise ValueError(
+            f"two pipelines of {pp} ranks: run on {2 * pp} ranks, not {ctx.world_size}"
+        )
     # CPU stages, simulated devices (turns run on CPU): gloo groups whatever the launch's
-    pipelines = [dist.new_group(list(range(q * pp, (q + 1) * pp)), backend="gloo")
-                 for q in range(2)]
+    pipelines = [
+        dist.new_group(list(range(q * pp, (q + 1) * pp)), backend="gloo") for q in range(2)
+    ]
     places = [dist.new_group([r, r + pp], backend="gloo") for r in range(pp)]
     everyone = dist.new_group(list(range(ctx.world_size)), backend="gloo")
     here, place = ctx.rank // pp, ctx.rank % pp
     turns = Turns()
-    ep = Comm(places[place], tracer=ctx.tracer,
-              link=SimulatedLink.of(latency_us, bandwidth_gbps), algorithm="ring")
+    ep = Comm(
+        places[place],
+        tracer=ctx.tracer,
+        link=SimulatedLink.of(latency_us, bandwidth_gbps),
+        algorithm="ring",
+    )
     ep.turns = turns  # the all-to-all hands on the turns the runtime takes
     data = Comm(places[place], algorithm="auto")
     config = traffic_config(layers, width, experts)
     ctx.tracer.set_status(f"{schedule.name}: building the model")
     whole = gpt(config)
     cut = partition(gpt_layers(whole), schedule.model_stages)
-    mine = {s: cut[schedule.model_stage(s)] for s, r in enumerate(schedule.stage_rank)
-            if r == place}
+    mine = {
+        s: cut[schedule.model_stage(s)] for s, r in enumerate(schedule.stage_rank) if r == place
+    }
     for module in mine.values():
         expert_parallel(module, ep)
     names = {id(p): n for n, p in whole.named_parameters()}
@@ -285,10 +370,18 @@ def hidden_traffic(ctx: RankContext, schedule: Schedule, overlap: bool = True, *
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     plan = schedule if overlap else dataclasses.replace(schedule, together=())
-    runtime = PipelineRuntime(plan, mine, pipelines[here], lm_loss, tracer=ctx.tracer,
-                              tied=tied_weights(mine, cut), turns=turns,
-                              compute=SimulatedCompute(forward_ms / 1e3, backward_ms / 1e3)
-                              if forward_ms or backward_ms else None)
+    runtime = PipelineRuntime(
+        plan,
+        mine,
+        pipelines[here],
+        lm_loss,
+        tracer=ctx.tracer,
+        tied=tied_weights(mine, cut),
+        turns=turns,
+        compute=SimulatedCompute(forward_ms / 1e3, backward_ms / 1e3)
+        if forward_ms or backward_ms
+        else None,
+    )
     held = nn.ModuleList(mine.values())  # the rank's stages, each parameter once (tied ones)
     params = list(held.parameters())
     opt = torch.optim.SGD(params, lr=lr)
@@ -299,30 +392,48 @@ def hidden_traffic(ctx: RankContext, schedule: Schedule, overlap: bool = True, *
         ctx.tracer.set_status(f"{schedule.name}: step {step + 1} of {steps}")
         dist.barrier(group=everyone)
         start = time.perf_counter()
-        runtime.step(x if place in schedule.entry_ranks else None,
-                     y if place in schedule.exit_ranks else None)
+        runtime.step(
+            x if place in schedule.entry_ranks else None,
+            y if place in schedule.exit_ranks else None,
+        )
         seconds = time.perf_counter() - start
-        per_step.append({"step": seconds, "waited": turns.waited("all-to-all"),
-                         "exposed": turns.exposed("all-to-all"), "compute": turns.busy()})
+        per_step.append(
+            {
+                "step": seconds,
+                "waited": turns.waited("all-to-all"),
+                "exposed": turns.exposed("all-to-all"),
+                "compute": turns.busy(),
+            }
+        )
         reduce_gradients(held, data)
         opt.step()
         opt.zero_grad()
-    return {"steps": per_step, "segments": segments_of(turns),
-            "start": start, "held": [(h.label.kind, h.start, h.end)
-                                     for h in turns.held_intervals],
-            "waits": [(w.start, w.end) for w in turns.waits if w.reason == "all-to-all"],
-            "weights": {names[id(p)]: p.detach().clone() for p in params}}
+    return {
+        "steps": per_step,
+        "segments": segments_of(turns),
+        "start": start,
+        "held": [(h.label.kind, h.start, h.end) for h in turns.held_intervals],
+        "waits": [(w.start, w.end) for w in turns.waits if w.reason == "all-to-all"],
+        "weights": {names[id(p)]: p.detach().clone() for p in params},
+    }
 
 
 def traffic_config(layers: int = 4, width: int = 64, experts: int = 8) -> GPTConfig:
     """`hidden_traffic`'s GPT: every block's MLP `experts` experts, top 2, dropless, no
     balancing loss (a loss per microbatch is not one batch's: the runs compare weights)."""
-    return GPTConfig(vocab=64, block_size=32, n_layers=layers, n_heads=4, d_model=width,
-                     experts=experts, top_k=2, aux_loss=0.0)
+    return GPTConfig(
+        vocab=64,
+        block_size=32,
+        n_layers=layers,
+        n_heads=4,
+        d_model=width,
+        experts=experts,
+        top_k=2,
+        aux_loss=0.0,
+    )
 
 
-def traffic_batch(config: GPTConfig, rows: int, pipeline: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def traffic_batch(config: GPTConfig, rows: int, pipeline: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pipeline `pipeline`'s batch in `hidden_traffic`: `rows` random sequences, inputs
     and next-token targets."""
     g = torch.Generator().manual_seed(pipeline)
@@ -330,15 +441,20 @@ def traffic_batch(config: GPTConfig, rows: int, pipeline: int
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def traffic_summary(results: list[dict[str, Any]], schedule: Schedule,
-                    measured: list[dict[Action, list[float]]], overlap: bool
-                    ) -> dict[str, float]:
+def traffic_summary(
+    results: list[dict[str, Any]],
+    schedule: Schedule,
+    measured: list[dict[Action, list[float]]],
+    overlap: bool,
+) -> dict[str, float]:
     """Every rank's `hidden_traffic` results in a few seconds: the step, the all-to-all
     waited for and exposed (each the median over the steps after the first, then the
     mean over the ranks), and the exposure the simulator predicts from `measured`
     (`predicted_exposure`, the mean over the pipeline's ranks)."""
-    out = {k: statistics.mean(statistics.median(s[k] for s in r["steps"][1:])
-                              for r in results) for k in ("step", "waited", "exposed")}
+    out = {
+        k: statistics.mean(statistics.median(s[k] for s in r["steps"][1:]) for r in results)
+        for k in ("step", "waited", "exposed")
+    }
     out["simulated"] = statistics.mean(predicted_exposure(schedule, measured, overlap)[0])
     return out
 
@@ -364,9 +480,12 @@ def segments_of(turns: Turns) -> dict[Action, list[float]]:
     return out
 
 
-def predicted_exposure(schedule: Schedule, measured: list[dict[Action, list[float]]],
-                       overlap: bool = True, weight_share: float = 0.5
-                       ) -> tuple[list[float], float]:
+def predicted_exposure(
+    schedule: Schedule,
+    measured: list[dict[Action, list[float]]],
+    overlap: bool = True,
+    weight_share: float = 0.5,
+) -> tuple[list[float], float]:
     """What the simulator predicts for `schedule` from another schedule's measured actions
     (`measured`: every rank's `segments_of`, 1F1B's): each stage's forward and backward
     as the median of those measured (compute, all-to-all wait, compute, ...), the pairs

@@ -32,9 +32,15 @@ PLACEMENTS: dict[str, dict[str, tuple[str, ...]]] = {
 PLACEMENT_CONFIG = GPTConfig(vocab=64, block_size=16, n_layers=2, n_heads=4, d_model=64)
 
 
-def placement_step_times(ctx: RankContext, topology: Topology, steps: int = 3, *,
-                         axis: str = "tp", config: GPTConfig | None = None,
-                         batch: int = 8) -> dict[str, Any]:
+def placement_step_times(
+    ctx: RankContext,
+    topology: Topology,
+    steps: int = 3,
+    *,
+    axis: str = "tp",
+    config: GPTConfig | None = None,
+    batch: int = 8,
+) -> dict[str, Any]:
     """Seconds per step of the GPT on dp x `axis` = 2 x 2 (4 ranks, 2 a node), with the
     `axis` group inside a node and across nodes, taking turns (`timing.take_turns`); one
     microbatch (GPipe), so that the step's messages are the ones
@@ -45,19 +51,32 @@ def placement_step_times(ctx: RankContext, topology: Topology, steps: int = 3, *
     if axis not in PLACEMENTS:
         raise ValueError(f"axis must be one of {sorted(PLACEMENTS)}, got {axis!r}")
     x, y = progressions(batch, config.block_size, config.vocab)
-    models = {name: Hybrid(gpt(config), Mesh({"dp": 2, axis: 2}, ctx.group, order=order),
-                           schedule="gpipe", microbatches=1, link=topology,
-                           optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01))
-              for name, order in PLACEMENTS[axis].items()}
-    times = take_turns(ctx.group, {name: lambda _, m=m: m.step(x, y)
-                                   for name, m in models.items()}, steps)
+    models = {
+        name: Hybrid(
+            gpt(config),
+            Mesh({"dp": 2, axis: 2}, ctx.group, order=order),
+            schedule="gpipe",
+            microbatches=1,
+            link=topology,
+            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01),
+        )
+        for name, order in PLACEMENTS[axis].items()
+    }
+    times = take_turns(
+        ctx.group, {name: lambda _, m=m: m.step(x, y) for name, m in models.items()}, steps
+    )
     param_bytes = sum(p.numel() * 4 for p in next(iter(models.values())).params)
     return {"times": times, "param_bytes": param_bytes}
 
 
-def placement_predictions(topology: Topology, param_bytes: int, *, axis: str = "tp",
-                          config: GPTConfig | None = None, batch: int = 8
-                          ) -> dict[str, float]:
+def placement_predictions(
+    topology: Topology,
+    param_bytes: int,
+    *,
+    axis: str = "tp",
+    config: GPTConfig | None = None,
+    batch: int = 8,
+) -> dict[str, float]:
     """The alpha-beta model's seconds of communication per step for each placement of
     `axis`, on its link, plus data parallelism's ring all-reduce of `param_bytes` (the
     largest rank's) on the other.
@@ -80,7 +99,8 @@ def placement_predictions(topology: Topology, param_bytes: int, *, axis: str = "
 
     def seconds(axis_link: Any, dp_link: Any) -> float:
         dp_s = CostModel(dp_link.latency_s, dp_link.bandwidth_Bps).all_reduce_s(
-            "ring", param_bytes, 2)
+            "ring", param_bytes, 2
+        )
         return axis_s(axis_link) + dp_s
 
     inside_name, across_name = PLACEMENTS[axis]
@@ -105,16 +125,29 @@ def mesh_shapes(world_size: int, config: GPTConfig = LESSON_CONFIG) -> list[dict
     shapes = []
     for tp in range(1, world_size + 1):
         for pp in range(1, world_size // tp + 1):
-            if world_size % (tp * pp) == 0 and config.n_heads % tp == 0 \
-                    and pp <= config.n_layers + 2:
+            if (
+                world_size % (tp * pp) == 0
+                and config.n_heads % tp == 0
+                and pp <= config.n_layers + 2
+            ):
                 shapes.append({"dp": world_size // (tp * pp), "tp": tp, "pp": pp})
     return sorted(shapes, key=lambda s: (-s["dp"], -s["tp"]))
 
 
-def train_on_mesh(ctx: RankContext, shape: dict[str, int], steps: int = 2, *,
-                  order: str = "megatron", schedule: str = "1f1b", microbatches: int = 2,
-                  batch: int = 8, sequence_parallel: bool = False, zero: int = 0,
-                  link: Topology | None = None, traced: bool = False) -> dict[str, Any]:
+def train_on_mesh(
+    ctx: RankContext,
+    shape: dict[str, int],
+    steps: int = 2,
+    *,
+    order: str = "megatron",
+    schedule: str = "1f1b",
+    microbatches: int = 2,
+    batch: int = 8,
+    sequence_parallel: bool = False,
+    zero: int = 0,
+    link: Topology | None = None,
+    traced: bool = False,
+) -> dict[str, Any]:
     """`steps` Adam steps of lesson 09's GPT on a mesh of `shape`: the losses (on the last
     stage's ranks), the bytes each axis sent and the count of tp's collectives (torch's,
     whose bytes cannot be counted message by message) when `traced`, what this rank
@@ -124,27 +157,38 @@ def train_on_mesh(ctx: RankContext, shape: dict[str, int], steps: int = 2, *,
 
     ctx.tracer.set_status("building the mesh and the model")
     mesh = Mesh(shape, ctx.group, order=order)  # type: ignore[arg-type]
-    model = Hybrid(gpt(LESSON_CONFIG), mesh, schedule=schedule, microbatches=microbatches,
-                   sequence_parallel=sequence_parallel, zero=zero,  # type: ignore[arg-type]
-                   optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2), link=link,
-                   tracer=ctx.tracer if traced else None)
+    model = Hybrid(
+        gpt(LESSON_CONFIG),
+        mesh,
+        schedule=schedule,
+        microbatches=microbatches,
+        sequence_parallel=sequence_parallel,
+        zero=zero,  # type: ignore[arg-type]
+        optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2),
+        link=link,
+        tracer=ctx.tracer if traced else None,
+    )
     x, y = progressions(batch, LESSON_CONFIG.block_size, LESSON_CONFIG.vocab)
     losses = [model.step(x, y) for _ in range(steps)]
     state = model.full_state_dict()
     counters = ctx.tracer.data().counters if traced else []
-    return {"losses": losses, "coords": {a: mesh.coordinate(a) for a in shape},
-            "bytes": bytes_by_axis(counters),
-            "tp_collectives": sum(1 for c in counters if c.name == "tp_collective"),
-            "memory": model.memory(), "reductions": model.reductions(),
-            "state": state if ctx.rank == 0 else None}
+    return {
+        "losses": losses,
+        "coords": {a: mesh.coordinate(a) for a in shape},
+        "bytes": bytes_by_axis(counters),
+        "tp_collectives": sum(1 for c in counters if c.name == "tp_collective"),
+        "memory": model.memory(),
+        "reductions": model.reductions(),
+        "state": state if ctx.rank == 0 else None,
+    }
 
 
-def memory_on_mesh(ctx: RankContext, shape: dict[str, int], zero: int = 0,
-                   microbatches: int = 2) -> dict[str, int]:
+def memory_on_mesh(
+    ctx: RankContext, shape: dict[str, int], zero: int = 0, microbatches: int = 2
+) -> dict[str, int]:
     """What this rank holds after one step of lesson 09's GPT on `shape`."""
     mesh = Mesh(shape, ctx.group)  # type: ignore[arg-type]
-    model = Hybrid(gpt(LESSON_CONFIG), mesh, microbatches=microbatches,
-                   zero=zero)  # type: ignore[arg-type]
+    model = Hybrid(gpt(LESSON_CONFIG), mesh, microbatches=microbatches, zero=zero)  # type: ignore[arg-type]
     batch = shape["dp"] * microbatches
     x, y = progressions(batch, LESSON_CONFIG.block_size, LESSON_CONFIG.vocab)
     model.step(x, y)
@@ -175,8 +219,13 @@ def check_coordinates(fn: Any) -> bool:
     from parcourse.experiments.exercises import ask
     from parcourse.mesh import Layout
 
-    cases = [{"pp": 2, "dp": 2, "tp": 2}, {"dp": 2, "pp": 2, "tp": 2}, {"dp": 3, "tp": 2},
-             {"tp": 4}, {"pp": 3, "dp": 1, "tp": 2}]
+    cases = [
+        {"pp": 2, "dp": 2, "tp": 2},
+        {"dp": 2, "pp": 2, "tp": 2},
+        {"dp": 3, "tp": 2},
+        {"tp": 4},
+        {"pp": 3, "dp": 1, "tp": 2},
+    ]
     for sizes in cases:
         layout = Layout(tuple(sizes), tuple(sizes.values()))
         for rank in range(layout.world_size):
@@ -186,16 +235,20 @@ def check_coordinates(fn: Any) -> bool:
                 return False
             if not isinstance(got, dict):
                 same = isinstance(got, (list, tuple)) and list(got) == list(expected.values())
-                print(f"Not quite: rank {rank} of {sizes}: your function returned "
-                      f"{type(got).__name__} {got!r}"
-                      f"{', the right numbers' if same else ''}; return a dict "
-                      f"{{axis: coordinate}}, here {expected}.")
+                print(
+                    f"Not quite: rank {rank} of {sizes}: your function returned "
+                    f"{type(got).__name__} {got!r}"
+                    f"{', the right numbers' if same else ''}; return a dict "
+                    f"{{axis: coordinate}}, here {expected}."
+                )
                 return False
             if got != expected:
-                print(f"Not quite: on a mesh {sizes} (outermost first), rank {rank} sits at "
-                      f"{expected}, your function says {got}. Hint: the last axis changes "
-                      "fastest: rank = ((c0 x s1) + c1) x s2 + c2, so peel the axes off from "
-                      "the last with divmod.")
+                print(
+                    f"Not quite: on a mesh {sizes} (outermost first), rank {rank} sits at "
+                    f"{expected}, your function says {got}. Hint: the last axis changes "
+                    "fastest: rank = ((c0 x s1) + c1) x s2 + c2, so peel the axes off from "
+                    "the last with divmod."
+                )
                 return False
     print(f"Correct: every rank of {len(cases)} meshes, both orders among them.")
     return True
@@ -210,23 +263,35 @@ def reductions_table(rows: list[dict[str, Any]]) -> str:
     lines = [f"{'when':<16} {'axis':<9} {'op':<40} {'ranks':<12} what"]
     for r in rows:
         ranks = ",".join(str(x) for x in r["ranks"])
-        lines.append(" ".join(f"{r[k]:<{w}}" for k, w in widths.items())
-                     + f" {ranks:<12} {r['what']}")
+        lines.append(
+            " ".join(f"{r[k]:<{w}}" for k, w in widths.items()) + f" {ranks:<12} {r['what']}"
+        )
     return "\n".join(lines)
 
 
-def check_mesh_choice(world_size: int, shape: dict[str, int], schedule: str,
-                      microbatches: int, ranks_per_node: int,
-                      sequence_parallel: bool = False, batch: int | None = None) -> None:
+def check_mesh_choice(
+    world_size: int,
+    shape: dict[str, int],
+    schedule: str,
+    microbatches: int,
+    ranks_per_node: int,
+    sequence_parallel: bool = False,
+    batch: int | None = None,
+) -> None:
     """Lesson 09's panel: a choice the model or the schedule cannot take, as a ValueError
     naming the numbers, before any rank starts (the plan's own rules,
     `ParallelPlan.problems`: what `Hybrid`, the CLI and the planner say too)."""
     from parcourse.plan import ParallelPlan
 
-    ParallelPlan(dp=shape.get("dp", 1), tp=shape.get("tp", 1), pp=shape.get("pp", 1),
-                 schedule=schedule, microbatches=microbatches,
-                 sequence_parallel=sequence_parallel, ranks_per_node=ranks_per_node
-                 ).check(LESSON_CONFIG, batch, world=world_size)
+    ParallelPlan(
+        dp=shape.get("dp", 1),
+        tp=shape.get("tp", 1),
+        pp=shape.get("pp", 1),
+        schedule=schedule,
+        microbatches=microbatches,
+        sequence_parallel=sequence_parallel,
+        ranks_per_node=ranks_per_node,
+    ).check(LESSON_CONFIG, batch, world=world_size)
 
 
 def mesh_step_figure(run: Any, title: str) -> Any:
@@ -254,8 +319,9 @@ def mesh_step_figure(run: Any, title: str) -> Any:
     left = [0.0] * n
     for k, c in enumerate(("params", "grads", "optimizer")):
         kib = [r["memory"][c] / 1024 for r in results]
-        mem_ax.barh(range(n), kib, left=left, color=f"C{k}",
-                    label={"optimizer": "Adam state"}.get(c, c))
+        mem_ax.barh(
+            range(n), kib, left=left, color=f"C{k}", label={"optimizer": "Adam state"}.get(c, c)
+        )
         left = [a + b for a, b in zip(left, kib)]
     mem_ax.set_title("KiB held", loc="left", fontsize=9)
     for ax in (sent_ax, mem_ax):

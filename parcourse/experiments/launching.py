@@ -19,22 +19,24 @@ from parcourse.experiments.exercises import run_exercise
 from parcourse.launch import Pool, RankContext
 
 Collective = Literal["broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter"]
-COLLECTIVES: tuple[str, ...] = ("broadcast", "reduce", "all_reduce", "all_gather",
-                                "reduce_scatter")
+COLLECTIVES: tuple[str, ...] = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter")
 
 
 def hello(ctx: RankContext) -> str:
     """Who am I? What a rank knows about itself."""
-    return (f"rank {ctx.rank} of {ctx.world_size}, backend {ctx.backend}, device {ctx.device}, "
-            f"{torch.get_num_threads()} thread(s)")
+    return (
+        f"rank {ctx.rank} of {ctx.world_size}, backend {ctx.backend}, device {ctx.device}, "
+        f"{torch.get_num_threads()} thread(s)"
+    )
 
 
 def starting_tensor(rank: int, numel: int) -> torch.Tensor:
     return torch.arange(rank * numel, (rank + 1) * numel, dtype=torch.int64)
 
 
-def show_collective(ctx: RankContext, op: Collective, numel: int = 4,
-                    root: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def show_collective(
+    ctx: RankContext, op: Collective, numel: int = 4, root: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Run one collective; return (this rank's tensor before, after).
 
     reduce_scatter needs numel divisible by world_size: each rank keeps
@@ -126,8 +128,10 @@ def check_average(average_fn: Callable[..., Any], pool: Pool, timeout: float = 3
     except (TypeError, ValueError, RuntimeError):
         got = run.results
     if not all(isinstance(g, float) and abs(g - expected) < 1e-6 for g in got):
-        print(f"Not quite: expected {expected:g} on every rank, got {got}. Hint: all_reduce "
-              "sums in place; divide by ctx.world_size afterwards, and return a number.")
+        print(
+            f"Not quite: expected {expected:g} on every rank, got {got}. Hint: all_reduce "
+            "sums in place; divide by ctx.world_size afterwards, and return a number."
+        )
         return False
     who = "the only rank" if pool.world_size == 1 else f"every one of {pool.world_size} ranks"
     print(f"Correct: {who} got {expected:g}.")

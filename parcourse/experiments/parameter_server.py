@@ -47,10 +47,17 @@ def _gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tenso
     return parameters_to_vector([p.grad for p in model.parameters()])
 
 
-def parameter_server_training(ctx: RankContext, mode: Mode, updates: int = 20, *,
-                              lr: float = 0.1, d: int = 16, hidden: int = 32,
-                              samples: int = 256, straggler_ms: float = 0.0,
-                              ) -> dict[str, Any] | None:
+def parameter_server_training(
+    ctx: RankContext,
+    mode: Mode,
+    updates: int = 20,
+    *,
+    lr: float = 0.1,
+    d: int = 16,
+    hidden: int = 32,
+    samples: int = 256,
+    straggler_ms: float = 0.0,
+) -> dict[str, Any] | None:
     """Train an MLP by gradient descent through a parameter server on rank 0.
 
     BSP makes `updates` updates of N-1 averaged gradients; ASP applies the same
@@ -74,8 +81,16 @@ def parameter_server_training(ctx: RankContext, mode: Mode, updates: int = 20, *
     return None
 
 
-def _serve(ctx: RankContext, mode: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-           updates: int, lr: float, workers: int) -> dict[str, Any]:
+def _serve(
+    ctx: RankContext,
+    mode: str,
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    updates: int,
+    lr: float,
+    workers: int,
+) -> dict[str, Any]:
     weights = parameters_to_vector(model.parameters()).detach()
     n = weights.numel()
     version = 0
@@ -128,12 +143,18 @@ def _serve(ctx: RankContext, mode: str, model: nn.Module, x: torch.Tensor, y: to
                 issued += 1
             else:
                 push(sender, stop=True)
-    return {"loss": losses, "staleness": staleness, "time_s": times, "workers": workers,
-            "weights": weights.clone()}
+    return {
+        "loss": losses,
+        "staleness": staleness,
+        "time_s": times,
+        "workers": workers,
+        "weights": weights.clone(),
+    }
 
 
-def _work(model: nn.Module, x: torch.Tensor, y: torch.Tensor, delay_ms: float,
-          ctx: RankContext) -> None:
+def _work(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, delay_ms: float, ctx: RankContext
+) -> None:
     n = sum(p.numel() for p in model.parameters())
     incoming = torch.empty(n + 1)
     while True:

@@ -11,16 +11,22 @@ import torch
 from torch import nn
 
 from parcourse.comm import simulated_link
-from parcourse.experiments.timing import take_turns
 from parcourse.experiments.exercises import ask
+from parcourse.experiments.timing import take_turns
 from parcourse.launch import RankContext
+from parcourse.models import GPTConfig, gpt, gpt_layers
 from parcourse.pipeline.actions import Action
 from parcourse.pipeline.partition import By, partition
 from parcourse.pipeline.runtime import PipelineRuntime
-from parcourse.models import GPTConfig, gpt, gpt_layers
 from parcourse.pipeline.schedule import SCHEDULES, Schedule, gpipe, schedule_by_name
-from parcourse.pipeline.simulate import (Costs, SimulatedCompute, Timeline, in_flight,
-                                         measured_bubble, simulate)
+from parcourse.pipeline.simulate import (
+    Costs,
+    SimulatedCompute,
+    Timeline,
+    in_flight,
+    measured_bubble,
+    simulate,
+)
 from parcourse.trace import Span, Trace
 
 make_schedule = schedule_by_name  # the one registry of names is parcourse.pipeline.schedule's
@@ -42,8 +48,9 @@ Model = Literal["mlp", "gpt"]
 SEQ = 16  # tokens per sequence for the GPT
 
 
-def model_and_data(model: Model, depth: int, width: int, batch: int
-                   ) -> tuple[list[nn.Module], nn.Module, Any, Any, Callable[..., torch.Tensor]]:
+def model_and_data(
+    model: Model, depth: int, width: int, batch: int
+) -> tuple[list[nn.Module], nn.Module, Any, Any, Callable[..., torch.Tensor]]:
     """(layers to cut into stages, the whole model, inputs, targets, loss) for a deep MLP
     (`depth` layers of `width`) or a small GPT (embedding, depth - 2 blocks of d_model
     `width`, head; dropout off, so that microbatches see what the whole batch sees)."""
@@ -53,8 +60,9 @@ def model_and_data(model: Model, depth: int, width: int, batch: int
         return layers, nn.Sequential(*layers), x, y, nn.functional.mse_loss
     if model == "gpt":
         if depth < 3:
-            raise ValueError(f"a GPT pipeline needs depth >= 3 (embedding, a block, head), "
-                             f"got {depth}")
+            raise ValueError(
+                f"a GPT pipeline needs depth >= 3 (embedding, a block, head), got {depth}"
+            )
         whole = gpt(GPTConfig(n_layers=depth - 2, d_model=width, block_size=SEQ))
         g = torch.Generator().manual_seed(1)
         tokens = torch.randint(0, whole.config.vocab, (batch, SEQ + 1), generator=g)
@@ -66,8 +74,7 @@ def model_and_data(model: Model, depth: int, width: int, batch: int
     raise ValueError(f"model must be 'mlp' or 'gpt', got {model!r}")
 
 
-def tied_weights(stages: dict[int, nn.Module], all_stages: list[nn.Module]
-                 ) -> list[dict[int, str]]:
+def tied_weights(stages: dict[int, nn.Module], all_stages: list[nn.Module]) -> list[dict[int, str]]:
     """Weights that more than one stage uses (a GPT's embedding and head), as
     {stage: name in that stage} for PipelineRuntime's `tied`."""
     where: dict[int, dict[int, str]] = {}
@@ -77,14 +84,28 @@ def tied_weights(stages: dict[int, nn.Module], all_stages: list[nn.Module]
     return [group for group in where.values() if len(group) > 1]
 
 
-def train(ctx: RankContext, schedule: Schedule, steps: int = 2, *,
-          model: Model = "mlp", depth: int = 8, width: int = 16,
-          batch: int = 16, by: By = "layers", lr: float = 0.05,
-          compute: SimulatedCompute | None = None, forward_ms: float = 0.0,
-          backward_ms: float = 0.0, weight_ms: float | None = None, recompute: bool = False,
-          latency_us: float = 0.0, bandwidth_gbps: float | None = None,
-          accumulate: int = 1, frozen: tuple[str, ...] = (),
-          weight_decay: float = 0.0) -> dict[str, Any]:
+def train(
+    ctx: RankContext,
+    schedule: Schedule,
+    steps: int = 2,
+    *,
+    model: Model = "mlp",
+    depth: int = 8,
+    width: int = 16,
+    batch: int = 16,
+    by: By = "layers",
+    lr: float = 0.05,
+    compute: SimulatedCompute | None = None,
+    forward_ms: float = 0.0,
+    backward_ms: float = 0.0,
+    weight_ms: float | None = None,
+    recompute: bool = False,
+    latency_us: float = 0.0,
+    bandwidth_gbps: float | None = None,
+    accumulate: int = 1,
+    frozen: tuple[str, ...] = (),
+    weight_decay: float = 0.0,
+) -> dict[str, Any]:
     """`steps` SGD steps of a deep MLP or a small GPT cut into the schedule's stages;
     `schedule` a `Schedule` built for these ranks by the caller, before any rank starts
     (`make_schedule(name, ranks, microbatches, chunks)`, or `gpipe(4, 8)` and its kin:
@@ -102,20 +123,31 @@ def train(ctx: RankContext, schedule: Schedule, steps: int = 2, *,
     plan = _schedule(schedule, ctx.world_size)
     per_rank = plan.model_stages // plan.ranks  # a rank's share of the model, in stages
     if compute is None and (forward_ms or backward_ms):
-        compute = SimulatedCompute(forward_ms / 1e3, backward_ms / 1e3,
-                                   None if weight_ms is None else weight_ms / 1e3
-                                   ).per_chunk(per_rank)
+        compute = SimulatedCompute(
+            forward_ms / 1e3, backward_ms / 1e3, None if weight_ms is None else weight_ms / 1e3
+        ).per_chunk(per_rank)
     ctx.tracer.set_status(f"{plan.name}: building the model")
     layers, whole, x, y, loss_fn = model_and_data(model, depth, width, batch)
     for name in frozen:
         whole.get_parameter(name).requires_grad_(False)
     names = {id(p): n for n, p in whole.named_parameters()}
     cut = partition(layers, plan.model_stages, by)  # DualPipe: two copies of each stage
-    mine = {s: cut[plan.model_stage(s)].to(ctx.device)
-            for s, r in enumerate(plan.stage_rank) if r == ctx.rank}
-    runtime = PipelineRuntime(plan, mine, ctx.group, loss_fn, tracer=ctx.tracer,
-                              compute=compute, link=simulated_link(latency_us, bandwidth_gbps),
-                              recompute=recompute, tied=tied_weights(mine, cut))
+    mine = {
+        s: cut[plan.model_stage(s)].to(ctx.device)
+        for s, r in enumerate(plan.stage_rank)
+        if r == ctx.rank
+    }
+    runtime = PipelineRuntime(
+        plan,
+        mine,
+        ctx.group,
+        loss_fn,
+        tracer=ctx.tracer,
+        compute=compute,
+        link=simulated_link(latency_us, bandwidth_gbps),
+        recompute=recompute,
+        tied=tied_weights(mine, cut),
+    )
     params = list({id(p): p for m in mine.values() for p in m.parameters()}.values())
     opt = torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
     first, last = plan.entry_ranks, plan.exit_ranks  # where microbatches enter (DualPipe:
@@ -130,8 +162,10 @@ def train(ctx: RankContext, schedule: Schedule, steps: int = 2, *,
         spans_before = len(ctx.tracer.data().spans)
         counters_before = len(ctx.tracer.data().counters)
         for xs, ys in parts:
-            loss = runtime.step(xs.to(ctx.device) if ctx.rank in first else None,
-                                ys.to(ctx.device) if ctx.rank in last else None)
+            loss = runtime.step(
+                xs.to(ctx.device) if ctx.rank in first else None,
+                ys.to(ctx.device) if ctx.rank in last else None,
+            )
         opt.step()
         opt.zero_grad()
         if loss is not None:
@@ -143,9 +177,14 @@ def train(ctx: RankContext, schedule: Schedule, steps: int = 2, *,
     held: dict[int, float] = {}  # bytes one microbatch holds on each stage: its first F
     for c in counts:
         held.setdefault(c.meta["stage"], c.value)
-    return {"weights": weights, "losses": losses, "spans": last_step, "schedule": plan,
-            "peak_in_flight_bytes": max((c.meta["now"] for c in counts), default=0.0),
-            "held_per_stage": held}
+    return {
+        "weights": weights,
+        "losses": losses,
+        "spans": last_step,
+        "schedule": plan,
+        "peak_in_flight_bytes": max((c.meta["now"] for c in counts), default=0.0),
+        "held_per_stage": held,
+    }
 
 
 def bubble_of(run: Any) -> float:
@@ -155,18 +194,22 @@ def bubble_of(run: Any) -> float:
 
 
 TORCH_SCHEDULES = {  # ours -> torch.distributed.pipelining's counterpart
-    name: entry.torch for name, entry in SCHEDULES.items() if entry.torch is not None}
+    name: entry.torch for name, entry in SCHEDULES.items() if entry.torch is not None
+}
 
 
 def _schedule(schedule: Schedule, ranks: int) -> Schedule:
     """`schedule`, refused if it is not one or was built for other ranks."""
     if not isinstance(schedule, Schedule):
-        raise ValueError(f"pass the schedule itself, built before the ranks start (e.g. "
-                         f"make_schedule({schedule!r}, ranks, microbatches, chunks)), "
-                         f"not {type(schedule).__name__} {schedule!r}")
+        raise ValueError(
+            f"pass the schedule itself, built before the ranks start (e.g. "
+            f"make_schedule({schedule!r}, ranks, microbatches, chunks)), "
+            f"not {type(schedule).__name__} {schedule!r}"
+        )
     if schedule.ranks != ranks:
-        raise ValueError(f"{schedule.name} was built for {schedule.ranks} ranks; "
-                         f"this run has {ranks}")
+        raise ValueError(
+            f"{schedule.name} was built for {schedule.ranks} ranks; this run has {ranks}"
+        )
     return schedule
 
 
@@ -176,9 +219,17 @@ def every_runnable(ranks: int, microbatches: int, chunks: int = 2) -> list[Sched
     return [make_schedule(name, ranks, microbatches, chunks) for name in runnable(ranks)]
 
 
-def step_times(ctx: RankContext, microbatches: int, steps: int = 10, *,
-               schedule: str = "gpipe", chunks: int = 2, depth: int = 8, width: int = 256,
-               batch: int = 256) -> dict[str, Any]:
+def step_times(
+    ctx: RankContext,
+    microbatches: int,
+    steps: int = 10,
+    *,
+    schedule: str = "gpipe",
+    chunks: int = 2,
+    depth: int = 8,
+    width: int = 256,
+    batch: int = 256,
+) -> dict[str, Any]:
     """Step times (forward, backward and SGD step) and peak saved-activation bytes of our
     `schedule` and of torch.distributed.pipelining's counterpart on the same stages
     (the same cut, on the same ranks), step by step in alternation. Activations are
@@ -187,8 +238,9 @@ def step_times(ctx: RankContext, microbatches: int, steps: int = 10, *,
     On CPU ranks (`Pool(n, device="cpu")`): on ranks sharing a GPU, torch's stages
     receive into CUDA buffers through gloo, which aborts the process (seen on an H200)."""
     if ctx.device.type != "cpu":
-        raise ValueError(f"step_times runs on CPU ranks (Pool(n, device='cpu')); this rank "
-                         f"is on {ctx.device}")
+        raise ValueError(
+            f"step_times runs on CPU ranks (Pool(n, device='cpu')); this rank is on {ctx.device}"
+        )
 
     import torch.distributed.pipelining as pipelining
 
@@ -213,13 +265,17 @@ def step_times(ctx: RankContext, microbatches: int, steps: int = 10, *,
         ours_opt.zero_grad()
 
     theirs_cut = partition(deep_mlp(depth, width), plan.stages)
-    torch_stages = [pipelining.PipelineStage(theirs_cut[s], s, plan.stages, ctx.device,
-                                             group=ctx.group) for s in local]
+    torch_stages = [
+        pipelining.PipelineStage(theirs_cut[s], s, plan.stages, ctx.device, group=ctx.group)
+        for s in local
+    ]
     cls = getattr(pipelining, TORCH_SCHEDULES[schedule])
-    theirs = cls(torch_stages[0] if len(local) == 1 else torch_stages, microbatches,
-                 loss_fn=nn.functional.mse_loss)
-    theirs_opt = torch.optim.SGD([p for s in local for p in theirs_cut[s].parameters()],
-                                 lr=0.01)
+    theirs = cls(
+        torch_stages[0] if len(local) == 1 else torch_stages,
+        microbatches,
+        loss_fn=nn.functional.mse_loss,
+    )
+    theirs_opt = torch.optim.SGD([p for s in local for p in theirs_cut[s].parameters()], lr=0.01)
 
     def theirs_step() -> None:
         args = (x,) if rank in first else ()
@@ -229,9 +285,12 @@ def step_times(ctx: RankContext, microbatches: int, steps: int = 10, *,
         theirs_opt.zero_grad()
 
     runs = {"ours": ours_step, f"torch {TORCH_SCHEDULES[schedule]}": theirs_step}
-    weights = {"ours": ours_params,
-               f"torch {TORCH_SCHEDULES[schedule]}": [p for s in local
-                                                       for p in theirs_cut[s].parameters()]}
+    weights = {
+        "ours": ours_params,
+        f"torch {TORCH_SCHEDULES[schedule]}": [
+            p for s in local for p in theirs_cut[s].parameters()
+        ],
+    }
     peaks: dict[str, int] = {}
     for name, fn in runs.items():
         fn()  # warm-up
@@ -239,22 +298,32 @@ def step_times(ctx: RankContext, microbatches: int, steps: int = 10, *,
         with PeakSavedBytes(exclude=weights[name]) as saved:  # activations, not weights
             fn()
         peaks[name] = saved.peak
-    times = take_turns(ctx.group, {name: lambda _, fn=fn: fn() for name, fn in runs.items()},
-                       steps, warmup=0)  # warmed up above
+    times = take_turns(
+        ctx.group, {name: lambda _, fn=fn: fn() for name, fn in runs.items()}, steps, warmup=0
+    )  # warmed up above
     return {"times": times, "peaks": peaks}
 
 
 def as_trace(timeline: Timeline) -> Trace:
     """A simulated timeline as a trace, so that plots.timeline draws it as a measured one."""
-    spans = [Span(s.rank, str(s.action), "compute", round(s.start * 1e9), round(s.end * 1e9), 0,
-                  {"microbatch": s.action.microbatch, "stage": s.action.stage})
-             for s in timeline.spans]
+    spans = [
+        Span(
+            s.rank,
+            str(s.action),
+            "compute",
+            round(s.start * 1e9),
+            round(s.end * 1e9),
+            0,
+            {"microbatch": s.action.microbatch, "stage": s.action.stage},
+        )
+        for s in timeline.spans
+    ]
     return Trace(timeline.schedule.ranks, spans=spans)
 
 
 def _with(p: int, m: int) -> str:
     """'with 1 stage and 2 microbatches': where an exercise check found its mistake."""
-    return (f"with {p} stage{'s' * (p != 1)} and {m} microbatch{'es' * (m != 1)}")
+    return f"with {p} stage{'s' * (p != 1)} and {m} microbatch{'es' * (m != 1)}"
 
 
 def check_schedule_exercise(fn: Callable[[int, int], Any]) -> bool:
@@ -268,29 +337,40 @@ def check_schedule_exercise(fn: Callable[[int, int], Any]) -> bool:
             if not ok:
                 return False
             per_rank = got.actions if isinstance(got, Schedule) else got
-            if (not isinstance(per_rank, (list, tuple))
-                    or not all(isinstance(acts, (list, tuple)) for acts in per_rank)):
-                inner = (f" of {type(per_rank[0]).__name__}"
-                         if isinstance(per_rank, (list, tuple)) and per_rank else "")
-                print(f"Not quite: {_with(p, m)} your function returned a "
-                      f"{type(per_rank).__name__}{inner}; expected one list per rank "
-                      f"({p} list{'s' * (p != 1)}), each with that rank's actions in order.")
+            if not isinstance(per_rank, (list, tuple)) or not all(
+                isinstance(acts, (list, tuple)) for acts in per_rank
+            ):
+                inner = (
+                    f" of {type(per_rank[0]).__name__}"
+                    if isinstance(per_rank, (list, tuple)) and per_rank
+                    else ""
+                )
+                print(
+                    f"Not quite: {_with(p, m)} your function returned a "
+                    f"{type(per_rank).__name__}{inner}; expected one list per rank "
+                    f"({p} list{'s' * (p != 1)}), each with that rank's actions in order."
+                )
                 return False
             try:
-                schedule = Schedule("yours", m, tuple(range(p)),
-                                    tuple(tuple(acts) for acts in per_rank))
+                schedule = Schedule(
+                    "yours", m, tuple(range(p)), tuple(tuple(acts) for acts in per_rank)
+                )
                 check(schedule)
             except (TypeError, ValueError) as e:
-                print(f"Not quite: {_with(p, m)}, {e}. Hint: every "
-                      "stage runs each microbatch's forward, then backward, once.")
+                print(
+                    f"Not quite: {_with(p, m)}, {e}. Hint: every "
+                    "stage runs each microbatch's forward, then backward, once."
+                )
                 return False
             expected = gpipe(p, m)
             if schedule.actions != expected.actions:
                 r = next(r for r in range(p) if schedule[r] != expected[r])
-                print(f"Not quite: {_with(p, m)} the schedule runs, but is not GPipe's: rank "
-                      f"{r} runs {' '.join(map(str, schedule[r]))}, GPipe runs "
-                      f"{' '.join(map(str, expected[r]))}. Hint: all forwards first, then all "
-                      "backwards, the last microbatch's first.")
+                print(
+                    f"Not quite: {_with(p, m)} the schedule runs, but is not GPipe's: rank "
+                    f"{r} runs {' '.join(map(str, schedule[r]))}, GPipe runs "
+                    f"{' '.join(map(str, expected[r]))}. Hint: all forwards first, then all "
+                    "backwards, the last microbatch's first."
+                )
                 return False
     print("Correct: every forward, then every backward in reverse, on every stage.")
     return True
@@ -305,8 +385,11 @@ ALL_SCHEDULES = tuple(name for name, entry in SCHEDULES.items() if entry.microba
 def runnable(ranks: int) -> tuple[str, ...]:
     """The schedules of ALL_SCHEDULES that run on `ranks` ranks with some number of
     microbatches (DualPipe needs an even number of ranks)."""
-    return tuple(name for name in ALL_SCHEDULES
-                 if any(SCHEDULES[name].accepts(ranks, m) for m in range(1, 4 * ranks + 3)))
+    return tuple(
+        name
+        for name in ALL_SCHEDULES
+        if any(SCHEDULES[name].accepts(ranks, m) for m in range(1, 4 * ranks + 3))
+    )
 
 
 def common_microbatches(ranks: int, microbatches: int) -> int:
@@ -319,8 +402,9 @@ def common_microbatches(ranks: int, microbatches: int) -> int:
     return m
 
 
-def every_schedule(ctx: RankContext, schedules: Sequence[Schedule], **kwargs: Any
-                   ) -> dict[str, dict[str, Any]]:
+def every_schedule(
+    ctx: RankContext, schedules: Sequence[Schedule], **kwargs: Any
+) -> dict[str, dict[str, Any]]:
     """One step of each of `schedules` (e.g. `every_runnable(ranks, m)`) in turn on the
     same ranks (train's keyword arguments); what each `train` returned, by schedule name,
     without the weights."""
@@ -362,11 +446,21 @@ def summarize(results: Sequence[dict[str, Any]], costs: Costs) -> ScheduleSummar
     expected = [max(in_flight(plan[r], per_stage), default=0.0) for r in range(plan.ranks)]
     per_rank = [r["peak_in_flight_bytes"] for r in results]
     spans = [s for r in results for s in r["spans"]]
-    mine = [[per_stage[st] for st, r in enumerate(plan.stage_rank) if r == rank]
-            for rank in range(plan.ranks)]
-    return ScheduleSummary(plan.name, measured_bubble(spans, plan.ranks), predicted.bubble,
-                           max(per_rank), max(expected), per_rank, predicted.messages,
-                           list(predicted.peak_in_flight), mine)
+    mine = [
+        [per_stage[st] for st, r in enumerate(plan.stage_rank) if r == rank]
+        for rank in range(plan.ranks)
+    ]
+    return ScheduleSummary(
+        plan.name,
+        measured_bubble(spans, plan.ranks),
+        predicted.bubble,
+        max(per_rank),
+        max(expected),
+        per_rank,
+        predicted.messages,
+        list(predicted.peak_in_flight),
+        mine,
+    )
 
 
 def check_one_f_one_b_exercise(fn: Callable[[int, int, int], Any]) -> bool:
@@ -379,36 +473,47 @@ def check_one_f_one_b_exercise(fn: Callable[[int, int, int], Any]) -> bool:
 
     for p in range(1, 7):
         for m in range(1, 13):
-            ok, per_rank = ask(lambda: [list(fn(s, p, m)) for s in range(p)],  # noqa: B023
-                               where=f"{_with(p, m)}, ")
+            ok, per_rank = ask(
+                lambda: [list(fn(s, p, m)) for s in range(p)],  # noqa: B023
+                where=f"{_with(p, m)}, ",
+            )
             if not ok:
                 return False
-            odd = next((a for acts in per_rank for a in acts if not isinstance(a, Action)),
-                       None)
+            odd = next((a for acts in per_rank for a in acts if not isinstance(a, Action)), None)
             if odd is not None:
-                print(f"Not quite: {_with(p, m)}, a stage's list holds {odd!r} "
-                      f"({type(odd).__name__}); expected actions, F(s, i) and B(s, i).")
+                print(
+                    f"Not quite: {_with(p, m)}, a stage's list holds {odd!r} "
+                    f"({type(odd).__name__}); expected actions, F(s, i) and B(s, i)."
+                )
                 return False
             schedule = Schedule("yours", m, tuple(range(p)), tuple(map(tuple, per_rank)))
             try:
                 check(schedule)
             except (TypeError, ValueError) as e:
-                print(f"Not quite: {_with(p, m)}, {e}. Hint: stage s "
-                      "starts with p - s - 1 forwards, never more than m.")
+                print(
+                    f"Not quite: {_with(p, m)}, {e}. Hint: stage s "
+                    "starts with p - s - 1 forwards, never more than m."
+                )
                 return False
             timeline = simulate(schedule, Costs(forward=1, backward=2))
             for s, peak in enumerate(timeline.peak_in_flight):
                 if peak > min(p - s, m):
-                    print(f"Not quite: {_with(p, m)}, stage {s} holds "
-                          f"{peak} microbatches at once; 1F1B holds at most "
-                          f"{min(p - s, m)}. Hint: after the warm-up, each forward is "
-                          "followed by the oldest backward.")
+                    print(
+                        f"Not quite: {_with(p, m)}, stage {s} holds "
+                        f"{peak} microbatches at once; 1F1B holds at most "
+                        f"{min(p - s, m)}. Hint: after the warm-up, each forward is "
+                        "followed by the oldest backward."
+                    )
                     return False
             if abs(timeline.bubble - gpipe_bubble(p, m)) > 1e-9:
-                print(f"Not quite: {_with(p, m)}, the bubble is "
-                      f"{timeline.bubble:.3f}, not GPipe's {gpipe_bubble(p, m):.3f}: too few "
-                      "forwards in the warm-up stall the stages after it.")
+                print(
+                    f"Not quite: {_with(p, m)}, the bubble is "
+                    f"{timeline.bubble:.3f}, not GPipe's {gpipe_bubble(p, m):.3f}: too few "
+                    "forwards in the warm-up stall the stages after it."
+                )
                 return False
-    print("Correct: warm-up, one forward and one backward in turn, cool-down; at most p - s "
-          "microbatches on stage s, and GPipe's bubble.")
+    print(
+        "Correct: warm-up, one forward and one backward in turn, cool-down; at most p - s "
+        "microbatches on stage s, and GPipe's bubble."
+    )
     return True

@@ -17,12 +17,22 @@ def exercise_plans() -> tuple[Any, Cluster, Plans]:
     """Every (dp, tp, pp, microbatches) of the exercise with the fixed knobs, planned."""
     config = model(EXERCISE["model"], EXERCISE["seq"])
     cluster = Cluster.preset(EXERCISE["gpu"], EXERCISE["gpus"])
-    candidates = [c for c in choices(cluster.gpus, schedules=(FIXED["schedule"],),
-                                     zero=(FIXED["zero"],), sequence_parallel=(True,),
-                                     recompute=(FIXED["recompute"],))
-                  if c.zero == FIXED["zero"] or c.dp == 1]
-    return config, cluster, plan(config, cluster, EXERCISE["batch"], dtype="bf16",
-                                 candidates=candidates)
+    candidates = [
+        c
+        for c in choices(
+            cluster.gpus,
+            schedules=(FIXED["schedule"],),
+            zero=(FIXED["zero"],),
+            sequence_parallel=(True,),
+            recompute=(FIXED["recompute"],),
+        )
+        if c.zero == FIXED["zero"] or c.dp == 1
+    ]
+    return (
+        config,
+        cluster,
+        plan(config, cluster, EXERCISE["batch"], dtype="bf16", candidates=candidates),
+    )
 
 
 def check_plan(fn: Any) -> bool:
@@ -41,35 +51,56 @@ def check_plan(fn: Any) -> bool:
     if dp * tp * pp != cluster.gpus:
         print(f"Not quite: dp x tp x pp = {dp * tp * pp}, the cluster has {cluster.gpus} GPUs.")
         return False
-    choice = Choice(dp, tp, pp, FIXED["schedule"], m, zero=FIXED["zero"] if dp > 1 else 0,
-                    sequence_parallel=tp > 1, recompute=FIXED["recompute"])  # type: ignore[arg-type]
+    choice = Choice(
+        dp,
+        tp,
+        pp,
+        FIXED["schedule"],
+        m,
+        zero=FIXED["zero"] if dp > 1 else 0,
+        sequence_parallel=tp > 1,
+        recompute=FIXED["recompute"],
+    )  # type: ignore[arg-type]
     mine = next((p for p in [*plans.ranked, *plans.rejected] if p.choice == choice), None)
-    spans = (f"; and tp {tp} spans nodes of {cluster.gpus_per_node} GPUs: every layer would "
-             "wait on the slow link between them") if tp > cluster.gpus_per_node else ""
+    spans = (
+        (
+            f"; and tp {tp} spans nodes of {cluster.gpus_per_node} GPUs: every layer would "
+            "wait on the slow link between them"
+        )
+        if tp > cluster.gpus_per_node
+        else ""
+    )
     if mine is None:
         problems = choice.problems(config, EXERCISE["batch"])
-        print(f"Not quite: {'; '.join(problems) or 'that choice is outside the search'}"
-              f"{spans}.")
+        print(f"Not quite: {'; '.join(problems) or 'that choice is outside the search'}{spans}.")
         return False
     if mine.why_not:
         if "spans nodes" in mine.why_not:
             spans = ""
-        hint = (" Hint: more tp or pp divides the weights; more microbatches shrink each "
-                "one's activations." if mine.why_not.startswith("out of memory") else "")
+        hint = (
+            " Hint: more tp or pp divides the weights; more microbatches shrink each "
+            "one's activations."
+            if mine.why_not.startswith("out of memory")
+            else ""
+        )
         print(f"Not quite: {choice.label()} is turned down: {mine.why_not}{spans}.{hint}")
         return False
     best = plans.ranked[0]
     ratio = mine.time["step"] / best.time["step"]
     if ratio > 1.10:
         t = mine.time
-        print(f"Not quite: it fits ({mine.memory[mine.busiest]['total'] / 2**30:.1f} GiB on "
-              f"pipeline rank {mine.busiest}) but a step takes {ratio:.2f}x the best's "
-              f"(bubble {t['bubble']:.2f} s, tp {t['tp']:.2f} s, dp {t['dp']:.2f} s of "
-              f"{t['step']:.2f} s). Look at what dominates and move the knob that cuts it.")
+        print(
+            f"Not quite: it fits ({mine.memory[mine.busiest]['total'] / 2**30:.1f} GiB on "
+            f"pipeline rank {mine.busiest}) but a step takes {ratio:.2f}x the best's "
+            f"(bubble {t['bubble']:.2f} s, tp {t['tp']:.2f} s, dp {t['dp']:.2f} s of "
+            f"{t['step']:.2f} s). Look at what dominates and move the knob that cuts it."
+        )
         return False
-    print(f"Correct: {choice.label()} fits ({mine.memory[mine.busiest]['total'] / 2**30:.1f} "
-          f"GiB on its busiest rank) and is within {100 * (ratio - 1):.0f}% of the planner's "
-          f"best ({best.choice.label()}).")
+    print(
+        f"Correct: {choice.label()} fits ({mine.memory[mine.busiest]['total'] / 2**30:.1f} "
+        f"GiB on its busiest rank) and is within {100 * (ratio - 1):.0f}% of the planner's "
+        f"best ({best.choice.label()})."
+    )
     return True
 
 

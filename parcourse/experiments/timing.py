@@ -34,9 +34,14 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def take_turns(group: dist.ProcessGroup | None, steps: Mapping[str, Callable[[int], Any]],
-               rounds: int, *, warmup: int = 1,
-               device: torch.device | None = None) -> dict[str, list[float]]:
+def take_turns(
+    group: dist.ProcessGroup | None,
+    steps: Mapping[str, Callable[[int], Any]],
+    rounds: int,
+    *,
+    warmup: int = 1,
+    device: torch.device | None = None,
+) -> dict[str, list[float]]:
     """Seconds per call of each named step on this rank, for `rounds` timed rounds.
 
     `steps[name](round)` runs one step of that configuration (the round number lets a

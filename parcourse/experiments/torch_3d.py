@@ -81,10 +81,12 @@ def torch_tp_plan(model: GPT) -> dict[str, Any]:
         "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
     }
     for i in range(len(model.blocks)):
-        plan |= {f"blocks.{i}.attn.qkv": ColwiseParallel(),
-                 f"blocks.{i}.attn.proj": RowwiseParallel(),
-                 f"blocks.{i}.mlp.up": ColwiseParallel(),
-                 f"blocks.{i}.mlp.down": RowwiseParallel()}
+        plan |= {
+            f"blocks.{i}.attn.qkv": ColwiseParallel(),
+            f"blocks.{i}.attn.proj": RowwiseParallel(),
+            f"blocks.{i}.mlp.up": ColwiseParallel(),
+            f"blocks.{i}.mlp.down": RowwiseParallel(),
+        }
     return plan
 
 
@@ -118,8 +120,11 @@ class TorchComposition:
         # batch's (torch 2.11 refuses x = tokens[:, :-1], a view with a row of 17)
         args = (shard_rows(inputs, replica, dp).contiguous(),) if self.first else ()
         losses: list[torch.Tensor] = []
-        kwargs: dict[str, Any] = {"target": shard_rows(targets, replica, dp).contiguous(),
-                                  "losses": losses} if self.last else {}
+        kwargs: dict[str, Any] = (
+            {"target": shard_rows(targets, replica, dp).contiguous(), "losses": losses}
+            if self.last
+            else {}
+        )
         if self.mesh.size("tp") > 1:
             with loss_parallel():  # the vocabulary-parallel cross entropy, forward and back
                 self.schedule.step(*args, **kwargs)
@@ -128,8 +133,9 @@ class TorchComposition:
         if self.tied is not None and self.tied.grad is not None:
             with torch.no_grad():  # the tied weight's two gradients, added up
                 dist.all_reduce(local(self.tied.grad), group=self.mesh.embedding_group)
-        self.grad_bytes = held_bytes([p.grad for p in self.stage.parameters()
-                                      if p.grad is not None])
+        self.grad_bytes = held_bytes(
+            [p.grad for p in self.stage.parameters() if p.grad is not None]
+        )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if not self.last:
@@ -142,18 +148,26 @@ class TorchComposition:
         """Bytes this rank holds, by category, as `Hybrid.memory` counts them: its
         stage's parameters, its gradients when the schedule (and dp's reduction) ended,
         the optimizer's state."""
-        return {"params": held_bytes(list(self.stage.parameters())),
-                "grads": self.grad_bytes,
-                "optimizer": held_bytes(list(self.optimizer.state.values()))}
+        return {
+            "params": held_bytes(list(self.stage.parameters())),
+            "grads": self.grad_bytes,
+            "optimizer": held_bytes(list(self.optimizer.state.values())),
+        }
 
 
 def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def torch_composition(model: GPT, mesh: Mesh, device: torch.device, *,
-                      schedule: OneStagePerRank = "1f1b", microbatches: int = 2,
-                      data_parallel: DataParallel = "replicate") -> TorchComposition:
+def torch_composition(
+    model: GPT,
+    mesh: Mesh,
+    device: torch.device,
+    *,
+    schedule: OneStagePerRank = "1f1b",
+    microbatches: int = 2,
+    data_parallel: DataParallel = "replicate",
+) -> TorchComposition:
     """`model` split by torch's own APIs on `mesh`: tp by `parallelize_module` on the
     device mesh's "tp" (skipped at tp 1, as torchtitan skips it), the layers cut as ours
     cuts them (`partition(gpt_layers(model), pp)`), this rank's stage wrapped over "dp" by
@@ -190,18 +204,25 @@ def torch_composition(model: GPT, mesh: Mesh, device: torch.device, *,
     if pp > 1 and model.config.tie_weights:
         ends = {0: "0.tok_emb.weight", pp - 1: f"{len(stage) - 1}.head.weight"}
         tied_weight = stage.get_parameter(ends[coordinate]) if coordinate in ends else None
-    pipeline_stage = pipelining.PipelineStage(stage, coordinate, pp, device,
-                                              group=mesh.group("pp"))
+    pipeline_stage = pipelining.PipelineStage(stage, coordinate, pp, device, group=mesh.group("pp"))
     runner = getattr(pipelining, TORCH_SCHEDULES[schedule])(
-        pipeline_stage, microbatches, loss_fn=_lm_loss)
+        pipeline_stage, microbatches, loss_fn=_lm_loss
+    )
     return TorchComposition(stage, runner, adam(stage.parameters()), mesh, tied_weight)
 
 
-def compare_steps(ctx: RankContext, shape: dict[str, int], steps: int = 5, *,
-                  config: GPTConfig = CONFIG, batch: int = 16, microbatches: int = 2,
-                  schedule: OneStagePerRank = "1f1b",
-                  data_parallel: DataParallel = "replicate",
-                  zero: Literal[0, 1, 2] = 0) -> dict[str, Any]:
+def compare_steps(
+    ctx: RankContext,
+    shape: dict[str, int],
+    steps: int = 5,
+    *,
+    config: GPTConfig = CONFIG,
+    batch: int = 16,
+    microbatches: int = 2,
+    schedule: OneStagePerRank = "1f1b",
+    data_parallel: DataParallel = "replicate",
+    zero: Literal[0, 1, 2] = 0,
+) -> dict[str, Any]:
     """Seconds per training step (Adam) of our `Hybrid` and of torch's composition of
     the same GPT on a mesh of `shape`, taking turns (`timing.take_turns`; the first round
     a warm-up), on the same global batch each round (`progressions` seeded by the
@@ -214,11 +235,13 @@ def compare_steps(ctx: RankContext, shape: dict[str, int], steps: int = 5, *,
     torch's pipelining sends CUDA tensors point to point through gloo, which aborts the
     process (seen on an H200)."""
     if ctx.device.type != "cpu":
-        raise ValueError(f"compare_steps runs on CPU ranks (Pool(n, device='cpu')); this rank "
-                         f"is on {ctx.device}")
+        raise ValueError(
+            f"compare_steps runs on CPU ranks (Pool(n, device='cpu')); this rank is on {ctx.device}"
+        )
     mesh = Mesh(shape, ctx.group)  # type: ignore[arg-type]
-    ours = Hybrid(gpt(config), mesh, schedule=schedule, microbatches=microbatches, zero=zero,
-                  optimizer=adam)
+    ours = Hybrid(
+        gpt(config), mesh, schedule=schedule, microbatches=microbatches, zero=zero, optimizer=adam
+    )
 
     def data(i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return progressions(batch, config.block_size, config.vocab, seed=i)
@@ -230,8 +253,14 @@ def compare_steps(ctx: RankContext, shape: dict[str, int], steps: int = 5, *,
     runs: dict[str, Callable[[torch.Tensor, torch.Tensor], float | None]] = {"ours": ours.step}
     error = None
     try:
-        theirs = torch_composition(gpt(config), mesh, ctx.device, schedule=schedule,
-                                   microbatches=microbatches, data_parallel=data_parallel)
+        theirs = torch_composition(
+            gpt(config),
+            mesh,
+            ctx.device,
+            schedule=schedule,
+            microbatches=microbatches,
+            data_parallel=data_parallel,
+        )
         losses["torch"] = [theirs.step(*data(0))]
         runs["torch"] = theirs.step
     except Exception as e:  # noqa: BLE001 - torch's composition failing here is the result
@@ -240,11 +269,13 @@ def compare_steps(ctx: RankContext, shape: dict[str, int], steps: int = 5, *,
     def turn(name: str) -> Callable[[int], None]:
         def run(i: int) -> None:
             losses[name].append(runs[name](*data(i + 1)))
+
         return run
 
     times = take_turns(ctx.group, {name: turn(name) for name in runs}, steps, warmup=0)
-    memory = {"ours": {k: v for k, v in ours.memory().items()
-                       if k in ("params", "grads", "optimizer")}}
+    memory = {
+        "ours": {k: v for k, v in ours.memory().items() if k in ("params", "grads", "optimizer")}
+    }
     if "torch" in runs:
         memory["torch"] = theirs.memory()
     return {"times": times, "losses": losses, "memory": memory, "error": error}

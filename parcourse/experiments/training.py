@@ -39,15 +39,31 @@ def lesson_settings(mesh: dict[str, int], steps: int, **changes: Any) -> TrainSe
     """The lesson's run: a 2-block GPT of width 64 on 64-byte sequences, 24 a batch
     (divisible by every mesh of `meshes` times 2 microbatches), a validation loss a
     few times a run and a checkpoint halfway and at the end."""
-    defaults = dict(batch=24, block_size=64, layers=2, width=64, heads=4,
-                    warmup=10, eval_every=max(1, steps // 6), save_every=max(1, steps // 2))
+    defaults = dict(
+        batch=24,
+        block_size=64,
+        layers=2,
+        width=64,
+        heads=4,
+        warmup=10,
+        eval_every=max(1, steps // 6),
+        save_every=max(1, steps // 2),
+    )
     plan = ParallelPlan(**mesh, microbatches=2)
     return TrainSettings(plan=plan, steps=steps, **{**defaults, **changes})
 
 
-def train_live(pool: Any, s: TrainSettings, corpus_dir: str, out: str, *, resume: bool = False,
-               kill: tuple[int, int] | None = None, every_s: float = 2.0,
-               title: str = "") -> Any:
+def train_live(
+    pool: Any,
+    s: TrainSettings,
+    corpus_dir: str,
+    out: str,
+    *,
+    resume: bool = False,
+    kill: tuple[int, int] | None = None,
+    every_s: float = 2.0,
+    title: str = "",
+) -> Any:
     """`train_on_corpus` on the pool's ranks, with the loss drawn as it falls: in a
     notebook a figure under the cell, redrawn every `every_s` seconds from what the ranks
     report (their status names the step and the last loss). Returns the Run; a killed
@@ -69,8 +85,12 @@ def train_live(pool: Any, s: TrainSettings, corpus_dir: str, out: str, *, resume
             if val:
                 ax.plot(*zip(*val), "o-", label="validation")
         else:
-            ax.plot(sorted(points), [points[k] for k in sorted(points)], lw=1,
-                    label="train (as reported)")
+            ax.plot(
+                sorted(points),
+                [points[k] for k in sorted(points)],
+                lw=1,
+                label="train (as reported)",
+            )
         ax.set_xlabel("step")
         ax.set_ylabel("loss (nats per byte)")
         ax.set_title(title or s.plan.label(), loc="left", fontsize=10)
@@ -95,8 +115,9 @@ def train_live(pool: Any, s: TrainSettings, corpus_dir: str, out: str, *, resume
             shown["handle"].update(draw())
 
     try:
-        run = pool.run(train_on_corpus, s, corpus_dir, out, resume, kill, on_progress=watch,
-                       timeout=600)
+        run = pool.run(
+            train_on_corpus, s, corpus_dir, out, resume, kill, on_progress=watch, timeout=600
+        )
     except Exception:
         if shown["handle"] is not None:  # the curve as far as the ranks reported it
             shown["handle"].update(draw())
@@ -111,15 +132,20 @@ def measured_against_plan(run: Any, s: TrainSettings, flops: float) -> dict[str,
     rank's) against the planner's prediction for this machine (`flops`: one rank's
     FLOP/s on the model, `planner.measure_flops`)."""
     start = run.results[0]["started_at"]
-    per_step = [max(r["history"][i]["seconds"] for r in run.results)
-                for i in range(start, len(run.results[0]["history"]))]
-    steady = per_step[min(5, len(per_step) - 1):]
+    per_step = [
+        max(r["history"][i]["seconds"] for r in run.results)
+        for i in range(start, len(run.results[0]["history"]))
+    ]
+    steady = per_step[min(5, len(per_step) - 1) :]
     seconds = statistics.median(steady)
     predicted = planned(s, flops)
     tokens = s.batch * s.block_size
-    return {"measured_tokens_per_s": tokens / seconds,
-            "predicted_tokens_per_s": predicted["tokens_per_s"],
-            "measured_step_s": seconds, "predicted_step_s": predicted["step"]}
+    return {
+        "measured_tokens_per_s": tokens / seconds,
+        "predicted_tokens_per_s": predicted["tokens_per_s"],
+        "measured_step_s": seconds,
+        "predicted_step_s": predicted["step"],
+    }
 
 
 def check_replica_rows(fn: Callable[[int, int, int], Any]) -> bool:
@@ -130,38 +156,51 @@ def check_replica_rows(fn: Callable[[int, int, int], Any]) -> bool:
     for batch in range(1, 25):
         for replicas in range(1, batch + 1):
             where = f"{count(batch, 'row')} over {count(replicas, 'replica')}"
-            ok, answers = ask(lambda: [fn(batch, replicas, r) for r in range(replicas)],
-                              where=f"with {where}, ")
+            ok, answers = ask(
+                lambda: [fn(batch, replicas, r) for r in range(replicas)], where=f"with {where}, "
+            )
             if not ok:
                 return False
-            rows = [None if p is None else tuple(p) for p in
-                    (whole_numbers(a, 2) for a in answers)]
+            rows = [None if p is None else tuple(p) for p in (whole_numbers(a, 2) for a in answers)]
             if None in rows:
                 bad = rows.index(None)
-                print(f"Not quite: {where}, replica {bad} got {answers[bad]!r}: "
-                      "return the pair (start, end) of its rows, one contiguous range (a "
-                      "DistributedSampler's every-n-th row is not one).")
+                print(
+                    f"Not quite: {where}, replica {bad} got {answers[bad]!r}: "
+                    "return the pair (start, end) of its rows, one contiguous range (a "
+                    "DistributedSampler's every-n-th row is not one)."
+                )
                 return False
             ends = [0] + [end for _, end in rows]
             if [start for start, _ in rows] == ends[:-1] and 0 <= ends[-1] < batch:
-                left = (f"row {ends[-1]} is" if ends[-1] == batch - 1
-                        else f"rows {ends[-1]} to {batch - 1} are")
-                print(f"Not quite: {where} gave {rows}: {left} read by no replica. Hint: share "
-                      "the rows left over after dividing, one more to each of the first "
-                      "replicas.")
+                left = (
+                    f"row {ends[-1]} is"
+                    if ends[-1] == batch - 1
+                    else f"rows {ends[-1]} to {batch - 1} are"
+                )
+                print(
+                    f"Not quite: {where} gave {rows}: {left} read by no replica. Hint: share "
+                    "the rows left over after dividing, one more to each of the first "
+                    "replicas."
+                )
                 return False
             if [start for start, _ in rows] != ends[:-1] or ends[-1] != batch:
-                print(f"Not quite: {where} gave {rows}: each replica must start where the "
-                      f"one before it ended, from 0 to {batch}, so that every row is read "
-                      "once and by one replica.")
+                print(
+                    f"Not quite: {where} gave {rows}: each replica must start where the "
+                    f"one before it ended, from 0 to {batch}, so that every row is read "
+                    "once and by one replica."
+                )
                 return False
             sizes = [end - start for start, end in rows]
             if min(sizes) < 0 or max(sizes) - min(sizes) > 1:
-                print(f"Not quite: {where} gave {sizes} rows: at most one apart, or one "
-                      "replica waits for another every step.")
+                print(
+                    f"Not quite: {where} gave {sizes} rows: at most one apart, or one "
+                    "replica waits for another every step."
+                )
                 return False
-    print("Correct: every row read once, by one replica, the replicas at most one row "
-          "apart (what ShardedLoader does, with parcourse.ranges.chunk_bounds).")
+    print(
+        "Correct: every row read once, by one replica, the replicas at most one row "
+        "apart (what ShardedLoader does, with parcourse.ranges.chunk_bounds)."
+    )
     return True
 
 
@@ -184,12 +223,18 @@ def checkpoint_costs(ctx: Any, s: TrainSettings, root: str, repeats: int) -> dic
     from parcourse.models import gpt
 
     mesh = Mesh(s.plan.shape, ctx.group, order=s.plan.order)
-    model = Hybrid.from_plan(gpt(s.config), mesh, s.plan,
-                             optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    model = Hybrid.from_plan(
+        gpt(s.config), mesh, s.plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3)
+    )
     x, y = progressions(s.batch, s.block_size, s.config.vocab)
     model.step(x, y)  # the optimizer's state exists
-    out: dict[str, list[float]] = {"save": [], "load": [], "async_blocked": [],
-                                   "async_total": [], "torch_save": []}
+    out: dict[str, list[float]] = {
+        "save": [],
+        "load": [],
+        "async_blocked": [],
+        "async_total": [],
+        "torch_save": [],
+    }
     mine = Path(root) / f"rank{ctx.rank}"
     for k in range(repeats):
         dist.barrier()
@@ -203,8 +248,9 @@ def checkpoint_costs(ctx: Any, s: TrainSettings, root: str, repeats: int) -> dic
         state, _ = checkpoint._dcp_state(model)
         dist.barrier()
         t = time.perf_counter()
-        future = dcp.async_save(state, checkpoint_id=str(Path(root) / f"async{k}"),
-                                process_group=mesh.parent)
+        future = dcp.async_save(
+            state, checkpoint_id=str(Path(root) / f"async{k}"), process_group=mesh.parent
+        )
         out["async_blocked"].append(time.perf_counter() - t)
         future.result()
         out["async_total"].append(time.perf_counter() - t)
@@ -218,5 +264,8 @@ def checkpoint_costs(ctx: Any, s: TrainSettings, root: str, repeats: int) -> dic
         out["torch_save"].append(time.perf_counter() - t)
     written = os.path.getsize(next(path.glob(f"__{ctx.rank}_*.distcp")))
     full_bytes = os.path.getsize(mine / "model.pt") if ctx.rank == 0 else 0
-    return {"median": {k: statistics.median(v) for k, v in out.items()},
-            "written": written, "torch_bytes": full_bytes}
+    return {
+        "median": {k: statistics.median(v) for k, v in out.items()},
+        "written": written,
+        "torch_bytes": full_bytes,
+    }

@@ -19,9 +19,9 @@ from parcourse.experiments.exercises import ask
 from parcourse.experiments.timing import take_turns
 from parcourse.launch import RankContext
 from parcourse.memory import SavedActivations
+from parcourse.models import mlp
 from parcourse.theory import zero_bytes, zero_checked_at
 from parcourse.trace import Trace
-from parcourse.models import mlp
 from parcourse.zero import shard as zero_shard
 from parcourse.zero.layout import FlatUnit, row_chunk
 
@@ -32,9 +32,15 @@ def mlp_for(params: int, depth: int = 4) -> tuple[int, int]:
     return width, depth
 
 
-def memory_by_stage(ctx: RankContext, stage: int, params: int = 1_000_000, depth: int = 4,
-                    batch: int = 32, bucket_mb: float = 1.0,
-                    mixed_precision: str | None = None) -> dict[str, Any]:
+def memory_by_stage(
+    ctx: RankContext,
+    stage: int,
+    params: int = 1_000_000,
+    depth: int = 4,
+    batch: int = 32,
+    bucket_mb: float = 1.0,
+    mixed_precision: str | None = None,
+) -> dict[str, Any]:
     """Two Adam steps under ZeRO `stage` (0 = plain data parallel); memory samples
     ("after forward", "peak in backward", "after step") go into the trace.
     `mixed_precision`: "bfloat16" or "float16" (stages 1-3).
@@ -55,8 +61,15 @@ def memory_by_stage(ctx: RankContext, stage: int, params: int = 1_000_000, depth
         zmodel: nn.Module = BucketedDataParallel(model, ctx.group, bucket_mb=bucket_mb)
         opt: Any = adam(zmodel.parameters())
     else:
-        zmodel, opt = zero_shard(model, adam, stage=stage, group=ctx.group, bucket_mb=bucket_mb,
-                                 mixed_precision=dtype, tracer=ctx.tracer)
+        zmodel, opt = zero_shard(
+            model,
+            adam,
+            stage=stage,
+            group=ctx.group,
+            bucket_mb=bucket_mb,
+            mixed_precision=dtype,
+            tracer=ctx.tracer,
+        )
     x, y = local_regression(batch, width, width, ctx.rank, ctx.world_size)
     tracer = ctx.tracer
     peak: dict[str, Any] = {}
@@ -74,8 +87,9 @@ def memory_by_stage(ctx: RankContext, stage: int, params: int = 1_000_000, depth
             loss = nn.functional.mse_loss(zmodel(x), y)
         if step == 1:
             tracer.memory("after forward", zmodel, opt, acts)
-            hooks = [p.register_post_accumulate_grad_hook(sample_in_backward)
-                     for p in model.parameters()]
+            hooks = [
+                p.register_post_accumulate_grad_hook(sample_in_backward) for p in model.parameters()
+            ]
         loss.backward()
         opt.step()
         if step == 1:
@@ -93,10 +107,14 @@ def memory_by_stage(ctx: RankContext, stage: int, params: int = 1_000_000, depth
     theory = zero_bytes(n_params, ctx.world_size, stage, dtype or torch.float32)
     # After the step, stage 1 has reduce-scattered its full gradient and keeps its
     # shard, as stage 2 does: W + G + O at that point.
-    kept = zero_bytes(n_params, ctx.world_size, 2 if stage == 1 else stage,
-                      dtype or torch.float32)
-    return {"params": n_params, "theory": theory, "checked_at": zero_checked_at(stage),
-            "after_step_total": sum(kept.values()), "bytes_sent": sent if stage else None}
+    kept = zero_bytes(n_params, ctx.world_size, 2 if stage == 1 else stage, dtype or torch.float32)
+    return {
+        "params": n_params,
+        "theory": theory,
+        "checked_at": zero_checked_at(stage),
+        "after_step_total": sum(kept.values()),
+        "bytes_sent": sent if stage else None,
+    }
 
 
 def measured_over_formula(run: Any) -> dict[str, tuple[float, float]]:
@@ -113,8 +131,15 @@ def measured_over_formula(run: Any) -> dict[str, tuple[float, float]]:
     return ratios
 
 
-def step_times(ctx: RankContext, configs: dict[str, dict[str, Any]], steps: int = 10, *,
-               params: int = 4_000_000, depth: int = 4, batch: int = 64) -> dict[str, list[float]]:
+def step_times(
+    ctx: RankContext,
+    configs: dict[str, dict[str, Any]],
+    steps: int = 10,
+    *,
+    params: int = 4_000_000,
+    depth: int = 4,
+    batch: int = 64,
+) -> dict[str, list[float]]:
     """Step times of ZeRO stages and torch's ZeroRedundancyOptimizer / FSDP2, alternating.
 
     configs: name -> {"kind": "zero", "stage": s} | {"kind": "zero_redundancy"} |
@@ -133,9 +158,14 @@ def step_times(ctx: RankContext, configs: dict[str, dict[str, Any]], steps: int 
 def _build(cfg: dict[str, Any], model: nn.Module, ctx: RankContext) -> tuple[Any, Any]:
     kind = cfg["kind"]
     if kind == "zero":
-        return zero_shard(model, lambda ps: torch.optim.Adam(ps, lr=1e-3), stage=cfg["stage"],
-                          group=ctx.group, bucket_mb=cfg.get("bucket_mb", 25.0),
-                          algorithm=cfg.get("algorithm", "auto"))
+        return zero_shard(
+            model,
+            lambda ps: torch.optim.Adam(ps, lr=1e-3),
+            stage=cfg["stage"],
+            group=ctx.group,
+            bucket_mb=cfg.get("bucket_mb", 25.0),
+            algorithm=cfg.get("algorithm", "auto"),
+        )
     if kind == "ddp":
         ddp = nn.parallel.DistributedDataParallel(model, process_group=ctx.group)
         return ddp, torch.optim.Adam(ddp.parameters(), lr=1e-3)
@@ -143,8 +173,9 @@ def _build(cfg: dict[str, Any], model: nn.Module, ctx: RankContext) -> tuple[Any
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         ddp = nn.parallel.DistributedDataParallel(model, process_group=ctx.group)
-        return ddp, ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam,
-                                            process_group=ctx.group, lr=1e-3)
+        return ddp, ZeroRedundancyOptimizer(
+            ddp.parameters(), torch.optim.Adam, process_group=ctx.group, lr=1e-3
+        )
     if kind == "fsdp2":
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
@@ -158,8 +189,9 @@ def _build(cfg: dict[str, Any], model: nn.Module, ctx: RankContext) -> tuple[Any
     raise ValueError(f"unknown kind {kind!r}")
 
 
-def peak_memory(ctx: RankContext, cfg: dict[str, Any], params: int = 4_000_000, depth: int = 4,
-                batch: int = 64) -> dict[str, int]:
+def peak_memory(
+    ctx: RankContext, cfg: dict[str, Any], params: int = 4_000_000, depth: int = 4, batch: int = 64
+) -> dict[str, int]:
     """Peak bytes by category in one training step, measured by torch's own MemTracker
     (so that ours and torch's implementations are measured by the same tool)."""
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -184,8 +216,14 @@ def peak_memory(ctx: RankContext, cfg: dict[str, Any], params: int = 4_000_000, 
     return {str(k).split(".")[-1].lower(): int(v) for k, v in peak[device].items()}
 
 
-def zero3_step(ctx: RankContext, prefetch: bool = True, params: int = 2_000_000,
-               depth: int = 6, batch: int = 64, stage: int = 3) -> dict[str, Any]:
+def zero3_step(
+    ctx: RankContext,
+    prefetch: bool = True,
+    params: int = 2_000_000,
+    depth: int = 6,
+    batch: int = 64,
+    stage: int = 3,
+) -> dict[str, Any]:
     """Two traced training steps under ZeRO (stage 3 by default): forward and optimizer
     spans here; backward and one span per all-gather and reduce-scatter of each layer
     from the model.
@@ -197,9 +235,15 @@ def zero3_step(ctx: RankContext, prefetch: bool = True, params: int = 2_000_000,
     width, depth = mlp_for(params, depth)
     ctx.tracer.set_status("building the model")
     model = mlp(width, width, width, depth=depth)
-    zmodel, opt = zero_shard(model, lambda ps: torch.optim.Adam(ps, lr=1e-3), stage=stage,
-                             group=ctx.group, prefetch=prefetch, bucket_mb=1.0,
-                             tracer=ctx.tracer)
+    zmodel, opt = zero_shard(
+        model,
+        lambda ps: torch.optim.Adam(ps, lr=1e-3),
+        stage=stage,
+        group=ctx.group,
+        prefetch=prefetch,
+        bucket_mb=1.0,
+        tracer=ctx.tracer,
+    )
     x, y = local_regression(batch, width, width, ctx.rank, ctx.world_size)
     tracer = ctx.tracer
     for step in range(2):
@@ -218,16 +262,24 @@ def zero3_step(ctx: RankContext, prefetch: bool = True, params: int = 2_000_000,
         if s.kind == "comm" and "size" in s.meta:
             volume[s.name] = volume.get(s.name, 0) + s.meta["size"]
     n_params = sum(u.numel for u in zmodel.units)
-    return {"param_bytes": n_params * 4, "volume": volume, "params": n_params,
-            "bytes_sent": tracer.total("bytes_sent") - sent_before}
+    return {
+        "param_bytes": n_params * 4,
+        "volume": volume,
+        "params": n_params,
+        "bytes_sent": tracer.total("bytes_sent") - sent_before,
+    }
 
 
 def per_layer(trace: Trace) -> Trace:
     """`trace` with each layer's all-gather and reduce-scatter one bar (labelled with its
     unit, `label_key="unit"`), the ring's steps inside them left out: a timeline where each
     layer's gather, compute and free can be counted."""
-    return Trace(trace.world_size, [s for s in trace.spans if "phase" not in s.meta],
-                 trace.counters, trace.memory)
+    return Trace(
+        trace.world_size,
+        [s for s in trace.spans if "phase" not in s.meta],
+        trace.counters,
+        trace.memory,
+    )
 
 
 def gather_scatter_times(ctx: RankContext, nbytes: int, repeats: int = 5) -> dict[str, float]:
@@ -248,8 +300,9 @@ def gather_scatter_times(ctx: RankContext, nbytes: int, repeats: int = 5) -> dic
         "ring all_gather": lambda: ring_all_gather(part, ctx.group, out=whole),
         "ring reduce_scatter": lambda: ring_reduce_scatter(whole, ctx.group),
     }
-    times = take_turns(ctx.group, {name: lambda _, op=op: op() for name, op in ops.items()},
-                       repeats, warmup=0)
+    times = take_turns(
+        ctx.group, {name: lambda _, op=op: op() for name, op in ops.items()}, repeats, warmup=0
+    )
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -266,31 +319,46 @@ def check_rows(fn: Callable[[torch.Tensor, int, int], torch.Tensor]) -> bool:
             for rank in range(world_size):
                 start, end = row_chunk(shape[0], rank, world_size)
                 expected = param[start:end]
-                answered, got = ask(fn, param, rank, world_size,
-                                    where=f"with shape {shape}, rank {rank} of {world_size}, ")
+                answered, got = ask(
+                    fn,
+                    param,
+                    rank,
+                    world_size,
+                    where=f"with shape {shape}, rank {rank} of {world_size}, ",
+                )
                 if not answered:
                     return False
-                if not (torch.is_tensor(got) and got.shape == expected.shape
-                        and torch.equal(got, expected)):
+                if not (
+                    torch.is_tensor(got)
+                    and got.shape == expected.shape
+                    and torch.equal(got, expected)
+                ):
                     seen = tuple(got.shape) if torch.is_tensor(got) else type(got).__name__
-                    print(f"Not quite: a parameter of shape {shape} on rank {rank} of "
-                          f"{world_size} should keep rows {start}..{end - 1} (shape "
-                          f"{tuple(expected.shape)}), got {seen}. Hint: every rank but the "
-                          "last ones gets ceil(rows / world_size) rows.")
+                    print(
+                        f"Not quite: a parameter of shape {shape} on rank {rank} of "
+                        f"{world_size} should keep rows {start}..{end - 1} (shape "
+                        f"{tuple(expected.shape)}), got {seen}. Hint: every rank but the "
+                        "last ones gets ceil(rows / world_size) rows."
+                    )
                     return False
-                if got.numel() and got.untyped_storage().data_ptr() != \
-                        param.untyped_storage().data_ptr():
-                    print("Not quite: the rows are right, but a copy (.clone(), torch.cat, "
-                          "...): return a slice of `param`, a view of its storage, as "
-                          "ZeroModel keeps a view into its flat buffer (a copy would hold "
-                          "those rows twice).")
+                if (
+                    got.numel()
+                    and got.untyped_storage().data_ptr() != param.untyped_storage().data_ptr()
+                ):
+                    print(
+                        "Not quite: the rows are right, but a copy (.clone(), torch.cat, "
+                        "...): return a slice of `param`, a view of its storage, as "
+                        "ZeroModel keeps a view into its flat buffer (a copy would hold "
+                        "those rows twice)."
+                    )
                     return False
     print("Correct: every rank keeps ceil(rows / N) rows; the last ones fewer, or none.")
     return True
 
 
-def check_unpack(fn: Callable[[torch.Tensor, list[tuple[int, ...]], int], list[torch.Tensor]]
-                 ) -> bool:
+def check_unpack(
+    fn: Callable[[torch.Tensor, list[tuple[int, ...]], int], list[torch.Tensor]],
+) -> bool:
     """Lesson 04's exercise: `fn(parts, shapes, world_size)` rebuilds the parameters from
     what an all-gather returned (one row of `parts` per rank), as `ZeroModel` does before
     a layer runs. Checked against the library's own packing. Prints one short verdict."""
@@ -302,22 +370,31 @@ def check_unpack(fn: Callable[[torch.Tensor, list[tuple[int, ...]], int], list[t
             unit = FlatUnit(0, params, 0, world_size)
             parts = torch.zeros(world_size, unit.part_numel)
             unit.pack(expected, parts)
-            answered, got = ask(fn, parts, [tuple(s) for s in shapes], world_size,
-                                where=f"with shapes {shapes} on {world_size} ranks, ")
+            answered, got = ask(
+                fn,
+                parts,
+                [tuple(s) for s in shapes],
+                world_size,
+                where=f"with shapes {shapes} on {world_size} ranks, ",
+            )
             if not answered:
                 return False
             if not isinstance(got, (list, tuple)):
-                print(f"Not quite: expected a list of tensors, one per parameter, got "
-                      f"{type(got).__name__}{' (is a return missing?)' * (got is None)}.")
+                print(
+                    f"Not quite: expected a list of tensors, one per parameter, got "
+                    f"{type(got).__name__}{' (is a return missing?)' * (got is None)}."
+                )
                 return False
             for shape, e, o in zip(shapes, expected, list(got) + [None] * len(shapes)):
                 if not (torch.is_tensor(o) and o.shape == e.shape and torch.equal(o, e)):
                     seen = tuple(o.shape) if torch.is_tensor(o) else type(o).__name__
                     ranks = f"{world_size} rank{'s' * (world_size != 1)}"
-                    print(f"Not quite: with {ranks}, the parameter of shape {shape} "
-                          f"came back as {seen}, or with other values. Hint: each rank's row "
-                          "holds ceil(rows / N) rows of every parameter, padding included; "
-                          "stack the ranks' chunks, then drop the padding rows.")
+                    print(
+                        f"Not quite: with {ranks}, the parameter of shape {shape} "
+                        f"came back as {seen}, or with other values. Hint: each rank's row "
+                        "holds ceil(rows / N) rows of every parameter, padding included; "
+                        "stack the ranks' chunks, then drop the padding rows."
+                    )
                     return False
     print("Correct: gathered, unpadded and reshaped, every parameter is whole again.")
     return True

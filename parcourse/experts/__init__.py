@@ -39,7 +39,24 @@ from parcourse.experts.parallel import (
 )
 from parcourse.experts.routing import SCORES, Router, Routing, capacity, keep_within
 
-__all__ = ["MODES", "SCORES", "AddAuxLoss", "MoE", "Router", "Routing", "capacity",
-           "check_ep", "expert_groups", "expert_parallel", "expert_parameters",
-           "keep_within", "moe_layers", "permute", "reduce_gradients", "run_expert_parallel",
-           "set_aux_scale", "unpermute", "update_bias"]
+__all__ = [
+    "MODES",
+    "SCORES",
+    "AddAuxLoss",
+    "MoE",
+    "Router",
+    "Routing",
+    "capacity",
+    "check_ep",
+    "expert_groups",
+    "expert_parallel",
+    "expert_parameters",
+    "keep_within",
+    "moe_layers",
+    "permute",
+    "reduce_gradients",
+    "run_expert_parallel",
+    "set_aux_scale",
+    "unpermute",
+    "update_bias",
+]

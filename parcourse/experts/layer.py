@@ -82,10 +82,19 @@ class MoE(nn.Module):
     """A router and `experts` MLPs (C -> `hidden` -> C, GELU), each token through its
     `top_k`. Input (B, T, C) or (N, C); output the same shape."""
 
-    def __init__(self, d_model: int, experts: int, top_k: int = 2, hidden: int | None = None,
-                 score: Score = "softmax", capacity_factor: float | None = None,
-                 aux_loss: float = 0.0, z_loss: float = 0.0, bias_rate: float = 0.0,
-                 mode: Mode = "batched") -> None:
+    def __init__(
+        self,
+        d_model: int,
+        experts: int,
+        top_k: int = 2,
+        hidden: int | None = None,
+        score: Score = "softmax",
+        capacity_factor: float | None = None,
+        aux_loss: float = 0.0,
+        z_loss: float = 0.0,
+        bias_rate: float = 0.0,
+        mode: Mode = "batched",
+    ) -> None:
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -123,8 +132,9 @@ class MoE(nn.Module):
         E, most = len(counts), max(counts, default=0)
         if most == 0:  # no row here: still through autograd (x), so that every rank of an
             return self.expert(0, x)  # ep group runs the all-to-alls' backward alike
-        at = torch.repeat_interleave(torch.arange(E, device=x.device),
-                                     torch.tensor(counts, device=x.device))
+        at = torch.repeat_interleave(
+            torch.arange(E, device=x.device), torch.tensor(counts, device=x.device)
+        )
         starts = torch.tensor([0, *counts[:-1]], device=x.device).cumsum(0)
         row = torch.arange(x.shape[0], device=x.device) - starts[at]  # place within expert
         padded = x.new_zeros(E, most, x.shape[-1])
@@ -146,8 +156,9 @@ class MoE(nn.Module):
             out = self._loop(flat, routing)
         else:
             sort = permute(routing, self.experts)
-            out = unpermute(self.experts_batched(flat[sort.tokens], sort.counts), sort,
-                            routing, flat.shape[0])
+            out = unpermute(
+                self.experts_batched(flat[sort.tokens], sort.counts), sort, routing, flat.shape[0]
+            )
         loss = self.aux_coef * routing.aux_loss + self.z_coef * routing.z_loss
         if torch.is_grad_enabled() and (self.aux_coef or self.z_coef):
             out = AddAuxLoss.apply(out, loss, self.aux_scale)

@@ -55,7 +55,7 @@ def expert_parallel(model: nn.Module, comm: Comm) -> nn.Module:
         m.first = comm.rank * held
         for name in ("up_weight", "up_bias", "down_weight", "down_bias"):
             whole = getattr(m, name)
-            setattr(m, name, nn.Parameter(whole.detach()[m.first:m.first + held].clone()))
+            setattr(m, name, nn.Parameter(whole.detach()[m.first : m.first + held].clone()))
         m.comm, m.run_parallel = comm, run_expert_parallel
     return model
 
@@ -65,8 +65,10 @@ def check_ep(experts: int, ep: int) -> None:
     if ep < 1:
         raise ValueError(f"ep must be >= 1, got {ep}")
     if experts % ep:
-        raise ValueError(f"{experts} experts do not divide by ep {ep}: every rank of the ep "
-                         "group holds the same number of experts")
+        raise ValueError(
+            f"{experts} experts do not divide by ep {ep}: every rank of the ep "
+            "group holds the same number of experts"
+        )
 
 
 def run_expert_parallel(m: MoE, flat: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -74,7 +76,7 @@ def run_expert_parallel(m: MoE, flat: torch.Tensor, routing: Routing) -> torch.T
     comm, held = m.comm, m.local_experts
     size = comm.size
     sort = permute(routing, m.experts)  # every expert's rows, in expert (so rank) order
-    sends = [sum(sort.counts[r * held:(r + 1) * held]) for r in range(size)]
+    sends = [sum(sort.counts[r * held : (r + 1) * held]) for r in range(size)]
     counts = torch.tensor(sort.counts, dtype=torch.int64, device=flat.device)
     arriving = all_to_all(comm, counts, [held] * size, [held] * size).view(size, held).cpu()
     receives = arriving.sum(1).tolist()  # rows from each source
@@ -93,13 +95,17 @@ def _expert_major(arriving: torch.Tensor) -> torch.Tensor:
     size, held = arriving.shape
     start = torch.cat([torch.zeros(1, dtype=torch.int64), arriving.flatten().cumsum(0)[:-1]])
     start = start.view(size, held)
-    parts = [torch.arange(int(start[s, e]), int(start[s, e] + arriving[s, e]))
-             for e in range(held) for s in range(size)]
+    parts = [
+        torch.arange(int(start[s, e]), int(start[s, e] + arriving[s, e]))
+        for e in range(held)
+        for s in range(size)
+    ]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
-def expert_groups(ep: int, group: dist.ProcessGroup | None = None
-                  ) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+def expert_groups(
+    ep: int, group: dist.ProcessGroup | None = None
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """This rank's ep group (ep consecutive ranks of `group`) and its expert-data-parallel
     group (the ranks holding the same experts: one in each ep group). Every rank of
     `group` must call it (new_group is collective), with the same ep."""
@@ -110,7 +116,7 @@ def expert_groups(ep: int, group: dist.ProcessGroup | None = None
     me = dist.get_rank()
     mine: dict[str, dist.ProcessGroup] = {}
     for first in range(0, size, ep):
-        members = ranks[first:first + ep]
+        members = ranks[first : first + ep]
         made = dist.new_group(members)
         if me in members:
             mine["ep"] = made

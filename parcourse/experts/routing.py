@@ -79,16 +79,24 @@ class Router(nn.Module):
     """Scores tokens (N, C) against `experts` and routes each to its `top_k`; see the
     module's docstring for `score`, `capacity_factor` and `bias_rate`."""
 
-    def __init__(self, d_model: int, experts: int, top_k: int = 2, score: Score = "softmax",
-                 capacity_factor: float | None = None, bias_rate: float = 0.0) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        experts: int,
+        top_k: int = 2,
+        score: Score = "softmax",
+        capacity_factor: float | None = None,
+        bias_rate: float = 0.0,
+    ) -> None:
         super().__init__()
         check_routing(experts, top_k, score, capacity_factor, bias_rate)
         self.experts, self.top_k, self.score = experts, top_k, score
         self.capacity_factor, self.bias_rate = capacity_factor, bias_rate
         self.gate = nn.Linear(d_model, experts, bias=False)
         self.register_buffer("bias", torch.zeros(experts))  # chooses, never weighs
-        self.register_buffer("tokens_seen", torch.zeros(experts, dtype=torch.int64),
-                             persistent=False)
+        self.register_buffer(
+            "tokens_seen", torch.zeros(experts, dtype=torch.int64), persistent=False
+        )
 
     def forward(self, x: torch.Tensor) -> Routing:  # x: (N, C)
         logits = self.gate(x).float()  # (N, E), the router in fp32 whatever the model
@@ -104,8 +112,11 @@ class Router(nn.Module):
         counts = torch.bincount(chosen.flatten(), minlength=self.experts)
         if self.training and self.bias_rate:
             self.tokens_seen += counts.to(self.tokens_seen.device)
-        kept = keep_within(chosen, self.experts,
-                           capacity(x.shape[0], self.experts, self.top_k, self.capacity_factor))
+        kept = keep_within(
+            chosen,
+            self.experts,
+            capacity(x.shape[0], self.experts, self.top_k, self.capacity_factor),
+        )
         share = counts.to(probs.dtype) / chosen.numel()  # f_e
         aux = self.experts * (share * probs.mean(0)).sum()
         z = torch.logsumexp(logits, -1).pow(2).mean()
@@ -121,8 +132,9 @@ class Router(nn.Module):
         self.tokens_seen.zero_()
 
 
-def check_routing(experts: int, top_k: int, score: str, capacity_factor: float | None,
-                  bias_rate: float) -> None:
+def check_routing(
+    experts: int, top_k: int, score: str, capacity_factor: float | None, bias_rate: float
+) -> None:
     """One line for each setting a router cannot take."""
     if experts < 1:
         raise ValueError(f"experts must be >= 1, got {experts}")
@@ -131,7 +143,6 @@ def check_routing(experts: int, top_k: int, score: str, capacity_factor: float |
     if score not in SCORES:
         raise ValueError(f"unknown router score {score!r}; choose one of {', '.join(SCORES)}")
     if capacity_factor is not None and not capacity_factor > 0:
-        raise ValueError(f"capacity_factor must be > 0 (or None: dropless), got "
-                         f"{capacity_factor}")
+        raise ValueError(f"capacity_factor must be > 0 (or None: dropless), got {capacity_factor}")
     if bias_rate < 0:
         raise ValueError(f"bias_rate must be >= 0, got {bias_rate}")

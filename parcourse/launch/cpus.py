@@ -39,8 +39,14 @@ def _cgroup_paths() -> list[tuple[str, Path]]:
             root = CGROUP / "unified" if (CGROUP / "unified").is_dir() else CGROUP
             found.append(("v2", root / path.lstrip("/")))
         elif "cpu" in controllers.split(","):
-            root = next((CGROUP / name for name in (controllers, "cpu", "cpu,cpuacct")
-                         if (CGROUP / name).is_dir()), CGROUP / "cpu")
+            root = next(
+                (
+                    CGROUP / name
+                    for name in (controllers, "cpu", "cpu,cpuacct")
+                    if (CGROUP / name).is_dir()
+                ),
+                CGROUP / "cpu",
+            )
             found.append(("v1", root / path.lstrip("/")))
     return found
 
@@ -83,8 +89,15 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def lesson_ranks(world_size: int | None, default: int, *, sizes: Iterable[int] | None = None,
-                 per_cpu: int = 2, cpus: int | None = None, say: bool = True) -> int:
+def lesson_ranks(
+    world_size: int | None,
+    default: int,
+    *,
+    sizes: Iterable[int] | None = None,
+    per_cpu: int = 2,
+    cpus: int | None = None,
+    say: bool = True,
+) -> int:
     """The number of ranks a lesson starts, said in one line.
 
     `world_size`: the learner's choice (kept); None: `default`, or on fewer than
@@ -101,14 +114,18 @@ def lesson_ranks(world_size: int | None, default: int, *, sizes: Iterable[int] |
         fits = [n for n in allowed if n <= default and n <= per_cpu * cpus]
         chosen = fits[-1] if fits else allowed[0]
     elif not isinstance(chosen, int) or isinstance(chosen, bool) or chosen < 1:
-        raise ValueError(f"world_size must be a whole number of ranks, 1 or more "
-                         f"(or None for the lesson's default), got {world_size!r}")
+        raise ValueError(
+            f"world_size must be a whole number of ranks, 1 or more "
+            f"(or None for the lesson's default), got {world_size!r}"
+        )
     here = f"{_plural(cpus, 'CPU')} here"
     if chosen <= cpus:
         line = f"{here}: running {_plural(chosen, 'rank')}, a core each"
     else:
-        line = f"{here}: running {_plural(chosen, 'rank')} on {_plural(cpus, 'core')}, " \
-               "timings are shared"
+        line = (
+            f"{here}: running {_plural(chosen, 'rank')} on {_plural(cpus, 'core')}, "
+            "timings are shared"
+        )
     if world_size is None and chosen < default:
         line += f" (fewer than the lesson's {default}: set world_size to choose)"
     elif world_size is not None and chosen > per_cpu * cpus:

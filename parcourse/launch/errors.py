@@ -14,8 +14,14 @@ class LaunchError(RuntimeError):
 class RankError(LaunchError):
     """A rank raised an exception. `rank`, `exc_type` and `remote_traceback` say where."""
 
-    def __init__(self, rank: int, exc_type: str, message: str, remote_traceback: str,
-                 others: dict[int, str] | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        exc_type: str,
+        message: str,
+        remote_traceback: str,
+        others: dict[int, str] | None = None,
+    ) -> None:
         self.rank, self.exc_type, self.remote_traceback = rank, exc_type, remote_traceback
         self.others = others or {}
         text = f"rank {rank} raised {exc_type}: {message}\n\n--- traceback from rank {rank} ---\n"

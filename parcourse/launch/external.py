@@ -36,22 +36,33 @@ def init_external(plan: Plan) -> None:
         return
     rank, world_size, _ = external_env() or (0, 1, 0)
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        raise ValueError("under Slurm, set MASTER_ADDR and MASTER_PORT "
-                         "(e.g. the first node's name and 29500)")
+        raise ValueError(
+            "under Slurm, set MASTER_ADDR and MASTER_PORT (e.g. the first node's name and 29500)"
+        )
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun shares its rendezvous store with the workers, and after a restart
         # (--max-restarts) the new workers would read the dead ones' addresses from it:
         # gloo's "connectFullMesh failed ... Connection refused" (pytorch/pytorch#135712).
         # Each attempt gets keys of its own.
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                              world_size, is_master=False, timeout=PG_TIMEOUT)
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world_size,
+            is_master=False,
+            timeout=PG_TIMEOUT,
+        )
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(plan.group_backend, store=dist.PrefixStore(
-            f"/parcourse/attempt_{attempt}", store), rank=rank, world_size=world_size,
-            timeout=PG_TIMEOUT)
+        dist.init_process_group(
+            plan.group_backend,
+            store=dist.PrefixStore(f"/parcourse/attempt_{attempt}", store),
+            rank=rank,
+            world_size=world_size,
+            timeout=PG_TIMEOUT,
+        )
     else:
-        dist.init_process_group(plan.group_backend, rank=rank, world_size=world_size,
-                                timeout=PG_TIMEOUT)
+        dist.init_process_group(
+            plan.group_backend, rank=rank, world_size=world_size, timeout=PG_TIMEOUT
+        )
     # We created it, so we tear it down: a gloo group still alive at interpreter exit
     # aborts the process ("terminate called without an active exception").
     atexit.register(_destroy_group)
@@ -71,8 +82,9 @@ def _device(plan: Plan) -> torch.device:
     return device
 
 
-def run_external(plan: Plan, fn: Callable[..., Any], args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> Run:
+def run_external(
+    plan: Plan, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Run:
     """Run on this process's rank, then share every rank's result and trace with all."""
     rank, world_size, _ = external_env() or (0, 1, 0)
     if plan.devices[0] == "cpu":
@@ -87,5 +99,12 @@ def run_external(plan: Plan, fn: Callable[..., Any], args: tuple[Any, ...],
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, (to_cpu(value), tracer.data(), rank_s))
     wall = time.perf_counter() - t0
-    return Run([g[0] for g in gathered], Trace.merge(world_size, [g[1] for g in gathered]), wall,
-               world_size, backend, 0.0, [g[2] for g in gathered])
+    return Run(
+        [g[0] for g in gathered],
+        Trace.merge(world_size, [g[1] for g in gathered]),
+        wall,
+        world_size,
+        backend,
+        0.0,
+        [g[2] for g in gathered],
+    )

@@ -88,5 +88,7 @@ class Run:
     rank_s: list[float] = field(default_factory=list)
 
     def __repr__(self) -> str:
-        return (f"Run(world_size={self.world_size}, backend={self.backend!r}, "
-                f"wall_s={self.wall_s:.3f}, results={self.results!r})")
+        return (
+            f"Run(world_size={self.world_size}, backend={self.backend!r}, "
+            f"wall_s={self.wall_s:.3f}, results={self.results!r})"
+        )

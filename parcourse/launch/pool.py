@@ -30,13 +30,23 @@ import cloudpickle
 import torch.distributed as dist
 
 from parcourse.launch import registry
-from parcourse.launch.errors import (LaunchError, RankDied, RankError, RankTimeout,
-                                     SerializationError)
+from parcourse.launch.errors import (
+    LaunchError,
+    RankDied,
+    RankError,
+    RankTimeout,
+    SerializationError,
+)
 from parcourse.launch.external import external_env, init_external, run_external
 from parcourse.launch.messages import Answer, Done, Failed, Ready, Stop, Task, Unpicklable
 from parcourse.launch.plan import Backend, Device, Plan, Run, make_plan
-from parcourse.launch.processes import (RankProcess, kill_all, main_not_reimported,
-                                        stack_folder, start_context)
+from parcourse.launch.processes import (
+    RankProcess,
+    kill_all,
+    main_not_reimported,
+    stack_folder,
+    start_context,
+)
 from parcourse.launch.progress import LiveStatus, Progress
 from parcourse.launch.worker import PG_TIMEOUT, STATUS_BYTES, rank_main
 from parcourse.trace import Trace, TraceData
@@ -70,9 +80,16 @@ class Pool:
     pools of this process that hold ranks, `limit_pools(n)` caps them.
     """
 
-    def __init__(self, world_size: int, *, backend: Backend = "auto", device: Device = "auto",
-                 timeout: float | None = DEFAULT_TIMEOUT_S, threads: int | None = None,
-                 start: bool = True) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        backend: Backend = "auto",
+        device: Device = "auto",
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+        threads: int | None = None,
+        start: bool = True,
+    ) -> None:
         self.plan: Plan = make_plan(world_size, backend, device, threads)
         self.world_size = world_size
         self.timeout = timeout
@@ -134,8 +151,9 @@ class Pool:
         ctx = start_context()
         if self._store is None:
             # Port 0: the OS picks a free port, so concurrent launches never collide.
-            self._store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=PG_TIMEOUT,
-                                        wait_for_workers=False)
+            self._store = dist.TCPStore(
+                "127.0.0.1", 0, None, True, timeout=PG_TIMEOUT, wait_for_workers=False
+            )
         self._generation += 1
         prefix = f"pool{os.getpid()}-{id(self)}-{self._generation}"
         stack_dir = stack_folder()
@@ -146,9 +164,19 @@ class Pool:
             status.value = b"starting its process"
             stack_file = os.path.join(stack_dir, f"rank{rank}.txt")
             process = ctx.Process(
-                target=rank_main, name=f"parcourse-rank{rank}", daemon=True,
-                args=(rank, self.plan, self._store.port, prefix, child_conn, life_read, status,
-                      stack_file),
+                target=rank_main,
+                name=f"parcourse-rank{rank}",
+                daemon=True,
+                args=(
+                    rank,
+                    self.plan,
+                    self._store.port,
+                    prefix,
+                    child_conn,
+                    life_read,
+                    status,
+                    stack_file,
+                ),
             )
             with main_not_reimported():
                 process.start()
@@ -167,8 +195,7 @@ class Pool:
             if isinstance(message, Failed):
                 raise RankError(r, message.exc_type, message.message, message.traceback)
             if message is None:
-                raise RankDied(r, self._ranks[r].process.exitcode, "joining the process group",
-                               {})
+                raise RankDied(r, self._ranks[r].process.exitcode, "joining the process group", {})
             assert isinstance(message, Ready), message
 
         self._wait(set(range(self.world_size)), joined, too_long, on_progress, "ready", t0)
@@ -227,9 +254,15 @@ class Pool:
             rank.process.join(timeout=1)
             yield r, None
 
-    def _wait(self, pending: set[int], answer: Callable[[int, Answer | None], None],
-              stop: Callable[[float, set[int]], bool], on_progress: Progress | None,
-              answered: str, t0: float) -> set[int]:
+    def _wait(
+        self,
+        pending: set[int],
+        answer: Callable[[int, Answer | None], None],
+        stop: Callable[[float, set[int]], bool],
+        on_progress: Progress | None,
+        answered: str,
+        t0: float,
+    ) -> set[int]:
         """Until every rank in `pending` has answered: `answer(rank, message or None)` for
         each (it may raise), `stop(elapsed, pending)` before each wait (True: stop waiting;
         it may raise), and `on_progress` with each rank's status about ten times a
@@ -240,8 +273,13 @@ class Pool:
             if stop(now - t0, pending):
                 break
             if on_progress is not None and now >= next_progress:
-                on_progress([r.status_text() if i in pending else answered
-                             for i, r in enumerate(self._ranks)], now - t0)
+                on_progress(
+                    [
+                        r.status_text() if i in pending else answered
+                        for i, r in enumerate(self._ranks)
+                    ],
+                    now - t0,
+                )
                 next_progress = now + 0.1
             for r, message in self._answers(pending, 0.05):
                 pending.discard(r)
@@ -250,8 +288,14 @@ class Pool:
 
     # -- running
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None | Literal["default"]
-            = "default", on_progress: Progress | None = None, **kwargs: Any) -> Run:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float | None | Literal["default"] = "default",
+        on_progress: Progress | None = None,
+        **kwargs: Any,
+    ) -> Run:
         """Run `fn(ctx, *args, **kwargs)` on every rank and wait for all of them.
 
         `timeout` (seconds, None for no limit) defaults to the pool's.
@@ -267,8 +311,12 @@ class Pool:
         payload = _dumps((fn, args, kwargs), f"the function {getattr(fn, '__name__', fn)!r}")
         return self.run_payload(payload, timeout, on_progress)
 
-    def run_payload(self, payload: bytes, timeout: float | None | Literal["default"] = "default",
-                    on_progress: Progress | None = None) -> Run:
+    def run_payload(
+        self,
+        payload: bytes,
+        timeout: float | None | Literal["default"] = "default",
+        on_progress: Progress | None = None,
+    ) -> Run:
         """`run` for a function already pickled (`cloudpickle.dumps((fn, args, kwargs))`)."""
         __tracebackhide__ = True  # IPython: show the learner's cell and the error
         limit = self.timeout if timeout == "default" else timeout
@@ -292,8 +340,9 @@ class Pool:
             if live is not None:
                 live.close()
 
-    def _dispatch(self, task: Task, limit: float | None, on_progress: Progress | None,
-                  startup: float) -> Run:
+    def _dispatch(
+        self, task: Task, limit: float | None, on_progress: Progress | None, startup: float
+    ) -> Run:
         __tracebackhide__ = True  # IPython: show the learner's cell and the error
         t0 = time.perf_counter()
         for rank in self._ranks:
@@ -334,8 +383,15 @@ class Pool:
                 raise SerializationError(f"rank {r}'s result cannot be unpickled here: {e}") from e
         parts: list[TraceData] = [done[r].trace for r in range(n)]
         wall = time.perf_counter() - t0 + startup
-        return Run(values, Trace.merge(n, parts), wall, n, self.plan.backend, startup,
-                   [done[r].seconds for r in range(n)])
+        return Run(
+            values,
+            Trace.merge(n, parts),
+            wall,
+            n,
+            self.plan.backend,
+            startup,
+            [done[r].seconds for r in range(n)],
+        )
 
     def _timeout(self, limit: float, pending: set[int]) -> RankTimeout:
         running = {r: self._ranks[r].status_text() for r in sorted(pending)}
@@ -358,15 +414,17 @@ class Pool:
         files = {r: Path(self._ranks[r].stack_file) for r in ranks}
 
         def sizes() -> dict[int, int]:
-            return {r: f.stat().st_size if f.exists() else 0 for r, f in files.items()
-                    if self._ranks[r].process.exitcode is None}
+            return {
+                r: f.stat().st_size if f.exists() else 0
+                for r, f in files.items()
+                if self._ranks[r].process.exitcode is None
+            }
 
         deadline, seen = time.monotonic() + within_s, []
         while time.monotonic() < deadline:
             time.sleep(0.1)
             seen.append(sizes())
-            if len(seen) >= 3 and seen[-1] == seen[-2] == seen[-3] \
-                    and all(seen[-1].values()):
+            if len(seen) >= 3 and seen[-1] == seen[-2] == seen[-3] and all(seen[-1].values()):
                 break
         stacks = {}
         for r, f in files.items():
@@ -375,8 +433,12 @@ class Pool:
                 stacks[r] = text
         return stacks
 
-    def _failure(self, failures: dict[int, Failed | Unpicklable],
-                 died: dict[int, tuple[int | None, str]], pending: set[int]) -> LaunchError:
+    def _failure(
+        self,
+        failures: dict[int, Failed | Unpicklable],
+        died: dict[int, tuple[int | None, str]],
+        pending: set[int],
+    ) -> LaunchError:
         others = {r: f"stopped while {self._ranks[r].status_text()}" for r in sorted(pending)}
         self._kill()
         if died:
@@ -395,13 +457,21 @@ class Pool:
         for q, m in failures.items():
             if q != first.rank:
                 others[q] = m.summary
-        return RankError(first.rank, first.exc_type, first.message, first.traceback,
-                         dict(sorted(others.items())))
+        return RankError(
+            first.rank, first.exc_type, first.message, first.traceback, dict(sorted(others.items()))
+        )
 
 
-def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: Backend = "auto",
-           device: Device = "auto", timeout: float | None = DEFAULT_TIMEOUT_S,
-           threads: int | None = None, **kwargs: Any) -> Run:
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: Backend = "auto",
+    device: Device = "auto",
+    timeout: float | None = DEFAULT_TIMEOUT_S,
+    threads: int | None = None,
+    **kwargs: Any,
+) -> Run:
     """Start `world_size` ranks, run `fn(ctx, *args, **kwargs)` on each, stop them.
 
     Raises ValueError for bad arguments and SerializationError for a function
@@ -414,7 +484,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: Backend
         pool = Pool(world_size, backend=backend, device=device, timeout=timeout, threads=threads)
         return pool.run(fn, *args, **kwargs)
     payload = _dumps((fn, args, kwargs), f"the function {getattr(fn, '__name__', fn)!r}")
-    with Pool(world_size, backend=backend, device=device, timeout=timeout, threads=threads,
-              start=False) as pool:
+    with Pool(
+        world_size, backend=backend, device=device, timeout=timeout, threads=threads, start=False
+    ) as pool:
         pool.counts = False
         return pool.run_payload(payload)  # starts the ranks, then runs

@@ -42,8 +42,9 @@ def start_context() -> mp.context.BaseContext:
         # Takes effect only if the forkserver is not running yet; later calls are harmless.
         # torch._dynamo: torch.optim's optimizers import it at their first construction
         # (about 1.5 s of one core), which every new rank would otherwise pay again.
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
-                                    "cloudpickle", "parcourse"])
+        ctx.set_forkserver_preload(
+            ["torch", "torch.distributed", "torch._dynamo", "cloudpickle", "parcourse"]
+        )
         return ctx
     return mp.get_context("spawn")
 
@@ -93,8 +94,9 @@ def stop_helpers() -> None:
     for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
         stop = getattr(helper, "_stop", None)  # private; Python's own tests call it
         if stop is not None:
-            threading.Thread(target=_quietly, args=(stop,), daemon=True,
-                             name="parcourse-stop-helper").start()
+            threading.Thread(
+                target=_quietly, args=(stop,), daemon=True, name="parcourse-stop-helper"
+            ).start()
 
 
 def _quietly(stop: Any) -> None:

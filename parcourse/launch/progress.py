@@ -16,6 +16,7 @@ class Pool(Protocol):
 
     starting: bool
 
+
 # on_progress(statuses, elapsed_s): each rank's status ("ready" or "done" once it has
 # answered), about ten times a second while a pool starts its ranks or runs.
 Progress = Callable[[list[str], float], None]
@@ -28,8 +29,10 @@ def describe_progress(pool: Pool, statuses: list[str]) -> str:
     if pool.starting:
         ready = statuses.count("ready")
         busy = {r: s for r, s in enumerate(statuses) if s != "ready"}
-        return (f"starting {n} rank{'s' * (n > 1)} ({ready} ready; each imports torch and "
-                f"joins the process group): " + "; ".join(group_ranks(busy)))
+        return (
+            f"starting {n} rank{'s' * (n > 1)} ({ready} ready; each imports torch and "
+            f"joins the process group): " + "; ".join(group_ranks(busy))
+        )
     done = statuses.count("done")
     busy = {r: s for r, s in enumerate(statuses) if s != "done"}
     return f"{done} of {n} ranks done; " + "; ".join(group_ranks(busy))

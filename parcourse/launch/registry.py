@@ -99,9 +99,11 @@ class PoolInfo:
 
     def __str__(self) -> str:
         n = len(self.pids)
-        return (f"{n} rank{'s' * (n > 1)} ({self.pool.plan.backend}), pid{'s' * (n > 1)} "
-                f"{', '.join(map(str, self.pids))}: {self.memory_bytes / 2**20:,.0f} MiB, "
-                f"idle {self.idle_s:.0f} s")
+        return (
+            f"{n} rank{'s' * (n > 1)} ({self.pool.plan.backend}), pid{'s' * (n > 1)} "
+            f"{', '.join(map(str, self.pids))}: {self.memory_bytes / 2**20:,.0f} MiB, "
+            f"idle {self.idle_s:.0f} s"
+        )
 
 
 def live_pools() -> list[PoolInfo]:

@@ -44,17 +44,26 @@ def run_task(ctx: RankContext, task: Task) -> Done | Failed | Unpicklable:
     t0 = time.perf_counter()
     try:
         fn, args, kwargs = cloudpickle.loads(task.payload)
-        ctx.tracer.set_status(f"running {getattr(fn, '__name__', 'the function')}, "
-                              "before its first span")
+        ctx.tracer.set_status(
+            f"running {getattr(fn, '__name__', 'the function')}, before its first span"
+        )
         value = fn(ctx, *args, **kwargs)
     except BaseException as e:  # noqa: BLE001 - a SystemExit in rank code is an error too
-        return Failed(ctx.rank, time.perf_counter_ns(), type(e).__name__, str(e),
-                      traceback.format_exc(), ctx.tracer.data())
+        return Failed(
+            ctx.rank,
+            time.perf_counter_ns(),
+            type(e).__name__,
+            str(e),
+            traceback.format_exc(),
+            ctx.tracer.data(),
+        )
     try:
         blob = cloudpickle.dumps(to_cpu(value))
     except Exception as e:
-        return Unpicklable(ctx.rank, f"rank {ctx.rank} returned a {type(value).__name__} that "
-                                     f"cannot be pickled: {e}")
+        return Unpicklable(
+            ctx.rank,
+            f"rank {ctx.rank} returned a {type(value).__name__} that cannot be pickled: {e}",
+        )
     return Done(ctx.rank, blob, ctx.tracer.data(), time.perf_counter() - t0)
 
 
@@ -72,12 +81,21 @@ def _exit_when_parent_dies(lifeline: Any, stack_file: str) -> None:
     os._exit(1)
 
 
-def rank_main(rank: int, plan: Plan, port: int, prefix: str, conn: Any, lifeline: Any,
-              status: Any, stack_file: str) -> None:
+def rank_main(
+    rank: int,
+    plan: Plan,
+    port: int,
+    prefix: str,
+    conn: Any,
+    lifeline: Any,
+    status: Any,
+    stack_file: str,
+) -> None:
     """A rank process's whole life: join the process group, run tasks, leave."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_exit_when_parent_dies, args=(lifeline, stack_file),
-                     daemon=True).start()
+    threading.Thread(
+        target=_exit_when_parent_dies, args=(lifeline, stack_file), daemon=True
+    ).start()
     # On SIGUSR1 (sent at a timeout) write this rank's Python stack for the error message.
     faulthandler.register(signal.SIGUSR1, file=open(stack_file, "w"), all_threads=False)  # noqa: SIM115
     torch.set_num_threads(plan.threads)
@@ -87,11 +105,24 @@ def rank_main(rank: int, plan: Plan, port: int, prefix: str, conn: Any, lifeline
     status.value = b"joining the process group"
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=PG_TIMEOUT)
-        dist.init_process_group(plan.group_backend, store=dist.PrefixStore(prefix, store),
-                                rank=rank, world_size=plan.world_size, timeout=PG_TIMEOUT)
+        dist.init_process_group(
+            plan.group_backend,
+            store=dist.PrefixStore(prefix, store),
+            rank=rank,
+            world_size=plan.world_size,
+            timeout=PG_TIMEOUT,
+        )
     except BaseException as e:  # noqa: BLE001
-        conn.send(Failed(rank, time.perf_counter_ns(), type(e).__name__, str(e),
-                         traceback.format_exc(), TraceData(rank)))
+        conn.send(
+            Failed(
+                rank,
+                time.perf_counter_ns(),
+                type(e).__name__,
+                str(e),
+                traceback.format_exc(),
+                TraceData(rank),
+            )
+        )
         return
     group = dist.group.WORLD
     conn.send(Ready(rank))

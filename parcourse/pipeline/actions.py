@@ -133,8 +133,10 @@ class Schedule:
         for m in range(self.microbatches):
             path = self.route(m)
             for k, s in enumerate(path):
-                out[(s, m)] = (path[k - 1] if k else None,
-                               path[k + 1] if k + 1 < len(path) else None)
+                out[(s, m)] = (
+                    path[k - 1] if k else None,
+                    path[k + 1] if k + 1 < len(path) else None,
+                )
         return out
 
     def previous_stage(self, stage: int, microbatch: int) -> int | None:
@@ -158,8 +160,9 @@ class Schedule:
     @cached_property
     def split(self) -> frozenset[tuple[int, int]]:
         """(stage, microbatch) whose backward runs split, as I then W."""
-        return frozenset((a.stage, a.microbatch) for acts in self.actions for a in acts
-                         if a.kind == "I")
+        return frozenset(
+            (a.stage, a.microbatch) for acts in self.actions for a in acts if a.kind == "I"
+        )
 
     @cached_property
     def needed(self) -> dict[Action, tuple[Action, ...]]:
@@ -174,8 +177,11 @@ class Schedule:
             spans = play(self, lambda a: 0.5 if a.kind in "IW" else 1.0)
         except (Deadlock, LookupError):  # not runnable, or an action off every route
             # (`check` says which): show each rank's order instead
-            spans = [Slot(r, a, k, k + 1) for r, acts in enumerate(self.actions)
-                     for k, a in enumerate(acts)]
+            spans = [
+                Slot(r, a, k, k + 1)
+                for r, acts in enumerate(self.actions)
+                for k, a in enumerate(acts)
+            ]
         starts = sorted({s.start for s in spans})
         grid = {(s.rank, s.start): str(s.action) for s in spans}
         width = max(6, *(len(str(a)) for acts in self.actions for a in acts)) + 2
@@ -276,9 +282,12 @@ class Deadlock(ValueError):
 Arrival = Callable[[Action, float, int, int], float]
 
 
-def play(schedule: Schedule, duration: Callable[[Action], float],
-         arrival: Arrival | None = None,
-         together: Callable[[Action, Action], float] | None = None) -> list[Slot]:
+def play(
+    schedule: Schedule,
+    duration: Callable[[Action], float],
+    arrival: Arrival | None = None,
+    together: Callable[[Action, Action], float] | None = None,
+) -> list[Slot]:
     """Each rank runs its actions in order; an action starts when its rank is free and
     what it `needs` has arrived. `duration(a)` is how long `a` lasts; `arrival(dep, end,
     src, at)` when what `dep` made (done at `end` on rank `src`) reaches rank `at`
@@ -339,9 +348,12 @@ def play(schedule: Schedule, duration: Callable[[Action], float],
                     remaining -= 2
                 progressed = True
         if not progressed:
-            stuck = [f"rank {r} waits at {acts[nxt[r]]} for "
-                     + ", ".join(str(d) for d in needs(schedule, acts[nxt[r]]) if d not in done)
-                     for r, acts in enumerate(schedule.actions) if nxt[r] < len(acts)]
+            stuck = [
+                f"rank {r} waits at {acts[nxt[r]]} for "
+                + ", ".join(str(d) for d in needs(schedule, acts[nxt[r]]) if d not in done)
+                for r, acts in enumerate(schedule.actions)
+                if nxt[r] < len(acts)
+            ]
             raise Deadlock("the schedule can never finish: " + "; ".join(stuck))
     return slots
 
@@ -369,11 +381,15 @@ def check(schedule: Schedule) -> None:
             if not (0 <= a.stage < p and 0 <= a.microbatch < m and a.kind in "FBIW"):
                 raise ValueError(f"rank {rank}: {a} is outside {p} stages x {m} microbatches")
             if not schedule.visits(a.stage, a.microbatch):
-                raise ValueError(f"rank {rank}: {a}, but microbatch {a.microbatch}'s route "
-                                 f"{schedule.route(a.microbatch)} does not go through it")
+                raise ValueError(
+                    f"rank {rank}: {a}, but microbatch {a.microbatch}'s route "
+                    f"{schedule.route(a.microbatch)} does not go through it"
+                )
             if schedule.stage_rank[a.stage] != rank:
-                raise ValueError(f"rank {rank} runs {a}, but stage {a.stage} is on rank "
-                                 f"{schedule.stage_rank[a.stage]}")
+                raise ValueError(
+                    f"rank {rank} runs {a}, but stage {a.stage} is on rank "
+                    f"{schedule.stage_rank[a.stage]}"
+                )
             key = (a.stage, a.kind, a.microbatch)
             if key in seen:
                 raise ValueError(f"rank {rank}: {a} runs twice")
@@ -392,8 +408,7 @@ def check(schedule: Schedule) -> None:
     play(schedule, lambda a: 1.0)  # raises Deadlock if some action could never start
 
 
-def happens_before(schedule: Schedule, stage: int, first: Op | Action,
-                   then: Op | Action) -> bool:
+def happens_before(schedule: Schedule, stage: int, first: Op | Action, then: Op | Action) -> bool:
     """Does `first` finish before `then` starts, whatever the costs? Both run on the rank
     that holds `stage`: it runs its actions in order, so this is their order there.
 
@@ -403,8 +418,9 @@ def happens_before(schedule: Schedule, stage: int, first: Op | Action,
     """
     rank = schedule.stage_rank[stage]
     order = list(schedule.actions[rank])
-    first, then = (a if isinstance(a, Action) else Action(stage, a.kind, a.microbatch)
-                   for a in (first, then))
+    first, then = (
+        a if isinstance(a, Action) else Action(stage, a.kind, a.microbatch) for a in (first, then)
+    )
     for a in (first, then):
         if a not in order:
             raise ValueError(f"rank {rank} (stage {stage}) does not run {a}")

@@ -28,7 +28,8 @@ def stage_bounds(sizes: Sequence[int], stages: int) -> list[tuple[int, int]]:
             # keep taking layers while the next one brings us closer to the target and
             # leaves one for each stage still to come
             while end < n - (stages - s - 1) and abs(running + sizes[end] - target) <= abs(
-                    running - target):
+                running - target
+            ):
                 running += sizes[end]
                 end += 1
         bounds.append((start, end))
@@ -36,8 +37,9 @@ def stage_bounds(sizes: Sequence[int], stages: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def partition(layers: Sequence[nn.Module] | nn.Sequential, stages: int,
-              by: By = "layers") -> list[nn.Sequential]:
+def partition(
+    layers: Sequence[nn.Module] | nn.Sequential, stages: int, by: By = "layers"
+) -> list[nn.Sequential]:
     """The layers cut into `stages` consecutive nn.Sequential stages, balanced by layer
     count or by parameter count."""
     layers = list(layers)

@@ -45,8 +45,8 @@ from parcourse.checkpointing import checkpoint
 from parcourse.comm import Comm, SimulatedLink
 from parcourse.comm.common import backend_for
 from parcourse.comm.messenger import Arrival
-from parcourse.comm.turns import Turns, in_lane
 from parcourse.comm.pacing import Pacer
+from parcourse.comm.turns import Turns, in_lane
 from parcourse.memory import PeakSavedBytes, SavedActivations, live_bytes
 from parcourse.pipeline.actions import Action, Message, Schedule, check, incoming, outgoing
 from parcourse.pipeline.posting import early_receives
@@ -121,31 +121,52 @@ class PipelineRuntime:
     waits included, so they overlap: the device's own time is the turns' record.
     """
 
-    def __init__(self, schedule: Schedule, stages: dict[int, nn.Module],
-                 group: dist.ProcessGroup | None, loss_fn: Callable[[Any, Any], torch.Tensor], *,
-                 tracer: Tracer | None = None, link: SimulatedLink | None = None,
-                 compute: SimulatedCompute | None = None, recompute: bool = False,
-                 tied: Sequence[dict[int, str]] = (), comm: Comm | None = None,
-                 on_weight_gradients: Callable[[int, int], None] | None = None,
-                 paced: Comm | None = None,
-                 together: Callable[[], AbstractContextManager[Any]] | None = None,
-                 around: Callable[[Action], AbstractContextManager[Any]] | None = None,
-                 turns: Turns | None = None) -> None:
+    def __init__(
+        self,
+        schedule: Schedule,
+        stages: dict[int, nn.Module],
+        group: dist.ProcessGroup | None,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        *,
+        tracer: Tracer | None = None,
+        link: SimulatedLink | None = None,
+        compute: SimulatedCompute | None = None,
+        recompute: bool = False,
+        tied: Sequence[dict[int, str]] = (),
+        comm: Comm | None = None,
+        on_weight_gradients: Callable[[int, int], None] | None = None,
+        paced: Comm | None = None,
+        together: Callable[[], AbstractContextManager[Any]] | None = None,
+        around: Callable[[Action], AbstractContextManager[Any]] | None = None,
+        turns: Turns | None = None,
+    ) -> None:
         check(schedule)
         if turns is not None and paced is not None:
-            raise ValueError("turns pace simulated compute piece by piece between the waits; "
-                             "`paced` collectives are the pacer's: give one or the other")
+            raise ValueError(
+                "turns pace simulated compute piece by piece between the waits; "
+                "`paced` collectives are the pacer's: give one or the other"
+            )
         if turns is not None and schedule.together:
-            shared = [name for name, given in (("around", around),
-                                               ("on_weight_gradients", on_weight_gradients),
-                                               ("together", together)) if given is not None]
+            shared = [
+                name
+                for name, given in (
+                    ("around", around),
+                    ("on_weight_gradients", on_weight_gradients),
+                    ("together", together),
+                )
+                if given is not None
+            ]
             if shared:
-                raise ValueError(f"turns: {schedule.name} runs its overlapped pairs in two "
-                                 f"threads, which cannot share {', '.join(shared)} (the whole "
-                                 "rank's collectives); run without turns")
+                raise ValueError(
+                    f"turns: {schedule.name} runs its overlapped pairs in two "
+                    f"threads, which cannot share {', '.join(shared)} (the whole "
+                    "rank's collectives); run without turns"
+                )
         if recompute and schedule.splits_backward:
-            raise ValueError(f"recompute=True runs each stage's backward whole; {schedule.name} "
-                             "splits it into I and W, so it cannot recompute")
+            raise ValueError(
+                f"recompute=True runs each stage's backward whole; {schedule.name} "
+                "splits it into I and W, so it cannot recompute"
+            )
         if comm is None:
             comm = Comm(group, tracer=tracer, link=link, algorithm="auto")
         elif link is not None:
@@ -153,12 +174,15 @@ class PipelineRuntime:
         self.comm = comm
         self.group, self.rank, self.world_size = comm.group, comm.rank, comm.size
         if schedule.ranks != self.world_size:
-            raise ValueError(f"the schedule is for {schedule.ranks} ranks, the group has "
-                             f"{self.world_size}")
+            raise ValueError(
+                f"the schedule is for {schedule.ranks} ranks, the group has {self.world_size}"
+            )
         mine = {s for s, r in enumerate(schedule.stage_rank) if r == self.rank}
         if set(stages) != mine:
-            raise ValueError(f"rank {self.rank} holds stages {sorted(mine)} in this schedule, "
-                             f"got modules for {sorted(stages)}")
+            raise ValueError(
+                f"rank {self.rank} holds stages {sorted(mine)} in this schedule, "
+                f"got modules for {sorted(stages)}"
+            )
         for group in tied:
             for s, name in group.items():
                 if s in stages:
@@ -178,8 +202,10 @@ class PipelineRuntime:
         self._seconds = None
         if compute is not None:  # copies of a stage (DualPipe) cost what the stage costs
             per = compute.of(schedule.model_stages)
-            self._seconds = {k: [v[schedule.model_stage(t)] for t in range(schedule.stages)]
-                             for k, v in per.items()}
+            self._seconds = {
+                k: [v[schedule.model_stage(t)] for t in range(schedule.stages)]
+                for k, v in per.items()
+            }
         self.recompute = recompute  # GPipe's own trick: keep a stage's input, not its insides
         # This rank's stage where microbatches enter (None: none), and whether it takes a loss
         self._entry = min(schedule.entry_stages & set(stages), default=None)
@@ -249,12 +275,18 @@ class PipelineRuntime:
             work.wait()
         if self.comm.tracer is not None:
             departed = work.departed if isinstance(work, Arrival) else None
-            self._trace_receive(f"{stage}{kind}{a.microbatch}", start, time.perf_counter_ns(),
-                                departed, buffer.nbytes)
+            self._trace_receive(
+                f"{stage}{kind}{a.microbatch}",
+                start,
+                time.perf_counter_ns(),
+                departed,
+                buffer.nbytes,
+            )
         return buffer
 
-    def _trace_receive(self, name: str, start: int, end: int, departed: float | None,
-                       nbytes: int) -> None:
+    def _trace_receive(
+        self, name: str, start: int, end: int, departed: float | None, nbytes: int
+    ) -> None:
         """A receive waited for from `start` to `end`: from when the message left its
         sender (`departed`, which the messenger knows over a simulated link; on a real
         one, nothing the rank can see) it is communication; before that, waiting for
@@ -268,8 +300,9 @@ class PipelineRuntime:
             tracer.add_span(f"wait for {name}", start, split, kind="idle", bytes=nbytes)
         tracer.add_span(f"receive {name}", split, end, kind="comm", bytes=nbytes)
 
-    def _agree_on_shapes(self, example: torch.Tensor | None
-                         ) -> dict[int, tuple[torch.Size, torch.dtype]]:
+    def _agree_on_shapes(
+        self, example: torch.Tensor | None
+    ) -> dict[int, tuple[torch.Size, torch.dtype]]:
         """Before the first step: each stage learns its input's shape from the previous one
         (shapes found on the meta device, no math), so receives can be posted. Returns
         each of this rank's stages' input shape and dtype."""
@@ -285,33 +318,42 @@ class PipelineRuntime:
                 shape, dtype = self._out_shape(before, shapes)
             else:
                 header = torch.zeros(10, dtype=torch.int64)
-                self.group.recv([header], self._peer(before), _tag("S", before, 0, 1,
-                                                                    self.schedule.stages)).wait()
+                self.group.recv(
+                    [header], self._peer(before), _tag("S", before, 0, 1, self.schedule.stages)
+                ).wait()
                 ndim = int(header[0])
-                shape, dtype = torch.Size(header[2:2 + ndim].tolist()), _DTYPES[int(header[1])]
+                shape, dtype = torch.Size(header[2 : 2 + ndim].tolist()), _DTYPES[int(header[1])]
             shapes[s] = (shape, dtype)
             if after is not None and self._peer(after) != self.rank:
                 out, out_dtype = self._out_shape(s, shapes)
                 header = torch.zeros(10, dtype=torch.int64)
                 header[0], header[1] = len(out), _DTYPES.index(out_dtype)
-                header[2:2 + len(out)] = torch.tensor(list(out))
-                sends.append((self.group.send([header], self._peer(after),
-                                              _tag("S", s, 0, 1, self.schedule.stages)), header))
+                header[2 : 2 + len(out)] = torch.tensor(list(out))
+                sends.append(
+                    (
+                        self.group.send(
+                            [header], self._peer(after), _tag("S", s, 0, 1, self.schedule.stages)
+                        ),
+                        header,
+                    )
+                )
         for work, _ in sends:
             work.wait()
         return shapes
 
-    def _out_shape(self, stage: int, inputs: dict[int, tuple[torch.Size, torch.dtype]]
-                   | None = None) -> tuple[torch.Size, torch.dtype]:
+    def _out_shape(
+        self, stage: int, inputs: dict[int, tuple[torch.Size, torch.dtype]] | None = None
+    ) -> tuple[torch.Size, torch.dtype]:
         """The shape and dtype of `stage`'s output, found once on the meta device from its
         input's (in `inputs`, else as agreed)."""
         if stage not in self._out_shapes:
             shape, dtype = (self._shapes if inputs is None else inputs)[stage]
             module = self.stages[stage]
-            meta = {n: torch.empty_like(t, device="meta")
-                    for n, t in [*module.named_parameters(), *module.named_buffers()]}
-            out = functional_call(module, meta,
-                                  (torch.empty(shape, dtype=dtype, device="meta"),))
+            meta = {
+                n: torch.empty_like(t, device="meta")
+                for n, t in [*module.named_parameters(), *module.named_buffers()]
+            }
+            out = functional_call(module, meta, (torch.empty(shape, dtype=dtype, device="meta"),))
             self._out_shapes[stage] = (out.shape, out.dtype)
         return self._out_shapes[stage]
 
@@ -323,8 +365,11 @@ class PipelineRuntime:
         ranks where their loss is taken the targets. Returns the mean loss over the whole
         batch on those ranks (None elsewhere)."""
         self._refuse_if_failed()
-        m, has_first, has_last = (self.schedule.microbatches, self._entry is not None,
-                                  self._has_last)
+        m, has_first, has_last = (
+            self.schedule.microbatches,
+            self._entry is not None,
+            self._has_last,
+        )
         self._check_batch(inputs, targets, with_targets=True)
         self._prepare(inputs)
         # Each microbatch its own storage: saved for backward (the loss saves its
@@ -373,8 +418,9 @@ class PipelineRuntime:
                 self.on_weight_gradients(action.stage, action.microbatch)
         except Exception as e:
             self._failed = f"at {action}"
-            raise RuntimeError(f"rank {self.rank} failed at {action}: "
-                               f"{type(e).__name__}: {e}") from e
+            raise RuntimeError(
+                f"rank {self.rank} failed at {action}: {type(e).__name__}: {e}"
+            ) from e
 
     def _overlapped(self, forward: Action, backward: Action) -> None:
         """A pair the schedule overlaps: the forward in lane 1, the backward in lane 2, two
@@ -387,15 +433,18 @@ class PipelineRuntime:
 
         def run(action: Action, number: int) -> None:
             try:  # autocast is per thread: as the step's caller set it
-                with in_lane(number), torch.autocast(device, dtype=autocast[1],
-                                                     enabled=autocast[0]):
+                with (
+                    in_lane(number),
+                    torch.autocast(device, dtype=autocast[1], enabled=autocast[0]),
+                ):
                     self._act(action)
             except BaseException as e:  # noqa: BLE001 -- raised again by the step's thread
                 failed.append(e)
 
-        threads = [threading.Thread(target=run, args=(a, n), daemon=True,
-                                    name=f"rank {self.rank} {a}")
-                   for n, a in ((1, forward), (2, backward))]
+        threads = [
+            threading.Thread(target=run, args=(a, n), daemon=True, name=f"rank {self.rank} {a}")
+            for n, a in ((1, forward), (2, backward))
+        ]
         for t in threads:
             t.start()
         try:
@@ -410,27 +459,32 @@ class PipelineRuntime:
 
     def _refuse_if_failed(self) -> None:
         if self._failed is not None:
-            raise RuntimeError(f"an earlier step failed on rank {self.rank} ({self._failed}); "
-                               "its messages may still be in flight: build a new "
-                               "PipelineRuntime (and process group) rather than step again")
+            raise RuntimeError(
+                f"an earlier step failed on rank {self.rank} ({self._failed}); "
+                "its messages may still be in flight: build a new "
+                "PipelineRuntime (and process group) rather than step again"
+            )
 
-    def _check_batch(self, inputs: torch.Tensor | None, targets: Any,
-                     with_targets: bool) -> None:
+    def _check_batch(self, inputs: torch.Tensor | None, targets: Any, with_targets: bool) -> None:
         """Raises unless this rank has the inputs (if microbatches enter here) and, with
         `with_targets`, the targets (if their loss is taken here) that it needs, each a
         batch that the microbatches divide."""
         m, has_first = self.schedule.microbatches, self._entry is not None
         has_last = self._has_last and with_targets
         if has_first and inputs is None:
-            raise ValueError(f"rank {self.rank} holds a stage where microbatches enter: pass "
-                             "the batch's inputs")
+            raise ValueError(
+                f"rank {self.rank} holds a stage where microbatches enter: pass the batch's inputs"
+            )
         if has_last and targets is None:
             raise ValueError(f"rank {self.rank} holds the last stage: pass the targets")
-        for name, batch in (("inputs", inputs if has_first else None),
-                            ("targets", targets if has_last else None)):
+        for name, batch in (
+            ("inputs", inputs if has_first else None),
+            ("targets", targets if has_last else None),
+        ):
             if batch is not None and batch.shape[0] % m:
-                raise ValueError(f"{m} microbatches do not divide the batch of "
-                                 f"{batch.shape[0]} {name}")
+                raise ValueError(
+                    f"{m} microbatches do not divide the batch of {batch.shape[0]} {name}"
+                )
 
     def prepare(self, inputs: torch.Tensor | None = None) -> None:
         """Before the first step, what it would do first: the stages agree on the shapes
@@ -452,14 +506,17 @@ class PipelineRuntime:
         m = self.schedule.microbatches
         self._device = next(next(iter(self.stages.values())).parameters()).device
         if self.turns is not None and self._device.type != "cpu":
-            raise ValueError(f"turns take a rank's threads in turns on CPU stages; these are on "
-                             f"{self._device}, where autograd runs backward on a thread of "
-                             "its own (out of the turns): run without turns")
+            raise ValueError(
+                f"turns take a rank's threads in turns on CPU stages; these are on "
+                f"{self._device}, where autograd runs backward on a thread of "
+                "its own (out of the turns): run without turns"
+            )
         if self._posts_device != self._device:
-            self._posts = early_receives(self.schedule, self.rank,
-                                         backend_for(self.group, self._device))
+            self._posts = early_receives(
+                self.schedule, self.rank, backend_for(self.group, self._device)
+            )
             self._posts_device = self._device
-        first = inputs[:inputs.shape[0] // m] if self._entry is not None else None
+        first = inputs[: inputs.shape[0] // m] if self._entry is not None else None
         if not self._shapes:
             try:
                 self._shapes = self._agree_on_shapes(first)
@@ -469,9 +526,11 @@ class PipelineRuntime:
         elif first is not None:
             agreed = self._shapes[self._entry][0]
             if first.shape != agreed:
-                raise ValueError(f"microbatches of shape {tuple(first.shape)}, but this "
-                                 f"pipeline agreed on {tuple(agreed)} (at prepare or its "
-                                 "first step): build a new PipelineRuntime for another shape")
+                raise ValueError(
+                    f"microbatches of shape {tuple(first.shape)}, but this "
+                    f"pipeline agreed on {tuple(agreed)} (at prepare or its "
+                    "first step): build a new PipelineRuntime for another shape"
+                )
 
     def _whole_loss(self, mine: float) -> float:
         """Where several ranks take losses (DualPipe: one for each direction), each has
@@ -499,12 +558,19 @@ class PipelineRuntime:
         to its simulated time), send what it made."""
         s, i = a.stage, a.microbatch
         received = self._receive(a)
-        with (self.tracer.span(str(a), kind="compute", stage=s, microbatch=i, action=a.kind)
-              if self.tracer is not None else nullcontext()):
+        with (
+            self.tracer.span(str(a), kind="compute", stage=s, microbatch=i, action=a.kind)
+            if self.tracer is not None
+            else nullcontext()
+        ):
             # Padded inside the span: a collective's paced share counts from its start.
             with self._padded(a):
-                out = {"F": self._forward, "B": self._backward, "I": self._input_gradient,
-                       "W": self._weight_gradient}[a.kind](a, received)
+                out = {
+                    "F": self._forward,
+                    "B": self._backward,
+                    "I": self._input_gradient,
+                    "W": self._weight_gradient,
+                }[a.kind](a, received)
         message = outgoing(a, self.schedule)
         if message is not None:
             self._send(message, out)
@@ -541,13 +607,17 @@ class PipelineRuntime:
         Recomputed and measured: what the stage's forward saves again while its backward
         runs (the microbatch's input, already counted, excepted) adds to what is held."""
         x, y, held = self._saved.pop((a.stage, a.microbatch))
-        rebuilt = PeakSavedBytes(exclude=[*self.stages[a.stage].parameters(), x]) \
-            if self.recompute and self.tracer is not None else None
+        rebuilt = (
+            PeakSavedBytes(exclude=[*self.stages[a.stage].parameters(), x])
+            if self.recompute and self.tracer is not None
+            else None
+        )
         with rebuilt if rebuilt is not None else nullcontext():
             torch.autograd.backward(y, grad)  # grad None: y is the last stage's loss
         if rebuilt is not None:
-            self.peak_in_flight_bytes = max(self.peak_in_flight_bytes,
-                                            self._in_flight_bytes + rebuilt.peak)
+            self.peak_in_flight_bytes = max(
+                self.peak_in_flight_bytes, self._in_flight_bytes + rebuilt.peak
+            )
         del y  # the graph, and the activations it saved, go here
         self._count_in_flight(-held, a)
         return x.grad
@@ -571,9 +641,13 @@ class PipelineRuntime:
         self._in_flight_bytes += delta
         self.peak_in_flight_bytes = max(self.peak_in_flight_bytes, self._in_flight_bytes)
         if self.tracer is not None:
-            self.tracer.count("in_flight_bytes", delta, now=self._in_flight_bytes,
-                              stage=action.stage, microbatch=action.microbatch)
-
+            self.tracer.count(
+                "in_flight_bytes",
+                delta,
+                now=self._in_flight_bytes,
+                stage=action.stage,
+                microbatch=action.microbatch,
+            )
 
 
 def _neighbours(schedule: Schedule) -> tuple[dict[int, int | None], dict[int, int | None]]:
@@ -583,11 +657,15 @@ def _neighbours(schedule: Schedule) -> tuple[dict[int, int | None], dict[int, in
     after: dict[int, int | None] = {}
     for m in range(schedule.microbatches):
         for s in schedule.route(m):
-            for table, other in ((before, schedule.previous_stage(s, m)),
-                                 (after, schedule.next_stage(s, m))):
+            for table, other in (
+                (before, schedule.previous_stage(s, m)),
+                (after, schedule.next_stage(s, m)),
+            ):
                 if table.setdefault(s, other) != other:
-                    raise ValueError(f"stage {s} is reached from two stages ({table[s]} and "
-                                     f"{other}): the runtime needs one shape per stage")
+                    raise ValueError(
+                        f"stage {s} is reached from two stages ({table[s]} and "
+                        f"{other}): the runtime needs one shape per stage"
+                    )
     return before, after
 
 

@@ -22,13 +22,44 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from parcourse import theory
-from parcourse.pipeline.actions import (B, F, I, W, Action, Deadlock, Kind, Op, Schedule,
-                                        check, happens_before)
+from parcourse.pipeline.actions import (
+    Action,
+    B,
+    Deadlock,
+    F,
+    I,
+    Kind,
+    Op,
+    Schedule,
+    W,
+    check,
+    happens_before,
+)
 
-__all__ = ["SCHEDULES", "Action", "B", "Deadlock", "F", "I", "Kind", "NamedSchedule", "Op",
-           "Schedule", "W", "check", "dualpipe", "dualpipe_v", "gpipe", "happens_before",
-           "interleaved_1f1b", "naive", "one_f_one_b", "schedule_by_name", "zbv",
-           "zero_bubble_h1"]
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "B",
+    "Deadlock",
+    "F",
+    "I",
+    "Kind",
+    "NamedSchedule",
+    "Op",
+    "Schedule",
+    "W",
+    "check",
+    "dualpipe",
+    "dualpipe_v",
+    "gpipe",
+    "happens_before",
+    "interleaved_1f1b",
+    "naive",
+    "one_f_one_b",
+    "schedule_by_name",
+    "zbv",
+    "zero_bubble_h1",
+]
 
 
 def _check_sizes(stages: int, microbatches: int) -> None:
@@ -38,8 +69,9 @@ def _check_sizes(stages: int, microbatches: int) -> None:
         raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
 
 
-def _one_stage_per_rank(name: str, microbatches: int,
-                        per_rank: Iterable[Iterable[Action]]) -> Schedule:
+def _one_stage_per_rank(
+    name: str, microbatches: int, per_rank: Iterable[Iterable[Action]]
+) -> Schedule:
     actions = tuple(tuple(acts) for acts in per_rank)
     return Schedule(name, microbatches, tuple(range(len(actions))), actions)
 
@@ -53,9 +85,13 @@ def gpipe(stages: int, microbatches: int) -> Schedule:
     _check_sizes(stages, microbatches)
     m = microbatches
     return _one_stage_per_rank(
-        "gpipe", m,
-        ([F(s, i) for i in range(m)] + [B(s, i) for i in reversed(range(m))]
-         for s in range(stages)))
+        "gpipe",
+        m,
+        (
+            [F(s, i) for i in range(m)] + [B(s, i) for i in reversed(range(m))]
+            for s in range(stages)
+        ),
+    )
 
 
 def naive(stages: int) -> Schedule:
@@ -98,14 +134,19 @@ def interleaved_1f1b(ranks: int, chunks_per_rank: int, microbatches: int) -> Sch
     count), then one forward and one backward in turn. With one chunk it is 1F1B.
     """
     _check_sizes(ranks, microbatches)
-    if isinstance(chunks_per_rank, bool) or not isinstance(chunks_per_rank, int) \
-            or chunks_per_rank < 1:
+    if (
+        isinstance(chunks_per_rank, bool)
+        or not isinstance(chunks_per_rank, int)
+        or chunks_per_rank < 1
+    ):
         raise ValueError(f"chunks_per_rank must be an integer >= 1, got {chunks_per_rank!r}")
     p, v, m = ranks, chunks_per_rank, microbatches
     per_round = min(p, m)
     if m % per_round:
-        raise ValueError(f"interleaved 1F1B runs microbatches in rounds of {per_round} (the "
-                         f"number of ranks): {m} microbatches is not a multiple of {per_round}")
+        raise ValueError(
+            f"interleaved 1F1B runs microbatches in rounds of {per_round} (the "
+            f"number of ranks): {m} microbatches is not a multiple of {per_round}"
+        )
     per_rank = []
     for r in range(p):
         total = v * m  # forwards on this rank, over all its chunks
@@ -126,7 +167,7 @@ def interleaved_1f1b(ranks: int, chunks_per_rank: int, microbatches: int) -> Sch
         acts = fwd[:warmup]
         for k in range(total - warmup):
             acts += [fwd[warmup + k], bwd[k]]
-        acts += bwd[total - warmup:]
+        acts += bwd[total - warmup :]
         per_rank.append(acts)
     stage_rank = tuple(s % p for s in range(p * v))
     return Schedule("interleaved-1f1b", m, stage_rank, tuple(tuple(a) for a in per_rank))
@@ -182,8 +223,7 @@ def dualpipe_v(ranks: int, microbatches: int) -> Schedule:
     _check_sizes(ranks, microbatches)
     p, m = ranks, microbatches
     if m < 2 * p:
-        raise ValueError(f"DualPipeV needs at least 2 x ranks = {2 * p} microbatches, "
-                         f"got {m}")
+        raise ValueError(f"DualPipeV needs at least 2 x ranks = {2 * p} microbatches, got {m}")
     per_rank = []
     for r in range(p):
         down, up = r, 2 * p - 1 - r  # this rank's two stages
@@ -263,11 +303,15 @@ def dualpipe(ranks: int, microbatches: int) -> Schedule:
     _check_sizes(ranks, microbatches)
     p, m = ranks, microbatches
     if p % 2:
-        raise ValueError(f"DualPipe needs an even number of ranks (its two directions meet "
-                         f"in the middle), got {p}")
+        raise ValueError(
+            f"DualPipe needs an even number of ranks (its two directions meet "
+            f"in the middle), got {p}"
+        )
     if m < 2 * p or m % 2:
-        raise ValueError(f"DualPipe needs an even number of microbatches, at least 2 x ranks "
-                         f"= {2 * p} (half enter at each end), got {m}")
+        raise ValueError(
+            f"DualPipe needs an even number of microbatches, at least 2 x ranks "
+            f"= {2 * p} (half enter at each end), got {m}"
+        )
     half, half_m = p // 2, m // 2
     per_rank, together = [], []
     for r in range(p):
@@ -336,10 +380,16 @@ def dualpipe(ranks: int, microbatches: int) -> Schedule:
             weight()
         per_rank.append(acts)
     stage_rank = tuple(list(range(p)) + list(reversed(range(p))))
-    routes = tuple(tuple(range(p)) if i < half_m else tuple(range(p, 2 * p))
-                   for i in range(m))
-    return Schedule("dualpipe", m, stage_rank, tuple(tuple(a) for a in per_rank),
-                    routes=routes, copy_of=tuple(range(p)) * 2, together=tuple(together))
+    routes = tuple(tuple(range(p)) if i < half_m else tuple(range(p, 2 * p)) for i in range(m))
+    return Schedule(
+        "dualpipe",
+        m,
+        stage_rank,
+        tuple(tuple(a) for a in per_rank),
+        routes=routes,
+        copy_of=tuple(range(p)) * 2,
+        together=tuple(together),
+    )
 
 
 def zbv(ranks: int, microbatches: int) -> Schedule:
@@ -440,36 +490,76 @@ class NamedSchedule:
         if self.even and (ranks % 2 or microbatches % 2):
             return False
         per_round = min(ranks, microbatches)
-        return (microbatches >= self.min_microbatches(ranks)
-                and not (self.rounds and microbatches % per_round))
+        return microbatches >= self.min_microbatches(ranks) and not (
+            self.rounds and microbatches % per_round
+        )
 
 
-SCHEDULES: dict[str, NamedSchedule] = {s.name: s for s in [
-    NamedSchedule("naive", lambda ranks, m, chunks: naive(ranks), "(p-1)/(m+p-1)",
-                  theory.gpipe_formula, microbatched=False),
-    NamedSchedule("gpipe", lambda ranks, m, chunks: gpipe(ranks, m), "(p-1)/(m+p-1)",
-                  theory.gpipe_formula, torch="ScheduleGPipe"),
-    NamedSchedule("1f1b", lambda ranks, m, chunks: one_f_one_b(ranks, m), "(p-1)/(m+p-1)",
-                  theory.gpipe_formula, torch="Schedule1F1B"),
-    NamedSchedule("interleaved-1f1b",
-                  lambda ranks, m, chunks: interleaved_1f1b(ranks, chunks, m),
-                  "(p-1)/(v m+p-1)",
-                  lambda p, m, v, f, b, w: theory.interleaved_bubble(p, v, m),
-                  chunks=None, rounds=True, torch="ScheduleInterleaved1F1B"),
-    NamedSchedule("zb-h1", lambda ranks, m, chunks: zero_bubble_h1(ranks, m),
-                  "(p-1)(F+B-2W) idle", theory.zero_bubble_h1_formula),
-    NamedSchedule("zbv", lambda ranks, m, chunks: zbv(ranks, m),
-                  "0 when F = I = W (Qi et al. sec. 6); see the simulator", chunks=2,
-                  torch="ScheduleZBVZeroBubble"),
-    NamedSchedule("dualpipe", lambda ranks, m, chunks: dualpipe(ranks, m),
-                  "(p/2-1)(F+B-2W) idle run apart, (p/2-1)(F&B+B-3W) overlapped (DeepSeek)",
-                  theory.dualpipe_formula, chunks=2, min_microbatches=lambda ranks: 2 * ranks,
-                  even=True),
-    NamedSchedule("dualpipe-v", lambda ranks, m, chunks: dualpipe_v(ranks, m),
-                  "(DualPipe's table assumes F&B overlapped; see the simulator)",
-                  chunks=2, min_microbatches=lambda ranks: 2 * ranks,
-                  torch="ScheduleDualPipeV"),
-]}
+SCHEDULES: dict[str, NamedSchedule] = {
+    s.name: s
+    for s in [
+        NamedSchedule(
+            "naive",
+            lambda ranks, m, chunks: naive(ranks),
+            "(p-1)/(m+p-1)",
+            theory.gpipe_formula,
+            microbatched=False,
+        ),
+        NamedSchedule(
+            "gpipe",
+            lambda ranks, m, chunks: gpipe(ranks, m),
+            "(p-1)/(m+p-1)",
+            theory.gpipe_formula,
+            torch="ScheduleGPipe",
+        ),
+        NamedSchedule(
+            "1f1b",
+            lambda ranks, m, chunks: one_f_one_b(ranks, m),
+            "(p-1)/(m+p-1)",
+            theory.gpipe_formula,
+            torch="Schedule1F1B",
+        ),
+        NamedSchedule(
+            "interleaved-1f1b",
+            lambda ranks, m, chunks: interleaved_1f1b(ranks, chunks, m),
+            "(p-1)/(v m+p-1)",
+            lambda p, m, v, f, b, w: theory.interleaved_bubble(p, v, m),
+            chunks=None,
+            rounds=True,
+            torch="ScheduleInterleaved1F1B",
+        ),
+        NamedSchedule(
+            "zb-h1",
+            lambda ranks, m, chunks: zero_bubble_h1(ranks, m),
+            "(p-1)(F+B-2W) idle",
+            theory.zero_bubble_h1_formula,
+        ),
+        NamedSchedule(
+            "zbv",
+            lambda ranks, m, chunks: zbv(ranks, m),
+            "0 when F = I = W (Qi et al. sec. 6); see the simulator",
+            chunks=2,
+            torch="ScheduleZBVZeroBubble",
+        ),
+        NamedSchedule(
+            "dualpipe",
+            lambda ranks, m, chunks: dualpipe(ranks, m),
+            "(p/2-1)(F+B-2W) idle run apart, (p/2-1)(F&B+B-3W) overlapped (DeepSeek)",
+            theory.dualpipe_formula,
+            chunks=2,
+            min_microbatches=lambda ranks: 2 * ranks,
+            even=True,
+        ),
+        NamedSchedule(
+            "dualpipe-v",
+            lambda ranks, m, chunks: dualpipe_v(ranks, m),
+            "(DualPipe's table assumes F&B overlapped; see the simulator)",
+            chunks=2,
+            min_microbatches=lambda ranks: 2 * ranks,
+            torch="ScheduleDualPipeV",
+        ),
+    ]
+}
 
 
 def schedule_by_name(name: str, ranks: int, microbatches: int, chunks: int = 2) -> Schedule:

@@ -29,8 +29,19 @@ from typing import Any, Self
 
 from parcourse.pipeline.actions import Action, Deadlock, Schedule, play
 
-__all__ = ["Costs", "Deadlock", "SimSpan", "SimulatedCompute", "Timeline", "bubble",
-           "exposed_waits", "in_flight", "measured_bubble", "simulate", "taking_turns"]
+__all__ = [
+    "Costs",
+    "Deadlock",
+    "SimSpan",
+    "SimulatedCompute",
+    "Timeline",
+    "bubble",
+    "exposed_waits",
+    "in_flight",
+    "measured_bubble",
+    "simulate",
+    "taking_turns",
+]
 
 
 def _per_stage(value: float | Sequence[float], stages: int, name: str) -> list[float]:
@@ -64,8 +75,11 @@ class SimulatedCompute:
         """Seconds of each kind of action ("F", "B", "I", "W") on each of `stages` stages."""
         f = _per_stage(self.forward, stages, "forward")
         b = _per_stage(self.backward, stages, "backward")
-        w = ([bi / 2 for bi in b] if self.weight is None
-             else _per_stage(self.weight, stages, "weight"))
+        w = (
+            [bi / 2 for bi in b]
+            if self.weight is None
+            else _per_stage(self.weight, stages, "weight")
+        )
         if any(wi > bi for wi, bi in zip(w, b)):
             raise ValueError("the weight-gradient part of backward cannot exceed backward")
         return {"F": f, "B": b, "W": w, "I": [bi - wi for bi, wi in zip(b, w)]}
@@ -74,8 +88,11 @@ class SimulatedCompute:
         """These costs (for one rank's layers) cut into `chunks` equal stages: each a
         `chunks`-th (a schedule with several stages per rank)."""
         return dataclasses.replace(
-            self, forward=_divide(self.forward, chunks), backward=_divide(self.backward, chunks),
-            weight=None if self.weight is None else _divide(self.weight, chunks))
+            self,
+            forward=_divide(self.forward, chunks),
+            backward=_divide(self.backward, chunks),
+            weight=None if self.weight is None else _divide(self.weight, chunks),
+        )
 
 
 @dataclass(frozen=True)
@@ -92,8 +109,7 @@ class Costs(SimulatedCompute):
 
     def __post_init__(self) -> None:
         if self.overlap is not None and not 0 < self.overlap <= 1:
-            raise ValueError(f"overlap must be in (0, 1], a fraction of F + B, got "
-                             f"{self.overlap}")
+            raise ValueError(f"overlap must be in (0, 1], a fraction of F + B, got {self.overlap}")
 
 
 @dataclass(frozen=True)
@@ -141,8 +157,7 @@ def measured_bubble(spans: Sequence[Any], ranks: int) -> float:
     return bubble(busy, ranks, end - start)
 
 
-def in_flight(actions: Sequence[Action], held: Sequence[float] | None = None
-              ) -> list[float]:
+def in_flight(actions: Sequence[Action], held: Sequence[float] | None = None) -> list[float]:
     """Microbatches (per stage) whose activations a rank holds after each of its actions:
     one more after a forward, one fewer once its backward is done (after W when split,
     since the weight gradient needs the layer inputs). With `held` (what one microbatch
@@ -162,8 +177,10 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     # Copies of a stage (DualPipe) cost what the stage costs: the model is cut into
     # model_stages stages, whatever number of copies the ranks hold.
     per_model_stage = costs.of(schedule.model_stages)
-    cost = {k: [v[schedule.model_stage(s)] for s in range(schedule.stages)]
-            for k, v in per_model_stage.items()}
+    cost = {
+        k: [v[schedule.model_stage(s)] for s in range(schedule.stages)]
+        for k, v in per_model_stage.items()
+    }
     link_free: dict[tuple[int, int], float] = {}
     timeline = Timeline(schedule, busy=[0.0] * schedule.ranks)
 
@@ -177,6 +194,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
         return link_free[(src, at)] + costs.latency
 
     rank_end = [0.0] * schedule.ranks
+
     def duration(a: Action) -> float:
         return cost[a.kind][a.stage]
 
@@ -184,8 +202,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
         assert costs.overlap is not None
         return costs.overlap * (duration(f) + duration(b))
 
-    for slot in play(schedule, duration, arrival,
-                     together if costs.overlap is not None else None):
+    for slot in play(schedule, duration, arrival, together if costs.overlap is not None else None):
         timeline.spans.append(SimSpan(slot.rank, slot.action, slot.start, slot.end))
         timeline.busy[slot.rank] += slot.end - slot.start
         rank_end[slot.rank] = slot.end
@@ -215,13 +232,15 @@ def taking_turns(first: Sequence[float], second: Sequence[float]) -> float:
     return max(ready)
 
 
-def exposed_waits(schedule: Schedule, segments: Callable[[Action], Sequence[float]],
-                  overlap: bool) -> tuple[list[float], float]:
+def exposed_waits(
+    schedule: Schedule, segments: Callable[[Action], Sequence[float]], overlap: bool
+) -> tuple[list[float], float]:
     """Each rank's seconds of waiting with nothing to compute, and the step time, when each
     action `a` lasts `segments(a)` (compute, wait, compute, ...: `taking_turns`' form) and
     messages between stages are free; `overlap`: the pairs of `schedule.together` run
     taking turns (the runtime with `turns`), else one after the other. The waits a
     rank's actions expose: the time its slots last beyond their compute."""
+
     def duration(a: Action) -> float:
         return sum(segments(a))
 

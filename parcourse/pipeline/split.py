@@ -92,11 +92,22 @@ class WeightGradient:
                 continue
             # A boundary node that another one's weight path runs into would get that
             # gradient on top of its own: pin each to what it received during I.
-            pins = [node.register_prehook(lambda _, kept=self.kept[node]: kept)
-                    for node in boundary if node in self.kept] if len(boundary) > 1 else []
+            pins = (
+                [
+                    node.register_prehook(lambda _, kept=self.kept[node]: kept)
+                    for node in boundary
+                    if node in self.kept
+                ]
+                if len(boundary) > 1
+                else []
+            )
             try:
-                torch.autograd.backward(outputs, grads_out, retain_graph=True,
-                                        inputs=[self.of_node[n] for n in leaf_nodes])
+                torch.autograd.backward(
+                    outputs,
+                    grads_out,
+                    retain_graph=True,
+                    inputs=[self.of_node[n] for n in leaf_nodes],
+                )
             finally:
                 for pin in pins:
                     pin.remove()
@@ -104,9 +115,12 @@ class WeightGradient:
         self.groups, self.kept, self.of_node = [], {}, {}
 
 
-def input_gradient(output: torch.Tensor, grad: torch.Tensor | None, input: torch.Tensor,
-                   weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None,
-                                                             WeightGradient]:
+def input_gradient(
+    output: torch.Tensor,
+    grad: torch.Tensor | None,
+    input: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+) -> tuple[torch.Tensor | None, WeightGradient]:
     """I: the gradient of `input` (None when it needs none) and the W still to run."""
     weights = [w for w in weights if w.requires_grad]
     later = WeightGradient(weights)
@@ -120,8 +134,9 @@ def input_gradient(output: torch.Tensor, grad: torch.Tensor | None, input: torch
     later.of_node = {_node(w): w for w in weights}
     weight_nodes = set(later.of_node)
     to_weights = _reaching(edges, weight_nodes) - on_input_path
-    boundary = {n: {t for t in nexts if t in to_weights}
-                for n, nexts in edges.items() if n in on_input_path}
+    boundary = {
+        n: {t for t in nexts if t in to_weights} for n, nexts in edges.items() if n in on_input_path
+    }
     boundary = {n: ts for n, ts in boundary.items() if ts}
     # The weights reachable past each boundary node; nodes sharing a weight form a group.
     leaves_of: dict[Node, set[Node]] = {}
@@ -137,12 +152,13 @@ def input_gradient(output: torch.Tensor, grad: torch.Tensor | None, input: torch
     groups: list[tuple[list[Node], set[Node]]] = []
     for node, leaves in leaves_of.items():
         merged = [g for g in groups if g[1] & leaves]
-        group = ([node] + [n for g in merged for n in g[0]],
-                 leaves.union(*(g[1] for g in merged)))
+        group = ([node] + [n for g in merged for n in g[0]], leaves.union(*(g[1] for g in merged)))
         groups = [g for g in groups if not any(g is h for h in merged)] + [group]
     later.groups = groups
-    hooks = [node.register_prehook(lambda grads, node=node: later.kept.__setitem__(node, grads))
-             for node in boundary]
+    hooks = [
+        node.register_prehook(lambda grads, node=node: later.kept.__setitem__(node, grads))
+        for node in boundary
+    ]
     try:
         (dx,) = torch.autograd.grad(output, input, grad, retain_graph=True)
     finally:

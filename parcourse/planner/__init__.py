@@ -42,10 +42,15 @@ meanwhile).
 """
 
 from parcourse.planner.costs import measure_costs, measure_flops, measure_sharing, measure_waits
-from parcourse.planner.links import measure_links, measure_paced
-from parcourse.planner.here import (Contention, measure, measured_against_predicted,
-                                    measured_here, scaled)
+from parcourse.planner.here import (
+    Contention,
+    measure,
+    measured_against_predicted,
+    measured_here,
+    scaled,
+)
 from parcourse.planner.inputs import MODELS, Choice, Cluster, Overheads, model, parameters
+from parcourse.planner.links import measure_links, measure_paced
 from parcourse.planner.predict import (
     model_flops_per_token,
     predict_memory,
@@ -55,8 +60,32 @@ from parcourse.planner.predict import (
 )
 from parcourse.planner.search import Planned, Plans, choices, format_plans, plan
 
-__all__ = ["MODELS", "Choice", "Cluster", "Contention", "Overheads", "Planned", "Plans", "choices",
-           "format_plans", "measure", "measure_costs", "measure_flops", "measure_links",
-           "measure_paced", "measure_sharing", "measure_waits", "measured_against_predicted",
-           "measured_here", "model", "model_flops_per_token", "parameters", "plan",
-           "predict_memory", "predict_time", "scaled", "stage_compute", "stage_layers"]
+__all__ = [
+    "MODELS",
+    "Choice",
+    "Cluster",
+    "Contention",
+    "Overheads",
+    "Planned",
+    "Plans",
+    "choices",
+    "format_plans",
+    "measure",
+    "measure_costs",
+    "measure_flops",
+    "measure_links",
+    "measure_paced",
+    "measure_sharing",
+    "measure_waits",
+    "measured_against_predicted",
+    "measured_here",
+    "model",
+    "model_flops_per_token",
+    "parameters",
+    "plan",
+    "predict_memory",
+    "predict_time",
+    "scaled",
+    "stage_compute",
+    "stage_layers",
+]

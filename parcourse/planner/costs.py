@@ -22,6 +22,7 @@ from parcourse.theory import gpt_layer_flops
 if TYPE_CHECKING:
     import torch
 
+
 def measure_flops(config: GPTConfig, batch: int = 4, repeats: int = 5) -> float:
     """FLOP/s one rank reaches here (one thread) on the GPT's own forward and backward:
     `model_flops_per_token` x tokens over the median time of a step in this process.
@@ -50,8 +51,9 @@ def measure_flops(config: GPTConfig, batch: int = 4, repeats: int = 5) -> float:
     return model_flops_per_token(config) * batch * config.block_size / median
 
 
-def measure_costs(ctx: Any, config: GPTConfig, batches: tuple[int, int] = (1, 16),
-                  repeats: int = 9) -> dict[str, float]:
+def measure_costs(
+    ctx: Any, config: GPTConfig, batches: tuple[int, int] = (1, 16), repeats: int = 9
+) -> dict[str, float]:
     """What the course's 3D step costs here beyond its links, measured alone (a rank
     function for a pool of one rank, one thread: ranks waiting beside it would share
     its cores): the FLOP/s a layer's work goes at ("flops") and `Overheads`' fixed
@@ -71,8 +73,10 @@ def measure_costs(ctx: Any, config: GPTConfig, batches: tuple[int, int] = (1, 16
     import torch
 
     if ctx.world_size != 1:
-        raise ValueError(f"measure_costs measures one rank alone: run it on a pool of one "
-                         f"rank, not {ctx.world_size} (the others would share its cores)")
+        raise ValueError(
+            f"measure_costs measures one rank alone: run it on a pool of one "
+            f"rank, not {ctx.world_size} (the others would share its cores)"
+        )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -81,8 +85,9 @@ def measure_costs(ctx: Any, config: GPTConfig, batches: tuple[int, int] = (1, 16
         torch.set_num_threads(threads)
 
 
-def _costs_alone(group: Any, config: GPTConfig, batches: tuple[int, int],
-                 repeats: int) -> dict[str, float]:
+def _costs_alone(
+    group: Any, config: GPTConfig, batches: tuple[int, int], repeats: int
+) -> dict[str, float]:
     import statistics
     import time
 
@@ -97,19 +102,30 @@ def _costs_alone(group: Any, config: GPTConfig, batches: tuple[int, int],
     def actions(cfg: GPTConfig, batch: int) -> tuple[float, float]:
         """Median seconds of an F and of a B of the whole model, one microbatch."""
         tracer = Tracer(0)
-        model = Hybrid(gpt(cfg), Mesh({"dp": 1, "tp": 1, "pp": 1}, group), microbatches=1,
-                       tracer=tracer, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
+        model = Hybrid(
+            gpt(cfg),
+            Mesh({"dp": 1, "tp": 1, "pp": 1}, group),
+            microbatches=1,
+            tracer=tracer,
+            optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3),
+        )
         x, y = progressions(batch, cfg.block_size, cfg.vocab)
         for _ in range(repeats + 1):
             model.step(x, y)
         spans = [sp for sp in tracer.data().spans if sp.kind == "compute"]
-        return tuple(statistics.median(sp.duration_s for sp in spans  # type: ignore[return-value]
-                                       if sp.meta.get("action") == kind)
-                     for kind in ("F", "B"))
+        return tuple(
+            statistics.median(
+                sp.duration_s
+                for sp in spans  # type: ignore[return-value]
+                if sp.meta.get("action") == kind
+            )
+            for kind in ("F", "B")
+        )
 
     def forward_flops(cfg: GPTConfig, batch: int) -> float:
-        return sum(gpt_layer_flops(cfg, lay, batch * cfg.block_size)
-                   for lay in range(cfg.n_layers + 2))
+        return sum(
+            gpt_layer_flops(cfg, lay, batch * cfg.block_size) for lay in range(cfg.n_layers + 2)
+        )
 
     small, large = batches
     tries = []
@@ -123,7 +139,8 @@ def _costs_alone(group: Any, config: GPTConfig, batches: tuple[int, int],
         raise RuntimeError(
             f"batch {large} took {1e3 * (f2 + b2):.2f} ms a forward and backward, batch "
             f"{small} {1e3 * (f1 + b1):.2f} ms, three times over: something else is using "
-            "this machine's cores, so its FLOP rate cannot be told apart; measure again later")
+            "this machine's cores, so its FLOP rate cannot be told apart; measure again later"
+        )
     rate = 3 * (forward_flops(config, large) - forward_flops(config, small)) / extra
     fixed = {}
     for layers in sorted({1, max(2, config.n_layers)}):
@@ -154,15 +171,19 @@ def _costs_alone(group: Any, config: GPTConfig, batches: tuple[int, int],
     bucketed, sharded = _bookkeeping(group, config, repeats)
     # The step alone, its quickest of three takes: a busy moment elsewhere on the machine
     # slows it as sharing would, and that is what `measure_sharing` is set against
-    return {"flops": rate, "probe_cpu_s": _probe_cpu(group, config, takes=3),
-            "forward_layer_s": per_layer[0], "backward_layer_s": per_layer[1],
-            "forward_stage_s": max(0.0, f_many - many * per_layer[0]),
-            "backward_stage_s": max(0.0, b_many - many * per_layer[1]),
-            "optimizer_step_s": max(0.0, t_one - per_tensor),
-            "optimizer_tensor_s": per_tensor,
-            "optimizer_number_s": max(0.0, (t_flat - t_one) / max(1, numbers - 1)),
-            "dp_tensor_s": bucketed / len(weights),
-            "zero_tensor_s": max(0.0, sharded - t_model) / len(weights)}
+    return {
+        "flops": rate,
+        "probe_cpu_s": _probe_cpu(group, config, takes=3),
+        "forward_layer_s": per_layer[0],
+        "backward_layer_s": per_layer[1],
+        "forward_stage_s": max(0.0, f_many - many * per_layer[0]),
+        "backward_stage_s": max(0.0, b_many - many * per_layer[1]),
+        "optimizer_step_s": max(0.0, t_one - per_tensor),
+        "optimizer_tensor_s": per_tensor,
+        "optimizer_number_s": max(0.0, (t_flat - t_one) / max(1, numbers - 1)),
+        "dp_tensor_s": bucketed / len(weights),
+        "zero_tensor_s": max(0.0, sharded - t_model) / len(weights),
+    }
 
 
 def _bookkeeping(group: Any, config: GPTConfig, repeats: int) -> tuple[float, float]:
@@ -183,8 +204,12 @@ def _bookkeeping(group: Any, config: GPTConfig, repeats: int) -> tuple[float, fl
 
     params = [p for p in gpt(config).parameters() if p.requires_grad]
     buckets = make_buckets(params, 25.0)
-    stages = ShardedStages([params], Comm(group, algorithm="auto"),
-                           lambda shards: torch.optim.Adam(shards, lr=1e-3), stage=1)
+    stages = ShardedStages(
+        [params],
+        Comm(group, algorithm="auto"),
+        lambda shards: torch.optim.Adam(shards, lr=1e-3),
+        stage=1,
+    )
     packed, stepped = [], []
     for _ in range(3 + 2 * repeats):
         for p in params:
@@ -203,8 +228,9 @@ def _bookkeeping(group: Any, config: GPTConfig, repeats: int) -> tuple[float, fl
     return statistics.median(packed[3:]), statistics.median(stepped[3:])
 
 
-def _probe_cpu(group: Any, config: GPTConfig, batch: int = 2, steps: int = 8,
-               takes: int = 1) -> float:
+def _probe_cpu(
+    group: Any, config: GPTConfig, batch: int = 2, steps: int = 8, takes: int = 1
+) -> float:
     """The processor time of one step of `config`'s 3D step on a rank by itself (`group`
     of one): the median of `steps` after two, the least of `takes` such medians."""
     import statistics
@@ -217,16 +243,19 @@ def _probe_cpu(group: Any, config: GPTConfig, batch: int = 2, steps: int = 8,
     from parcourse.mesh import Mesh
     from parcourse.models import gpt
 
-    model = Hybrid(gpt(config), Mesh({"dp": 1, "tp": 1, "pp": 1}, group), microbatches=1,
-                   optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
+    model = Hybrid(
+        gpt(config),
+        Mesh({"dp": 1, "tp": 1, "pp": 1}, group),
+        microbatches=1,
+        optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3),
+    )
     x, y = progressions(batch, config.block_size, config.vocab)
     times = []
     for _ in range(2 + steps * takes):
         start = time.thread_time()
         model.step(x, y)
         times.append(time.thread_time() - start)
-    return min(statistics.median(times[2 + k * steps:2 + (k + 1) * steps])
-               for k in range(takes))
+    return min(statistics.median(times[2 + k * steps : 2 + (k + 1) * steps]) for k in range(takes))
 
 
 def measure_sharing(ctx: Any, config: GPTConfig) -> float:
@@ -251,6 +280,7 @@ def measure_sharing(ctx: Any, config: GPTConfig) -> float:
     finally:
         dist.destroy_process_group(own)
         torch.set_num_threads(threads)
+
 
 def measure_waits(ctx: Any, config: GPTConfig, steps: int = 4) -> dict[str, Any]:
     """What a message and a collective cost a step in processor time here, where they
@@ -297,8 +327,9 @@ def measure_waits(ctx: Any, config: GPTConfig, steps: int = 4) -> dict[str, Any]
     def layer() -> None:
         net.blocks[0](hidden).sum().backward()
 
-    def per_wait(work: Any, wait: Any, rounds: int, takes: int = steps,
-                 members: int | None = None) -> float:
+    def per_wait(
+        work: Any, wait: Any, rounds: int, takes: int = steps, members: int | None = None
+    ) -> float:
         """A wait's processor time after `work`: rounds of work alone and as many with a
         wait after each, in turn, the first of the two alternating (so a busy moment
         elsewhere falls on both), the median difference per round; its mean over the
@@ -306,7 +337,7 @@ def measure_waits(ctx: Any, config: GPTConfig, steps: int = 4) -> dict[str, Any]
         extra = []
         for take in range(2 + takes):
             spent = {}
-            for then in ((None, wait) if take % 2 else (wait, None)):
+            for then in (None, wait) if take % 2 else (wait, None):
                 dist.barrier(group=ctx.group)
                 start = time.process_time()
                 for _ in range(rounds):
@@ -324,8 +355,9 @@ def measure_waits(ctx: Any, config: GPTConfig, steps: int = 4) -> dict[str, Any]
         out: dict[str, Any] = {"collective_cpu_s": {}, "gather_cpu_s": {}, "scatter_cpu_s": {}}
         if ctx.world_size > 1:
             paired = ctx.world_size - ctx.world_size % 2  # an odd world's last rank waits not
-            out["message_cpu_s"] = per_wait(action, lambda: _round_trip(ctx, flag), 6, 3 * steps,
-                                            paired)
+            out["message_cpu_s"] = per_wait(
+                action, lambda: _round_trip(ctx, flag), 6, 3 * steps, paired
+            )
         for size in range(2, ctx.world_size + 1):
             if ctx.world_size % size:
                 continue
@@ -341,5 +373,6 @@ def measure_waits(ctx: Any, config: GPTConfig, steps: int = 4) -> dict[str, Any]
         return out
     finally:
         torch.set_num_threads(threads)
+
 
 __all__ = ["measure_costs", "measure_flops", "measure_sharing", "measure_waits"]

@@ -17,8 +17,8 @@ from parcourse.launch import usable_cpus
 from parcourse.models import GPTConfig
 from parcourse.pipeline.simulate import SimulatedCompute
 from parcourse.planner.costs import measure_costs, measure_sharing, measure_waits
-from parcourse.planner.links import measure_links
 from parcourse.planner.inputs import Choice, Cluster, Overheads
+from parcourse.planner.links import measure_links
 from parcourse.planner.predict import model_flops_per_token, predict_memory
 
 
@@ -32,8 +32,9 @@ def measured_here(gpus: int, config: GPTConfig, pool: Any = None) -> Cluster:
     from parcourse.launch import Pool
 
     if pool is not None and pool.world_size != gpus:
-        raise ValueError(f"a pool of {pool.world_size} ranks measures {pool.world_size}"
-                         f" GPUs' links, not {gpus}")
+        raise ValueError(
+            f"a pool of {pool.world_size} ranks measures {pool.world_size} GPUs' links, not {gpus}"
+        )
     with Pool(1, timeout=300) as alone:
         costs = alone.run(measure_costs, config).results[0]
     links, together = None, costs["probe_cpu_s"]
@@ -50,12 +51,19 @@ def measured_here(gpus: int, config: GPTConfig, pool: Any = None) -> Cluster:
     elif gpus > 1:
         with Pool(gpus, timeout=300) as ranks:
             links, together = on(ranks)
-    return Cluster.this_machine(gpus, costs=costs, links=links,
-                                shared_cpu=max(1.0, together / costs["probe_cpu_s"]))
+    return Cluster.this_machine(
+        gpus, costs=costs, links=links, shared_cpu=max(1.0, together / costs["probe_cpu_s"])
+    )
 
 
-def measure(ctx: Any, config: GPTConfig, choice: Choice, global_batch: int,
-            steps: int = 2, compute: SimulatedCompute | None = None) -> dict[str, Any]:
+def measure(
+    ctx: Any,
+    config: GPTConfig,
+    choice: Choice,
+    global_batch: int,
+    steps: int = 2,
+    compute: SimulatedCompute | None = None,
+) -> dict[str, Any]:
     """Run `choice` here (the 3D step, traced, `steps` Adam steps): this rank's memory by
     category (`Hybrid.memory`), its pipeline coordinate, the step times after the first
     and, in each of those steps, the seconds this rank spent in tp's blocking
@@ -70,10 +78,15 @@ def measure(ctx: Any, config: GPTConfig, choice: Choice, global_batch: int,
     from parcourse.mesh import Mesh
     from parcourse.models import gpt
 
-    mesh = Mesh(choice.shape, ctx.group, order=choice.order,
-                ranks_per_node=choice.ranks_per_node)
-    model = Hybrid.from_plan(gpt(config), mesh, choice, tracer=ctx.tracer, compute=compute,
-                             optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
+    mesh = Mesh(choice.shape, ctx.group, order=choice.order, ranks_per_node=choice.ranks_per_node)
+    model = Hybrid.from_plan(
+        gpt(config),
+        mesh,
+        choice,
+        tracer=ctx.tracer,
+        compute=compute,
+        optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3),
+    )
     x, y = progressions(global_batch, config.block_size, config.vocab)
     times, tp_s = [], []
     for _ in range(steps):
@@ -81,13 +94,21 @@ def measure(ctx: Any, config: GPTConfig, choice: Choice, global_batch: int,
         model.step(x, y)
         times.append(time.perf_counter() - start)
         tp_s.append(model.tp_comm.comm.blocked_s - blocked)
-    return {"memory": model.memory(), "pp": mesh.coordinate("pp"), "times": times[1:],
-            "tp_s": tp_s[1:]}
+    return {
+        "memory": model.memory(),
+        "pp": mesh.coordinate("pp"),
+        "times": times[1:],
+        "tp_s": tp_s[1:],
+    }
 
 
-def scaled(cluster: Cluster, config: GPTConfig, global_batch: int,
-           alone_s: float = 12.0, collectives: dict[str, dict[int, float]] | None = None
-           ) -> Cluster:
+def scaled(
+    cluster: Cluster,
+    config: GPTConfig,
+    global_batch: int,
+    alone_s: float = 12.0,
+    collectives: dict[str, dict[int, float]] | None = None,
+) -> Cluster:
     """`cluster` (`measured_here`) with its compute simulated, as a GPU's next to its
     links: a FLOP rate at which one rank alone would take `alone_s` seconds for a step of
     `config` on `global_batch` sequences. A run pads each stage's forward and backward to
@@ -110,34 +131,43 @@ def scaled(cluster: Cluster, config: GPTConfig, global_batch: int,
     paced = collectives or {}
     unknown = set(paced) - {"collective_s", "gather_s", "scatter_s"}
     if unknown:
-        raise ValueError(f"collectives: unknown {', '.join(sorted(unknown))}; give "
-                         "measure_paced's collective_s, gather_s and scatter_s")
+        raise ValueError(
+            f"collectives: unknown {', '.join(sorted(unknown))}; give "
+            "measure_paced's collective_s, gather_s and scatter_s"
+        )
     flops = model_flops_per_token(config) * global_batch * config.block_size / alone_s
     ov = cluster.overheads
     return dataclasses.replace(
-        cluster, name="this machine, compute simulated", peak_flops=flops, achievable=1.0,
-        compute_simulated=True, shared_cpu=1.0,
+        cluster,
+        name="this machine, compute simulated",
+        peak_flops=flops,
+        achievable=1.0,
+        compute_simulated=True,
+        shared_cpu=1.0,
         **{key: {**getattr(cluster, key), **by_size} for key, by_size in paced.items()},
-        overheads=Overheads(optimizer_step_s=ov.optimizer_step_s,
-                            optimizer_tensor_s=ov.optimizer_tensor_s,
-                            optimizer_number_s=ov.optimizer_number_s,
-                            dp_tensor_s=ov.dp_tensor_s, zero_tensor_s=ov.zero_tensor_s))
+        overheads=Overheads(
+            optimizer_step_s=ov.optimizer_step_s,
+            optimizer_tensor_s=ov.optimizer_tensor_s,
+            optimizer_number_s=ov.optimizer_number_s,
+            dp_tensor_s=ov.dp_tensor_s,
+            zero_tensor_s=ov.zero_tensor_s,
+        ),
+    )
 
 
-def measured_against_predicted(results: list[dict[str, Any]], config: GPTConfig,
-                               choice: Choice, global_batch: int) -> list[dict[str, Any]]:
+def measured_against_predicted(
+    results: list[dict[str, Any]], config: GPTConfig, choice: Choice, global_batch: int
+) -> list[dict[str, Any]]:
     """Per pipeline rank: the largest measured bytes of each category over its ranks beside
     the prediction."""
     predicted = predict_memory(config, choice, global_batch)
     rows = []
     for rank, pred in enumerate(predicted):
         mine = [r["memory"] for r in results if r["pp"] == rank]
-        got = {k: max(m[k] for m in mine) for k in ("params", "grads", "optimizer",
-                                                     "activations")}
+        got = {k: max(m[k] for m in mine) for k in ("params", "grads", "optimizer", "activations")}
         got["total"] = sum(got.values())
         rows.append({"pp": rank, "measured": got, "predicted": pred})
     return rows
-
 
 
 def proc_stat(text: str) -> tuple[int, int]:
@@ -212,8 +242,11 @@ class Contention:
         if every1 <= every0:
             return  # no tick went by
         ours = own0 | own1  # a rank started or ended within the window too
-        others = sum(s - before.get(key, 0.0) for key, s in after.items()  # new: all of it
-                     if key[0] not in ours)
+        others = sum(
+            s - before.get(key, 0.0)
+            for key, s in after.items()  # new: all of it
+            if key[0] not in ours
+        )
         self.cpu_s = (every1 - every0) * self._TICK_S
         self.steal = (steal1 - steal0) / (every1 - every0)
         # each process's counters and /proc/stat's ticks round apart: on a machine busy to
@@ -229,9 +262,17 @@ class Contention:
         """The same in words, for a line of its own."""
         if self.steal is None or self.others is None:
             return "what else held the processors: not known here"
-        return (f"other processes held {self.others:.0%} of the processors, the host's "
-                f"other tenants {self.steal:.0%}")
+        return (
+            f"other processes held {self.others:.0%} of the processors, the host's "
+            f"other tenants {self.steal:.0%}"
+        )
 
 
-__all__ = ["Contention", "measure", "measured_against_predicted", "measured_here",
-           "proc_stat", "scaled"]
+__all__ = [
+    "Contention",
+    "measure",
+    "measured_against_predicted",
+    "measured_here",
+    "proc_stat",
+    "scaled",
+]

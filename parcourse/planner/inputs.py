@@ -23,6 +23,8 @@ def check_dtype(dtype: str) -> None:
     (a misspelt one would count memory in 16 bits and time in 4-byte numbers)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+
+
 GiB = 2**30
 
 
@@ -60,8 +62,11 @@ class Overheads:
         """One optimizer step over `tensors` tensors of `numbers` parameters in all."""
         if not numbers:
             return 0.0
-        return (self.optimizer_step_s + tensors * self.optimizer_tensor_s
-                + numbers * self.optimizer_number_s)
+        return (
+            self.optimizer_step_s
+            + tensors * self.optimizer_tensor_s
+            + numbers * self.optimizer_number_s
+        )
 
 
 @dataclass(frozen=True)
@@ -143,21 +148,37 @@ class Cluster:
     }
 
     @classmethod
-    def preset(cls, name: str, gpus: int, gpus_per_node: int = 8,
-               achievable: float = 0.65) -> Cluster:
+    def preset(
+        cls, name: str, gpus: int, gpus_per_node: int = 8, achievable: float = 0.65
+    ) -> Cluster:
         if name not in cls.PRESETS:
             raise ValueError(f"unknown GPU {name!r}; choose one of {', '.join(cls.PRESETS)}")
         memory, flops, nvlink, ib, hbm = cls.PRESETS[name]
-        return cls(name, gpus, min(gpus, gpus_per_node), memory, flops, achievable,
-                   SimulatedLink.of(3, nvlink), SimulatedLink.of(10, ib),
-                   overheads=Overheads(optimizer_number_s=28 / hbm), memory_bandwidth=hbm)
+        return cls(
+            name,
+            gpus,
+            min(gpus, gpus_per_node),
+            memory,
+            flops,
+            achievable,
+            SimulatedLink.of(3, nvlink),
+            SimulatedLink.of(10, ib),
+            overheads=Overheads(optimizer_number_s=28 / hbm),
+            memory_bandwidth=hbm,
+        )
 
     @classmethod
-    def this_machine(cls, gpus: int, flops: float | None = None, memory: float = 64 * GiB,
-                     topology: Topology | None = None, cores: int | None = None,
-                     links: dict[str, Any] | None = None,
-                     costs: dict[str, Any] | None = None,
-                     shared_cpu: float = 1.0) -> Cluster:
+    def this_machine(
+        cls,
+        gpus: int,
+        flops: float | None = None,
+        memory: float = 64 * GiB,
+        topology: Topology | None = None,
+        cores: int | None = None,
+        links: dict[str, Any] | None = None,
+        costs: dict[str, Any] | None = None,
+        shared_cpu: float = 1.0,
+    ) -> Cluster:
         """The course's ranks here, one core's worth each at most: `flops` what one rank
         reaches alone (`measure_flops`), or, with `costs` (`measure_costs` on one rank),
         the rate a layer's FLOPs go at beside what each call and the optimizer cost
@@ -174,31 +195,45 @@ class Cluster:
             link = SimulatedLink(links["p2p_s"], links["bandwidth_Bps"])
             topology = Topology(gpus, link, link)
         topology = topology or Topology(gpus, SimulatedLink(), SimulatedLink())
-        overheads = Overheads(**{k: v for k, v in (costs or {}).items()
-                                 if k in Overheads.__dataclass_fields__})
+        overheads = Overheads(
+            **{k: v for k, v in (costs or {}).items() if k in Overheads.__dataclass_fields__}
+        )
         loaded = (links or {}).get("loaded", {})
-        return cls("this machine", gpus, topology.ranks_per_node, memory,
-                   costs["flops"] if costs is not None else flops, 1.0,  # type: ignore[arg-type]
-                   topology.inside, topology.between,
-                   dict(links["collective_s"]) if links is not None else {},
-                   overheads, cores,
-                   dict(links.get("ring_s", {})) if links is not None else {},
-                   loaded.get("p2p_s"), dict(loaded.get("collective_s", {})),
-                   (links or {}).get("message_cpu_s", 0.0),
-                   dict((links or {}).get("collective_cpu_s", {})),
-                   dict((links or {}).get("ring_cpu_s", {})), shared_cpu,
-                   dict((links or {}).get("gather_cpu_s", {})),
-                   dict((links or {}).get("scatter_cpu_s", {})),
-                   dict((links or {}).get("gather_s", {})),
-                   dict((links or {}).get("scatter_s", {})))
+        return cls(
+            "this machine",
+            gpus,
+            topology.ranks_per_node,
+            memory,
+            costs["flops"] if costs is not None else flops,
+            1.0,  # type: ignore[arg-type]
+            topology.inside,
+            topology.between,
+            dict(links["collective_s"]) if links is not None else {},
+            overheads,
+            cores,
+            dict(links.get("ring_s", {})) if links is not None else {},
+            loaded.get("p2p_s"),
+            dict(loaded.get("collective_s", {})),
+            (links or {}).get("message_cpu_s", 0.0),
+            dict((links or {}).get("collective_cpu_s", {})),
+            dict((links or {}).get("ring_cpu_s", {})),
+            shared_cpu,
+            dict((links or {}).get("gather_cpu_s", {})),
+            dict((links or {}).get("scatter_cpu_s", {})),
+            dict((links or {}).get("gather_s", {})),
+            dict((links or {}).get("scatter_s", {})),
+        )
 
     def collective_cpu(self, op: str, size: int) -> float:
         """The processor time of one of torch's collectives (`op`: "all_reduce",
         "all_gather", "reduce_scatter") on each member of a group of `size`: an
         all-gather or a reduce-scatter not measured costs an all-reduce's, and an
         all-reduce not measured 0."""
-        by_op = {"all_reduce": {}, "all_gather": self.gather_cpu_s,
-                 "reduce_scatter": self.scatter_cpu_s}
+        by_op = {
+            "all_reduce": {},
+            "all_gather": self.gather_cpu_s,
+            "reduce_scatter": self.scatter_cpu_s,
+        }
         if op not in by_op:
             raise ValueError(f"unknown collective {op!r}; choose one of {', '.join(by_op)}")
         return by_op[op].get(size, self.collective_cpu_s.get(size, 0.0))
@@ -207,8 +242,7 @@ class Cluster:
         """What one of torch's collectives costs beyond its bytes (`op` as in
         `collective_cpu`) in a group of `size`: an all-gather or a reduce-scatter not
         measured costs an all-reduce's, and an all-reduce not measured 0."""
-        by_op = {"all_reduce": {}, "all_gather": self.gather_s,
-                 "reduce_scatter": self.scatter_s}
+        by_op = {"all_reduce": {}, "all_gather": self.gather_s, "reduce_scatter": self.scatter_s}
         if op not in by_op:
             raise ValueError(f"unknown collective {op!r}; choose one of {', '.join(by_op)}")
         return by_op[op].get(size, self.collective_s.get(size, 0.0))
@@ -221,8 +255,11 @@ class Cluster:
 # GPT-style shapes (4h MLP, GELU, learned positions, a vocabulary of 51200 as Megatron-LM's
 # GPT runs), named by their size: (layers, width, heads).
 MODELS: dict[str, tuple[int, int, int]] = {
-    "1.3B": (24, 2048, 16), "6.7B": (32, 4096, 32), "13B": (40, 5120, 40),
-    "70B": (80, 8192, 64), "175B": (96, 12288, 96),
+    "1.3B": (24, 2048, 16),
+    "6.7B": (32, 4096, 32),
+    "13B": (40, 5120, 40),
+    "70B": (80, 8192, 64),
+    "175B": (96, 12288, 96),
 }
 
 
@@ -231,11 +268,9 @@ def model(name: str, seq: int = 2048, vocab: int = 51200) -> GPTConfig:
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
     layers, width, heads = MODELS[name]
-    return GPTConfig(vocab=vocab, block_size=seq, n_layers=layers, n_heads=heads,
-                     d_model=width)
+    return GPTConfig(vocab=vocab, block_size=seq, n_layers=layers, n_heads=heads, d_model=width)
 
 
 def parameters(config: GPTConfig) -> int:
     """The model's parameters (numbers; a tied head counted once)."""
-    return sum(gpt_layer_bytes(config, lay)["params"]
-               for lay in range(config.n_layers + 2)) // 4
+    return sum(gpt_layer_bytes(config, lay)["params"] for lay in range(config.n_layers + 2)) // 4

@@ -22,8 +22,13 @@ if TYPE_CHECKING:
     import torch
 
 
-def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,
-                  loaded_window_s: float = 0.2, loaded_windows: int = 3) -> dict[str, Any]:
+def measure_links(
+    ctx: Any,
+    big: int = 1 << 18,
+    repeats: int = 30,
+    loaded_window_s: float = 0.2,
+    loaded_windows: int = 3,
+) -> dict[str, Any]:
     """gloo's costs here, on the pool's ranks (a rank function), each measured as a
     step meets it, with every rank at it at once (on shared cores, a message waits for
     its receiver to get a core): a message's one-way latency (ping-pong between ranks
@@ -51,8 +56,14 @@ def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,
 
     from parcourse.comm import Comm
 
-    out: dict[str, Any] = {"collective_s": {}, "ring_s": {}, "gather_s": {}, "scatter_s": {},
-                           "collective_cpu_s": {}, "ring_cpu_s": {}}
+    out: dict[str, Any] = {
+        "collective_s": {},
+        "ring_s": {},
+        "gather_s": {},
+        "scatter_s": {},
+        "collective_cpu_s": {},
+        "ring_cpu_s": {},
+    }
 
     def pingpong(n: int) -> tuple[float, float]:
         """A message's one-way seconds, and a send's and a receive's processor time."""
@@ -61,8 +72,10 @@ def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,
         start, cpu_start = time.perf_counter(), time.process_time()
         for _ in range(repeats):
             _round_trip(ctx, t)
-        return ((time.perf_counter() - start) / repeats / 2,
-                (time.process_time() - cpu_start) / repeats)
+        return (
+            (time.perf_counter() - start) / repeats / 2,
+            (time.process_time() - cpu_start) / repeats,
+        )
 
     if ctx.world_size > 1:
         small, cpu = pingpong(16)
@@ -82,10 +95,12 @@ def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,
             ring = Comm(group, algorithm="auto")
             tp = Comm(group)  # torch's, as tensor parallelism calls them
             whole = torch.zeros(16 * size)
-            for key, reduce in (("collective_s", lambda: dist.all_reduce(t, group=group)),
-                                ("ring_s", lambda: ring.all_reduce(t)),
-                                ("gather_s", lambda: tp.all_gather(t, whole)),
-                                ("scatter_s", lambda: tp.reduce_scatter(whole))):  # scratch
+            for key, reduce in (
+                ("collective_s", lambda: dist.all_reduce(t, group=group)),
+                ("ring_s", lambda: ring.all_reduce(t)),
+                ("gather_s", lambda: tp.all_gather(t, whole)),
+                ("scatter_s", lambda: tp.reduce_scatter(whole)),
+            ):  # scratch
                 for _ in range(3):
                     reduce()
                 dist.barrier(group=ctx.group)
@@ -94,23 +109,30 @@ def measure_links(ctx: Any, big: int = 1 << 18, repeats: int = 30,
                     reduce()
                 out[key][size] = (time.perf_counter() - start) / repeats
                 if key in ("collective_s", "ring_s"):
-                    spent = torch.tensor([(time.process_time() - cpu_start) / repeats
-                                          / ctx.world_size])
+                    spent = torch.tensor(
+                        [(time.process_time() - cpu_start) / repeats / ctx.world_size]
+                    )
                     dist.all_reduce(spent, group=ctx.group)  # a member's processor time
                     out[key.replace("_s", "_cpu_s")][size] = spent.item()  # the mean
     if ctx.world_size > usable_cpus() and ctx.world_size > 2:
+
         def median(members: int, op: Any) -> float:
-            return statistics.median(_while_others_compute(ctx, members, op, loaded_window_s)
-                                     for _ in range(loaded_windows))
+            return statistics.median(
+                _while_others_compute(ctx, members, op, loaded_window_s)
+                for _ in range(loaded_windows)
+            )
 
         # ranks 0 and 1: rank 0 carries the flag, rank 1 returns it
-        loaded: dict[str, Any] = {"p2p_s": median(2, lambda go: _round_trip(ctx, go)) / 2,
-                                  "collective_s": {}}
+        loaded: dict[str, Any] = {
+            "p2p_s": median(2, lambda go: _round_trip(ctx, go)) / 2,
+            "collective_s": {},
+        }
         for size in range(2, ctx.world_size):
             if ctx.world_size % size == 0:
                 with _groups_of(ctx, size, ranks=list(range(size))) as group:  # the sum
                     loaded["collective_s"][size] = median(  # carries rank 0's flag
-                        size, lambda go, g=group: dist.all_reduce(go, group=g))
+                        size, lambda go, g=group: dist.all_reduce(go, group=g)
+                    )
         out["loaded"] = loaded
     shared: list[Any] = [out]
     dist.broadcast_object_list(shared, src=0, group=ctx.group)
@@ -141,8 +163,11 @@ def _groups_of(ctx: Any, size: int, ranks: list[int] | None = None) -> Iterator[
     other ranks (the pool replaces every rank after a failure)."""
     import torch.distributed as dist
 
-    cuts = [ranks] if ranks is not None else [
-        list(range(g * size, (g + 1) * size)) for g in range(ctx.world_size // size)]
+    cuts = (
+        [ranks]
+        if ranks is not None
+        else [list(range(g * size, (g + 1) * size)) for g in range(ctx.world_size // size)]
+    )
     groups = [dist.new_group(cut) for cut in cuts]
     mine = next((g for g, cut in zip(groups, cuts) if ctx.rank in cut), None)
     yield mine
@@ -151,8 +176,9 @@ def _groups_of(ctx: Any, size: int, ranks: list[int] | None = None) -> Iterator[
         dist.destroy_process_group(mine)
 
 
-def _while_others_compute(ctx: Any, members: int, op: Any, window_s: float,
-                          lag_s: float = 0.03) -> float:
+def _while_others_compute(
+    ctx: Any, members: int, op: Any, window_s: float, lag_s: float = 0.03
+) -> float:
     """Seconds per call of `op(flag)` on ranks below `members`, called for `window_s`
     while every other rank multiplies matrices (from just before the window to just
     after it). Rank 0 says when to stop: the flag it passes through `op` turns 0."""
@@ -182,8 +208,9 @@ def _while_others_compute(ctx: Any, members: int, op: Any, window_s: float,
     return seconds
 
 
-def measure_paced(ctx: Any, sizes: tuple[int, ...] | None = None, gap_s: float = 0.005,
-                  repeats: int = 40) -> dict[str, dict[int, float]]:
+def measure_paced(
+    ctx: Any, sizes: tuple[int, ...] | None = None, gap_s: float = 0.005, repeats: int = 40
+) -> dict[str, dict[int, float]]:
     """torch's tiny all-reduce, all-gather and reduce-scatter as tensor parallelism meets
     them in a step with its compute simulated (a rank function; `here.scaled`): each
     call after `gap_s` asleep, the simulated device computing while the core idles, the
@@ -210,17 +237,21 @@ def measure_paced(ctx: Any, sizes: tuple[int, ...] | None = None, gap_s: float =
         sizes = tuple(k for k in range(2, ctx.world_size + 1) if ctx.world_size % k == 0)
     for size in sizes:
         if not 1 < size <= ctx.world_size or ctx.world_size % size:
-            raise ValueError(f"a group of {size} does not cut {ctx.world_size} ranks into "
-                             "equal groups of 2 or more")
+            raise ValueError(
+                f"a group of {size} does not cut {ctx.world_size} ranks into "
+                "equal groups of 2 or more"
+            )
     out: dict[str, dict[int, float]] = {"collective_s": {}, "gather_s": {}, "scatter_s": {}}
     for size in sizes:
         seconds = dict.fromkeys(out, 0.0)
         with _groups_of(ctx, size) as group:
             comm = Comm(group)  # torch's, as tensor parallelism calls them
             part, whole = torch.zeros(16), torch.zeros(16 * size)
-            ops = {"collective_s": lambda c=comm: c.all_reduce(part),
-                   "gather_s": lambda c=comm: c.all_gather(part, whole),
-                   "scatter_s": lambda c=comm: c.reduce_scatter(whole)}  # scratch
+            ops = {
+                "collective_s": lambda c=comm: c.all_reduce(part),
+                "gather_s": lambda c=comm: c.all_gather(part, whole),
+                "scatter_s": lambda c=comm: c.reduce_scatter(whole),
+            }  # scratch
             for op in ops.values():
                 op()
                 op()

@@ -30,14 +30,14 @@ from parcourse.theory import (
     CostModel,
     TPCollective,
     attention_flops,
-    expert_bytes,
-    moe_flops,
-    moe_rows,
     attention_traffic,
+    expert_bytes,
     gpt_layer_bytes,
     gpt_layer_flops,
     gpt_layer_traffic,
     korthikanti_layer_bytes,
+    moe_flops,
+    moe_rows,
     tp_link_seconds,
     tp_stage_collectives,
     zero_bytes,
@@ -52,11 +52,15 @@ def unpriced(config: GPTConfig, choice: Choice, dtype: str = "fp32") -> str:
     0-1 (as the course's 3D step runs them), and context parallelism but the ring's in
     fp32."""
     if config.experts and (dtype != "fp32" or choice.zero > 1):
-        return (f"the planner prices a mixture of experts in fp32 under ZeRO 0-1 (each "
-                f"expert sharded over its own group), not in {dtype} under ZeRO-{choice.zero}")
+        return (
+            f"the planner prices a mixture of experts in fp32 under ZeRO 0-1 (each "
+            f"expert sharded over its own group), not in {dtype} under ZeRO-{choice.zero}"
+        )
     if choice.cp > 1 and (choice.cp_method != "ring" or dtype != "fp32"):
-        return (f"cp {choice.cp}: the planner prices the ring in fp32 only (its memory and "
-                f"its messages), not {choice.cp_method} in {dtype}")
+        return (
+            f"cp {choice.cp}: the planner prices the ring in fp32 only (its memory and "
+            f"its messages), not {choice.cp_method} in {dtype}"
+        )
     return ""
 
 
@@ -65,8 +69,8 @@ def seq_here(config: GPTConfig, choice: Choice) -> int:
     over cp (zigzag: two chunks a rank, the busiest rank's)."""
     if choice.cp == 1:
         return config.block_size
-    return max(len(positions(config.block_size, r, choice.cp, "zigzag"))
-               for r in range(choice.cp))
+    return max(len(positions(config.block_size, r, choice.cp, "zigzag")) for r in range(choice.cp))
+
 
 Checkpoint = Literal["stage", "block"]  # what full recompute checkpoints: see predict_memory
 
@@ -81,27 +85,43 @@ def stage_layers(config: GPTConfig, choice: Choice) -> list[list[int]]:
         stages[0].insert(0, 0)
         stages[-1].append(config.n_layers + 1)
         return stages
-    return [list(range(a, b)) for a, b in stage_bounds([1] * (config.n_layers + 2),
-                                                       plan.stages)]
+    return [list(range(a, b)) for a, b in stage_bounds([1] * (config.n_layers + 2), plan.stages)]
 
 
-def _layer_bytes(config: GPTConfig, layer: int, choice: Choice, batch: int, dtype: Dtype,
-                 pipelined: bool) -> dict[str, float]:
+def _layer_bytes(
+    config: GPTConfig, layer: int, choice: Choice, batch: int, dtype: Dtype, pipelined: bool
+) -> dict[str, float]:
     if dtype == "fp32":
         if choice.recompute == "selective":
-            raise ValueError("selective recompute is counted in 16 bits only (the course's "
-                             "3D step recomputes whole stages)")
-        return gpt_layer_bytes(config, layer, choice.tp, batch=batch,  # type: ignore[return-value]
-                               sequence_parallel=choice.sequence_parallel, pipelined=pipelined,
-                               seq=seq_here(config, choice), ring=choice.cp > 1,
-                               ep=choice.ep)
-    return korthikanti_layer_bytes(config, layer, choice.tp, batch=batch,
-                                   sequence_parallel=choice.sequence_parallel,
-                                   pipelined=pipelined, selective=choice.recompute == "selective")
+            raise ValueError(
+                "selective recompute is counted in 16 bits only (the course's "
+                "3D step recomputes whole stages)"
+            )
+        return gpt_layer_bytes(
+            config,
+            layer,
+            choice.tp,
+            batch=batch,  # type: ignore[return-value]
+            sequence_parallel=choice.sequence_parallel,
+            pipelined=pipelined,
+            seq=seq_here(config, choice),
+            ring=choice.cp > 1,
+            ep=choice.ep,
+        )
+    return korthikanti_layer_bytes(
+        config,
+        layer,
+        choice.tp,
+        batch=batch,
+        sequence_parallel=choice.sequence_parallel,
+        pipelined=pipelined,
+        selective=choice.recompute == "selective",
+    )
 
 
-def _stage_input_bytes(config: GPTConfig, first_layer: int, choice: Choice, batch: int,
-                       dtype: Dtype) -> float:
+def _stage_input_bytes(
+    config: GPTConfig, first_layer: int, choice: Choice, batch: int, dtype: Dtype
+) -> float:
     """A stage's input, which it keeps for each microbatch under full recompute: the
     batch's token ids on the first stage; the residual stream elsewhere, cut along the
     sequence under sequence parallelism."""
@@ -112,9 +132,13 @@ def _stage_input_bytes(config: GPTConfig, first_layer: int, choice: Choice, batc
     return (4 if dtype == "fp32" else 2) * batch * (seq // cut) * config.d_model
 
 
-def predict_memory(config: GPTConfig, choice: Choice, global_batch: int,
-                   dtype: Dtype = "fp32", checkpoint: Checkpoint = "stage"
-                   ) -> list[dict[str, float]]:
+def predict_memory(
+    config: GPTConfig,
+    choice: Choice,
+    global_batch: int,
+    dtype: Dtype = "fp32",
+    checkpoint: Checkpoint = "stage",
+) -> list[dict[str, float]]:
     """Bytes on each pipeline rank (every dp and tp rank of it alike), by category:
     "params", "grads", "optimizer", "activations" (the peak the schedule holds) and
     "total".
@@ -153,43 +177,58 @@ def predict_memory(config: GPTConfig, choice: Choice, global_batch: int,
         # rebuilt: all the stage's layers keep, but for the loss's, and for its input,
         # which the first block keeps too (the embedding keeps ids of its own, not the
         # batch's: the first stage rebuilds all of its layers' and holds the batch too)
-        rebuilt = [h - loss - (x if ls[0] > 0 else 0)
-                   for h, loss, x, ls in zip(held, losses, inputs, layers)]
+        rebuilt = [
+            h - loss - (x if ls[0] > 0 else 0)
+            for h, loss, x, ls in zip(held, losses, inputs, layers)
+        ]
         held = [x + loss for x, loss in zip(inputs, losses)]
     elif choice.recompute == "full":
         stream = _stage_input_bytes(config, 1, choice, batch, dtype)  # a block's input
         block = counted(1)["activations"]
         is_block = [[1 <= lay <= config.n_layers for lay in ls] for ls in layers]
         rebuilt = [block - stream if any(bs) else 0.0 for bs in is_block]
-        held = [sum(stream if b else kept["activations"] for b, kept in zip(bs, st))
-                for bs, st in zip(is_block, per_stage)]
+        held = [
+            sum(stream if b else kept["activations"] for b, kept in zip(bs, st))
+            for bs, st in zip(is_block, per_stage)
+        ]
     # the ranks ZeRO shards over: the dense weights over dp x ep x cp (ep's ranks hold
     # the same ones), each stage's experts, cut over ep, over dp x cp
     n, z = choice.replicas * choice.cp, choice.zero
     half = torch.float32 if dtype == "fp32" else torch.bfloat16
     # The tied embedding and head, when the pipeline holds them in two stages: numbers.
-    tied = math.ceil(config.vocab / choice.tp) * config.d_model \
-        if config.tie_weights and plan.stages > 1 else 0
+    tied = (
+        math.ceil(config.vocab / choice.tp) * config.d_model
+        if config.tie_weights and plan.stages > 1
+        else 0
+    )
     out = []
     for rank in range(choice.pp):
         mine = [s for s, r in enumerate(plan.stage_rank) if r == rank]
         p = sum(params[s] for s in mine) / 4  # parameters (numbers) on this rank
         # Weights, gradients and Adam's state as ZeRO's theory counts them; 16-bit
         # gradient shards as the paper keeps them (2/dp a parameter).
-        held_experts = sum(expert_numbers(config, choice, lay) for s in mine
-                           for lay in layers[s]) if choice.ep > 1 else 0
+        held_experts = (
+            sum(expert_numbers(config, choice, lay) for s in mine for lay in layers[s])
+            if choice.ep > 1
+            else 0
+        )
         memory = zero_bytes(p - held_experts, n, z, half, grad_shard_dtype=half)
         if held_experts:
-            for key, value in zero_bytes(held_experts, choice.dp * choice.cp, z, half,
-                                         grad_shard_dtype=half).items():
+            for key, value in zero_bytes(
+                held_experts, choice.dp * choice.cp, z, half, grad_shard_dtype=half
+            ).items():
                 memory[key] += value
         if z >= 2 and dtype == "fp32":
             # The course's 3D step (fp32) reduces a stage's gradients at a time: whole
             # until then (`_zero_2_peak`), where the paper's buckets keep 1/dp of them.
             memory["grads"] = _zero_2_peak(
-                plan.actions[rank], {s: params[s] / 4 for s in mine}, tied,
+                plan.actions[rank],
+                {s: params[s] / 4 for s in mine},
+                tied,
                 {0, *([plan.stages - 1] if pipelined else [])} & set(mine),
-                {0, plan.stages - 1} & set(mine), n)
+                {0, plan.stages - 1} & set(mine),
+                n,
+            )
         memory["activations"] = _activation_peak(plan.actions[rank], held, rebuilt)
         memory["total"] = sum(memory.values())
         out.append(memory)
@@ -211,12 +250,15 @@ def _activation_peak(actions: Any, held: list[float], rebuilt: list[float]) -> f
     it at once when the backward starts, under full recompute)."""
     alive = in_flight(actions, held)
     before = [0.0, *alive[:-1]]
-    return max([*alive, *(b + rebuilt[a.stage] for a, b in zip(actions, before)
-                          if a.kind == "B")], default=0.0)
+    return max(
+        [*alive, *(b + rebuilt[a.stage] for a, b in zip(actions, before) if a.kind == "B")],
+        default=0.0,
+    )
 
 
-def _zero_2_peak(actions: Any, numbers: dict[int, float], tied: float, holds: set[int],
-                 uses: set[int], dp: int) -> float:
+def _zero_2_peak(
+    actions: Any, numbers: dict[int, float], tied: float, holds: set[int], uses: set[int], dp: int
+) -> float:
     """The course's ZeRO-2 (`Hybrid(zero=2)`, fp32), walked along this rank's actions: after
     each B or W of stage s, s's gradients are whole (its other stages' already gone into
     slices), beside the tied weight's (whole from the first backward of a stage in `uses`
@@ -231,8 +273,9 @@ def _zero_2_peak(actions: Any, numbers: dict[int, float], tied: float, holds: se
         if a.kind not in ("B", "W"):
             continue
         tied_live = tied_live or a.stage in uses
-        held = own[a.stage] + (tied if tied_live else 0) + sum(
-            math.ceil(own[s] / dp) for s in slices)
+        held = (
+            own[a.stage] + (tied if tied_live else 0) + sum(math.ceil(own[s] / dp) for s in slices)
+        )
         peak = max(peak, held)
         slices.add(a.stage)
     after = (tied if tied_live else 0) + sum(math.ceil(own[s] / dp) for s in slices)
@@ -242,9 +285,14 @@ def _zero_2_peak(actions: Any, numbers: dict[int, float], tied: float, holds: se
 # --------------------------------------------------------------------------- time
 
 
-def stage_compute(config: GPTConfig, choice: Choice, global_batch: int,
-                  flops: float, bandwidth: float | None = None,
-                  dtype: Dtype = "fp32") -> SimulatedCompute:
+def stage_compute(
+    config: GPTConfig,
+    choice: Choice,
+    global_batch: int,
+    flops: float,
+    bandwidth: float | None = None,
+    dtype: Dtype = "fp32",
+) -> SimulatedCompute:
     """Seconds of each stage's forward and backward of one microbatch at `flops` FLOP/s:
     the planner's compute alone (backward twice forward, and what recompute runs again
     first). With `bandwidth` (a GPU's memory, B/s) the layers' memory-bound work
@@ -261,14 +309,20 @@ def stage_compute(config: GPTConfig, choice: Choice, global_batch: int,
     forward, backward = [], []
     for ls in stage_layers(config, choice):
         experts = sum(moe_flops(config, lay, tokens) for lay in ls)  # whole on each tp rank
-        f = ((sum(gpt_layer_flops(config, lay, tokens) for lay in ls) - experts) / choice.tp
-             + experts) / flops
-        moved = per_byte * sum(gpt_layer_traffic(config, lay, tokens, choice.tp, sp, number)
-                               for lay in ls)
-        again = {"none": 0.0, "full": f + moved, "selective": sum(
-            attention_flops(config, lay, tokens) for lay in ls) / choice.tp / flops
-            + per_byte * sum(attention_traffic(config, lay, tokens, choice.tp, number)
-                             for lay in ls)}[choice.recompute]
+        f = (
+            (sum(gpt_layer_flops(config, lay, tokens) for lay in ls) - experts) / choice.tp
+            + experts
+        ) / flops
+        moved = per_byte * sum(
+            gpt_layer_traffic(config, lay, tokens, choice.tp, sp, number) for lay in ls
+        )
+        again = {
+            "none": 0.0,
+            "full": f + moved,
+            "selective": sum(attention_flops(config, lay, tokens) for lay in ls) / choice.tp / flops
+            + per_byte
+            * sum(attention_traffic(config, lay, tokens, choice.tp, number) for lay in ls),
+        }[choice.recompute]
         forward.append(f + moved)
         backward.append(2 * f + 1.5 * moved + again)
     return SimulatedCompute(forward=forward, backward=backward)
@@ -283,19 +337,29 @@ def model_flops_per_token(config: GPTConfig) -> float:
 def _group_link(cluster: Cluster, choice: Choice, axis: str) -> SimulatedLink:
     """The slow link if a group of `axis` spans nodes under Megatron-LM's order (tp
     innermost, then cp, ep, dp, pp outermost), else the fast one."""
-    inner = {"tp": choice.tp, "cp": choice.tp * choice.cp,
-             "ep": choice.tp * choice.cp * choice.ep,
-             "dp": choice.tp * choice.cp * choice.ep * choice.dp, "pp": choice.gpus}[axis]
-    size = {"tp": choice.tp, "cp": choice.cp, "ep": choice.ep, "dp": choice.dp,
-            "pp": choice.pp}[axis]
+    inner = {
+        "tp": choice.tp,
+        "cp": choice.tp * choice.cp,
+        "ep": choice.tp * choice.cp * choice.ep,
+        "dp": choice.tp * choice.cp * choice.ep * choice.dp,
+        "pp": choice.gpus,
+    }[axis]
+    size = {"tp": choice.tp, "cp": choice.cp, "ep": choice.ep, "dp": choice.dp, "pp": choice.pp}[
+        axis
+    ]
     if size == 1:
         return cluster.inside
     return cluster.inside if inner <= cluster.gpus_per_node else cluster.between
 
 
-def _cp_on_stages(config: GPTConfig, choice: Choice, layers: list[list[int]], batch: int,
-                  flops: float, link: SimulatedLink
-                  ) -> tuple[list[float], list[float], list[int]]:
+def _cp_on_stages(
+    config: GPTConfig,
+    choice: Choice,
+    layers: list[list[int]],
+    batch: int,
+    flops: float,
+    link: SimulatedLink,
+) -> tuple[list[float], list[float], list[int]]:
     """Ring attention's messages in one microbatch on each stage (the course's `_Ring`,
     `parcourse.context_parallel`), as seconds they add to its forward and its backward,
     and how many a rank sends. Each block of the stage, at cp P: forward, P - 1 hops of K
@@ -314,22 +378,33 @@ def _cp_on_stages(config: GPTConfig, choice: Choice, layers: list[list[int]], ba
     core = attention_flops(config, 1, tokens) / choice.tp / p / flops  # against one block
     forward = (p - 1) * max(0.0, hop - core)
     backward = (p - 1) * max(0.0, hop - 2 * core) + p * hop
-    return _each_block(config, choice, layers, forward, backward,
-                       (p - 1) * (2 + (choice.recompute == "full")) + p)
+    return _each_block(
+        config, choice, layers, forward, backward, (p - 1) * (2 + (choice.recompute == "full")) + p
+    )
 
 
-def _each_block(config: GPTConfig, choice: Choice, layers: list[list[int]], forward: float,
-                backward: float, messages: int) -> tuple[list[float], list[float], list[int]]:
+def _each_block(
+    config: GPTConfig,
+    choice: Choice,
+    layers: list[list[int]],
+    forward: float,
+    backward: float,
+    messages: int,
+) -> tuple[list[float], list[float], list[int]]:
     """A block's `forward` and `backward` seconds (its forward's again under full
     recompute) and its `messages`, times the blocks on each stage."""
     again = forward if choice.recompute == "full" else 0.0
     blocks = [sum(1 <= lay <= config.n_layers for lay in ls) for ls in layers]
-    return ([n * forward for n in blocks], [n * (backward + again) for n in blocks],
-            [n * messages for n in blocks])
+    return (
+        [n * forward for n in blocks],
+        [n * (backward + again) for n in blocks],
+        [n * messages for n in blocks],
+    )
 
 
-def _ep_on_stages(config: GPTConfig, choice: Choice, layers: list[list[int]], tokens: int,
-                  link: SimulatedLink) -> tuple[list[float], list[float], list[int]]:
+def _ep_on_stages(
+    config: GPTConfig, choice: Choice, layers: list[list[int]], tokens: int, link: SimulatedLink
+) -> tuple[list[float], list[float], list[int]]:
     """Expert parallelism's all-to-alls in one microbatch on each stage, as seconds they
     add to its forward and its backward, and how many a rank runs. Each MoE block, at ep
     P, its `tokens` routed evenly (`moe_rows`): forward, an all-to-all of the counts (E /
@@ -347,13 +422,20 @@ def _ep_on_stages(config: GPTConfig, choice: Choice, layers: list[list[int]], to
     counts = link.latency_s + (p - 1) * 8 * config.experts // p / link.bandwidth_Bps
     moved = link.latency_s + (p - 1) * 4 * rows * c / link.bandwidth_Bps
     forward, backward = counts + 2 * moved, 2 * moved
-    return _each_block(config, choice, layers, forward, backward,
-                       5 + 3 * (choice.recompute == "full"))
+    return _each_block(
+        config, choice, layers, forward, backward, 5 + 3 * (choice.recompute == "full")
+    )
 
 
-def _dp_seconds(choice: Choice, memory: list[dict[str, float]], link: SimulatedLink,
-                compute: float, stages: int = 1, tied: bool = False,
-                fixed: float = 0.0) -> float:
+def _dp_seconds(
+    choice: Choice,
+    memory: list[dict[str, float]],
+    link: SimulatedLink,
+    compute: float,
+    stages: int = 1,
+    tied: bool = False,
+    fixed: float = 0.0,
+) -> float:
     """Data parallelism's exposed seconds for the gradients, over a rank's `stages` (and
     the tied weights' unit where `tied`): the bytes over `link` and `fixed` seconds a ring
     of the course's beyond them (`_dp_rings`). The gradients are as many bytes as the
@@ -373,8 +455,7 @@ def _dp_seconds(choice: Choice, memory: list[dict[str, float]], link: SimulatedL
     if choice.dp == 1:
         return 0.0
     weights = max(mem["params"] for mem in memory) * (choice.dp if choice.zero >= 3 else 1)
-    ring = CostModel(link.latency_s, link.bandwidth_Bps).all_reduce_s("ring", weights,
-                                                                       choice.dp)
+    ring = CostModel(link.latency_s, link.bandwidth_Bps).all_reduce_s("ring", weights, choice.dp)
     rings = _dp_rings(choice, stages, tied, exposed=True) * fixed
     if choice.zero < 2:
         return ring + rings
@@ -407,25 +488,46 @@ def _dp_rings(choice: Choice, stages: int, tied: bool = False, exposed: bool = F
     #                     the tied weights'; ZeRO-1: a reduce-scatter and an all-gather each
 
 
-
 @functools.lru_cache(maxsize=4096)
-def _simulated(schedule: tuple[str, int, int, int], forward: tuple[float, ...],
-               backward: tuple[float, ...], weight: tuple[float, ...], latency: float,
-               bandwidth: float, message_bytes: float) -> tuple[tuple[float, ...], float]:
+def _simulated(
+    schedule: tuple[str, int, int, int],
+    forward: tuple[float, ...],
+    backward: tuple[float, ...],
+    weight: tuple[float, ...],
+    latency: float,
+    bandwidth: float,
+    message_bytes: float,
+) -> tuple[tuple[float, ...], float]:
     """The simulator's timeline of a schedule on these costs, run once (configurations
     that differ only in what the pipeline does not see, ZeRO's stage say, share it): what
     the planner reads of it, each rank's busy seconds and the step's. `weight`: the W
     part of each stage's backward, where the schedule splits it."""
-    timeline = simulate(_schedule(*schedule), Costs(
-        forward=list(forward), backward=list(backward), weight=list(weight),
-        latency=latency, bandwidth=bandwidth, message_bytes=message_bytes))
+    timeline = simulate(
+        _schedule(*schedule),
+        Costs(
+            forward=list(forward),
+            backward=list(backward),
+            weight=list(weight),
+            latency=latency,
+            bandwidth=bandwidth,
+            message_bytes=message_bytes,
+        ),
+    )
     return tuple(timeline.busy), timeline.step_time
 
 
 @functools.lru_cache(maxsize=4096)
-def _tp_on_stages(config: GPTConfig, layers: tuple[tuple[int, ...], ...], batch: int, seq: int,
-                  tp: int, sequence_parallel: bool, recompute: bool, megatron: bool,
-                  element: int) -> tuple[dict[str, dict[str, tuple[int, float]]], ...]:
+def _tp_on_stages(
+    config: GPTConfig,
+    layers: tuple[tuple[int, ...], ...],
+    batch: int,
+    seq: int,
+    tp: int,
+    sequence_parallel: bool,
+    recompute: bool,
+    megatron: bool,
+    element: int,
+) -> tuple[dict[str, dict[str, tuple[int, float]]], ...]:
     """tp's collectives of one microbatch of `seq` tokens a sequence (a rank's share under
     cp) on each stage (`tp_stage_collectives`), in its
     forward ("F") and backward ("B"; "W": those of them a split backward's W runs), and
@@ -434,6 +536,7 @@ def _tp_on_stages(config: GPTConfig, layers: tuple[tuple[int, ...], ...], batch:
     loss's and the replicated gradients' stay fp32). Built once for the configurations
     that share them (a search asks again for every schedule, ZeRO stage and microbatch
     count of a shape)."""
+
     def count(collectives: list[TPCollective]) -> dict[str, tuple[int, float]]:
         ops: dict[str, tuple[int, float]] = {}
         for op, _, where, size in collectives:
@@ -443,8 +546,9 @@ def _tp_on_stages(config: GPTConfig, layers: tuple[tuple[int, ...], ...], batch:
         return ops
 
     out = []
-    for by in tp_stage_collectives(config, [list(ls) for ls in layers], batch, seq, tp,
-                                   sequence_parallel, recompute, megatron):
+    for by in tp_stage_collectives(
+        config, [list(ls) for ls in layers], batch, seq, tp, sequence_parallel, recompute, megatron
+    ):
         counted = {kind: count(collectives) for kind, collectives in by.items()}
         # A split backward's W: the sum of the replicated gradients (the rest of B, on
         # the input gradient's path, is I's)
@@ -465,8 +569,9 @@ def _layer_tensors(config: GPTConfig, layer: int, head_apart: bool) -> int:
     return 2 + (0 if config.tie_weights and not head_apart else 1)
 
 
-def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: Cluster,
-                 dtype: Dtype = "fp32") -> dict[str, float]:
+def predict_time(
+    config: GPTConfig, choice: Choice, global_batch: int, cluster: Cluster, dtype: Dtype = "fp32"
+) -> dict[str, float]:
     """Seconds of one step, split: "compute" (the slowest rank's F and B), "tp" (its
     collectives, on the critical path: each stage's own, in its F and B, as
     `tp_stage_collectives` counts them; Megatron-LM's where the layers are split as it
@@ -508,9 +613,17 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     loaded_tp = cluster.loaded_collective_s.get(choice.tp) if loaded else None
     tp_link = _group_link(cluster, choice, "tp")
     # tp's collectives of a microbatch on each stage, in its forward and its backward
-    on_stage = _tp_on_stages(config, tuple(map(tuple, layers)), batch, seq_here(config, choice),
-                             choice.tp, choice.sequence_parallel, choice.recompute == "full",
-                             choice.split == "blocks", 2 if dtype == "bf16" else 4)
+    on_stage = _tp_on_stages(
+        config,
+        tuple(map(tuple, layers)),
+        batch,
+        seq_here(config, choice),
+        choice.tp,
+        choice.sequence_parallel,
+        choice.recompute == "full",
+        choice.split == "blocks",
+        2 if dtype == "bf16" else 4,
+    )
     # Where a collective's own cost was measured (`measure_links`), it holds the link's
     # latency: only the bytes are added to it.
     measured = choice.tp in cluster.collective_s or loaded_tp is not None
@@ -519,11 +632,16 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
         # n collectives of one op, of B bytes in all, on the ring: as one of B bytes with
         # n latencies a hop; and each one's own cost, by its op (or an all-reduce's as
         # measured while the other ranks compute)
-        return sum(tp_link_seconds([(op, "", "", size)], choice.tp,
-                                   n * (0.0 if measured else tp_link.latency_s),
-                                   tp_link.bandwidth_Bps)
-                   + n * (cluster.collective(op, choice.tp) if loaded_tp is None else loaded_tp)
-                   for op, (n, size) in by_op.items())
+        return sum(
+            tp_link_seconds(
+                [(op, "", "", size)],
+                choice.tp,
+                n * (0.0 if measured else tp_link.latency_s),
+                tp_link.bandwidth_Bps,
+            )
+            + n * (cluster.collective(op, choice.tp) if loaded_tp is None else loaded_tp)
+            for op, (n, size) in by_op.items()
+        )
 
     tp_f = [tp_seconds(by["F"]) for by in on_stage]
     tp_b = [tp_seconds(by["B"]) for by in on_stage]
@@ -548,16 +666,19 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     # to the stage after) take processor time, half a message's at each end.
     message = cluster.message_cpu_s / 2 if loaded else 0.0
     worse = cluster.shared_cpu if shared else 1.0
-    flop_s = stage_compute(config, choice, global_batch, cluster.flops,
-                           cluster.memory_bandwidth, dtype).of(len(layers))
+    flop_s = stage_compute(
+        config, choice, global_batch, cluster.flops, cluster.memory_bandwidth, dtype
+    ).of(len(layers))
     for s, ls in enumerate(layers):
         hops = message * ((s > 0) + (s < len(layers) - 1))
         calls = ov.forward_layer_s * len(ls)
         # backward runs (part of) forward again first: its calls too when all of it
         again = calls if choice.recompute == "full" else 0.0
         forward.append(worse * (flop_s["F"][s] + calls + ov.forward_stage_s) + hops)
-        backward.append(worse * (flop_s["B"][s] + ov.backward_layer_s * len(ls)
-                                 + again + ov.backward_stage_s) + hops)
+        backward.append(
+            worse * (flop_s["B"][s] + ov.backward_layer_s * len(ls) + again + ov.backward_stage_s)
+            + hops
+        )
     pp_link = _group_link(cluster, choice, "pp")
     if loaded and cluster.loaded_p2p_s is not None:
         pp_link = SimulatedLink(cluster.loaded_p2p_s, pp_link.bandwidth_Bps)
@@ -566,15 +687,20 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
         activation //= choice.tp
 
     def simulated(slow: float) -> tuple[tuple[float, ...], float]:
-        return _simulated((choice.schedule, choice.pp, choice.microbatches, choice.chunks),
-                          tuple(slow * f + t + c for f, t, c in zip(forward, tp_f, msg_f)),
-                          tuple(slow * b + t + c for b, t, c in zip(backward, tp_b, msg_b)),
-                          tuple(slow * b / 2 + t for b, t in zip(backward, tp_w)),
-                          pp_link.latency_s, pp_link.bandwidth_Bps, activation)
+        return _simulated(
+            (choice.schedule, choice.pp, choice.microbatches, choice.chunks),
+            tuple(slow * f + t + c for f, t, c in zip(forward, tp_f, msg_f)),
+            tuple(slow * b + t + c for b, t, c in zip(backward, tp_b, msg_b)),
+            tuple(slow * b / 2 + t for b, t in zip(backward, tp_w)),
+            pp_link.latency_s,
+            pp_link.bandwidth_Bps,
+            activation,
+        )
 
     m = choice.microbatches
-    on_rank = [[s for s, r in enumerate(plan.stage_rank) if r == rank]
-               for rank in range(choice.pp)]  # each pipeline rank's stages
+    on_rank = [
+        [s for s, r in enumerate(plan.stage_rank) if r == rank] for rank in range(choice.pp)
+    ]  # each pipeline rank's stages
     tp_on = [sum(tp_f[s] + tp_b[s] for s in mine) * m for mine in on_rank]
     msg_on = [sum(msg_f[s] + msg_b[s] for s in mine) * m for mine in on_rank]
     # those once a step, after the schedule (Megatron-LM's sum of the replicated gradients)
@@ -586,8 +712,14 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
             # and wait on their collectives together: those waits are not idle time that
             # other ranks could use.
             busy = sum(b - t - c for b, t, c in zip(busy_s, tp_on, msg_on))
-            at_once = busy / (step_s - max(tp_on) - max(msg_on)) * choice.dp * choice.tp \
-                * choice.cp * choice.ep
+            at_once = (
+                busy
+                / (step_s - max(tp_on) - max(msg_on))
+                * choice.dp
+                * choice.tp
+                * choice.cp
+                * choice.ep
+            )
             want = max(1.0, at_once / cores)
             if abs(want - slow) < 1e-3 * slow:
                 break
@@ -595,12 +727,16 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     busiest = max(range(choice.pp), key=lambda r: busy_s[r])
     compute = busy_s[busiest] - tp_on[busiest] - msg_on[busiest]
     tp_s = tp_on[busiest] + tp_once
-    cp_s, ep_s = (sum(f[s] + b[s] for s in on_rank[busiest]) * m
-                  for f, b in ((cp_f, cp_b), (ep_f, ep_b)))
+    cp_s, ep_s = (
+        sum(f[s] + b[s] for s in on_rank[busiest]) * m for f, b in ((cp_f, cp_b), (ep_f, ep_b))
+    )
     pipeline = step_s + tp_once
     head_apart = plan.stages > 1 and _stage_of(layers, 0) != _stage_of(layers, blocks - 1)
-    if config.tie_weights and head_apart and \
-            plan.stage_rank[_stage_of(layers, 0)] != plan.stage_rank[_stage_of(layers, blocks - 1)]:
+    if (
+        config.tie_weights
+        and head_apart
+        and plan.stage_rank[_stage_of(layers, 0)] != plan.stage_rank[_stage_of(layers, blocks - 1)]
+    ):
         tied = (2 if dtype == "bf16" else 4) * math.ceil(config.vocab / choice.tp) * config.d_model
         pipeline += pp_link.latency_s + tied / pp_link.bandwidth_Bps  # summed both ways at once
     memory = predict_memory(config, choice, global_batch, dtype)
@@ -613,14 +749,23 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
         link = _group_link(cluster, group, "dp")
         if group.dp in cluster.ring_s or group.dp in cluster.collective_s:
             link = SimulatedLink(0.0, link.bandwidth_Bps)
-        return _dp_seconds(group, [{"params": p} for p in params], link, compute,
-                           plan.stages // choice.pp, tied,
-                           cluster.ring_s.get(group.dp, cluster.collective_s.get(group.dp, 0.0)))
+        return _dp_seconds(
+            group,
+            [{"params": p} for p in params],
+            link,
+            compute,
+            plan.stages // choice.pp,
+            tied,
+            cluster.ring_s.get(group.dp, cluster.collective_s.get(group.dp, 0.0)),
+        )
 
     weight_bytes = 4 if dtype == "fp32" else 2
-    experts_on = [weight_bytes * sum(expert_numbers(config, choice, lay) for s in mine
-                                     for lay in layers[s]) if choice.ep > 1 else 0
-                  for mine in on_rank]  # the bytes of experts each pipeline rank holds
+    experts_on = [
+        weight_bytes * sum(expert_numbers(config, choice, lay) for s in mine for lay in layers[s])
+        if choice.ep > 1
+        else 0
+        for mine in on_rank
+    ]  # the bytes of experts each pipeline rank holds
     dp_s = reduced(over, [mem["params"] - e for mem, e in zip(memory, experts_on)], apart)
     if choice.ep > 1 and over_experts.dp > 1:  # each stage's experts over their own group
         dp_s += reduced(over_experts, experts_on, False)
@@ -628,8 +773,10 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
         dp_s += cluster.collective_s.get(over.dp, 0.0)
     last = plan.stage_rank[-1]  # the ranks holding the tied embedding and head
     tied_on = {plan.stage_rank[0], last} if apart else set()
-    tensors_on = [sum(_layer_tensors(config, lay, head_apart) for s in mine for lay in layers[s])
-                  for mine in on_rank]
+    tensors_on = [
+        sum(_layer_tensors(config, lay, head_apart) for s in mine for lay in layers[s])
+        for mine in on_rank
+    ]
     optimizers = []  # each pipeline rank's step
     for rank, tensors in enumerate(tensors_on):
         numbers = memory[rank]["params"] / weight_bytes * (over.dp if choice.zero >= 3 else 1)
@@ -640,8 +787,13 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
     # data parallelism's own work on each rank's gradients beside its collectives, per
     # tensor (`Overheads`): lesson 02's buckets, or ZeRO 1-2's step beyond Adam's (ZeRO-3's
     # per action is not counted)
-    per_tensor = (ov.zero_tensor_s if choice.zero in (1, 2)
-                  else ov.dp_tensor_s if over.dp > 1 and not choice.zero else 0.0)
+    per_tensor = (
+        ov.zero_tensor_s
+        if choice.zero in (1, 2)
+        else ov.dp_tensor_s
+        if over.dp > 1 and not choice.zero
+        else 0.0
+    )
     keeping = [worse * per_tensor * tensors for tensors in tensors_on]
     optimizer = max(optimizers)
     bookkeeping = max(keeping)
@@ -665,28 +817,48 @@ def predict_time(config: GPTConfig, choice: Choice, global_batch: int, cluster: 
         # (`Cluster.collective_cpu`).
         cpu = 0.0
         for rank, mine in enumerate(on_rank):
-            tp_cpu = sum((1 if kind == "step" else m) * n * cluster.collective_cpu(op, choice.tp)
-                         for s in mine for kind, by in on_stage[s].items() if kind != "W"
-                         for op, (n, _) in by.items())
-            cpu += (m * sum(forward[s] + backward[s]
-                            + (cp_hops[s] + ep_hops[s]) * cluster.message_cpu_s
-                            for s in mine) + optimizers[rank] + keeping[rank] + tp_cpu)
+            tp_cpu = sum(
+                (1 if kind == "step" else m) * n * cluster.collective_cpu(op, choice.tp)
+                for s in mine
+                for kind, by in on_stage[s].items()
+                if kind != "W"
+                for op, (n, _) in by.items()
+            )
+            cpu += (
+                m
+                * sum(
+                    forward[s] + backward[s] + (cp_hops[s] + ep_hops[s]) * cluster.message_cpu_s
+                    for s in mine
+                )
+                + optimizers[rank]
+                + keeping[rank]
+                + tp_cpu
+            )
             if over.dp > 1:
-                cpu += (_dp_rings(over, len(mine), rank in tied_on)
-                        * cluster.ring_cpu_s.get(over.dp, 0.0)
-                        + (rank == last) * cluster.collective_cpu_s.get(over.dp, 0.0))
+                cpu += _dp_rings(over, len(mine), rank in tied_on) * cluster.ring_cpu_s.get(
+                    over.dp, 0.0
+                ) + (rank == last) * cluster.collective_cpu_s.get(over.dp, 0.0)
             if choice.ep > 1 and over_experts.dp > 1:
-                cpu += (_dp_rings(over_experts, len(mine))
-                        * cluster.ring_cpu_s.get(over_experts.dp, 0.0))
+                cpu += _dp_rings(over_experts, len(mine)) * cluster.ring_cpu_s.get(
+                    over_experts.dp, 0.0
+                )
         waiting = max(0.0, cpu * over.dp * choice.tp / cores - step)
         step += waiting
     model_flops = model_flops_per_token(config) * global_batch * config.block_size
-    return {"compute": compute, "tp": tp_s, "cp": cp_s, "ep": ep_s,
-            "bubble": pipeline - compute - tp_s - cp_s - ep_s,
-            "dp": dp_s, "optimizer": optimizer, "cores": waiting, "step": step,
-            "sharing": slow,
-            "tokens_per_s": global_batch * config.block_size / step,
-            "mfu": model_flops / (step * cluster.peak_flops * choice.gpus)}
+    return {
+        "compute": compute,
+        "tp": tp_s,
+        "cp": cp_s,
+        "ep": ep_s,
+        "bubble": pipeline - compute - tp_s - cp_s - ep_s,
+        "dp": dp_s,
+        "optimizer": optimizer,
+        "cores": waiting,
+        "step": step,
+        "sharing": slow,
+        "tokens_per_s": global_batch * config.block_size / step,
+        "mfu": model_flops / (step * cluster.peak_flops * choice.gpus),
+    }
 
 
 def _stage_of(layers: list[list[int]], layer: int) -> int:
@@ -694,5 +866,10 @@ def _stage_of(layers: list[list[int]], layer: int) -> int:
     return next(s for s, ls in enumerate(layers) if layer in ls)
 
 
-__all__ = ["model_flops_per_token", "predict_memory", "predict_time", "stage_compute",
-           "stage_layers"]
+__all__ = [
+    "model_flops_per_token",
+    "predict_memory",
+    "predict_time",
+    "stage_compute",
+    "stage_layers",
+]

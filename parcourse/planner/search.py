@@ -39,13 +39,18 @@ class Plans:
     global_batch: int = 0  # in sequences, what they were planned for
 
 
-def choices(gpus: int, *, schedules: tuple[str, ...] = ("1f1b", "interleaved-1f1b"),
-            microbatches: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
-            zero: tuple[int, ...] = (0, 1, 2, 3),
-            sequence_parallel: tuple[bool, ...] = (False, True),
-            recompute: tuple[Recompute, ...] = ("none",),
-            split: tuple[Split, ...] = ("layers",),
-            cp: tuple[int, ...] = (1, 2, 4, 8), ep: tuple[int, ...] = (1,)) -> list[Choice]:
+def choices(
+    gpus: int,
+    *,
+    schedules: tuple[str, ...] = ("1f1b", "interleaved-1f1b"),
+    microbatches: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+    zero: tuple[int, ...] = (0, 1, 2, 3),
+    sequence_parallel: tuple[bool, ...] = (False, True),
+    recompute: tuple[Recompute, ...] = ("none",),
+    split: tuple[Split, ...] = ("layers",),
+    cp: tuple[int, ...] = (1, 2, 4, 8),
+    ep: tuple[int, ...] = (1,),
+) -> list[Choice]:
     """Every factorisation of `gpus` into dp x tp x pp x cp x ep (cp among `cp`: the
     ring; ep among `ep`, for a GPT with experts) with each schedule, number of
     microbatches, ZeRO stage, sequence parallelism, recompute and split asked for
@@ -63,20 +68,38 @@ def choices(gpus: int, *, schedules: tuple[str, ...] = ("1f1b", "interleaved-1f1
                     continue
                 dp = gpus // (c * e * tp * pp)
                 stages = [z for z in zero if z < 2 or pp == 1] if dp * c * e > 1 else [0]
-                for schedule in (schedules if pp > 1 else schedules[:1]):
+                for schedule in schedules if pp > 1 else schedules[:1]:
                     for m in microbatches:
                         for z in stages:
                             for sp in sequence_parallel if tp > 1 and c == 1 else (False,):
                                 for r in recompute:
-                                    out += [Choice(dp, tp, pp, schedule, m, zero=z,
-                                                   sequence_parallel=sp, recompute=r,
-                                                   split=how, cp=c, ep=e)
-                                            for how in (split if pp > 1 else split[:1])]
+                                    out += [
+                                        Choice(
+                                            dp,
+                                            tp,
+                                            pp,
+                                            schedule,
+                                            m,
+                                            zero=z,
+                                            sequence_parallel=sp,
+                                            recompute=r,
+                                            split=how,
+                                            cp=c,
+                                            ep=e,
+                                        )
+                                        for how in (split if pp > 1 else split[:1])
+                                    ]
     return out
 
 
-def plan(config: GPTConfig, cluster: Cluster, global_batch: int, *, dtype: Dtype = "fp32",
-         candidates: list[Choice] | None = None) -> Plans:
+def plan(
+    config: GPTConfig,
+    cluster: Cluster,
+    global_batch: int,
+    *,
+    dtype: Dtype = "fp32",
+    candidates: list[Choice] | None = None,
+) -> Plans:
     """Every candidate predicted (by default `choices(cluster.gpus)`, with selective and
     full recompute too in 16 bits, on a published cluster both splits, by layer count and
     Megatron-LM's blocks alone, cp in fp32, and ep for a GPT with experts); the ones that
@@ -89,12 +112,14 @@ def plan(config: GPTConfig, cluster: Cluster, global_batch: int, *, dtype: Dtype
     ranked, rejected = [], []
     here = cluster.cores is not None
     if candidates is None:
-        candidates = choices(cluster.gpus, recompute=("none",) if dtype == "fp32"
-                             else ("none", "selective", "full"),
-                             split=("layers",) if here else ("layers", "blocks"),
-                             # what it prices: cp's ring in fp32, ep where there are experts
-                             cp=(1, 2, 4, 8) if dtype == "fp32" else (1,),
-                             ep=(1, 2, 4, 8) if config.experts else (1,))
+        candidates = choices(
+            cluster.gpus,
+            recompute=("none",) if dtype == "fp32" else ("none", "selective", "full"),
+            split=("layers",) if here else ("layers", "blocks"),
+            # what it prices: cp's ring in fp32, ep where there are experts
+            cp=(1, 2, 4, 8) if dtype == "fp32" else (1,),
+            ep=(1, 2, 4, 8) if config.experts else (1,),
+        )
     for choice in candidates:
         item = Planned(choice)
         if problems := choice.problems(config, global_batch, world=cluster.gpus, step=here):
@@ -102,20 +127,27 @@ def plan(config: GPTConfig, cluster: Cluster, global_batch: int, *, dtype: Dtype
         elif why := unpriced(config, choice, dtype):  # refused rather than priced wrong
             item.why_not = why
         elif choice.tp > cluster.gpus_per_node:
-            item.why_not = (f"tp {choice.tp} spans nodes of {cluster.gpus_per_node}: every "
-                            "layer would wait on the slow link")
+            item.why_not = (
+                f"tp {choice.tp} spans nodes of {cluster.gpus_per_node}: every "
+                "layer would wait on the slow link"
+            )
         elif choice.microbatches < choice.pp:
-            item.why_not = (f"{choice.microbatches} microbatches for {choice.pp} stages: "
-                            "some stage always idles")
+            item.why_not = (
+                f"{choice.microbatches} microbatches for {choice.pp} stages: "
+                "some stage always idles"
+            )
         if item.why_not:
             rejected.append(item)
             continue
-        item.memory = predict_memory(config, choice, global_batch, dtype,
-                                     checkpoint="stage" if here else "block")
+        item.memory = predict_memory(
+            config, choice, global_batch, dtype, checkpoint="stage" if here else "block"
+        )
         worst = item.memory[item.busiest]
         if worst["total"] > cluster.memory:
-            item.why_not = (f"out of memory by {(worst['total'] - cluster.memory) / GiB:.1f} "
-                            f"GiB on pipeline rank {item.busiest}")
+            item.why_not = (
+                f"out of memory by {(worst['total'] - cluster.memory) / GiB:.1f} "
+                f"GiB on pipeline rank {item.busiest}"
+            )
             rejected.append(item)
             continue
         item.time = predict_time(config, choice, global_batch, cluster, dtype)
@@ -148,10 +180,13 @@ def format_plans(plans: Plans, top: int = 10) -> str:
     width = max([13, *(len(p.choice.label()) for p in shown)])
     # a column for cp's messages and one for ep's where a plan shown uses them
     cp, ep = (any(getattr(p.choice, a) > 1 for p in shown) for a in ("cp", "ep"))
-    lines = [f"{'':>3}  {'configuration':<{width}} {'step ms':>10} {'compute':>8} {'tp':>7} "
-             + (f"{'cp':>7} " if cp else "") + (f"{'ep':>7} " if ep else "")
-             + f"{'bubble':>7} {'dp':>7} {'opt':>6} {'cores':>6} {'tokens/s':>10} {'MFU':>6} "
-             f"{'memory (busiest)':>17}"]
+    lines = [
+        f"{'':>3}  {'configuration':<{width}} {'step ms':>10} {'compute':>8} {'tp':>7} "
+        + (f"{'cp':>7} " if cp else "")
+        + (f"{'ep':>7} " if ep else "")
+        + f"{'bubble':>7} {'dp':>7} {'opt':>6} {'cores':>6} {'tokens/s':>10} {'MFU':>6} "
+        f"{'memory (busiest)':>17}"
+    ]
     for k, p in enumerate(shown, 1):
         t, mem = p.time, p.memory[p.busiest]
         lines.append(
@@ -163,17 +198,22 @@ def format_plans(plans: Plans, top: int = 10) -> str:
             f"{1e3 * t['dp']:>7.1f} {1e3 * t['optimizer']:>6.1f} {1e3 * t['cores']:>6.1f} "
             f"{t['tokens_per_s']:>10.0f} "
             f"{100 * t['mfu']:>5.1f}% "
-            f"{format_bytes(mem['total']):>10} (pp {p.busiest})")
-    closest = sorted((p for p in plans.rejected if p.why_not.startswith("out of memory")),
-                     key=lambda p: p.memory[p.busiest]["total"])[:3]
+            f"{format_bytes(mem['total']):>10} (pp {p.busiest})"
+        )
+    closest = sorted(
+        (p for p in plans.rejected if p.why_not.startswith("out of memory")),
+        key=lambda p: p.memory[p.busiest]["total"],
+    )[:3]
     if not plans.ranked:
         lines.append("     nothing fits")
         if closest:  # what the closest one holds at once: its microbatch's sequences
             p = closest[0]
             batch = plans.global_batch // (p.choice.dp * p.choice.microbatches)
-            lines.append(f"     (the closest, {p.choice.label()}, runs microbatches of {batch} "
-                         "sequences: where activations are what does not fit, a smaller "
-                         "global batch or more microbatches than tried here)")
+            lines.append(
+                f"     (the closest, {p.choice.label()}, runs microbatches of {batch} "
+                "sequences: where activations are what does not fit, a smaller "
+                "global batch or more microbatches than tried here)"
+            )
     lines.append(f"\n{len(plans.ranked)} fit, {len(plans.rejected)} turned down:")
     kinds = Counter(_kind(p.why_not) for p in plans.rejected)
     lines += [f"  {n:>5} x {why}" for why, n in kinds.most_common(6)]

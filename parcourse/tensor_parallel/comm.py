@@ -87,8 +87,9 @@ class TPComm:
     def algorithm(self) -> str:
         return self.comm.algorithm
 
-    def _traced(self, op: CollectiveOp, phase: Phase, where: str,
-                nbytes: int) -> AbstractContextManager[None]:
+    def _traced(
+        self, op: CollectiveOp, phase: Phase, where: str, nbytes: int
+    ) -> AbstractContextManager[None]:
         if self.comm.before_blocking is not None:  # simulated compute's pacing
             self.comm.before_blocking()
         tracer = self.comm.tracer
@@ -97,11 +98,19 @@ class TPComm:
         tracer.count("tp_collective", 1, op=op, phase=phase, where=where, size=nbytes)
         # its group's ranks, so that a drawing can tell waiting for a partner apart
         # (trace.with_collective_waits)
-        return tracer.span(f"{op} ({phase})", kind="comm", op=op, phase=phase,
-                           where=where, size=nbytes, group=self.comm.ranks)
+        return tracer.span(
+            f"{op} ({phase})",
+            kind="comm",
+            op=op,
+            phase=phase,
+            where=where,
+            size=nbytes,
+            group=self.comm.ranks,
+        )
 
-    def all_reduce(self, x: torch.Tensor, phase: Phase, where: str,
-                   op: Literal["sum", "max"] = "sum") -> torch.Tensor:
+    def all_reduce(
+        self, x: torch.Tensor, phase: Phase, where: str, op: Literal["sum", "max"] = "sum"
+    ) -> torch.Tensor:
         """A new tensor: `x` summed (or maxed) over the group. Out of place, so that a
         tensor autograd hands to several consumers is never changed under them."""
         out = x.clone(memory_format=torch.contiguous_format)
@@ -125,8 +134,9 @@ class TPComm:
         d = dim % x.dim()
         n = self.size
         if x.shape[d] % n:
-            raise ValueError(f"{where}: dim {dim} of size {x.shape[d]} cannot be cut into "
-                             f"{n} equal chunks")
+            raise ValueError(
+                f"{where}: dim {dim} of size {x.shape[d]} cannot be cut into {n} equal chunks"
+            )
         # Chunk r of dim `d` first, so that the collective's rank-by-rank layout cuts it.
         parts = x.unflatten(d, (n, x.shape[d] // n)).movedim(d, 0).contiguous()  # (N, ...)
         with self._traced("reduce_scatter", phase, where, parts.nbytes):
@@ -136,8 +146,10 @@ class TPComm:
     def split(self, x: torch.Tensor, dim: int, where: str) -> torch.Tensor:
         """This rank's chunk of `x` along `dim` (no communication)."""
         if x.shape[dim] % self.size:
-            raise ValueError(f"{where}: dim {dim} of size {x.shape[dim]} cannot be cut into "
-                             f"{self.size} equal chunks")
+            raise ValueError(
+                f"{where}: dim {dim} of size {x.shape[dim]} cannot be cut into "
+                f"{self.size} equal chunks"
+            )
         return x.chunk(self.size, dim)[self.rank]
 
 
@@ -261,8 +273,9 @@ def reduce_scatter_sequence(x: torch.Tensor, comm: TPComm, where: str = "") -> t
 # --------------------------------------------------------------------------- counting
 
 
-def count_collectives(counters: Iterable[CounterEvent], rank: int | None = None
-                      ) -> dict[tuple[str, str], tuple[int, int]]:
+def count_collectives(
+    counters: Iterable[CounterEvent], rank: int | None = None
+) -> dict[tuple[str, str], tuple[int, int]]:
     """(op, phase) -> (how many, bytes of the tensors they worked on), from a tracer's or a
     trace's counters ("tp_collective"), for one rank or, with rank=None, all of them."""
     count: Counter[tuple[str, str]] = Counter()

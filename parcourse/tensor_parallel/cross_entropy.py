@@ -31,10 +31,15 @@ Reduction = Literal["mean", "sum", "none"]
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, comm: TPComm,
-                vocab_size: int, ignore_index: int) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        comm: TPComm,
+        vocab_size: int,
+        ignore_index: int,
+    ) -> torch.Tensor:
         start, end = vocab_range(vocab_size, comm.rank, comm.size)
         real = end - start  # this rank's columns that are tokens; the rest pad its shard
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # 16-bit: in fp32
@@ -69,11 +74,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad_logits, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
-                                 group: dist.ProcessGroup, vocab_size: int, *,
-                                 ignore_index: int = -100, reduction: Reduction = "mean",
-                                 tracer: Tracer | None = None,
-                                 comm: TPComm | None = None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    group: dist.ProcessGroup,
+    vocab_size: int,
+    *,
+    ignore_index: int = -100,
+    reduction: Reduction = "mean",
+    tracer: Tracer | None = None,
+    comm: TPComm | None = None,
+) -> torch.Tensor:
     """F.cross_entropy(full_logits, target) from this rank's vocabulary shard of the logits.
 
     `logits`: (..., ceil(vocab_size / N)), rank r's columns being the tokens of
@@ -85,18 +96,23 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
     comm = comm or TPComm(Comm(group, tracer=tracer))
     width = math.ceil(vocab_size / comm.size)
     if logits.shape[-1] != width:
-        raise ValueError(f"logits have {logits.shape[-1]} columns; a vocabulary of {vocab_size} "
-                         f"over {comm.size} ranks gives each ceil({vocab_size} / {comm.size}) "
-                         f"= {width}")
+        raise ValueError(
+            f"logits have {logits.shape[-1]} columns; a vocabulary of {vocab_size} "
+            f"over {comm.size} ranks gives each ceil({vocab_size} / {comm.size}) "
+            f"= {width}"
+        )
     if target.shape != logits.shape[:-1]:
-        raise ValueError(f"target has shape {tuple(target.shape)}; expected "
-                         f"{tuple(logits.shape[:-1])}, the logits' without the last dim")
+        raise ValueError(
+            f"target has shape {tuple(target.shape)}; expected "
+            f"{tuple(logits.shape[:-1])}, the logits' without the last dim"
+        )
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"unknown reduction {reduction!r}; choose 'mean', 'sum' or 'none'")
     flat_logits = logits.reshape(-1, width)
     flat_target = target.reshape(-1)
-    loss = _VocabParallelCrossEntropy.apply(flat_logits, flat_target, comm, vocab_size,
-                                            ignore_index)
+    loss = _VocabParallelCrossEntropy.apply(
+        flat_logits, flat_target, comm, vocab_size, ignore_index
+    )
     if reduction == "none":
         return loss.view(target.shape)
     if reduction == "sum":

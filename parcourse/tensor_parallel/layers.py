@@ -53,7 +53,7 @@ def _vocab_shard(weight: torch.Tensor, comm: TPComm) -> torch.Tensor:
     vocab = weight.shape[0]
     start, end = vocab_range(vocab, comm.rank, comm.size)
     shard = weight.new_zeros(math.ceil(vocab / comm.size), *weight.shape[1:])
-    shard[:end - start] = weight.detach()[start:end]
+    shard[: end - start] = weight.detach()[start:end]
     return shard
 
 
@@ -68,23 +68,36 @@ class ColumnParallelLinear(nn.Module):
     ceil(out_features / N) rows, padded with zero rows (see `vocab_range`).
     """
 
-    def __init__(self, linear: nn.Linear, comm: TPComm, *, gather_output: bool = False,
-                 sequence_parallel: bool = False, vocab: bool = False, name: str = "") -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        comm: TPComm,
+        *,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        vocab: bool = False,
+        name: str = "",
+    ) -> None:
         super().__init__()
         out_features = linear.out_features
         if not vocab and out_features % comm.size:
-            raise ValueError(f"{name or 'ColumnParallelLinear'}: {out_features} output features "
-                             f"cannot be split over {comm.size} ranks")
+            raise ValueError(
+                f"{name or 'ColumnParallelLinear'}: {out_features} output features "
+                f"cannot be split over {comm.size} ranks"
+            )
         self.in_features, self.out_features = linear.in_features, out_features
         self.comm, self.name = comm, name
-        self.gather_output, self.sequence_parallel, self.vocab = (gather_output,
-                                                                  sequence_parallel, vocab)
+        self.gather_output, self.sequence_parallel, self.vocab = (
+            gather_output,
+            sequence_parallel,
+            vocab,
+        )
         shard = _vocab_shard(linear.weight, comm) if vocab else _chunk(linear.weight, 0, comm)
         # A frozen weight stays frozen once split (as torch's parallelize_module keeps it).
         self.weight = nn.Parameter(shard, requires_grad=linear.weight.requires_grad)
         self.bias = None
         if linear.bias is not None:
-            bias = (_vocab_shard(linear.bias, comm) if vocab else _chunk(linear.bias, 0, comm))
+            bias = _vocab_shard(linear.bias, comm) if vocab else _chunk(linear.bias, 0, comm)
             self.bias = nn.Parameter(bias, requires_grad=linear.bias.requires_grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -94,13 +107,15 @@ class ColumnParallelLinear(nn.Module):
             x = copy_to_tp(x, self.comm, self.name)  # f: identity; all-reduce in backward
         y = F.linear(x, self.weight, self.bias)  # (..., out / N)
         if self.gather_output:
-            y = gather_last_dim(y, self.comm, self.name)[..., :self.out_features]
+            y = gather_last_dim(y, self.comm, self.name)[..., : self.out_features]
         return y
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features} "
-                f"({self.weight.shape[0]} on this rank), gather_output={self.gather_output}, "
-                f"sequence_parallel={self.sequence_parallel}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"({self.weight.shape[0]} on this rank), gather_output={self.gather_output}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
 
 
 class RowParallelLinear(nn.Module):
@@ -113,17 +128,27 @@ class RowParallelLinear(nn.Module):
     sequence. The bias is added once, after the sum (not N times).
     """
 
-    def __init__(self, linear: nn.Linear, comm: TPComm, *, input_is_parallel: bool = True,
-                 sequence_parallel: bool = False, name: str = "") -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        comm: TPComm,
+        *,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        name: str = "",
+    ) -> None:
         super().__init__()
         if linear.in_features % comm.size:
-            raise ValueError(f"{name or 'RowParallelLinear'}: {linear.in_features} input features "
-                             f"cannot be split over {comm.size} ranks")
+            raise ValueError(
+                f"{name or 'RowParallelLinear'}: {linear.in_features} input features "
+                f"cannot be split over {comm.size} ranks"
+            )
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.comm, self.name = comm, name
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
-        self.weight = nn.Parameter(_chunk(linear.weight, 1, comm),
-                                   requires_grad=linear.weight.requires_grad)
+        self.weight = nn.Parameter(
+            _chunk(linear.weight, 1, comm), requires_grad=linear.weight.requires_grad
+        )
         # Replicated: the same on every rank (its gradient too, except under sequence
         # parallelism; see `apply_tensor_parallel`).
         self.bias = linear.bias
@@ -139,9 +164,11 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features} ({self.weight.shape[1]} on this rank), "
-                f"out_features={self.out_features}, input_is_parallel={self.input_is_parallel}, "
-                f"sequence_parallel={self.sequence_parallel}")
+        return (
+            f"in_features={self.in_features} ({self.weight.shape[1]} on this rank), "
+            f"out_features={self.out_features}, input_is_parallel={self.input_is_parallel}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -153,15 +180,22 @@ class VocabParallelEmbedding(nn.Module):
     sequence. (B, T) ids -> (B, T, C), or (B, T / N, C).
     """
 
-    def __init__(self, embedding: nn.Embedding, comm: TPComm, *,
-                 sequence_parallel: bool = False, name: str = "") -> None:
+    def __init__(
+        self,
+        embedding: nn.Embedding,
+        comm: TPComm,
+        *,
+        sequence_parallel: bool = False,
+        name: str = "",
+    ) -> None:
         super().__init__()
         _check_plain(embedding, name)
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
         self.comm, self.name, self.sequence_parallel = comm, name, sequence_parallel
         self.start, self.end = vocab_range(self.num_embeddings, comm.rank, comm.size)
-        self.weight = nn.Parameter(_vocab_shard(embedding.weight, comm),
-                                   requires_grad=embedding.weight.requires_grad)
+        self.weight = nn.Parameter(
+            _vocab_shard(embedding.weight, comm), requires_grad=embedding.weight.requires_grad
+        )
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         outside = (idx < self.start) | (idx >= self.end)  # (B, T) tokens another rank holds
@@ -172,8 +206,10 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tp(out, self.comm, self.name)  # (B, T, C)
 
     def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.start}, {self.end}) "
-                f"on this rank, sequence_parallel={self.sequence_parallel}")
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.start}, {self.end}) "
+            f"on this rank, sequence_parallel={self.sequence_parallel}"
+        )
 
 
 class SequenceChunkEmbedding(nn.Module):
@@ -193,7 +229,13 @@ class SequenceChunkEmbedding(nn.Module):
 
 
 def _check_plain(embedding: nn.Embedding, name: str) -> None:
-    if (embedding.padding_idx is not None or embedding.max_norm is not None
-            or embedding.sparse or embedding.scale_grad_by_freq):
-        raise ValueError(f"{name or 'embedding'}: only a plain nn.Embedding can be split "
-                         "(no padding_idx, max_norm, sparse or scale_grad_by_freq)")
+    if (
+        embedding.padding_idx is not None
+        or embedding.max_norm is not None
+        or embedding.sparse
+        or embedding.scale_grad_by_freq
+    ):
+        raise ValueError(
+            f"{name or 'embedding'}: only a plain nn.Embedding can be split "
+            "(no padding_idx, max_norm, sparse or scale_grad_by_freq)"
+        )

@@ -61,8 +61,13 @@ from parcourse.trace import Tracer
 Style = Literal["column", "row", "vocab", "replicate"]
 STYLES: tuple[str, ...] = ("column", "row", "vocab", "replicate")
 Plan = Mapping[str, Style]
-_PARALLEL = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-             SequenceChunkEmbedding, TrackedDropout)
+_PARALLEL = (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    SequenceChunkEmbedding,
+    TrackedDropout,
+)
 
 
 def prefixed(prefix: str, plan: Plan) -> dict[str, Style]:
@@ -73,11 +78,19 @@ def prefixed(prefix: str, plan: Plan) -> dict[str, Style]:
 # Megatron's pairs: one all-reduce forward, one backward, nothing in between.
 MLP_PLAN: dict[str, Style] = {"up": "column", "down": "row"}
 ATTENTION_PLAN: dict[str, Style] = {"qkv": "column", "proj": "row"}  # heads split over ranks
-BLOCK_PLAN: dict[str, Style] = {"ln1": "replicate", **prefixed("attn", ATTENTION_PLAN),
-                                "ln2": "replicate", **prefixed("mlp", MLP_PLAN)}
-GPT_PLAN: dict[str, Style] = {"tok_emb": "vocab", "pos_emb": "replicate",
-                              **prefixed("blocks.*", BLOCK_PLAN), "ln_f": "replicate",
-                              "head": "vocab"}
+BLOCK_PLAN: dict[str, Style] = {
+    "ln1": "replicate",
+    **prefixed("attn", ATTENTION_PLAN),
+    "ln2": "replicate",
+    **prefixed("mlp", MLP_PLAN),
+}
+GPT_PLAN: dict[str, Style] = {
+    "tok_emb": "vocab",
+    "pos_emb": "replicate",
+    **prefixed("blocks.*", BLOCK_PLAN),
+    "ln_f": "replicate",
+    "head": "vocab",
+}
 
 
 def gpt_plan(experts: int = 0) -> dict[str, Style]:
@@ -89,10 +102,17 @@ def gpt_plan(experts: int = 0) -> dict[str, Style]:
     return {k: v for k, v in GPT_PLAN.items() if not k.startswith("blocks.*.mlp.")}
 
 
-def apply_tensor_parallel(model: nn.Module, plan: Plan, group: dist.ProcessGroup, *,
-                          sequence_parallel: bool = False, tracer: Tracer | None = None,
-                          algorithm: Algorithm = "torch", seed: int = 0,
-                          comm: Comm | None = None) -> nn.Module:
+def apply_tensor_parallel(
+    model: nn.Module,
+    plan: Plan,
+    group: dist.ProcessGroup,
+    *,
+    sequence_parallel: bool = False,
+    tracer: Tracer | None = None,
+    algorithm: Algorithm = "torch",
+    seed: int = 0,
+    comm: Comm | None = None,
+) -> nn.Module:
     """Split `model` in place over `group` as `plan` says; returns `model`.
 
     Raises ValueError, before changing anything, for a plan that names no module,
@@ -122,8 +142,11 @@ def apply_tensor_parallel(model: nn.Module, plan: Plan, group: dist.ProcessGroup
         _replace(model, name, new)
     for name, module in modules.items():
         if name and type(module) is nn.Dropout:
-            region = "sharded" if sequence_parallel or _splits_inside(name, modules, styles) \
+            region = (
+                "sharded"
+                if sequence_parallel or _splits_inside(name, modules, styles)
                 else "replicated"
+            )
             dropout = TrackedDropout(module.p, tracker, region)
             dropout.train(module.training)
             _replace(model, name, dropout)
@@ -162,8 +185,9 @@ def _resolve(model: nn.Module, plan: Plan, world_size: int) -> dict[str, Style]:
     styles: dict[str, Style] = {}
     for pattern, style in plan.items():
         if style not in STYLES:
-            raise ValueError(f"plan[{pattern!r}]: unknown style {style!r}; choose one of "
-                             f"{', '.join(STYLES)}")
+            raise ValueError(
+                f"plan[{pattern!r}]: unknown style {style!r}; choose one of {', '.join(STYLES)}"
+            )
         matched = [n for n in modules if n and _matches(pattern, n)]
         if not matched:
             raise ValueError(f"plan[{pattern!r}] matches no module of {type(model).__name__}")
@@ -177,14 +201,16 @@ def _resolve(model: nn.Module, plan: Plan, world_size: int) -> dict[str, Style]:
     return styles
 
 
-def _check_fits(name: str, m: nn.Module, style: Style, modules: dict[str, nn.Module],
-                world_size: int) -> None:
+def _check_fits(
+    name: str, m: nn.Module, style: Style, modules: dict[str, nn.Module], world_size: int
+) -> None:
     kind = type(m).__name__
     if style in ("column", "row") and not isinstance(m, nn.Linear):
         raise ValueError(f"{name}: {style!r} splits an nn.Linear, this is a {kind}")
     if style == "vocab" and not isinstance(m, (nn.Linear, nn.Embedding)):
-        raise ValueError(f"{name}: 'vocab' splits an nn.Embedding or an LM head (nn.Linear), "
-                         f"this is a {kind}")
+        raise ValueError(
+            f"{name}: 'vocab' splits an nn.Embedding or an LM head (nn.Linear), this is a {kind}"
+        )
     if style not in ("column", "row"):
         return
     assert isinstance(m, nn.Linear)
@@ -192,13 +218,13 @@ def _check_fits(name: str, m: nn.Module, style: Style, modules: dict[str, nn.Mod
     parent = modules[name.rpartition(".")[0]]
     heads = getattr(parent, "n_heads", None)
     if isinstance(heads, int) and heads % world_size:
-        raise ValueError(f"{name}: {heads} attention heads cannot be split over "
-                         f"{world_size} ranks")
+        raise ValueError(f"{name}: {heads} attention heads cannot be split over {world_size} ranks")
     features = m.out_features if style == "column" else m.in_features
     which = "output" if style == "column" else "input"
     if features % world_size:
-        raise ValueError(f"{name}: {features} {which} features cannot be split over "
-                         f"{world_size} ranks")
+        raise ValueError(
+            f"{name}: {features} {which} features cannot be split over {world_size} ranks"
+        )
 
 
 def _check_tied(model: nn.Module, styles: dict[str, Style]) -> None:
@@ -209,25 +235,29 @@ def _check_tied(model: nn.Module, styles: dict[str, Style]) -> None:
             style = styles.get(name, "replicate")
             first = seen.setdefault(id(p), (name, style))
             if first[1] != style or (style in ("column", "row") and first[0] != name):
-                raise ValueError(f"{first[0]} and {name} share a weight, which the plan splits "
-                                 f"as {first[1]!r} and {style!r}; tied weights can only be "
-                                 "split both 'vocab' or left replicated")
+                raise ValueError(
+                    f"{first[0]} and {name} share a weight, which the plan splits "
+                    f"as {first[1]!r} and {style!r}; tied weights can only be "
+                    "split both 'vocab' or left replicated"
+                )
 
 
 def _splits_inside(name: str, modules: dict[str, nn.Module], styles: dict[str, Style]) -> bool:
     """Whether the module's parent holds a column and a row layer: what runs between them
     (attention's probabilities) differs from rank to rank."""
     parent = name.rpartition(".")[0]
-    children = {styles.get(f"{parent}.{c}" if parent else c)
-                for c, _ in modules[parent].named_children()}
+    children = {
+        styles.get(f"{parent}.{c}" if parent else c) for c, _ in modules[parent].named_children()
+    }
     return {"column", "row"} <= children
 
 
 # --------------------------------------------------------------------------- changes
 
 
-def _parallel(m: nn.Module, style: Style, comm: TPComm, sequence_parallel: bool,
-              name: str) -> nn.Module:
+def _parallel(
+    m: nn.Module, style: Style, comm: TPComm, sequence_parallel: bool, name: str
+) -> nn.Module:
     if style == "column":
         return ColumnParallelLinear(m, comm, sequence_parallel=sequence_parallel, name=name)
     if style == "row":
@@ -235,8 +265,9 @@ def _parallel(m: nn.Module, style: Style, comm: TPComm, sequence_parallel: bool,
     if style == "vocab" and isinstance(m, nn.Embedding):
         return VocabParallelEmbedding(m, comm, sequence_parallel=sequence_parallel, name=name)
     if style == "vocab":
-        return ColumnParallelLinear(m, comm, sequence_parallel=sequence_parallel, vocab=True,
-                                    name=name)
+        return ColumnParallelLinear(
+            m, comm, sequence_parallel=sequence_parallel, vocab=True, name=name
+        )
     if sequence_parallel and type(m) is nn.Embedding:
         return SequenceChunkEmbedding(m, comm, name=name)
     return m
@@ -253,8 +284,9 @@ def _sum_replicated_grads(model: nn.Module, comm: TPComm) -> None:
     added after a reduce-scatter, position embedding) see only its tokens: their
     gradients are summed over the group, in one all-reduce per backward."""
     split = {id(p) for p in sharded_parameters(model)}
-    ReplicatedGradSync([p for p in model.parameters() if id(p) not in split and p.requires_grad],
-                       comm)
+    ReplicatedGradSync(
+        [p for p in model.parameters() if id(p) not in split and p.requires_grad], comm
+    )
     # A replicated parameter frozen at the split has no hook: unfrozen, its gradient would
     # stay this rank's tokens' part. The module holding it refuses to run then (its own
     # module, not the root: a pipeline runs stages, never the whole model).
@@ -263,13 +295,17 @@ def _sum_replicated_grads(model: nn.Module, comm: TPComm) -> None:
         if id(p) not in split and not p.requires_grad:
             owners.setdefault(n.rpartition(".")[0], []).append((n, p))
     for owner, frozen in owners.items():
-        def check_frozen(module: nn.Module, args: Any,
-                         frozen: list[tuple[str, nn.Parameter]] = frozen) -> None:
+
+        def check_frozen(
+            module: nn.Module, args: Any, frozen: list[tuple[str, nn.Parameter]] = frozen
+        ) -> None:
             thawed = [n for n, p in frozen if p.requires_grad]
             if thawed:
-                raise ValueError(f"{', '.join(thawed)} did not require a gradient when the "
-                                 "model was split with sequence parallelism and now does: "
-                                 "split it after unfreezing (its gradient would not be "
-                                 "summed over tp)")
+                raise ValueError(
+                    f"{', '.join(thawed)} did not require a gradient when the "
+                    "model was split with sequence parallelism and now does: "
+                    "split it after unfreezing (its gradient would not be "
+                    "summed over tp)"
+                )
 
         model.get_submodule(owner).register_forward_pre_hook(check_frozen)

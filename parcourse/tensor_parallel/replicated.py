@@ -29,7 +29,6 @@ from torch import nn
 
 from parcourse.tensor_parallel.comm import TPComm
 
-
 # The syncs that backward calls inside `one_sum` have left to sum (None: outside one).
 # A process's, not a thread's: on a GPU autograd runs the hooks on a thread of its own.
 _held: list[ReplicatedGradSync] | None = None
@@ -85,7 +84,8 @@ class ReplicatedGradSync:
                 "LayerNorm's, a bias's, the position embedding's) is this rank's tokens' "
                 "part until loss.backward() sums it over the ranks at its end; "
                 "torch.autograd.grad would return that part alone: call loss.backward() "
-                "and read .grad") from e
+                "and read .grad"
+            ) from e
         under_way = self._queued is not None and self._queued() is not None
         if _held is not None and not under_way:  # summed when `one_sum` ends
             if not any(sync is self for sync in _held):
@@ -117,7 +117,7 @@ class ReplicatedGradSync:
         total = self.comm.all_reduce(torch.cat(parts), "backward", "replicated grads")
         offset = 0
         for p in self.params:
-            summed = total[offset:offset + p.numel()].view_as(p)
+            summed = total[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
             if id(p) not in self._before:
                 continue

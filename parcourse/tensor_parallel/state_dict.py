@@ -33,8 +33,9 @@ def split_dims(model: nn.Module) -> dict[int, tuple[int, int]]:
 
 
 @torch.no_grad()
-def whole_parameters(model: nn.Module, group: dist.ProcessGroup,
-                     only: Iterable[nn.Parameter] | None = None) -> dict[str, torch.Tensor]:
+def whole_parameters(
+    model: nn.Module, group: dist.ProcessGroup, only: Iterable[nn.Parameter] | None = None
+) -> dict[str, torch.Tensor]:
     """{name: the whole parameter} for the model's parameters (or those in `only`), named
     as in the unsplit model (a tied parameter under each of its names). Every rank of
     `group` must call it on the same model, split the same way: it all-gathers each split
@@ -56,5 +57,8 @@ def whole_parameters(model: nn.Module, group: dist.ProcessGroup,
             parts = [torch.empty_like(shard) for _ in range(world_size)]
             dist.all_gather(parts, shard, group=group)
         whole[id(p)] = torch.cat(parts, dim).narrow(dim, 0, size).clone()
-    return {name: whole[id(p)] for name, p in model.named_parameters(remove_duplicate=False)
-            if id(p) in whole}
+    return {
+        name: whole[id(p)]
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if id(p) in whole
+    }

@@ -17,6 +17,19 @@ from parcourse.zero.stage1 import ZeroStage1
 from parcourse.zero.stage2 import ZeroStage2
 from parcourse.zero.stage3 import ZeroStage3
 
-__all__ = ["FlatUnit", "InfinityOptimizer", "ShardedOptimizer", "ZeroEngine", "ZeroModel",
-           "ZeroOptimizer", "ZeroStage1", "ZeroStage2", "ZeroStage3", "bytes_by_placement",
-           "check_config", "from_config", "row_chunk", "shard"]
+__all__ = [
+    "FlatUnit",
+    "InfinityOptimizer",
+    "ShardedOptimizer",
+    "ZeroEngine",
+    "ZeroModel",
+    "ZeroOptimizer",
+    "ZeroStage1",
+    "ZeroStage2",
+    "ZeroStage3",
+    "bytes_by_placement",
+    "check_config",
+    "from_config",
+    "row_chunk",
+    "shard",
+]

@@ -16,8 +16,9 @@ from parcourse.zero.layout import FlatUnit
 
 
 @torch.no_grad()
-def clip_counted_(grads: list[tuple[torch.Tensor, bool]], group: dist.ProcessGroup,
-                  max_norm: float) -> torch.Tensor:
+def clip_counted_(
+    grads: list[tuple[torch.Tensor, bool]], group: dist.ProcessGroup, max_norm: float
+) -> torch.Tensor:
     """The norm over `group` of gradients that several ranks may hold copies of: each
     (gradient, counted) pair is scaled, and counted in the norm only where `counted` (so
     that every element is counted once over the group: a weight left whole on every
@@ -41,17 +42,22 @@ def clip_counted_(grads: list[tuple[torch.Tensor, bool]], group: dist.ProcessGro
 
 
 @torch.no_grad()
-def clip_grad_norm_(units: list[FlatUnit], kept_params: list[nn.Parameter],
-                    group: dist.ProcessGroup, max_norm: float,
-                    norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(
+    units: list[FlatUnit],
+    kept_params: list[nn.Parameter],
+    group: dist.ProcessGroup,
+    max_norm: float,
+    norm_type: float = 2.0,
+) -> torch.Tensor:
     """Scale the shards' and the kept parameters' gradients so that their norm over
     every rank is at most `max_norm`; returns that norm (before clipping)."""
     shard_grads = [sp.grad for u in units for sp in u.shard_params if sp.grad is not None]
     kept = [p.grad for p in kept_params if p.grad is not None]
     p = float(norm_type)
     if p <= 0 or p != p:
-        raise ValueError(f"norm_type must be positive (inf for the largest |gradient|), "
-                         f"got {norm_type}")
+        raise ValueError(
+            f"norm_type must be positive (inf for the largest |gradient|), got {norm_type}"
+        )
     if p == float("inf"):  # the largest |gradient| anywhere, as torch's inf norm
         total = torch.zeros((), dtype=torch.float64)
         for g in [*shard_grads, *kept]:

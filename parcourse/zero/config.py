@@ -39,18 +39,35 @@ from parcourse.zero.model import ZeroModel
 from parcourse.zero.sharded_optimizer import guard_shard_state
 from parcourse.zero.stage1 import ZeroStage1
 
-TOP_LEVEL = ("zero_optimization", "bf16", "fp16", "optimizer", "train_micro_batch_size_per_gpu",
-             "gradient_accumulation_steps", "train_batch_size", "gradient_clipping")
-ZERO_KEYS = ("stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
-             "contiguous_gradients", "offload_optimizer", "offload_param",
-             "zero_quantized_weights", "zero_hpz_partition_size", "zero_quantized_gradients")
+TOP_LEVEL = (
+    "zero_optimization",
+    "bf16",
+    "fp16",
+    "optimizer",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "train_batch_size",
+    "gradient_clipping",
+)
+ZERO_KEYS = (
+    "stage",
+    "reduce_bucket_size",
+    "allgather_bucket_size",
+    "overlap_comm",
+    "contiguous_gradients",
+    "offload_optimizer",
+    "offload_param",
+    "zero_quantized_weights",
+    "zero_hpz_partition_size",
+    "zero_quantized_gradients",
+)
 OFFLOAD_OPTIMIZER_KEYS = ("device", "nvme_path", "pin_memory")
 OFFLOAD_PARAM_KEYS = ("device", "pin_memory")
 OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
 # DeepSpeed keys this course has not built: refused with what they would do.
 NOT_YET = {
     "buffer_count": "DeepSpeed's count of NVMe swap buffers (the course keeps three units' "
-                    "state in flight)",
+    "state in flight)",
     "max_in_cpu": "a cap on offloaded parameters kept in host memory",
 }
 DEFAULT_BUCKET_BYTES = 25 * 2**20
@@ -74,8 +91,10 @@ def _read(config: dict[str, Any] | str | Path) -> dict[str, Any]:
 def _refuse_unknown(keys: Any, known: tuple[str, ...], where: str) -> None:
     for key in keys:
         if key in NOT_YET:
-            raise ValueError(f"{where}{key!r} asks for {NOT_YET[key]}, which this course does "
-                             f"not build yet; supported here: {', '.join(known)}")
+            raise ValueError(
+                f"{where}{key!r} asks for {NOT_YET[key]}, which this course does "
+                f"not build yet; supported here: {', '.join(known)}"
+            )
         if key not in known:
             raise ValueError(f"unknown key {where}{key!r}; supported: {', '.join(known)}")
 
@@ -84,11 +103,13 @@ def _flag(section: Any, name: str) -> bool:
     if section is None:
         return False
     if not isinstance(section, dict) or set(section) - {"enabled"}:
-        raise ValueError(f"{name!r} takes {{\"enabled\": true or false}} only, got {section!r}")
+        raise ValueError(f'{name!r} takes {{"enabled": true or false}} only, got {section!r}')
     enabled = section.get("enabled", False)
     if enabled == "auto":
-        raise ValueError(f"{name}.enabled 'auto': say true or false (it depends on your GPU, "
-                         "which this configuration cannot see)")
+        raise ValueError(
+            f"{name}.enabled 'auto': say true or false (it depends on your GPU, "
+            "which this configuration cannot see)"
+        )
     return bool(enabled)
 
 
@@ -97,18 +118,24 @@ def _bucket_mb(zero: dict[str, Any]) -> float:
     values = {k: DEFAULT_BUCKET_BYTES if v == "auto" else v for k, v in sizes.items()}
     for key, value in values.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ValueError(f"zero_optimization.{key} must be a positive number of bytes "
-                             f"(or 'auto'), got {value!r}")
+            raise ValueError(
+                f"zero_optimization.{key} must be a positive number of bytes "
+                f"(or 'auto'), got {value!r}"
+            )
     if len(set(values.values())) > 1:
-        raise ValueError("reduce_bucket_size and allgather_bucket_size differ; this course "
-                         "moves gradients and weights in the same units: give one size")
+        raise ValueError(
+            "reduce_bucket_size and allgather_bucket_size differ; this course "
+            "moves gradients and weights in the same units: give one size"
+        )
     return next(iter(values.values()), DEFAULT_BUCKET_BYTES) / 2**20
 
 
 def _optimizer(spec: Any) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     if spec is None:
-        raise ValueError("no 'optimizer' section: give {\"type\": \"AdamW\", \"params\": "
-                         "{\"lr\": ...}} (the engine builds the optimizer over the shards)")
+        raise ValueError(
+            'no \'optimizer\' section: give {"type": "AdamW", "params": '
+            '{"lr": ...}} (the engine builds the optimizer over the shards)'
+        )
     if not isinstance(spec, dict) or set(spec) - {"type", "params"}:
         raise ValueError(f"'optimizer' takes 'type' and 'params', got {spec!r}")
     kind = spec.get("type")
@@ -131,9 +158,15 @@ class ZeroEngine:
     micro-batch of a step, `engine.step()` clips (`gradient_clipping`, by the global
     norm) and steps at that boundary only, and zeroes the gradients after."""
 
-    def __init__(self, module: ZeroStage1, optimizer: Any, *,
-                 micro_batch: int | None, accumulation_steps: int, clipping: float | None
-                 ) -> None:
+    def __init__(
+        self,
+        module: ZeroStage1,
+        optimizer: Any,
+        *,
+        micro_batch: int | None,
+        accumulation_steps: int,
+        clipping: float | None,
+    ) -> None:
         self.module, self.optimizer = module, optimizer
         self.micro_batch, self.accumulation_steps = micro_batch, accumulation_steps
         self.clipping = clipping
@@ -189,14 +222,18 @@ def check_config(config: dict[str, Any] | str | Path, world_size: int) -> _Check
     _refuse_unknown(zero, ZERO_KEYS, "zero_optimization.")
     stage = zero["stage"]
     if stage == 0:
-        raise ValueError("zero_optimization.stage 0 is plain data parallelism: use "
-                         "parcourse.data_parallel (this builds ZeRO stages 1-3)")
+        raise ValueError(
+            "zero_optimization.stage 0 is plain data parallelism: use "
+            "parcourse.data_parallel (this builds ZeRO stages 1-3)"
+        )
     if stage not in (1, 2, 3):
         raise ValueError(f"zero_optimization.stage must be 1, 2 or 3, got {stage!r}")
     for key in ("overlap_comm", "contiguous_gradients"):
         if zero.get(key, True) is not True:
-            raise ValueError(f"zero_optimization.{key} false: this course always overlaps "
-                             "communication and keeps gradients in contiguous units")
+            raise ValueError(
+                f"zero_optimization.{key} false: this course always overlaps "
+                "communication and keeps gradients in contiguous units"
+            )
     bf16, fp16 = _flag(config.get("bf16"), "bf16"), _flag(config.get("fp16"), "fp16")
     if bf16 and fp16:
         raise ValueError("bf16 and fp16 are both enabled: choose one")
@@ -208,34 +245,52 @@ def check_config(config: dict[str, Any] | str | Path, world_size: int) -> _Check
     accumulation = config.get("gradient_accumulation_steps", 1)
     if accumulation == "auto":
         accumulation = 1
-    for name, value in (("train_micro_batch_size_per_gpu", micro),
-                        ("gradient_accumulation_steps", accumulation)):
-        if value is not None and value != "auto" and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    for name, value in (
+        ("train_micro_batch_size_per_gpu", micro),
+        ("gradient_accumulation_steps", accumulation),
+    ):
+        if (
+            value is not None
+            and value != "auto"
+            and (isinstance(value, bool) or not isinstance(value, int) or value < 1)
+        ):
             raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
     if micro == "auto":
         micro = None
     total = config.get("train_batch_size")
     if total is not None and total != "auto":
         if micro is None:
-            raise ValueError("train_batch_size without train_micro_batch_size_per_gpu: give "
-                             "the micro-batch too")
+            raise ValueError(
+                "train_batch_size without train_micro_batch_size_per_gpu: give the micro-batch too"
+            )
         if total != micro * accumulation * world_size:
-            raise ValueError(f"train_batch_size {total} != train_micro_batch_size_per_gpu "
-                             f"{micro} x gradient_accumulation_steps {accumulation} x "
-                             f"{world_size} ranks = {micro * accumulation * world_size}")
+            raise ValueError(
+                f"train_batch_size {total} != train_micro_batch_size_per_gpu "
+                f"{micro} x gradient_accumulation_steps {accumulation} x "
+                f"{world_size} ranks = {micro * accumulation * world_size}"
+            )
     clipping = config.get("gradient_clipping")
-    if clipping is not None and (isinstance(clipping, bool) or
-                                 not isinstance(clipping, (int, float)) or clipping <= 0):
+    if clipping is not None and (
+        isinstance(clipping, bool) or not isinstance(clipping, (int, float)) or clipping <= 0
+    ):
         raise ValueError(f"gradient_clipping must be a positive number, got {clipping!r}")
     kind, params = _optimizer(config.get("optimizer"))
-    return _Checked(stage, dtype, micro, accumulation,
-                    float(clipping) if clipping is not None else None, kind, params,
-                    _beyond_stage_3(zero, stage), _bucket_mb(zero))
+    return _Checked(
+        stage,
+        dtype,
+        micro,
+        accumulation,
+        float(clipping) if clipping is not None else None,
+        kind,
+        params,
+        _beyond_stage_3(zero, stage),
+        _bucket_mb(zero),
+    )
 
 
-def from_config(model: nn.Module, config: dict[str, Any] | str | Path,
-                group: dist.ProcessGroup | None = None) -> ZeroEngine:
+def from_config(
+    model: nn.Module, config: dict[str, Any] | str | Path, group: dist.ProcessGroup | None = None
+) -> ZeroEngine:
     """The course's ZeRO built from a DeepSpeed configuration (a dict or a JSON file).
 
     Supported: `zero_optimization` {`stage` 1-3, `reduce_bucket_size` /
@@ -256,10 +311,12 @@ def from_config(model: nn.Module, config: dict[str, Any] | str | Path,
     path = options.pop("nvme_path", None)
     stage, dtype, kind, params = c.stage, c.dtype, c.optimizer, dict(c.params)
     micro, accumulation, clipping = c.micro, c.accumulation, c.clipping
-    module = ZeroModel(model, stage, group, bucket_mb=c.bucket_mb, compute_dtype=dtype,
-                       **options)
-    if "offload_optimizer" in options and kind is not torch.optim.SGD and not (
-            {"foreach", "fused"} & set(params)):
+    module = ZeroModel(model, stage, group, bucket_mb=c.bucket_mb, compute_dtype=dtype, **options)
+    if (
+        "offload_optimizer" in options
+        and kind is not torch.optim.SGD
+        and not ({"foreach", "fused"} & set(params))
+    ):
         params["fused"] = True  # the update runs on the host: torch's fused CPU Adam is the
         #                         fastest there (DeepSpeed uses its own CPU Adam)
     optimizer: Any = kind([p for p in module.parameters() if p.requires_grad], **params)
@@ -267,8 +324,13 @@ def from_config(model: nn.Module, config: dict[str, Any] | str | Path,
         optimizer = InfinityOptimizer(module, optimizer, path)
     else:  # whose shard its state is, refused in another rank
         guard_shard_state(optimizer, module)
-    return ZeroEngine(module, optimizer, micro_batch=micro, accumulation_steps=accumulation,
-                      clipping=float(clipping) if clipping is not None else None)
+    return ZeroEngine(
+        module,
+        optimizer,
+        micro_batch=micro,
+        accumulation_steps=accumulation,
+        clipping=float(clipping) if clipping is not None else None,
+    )
 
 
 def _section(zero: dict[str, Any], name: str, known: tuple[str, ...]) -> dict[str, Any]:
@@ -277,9 +339,11 @@ def _section(zero: dict[str, Any], name: str, known: tuple[str, ...]) -> dict[st
         raise ValueError(f"zero_optimization.{name} takes an object, got {section!r}")
     _refuse_unknown(section, known, f"zero_optimization.{name}.")
     if section.get("pin_memory", True) is not True:
-        raise ValueError(f"zero_optimization.{name}.pin_memory false: host buffers are always "
-                         "pinned here when the device is a GPU (and there is nothing to pin "
-                         "without one)")
+        raise ValueError(
+            f"zero_optimization.{name}.pin_memory false: host buffers are always "
+            "pinned here when the device is a GPU (and there is nothing to pin "
+            "without one)"
+        )
     return section
 
 
@@ -289,12 +353,16 @@ def _beyond_stage_3(zero: dict[str, Any], stage: int) -> dict[str, Any]:
     opt = _section(zero, "offload_optimizer", OFFLOAD_OPTIMIZER_KEYS)
     device = opt.get("device", "none")
     if device not in ("none", "cpu", "nvme"):
-        raise ValueError(f"zero_optimization.offload_optimizer.device must be 'none', 'cpu' or "
-                         f"'nvme', got {device!r}")
+        raise ValueError(
+            f"zero_optimization.offload_optimizer.device must be 'none', 'cpu' or "
+            f"'nvme', got {device!r}"
+        )
     if device == "nvme":
         if not opt.get("nvme_path"):
-            raise ValueError("zero_optimization.offload_optimizer.device 'nvme' needs its "
-                             "nvme_path (a directory for the optimizer's state)")
+            raise ValueError(
+                "zero_optimization.offload_optimizer.device 'nvme' needs its "
+                "nvme_path (a directory for the optimizer's state)"
+            )
         options["nvme_path"] = opt["nvme_path"]
     elif "nvme_path" in opt:
         raise ValueError("zero_optimization.offload_optimizer.nvme_path is for device 'nvme'")
@@ -303,28 +371,39 @@ def _beyond_stage_3(zero: dict[str, Any], stage: int) -> dict[str, Any]:
     param = _section(zero, "offload_param", OFFLOAD_PARAM_KEYS)
     param_device = param.get("device", "none")
     if param_device == "nvme":
-        raise ValueError("zero_optimization.offload_param.device 'nvme' (the weights on "
-                         "disk) is not built here: 'cpu' or 'none'")
+        raise ValueError(
+            "zero_optimization.offload_param.device 'nvme' (the weights on "
+            "disk) is not built here: 'cpu' or 'none'"
+        )
     if param_device not in ("none", "cpu"):
-        raise ValueError(f"zero_optimization.offload_param.device must be 'none' or 'cpu', "
-                         f"got {param_device!r}")
+        raise ValueError(
+            f"zero_optimization.offload_param.device must be 'none' or 'cpu', got {param_device!r}"
+        )
     if param_device == "cpu":
         if stage != 3:
             raise ValueError("zero_optimization.offload_param is stage 3's")
         if device == "none":
-            raise ValueError("zero_optimization.offload_param needs offload_optimizer on 'cpu' "
-                             "or 'nvme' too (the weights' shard sits beside the masters)")
+            raise ValueError(
+                "zero_optimization.offload_param needs offload_optimizer on 'cpu' "
+                "or 'nvme' too (the weights' shard sits beside the masters)"
+            )
         options["offload_params"] = True
     hpz = zero.get("zero_hpz_partition_size", 1)
     if isinstance(hpz, bool) or not isinstance(hpz, int) or hpz < 1:
-        raise ValueError(f"zero_optimization.zero_hpz_partition_size must be a whole number "
-                         f">= 1 (a node's ranks), got {hpz!r}")
-    plus = {"quantized_weights": bool(zero.get("zero_quantized_weights", False)),
-            "hpz_partition_size": hpz if hpz > 1 else None,
-            "quantized_gradients": bool(zero.get("zero_quantized_gradients", False))}
+        raise ValueError(
+            f"zero_optimization.zero_hpz_partition_size must be a whole number "
+            f">= 1 (a node's ranks), got {hpz!r}"
+        )
+    plus = {
+        "quantized_weights": bool(zero.get("zero_quantized_weights", False)),
+        "hpz_partition_size": hpz if hpz > 1 else None,
+        "quantized_gradients": bool(zero.get("zero_quantized_gradients", False)),
+    }
     if any(plus.values()):
         if stage != 3:
-            raise ValueError("ZeRO++ (zero_quantized_weights, zero_hpz_partition_size, "
-                             f"zero_quantized_gradients) is stage 3's; this is stage {stage}")
+            raise ValueError(
+                "ZeRO++ (zero_quantized_weights, zero_hpz_partition_size, "
+                f"zero_quantized_gradients) is stage 3's; this is stage {stage}"
+            )
         options.update(plus)
     return options

@@ -59,8 +59,10 @@ def read_state(path: str | Path, rank: int) -> dict[int, UnitState]:
     version = current_version(directory)
     if version is None:
         return {}
-    return {int(f.stem[4:]): torch.load(f, weights_only=True)
-            for f in sorted((directory / f"v{version}").glob("unit*.pt"))}
+    return {
+        int(f.stem[4:]): torch.load(f, weights_only=True)
+        for f in sorted((directory / f"v{version}").glob("unit*.pt"))
+    }
 
 
 class InfinityOptimizer(ShardedOptimizer):
@@ -77,11 +79,14 @@ class InfinityOptimizer(ShardedOptimizer):
     (`opt.optimizer`), whose param groups are these.
     """
 
-    def __init__(self, model: ZeroStage1, optimizer: torch.optim.Optimizer,
-                 path: str | Path) -> None:
+    def __init__(
+        self, model: ZeroStage1, optimizer: torch.optim.Optimizer, path: str | Path
+    ) -> None:
         if model.host is None:
-            raise ValueError("InfinityOptimizer streams the optimizer's state between disk "
-                             "and host memory: build the model with offload_optimizer='cpu'")
+            raise ValueError(
+                "InfinityOptimizer streams the optimizer's state between disk "
+                "and host memory: build the model with offload_optimizer='cpu'"
+            )
         super().__init__(model, lambda _: optimizer)
         self.directory = rank_dir(path, dist.get_rank() if dist.is_initialized() else 0)
         if self.directory.exists():
@@ -90,12 +95,19 @@ class InfinityOptimizer(ShardedOptimizer):
         stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
         self.units = [[sp for sp in u.shard_params if id(sp) in stepped] for u in model.units]
         in_units = {id(p) for unit in self.units for p in unit}
-        self.others = [p for g in optimizer.param_groups for p in g["params"]
-                       if id(p) not in in_units]
+        self.others = [
+            p for g in optimizer.param_groups for p in g["params"] if id(p) not in in_units
+        ]
         self.version = 0
         self._commit(self.version)
-        self.stats = {"bytes_read": 0, "bytes_written": 0, "read_s": 0.0, "write_s": 0.0,
-                      "step_s": 0.0, "steps": 0}
+        self.stats = {
+            "bytes_read": 0,
+            "bytes_written": 0,
+            "read_s": 0.0,
+            "write_s": 0.0,
+            "step_s": 0.0,
+            "steps": 0,
+        }
         self._reader = ThreadPoolExecutor(1, "parcourse-disk-read")
         self._writer = ThreadPoolExecutor(1, "parcourse-disk-write")
         self.on_unit_written: Callable[[int], None] | None = None  # e.g. a progress line
@@ -121,10 +133,14 @@ class InfinityOptimizer(ShardedOptimizer):
                 began = time.perf_counter_ns()
                 self._step_only(params, grads, state)
                 if self.model.tracer is not None:
-                    self.model.tracer.add_span("update", began, time.perf_counter_ns(),
-                                               kind="compute", unit=k)
-                out = {i: self.optimizer.state.pop(p) for i, p in enumerate(params)
-                       if p in self.optimizer.state}
+                    self.model.tracer.add_span(
+                        "update", began, time.perf_counter_ns(), kind="compute", unit=k
+                    )
+                out = {
+                    i: self.optimizer.state.pop(p)
+                    for i, p in enumerate(params)
+                    if p in self.optimizer.state
+                }
                 writes.append(self._writer.submit(self._write, new / f"unit{k}.pt", out, k))
                 while len(writes) > 1:  # the host buffer stays bounded
                     writes.pop(0).result()
@@ -142,8 +158,9 @@ class InfinityOptimizer(ShardedOptimizer):
         self.stats["steps"] += 1
         return loss
 
-    def _step_only(self, params: list[nn.Parameter], grads: dict[int, Any],
-                   state: UnitState | None) -> None:
+    def _step_only(
+        self, params: list[nn.Parameter], grads: dict[int, Any], state: UnitState | None
+    ) -> None:
         """One torch step over `params` alone: every other parameter's gradient hidden
         (a torch optimizer skips a parameter without one), their state put in place."""
         mine = {id(p) for p in params}
@@ -222,8 +239,11 @@ class InfinityOptimizer(ShardedOptimizer):
         new = self.directory / f"v{self.version + 1}"
         new.mkdir(exist_ok=True)
         for k, params in enumerate(self.units):
-            out = {i: self.optimizer.state.pop(p) for i, p in enumerate(params)
-                   if p in self.optimizer.state}
+            out = {
+                i: self.optimizer.state.pop(p)
+                for i, p in enumerate(params)
+                if p in self.optimizer.state
+            }
             torch.save(out, new / f"unit{k}.pt")
         self._commit(self.version + 1)
         shutil.rmtree(self.directory / f"v{self.version}", ignore_errors=True)

@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 from torch import nn
-
-from torch.optim.optimizer import (register_optimizer_step_post_hook,
-                                   register_optimizer_step_pre_hook)
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from parcourse.ranges import chunk_bounds
 from parcourse.zero.mixed_precision import compute_copy, own_master
@@ -85,31 +86,39 @@ class FlatUnit:
         *self.part_offsets, self.part_numel = itertools.accumulate(chunk_numels, initial=0)
         *self.full_offsets, self.numel = itertools.accumulate(self.numels, initial=0)
         self.padded = self.part_numel * n
-        self.local_rows = [end - start for start, end in
-                           (row_chunk(r, self.rank, n) for r in self.rows)]
+        self.local_rows = [
+            end - start for start, end in (row_chunk(r, self.rank, n) for r in self.rows)
+        ]
         p0 = self.params[0]
         self.dtype = p0.dtype  # the masters' (and the optimizer's) dtype
-        self.full = torch.empty(self.numel, dtype=self.compute_dtype or self.dtype,
-                                device=p0.device)
+        self.full = torch.empty(
+            self.numel, dtype=self.compute_dtype or self.dtype, device=p0.device
+        )
         with torch.no_grad():
             # The given weights, in their own dtype (fp32): the masters come from these.
-            given = self.full if self.compute_dtype is None else torch.cat(
-                [p.detach().reshape(-1) for p in self.params])
+            given = (
+                self.full
+                if self.compute_dtype is None
+                else torch.cat([p.detach().reshape(-1) for p in self.params])
+            )
             for p, offset, size in zip(self.params, self.full_offsets, self.numels):
-                self.full[offset:offset + size] = p.detach().reshape(-1)
+                self.full[offset : offset + size] = p.detach().reshape(-1)
             # Without mixed precision and with the weights whole (stages 1-2), this rank's
             # rows live in `full` itself; otherwise in a part of their own (fp32).
             if self.compute_dtype is None and not self.sharded_weights and self.host is None:
                 self.master = self.full
             else:
                 self.master = own_master(self, given, self.host)
-            for p, offset, size, shape in zip(self.params, self.full_offsets, self.numels,
-                                              self.shapes):
-                p.data = self.full[offset:offset + size].view(shape)
+            for p, offset, size, shape in zip(
+                self.params, self.full_offsets, self.numels, self.shapes
+            ):
+                p.data = self.full[offset : offset + size].view(shape)
         # Stage 3 gathers a 16-bit copy of the master every time: keep one.
         self.compute_shard = compute_copy(self) if self.sharded_weights else None
-        self.shard_params = [nn.Parameter(self._mine(i), requires_grad=p.requires_grad)
-                             for i, p in enumerate(self.params)]
+        self.shard_params = [
+            nn.Parameter(self._mine(i), requires_grad=p.requires_grad)
+            for i, p in enumerate(self.params)
+        ]
         self.gathered_version = self.master._version
         _watch_steps(self)
 
@@ -120,37 +129,44 @@ class FlatUnit:
         if self.master is self.full:
             start = self.full_offsets[i] + self.rank * self.chunk_rows[i] * self.row_numels[i]
             rows = self.local_rows[i]
-            return self.full[start:start + rows * self.row_numels[i]].view(
-                rows, *self.shapes[i][1:])
+            return self.full[start : start + rows * self.row_numels[i]].view(
+                rows, *self.shapes[i][1:]
+            )
         return self.shard_of(self.master, i)
 
     def shard_of(self, part: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter i's rows in a rank's part (a view, shape (rows, *rest))."""
         start = self.part_offsets[i]
         rows = self.local_rows[i]
-        return part[start:start + rows * self.row_numels[i]].view(rows, *self.shapes[i][1:])
+        return part[start : start + rows * self.row_numels[i]].view(rows, *self.shapes[i][1:])
 
     def _chunks(self, flat: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Parameter i's rows as (whole chunks, remainder rows, count of whole chunks)."""
         c, rn = self.chunk_rows[i], self.row_numels[i]
         whole = self.rows[i] // c
         rows = flat.view(self.rows[i], rn)
-        return rows[:whole * c].view(whole, c, rn), rows[whole * c:], whole
+        return rows[: whole * c].view(whole, c, rn), rows[whole * c :], whole
 
     def _columns(self, parts: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter i's chunk in every rank's part: parts (N, width) -> (N, chunk_rows, rest)."""
         start = self.part_offsets[i]
         c, rn = self.chunk_rows[i], self.row_numels[i]
-        return parts[:, start:start + c * rn].view(self.world_size, c, rn)
+        return parts[:, start : start + c * rn].view(self.world_size, c, rn)
 
     def pack(self, tensors: Iterable[torch.Tensor | None], parts: torch.Tensor) -> None:
         """Write full-size tensors (one per parameter, None = zeros) into parts (N, width)."""
         tensors = list(tensors)
-        if (self.even and parts.shape == (self.world_size, self.part_numel)
-                and parts.is_contiguous()
-                and all(t is not None and t.dtype == parts.dtype for t in tensors)):
-            torch.cat([t.reshape(self.world_size, -1) for t in tensors],  # type: ignore[union-attr]
-                      dim=1, out=parts)
+        if (
+            self.even
+            and parts.shape == (self.world_size, self.part_numel)
+            and parts.is_contiguous()
+            and all(t is not None and t.dtype == parts.dtype for t in tensors)
+        ):
+            torch.cat(
+                [t.reshape(self.world_size, -1) for t in tensors],  # type: ignore[union-attr]
+                dim=1,
+                out=parts,
+            )
             return
         for i, t in enumerate(tensors):
             cols = self._columns(parts, i)
@@ -160,9 +176,9 @@ class FlatUnit:
             whole, rest, k = self._chunks(t.reshape(-1), i)
             cols[:k].copy_(whole)
             if k < self.world_size:
-                cols[k, :rest.shape[0]].copy_(rest)
-                cols[k, rest.shape[0]:].zero_()
-                cols[k + 1:].zero_()
+                cols[k, : rest.shape[0]].copy_(rest)
+                cols[k, rest.shape[0] :].zero_()
+                cols[k + 1 :].zero_()
 
     def unpack(self, parts: torch.Tensor, into: torch.Tensor | None = None) -> None:
         """Copy a whole buffer, parts (N, part_numel), into the parameters, one after
@@ -171,30 +187,35 @@ class FlatUnit:
         if self.even:
             pieces = parts.split(self.chunk_numels, dim=1)
             for piece, offset, size in zip(pieces, self.full_offsets, self.numels):
-                into[offset:offset + size].view(self.world_size, -1).copy_(piece)
+                into[offset : offset + size].view(self.world_size, -1).copy_(piece)
             return
         for i, (offset, size) in enumerate(zip(self.full_offsets, self.numels)):
-            whole, rest, k = self._chunks(into[offset:offset + size], i)
+            whole, rest, k = self._chunks(into[offset : offset + size], i)
             cols = self._columns(parts, i)
             whole.copy_(cols[:k])
             if k < self.world_size:
-                rest.copy_(cols[k, :rest.shape[0]])
+                rest.copy_(cols[k, : rest.shape[0]])
 
     def pack_part(self, full: torch.Tensor, part: torch.Tensor) -> None:
         """This rank's part of the parameters `full` (one after another, unpadded)."""
         if self.even and full.dtype == part.dtype:
-            torch.cat([full[o:o + n].view(self.world_size, -1)[self.rank]
-                       for o, n in zip(self.full_offsets, self.numels)],
-                      out=part[:self.part_numel])
+            torch.cat(
+                [
+                    full[o : o + n].view(self.world_size, -1)[self.rank]
+                    for o, n in zip(self.full_offsets, self.numels)
+                ],
+                out=part[: self.part_numel],
+            )
             return
         for i, (offset, size) in enumerate(zip(self.full_offsets, self.numels)):
             c, rn = self.chunk_rows[i], self.row_numels[i]
-            rows = full[offset:offset + size].view(self.rows[i], rn)
-            mine = rows[self.rank * c:self.rank * c + self.local_rows[i]]
-            part[self.part_offsets[i]:self.part_offsets[i] + mine.numel()] = mine.reshape(-1)
+            rows = full[offset : offset + size].view(self.rows[i], rn)
+            mine = rows[self.rank * c : self.rank * c + self.local_rows[i]]
+            part[self.part_offsets[i] : self.part_offsets[i] + mine.numel()] = mine.reshape(-1)
 
-    def master_part(self, dtype: torch.dtype | None = None,
-                    into: torch.Tensor | None = None) -> torch.Tensor:
+    def master_part(
+        self, dtype: torch.dtype | None = None, into: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """This rank's part of the masters, contiguous, in `dtype` (default: theirs),
         written into `into` when given."""
         dtype = dtype or self.dtype
@@ -205,8 +226,9 @@ class FlatUnit:
         self.pack_part(self.full, into)
         for i, (c, rn) in enumerate(zip(self.chunk_rows, self.row_numels)):
             if self.local_rows[i] < c:  # padding rows: zeros
-                into[self.part_offsets[i] + self.local_rows[i] * rn:
-                     self.part_offsets[i] + c * rn].zero_()
+                into[
+                    self.part_offsets[i] + self.local_rows[i] * rn : self.part_offsets[i] + c * rn
+                ].zero_()
         return into
 
     # -- what is gathered
@@ -248,7 +270,7 @@ class FlatUnit:
         into), in the compute dtype; stages 1-2 write the part straight into the whole."""
         whole = torch.empty(self.padded, dtype=self.full.dtype, device=self.full.device)
         if self.compute_shard is None:
-            mine = whole[self.rank * self.part_numel:(self.rank + 1) * self.part_numel]
+            mine = whole[self.rank * self.part_numel : (self.rank + 1) * self.part_numel]
             return self.master_part(self.full.dtype, into=mine), whole
         if self.compute_shard is not self.master and self.stepped():
             self.compute_shard.copy_(self.master)

@@ -27,7 +27,8 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                 raise RuntimeError(
                     "this optimizer holds the module's own parameters, which ZeRO replaced by "
                     "gathered copies: stepping them trains nothing. Build the optimizer from "
-                    "the sharded model, after sharding: torch.optim.AdamW(model.parameters())")
+                    "the sharded model, after sharding: torch.optim.AdamW(model.parameters())"
+                )
 
 
 def mark_sharded_away(params: Iterable[nn.Parameter]) -> None:

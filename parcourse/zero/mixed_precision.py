@@ -39,9 +39,11 @@ class _Unit(Protocol):
 # fp16 without loss scaling trains silently wrong: a gradient below fp16's smallest
 # number (6e-8) is 0 (with a loss scaled by 1e-6, 87% of a GPT's gradient elements were,
 # against 0.15% in bf16), and the course does not scale the loss, so it refuses fp16.
-FP16_REFUSED = ("fp16 needs loss scaling (a gradient below 6e-8 becomes 0 and training "
-                "stalls without a word), which this course does not do: use bf16, the same "
-                "16 bits with fp32's range")
+FP16_REFUSED = (
+    "fp16 needs loss scaling (a gradient below 6e-8 becomes 0 and training "
+    "stalls without a word), which this course does not do: use bf16, the same "
+    "16 bits with fp32's range"
+)
 
 
 def check_compute_dtype(compute_dtype: torch.dtype | None) -> torch.dtype | None:
@@ -56,8 +58,9 @@ def check_compute_dtype(compute_dtype: torch.dtype | None) -> torch.dtype | None
 # --------------------------------------------------------------------------- masters
 
 
-def own_master(unit: _Unit, weights: torch.Tensor,
-               host: torch.device | None = None) -> torch.Tensor:
+def own_master(
+    unit: _Unit, weights: torch.Tensor, host: torch.device | None = None
+) -> torch.Tensor:
     """This rank's rows of the unit in a tensor of their own, in the parameters' dtype
     (fp32): under mixed precision, when the weights are sharded (stage 3), or when the
     masters live on the `host` (ZeRO-Offload; pinned there when the device is a GPU).
@@ -68,8 +71,11 @@ def own_master(unit: _Unit, weights: torch.Tensor,
     master = torch.zeros(unit.part_numel, dtype=unit.dtype, device=weights.device)
     unit.pack_part(weights, master)
     if host is not None and torch.device(host) != weights.device:
-        master = master.to(host, copy=True).pin_memory() if weights.is_cuda else \
-            master.to(host, copy=True)
+        master = (
+            master.to(host, copy=True).pin_memory()
+            if weights.is_cuda
+            else master.to(host, copy=True)
+        )
     return master
 
 
@@ -91,12 +97,14 @@ def cast_floats(tree: Any, dtype: torch.dtype | None) -> Any:
     """Every floating-point tensor in `tree` (args, kwargs, outputs) cast to `dtype`."""
     if dtype is None:
         return tree
-    return tree_map_only(torch.Tensor,
-                         lambda t: t.to(dtype) if torch.is_floating_point(t) else t, tree)
+    return tree_map_only(
+        torch.Tensor, lambda t: t.to(dtype) if torch.is_floating_point(t) else t, tree
+    )
 
 
-def forward_in(compute_dtype: torch.dtype, forward: Callable[..., Any], args: Any,
-               kwargs: Any) -> Any:
+def forward_in(
+    compute_dtype: torch.dtype, forward: Callable[..., Any], args: Any, kwargs: Any
+) -> Any:
     """Mixed precision: inputs in, outputs out of the compute dtype; the loss stays fp32."""
     args, kwargs = cast_floats((args, kwargs), compute_dtype)
     return cast_floats(forward(*args, **kwargs), torch.float32)
@@ -110,6 +118,7 @@ def _cast_inputs_to_params(module: nn.Module, args: Any, kwargs: Any) -> Any:
 def keep_in_own_dtype(modules: Iterable[nn.Module], compute_dtype: torch.dtype) -> None:
     """Kept modules run in their own dtype (fp32), their inputs cast to it, and hand
     back `compute_dtype` to the sharded modules after them."""
+
     def cast_output(module: nn.Module, args: Any, output: Any) -> Any:
         return cast_floats(output, compute_dtype)
 
@@ -118,8 +127,9 @@ def keep_in_own_dtype(modules: Iterable[nn.Module], compute_dtype: torch.dtype) 
         m.register_forward_hook(cast_output)
 
 
-def frozen_in_compute_dtype(module: nn.Module, leave: Iterable[nn.Parameter],
-                            compute_dtype: torch.dtype) -> None:
+def frozen_in_compute_dtype(
+    module: nn.Module, leave: Iterable[nn.Parameter], compute_dtype: torch.dtype
+) -> None:
     """Weights frozen before wrapping are not sharded: they stay whole in the module, in
     their own dtype (what an export and a reload see), and each forward of the module
     that holds them runs on a copy in the compute dtype, made again only after the
@@ -127,8 +137,11 @@ def frozen_in_compute_dtype(module: nn.Module, leave: Iterable[nn.Parameter],
     sharded weights and the kept modules' (those run in their own dtype)."""
     left = {id(p) for p in leave}
     for owner in module.modules():
-        names = [name for name, p in owner.named_parameters(recurse=False)
-                 if id(p) not in left and p.is_floating_point() and p.dtype != compute_dtype]
+        names = [
+            name
+            for name, p in owner.named_parameters(recurse=False)
+            if id(p) not in left and p.is_floating_point() and p.dtype != compute_dtype
+        ]
         if names:
             _FrozenCopies(owner, names, compute_dtype)
 
@@ -152,8 +165,10 @@ class _FrozenCopies:
                 continue
             key = (id(p), p._version)
             if self.copies.get(name, (None,))[0] != key:
-                self.copies[name] = (key, nn.Parameter(p.detach().to(self.dtype),
-                                                       requires_grad=False))
+                self.copies[name] = (
+                    key,
+                    nn.Parameter(p.detach().to(self.dtype), requires_grad=False),
+                )
             owner._parameters[name] = self.copies[name][1]
 
     def swap_back(self, owner: nn.Module, args: Any, output: Any) -> None:

@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parcourse.trace import Tracer
 from parcourse.comm import Algorithm
 from parcourse.comm.link import Network
+from parcourse.trace import Tracer
 from parcourse.zero.infinity import InfinityOptimizer
-from parcourse.zero.sharded_optimizer import ShardedOptimizer
 from parcourse.zero.offload import OffloadTarget
+from parcourse.zero.sharded_optimizer import ShardedOptimizer
 from parcourse.zero.stage1 import ZeroStage1
 from parcourse.zero.stage2 import ZeroStage2
 from parcourse.zero.stage3 import ZeroStage3
@@ -33,8 +33,13 @@ Stage = Literal[1, 2, 3]
 STAGES: dict[int, type[ZeroStage1]] = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
 
 
-STAGE3_ONLY = ("offload_params", "quantized_weights", "hpz_partition_size",
-               "quantized_gradients", "ranks_per_node")
+STAGE3_ONLY = (
+    "offload_params",
+    "quantized_weights",
+    "hpz_partition_size",
+    "quantized_gradients",
+    "ranks_per_node",
+)
 
 
 class ZeroModel(ABC):  # noqa: B024 (abstract only so that the stages register under it)
@@ -51,12 +56,22 @@ class ZeroModel(ABC):  # noqa: B024 (abstract only so that the stages register u
     `hpz_partition_size`, `quantized_gradients` and `ranks_per_node` (ZeroStage3).
     """
 
-    def __new__(cls, module: nn.Module, stage: Stage, group: dist.ProcessGroup | None = None,
-                *, bucket_mb: float = 25.0, prefetch: bool = True,
-                compute_dtype: torch.dtype | None = None, algorithm: Algorithm = "auto",
-                keep_modules: Iterable[nn.Module] = (), offload_optimizer: OffloadTarget = None,
-                link: Network | None = None, tracer: Tracer | None = None,
-                **stage3_options: Any) -> ZeroStage1:  # type: ignore[misc]
+    def __new__(
+        cls,
+        module: nn.Module,
+        stage: Stage,
+        group: dist.ProcessGroup | None = None,
+        *,
+        bucket_mb: float = 25.0,
+        prefetch: bool = True,
+        compute_dtype: torch.dtype | None = None,
+        algorithm: Algorithm = "auto",
+        keep_modules: Iterable[nn.Module] = (),
+        offload_optimizer: OffloadTarget = None,
+        link: Network | None = None,
+        tracer: Tracer | None = None,
+        **stage3_options: Any,
+    ) -> ZeroStage1:  # type: ignore[misc]
         if stage not in STAGES:
             raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
         for name in stage3_options:
@@ -64,27 +79,45 @@ class ZeroModel(ABC):  # noqa: B024 (abstract only so that the stages register u
                 raise TypeError(f"ZeroModel got an unexpected keyword argument {name!r}")
         asked = {k: v for k, v in stage3_options.items() if v not in (None, False)}
         if stage != 3 and asked:
-            raise ValueError(f"{', '.join(asked)}: stage 3 only (ZeRO++ and parameter "
-                             f"offload act on sharded weights); this is stage {stage}")
+            raise ValueError(
+                f"{', '.join(asked)}: stage 3 only (ZeRO++ and parameter "
+                f"offload act on sharded weights); this is stage {stage}"
+            )
         options: dict[str, Any] = {"prefetch": prefetch, **stage3_options} if stage == 3 else {}
-        return STAGES[stage](module, group, bucket_mb=bucket_mb, compute_dtype=compute_dtype,
-                             algorithm=algorithm, keep_modules=keep_modules,
-                             offload_optimizer=offload_optimizer, link=link, tracer=tracer,
-                             **options)
+        return STAGES[stage](
+            module,
+            group,
+            bucket_mb=bucket_mb,
+            compute_dtype=compute_dtype,
+            algorithm=algorithm,
+            keep_modules=keep_modules,
+            offload_optimizer=offload_optimizer,
+            link=link,
+            tracer=tracer,
+            **options,
+        )
 
 
 ZeroModel.register(ZeroStage1)  # and so its subclasses, the stages 2 and 3
 
 
-def shard(model: nn.Module,
-          optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-          stage: Stage = 1, group: dist.ProcessGroup | None = None, *,
-          mixed_precision: torch.dtype | None = None, bucket_mb: float = 25.0,
-          prefetch: bool = True, algorithm: Algorithm = "auto",
-          keep_modules: Iterable[nn.Module] = (), offload_optimizer: str | None = None,
-          nvme_path: str | Path | None = None, link: Network | None = None,
-          tracer: Tracer | None = None, **stage3_options: Any
-          ) -> tuple[ZeroStage1, ShardedOptimizer | InfinityOptimizer]:
+def shard(
+    model: nn.Module,
+    optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    stage: Stage = 1,
+    group: dist.ProcessGroup | None = None,
+    *,
+    mixed_precision: torch.dtype | None = None,
+    bucket_mb: float = 25.0,
+    prefetch: bool = True,
+    algorithm: Algorithm = "auto",
+    keep_modules: Iterable[nn.Module] = (),
+    offload_optimizer: str | None = None,
+    nvme_path: str | Path | None = None,
+    link: Network | None = None,
+    tracer: Tracer | None = None,
+    **stage3_options: Any,
+) -> tuple[ZeroStage1, ShardedOptimizer | InfinityOptimizer]:
     """Shard a model and its optimizer with ZeRO `stage`; use the pair as before.
 
     >>> model, opt = zero.shard(net, lambda ps: torch.optim.Adam(ps, lr=1e-3), stage=2)
@@ -101,19 +134,30 @@ def shard(model: nn.Module,
     `InfinityOptimizer`). Stage 3's options (`offload_params`, ZeRO++'s) as ZeroModel's.
     """
     if offload_optimizer == "nvme" and nvme_path is None:
-        raise ValueError("offload_optimizer='nvme' needs nvme_path, the directory for the "
-                         "optimizer's state")
+        raise ValueError(
+            "offload_optimizer='nvme' needs nvme_path, the directory for the optimizer's state"
+        )
     if nvme_path is not None and offload_optimizer != "nvme":
-        raise ValueError("nvme_path is where offload_optimizer='nvme' keeps the optimizer's "
-                         f"state; offload_optimizer is {offload_optimizer!r}")
-    zero_model = ZeroModel(model, stage, group, bucket_mb=bucket_mb, prefetch=prefetch,
-                           compute_dtype=mixed_precision, algorithm=algorithm,
-                           keep_modules=keep_modules, link=link, tracer=tracer,
-                           offload_optimizer="cpu" if offload_optimizer == "nvme"
-                           else offload_optimizer, **stage3_options)
+        raise ValueError(
+            "nvme_path is where offload_optimizer='nvme' keeps the optimizer's "
+            f"state; offload_optimizer is {offload_optimizer!r}"
+        )
+    zero_model = ZeroModel(
+        model,
+        stage,
+        group,
+        bucket_mb=bucket_mb,
+        prefetch=prefetch,
+        compute_dtype=mixed_precision,
+        algorithm=algorithm,
+        keep_modules=keep_modules,
+        link=link,
+        tracer=tracer,
+        offload_optimizer="cpu" if offload_optimizer == "nvme" else offload_optimizer,
+        **stage3_options,
+    )
     if offload_optimizer == "nvme":
         assert nvme_path is not None
-        torch_optimizer = optimizer_factory([p for p in zero_model.parameters()
-                                             if p.requires_grad])
+        torch_optimizer = optimizer_factory([p for p in zero_model.parameters() if p.requires_grad])
         return zero_model, InfinityOptimizer(zero_model, torch_optimizer, nvme_path)
     return zero_model, ShardedOptimizer(zero_model, optimizer_factory)

@@ -50,10 +50,12 @@ def check_offload(target: Any) -> OffloadTarget:
     if target in (None, "none"):
         return None
     if target == "nvme":
-        raise ValueError("offload_optimizer='nvme' keeps the optimizer's state on disk, "
-                         "which the optimizer does, not the model: use zero.shard(model, "
-                         "factory, offload_optimizer='nvme', nvme_path=...) or wrap yours in "
-                         "zero.InfinityOptimizer(model, optimizer, path)")
+        raise ValueError(
+            "offload_optimizer='nvme' keeps the optimizer's state on disk, "
+            "which the optimizer does, not the model: use zero.shard(model, "
+            "factory, offload_optimizer='nvme', nvme_path=...) or wrap yours in "
+            "zero.InfinityOptimizer(model, optimizer, path)"
+        )
     if target != "cpu":
         raise ValueError(f"offload_optimizer must be None, 'cpu' or 'nvme', got {target!r}")
     return "cpu"
@@ -84,8 +86,9 @@ def bytes_by_placement(model: _Sharded, optimizer: Any = None) -> dict[str, dict
     reports that state under "disk"."""
     inner = getattr(optimizer, "optimizer", optimizer)  # ShardedOptimizer's torch optimizer
     on_host = {_key(t) for t in host_tensors(model, inner)}
-    groups: dict[str, list[torch.Tensor]] = {c: list(ts) for c, ts in
-                                             model.memory_tensors().items()}
+    groups: dict[str, list[torch.Tensor]] = {
+        c: list(ts) for c, ts in model.memory_tensors().items()
+    }
     if inner is not None:
         groups.setdefault("optimizer", [])
         groups["optimizer"] += list(tensors_in(list(inner.state.values())))

@@ -36,8 +36,13 @@ def assign_owners(sizes: list[int], world_size: int) -> list[int]:
 class ZeroOptimizer(torch.optim.Optimizer):
     """`ZeroOptimizer(params, optimizer_class, group=None, **defaults)`."""
 
-    def __init__(self, params: Iterable[nn.Parameter], optimizer_class: type[torch.optim.Optimizer],
-                 group: dist.ProcessGroup | None = None, **defaults: Any) -> None:
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        optimizer_class: type[torch.optim.Optimizer],
+        group: dist.ProcessGroup | None = None,
+        **defaults: Any,
+    ) -> None:
         self.group, self.rank, self.world_size = group_info(group)
         self._built = False
         super().__init__(params, defaults)
@@ -53,8 +58,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         rank owns (a group may be empty here). A rank may own nothing at all (more ranks
         than tensors); it keeps no optimizer until it does."""
         owner = {id(p): r for p, r in zip(self._all, self.owners)}
-        local_groups = [{**g, "params": [p for p in g["params"] if owner[id(p)] == self.rank]}
-                        for g in self.param_groups]
+        local_groups = [
+            {**g, "params": [p for p in g["params"] if owner[id(p)] == self.rank]}
+            for g in self.param_groups
+        ]
         if any(g["params"] for g in local_groups):
             self.local = self._class(local_groups, **self._defaults)
 
@@ -88,8 +95,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for local, group in zip(self.local.param_groups, self.param_groups):
                 local.update((k, v) for k, v in group.items() if k != "params")
             self.local.step()
-        works = [dist.broadcast(p.data, src=global_rank(self.group, owner), group=self.group,
-                                async_op=True) for p, owner in zip(self._all, self.owners)]
+        works = [
+            dist.broadcast(
+                p.data, src=global_rank(self.group, owner), group=self.group, async_op=True
+            )
+            for p, owner in zip(self._all, self.owners)
+        ]
         for w in works:
             w.wait()
         return loss
@@ -98,19 +109,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Bytes of optimizer state this rank holds."""
         if self.local is None:
             return 0
-        return sum(t.nbytes for s in self.local.state.values() for t in s.values()
-                   if torch.is_tensor(t))
+        return sum(
+            t.nbytes for s in self.local.state.values() for t in s.values() if torch.is_tensor(t)
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard (a sharded checkpoint: save one file per rank)."""
-        return {"rank": self.rank, "world_size": self.world_size, "owners": self.owners,
-                "local": self.local.state_dict() if self.local is not None else None,
-                "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                 for g in self.param_groups]}
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "owners": self.owners,
+            "local": self.local.state_dict() if self.local is not None else None,
+            "param_groups": [
+                {k: v for k, v in g.items() if k != "params"} for g in self.param_groups
+            ],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if (state["rank"], state["world_size"], state["owners"]) != \
-                (self.rank, self.world_size, self.owners):
+        if (state["rank"], state["world_size"], state["owners"]) != (
+            self.rank,
+            self.world_size,
+            self.owners,
+        ):
             raise ValueError("this checkpoint was saved by another rank or partition")
         for group, saved in zip(self.param_groups, state["param_groups"]):
             group.update(saved)

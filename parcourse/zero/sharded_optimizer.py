@@ -20,8 +20,11 @@ class ShardedOptimizer:
     A thin wrapper: `ZeroModel.parameters()` are already what an optimizer steps.
     """
 
-    def __init__(self, model: ZeroStage1,
-                 optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> None:
+    def __init__(
+        self,
+        model: ZeroStage1,
+        optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    ) -> None:
         self.model = model
         self.shard_params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = optimizer_factory(self.shard_params)
@@ -53,15 +56,20 @@ class ShardedOptimizer:
 
     def _whose(self) -> dict[str, int]:
         """Which shard a checkpoint holds: the stage, and this rank of how many."""
-        return {"stage": self.model.stage, "rank": self.model.rank,
-                "world_size": self.model.world_size}
+        return {
+            "stage": self.model.stage,
+            "rank": self.model.rank,
+            "world_size": self.model.world_size,
+        }
 
     def _check_whose(self, state: dict[str, Any]) -> None:
         expected = tuple(self._whose().values())
         found = (state["stage"], state["rank"], state["world_size"])
         if found != expected:
-            raise ValueError(f"this checkpoint holds (stage, rank, world_size) = {found}, "
-                             f"this optimizer is {expected}")
+            raise ValueError(
+                f"this checkpoint holds (stage, rank, world_size) = {found}, "
+                f"this optimizer is {expected}"
+            )
 
 
 _WHOSE = "parcourse_shard"
@@ -81,12 +89,16 @@ def guard_shard_state(optimizer: torch.optim.Optimizer, model: ZeroStage1) -> No
     def loading(opt: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         found = state.get(_WHOSE)
         if found is None:
-            raise ValueError("this optimizer state does not say whose shard it holds (stage, "
-                             "rank, world_size): save it with this rank's state_dict()")
+            raise ValueError(
+                "this optimizer state does not say whose shard it holds (stage, "
+                "rank, world_size): save it with this rank's state_dict()"
+            )
         got = (found["stage"], found["rank"], found["world_size"])
         if got != tuple(whose.values()):
-            raise ValueError(f"this optimizer state holds (stage, rank, world_size) = {got}, "
-                             f"this rank's optimizer is {tuple(whose.values())}")
+            raise ValueError(
+                f"this optimizer state holds (stage, rank, world_size) = {got}, "
+                f"this rank's optimizer is {tuple(whose.values())}"
+            )
         return {k: v for k, v in state.items() if k != _WHOSE}
 
     optimizer.register_state_dict_post_hook(saved)

@@ -41,17 +41,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import parcourse.zero.clip as clip
+import parcourse.zero.state_dict as checkpoint
 from parcourse.comm import Algorithm, Comm, Pending
 from parcourse.comm.link import Network
 from parcourse.data_parallel.base import GradSyncModule, weakly
 from parcourse.data_parallel.bucketed import group_by_size
 from parcourse.trace import Tracer
-import parcourse.zero.clip as clip
-import parcourse.zero.state_dict as checkpoint
 from parcourse.zero.layout import FlatUnit
 from parcourse.zero.misuse import mark_sharded_away
-from parcourse.zero.mixed_precision import (check_compute_dtype, forward_in,
-                                            frozen_in_compute_dtype, keep_in_own_dtype)
+from parcourse.zero.mixed_precision import (
+    check_compute_dtype,
+    forward_in,
+    frozen_in_compute_dtype,
+    keep_in_own_dtype,
+)
 from parcourse.zero.offload import OffloadTarget, check_offload, host_device
 
 _MAX_IN_FLIGHT = 2
@@ -84,11 +88,19 @@ class ZeroStage1(GradSyncModule):
     stage: ClassVar[int] = 1
     sharded_weights: ClassVar[bool] = False  # stage 3: a unit's full weights only while used
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, *,
-                 bucket_mb: float = 25.0, compute_dtype: torch.dtype | None = None,
-                 algorithm: Algorithm = "auto", keep_modules: Iterable[nn.Module] = (),
-                 offload_optimizer: OffloadTarget = None, link: Network | None = None,
-                 tracer: Tracer | None = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        group: dist.ProcessGroup | None = None,
+        *,
+        bucket_mb: float = 25.0,
+        compute_dtype: torch.dtype | None = None,
+        algorithm: Algorithm = "auto",
+        keep_modules: Iterable[nn.Module] = (),
+        offload_optimizer: OffloadTarget = None,
+        link: Network | None = None,
+        tracer: Tracer | None = None,
+    ) -> None:
         compute_dtype = check_compute_dtype(compute_dtype)
         self.offload_optimizer = check_offload(offload_optimizer)
         self.offload_params = getattr(self, "offload_params", False)  # stage 3 sets it
@@ -100,8 +112,9 @@ class ZeroStage1(GradSyncModule):
         inside = {id(m) for m in module.modules()}
         for m in keep_modules:
             if id(m) not in inside:
-                raise ValueError(f"keep_modules: {type(m).__name__} is not a submodule "
-                                 "of the model")
+                raise ValueError(
+                    f"keep_modules: {type(m).__name__} is not a submodule of the model"
+                )
         # Broadcast from the first rank, gradient hooks, no_sync, the end-of-backward call.
         super().__init__(module, group, tracer)
         self.compute_dtype = compute_dtype
@@ -111,10 +124,19 @@ class ZeroStage1(GradSyncModule):
         self.kept_params = [p for p in self.sync_params if id(p) in kept]
         sharded = [p for p in self.sync_params if id(p) not in kept]
         self.host = host_device() if self.offload_optimizer else None
-        self.units = [FlatUnit(i, params, self.rank, self.world_size, self.compute_dtype,
-                               sharded_weights=self.sharded_weights, host=self.host,
-                               params_on_host=self.offload_params)
-                      for i, params in enumerate(self._group_params(module, sharded, bucket_mb))]
+        self.units = [
+            FlatUnit(
+                i,
+                params,
+                self.rank,
+                self.world_size,
+                self.compute_dtype,
+                sharded_weights=self.sharded_weights,
+                host=self.host,
+                params_on_host=self.offload_params,
+            )
+            for i, params in enumerate(self._group_params(module, sharded, bucket_mb))
+        ]
         self._unit_of = {id(p): u for u in self.units for p in u.params}
         # Gradients arrive last layer first; units are launched strictly in that order.
         self._backward_order = self._in_backward_order(self.units)
@@ -126,13 +148,17 @@ class ZeroStage1(GradSyncModule):
         self._install_gathers(module)
         if self.compute_dtype is not None:  # run in their own dtype; hand back 16 bits
             keep_in_own_dtype(keep_modules, self.compute_dtype)
-            frozen_in_compute_dtype(module, [*self.sync_params, *(
-                p for m in keep_modules for p in m.parameters())], self.compute_dtype)
+            frozen_in_compute_dtype(
+                module,
+                [*self.sync_params, *(p for m in keep_modules for p in m.parameters())],
+                self.compute_dtype,
+            )
 
     # -- how parameters are grouped, and when they are gathered (stage 3 changes both)
 
-    def _group_params(self, module: nn.Module, params: list[nn.Parameter],
-                      bucket_mb: float) -> list[list[nn.Parameter]]:
+    def _group_params(
+        self, module: nn.Module, params: list[nn.Parameter], bucket_mb: float
+    ) -> list[list[nn.Parameter]]:
         """Units of about bucket_mb in backward order, as data parallelism's buckets."""
         return group_by_size(params, bucket_mb)
 
@@ -163,16 +189,20 @@ class ZeroStage1(GradSyncModule):
 
     def _gather_if_stepped(self, module: nn.Module, args: Any) -> None:
         """Before a forward, gather the units whose master an optimizer changed."""
-        futures = [(u, self.comm.all_gather(*u.gather_buffers(), async_op=True),
-                    time.perf_counter_ns()) for u in self.units if u.stepped()]
+        futures = [
+            (u, self.comm.all_gather(*u.gather_buffers(), async_op=True), time.perf_counter_ns())
+            for u in self.units
+            if u.stepped()
+        ]
         for unit, future, started in futures:
             unit.fill(future.result())
             self._comm_span("all_gather", started, unit)
 
     # -- what an optimizer sees
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's shards under the module's names (prefixed "module.", as DDP's),
         then the parameters left whole: kept modules' and frozen ones."""
         shards = {id(p): sp for u in self.units for p, sp in zip(u.params, u.shard_params)}
@@ -186,8 +216,14 @@ class ZeroStage1(GradSyncModule):
 
     def _comm_span(self, name: str, started: int, unit: FlatUnit) -> None:
         if self.tracer is not None:
-            self.tracer.add_span(name, started, time.perf_counter_ns(), kind="comm",
-                                 unit=unit.index, size=unit.nbytes)
+            self.tracer.add_span(
+                name,
+                started,
+                time.perf_counter_ns(),
+                kind="comm",
+                unit=unit.index,
+                size=unit.nbytes,
+            )
 
     # -- gradients: reduce-scattered unit by unit when backward ends
 
@@ -205,7 +241,7 @@ class ZeroStage1(GradSyncModule):
         # 2-3 exist to not hold all of those at once. The oldest is finished (its buffer
         # freed) before this unit's buffer is made, not after.
         in_flight = [u for u in self._backward_order if u.pending is not None]
-        for older in in_flight[:len(in_flight) + 1 - _MAX_IN_FLIGHT]:
+        for older in in_flight[: len(in_flight) + 1 - _MAX_IN_FLIGHT]:
             self._finish(older)
         parts = self._take_gradients(unit)
         unit.pending = (self._reduce_scatter(unit, parts), time.perf_counter_ns(), parts)
@@ -220,11 +256,12 @@ class ZeroStage1(GradSyncModule):
         """Pack the unit's local gradients (and a used-flag per parameter in every rank's
         part) into a whole buffer, (N, part_numel + flags); drop the parameters' own."""
         k = len(unit.params)
-        parts = torch.empty(self.world_size, unit.part_numel + k, dtype=unit.full.dtype,
-                            device=unit.full.device)
+        parts = torch.empty(
+            self.world_size, unit.part_numel + k, dtype=unit.full.dtype, device=unit.full.device
+        )
         unit.pack([p.grad for p in unit.params], parts)
         used = torch.tensor([float(p.grad is not None) for p in unit.params], dtype=parts.dtype)
-        parts[:, unit.part_numel:] = used  # every rank's part ends with the same flags
+        parts[:, unit.part_numel :] = used  # every rank's part ends with the same flags
         for p in unit.params:
             p.grad = None
         return parts
@@ -234,8 +271,8 @@ class ZeroStage1(GradSyncModule):
         if not (self._kept_ready or any(u.ready or u.pending for u in self.units)):
             return
         kept = self._start_kept_all_reduce()
-        for unit in self._backward_order[self._next:]:  # units some parameter never reached,
-            self._launch(unit)                          # or all of them (stage 1)
+        for unit in self._backward_order[self._next :]:  # units some parameter never reached,
+            self._launch(unit)  # or all of them (stage 1)
         for unit in self._backward_order:
             if unit.pending is not None:
                 self._finish(unit)
@@ -247,8 +284,11 @@ class ZeroStage1(GradSyncModule):
 
     def _host_ready(self) -> None:
         """Offloaded from a GPU: wait for the gradients' copies to the host to land."""
-        if self.host is not None and torch.cuda.is_available() and any(
-                u.full.is_cuda for u in self.units):
+        if (
+            self.host is not None
+            and torch.cuda.is_available()
+            and any(u.full.is_cuda for u in self.units)
+        ):
             torch.cuda.current_stream().synchronize()
 
     def _finish(self, unit: FlatUnit) -> None:
@@ -258,11 +298,14 @@ class ZeroStage1(GradSyncModule):
         unit.pending = None  # the full-size buffer is freed here
         self._comm_span("reduce_scatter", started, unit)
         k = len(unit.params)
-        used = part[unit.part_numel:].tolist()
+        used = part[unit.part_numel :].tolist()
         # Offloaded: to the host, where the masters and the optimizer are (a copy that
         # overlaps the GPU's work; `_host_ready` waits for it before the host reads).
-        grad = part[:unit.part_numel].div_(self.world_size).to(
-            unit.master.device, unit.dtype, non_blocking=True)
+        grad = (
+            part[: unit.part_numel]
+            .div_(self.world_size)
+            .to(unit.master.device, unit.dtype, non_blocking=True)
+        )
         if any(sp.grad is not None for sp in unit.shard_params):
             self._host_ready()
         for i, (sp, count) in enumerate(zip(unit.shard_params, used)):
@@ -285,20 +328,26 @@ class ZeroStage1(GradSyncModule):
         if not self.kept_params:
             return None
         first = self.kept_params[0]
-        pieces = [p.grad.reshape(-1).to(first.dtype) if p.grad is not None
-                  else torch.zeros(p.numel(), dtype=first.dtype, device=first.device)
-                  for p in self.kept_params]
-        used = torch.tensor([float(p.grad is not None) for p in self.kept_params],
-                            dtype=first.dtype, device=first.device)
+        pieces = [
+            p.grad.reshape(-1).to(first.dtype)
+            if p.grad is not None
+            else torch.zeros(p.numel(), dtype=first.dtype, device=first.device)
+            for p in self.kept_params
+        ]
+        used = torch.tensor(
+            [float(p.grad is not None) for p in self.kept_params],
+            dtype=first.dtype,
+            device=first.device,
+        )
         return self.comm.all_reduce(torch.cat([*pieces, used]), async_op=True), self.kept_params
 
     def _finish_kept(self, future: Pending, params: list[nn.Parameter]) -> None:
         flat = future.result()
-        used = flat[-len(params):]
-        flat = flat[:-len(params)].div_(self.world_size)
+        used = flat[-len(params) :]
+        flat = flat[: -len(params)].div_(self.world_size)
         offset = 0
         for p, count in zip(params, used.tolist()):
-            piece = flat[offset:offset + p.numel()].view_as(p)
+            piece = flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
             if count == 0:  # no rank used it
                 continue
@@ -326,8 +375,7 @@ class ZeroStage1(GradSyncModule):
         returns that norm. torch.nn.utils.clip_grad_norm_ on the shards would see only
         this rank's rows."""
         self.finish_gradient_sync()
-        return clip.clip_grad_norm_(self.units, self.kept_params, self.group, max_norm,
-                                    norm_type)
+        return clip.clip_grad_norm_(self.units, self.kept_params, self.group, max_norm, norm_type)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded weights (gathered fp32 masters) and buffers, on every rank."""
@@ -357,8 +405,11 @@ class ZeroStage1(GradSyncModule):
         memory = {"params": params + whole, "grads": grads, "other": in_flight}
         # Masters apart from the weights (mixed precision, offload): optimizer state in
         # ZeRO's count.
-        masters = [u.master for u in self.units
-                   if u.master is not u.full and u.master is not u.compute_shard]
+        masters = [
+            u.master
+            for u in self.units
+            if u.master is not u.full and u.master is not u.compute_shard
+        ]
         if masters:
             memory["optimizer"] = masters
         return memory

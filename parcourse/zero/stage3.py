@@ -26,14 +26,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parcourse.memory import tensors_in
-from parcourse.trace import Tracer
 from parcourse.comm import Algorithm, Comm, Pending
 from parcourse.comm.link import Network
+from parcourse.memory import tensors_in
+from parcourse.trace import Tracer
+from parcourse.zero import zeropp
 from parcourse.zero.layout import FlatUnit
 from parcourse.zero.offload import OffloadTarget
 from parcourse.zero.stage2 import ZeroStage2
-from parcourse.zero import zeropp
 
 
 class ZeroStage3(ZeroStage2):
@@ -55,48 +55,82 @@ class ZeroStage3(ZeroStage2):
     stage = 3
     sharded_weights = True
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, *,
-                 prefetch: bool = True, bucket_mb: float = 25.0,
-                 compute_dtype: torch.dtype | None = None, algorithm: Algorithm = "auto",
-                 keep_modules: Iterable[nn.Module] = (),
-                 offload_optimizer: OffloadTarget = None, offload_params: bool = False,
-                 quantized_weights: bool = False, hpz_partition_size: int | None = None,
-                 quantized_gradients: bool = False, ranks_per_node: int | None = None,
-                 link: Network | None = None, tracer: Tracer | None = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        group: dist.ProcessGroup | None = None,
+        *,
+        prefetch: bool = True,
+        bucket_mb: float = 25.0,
+        compute_dtype: torch.dtype | None = None,
+        algorithm: Algorithm = "auto",
+        keep_modules: Iterable[nn.Module] = (),
+        offload_optimizer: OffloadTarget = None,
+        offload_params: bool = False,
+        quantized_weights: bool = False,
+        hpz_partition_size: int | None = None,
+        quantized_gradients: bool = False,
+        ranks_per_node: int | None = None,
+        link: Network | None = None,
+        tracer: Tracer | None = None,
+    ) -> None:
         if offload_params and offload_optimizer != "cpu":
-            raise ValueError("offload_params=True keeps the weights' shard beside the masters "
-                             "on the host: give offload_optimizer='cpu' too")
+            raise ValueError(
+                "offload_params=True keeps the weights' shard beside the masters "
+                "on the host: give offload_optimizer='cpu' too"
+            )
         self.offload_params = bool(offload_params)
-        super().__init__(module, group, bucket_mb=bucket_mb, compute_dtype=compute_dtype,
-                         algorithm=algorithm, keep_modules=keep_modules,
-                         offload_optimizer=offload_optimizer, link=link, tracer=tracer)
+        super().__init__(
+            module,
+            group,
+            bucket_mb=bucket_mb,
+            compute_dtype=compute_dtype,
+            algorithm=algorithm,
+            keep_modules=keep_modules,
+            offload_optimizer=offload_optimizer,
+            link=link,
+            tracer=tracer,
+        )
         self.prefetch = prefetch
         self.quantized_weights = bool(quantized_weights)
         self.quantized_gradients = bool(quantized_gradients)
         if ranks_per_node is not None and not (hpz_partition_size or quantized_gradients):
-            raise ValueError("ranks_per_node says where the nodes are for hpZ and qgZ; "
-                             "neither is on")
+            raise ValueError(
+                "ranks_per_node says where the nodes are for hpZ and qgZ; neither is on"
+            )
         if hpz_partition_size == 1:  # a node of one rank: the copy would be whole, as
             hpz_partition_size = None  # in DeepSpeed, 1 means off
         self.hpz = hpz_partition_size
         if hpz_partition_size is not None:
             if hpz_partition_size < 1 or self.world_size % hpz_partition_size:
-                raise ValueError(f"hpz_partition_size ({hpz_partition_size}) must divide the "
-                                 f"group's {self.world_size} ranks")
+                raise ValueError(
+                    f"hpz_partition_size ({hpz_partition_size}) must divide the "
+                    f"group's {self.world_size} ranks"
+                )
             if ranks_per_node is not None and ranks_per_node != hpz_partition_size:
-                raise ValueError(f"hpz_partition_size ({hpz_partition_size}) is the ranks of a "
-                                 f"node here; ranks_per_node says {ranks_per_node}")
+                raise ValueError(
+                    f"hpz_partition_size ({hpz_partition_size}) is the ranks of a "
+                    f"node here; ranks_per_node says {ranks_per_node}"
+                )
         per_node = ranks_per_node or hpz_partition_size or dist.get_world_size()
-        self.nodes = zeropp.Nodes.of(self.group, self.rank, self.world_size, per_node) \
-            if quantized_gradients or hpz_partition_size is not None else None
+        self.nodes = (
+            zeropp.Nodes.of(self.group, self.rank, self.world_size, per_node)
+            if quantized_gradients or hpz_partition_size is not None
+            else None
+        )
         self.node_comm: Comm | None = None
         if hpz_partition_size is not None and hpz_partition_size < self.world_size:
             assert self.nodes is not None
-            self.node_comm = Comm(zeropp.node_group(self.group, self.nodes), tracer=tracer,
-                                  algorithm=algorithm, link=link)
+            self.node_comm = Comm(
+                zeropp.node_group(self.group, self.nodes),
+                tracer=tracer,
+                algorithm=algorithm,
+                link=link,
+            )
 
-    def _group_params(self, module: nn.Module, params: list[nn.Parameter],
-                      bucket_mb: float) -> list[list[nn.Parameter]]:
+    def _group_params(
+        self, module: nn.Module, params: list[nn.Parameter], bucket_mb: float
+    ) -> list[list[nn.Parameter]]:
         """A unit per module with parameters of its own, in forward (registration) order;
         a tied parameter goes with its first module."""
         mine = {id(p) for p in params}
@@ -133,19 +167,25 @@ class ZeroStage3(ZeroStage2):
         if self._secondary_of(unit) is not None:  # hpZ: from the node's copy, inside it
             assert self.node_comm is not None
             whole = torch.empty(unit.padded, dtype=unit.full.dtype, device=unit.full.device)
-            unit.gathering = (self.node_comm.all_gather(unit.secondary, whole, async_op=True),
-                              started, "node")
+            unit.gathering = (
+                self.node_comm.all_gather(unit.secondary, whole, async_op=True),
+                started,
+                "node",
+            )
             unit.secondary = None  # backward's one use of it
         elif self.quantized_weights:  # qwZ: int8 and a scale a block
             part, _ = unit.gather_buffers()
             message = zeropp.encode(part)
-            whole = torch.empty(self.world_size * message.numel(), dtype=torch.uint8,
-                                device=message.device)
-            unit.gathering = (self.comm.all_gather(message, whole, async_op=True), started,
-                              "int8")
+            whole = torch.empty(
+                self.world_size * message.numel(), dtype=torch.uint8, device=message.device
+            )
+            unit.gathering = (self.comm.all_gather(message, whole, async_op=True), started, "int8")
         else:
-            unit.gathering = (self.comm.all_gather(*unit.gather_buffers(), async_op=True),
-                              started, "whole")
+            unit.gathering = (
+                self.comm.all_gather(*unit.gather_buffers(), async_op=True),
+                started,
+                "whole",
+            )
 
     def _secondary_of(self, unit: FlatUnit) -> torch.Tensor | None:
         """hpZ's copy of the unit's weights, if it is of the weights as they are now."""
@@ -163,9 +203,9 @@ class ZeroStage3(ZeroStage2):
             unit.gathering = None
             if kind == "int8":
                 n = whole.numel() // self.world_size
-                whole = torch.stack([zeropp.decode(m, unit.part_numel)[0]
-                                     for m in whole.view(self.world_size, n)]
-                                    ).to(unit.full.dtype)
+                whole = torch.stack(
+                    [zeropp.decode(m, unit.part_numel)[0] for m in whole.view(self.world_size, n)]
+                ).to(unit.full.dtype)
             unit.fill(whole)
             if keep_secondary and self.node_comm is not None and kind != "node":
                 k = self.node_comm.size  # this rank's 1/k of the node's copy
@@ -183,6 +223,7 @@ class ZeroStage3(ZeroStage2):
             for unit in needed:
                 self._wait_gather(unit, keep_secondary=keep)
             self._prefetch(needed[-1].index + 1)
+
         return hook
 
     def _after_forward(self, needed: list[FlatUnit]) -> Callable[..., None]:
@@ -193,6 +234,7 @@ class ZeroStage3(ZeroStage2):
                 for t in tensors_in(output):
                     if t.requires_grad:
                         t.register_hook(self._before_backward(needed))
+
         return hook
 
     def _before_backward(self, needed: list[FlatUnit]) -> Callable[[torch.Tensor], None]:
@@ -200,6 +242,7 @@ class ZeroStage3(ZeroStage2):
             for unit in needed:
                 self._wait_gather(unit)
             self._prefetch(needed[0].index - 1)
+
         return hook
 
     # -- gradients: as stage 2, and the weights freed with them
@@ -220,6 +263,9 @@ class ZeroStage3(ZeroStage2):
         its 16-bit copy."""
         memory = super().memory_tensors()
         memory["params"] += [u.compute_shard for u in self.units]
-        memory["params"] += [u.secondary for u in self.units  # hpZ's copies
-                             if u.secondary is not None]
+        memory["params"] += [
+            u.secondary
+            for u in self.units  # hpZ's copies
+            if u.secondary is not None
+        ]
         return memory

@@ -47,18 +47,25 @@ class ShardedStages:
     `comms`: a group for each unit instead (None: `comm`); `mean_over`: what a summed
     gradient is divided by (None: its unit's group size)."""
 
-    def __init__(self, units: list[list[nn.Parameter]], comm: Comm, optimizer: OptimizerFactory,
-                 stage: Literal[1, 2, 3] = 1, comms: list[Comm] | None = None,
-                 mean_over: int | None = None) -> None:
+    def __init__(
+        self,
+        units: list[list[nn.Parameter]],
+        comm: Comm,
+        optimizer: OptimizerFactory,
+        stage: Literal[1, 2, 3] = 1,
+        comms: list[Comm] | None = None,
+        mean_over: int | None = None,
+    ) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
         if comms is not None and len(comms) != len(units):
             raise ValueError(f"{len(comms)} comms for {len(units)} units")
         self.comm, self.stage, self.mean_over = comm, stage, mean_over
-        kept = [(params, comms[i] if comms else comm) for i, params in enumerate(units)
-                if params]
-        self.units = [FlatUnit(i, params, c.rank, c.size, sharded_weights=stage == 3)
-                      for i, (params, c) in enumerate(kept)]
+        kept = [(params, comms[i] if comms else comm) for i, params in enumerate(units) if params]
+        self.units = [
+            FlatUnit(i, params, c.rank, c.size, sharded_weights=stage == 3)
+            for i, (params, c) in enumerate(kept)
+        ]
         self._comm = {id(u): c for u, (_, c) in zip(self.units, kept)}
         self.shard_params = [sp for u in self.units for sp in u.shard_params]
         self.optimizer = optimizer(self.shard_params)
@@ -74,15 +81,17 @@ class ShardedStages:
         """The unit's gradients (a missing one: zeros) averaged over the group into this
         rank's shards; the full gradients dropped."""
         comm = self.comm_of(unit)
-        parts = torch.empty(comm.size, unit.part_numel, dtype=unit.full.dtype,
-                            device=unit.full.device)
+        parts = torch.empty(
+            comm.size, unit.part_numel, dtype=unit.full.dtype, device=unit.full.device
+        )
         unit.pack([p.grad for p in unit.params], parts)
         for p in unit.params:
             p.grad = None
         if async_op:
             self.collect()  # one at a time: the one before is added first
-            self._in_flight.append((unit, comm.reduce_scatter(parts.view(-1), async_op=True),
-                                    parts))
+            self._in_flight.append(
+                (unit, comm.reduce_scatter(parts.view(-1), async_op=True), parts)
+            )
         else:
             self._add(unit, comm.reduce_scatter(parts.view(-1)))
 
@@ -147,6 +156,7 @@ class ShardedStages:
         """After the weights were written whole (a load): each shard takes its rows."""
         for unit in self.units:
             if unit.master is not unit.full:
-                unit.pack_part(torch.cat([p.detach().reshape(-1) for p in unit.params]),
-                               unit.master)
+                unit.pack_part(
+                    torch.cat([p.detach().reshape(-1) for p in unit.params]), unit.master
+                )
             unit.gathered_version = -1

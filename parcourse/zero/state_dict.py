@@ -24,9 +24,12 @@ STATE_DICT_REFUSED = (
     "a ZeroModel's own parameters are gathered copies (freed at stage 3, refreshed "
     "only by the next forward at stages 1-2), so state_dict() would save the wrong "
     "weights. Call model.full_state_dict() on every rank (it gathers the shards), and "
-    "model.load_full_state_dict(state) to load one.")
-LOAD_STATE_DICT_REFUSED = ("use model.load_full_state_dict(state), with the keys of "
-                           "model.full_state_dict(): it loads each rank's rows")
+    "model.load_full_state_dict(state) to load one."
+)
+LOAD_STATE_DICT_REFUSED = (
+    "use model.load_full_state_dict(state), with the keys of "
+    "model.full_state_dict(): it loads each rank's rows"
+)
 
 
 def _names(module: nn.Module) -> dict[int, str]:
@@ -34,23 +37,26 @@ def _names(module: nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in module.named_parameters(remove_duplicate=True)}
 
 
-def full_state_dict(module: nn.Module, units: list[FlatUnit],
-                    group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+def full_state_dict(
+    module: nn.Module, units: list[FlatUnit], group: dist.ProcessGroup
+) -> dict[str, torch.Tensor]:
     """The unsharded weights (gathered fp32 masters) and buffers, on every rank."""
     sharded = {id(p) for u in units for p in u.params}
     names = _names(module)
     world_size = dist.get_world_size(group)
-    state = {k: v.detach().clone() for k, v in module.state_dict(keep_vars=True).items()
-             if id(v) not in sharded}
+    state = {
+        k: v.detach().clone()
+        for k, v in module.state_dict(keep_vars=True).items()
+        if id(v) not in sharded
+    }
     for unit in units:
         part = unit.master_part()
         whole = torch.empty(unit.padded, dtype=part.dtype, device=part.device)
         all_gather_single(whole, part, group=group)
         full = torch.empty(unit.numel, dtype=part.dtype, device=part.device)
         unit.unpack(whole.view(world_size, unit.part_numel), into=full)
-        for p, offset, size, shape in zip(unit.params, unit.full_offsets, unit.numels,
-                                          unit.shapes):
-            state[names[id(p)]] = full[offset:offset + size].view(shape).clone()
+        for p, offset, size, shape in zip(unit.params, unit.full_offsets, unit.numels, unit.shapes):
+            state[names[id(p)]] = full[offset : offset + size].view(shape).clone()
     for name, p in module.named_parameters(remove_duplicate=False):
         if name not in state:  # the second name of a tied parameter
             state[name] = state[names[id(p)]]
@@ -58,22 +64,29 @@ def full_state_dict(module: nn.Module, units: list[FlatUnit],
 
 
 @torch.no_grad()
-def load_full_state_dict(module: nn.Module, units: list[FlatUnit],
-                         state: dict[str, torch.Tensor]) -> None:
+def load_full_state_dict(
+    module: nn.Module, units: list[FlatUnit], state: dict[str, torch.Tensor]
+) -> None:
     """Load unsharded weights (as `full_state_dict` returns them): every rank takes its
     own rows, so no rank waits for another. The next forward gathers them."""
     mine = module.state_dict(keep_vars=True)
     missing, unexpected = set(mine) - set(state), set(state) - set(mine)
     if missing or unexpected:  # strict, as torch's load_state_dict
-        raise KeyError(" and ".join(
-            f"{what} {sorted(keys)}" for what, keys in
-            (("the state lacks", missing), ("the model has no", unexpected)) if keys))
+        raise KeyError(
+            " and ".join(
+                f"{what} {sorted(keys)}"
+                for what, keys in (("the state lacks", missing), ("the model has no", unexpected))
+                if keys
+            )
+        )
     sharded = {id(p) for u in units for p in u.params}
     names = _names(module)
     shapes = {names[id(p)]: shape for u in units for p, shape in zip(u.params, u.shapes)}
-    wrong = [f"{name}: {tuple(state[name].shape)} for {tuple(shapes.get(name, value.shape))}"
-             for name, value in mine.items()
-             if tuple(state[name].shape) != tuple(shapes.get(name, value.shape))]
+    wrong = [
+        f"{name}: {tuple(state[name].shape)} for {tuple(shapes.get(name, value.shape))}"
+        for name, value in mine.items()
+        if tuple(state[name].shape) != tuple(shapes.get(name, value.shape))
+    ]
     if wrong:  # copy_ would broadcast, and a flat unit would take any shape of its size
         raise ValueError("shapes differ from the model's: " + "; ".join(wrong))
     for name, value in mine.items():
@@ -81,8 +94,7 @@ def load_full_state_dict(module: nn.Module, units: list[FlatUnit],
             value.copy_(state[name])
     for unit in units:
         unit.settle()  # a gather in flight (a prefetch no forward used) reads old weights
-        full = torch.cat([state[names[id(p)]].reshape(-1).to(unit.dtype)
-                          for p in unit.params])
+        full = torch.cat([state[names[id(p)]].reshape(-1).to(unit.dtype) for p in unit.params])
         if unit.master is unit.full and unit.gathered():
             unit.full.copy_(full)
         elif unit.master is not unit.full:
@@ -91,8 +103,9 @@ def load_full_state_dict(module: nn.Module, units: list[FlatUnit],
 
 
 @torch.no_grad()
-def whole_optimizer_state(units: list[FlatUnit], optimizer: torch.optim.Optimizer,
-                          comm: Comm) -> dict[int, dict[str, torch.Tensor]]:
+def whole_optimizer_state(
+    units: list[FlatUnit], optimizer: torch.optim.Optimizer, comm: Comm
+) -> dict[int, dict[str, torch.Tensor]]:
     """id(weight) -> the optimizer's state of it, whole: what is shaped like a weight's
     shard (Adam's moments) all-gathered over `comm`'s group into the weight's shape, the
     rest (Adam's step) as it is. A collective: every rank of the group calls it, with the
@@ -104,10 +117,14 @@ def whole_optimizer_state(units: list[FlatUnit], optimizer: torch.optim.Optimize
             out[id(p)] = {}
         for key in sorted({k for st in states for k in st}):  # alike on every rank
             values = [st.get(key) for st in states]
-            if all(v is None or (torch.is_tensor(v) and v.shape == sp.shape)
-                   for v, sp in zip(values, unit.shard_params)):
-                shards = [torch.zeros_like(sp) if v is None else v
-                          for v, sp in zip(values, unit.shard_params)]
+            if all(
+                v is None or (torch.is_tensor(v) and v.shape == sp.shape)
+                for v, sp in zip(values, unit.shard_params)
+            ):
+                shards = [
+                    torch.zeros_like(sp) if v is None else v
+                    for v, sp in zip(values, unit.shard_params)
+                ]
                 for p, whole in zip(unit.params, _whole(unit, shards, comm)):
                     out[id(p)][key] = whole
             else:
@@ -127,13 +144,18 @@ def _whole(unit: FlatUnit, shards: list[torch.Tensor], comm: Comm) -> list[torch
     comm.all_gather(part, whole)
     flat = torch.empty(unit.numel, dtype=part.dtype, device=part.device)
     unit.unpack(whole.view(comm.size, unit.part_numel), into=flat)
-    return [flat[o:o + n].view(shape) for o, n, shape in
-            zip(unit.full_offsets, unit.numels, unit.shapes)]
+    return [
+        flat[o : o + n].view(shape)
+        for o, n, shape in zip(unit.full_offsets, unit.numels, unit.shapes)
+    ]
 
 
 @torch.no_grad()
-def load_sharded_optimizer_state(units: list[FlatUnit], optimizer: torch.optim.Optimizer,
-                                 per_weight: dict[int, dict[str, torch.Tensor]]) -> None:
+def load_sharded_optimizer_state(
+    units: list[FlatUnit],
+    optimizer: torch.optim.Optimizer,
+    per_weight: dict[int, dict[str, torch.Tensor]],
+) -> None:
     """The optimizer's state of whole weights (as `whole_optimizer_state` gives it) into
     the shards: what is shaped like a weight cut to this rank's rows, the rest copied."""
     for unit in units:

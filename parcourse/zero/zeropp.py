@@ -62,8 +62,9 @@ def quantize(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.T
     return q.view(-1), scales
 
 
-def dequantize(q: torch.Tensor, scales: torch.Tensor, numel: int,
-               block: int = BLOCK) -> torch.Tensor:
+def dequantize(
+    q: torch.Tensor, scales: torch.Tensor, numel: int, block: int = BLOCK
+) -> torch.Tensor:
     """The fp32 values `quantize` stands for, the first `numel` of them."""
     return (q.view(-1, block).float() * scales[:, None]).view(-1)[:numel]
 
@@ -73,7 +74,7 @@ def error_bound(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     max|block| / 254 (plus fp32's rounding of the product, 2**-23 of the block's max)."""
     rows = _blocks(x.reshape(-1).float(), block)
     most = rows.abs().amax(dim=1, keepdim=True).expand_as(rows)
-    return (most * (0.5 / 127 + 2**-23)).reshape(-1)[:x.numel()]
+    return (most * (0.5 / 127 + 2**-23)).reshape(-1)[: x.numel()]
 
 
 def encoded_nbytes(numel: int, block: int = BLOCK) -> int:
@@ -82,8 +83,7 @@ def encoded_nbytes(numel: int, block: int = BLOCK) -> int:
     return blocks * block + 4 * blocks
 
 
-def encode(x: torch.Tensor, block: int = BLOCK, *, raw: torch.Tensor | None = None
-           ) -> torch.Tensor:
+def encode(x: torch.Tensor, block: int = BLOCK, *, raw: torch.Tensor | None = None) -> torch.Tensor:
     """x quantized into one uint8 message: [int8 values | fp32 scales | `raw` fp32 as is]."""
     q, scales = quantize(x, block)
     pieces = [q.view(torch.uint8), scales.view(torch.uint8)]
@@ -92,13 +92,14 @@ def encode(x: torch.Tensor, block: int = BLOCK, *, raw: torch.Tensor | None = No
     return torch.cat(pieces)
 
 
-def decode(message: torch.Tensor, numel: int, block: int = BLOCK, raw: int = 0
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def decode(
+    message: torch.Tensor, numel: int, block: int = BLOCK, raw: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(x in fp32, the `raw` fp32 values) from a message `encode` made."""
     blocks = -(-numel // block)
-    q = message[:blocks * block].view(torch.int8)
-    scales = message[blocks * block:blocks * block + 4 * blocks].view(torch.float32)
-    tail = message[blocks * block + 4 * blocks:blocks * block + 4 * blocks + 4 * raw]
+    q = message[: blocks * block].view(torch.int8)
+    scales = message[blocks * block : blocks * block + 4 * blocks].view(torch.float32)
+    tail = message[blocks * block + 4 * blocks : blocks * block + 4 * blocks + 4 * raw]
     return dequantize(q, scales, numel, block), tail.view(torch.float32)
 
 
@@ -118,8 +119,7 @@ class Nodes:
     local: int
 
     @classmethod
-    def of(cls, group: dist.ProcessGroup, rank: int, world_size: int,
-           ranks_per_node: int) -> Nodes:
+    def of(cls, group: dist.ProcessGroup, rank: int, world_size: int, ranks_per_node: int) -> Nodes:
         if ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
         by_node: dict[int, list[int]] = {}
@@ -128,9 +128,11 @@ class Nodes:
         members = tuple(tuple(v) for _, v in sorted(by_node.items()))
         sizes = {len(m) for m in members}
         if len(sizes) > 1:
-            raise ValueError(f"the group's ranks sit unevenly on nodes of {ranks_per_node} "
-                             f"({[list(m) for m in members]}): ZeRO++ needs the same "
-                             "number on every node")
+            raise ValueError(
+                f"the group's ranks sit unevenly on nodes of {ranks_per_node} "
+                f"({[list(m) for m in members]}): ZeRO++ needs the same "
+                "number on every node"
+            )
         node = next(i for i, m in enumerate(members) if rank in m)
         return cls(ranks_per_node, members, node, members[node].index(rank))
 
@@ -167,9 +169,15 @@ def node_group(group: dist.ProcessGroup, nodes: Nodes) -> dist.ProcessGroup:
 def bytes_across_nodes(counters: Iterable[object], ranks_per_node: int) -> int:
     """Bytes this trace's messages carried between nodes (`bytes_sent` counters, which
     name their global destination)."""
-    return int(sum(c.value for c in counters  # type: ignore[attr-defined]
-                   if c.name == "bytes_sent" and "to" in c.meta  # type: ignore[attr-defined]
-                   and c.rank // ranks_per_node != c.meta["to"] // ranks_per_node))  # type: ignore[attr-defined]
+    return int(
+        sum(
+            c.value
+            for c in counters  # type: ignore[attr-defined]
+            if c.name == "bytes_sent"
+            and "to" in c.meta  # type: ignore[attr-defined]
+            and c.rank // ranks_per_node != c.meta["to"] // ranks_per_node
+        )
+    )  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------- qgZ
@@ -178,19 +186,27 @@ def bytes_across_nodes(counters: Iterable[object], ranks_per_node: int) -> int:
 _TAGS = (7001, 7002)  # the two all-to-alls' messages; the ring's tags are small counts
 
 
-def _all_to_all(comm: Comm, blocks: dict[int, torch.Tensor], peers: tuple[int, ...],
-                me: int, nbytes: int, tag: int) -> dict[int, torch.Tensor]:
+def _all_to_all(
+    comm: Comm,
+    blocks: dict[int, torch.Tensor],
+    peers: tuple[int, ...],
+    me: int,
+    nbytes: int,
+    tag: int,
+) -> dict[int, torch.Tensor]:
     """Send blocks[peer] to each other peer; receive one message of nbytes from each."""
     device = next(iter(blocks.values())).device if blocks else torch.device("cpu")
-    got = {p: torch.empty(nbytes, dtype=torch.uint8, device=device)
-           for p in peers if p != me}
+    got = {p: torch.empty(nbytes, dtype=torch.uint8, device=device) for p in peers if p != me}
     if comm.algorithm == "torch" and backend_for(comm.group, device) != "gloo":
         # NCCL runs each send and receive on its stream in the order given: a send waits
         # for its receive, so all of them go in one group, or the ranks wait on each other.
-        ops = [dist.P2POp(dist.isend, blocks[p], global_rank(comm.group, p), comm.group, tag)
-               for p in got]
-        ops += [dist.P2POp(dist.irecv, got[p], global_rank(comm.group, p), comm.group, tag)
-                for p in got]
+        ops = [
+            dist.P2POp(dist.isend, blocks[p], global_rank(comm.group, p), comm.group, tag)
+            for p in got
+        ]
+        ops += [
+            dist.P2POp(dist.irecv, got[p], global_rank(comm.group, p), comm.group, tag) for p in got
+        ]
         for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait()
         return got
@@ -203,8 +219,9 @@ def _all_to_all(comm: Comm, blocks: dict[int, torch.Tensor], peers: tuple[int, .
     return got
 
 
-def quantized_reduce_scatter(comm: Comm, parts: torch.Tensor, width: int, nodes: Nodes,
-                             block: int = BLOCK) -> torch.Tensor:
+def quantized_reduce_scatter(
+    comm: Comm, parts: torch.Tensor, width: int, nodes: Nodes, block: int = BLOCK
+) -> torch.Tensor:
     """This rank's part of `parts` (N, width + flags) summed over the group, in fp32,
     by two quantized all-to-alls (inside the node, then across nodes at one place in
     each): the first `width` columns travel as int8 with a scale a block, the rest (a
@@ -215,8 +232,9 @@ def quantized_reduce_scatter(comm: Comm, parts: torch.Tensor, width: int, nodes:
     rows = len(places)  # parts that end at this rank's place, one per node
 
     def message(block_rows: torch.Tensor) -> torch.Tensor:
-        return encode(block_rows[:, :width].reshape(-1), block,
-                      raw=block_rows[:, width:].reshape(-1))
+        return encode(
+            block_rows[:, :width].reshape(-1), block, raw=block_rows[:, width:].reshape(-1)
+        )
 
     def read(msg: torch.Tensor, count: int) -> torch.Tensor:
         values, raw = decode(msg, count * width, block, count * flags)
@@ -237,8 +255,7 @@ def quantized_reduce_scatter(comm: Comm, parts: torch.Tensor, width: int, nodes:
     for msg in _all_to_all(comm, outgoing, mates, me, size, _TAGS[0]).values():
         node_sum += read(msg, rows)
     # Across nodes: row n of the node's sum goes to the rank at this place in node n.
-    outgoing = {peer: message(node_sum[n:n + 1]) for n, peer in enumerate(places)
-                if peer != me}
+    outgoing = {peer: message(node_sum[n : n + 1]) for n, peer in enumerate(places) if peer != me}
     total = node_sum[nodes.node].clone()
     size = encoded_nbytes(width, block) + 4 * flags
     for msg in _all_to_all(comm, outgoing, places, me, size, _TAGS[1]).values():

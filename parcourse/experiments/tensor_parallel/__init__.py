@@ -22,6 +22,20 @@ from parcourse.experiments.tensor_parallel.training import (
     train,
 )
 
-__all__ = ["batch_for", "check_g", "collectives_in", "label_of", "link_step_times",
-           "memory_by_tp_size", "one_process_losses", "shared_comm", "split_matmul", "split_mlp",
-           "split_shapes", "step_times", "torch_tensor_parallel", "tp_step", "train"]
+__all__ = [
+    "batch_for",
+    "check_g",
+    "collectives_in",
+    "label_of",
+    "link_step_times",
+    "memory_by_tp_size",
+    "one_process_losses",
+    "shared_comm",
+    "split_matmul",
+    "split_mlp",
+    "split_shapes",
+    "step_times",
+    "torch_tensor_parallel",
+    "tp_step",
+    "train",
+]

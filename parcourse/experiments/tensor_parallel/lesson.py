@@ -2,7 +2,6 @@
 memory by TP size, traced steps over a simulated link, and the exercise's check
 (Megatron's g)."""
 
-
 from __future__ import annotations
 
 import math
@@ -17,6 +16,12 @@ from torch import nn
 
 from parcourse.comm import Comm, SimulatedLink
 from parcourse.experiments.exercises import run_exercise
+from parcourse.experiments.tensor_parallel.training import (
+    batch_for,
+    collectives_in,
+    shared_comm,
+    theory_for,
+)
 from parcourse.launch import Pool, RankContext
 from parcourse.memory import SavedActivations, live_bytes
 from parcourse.models import MLP, TINY, GPTConfig, gpt
@@ -35,15 +40,16 @@ from parcourse.theory import (
     tp_parameter_bytes,
 )
 
-from parcourse.experiments.tensor_parallel.training import (batch_for, collectives_in, shared_comm,
-                                                          theory_for)
-
-
 # --------------------------------------------------------------------------- lesson 05
 
 
-def split_matmul(ctx: RankContext, how: Literal["column", "row"], tokens: int = 4,
-                 features: int | None = None, seed: int = 0) -> dict[str, torch.Tensor]:
+def split_matmul(
+    ctx: RankContext,
+    how: Literal["column", "row"],
+    tokens: int = 4,
+    features: int | None = None,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
     """Y = X A on the ranks, with A (features x features) split by columns or by rows
     as `ColumnParallelLinear` and `RowParallelLinear` split it (nn.Linear keeps A
     transposed, as its weight). `features`: 12 when the ranks divide it, else 3 per rank.
@@ -73,19 +79,20 @@ def split_matmul(ctx: RankContext, how: Literal["column", "row"], tokens: int = 
         raise ValueError(f"unknown split {how!r}; choose 'column' or 'row'")
     a = layer.weight.detach().T  # (in, out / N) by columns, (in / N, out) by rows
     with torch.no_grad():
-        return {"x": mine_x, "a": a, "mine": mine_x @ a, "y": layer(x),
-                "expected": linear(x)}
+        return {"x": mine_x, "a": a, "mine": mine_x @ a, "y": layer(x), "expected": linear(x)}
 
 
-def split_mlp(ctx: RankContext, d_model: int = 24, tokens: int = 6,
-              seed: int = 0) -> dict[str, Any]:
+def split_mlp(
+    ctx: RankContext, d_model: int = 24, tokens: int = 6, seed: int = 0
+) -> dict[str, Any]:
     """Megatron's MLP (up column-parallel, GELU, down row-parallel) on the ranks against
     one process: its collectives, forward and backward, in order, and the largest
     difference of the output and of the input's gradient."""
     config = GPTConfig(d_model=d_model, n_heads=1)
     reference = _seeded(lambda: MLP(config), seed)
-    split = apply_tensor_parallel(_seeded(lambda: MLP(config), seed), MLP_PLAN, ctx.group,
-                                  tracer=ctx.tracer)
+    split = apply_tensor_parallel(
+        _seeded(lambda: MLP(config), seed), MLP_PLAN, ctx.group, tracer=ctx.tracer
+    )
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(1, tokens, d_model, generator=g)
     upstream = torch.randn(1, tokens, d_model, generator=g)  # d loss / d output
@@ -97,9 +104,11 @@ def split_mlp(ctx: RankContext, d_model: int = 24, tokens: int = 6,
         outputs.append(y.detach())
         grads.append(leaf.grad)
     events = [e for e in ctx.tracer.data().counters if e.name == "tp_collective"]
-    return {"collectives": [(e.meta["op"], e.meta["phase"], e.meta["where"]) for e in events],
-            "output_error": float((outputs[0] - outputs[1]).abs().max()),
-            "grad_error": float((grads[0] - grads[1]).abs().max())}
+    return {
+        "collectives": [(e.meta["op"], e.meta["phase"], e.meta["where"]) for e in events],
+        "output_error": float((outputs[0] - outputs[1]).abs().max()),
+        "grad_error": float((grads[0] - grads[1]).abs().max()),
+    }
 
 
 def _seeded(make: Any, seed: int) -> Any:
@@ -108,16 +117,20 @@ def _seeded(make: Any, seed: int) -> Any:
         return make()
 
 
-def split_shapes(ctx: RankContext, config: GPTConfig = TINY,
-                 sequence_parallel: bool = False) -> list[tuple[str, tuple[int, ...],
-                                                               tuple[int, ...], str]]:
+def split_shapes(
+    ctx: RankContext, config: GPTConfig = TINY, sequence_parallel: bool = False
+) -> list[tuple[str, tuple[int, ...], tuple[int, ...], str]]:
     """Every parameter of the GPT once split by GPT_PLAN: (name, whole shape, shape on
     this rank, style: column, row, vocab or replicate)."""
     whole = {name: tuple(p.shape) for name, p in gpt(config).named_parameters()}
-    model = apply_tensor_parallel(gpt(config), GPT_PLAN, ctx.group,
-                                  sequence_parallel=sequence_parallel)
-    styles = {ColumnParallelLinear: "column", RowParallelLinear: "row",
-              VocabParallelEmbedding: "vocab"}
+    model = apply_tensor_parallel(
+        gpt(config), GPT_PLAN, ctx.group, sequence_parallel=sequence_parallel
+    )
+    styles = {
+        ColumnParallelLinear: "column",
+        RowParallelLinear: "row",
+        VocabParallelEmbedding: "vocab",
+    }
     out = []
     for module_name, module in model.named_modules():
         for p_name, p in module.named_parameters(recurse=False, prefix=module_name):
@@ -132,8 +145,9 @@ def split_shapes(ctx: RankContext, config: GPTConfig = TINY,
     return out
 
 
-def memory_by_tp_size(ctx: RankContext, config: GPTConfig = TINY, batch: int = 8,
-                      sizes: Iterable[int] | None = None) -> dict[tuple[int, bool], Any]:
+def memory_by_tp_size(
+    ctx: RankContext, config: GPTConfig = TINY, batch: int = 8, sizes: Iterable[int] | None = None
+) -> dict[tuple[int, bool], Any]:
     """Parameter bytes and bytes kept for backward (one forward to the logits) on this rank
     for each tensor-parallel size in `sizes` (default: every size up to the world size
     that divides the heads and the sequence, as tensor and sequence parallelism need),
@@ -143,8 +157,14 @@ def memory_by_tp_size(ctx: RankContext, config: GPTConfig = TINY, batch: int = 8
     Returns {(k, sequence_parallel): {"param_bytes", "activation_bytes", "theory": {...}}}
     on the ranks that took part in each.
     """
-    sizes = list(sizes or (k for k in range(1, ctx.world_size + 1)
-                           if config.n_heads % k == 0 and config.block_size % k == 0))
+    sizes = list(
+        sizes
+        or (
+            k
+            for k in range(1, ctx.world_size + 1)
+            if config.n_heads % k == 0 and config.block_size % k == 0
+        )
+    )
     out: dict[tuple[int, bool], Any] = {}
     x, _ = batch_for(0, batch, config)
     made = []  # groups of ranks 0 .. k-1 this rank is in, destroyed at the end: a pool's
@@ -167,8 +187,9 @@ def memory_by_tp_size(ctx: RankContext, config: GPTConfig = TINY, batch: int = 8
                 "activation_bytes": measured["activations"],
                 "theory": {
                     "param_bytes": tp_parameter_bytes(config, k)["total"],
-                    "activation_bytes": tp_activation_bytes(config, batch, config.block_size,
-                                                            k, sp)["total"],
+                    "activation_bytes": tp_activation_bytes(
+                        config, batch, config.block_size, k, sp
+                    )["total"],
                 },
             }
     dist.barrier(group=ctx.group)  # every rank done with every group before any goes
@@ -190,9 +211,17 @@ def label_of(where: str, model: nn.Module) -> str:
     return {"cross entropy": "loss", "replicated grads": "grads"}.get(where, where)
 
 
-def tp_step(ctx: RankContext, config: GPTConfig = TINY, batch: int = 8, steps: int = 2, *,
-            sequence_parallel: bool = False, link: SimulatedLink | None = None,
-            ring: bool = False, lr: float = 3e-3) -> dict[str, Any]:
+def tp_step(
+    ctx: RankContext,
+    config: GPTConfig = TINY,
+    batch: int = 8,
+    steps: int = 2,
+    *,
+    sequence_parallel: bool = False,
+    link: SimulatedLink | None = None,
+    ring: bool = False,
+    lr: float = 3e-3,
+) -> dict[str, Any]:
     """`steps` traced training steps (Adam) of the GPT split over the group, after an
     untraced warm-up step; then one more forward whose bytes are sampled.
 
@@ -211,8 +240,13 @@ def tp_step(ctx: RankContext, config: GPTConfig = TINY, batch: int = 8, steps: i
     tracer.set_status("building the model")
     on_ring = n > 1 and (link is not None or ring)
     model = apply_tensor_parallel(
-        gpt(config), GPT_PLAN, ctx.group, sequence_parallel=sequence_parallel, tracer=tracer,
-        comm=Comm(ctx.group, tracer=tracer, link=link, algorithm="ring") if on_ring else None)
+        gpt(config),
+        GPT_PLAN,
+        ctx.group,
+        sequence_parallel=sequence_parallel,
+        tracer=tracer,
+        comm=Comm(ctx.group, tracer=tracer, link=link, algorithm="ring") if on_ring else None,
+    )
     comm = shared_comm(model)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     spans, counters = tracer.data().spans, tracer.data().counters
@@ -264,8 +298,9 @@ def tp_step(ctx: RankContext, config: GPTConfig = TINY, batch: int = 8, steps: i
 # --------------------------------------------------------------------------- the exercise
 
 
-def _g_in_an_mlp(ctx: RankContext, g: type[torch.autograd.Function], d_model: int = 24,
-                 seed: int = 0) -> dict[str, float]:
+def _g_in_an_mlp(
+    ctx: RankContext, g: type[torch.autograd.Function], d_model: int = 24, seed: int = 0
+) -> dict[str, float]:
     """Megatron's MLP with the learner's `g` after the row-parallel layer (the library's
     f before the column-parallel one), against one process: the largest difference of
     the output and the norm of each gradient over one process's."""
@@ -291,8 +326,11 @@ def _g_in_an_mlp(ctx: RankContext, g: type[torch.autograd.Function], d_model: in
     ref_down = reference.down.weight.grad.chunk(n, dim=1)[ctx.rank]
     ref_up = reference.up.weight.grad.chunk(n, dim=0)[ctx.rank]
     ratio: dict[str, float] = {}
-    for name, got, want in (("input", x_split.grad, x_ref.grad), ("mlp.up", up.weight.grad, ref_up),
-                            ("mlp.down", down.grad, ref_down)):
+    for name, got, want in (
+        ("input", x_split.grad, x_ref.grad),
+        ("mlp.up", up.weight.grad, ref_up),
+        ("mlp.down", down.grad, ref_down),
+    ):
         ratio[name] = math.nan if got is None else float(got.norm() / want.norm())
         if got is not None and torch.allclose(got, want, rtol=1e-4, atol=1e-5):
             ratio[name] = 1.0
@@ -316,25 +354,36 @@ def check_g(g: type[torch.autograd.Function], pool: Pool) -> bool:
         return False
     for r in run.results:
         if "shape" in r:
-            print(f"Not quite: g returned {r['shape']}, expected a tensor the shape of its input. "
-                  "Hint: forward returns the sum over ranks of its input.")
+            print(
+                f"Not quite: g returned {r['shape']}, expected a tensor the shape of its input. "
+                "Hint: forward returns the sum over ranks of its input."
+            )
             return False
         if not r["output_error"] <= 1e-4:
-            print(f"Not quite: with {n} ranks g's output differs from one process's by up to "
-                  f"{r['output_error']:.3g}. Hint: in forward each rank holds a partial sum of "
-                  "the output; g adds them up, on every rank (all-reduce).")
+            print(
+                f"Not quite: with {n} ranks g's output differs from one process's by up to "
+                f"{r['output_error']:.3g}. Hint: in forward each rank holds a partial sum of "
+                "the output; g adds them up, on every rank (all-reduce)."
+            )
             return False
         wrong = {k: v for k, v in r.items() if k != "output_error" and v != 1.0}
         if wrong:
             name, ratio = next(iter(wrong.items()))
-            what = {"input": "the MLP's input", "mlp.up": "mlp.up's weight",
-                    "mlp.down": "mlp.down's weight"}[name]
+            what = {
+                "input": "the MLP's input",
+                "mlp.up": "mlp.up's weight",
+                "mlp.down": "mlp.down's weight",
+            }[name]
             got = "is missing" if math.isnan(ratio) else f"is {ratio:.3g} x one process's"
-            print(f"Not quite: the output is right, but the gradient of {what} {got} "
-                  "(expected 1 x). Hint: g's output is the same on every rank, and so is its "
-                  "gradient: backward hands it on unchanged (one gradient per input of "
-                  "forward, None for the group).")
+            print(
+                f"Not quite: the output is right, but the gradient of {what} {got} "
+                "(expected 1 x). Hint: g's output is the same on every rank, and so is its "
+                "gradient: backward hands it on unchanged (one gradient per input of "
+                "forward, None for the group)."
+            )
             return False
-    print(f"Correct: g sums the partial sums forward and passes the gradient through "
-          f"backward; Megatron's MLP on {n} ranks equals one process.")
+    print(
+        f"Correct: g sums the partial sums forward and passes the gradient through "
+        f"backward; Megatron's MLP on {n} ranks equals one process."
+    )
     return True

@@ -3,7 +3,6 @@ the tiny GPT trained split over ranks, its bytes per rank and its collectives ag
 the formulas, and step times against PyTorch's own tensor parallelism (DTensor) and
 over simulated links."""
 
-
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -37,15 +36,18 @@ from parcourse.trace import CounterEvent
 Impl = Literal["ours", "torch"]
 
 
-def theory_for(config: GPTConfig, batch: int, world_size: int, sequence_parallel: bool
-            ) -> dict[str, Any]:
+def theory_for(
+    config: GPTConfig, batch: int, world_size: int, sequence_parallel: bool
+) -> dict[str, Any]:
     """What the formulas give for one rank: parameter and activation bytes, collectives."""
     return {
         "param_bytes": tp_parameter_bytes(config, world_size)["total"],
-        "activation_bytes": tp_activation_bytes(config, batch, config.block_size, world_size,
-                                                sequence_parallel)["total"],
-        "collectives": tp_collectives(config, batch, config.block_size, world_size,
-                                      sequence_parallel),
+        "activation_bytes": tp_activation_bytes(
+            config, batch, config.block_size, world_size, sequence_parallel
+        )["total"],
+        "collectives": tp_collectives(
+            config, batch, config.block_size, world_size, sequence_parallel
+        ),
     }
 
 
@@ -60,13 +62,24 @@ def collectives_in(events: Iterable[CounterEvent], world_size: int) -> list[TPCo
     and the loss's three all-reduces on a group of one move nothing."""
     if world_size == 1:
         return []
-    return sorted((e.meta["op"], e.meta["phase"], e.meta["where"], e.meta["size"])
-                  for e in events if e.name == "tp_collective")
+    return sorted(
+        (e.meta["op"], e.meta["phase"], e.meta["where"], e.meta["size"])
+        for e in events
+        if e.name == "tp_collective"
+    )
 
 
-def train(ctx: RankContext, config: GPTConfig = TINY, steps: int = 5, batch: int = 8, *,
-          sequence_parallel: bool = False, lr: float = 3e-3, seed: int = 0,
-          algorithm: Algorithm = "ring") -> dict[str, Any]:
+def train(
+    ctx: RankContext,
+    config: GPTConfig = TINY,
+    steps: int = 5,
+    batch: int = 8,
+    *,
+    sequence_parallel: bool = False,
+    lr: float = 3e-3,
+    seed: int = 0,
+    algorithm: Algorithm = "ring",
+) -> dict[str, Any]:
     """`steps` Adam steps of the GPT split over the group by GPT_PLAN.
 
     Returns the losses; the parameter bytes of this rank; the bytes kept for backward
@@ -77,8 +90,15 @@ def train(ctx: RankContext, config: GPTConfig = TINY, steps: int = 5, batch: int
     n = ctx.world_size
     ctx.tracer.set_status("building the model")
     model = gpt(config, seed=seed)
-    apply_tensor_parallel(model, GPT_PLAN, ctx.group, sequence_parallel=sequence_parallel,
-                          tracer=ctx.tracer, algorithm=algorithm, seed=seed)
+    apply_tensor_parallel(
+        model,
+        GPT_PLAN,
+        ctx.group,
+        sequence_parallel=sequence_parallel,
+        tracer=ctx.tracer,
+        algorithm=algorithm,
+        seed=seed,
+    )
     comm = model.head.comm
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     losses, tracer = [], ctx.tracer
@@ -110,8 +130,9 @@ def train(ctx: RankContext, config: GPTConfig = TINY, steps: int = 5, batch: int
     }
 
 
-def one_process_losses(config: GPTConfig = TINY, steps: int = 5, batch: int = 8, *,
-                       lr: float = 3e-3, seed: int = 0) -> list[float]:
+def one_process_losses(
+    config: GPTConfig = TINY, steps: int = 5, batch: int = 8, *, lr: float = 3e-3, seed: int = 0
+) -> list[float]:
     """The same training in one process (no ranks): what `train` must reproduce."""
     model = gpt(config, seed=seed)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
@@ -129,8 +150,9 @@ def one_process_losses(config: GPTConfig = TINY, steps: int = 5, batch: int = 8,
 # --------------------------------------------------------------------------- against torch
 
 
-def torch_tensor_parallel(model: nn.Module, group: dist.ProcessGroup,
-                          sequence_parallel: bool = False) -> nn.Module:
+def torch_tensor_parallel(
+    model: nn.Module, group: dist.ProcessGroup, sequence_parallel: bool = False
+) -> nn.Module:
     """The GPT split by PyTorch's own tensor parallelism (DTensor `parallelize_module`),
     the same plan as GPT_PLAN: embedding and head split along the vocabulary, qkv and
     mlp.up column-wise, attn.proj and mlp.down row-wise; with sequence parallelism,
@@ -155,30 +177,40 @@ def torch_tensor_parallel(model: nn.Module, group: dist.ProcessGroup,
     norm = SequenceParallel(use_local_output=True)  # plain tensors between modules, as ours
     plan: dict[str, Any] = {
         "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
-                                use_local_output=False),  # for loss_parallel
+        "head": ColwiseParallel(
+            input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
+        ),  # for loss_parallel
     }
     for i in range(len(model.blocks)):
-        plan |= {f"blocks.{i}.attn.qkv": ColwiseParallel(input_layouts=seq),
-                 f"blocks.{i}.attn.proj": RowwiseParallel(output_layouts=seq),
-                 f"blocks.{i}.mlp.up": ColwiseParallel(input_layouts=seq),
-                 f"blocks.{i}.mlp.down": RowwiseParallel(output_layouts=seq)}
+        plan |= {
+            f"blocks.{i}.attn.qkv": ColwiseParallel(input_layouts=seq),
+            f"blocks.{i}.attn.proj": RowwiseParallel(output_layouts=seq),
+            f"blocks.{i}.mlp.up": ColwiseParallel(input_layouts=seq),
+            f"blocks.{i}.mlp.down": RowwiseParallel(output_layouts=seq),
+        }
         if sequence_parallel:
             plan |= {f"blocks.{i}.ln1": norm, f"blocks.{i}.ln2": norm}
     if sequence_parallel:
         rank, size = group.rank(), group.size()
         model.pos_emb.register_forward_pre_hook(
-            lambda _, args: (args[0].chunk(size, dim=-1)[rank],))
-        plan |= {"ln_f": norm,
-                 "pos_emb": SequenceParallel(sequence_dim=0, use_local_output=True)}
+            lambda _, args: (args[0].chunk(size, dim=-1)[rank],)
+        )
+        plan |= {"ln_f": norm, "pos_emb": SequenceParallel(sequence_dim=0, use_local_output=True)}
     parallelize_module(model, mesh, plan)
     if tied:  # both were split alike (rows over ranks); parallelize_module made two copies
         model.head.weight = model.tok_emb.weight
     return model
 
 
-def _step(model: nn.Module, opt: torch.optim.Optimizer, impl: Impl, x: torch.Tensor,
-          y: torch.Tensor, config: GPTConfig, comm: TPComm | None) -> float:
+def _step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    impl: Impl,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    config: GPTConfig,
+    comm: TPComm | None,
+) -> float:
     if impl == "ours":
         loss = vocab_parallel_cross_entropy(model(x), y, comm.group, config.vocab, comm=comm)
         loss.backward()
@@ -193,17 +225,24 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, impl: Impl, x: torch.Ten
     return float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.item())
 
 
-def step_times(ctx: RankContext, steps: int = 10, config: GPTConfig = TINY, batch: int = 8, *,
-               sequence_parallel: bool = False,
-               impls: tuple[Impl, ...] = ("ours", "torch")) -> dict[str, Any]:
+def step_times(
+    ctx: RankContext,
+    steps: int = 10,
+    config: GPTConfig = TINY,
+    batch: int = 8,
+    *,
+    sequence_parallel: bool = False,
+    impls: tuple[Impl, ...] = ("ours", "torch"),
+) -> dict[str, Any]:
     """Seconds per training step (Adam) of ours and of torch's tensor parallelism on the
     same GPT and plan, alternating step by step (the order swaps every step; the first
     step of each is a warm-up). Also each one's losses, which should agree."""
     runs: dict[str, tuple[nn.Module, torch.optim.Optimizer, TPComm | None]] = {}
     for impl in impls:
         if impl == "ours":
-            model = apply_tensor_parallel(gpt(config), GPT_PLAN, ctx.group,
-                                          sequence_parallel=sequence_parallel)
+            model = apply_tensor_parallel(
+                gpt(config), GPT_PLAN, ctx.group, sequence_parallel=sequence_parallel
+            )
             comm = model.head.comm
         else:
             model, comm = torch_tensor_parallel(gpt(config), ctx.group, sequence_parallel), None
@@ -212,10 +251,13 @@ def step_times(ctx: RankContext, steps: int = 10, config: GPTConfig = TINY, batc
     return {"times": times, "losses": losses}
 
 
-def _take_turns(ctx: RankContext, runs: dict[str, tuple[nn.Module, torch.optim.Optimizer,
-                                                          TPComm | None, Impl]],
-                steps: int, batch: int, config: GPTConfig
-                ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+def _take_turns(
+    ctx: RankContext,
+    runs: dict[str, tuple[nn.Module, torch.optim.Optimizer, TPComm | None, Impl]],
+    steps: int,
+    batch: int,
+    config: GPTConfig,
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Train every run on the same batches, taking turns step by step
     (`timing.take_turns`; the first step of each is a warm-up): seconds per step, and
     losses (the warm-up's included)."""
@@ -227,31 +269,40 @@ def _take_turns(ctx: RankContext, runs: dict[str, tuple[nn.Module, torch.optim.O
         def run(i: int) -> None:
             x, y = batch_for(i, batch, config)
             losses[name].append(_step(model, opt, impl, x, y, config, comm))  # type: ignore[arg-type]
+
         return run
 
     times = take_turns(ctx.group, {name: step(name) for name in runs}, steps)
     return times, losses
 
 
-
 def shared_comm(model: nn.Module) -> TPComm:
     """The one `TPComm` that `apply_tensor_parallel` gave every split layer of `model`."""
-    comms = {id(c): c for m in model.modules() if isinstance(c := getattr(m, "comm", None),
-                                                                  TPComm)}
+    comms = {id(c): c for m in model.modules() if isinstance(c := getattr(m, "comm", None), TPComm)}
     if len(comms) != 1:
         raise ValueError(f"expected one TPComm shared by the split layers, found {len(comms)}")
     return next(iter(comms.values()))
 
 
-def link_step_times(ctx: RankContext, links: dict[str, SimulatedLink], config: GPTConfig = TINY,
-                    batch: int = 8, steps: int = 5) -> dict[str, list[float]]:
+def link_step_times(
+    ctx: RankContext,
+    links: dict[str, SimulatedLink],
+    config: GPTConfig = TINY,
+    batch: int = 8,
+    steps: int = 5,
+) -> dict[str, list[float]]:
     """Seconds per training step (Adam) of the GPT split over the group, its collectives
     on the course's ring over each of `links` (a `Comm` with it), the links taking turns
     step by step (the order swaps every step; the first step of each is a warm-up)."""
     runs = {}
     for name, link in links.items():
-        model = apply_tensor_parallel(gpt(config), GPT_PLAN, ctx.group,
-                                      comm=Comm(ctx.group, link=link, algorithm="ring"))
-        runs[name] = (model, torch.optim.Adam(model.parameters(), lr=3e-3), shared_comm(model),
-                      "ours")
+        model = apply_tensor_parallel(
+            gpt(config), GPT_PLAN, ctx.group, comm=Comm(ctx.group, link=link, algorithm="ring")
+        )
+        runs[name] = (
+            model,
+            torch.optim.Adam(model.parameters(), lr=3e-3),
+            shared_comm(model),
+            "ours",
+        )
     return _take_turns(ctx, runs, steps, batch, config)[0]

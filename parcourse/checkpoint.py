@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from parcourse.parts import AXES
 from parcourse.ranges import chunk_bounds
 from parcourse.tensor_parallel.state_dict import split_dims
 from parcourse.zero.state_dict import load_sharded_optimizer_state, whole_optimizer_state
@@ -160,25 +161,25 @@ def _names(model: Hybrid) -> dict[int, list[str]]:
 class _Layout:
     """How this rank's weights sit in the whole ones: a DTensor over the tp DeviceMesh
     for a weight cut over tp (without the zero rows that pad a vocabulary shard), over
-    the ep DeviceMesh for experts cut over ep (this rank's experts, dim 0)."""
+    a part's axis for a weight that part cut along dim 0 (`Hybrid.cut_over`: the experts
+    over ep, this rank's experts)."""
 
     def __init__(self, model: Hybrid) -> None:
         self.tp = model.mesh.size("tp")
         self.rank = model.mesh.coordinate("tp")
         self.dims = split_dims(model.model)
         self.device_mesh = model.mesh.device_mesh["tp"] if self.tp > 1 else None
-        self.ep, self.experts = model.mesh.size("ep"), model._experts
-        self.ep_mesh = model.mesh.device_mesh["ep"] if self.ep > 1 else None
+        self.mesh, self.cut_over = model.mesh, model.cut_over
 
     def view(self, p: torch.nn.Parameter, t: torch.Tensor) -> Any:
         """`t`, shaped like this rank's piece of weight `p`, as DCP should store it."""
         from torch.distributed.tensor import DTensor, Shard
 
-        if id(p) in self.experts and self.ep > 1:
-            shape = (t.shape[0] * self.ep, *t.shape[1:])
+        if (axis := self.cut_over.get(id(p))) is not None:
+            shape = (t.shape[0] * self.mesh.size(axis), *t.shape[1:])
             return DTensor.from_local(
                 t,
-                self.ep_mesh,
+                self.mesh.device_mesh[axis],
                 [Shard(0)],
                 run_check=False,
                 shape=torch.Size(shape),
@@ -301,8 +302,8 @@ def _save(
     meta = {
         "step": step,
         "config": dataclasses.asdict(model.config),
-        "mesh": {a: model.mesh.size(a) for a in ("dp", "tp", "pp", "cp", "ep")},
-        "plan": model.parallel_plan.label(),
+        "mesh": {a: model.mesh.size(a) for a in AXES},
+        "plan": model.plan.label(),
         "zero": model.zero,
         "optimizer": type(model.optimizer).__name__,
         "buffers": sorted(

@@ -1,5 +1,5 @@
-"""A device mesh: the ranks laid out on named axes (dp, tp, pp; cp and ep later), and one
-process group per axis for each rank.
+"""A device mesh: the ranks laid out on named axes (dp, tp, pp, and the axes the parts of
+`parcourse.parts` add), and one process group per axis for each rank.
 
 The layout is row-major with the last axis innermost, so consecutive ranks differ in the
 innermost axis, which is tensor parallelism by default: a TP group sits inside a node
@@ -30,14 +30,10 @@ import torch
 import torch.distributed as dist
 
 from parcourse.comm.common import backend_for, global_rank, group_info
+from parcourse.parts import AXES, ORDERS
 
-Axis = Literal["dp", "tp", "pp", "cp", "ep"]
-AXES: tuple[str, ...] = ("dp", "tp", "pp", "cp", "ep")
-# Outermost first. Axes a shape leaves out have size 1.
-ORDERS: dict[str, tuple[str, ...]] = {
-    "megatron": ("pp", "dp", "ep", "cp", "tp"),
-    "llama3": ("dp", "pp", "ep", "cp", "tp"),
-}
+# `ORDERS` (the registry's): outermost first. Axes a shape leaves out have size 1.
+__all__ = ["AXES", "ORDERS", "Layout", "Mesh", "Order", "check_ranks_per_node", "nodes_of"]
 Order = Literal["megatron", "llama3"]
 
 

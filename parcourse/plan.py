@@ -19,22 +19,24 @@ Megatron-LM runs it) and Megatron-LM's "blocks" split. The planner asks with
 `step=False` for the published clusters and with `step=True` for this machine, whose
 plans it checks by running them.
 
-A new axis is a field here, its rules in `problems()`, and a token in the label: `cp`
-(context parallelism, the sequence cut over ranks, `cp_method` its attention) is one, `ep`
-(expert parallelism, each MoE layer's experts cut over ranks that also hold their own
-data, as dp's) another.
+The mesh every run has (dp, tp, pp) and the pipeline, ZeRO and recompute are this
+record's own fields; every other part (`parcourse.parts`) brings its fields as a base of
+`PartFields`, its rules (`Part.problems`, asked at their place in `problems()`) and its
+words in the label (`Part.words`, `Part.read`). This module names none of them.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import re
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
-from parcourse.context_parallel.attention import METHODS, Method
-from parcourse.mesh import ORDERS, Order
+from parcourse.mesh import ORDERS, Layout, Order
+from parcourse.parts import AXES, PART_AXES, PARTS, PartFields
 from parcourse.pipeline.schedule import SCHEDULES, Schedule, schedule_by_name
+from parcourse.roles import Roles
 
 if TYPE_CHECKING:
     from parcourse.models import GPTConfig
@@ -44,7 +46,7 @@ Split = Literal["layers", "blocks"]
 # Every one runs in the course's 3D step over dp (ZeRO-3 gathers a stage's weights around
 # each of its actions, as torchtitan composes FSDP with a pipeline).
 ZERO_STAGES = (0, 1, 2, 3)
-SIZES = ("dp", "tp", "pp", "cp", "ep", "microbatches", "chunks")
+SIZES = (*AXES, "microbatches", "chunks")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -54,59 +56,73 @@ def _schedule(name: str, ranks: int, microbatches: int, chunks: int) -> Schedule
     return schedule_by_name(name, ranks, microbatches, chunks)
 
 
+def _help(text: str, default: Any) -> Any:
+    """A field with what it means on a command line (`cli.options` makes its flag)."""
+    return field(default=default, metadata={"help": text})
+
+
 @dataclass(frozen=True)
-class ParallelPlan:
-    """A run's layout: the mesh (dp x tp x pp x cp x ep, `order` of its axes,
-    `ranks_per_node`; `cp` cuts each sequence over ranks, their attention by `cp_method`:
-    "ring", "all-gather" or "ulysses", `parcourse.context_parallel`; `ep` cuts each MoE
-    layer's experts over ranks, `parcourse.experts`: its ranks hold different rows of the
-    batch, so the dense layers are data parallel over dp x ep, the experts over dp),
-    the pipeline `schedule` with its `microbatches` per replica and `chunks` (stages per
-    rank, interleaved 1F1B), ZeRO's `zero` stage over dp, `sequence_parallel`, what
-    backward recomputes (`recompute`: "none"; "selective", attention's core as
-    Korthikanti et al. and FlashAttention; "full", each stage keeps only its input), and
-    how the layers are cut into stages (`split`: "layers" as the course's step, by layer
-    count with the embeddings and the head counting as layers; "blocks" as Megatron-LM,
-    the blocks evenly with the embeddings on the first stage and the head on the last).
+class _Own:
+    """The plan's own fields, before every part's (`PartFields`)."""
+
+    dp: int = _help("data-parallel replicas", 1)
+    tp: int = _help("tensor-parallel ranks", 1)
+    pp: int = _help("pipeline ranks", 1)
+    schedule: str = _help("the pipeline schedule", "1f1b")
+    microbatches: int = _help("per replica", 1)
+    chunks: int = _help("stages per rank, interleaved-1f1b", 2)
+    zero: int = _help("ZeRO's stage over dp", 0)
+    sequence_parallel: bool = _help("cut the sequence over tp outside attention and the MLP", False)
+    recompute: Recompute = _help(
+        "what backward recomputes (full: each stage keeps only its input)", "none"
+    )
+    split: Split = _help("how layers are cut into stages", "layers")
+    order: Order = _help("the mesh's order of axes", "megatron")
+    ranks_per_node: int | None = _help("consecutive ranks that share a node", None)
+
+
+@dataclass(frozen=True)
+class ParallelPlan(PartFields, _Own):
+    """A run's layout: the mesh (dp x tp x pp and every part's axes, `order` of its axes,
+    `ranks_per_node`), the pipeline `schedule` with its `microbatches` per replica and
+    `chunks` (stages per rank, interleaved 1F1B), ZeRO's `zero` stage over dp,
+    `sequence_parallel`, what backward recomputes (`recompute`: "none"; "selective",
+    attention's core as Korthikanti et al. and FlashAttention; "full", each stage keeps
+    only its input), and how the layers are cut into stages (`split`: "layers" as the
+    course's step, by layer count with the embeddings and the head counting as layers;
+    "blocks" as Megatron-LM, the blocks evenly with the embeddings on the first stage
+    and the head on the last).
+    Then every part's fields (`parcourse.parts.PartFields`; what each means is in its
+    package's `part.py`): context parallelism's cp and cp_method, expert parallelism's ep.
 
     Nothing is checked on construction, so that a wrong plan can be shown with all its
     problems at once: `problems()` says what is wrong, `check()` raises it."""
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    schedule: str = "1f1b"
-    microbatches: int = 1
-    chunks: int = 2
-    zero: int = 0
-    sequence_parallel: bool = False
-    recompute: Recompute = "none"
-    split: Split = "layers"
-    order: Order = "megatron"
-    ranks_per_node: int | None = None
-    # last, so that the positional order of the fields before them stays as it was
-    cp: int = 1
-    cp_method: Method = "ring"
-    ep: int = 1
 
     # -- the mesh it asks for
 
     @property
     def shape(self) -> dict[str, int]:
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep}
+        """{axis: size} of every axis, the parts' included."""
+        return {a: getattr(self, a) for a in AXES}
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp * self.ep
+        return math.prod(self.shape.values())
+
+    @property
+    def roles(self) -> Roles:
+        """Which ranks do what together (`parcourse.roles`)."""
+        return Roles.of(self)
 
     @property
     def replicas(self) -> int:
-        """The ranks that take different rows of the batch: dp's and ep's."""
-        return self.dp * self.ep
+        """How many ways the batch is cut: the ranks that take different rows of it
+        (`Roles.replicas`)."""
+        return self.roles.replicas
 
     def _sizes(self) -> str:
-        """'dp 2 x tp 2 x pp 2', and ' x cp 2', ' x ep 2' where those axes are used."""
-        more = "".join(f" x {a} {getattr(self, a)}" for a in ("cp", "ep") if getattr(self, a) != 1)
+        """'dp 2 x tp 2 x pp 2', and ' x cp 2' for each part's axis that is used."""
+        more = "".join(f" x {a} {getattr(self, a)}" for a in PART_AXES if getattr(self, a) != 1)
         return f"dp {self.dp} x tp {self.tp} x pp {self.pp}{more}"
 
     def schedule_value(self) -> Schedule:
@@ -149,12 +165,12 @@ class ParallelPlan:
                 f"tp {self.tp} does not divide the sequence of {config.block_size} "
                 "tokens (sequence parallelism cuts it)"
             )
-        out += self._context_problems(config, step)
-        out += self._expert_problems(config, step)
+        for part in PARTS:
+            out += part.problems(self, config, step)
         if batch is not None and batch % (self.replicas * self.microbatches):
-            ep = f" x ep {self.ep}" if self.ep != 1 else ""
+            cut = "".join(f" x {a} {getattr(self, a)}" for a in self.roles.batch[1:])
             out.append(
-                f"the global batch of {batch} does not cut into dp {self.dp}{ep} x "
+                f"the global batch of {batch} does not cut into dp {self.dp}{cut} x "
                 f"{self.microbatches} microbatches equal parts"
             )
         if self.zero not in ZERO_STAGES:
@@ -174,67 +190,6 @@ class ParallelPlan:
                 "Megatron-LM's blocks"
             )
         out += self._schedule_problems(config)
-        return out
-
-    def _context_problems(self, config: GPTConfig | None, step: bool) -> list[str]:
-        """Context parallelism's rules (none at cp 1 but a known method)."""
-        if self.cp_method not in METHODS:
-            return [
-                f"unknown context-parallel method {self.cp_method!r}; choose one of "
-                f"{', '.join(METHODS)}"
-            ]
-        if self.cp == 1:
-            return []
-        out = []
-        if config is not None and config.block_size < 2 * self.cp:
-            out.append(
-                f"cp {self.cp} cuts a sequence into {2 * self.cp} chunks (two a rank, "
-                f"balanced for the causal mask): a block of {config.block_size} "
-                "tokens cannot fill them"
-            )
-        if (
-            config is not None
-            and self.cp_method == "ulysses"
-            and config.n_heads % self.tp == 0
-            and (config.n_heads // self.tp) % self.cp
-        ):
-            out.append(
-                f"Ulysses gives each of the cp {self.cp} ranks whole heads: the "
-                f"{config.n_heads // self.tp} heads a tp rank holds ({config.n_heads} / "
-                f"tp {self.tp}) do not divide by {self.cp}"
-            )
-        if config is not None and config.dropout:
-            out.append(
-                f"context parallelism's attention drops no probabilities: the GPT's "
-                f"dropout must be 0, not {config.dropout}"
-            )
-        if step and self.sequence_parallel:
-            out.append(
-                f"the course's 3D step cuts the sequence over tp (SP) or over cp "
-                f"(cp {self.cp}), not both"
-            )
-        return out
-
-    def _expert_problems(self, config: GPTConfig | None, step: bool) -> list[str]:
-        """Expert parallelism's rules, and what the 3D step runs with experts."""
-        experts = 0 if config is None else config.experts
-        out = []
-        if config is not None and self.ep > 1 and not experts:
-            out.append(
-                f"ep {self.ep} cuts the experts of MoE layers, and this GPT has none "
-                "(GPTConfig(experts=...))"
-            )
-        if experts and experts % self.ep:
-            out.append(
-                f"{experts} experts do not divide by ep {self.ep}: every rank of an "
-                "ep group holds the same number of experts"
-            )
-        if step and experts and self.sequence_parallel:
-            out.append(
-                "the course's 3D step keeps each expert whole on every tp rank, where "
-                "all see the same tokens: not under sequence parallelism (SP), which "
-                "gives each tp rank its own"
-            )
         return out
 
     def _schedule_problems(self, config: GPTConfig | None) -> list[str]:
@@ -268,6 +223,19 @@ class ParallelPlan:
             out.append(f"{self.schedule} splits backward into I and W: no full recompute")
         return out
 
+    def check_mesh(self, layout: Layout, ranks_per_node: int | None) -> None:
+        """ValueError unless a mesh of this `layout` and `ranks_per_node` is this plan's."""
+        want = Layout.of(self.shape, self.order)
+        if want != layout:
+            raise ValueError(
+                f"the plan {self.label()} lays ranks out as {want.axes} {want.sizes}, the "
+                f"mesh as {layout.axes} {layout.sizes}"
+            )
+        if self.ranks_per_node != ranks_per_node:
+            raise ValueError(
+                f"the plan says {self.ranks_per_node} ranks per node, the mesh {ranks_per_node}"
+            )
+
     def check(
         self,
         config: GPTConfig | None = None,
@@ -287,9 +255,7 @@ class ParallelPlan:
         """One line: 'dp2 tp2 pp2 1f1b m4 ZeRO-1 SP recompute full'; what is at its
         default (chunks 2, layers split, megatron order, no ranks per node) is left out.
         `parse` reads it back."""
-        extra = [f"cp{self.cp}"] if self.cp != 1 else []
-        extra += [self.cp_method] if self.cp_method != "ring" else []
-        extra += [f"ep{self.ep}"] if self.ep != 1 else []
+        extra = [word for part in PARTS for word in part.words(self)]
         extra += [f"c{self.chunks}"] if self.chunks != 2 else []
         extra += [f"ZeRO-{self.zero}"] if self.zero else []
         extra += ["SP"] if self.sequence_parallel else []
@@ -312,7 +278,7 @@ class ParallelPlan:
         i = 0
         while i < len(words):
             word, low = words[i], words[i].lower()
-            if m := re.fullmatch(r"(dp|tp|pp|cp|ep|m|c)(\d+)", low):
+            if m := re.fullmatch(rf"({'|'.join(AXES)}|m|c)(\d+)", low):
                 key = {"m": "microbatches", "c": "chunks"}.get(m.group(1), m.group(1))
                 fields[key] = int(m.group(2))
             elif m := re.fullmatch(r"zero-?(\d+)", low):
@@ -326,8 +292,8 @@ class ParallelPlan:
                 i += 1
             elif low in SCHEDULES:
                 fields["schedule"] = low
-            elif low in METHODS:
-                fields["cp_method"] = low
+            elif read := next((r for part in PARTS if (r := part.read(low)) is not None), None):
+                fields.update(read)
             else:
                 raise ValueError(
                     f"cannot read {word!r} in the plan {text!r}; a plan reads "

@@ -365,3 +365,14 @@ def _jsonable(meta: Mapping[str, Any]) -> dict[str, Any]:
         k: v if isinstance(v, (int, float, str, bool, type(None))) else repr(v)
         for k, v in meta.items()
     }
+
+
+def bytes_by_axis(counters: Any) -> dict[str, float]:
+    """Bytes sent per mesh axis, from a trace's counters (`bytes_sent`, counted message by
+    message where the course's own ring and messenger carry them: pp and dp; tp's
+    collectives are torch's and counted by their tensors' sizes in `tp_collective`)."""
+    out: dict[str, float] = {}
+    for c in counters:
+        if c.name == "bytes_sent" and "axis" in c.meta:
+            out[c.meta["axis"]] = out.get(c.meta["axis"], 0.0) + c.value
+    return out

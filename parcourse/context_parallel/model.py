@@ -62,6 +62,16 @@ class SequenceShard:
         self.tokens = x.shape[dim]
         return shard_sequence(x, self.rank, self.size, self.layout, dim=dim)
 
+    def cut_batch(
+        self, x: torch.Tensor | None, y: torch.Tensor | None, tokens: int, block_size: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """This rank's tokens of a batch's inputs and targets (None where a stage takes
+        none), sequences of `tokens` (every rank's attention needs the length)."""
+        if tokens > block_size:
+            raise ValueError(f"sequences of {tokens} tokens, longer than block_size {block_size}")
+        self.tokens = tokens
+        return (None if x is None else self.cut(x)), (None if y is None else self.cut(y))
+
     def _length(self) -> int:
         if self.tokens is None:
             raise RuntimeError(

@@ -151,7 +151,7 @@ def train_on_mesh(
     """`steps` Adam steps of lesson 09's GPT on a mesh of `shape`: the losses (on the last
     stage's ranks), the bytes each axis sent and the count of tp's collectives (torch's,
     whose bytes cannot be counted message by message) when `traced`, what this rank
-    holds (`Hybrid.memory`), what each of its groups reduces (`Hybrid.reductions`), and
+    holds (`Hybrid.memory`), what each of its groups reduces (`reductions`), and
     the whole trained weights (rank 0 only). `link`: a `Topology` for every message."""
     from parcourse.hybrid import bytes_by_axis
 
@@ -178,7 +178,7 @@ def train_on_mesh(
         "bytes": bytes_by_axis(counters),
         "tp_collectives": sum(1 for c in counters if c.name == "tp_collective"),
         "memory": model.memory(),
-        "reductions": model.reductions(),
+        "reductions": reductions(model),
         "state": state if ctx.rank == 0 else None,
     }
 
@@ -254,8 +254,177 @@ def check_coordinates(fn: Any) -> bool:
     return True
 
 
+def reductions(model: Hybrid) -> list[dict[str, Any]]:
+    """What each group of this rank of a `Hybrid` does to the numbers in one step, in the order it
+    happens, as this model is built (sequence parallel or not, ZeRO-1 or not,
+    clipping or not, the tied weights cut apart or not): rows of {"when", "what",
+    "axis", "op", "ranks"} (`ranks`: this rank's group). Lesson 09's table."""
+    sp, zero, roles = model.sequence_parallel, model.sharded is not None, model.roles
+    tp, pp, cp = (model.mesh.ranks(a) for a in ("tp", "pp", "cp"))
+    # the replicas: dp's ranks, and cp's with them when the sequence is cut
+    replicas, dp = roles.label("dense"), model.mesh.ranks(*roles.dense)
+    rows = []
+
+    def row(when: str, what: str, axis: str, op: str, ranks: list[int]) -> None:
+        if len(ranks) > 1:
+            rows.append({"when": when, "what": what, "axis": axis, "op": op, "ranks": ranks})
+
+    row(
+        "forward",
+        "the token embedding's vocabulary shards",
+        "tp",
+        "all-reduce (sum)" if not sp else "reduce-scatter (sum) along the sequence",
+        tp,
+    )
+    row(
+        "forward",
+        "the row-parallel layers' partial outputs (attention out, MLP down)",
+        "tp",
+        "reduce-scatter (sum) along the sequence" if sp else "all-reduce (sum)",
+        tp,
+    )
+    if sp:
+        row(
+            "forward",
+            "the sequence chunks entering attention and the MLP",
+            "tp",
+            "all-gather",
+            tp,
+        )
+    if model.shard is not None:
+        attention = {
+            "ring": "send / recv round the ring (no sum)",
+            "all-gather": "all-gather",
+            "ulysses": "all-to-all, to a head cut and back",
+        }[model.shard.method]
+        row(
+            "forward",
+            "attention's keys and values, every block of the sequence",
+            "cp",
+            attention,
+            cp,
+        )
+    ep = model.mesh.ranks("ep") if model.cut_over else []
+    row(
+        "forward",
+        "each MoE layer's tokens to their experts' ranks (after the counts), and the outputs back",
+        "ep",
+        "all-to-all, there and back (no sum)",
+        ep,
+    )
+    row("forward", "activations, stage to stage", "pp", "send / recv (no sum)", pp)
+    row(
+        "loss",
+        "the logits' max, sum of exps and target logit (vocabulary-parallel cross entropy)",
+        "tp",
+        "all-reduce (max, sum)",
+        tp,
+    )
+    row(
+        "backward",
+        "the column-parallel layers' input gradients (qkv, MLP up)",
+        "tp",
+        "reduce-scatter (sum) along the sequence" if sp else "all-reduce (sum)",
+        tp,
+    )
+    if sp:
+        row(
+            "backward",
+            "the LayerNorm weights' gradients (each rank saw its chunk)",
+            "tp",
+            "all-reduce (sum)",
+            tp,
+        )
+    if model.shard is not None:
+        back = {
+            "ring": "K and V round the ring again, their gradients with them, home "
+            "(send / recv, summed on the way)",
+            "all-gather": "reduce-scatter (sum) to each block's owner",
+            "ulysses": "all-to-all, to a head cut and back",
+        }[model.shard.method]
+        row("backward", "attention's keys' and values' gradients", "cp", back, cp)
+    row(
+        "backward",
+        "the combine's and the dispatch's gradients, the other way",
+        "ep",
+        "all-to-all, there and back (no sum)",
+        ep,
+    )
+    row("backward", "activations' gradients, stage to stage", "pp", "send / recv (no sum)", pp)
+    if model.zero == 3:
+        row(
+            "forward and backward",
+            "a stage's weights, before each of its actions (freed after it)",
+            replicas,
+            "all-gather",
+            dp,
+        )
+    if model.zero >= 2:
+        row(
+            "backward",
+            "a stage's gradients, after each microbatch's backward of it",
+            replicas,
+            "reduce-scatter (mean) into a slice each, while the schedule goes on",
+            dp,
+        )
+    if model.runtime.tied:
+        embedding = next(
+            (g for g in model.mesh.layout.embedding_groups() if model.mesh.local_rank in g), []
+        )
+        row(
+            "end of schedule",
+            "the tied embedding's and head's gradients",
+            "embedding",
+            "sum over the first and last stage",
+            embedding,
+        )
+    if model.zero >= 2:
+        row(
+            "finalize 1",
+            "the tied weights' gradients (the rest went in backward)",
+            replicas,
+            "reduce-scatter (mean): a slice each",
+            dp,
+        )
+    elif zero:
+        row("finalize 1", "every gradient", replicas, "reduce-scatter (mean): a slice each", dp)
+    else:
+        row(
+            "finalize 1",
+            "every gradient, in buckets: the tied weights' start here, each "
+            "stage's started after its last backward" + (", the experts' apart" if ep else ""),
+            replicas,
+            "all-reduce (mean)",
+            dp,
+        )
+    if ep:
+        copies = roles.experts
+        row(
+            "finalize 1",
+            "each expert's gradient, over the ranks holding the same experts",
+            "-".join(copies),
+            "reduce-scatter (mean over every replica)"
+            if zero
+            else "all-reduce (mean over every replica)",
+            model.mesh.ranks(*copies),
+        )
+    if model.max_norm is not None:
+        axes = roles.norm
+        row(
+            "finalize 2",
+            "the squared gradient norm (each element once)",
+            "-".join(axes),
+            "all-reduce (sum)",
+            model.mesh.ranks(*axes),
+        )
+    if zero and model.zero < 3:
+        row("after the step", "the updated slices of the parameters", replicas, "all-gather", dp)
+    row("report", "the replicas' losses", replicas, "all-reduce (mean)", dp)
+    return rows
+
+
 def reductions_table(rows: list[dict[str, Any]]) -> str:
-    """`Hybrid.reductions()` as a text table, one row per communication, in step order
+    """`reductions()` as a text table, one row per communication, in step order
     (a line saying so where there is none: one rank)."""
     if not rows:
         return "no group of more than one rank: nothing is reduced or sent"

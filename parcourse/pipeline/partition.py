@@ -52,3 +52,13 @@ def partition(
     else:
         raise ValueError(f"by must be 'layers' or 'params', got {by!r}")
     return [nn.Sequential(*layers[a:b]) for a, b in stage_bounds(sizes, stages)]
+
+
+def tied_weights(stages: list[nn.Module]) -> list[dict[int, str]]:
+    """Weights more than one stage uses (the embedding and the head), as PipelineRuntime's
+    `tied`: {stage: the weight's name in that stage}."""
+    where: dict[int, dict[int, str]] = {}
+    for s, module in enumerate(stages):
+        for name, p in module.named_parameters():
+            where.setdefault(id(p), {})[s] = name
+    return [group for group in where.values() if len(group) > 1]

@@ -78,3 +78,30 @@ def clip_grad_norm_(
         for g in [*shard_grads, *kept]:
             g.mul_(scale)
     return norm.float()
+
+
+def counted_once(
+    params: list[nn.Parameter],
+    *,
+    split: set[int],
+    on_first_tp: bool,
+    owner: dict[int, int],
+    stages: set[int],
+    first_copy: bool,
+    own: set[int],
+) -> list[float]:
+    """For each of `params`, whether the norm counts its gradient on this rank
+    (`clip_counted_`), so that each element is counted once over the norm's group: a
+    weight not cut over tp (not in `split`) only on tp rank 0 (`on_first_tp`), a weight
+    several stages share only on its `owner` stage (this rank's are `stages`), and where
+    the norm's group holds copies of the same gradients (without ZeRO, the dense weights
+    on every ep rank) only on the first copy (`first_copy`), but for the weights this
+    rank alone holds (`own`: its experts)."""
+    return [
+        float(
+            (id(p) in split or on_first_tp)
+            and owner.get(id(p), min(stages)) in stages
+            and (first_copy or id(p) in own)
+        )
+        for p in params
+    ]

@@ -17,6 +17,11 @@ gives:
 - `step()`: the optimizer steps this rank's shards; under ZeRO-1 and 2 the stepped rows are
   all-gathered into the weights (stage 3 gathers at the next use).
 
+The 3D step builds it with `for_stages` and drives it at the moments of a schedule, with
+the same calls as lesson 02's buckets (`parcourse.data_parallel.stages.BucketedStages`:
+`on_weight_gradients`, `around`, `finalize`, `step`, `gradients`, `held`,
+`whole_weights`; their module says when each is called).
+
 One unit per stage, and one for the weights several stages share (a GPT's tied embedding
 and head, whose gradient the pipeline adds up over its stages only after the schedule).
 A unit may have a group of its own (`comms`): a stage's experts, cut over ep, are sharded
@@ -28,13 +33,16 @@ groups and per-weight settings work as on the whole model.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Literal
+import contextlib
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from parcourse.comm import Comm, Pending
+from parcourse.data_parallel.stages import StageWeights
 from parcourse.zero.layout import FlatUnit
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -72,6 +80,124 @@ class ShardedStages:
         self._in_flight: list[tuple[FlatUnit, Pending, torch.Tensor]] = []
         if stage == 3:
             for unit in self.units:
+                unit.free()
+        # What `for_stages` sets: the units of each stage, the tied weights' unit, the
+        # units each stage's actions need whole (ZeRO-3), and what was frozen then.
+        self.stage_units: dict[int, list[FlatUnit]] = {}
+        self.tied_unit: FlatUnit | None = None
+        self.uses: dict[int, list[FlatUnit]] = {}
+        self.note: Callable[[], None] = lambda: None
+        self._params: list[nn.Parameter] = []
+        self._frozen: set[int] = set()
+
+    @classmethod
+    def for_stages(
+        cls,
+        weights: StageWeights,
+        params: list[nn.Parameter],
+        comm: Comm,
+        optimizer: OptimizerFactory,
+        stage: Literal[1, 2, 3],
+        *,
+        expert_comm: Comm | None,
+        mean_over: int,
+        holds_tied: set[int],
+        note: Callable[[], None] = lambda: None,
+    ) -> ShardedStages:
+        """ZeRO `stage` over a pipeline's stages: a unit for each stage's weights, one
+        for the tied weights, one for each stage's experts (over `expert_comm`'s group);
+        `holds_tied`: the stages that use a tied weight (ZeRO-3 gathers it for them)."""
+        keys: list[Any] = [*weights.dense, None, *(("experts", s) for s in weights.experts)]
+        lists = [*weights.dense.values(), weights.tied, *weights.experts.values()]
+        comms = [comm] * (len(weights.dense) + 1) + [expert_comm or comm] * len(weights.experts)
+        self = cls(lists, comm, optimizer, stage=stage, comms=comms, mean_over=mean_over)
+        made = iter(self.units)  # one for each list that holds a weight, in order
+        unit_of = {k: next(made) for k, ps in zip(keys, lists) if ps}
+        self.tied_unit = unit_of.pop(None, None)
+        self.stage_units = {
+            s: [u for u in (unit_of.get(s), unit_of.get(("experts", s))) if u is not None]
+            for s in weights.dense
+        }
+        tied = [self.tied_unit] if self.tied_unit is not None else []
+        self.uses = {
+            s: [*self.stage_units[s], *(tied if s in holds_tied else [])] for s in weights.dense
+        }
+        self.note, self._params = note, params
+        self._frozen = {id(p) for p in params if not p.requires_grad}
+        return self
+
+    # -- the moments of a schedule (the 3D step's calls)
+
+    def check(self) -> None:
+        """Refuse a weight frozen or unfrozen after the flat units were made."""
+        if {id(p) for p in self._params if not p.requires_grad} != self._frozen:
+            raise ValueError(
+                "weights were frozen or unfrozen after Hybrid(zero=...) was "
+                "made: ZeRO's flat slices hold the weights that were trainable "
+                "then. Set requires_grad before making it (as FSDP asks)."
+            )
+
+    @property
+    def on_weight_gradients(self) -> Callable[[int, int], None] | None:
+        """ZeRO-2 and 3 reduce a stage's gradients after each of its backward actions."""
+        return self.after_backward if self.stage >= 2 else None
+
+    def after_backward(self, stage: int, microbatch: int) -> None:
+        """A microbatch's gradients of `stage` reduce-scattered into this replica's
+        slice while the schedule goes on, and dropped here."""
+        self.collect()  # the one before (done by now, most often): its buffer goes
+        self.note()
+        for unit in self.stage_units.get(stage, []):
+            self.reduce(unit, async_op=True)
+
+    @property
+    def around(self) -> Callable[[Any], AbstractContextManager[None]] | None:
+        """ZeRO-3: a stage's weights gathered over dp for one action (F, B, I or W of
+        one microbatch), freed after it, as torchtitan runs FSDP inside a pipeline's
+        stages: between actions a rank holds its 1/dp shards only."""
+        return self._gathered_for if self.stage == 3 else None
+
+    def _gathered_for(self, action: Any) -> AbstractContextManager[None]:
+        return self._gathered(self.uses[action.stage])
+
+    def finalize(self) -> None:
+        """After the schedule: ZeRO-1 reduce-scatters every unit; ZeRO-2 and 3 only the
+        tied weights' (the stages' went in backward), then wait for those in flight."""
+        self.collect()  # ZeRO-2: the last stage's reduction, still in flight
+        self.note()
+        if self.stage == 1:
+            for unit in self.units:
+                self.reduce(unit)
+        elif self.tied_unit is not None:  # the stages' are on their way; after them
+            self.reduce(self.tied_unit, async_op=True)  # on the one thread
+        self.collect()
+
+    def gradients(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """This rank's slices of the gradients, with the weight each is of."""
+        return [
+            (sp.grad, p)
+            for u in self.units
+            for p, sp in zip(u.params, u.shard_params)
+            if sp.grad is not None
+        ]
+
+    def held(self) -> list[torch.Tensor]:
+        """The gradients held beyond the weights' own: in flight, and the slices."""
+        return self.in_flight() + [sp.grad for sp in self.shard_params if sp.grad is not None]
+
+    def whole_weights(self) -> AbstractContextManager[None]:
+        """Every weight whole inside the block (ZeRO-3 gathers them, and frees them
+        after); a no-op under ZeRO-1 and 2, whose weights are always whole."""
+        return self._gathered(self.units if self.stage == 3 else [])
+
+    @contextlib.contextmanager
+    def _gathered(self, units: list[FlatUnit]) -> Iterator[None]:
+        for unit in units:
+            self.gather(unit)
+        try:
+            yield
+        finally:
+            for unit in units:
                 unit.free()
 
     # -- gradients

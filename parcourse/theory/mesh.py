@@ -34,7 +34,7 @@ def mesh_bytes(
     dp = shape.get("dp", 1) * shape.get("cp", 1)  # the ranks that share the experts
     held = tp_parameter_bytes(config, tp, ep)
     experts = held["experts"] / pp
-    dense = held["total"] - held["experts"]
+    dense: float = held["total"] - held["experts"]  # a float once cut over pp
     if pp > 1 and config.tie_weights:
         dense += 4 * math.ceil(config.vocab / tp) * config.d_model  # the head's own copy
     dense /= pp

@@ -75,17 +75,16 @@ def tp_activation_bytes(
     drop = config.dropout > 0
     stream = b * (t // cut) * c  # elements of one residual-stream tensor on this rank
     layer_norm = 4 * stream + 2 * 4 * b * (t // cut)  # input, mean and 1/std
+    split = 4 * b * t * (c // n) * (3 + 1 + 4 + 4) + (  # q, k, v; proj; up, down
+        4 * b * heads * t * (c // config.n_heads + 1)
+        if ring  # the ring's output, lse
+        else 4 * b * heads * t * t * (1 + (1 + 1 / 4 if drop else 0))
+    )  # softmax; dropout
     per_block = {
         "layer norms, dropout masks": 2 * layer_norm + (2 * stream if drop else 0),
         "inputs of qkv and mlp.up (whole)": 2 * 4 * b * t * c,
-        "split over ranks": 4 * b * t * (c // n) * (3 + 1 + 4 + 4)  # q, k, v; proj; up, down
-        + (
-            4 * b * heads * t * (c // config.n_heads + 1)
-            if ring  # the ring's output, lse
-            else 4 * b * heads * t * t * (1 + (1 + 1 / 4 if drop else 0))
-        ),  # softmax; dropout
+        "split over ranks": int(split),  # whole: the mask is 1/4 of a 4-byte number
     }
-    per_block["split over ranks"] = int(per_block["split over ranks"])
     result = {k: config.n_layers * v for k, v in per_block.items()}
     result["embeddings, ln_f, head"] = (
         b * t * (8 + 1)

@@ -43,7 +43,7 @@ from parcourse.export import full_state_dict
 from parcourse.memory import storage_bytes, tensors_in
 from parcourse.mesh import Layout, Mesh, Order
 from parcourse.models import GPT, gpt_layers
-from parcourse.parts import PARTS
+from parcourse.parts import inside_actions
 from parcourse.pipeline.partition import partition, tied_weights
 from parcourse.pipeline.runtime import PipelineRuntime
 from parcourse.pipeline.simulate import SimulatedCompute
@@ -111,7 +111,7 @@ class Hybrid:
             order=_order(mesh),
             ranks_per_node=mesh.ranks_per_node,
         ).check(config, world=mesh.layout.world_size)
-        _check_network(mesh, link, compute)
+        _check_network(self.plan, mesh, link, compute)
         if max_norm is not None and not max_norm > 0:
             raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
         self.mesh, self.config, self.microbatches, self.zero = mesh, config, microbatches, zero
@@ -375,7 +375,9 @@ def _order(mesh: Mesh) -> Order:
     return next(named, "megatron")
 
 
-def _check_network(mesh: Mesh, link: Network | None, compute: SimulatedCompute | None) -> None:
+def _check_network(
+    plan: ParallelPlan, mesh: Mesh, link: Network | None, compute: SimulatedCompute | None
+) -> None:
     """Refuse a simulated network of another node size, and simulated compute where a
     part's messages run inside an action (they would be padded away as compute)."""
     if isinstance(link, Topology) and mesh.ranks_per_node not in (None, link.ranks_per_node):
@@ -383,11 +385,9 @@ def _check_network(mesh: Mesh, link: Network | None, compute: SimulatedCompute |
             f"the mesh says {mesh.ranks_per_node} ranks per node, the "
             f"simulated network {link.ranks_per_node}"
         )
-    for part in PARTS:
-        axis = part.axes[0].name
-        if part.inside and mesh.size(axis) > 1 and compute is not None:
-            raise ValueError(
-                "simulated compute pads each action with tp's collectives on top; "
-                f"{part.inside} would be padded away as compute: run {axis} with its compute "
-                "real"
-            )
+    for part in inside_actions(plan) if compute is not None else []:
+        raise ValueError(
+            "simulated compute pads each action with tp's collectives on top; "
+            f"{part.inside} would be padded away as compute: run {part.axes[0].name} with "
+            "its compute real"
+        )

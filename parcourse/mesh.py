@@ -116,7 +116,7 @@ class Layout:
         return rank
 
     def groups(self, *axes: str) -> list[list[int]]:
-        """Every group of `axes` (one axis, or several flattened, e.g. ("dp", "cp")): the
+        """Every group of `axes` (one axis, or several flattened, e.g. ("dp", "tp")): the
         ranks that differ only in those axes. Groups are listed in row-major order of the
         other axes; within a group, ranks in row-major order of `axes` as they stand in the
         layout (torch's `DeviceMesh` builds its groups the same way)."""
@@ -247,7 +247,7 @@ class Mesh:
     # -- what a strategy asks
 
     def group(self, *axes: str) -> dist.ProcessGroup:
-        """This rank's process group of `axes` (several: flattened, e.g. "dp", "cp"). A
+        """This rank's process group of `axes` (several: flattened, e.g. "dp", "tp"). A
         combination asked for the first time is created then: every rank must ask for it,
         in the same order."""
         return self._create(*axes)

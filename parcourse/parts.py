@@ -20,7 +20,9 @@ one place.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from parcourse.context_parallel.part import PART as context_parallel
 from parcourse.context_parallel.part import ContextFields
@@ -30,6 +32,9 @@ from parcourse.experts.part import ExpertFields
 from parcourse.part import Axis, Part
 from parcourse.pipeline.part import PART as pipeline
 from parcourse.tensor_parallel.part import PART as tensor_parallel
+
+if TYPE_CHECKING:
+    from parcourse.plan import ParallelPlan
 
 # The mesh every run has; the plan holds their sizes as its own fields.
 CORE_PARTS = (data_parallel, tensor_parallel, pipeline)
@@ -43,6 +48,8 @@ class PartFields(ExpertFields, ContextFields):
     base a part."""
 
 
+# The plan's fields that the parts bring, in its order.
+PART_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(PartFields))
 CORE_AXES: tuple[str, ...] = ("dp", "tp", "pp")
 AXIS: dict[str, Axis] = {a.name: a for part in (*CORE_PARTS, *PARTS) for a in part.axes}
 # The parts' axes, in the plan's order, and nested outermost first.
@@ -59,3 +66,10 @@ ORDERS: dict[str, tuple[str, ...]] = {
 # One colour an axis in every figure of the course (matplotlib's default cycle), in the
 # order the figures stack them.
 AXIS_COLORS: dict[str, str] = {a: AXIS[a].colour for a in ("dp", "pp", "tp", *PART_AXES)}
+
+
+def inside_actions(plan: ParallelPlan) -> list[Part]:
+    """The parts a plan uses (an axis of more than one rank) whose messages run inside a
+    pipeline action: simulated compute, which pads each action to a set time, would hide
+    them (`Hybrid(compute=)` refuses them)."""
+    return [p for p in PARTS if p.inside and any(getattr(plan, a.name) > 1 for a in p.axes)]

@@ -24,6 +24,7 @@ from matplotlib.text import Text
 from matplotlib.transforms import Bbox
 
 from parcourse.memory import CATEGORIES, byte_unit
+from parcourse.parts import AXIS_COLORS
 from parcourse.trace import Span, Trace, with_collective_waits
 
 # A timeline bar's colour says what the span was: the phase of compute, the collective of
@@ -183,8 +184,8 @@ def _visible_parts(
 
 
 # One colour per mesh axis, in every figure that shows axes (the timeline coloured by axis,
-# the bytes each axis sent, ...), whichever axes a run has.
-AXIS_COLORS = {"dp": "C0", "pp": "C1", "tp": "C2", "cp": "C4", "ep": "C5"}
+# the bytes each axis sent, ...), whichever axes a run has: the registry's
+# (`parcourse.parts.AXIS_COLORS`, each axis' colour declared by its part).
 
 
 def timeline(

@@ -2,7 +2,7 @@
 `ParallelDims` names its derived meshes the same way: batch, loss, fsdp, efsdp).
 
     roles = Roles.of(plan, config)
-    roles.batch        # ('dp', 'ep'): the axes whose ranks take different rows of the batch
+    roles.batch        # dp and ep, say: the axes whose ranks take different rows of the batch
     roles.replicas     # 4: how many ways the batch is cut (dp x ep)
     mesh.group(*roles.dense)   # the group that averages the dense weights' gradients
 

@@ -109,34 +109,14 @@ def mesh_against_launcher(plan: ParallelPlan) -> str | None:
     )
 
 
-# What each of the plan's fields means on a command line.
-PLAN_HELP = {
-    "dp": "data-parallel replicas",
-    "tp": "tensor-parallel ranks",
-    "pp": "pipeline ranks",
-    "cp": "context-parallel ranks: each sequence cut over them",
-    "cp_method": "how cp's ranks attend over the whole sequence",
-    "ep": "expert-parallel ranks: each MoE layer's experts cut over them (each with its "
-    "own rows, as dp's)",
-    "schedule": "the pipeline schedule",
-    "microbatches": "per replica",
-    "chunks": "stages per rank, interleaved-1f1b",
-    "zero": "ZeRO's stage over dp",
-    "sequence_parallel": "cut the sequence over tp outside attention and the MLP",
-    "recompute": "what backward recomputes (full: each stage keeps only its input)",
-    "split": "how layers are cut into stages",
-    "order": "the mesh's order of axes",
-    "ranks_per_node": "consecutive ranks that share a node",
-}
-
-
 def plan_options(
     p: argparse.ArgumentParser, defaults: ParallelPlan, fields: Sequence[str] | None = None
 ) -> None:
     """`--plan LABEL` and one flag for each of the plan's `fields` (all by default), made
     from the dataclass' fields and types; `plan_from` reads them back."""
     hints = typing.get_type_hints(ParallelPlan)
-    names = [f.name for f in dataclasses.fields(ParallelPlan)]
+    helps = {f.name: f.metadata.get("help", f.name) for f in dataclasses.fields(ParallelPlan)}
+    names = list(helps)
     fields = names if fields is None else list(fields)
     p.add_argument(
         "--plan",
@@ -148,7 +128,7 @@ def plan_options(
     for name in fields:
         kind, default = hints[name], getattr(defaults, name)
         flag = f"--{name.replace('_', '-')}"
-        what = f"{PLAN_HELP.get(name, name)} ({default})"
+        what = f"{helps[name]} ({default})"  # what the field means, from the plan
         if kind is bool:
             p.add_argument(flag, action="store_true", default=None, help=what)
             continue

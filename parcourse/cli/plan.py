@@ -201,18 +201,18 @@ def _check(
     """The top configurations the course's 3D step runs, measured here beside the
     prediction: the busiest rank's memory and the step time (with --scaled, each stage's
     compute padded to the planner's: `stage_compute`)."""
+    from parcourse.parts import PARTS, inside_actions
     from parcourse.planner import Contention, measure, measured_against_predicted, stage_compute
 
     # Here the search ranks only what the course's step runs (`ParallelPlan.problems`);
-    # with the compute simulated, not cp's or ep's, whose messages run inside attention
-    # and the MoE layers: padding each action to its compute would hide them
-    # (`Hybrid(compute=)` refuses them)
+    # with the compute simulated, not the parts whose messages run inside an action:
+    # padding each action to its compute would hide them (`parts.inside_actions`)
     ranked = plans.ranked  # type: ignore[attr-defined]
-    runnable = [p for p in ranked if args.scaled is None or p.choice.cp == p.choice.ep == 1][
-        : min(3, args.top)
-    ]
+    runnable = [p for p in ranked if args.scaled is None or not inside_actions(p.choice)]
+    runnable = runnable[: min(3, args.top)]
     if runnable != ranked[: len(runnable)]:
-        print("\n(plans with cp or ep are measured with their compute real: without --scaled)")
+        axes = " or ".join(a.name for part in PARTS if part.inside for a in part.axes)
+        print(f"\n(plans with {axes} are measured with their compute real: without --scaled)")
     print(
         f"\nmeasured here ({args.gpus} ranks"
         + (

@@ -11,6 +11,7 @@ from typing import Any
 
 from parcourse.cli.options import mesh_against_launcher, plan_from, plan_options, ranks
 from parcourse.launch import launch
+from parcourse.parts import CORE_AXES, PART_FIELDS
 
 HELP = "train the GPT on real text (the standard library's source) on a 3D mesh"
 
@@ -20,9 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     d = TrainSettings()
     # --plan, and --dp ... --zero from the plan's fields (what TrainSettings holds of it)
-    plan_options(
-        p, d.plan, ("dp", "tp", "pp", "cp", "cp_method", "ep", "schedule", "microbatches", "zero")
-    )
+    plan_options(p, d.plan, (*CORE_AXES, *PART_FIELDS, "schedule", "microbatches", "zero"))
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch", type=int, default=d.batch, help="global, in sequences")
     p.add_argument("--block-size", type=int, default=d.block_size, help="bytes a sequence")
@@ -197,8 +196,7 @@ def _kill(args: argparse.Namespace) -> tuple[int, int]:
 class _Progress:
     """A tqdm bar over the run's steps, from what the ranks report (`read_step_status`):
     the loss, tokens per second since the first step seen and the MFU they make, beside
-    the planner's prediction of both for this mesh here (tokens per second alone under
-    context parallelism, which the planner does not price)."""
+    the planner's prediction of both for this mesh here."""
 
     def __init__(self, s: Any) -> None:
         from tqdm import tqdm
@@ -207,7 +205,7 @@ class _Progress:
         from parcourse.train import planned
 
         self.tokens = s.batch * s.block_size
-        self.plan = planned(s, measure_flops(s.config)) if s.plan.cp == 1 else None
+        self.plan = planned(s, measure_flops(s.config))
         self.bar = tqdm(
             total=s.steps, unit="step", desc="train", file=sys.stderr, dynamic_ncols=True
         )

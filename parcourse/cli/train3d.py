@@ -14,6 +14,7 @@ from parcourse.cli.options import (
     ranks,
 )
 from parcourse.launch import RankContext, launch
+from parcourse.parts import AXES, CORE_AXES, PART_AXES, PARTS
 from parcourse.plan import ParallelPlan
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ def _train(ctx: RankContext, args: argparse.Namespace) -> dict[str, object]:
         "losses": losses,
         "times": times,
         "state": model.full_state_dict(),
-        "coords": {a: mesh.coordinate(a) for a in ("dp", "tp", "pp", "cp", "ep")},
+        "coords": {a: mesh.coordinate(a) for a in AXES},
         "bytes": bytes_by_axis(ctx.tracer.data().counters),
         "memory": model.memory(),
     }
@@ -161,18 +162,13 @@ def run(args: argparse.Namespace) -> int:
     if where.quiet:
         return 0
     config = _config(args)
-    cp = "".join(f" x {a} {getattr(args, a)}" for a in ("cp", "ep") if getattr(args, a) > 1)
-    experts = (
-        f", {args.experts} experts cut over ep ({args.experts // args.ep} a rank)"
-        if args.ep > 1
-        else ""
-    )
+    plan = args.parallel_plan
+    more = "".join(f" x {a} {getattr(args, a)}" for a in PART_AXES if getattr(args, a) > 1)
+    parts = "".join(f", {said}" for part in PARTS if (said := part.phrase(plan, config)))
     print(
-        f"train3d     dp {args.dp} x tp {args.tp} x pp {args.pp}{cp} = {where.world_size} ranks "
-        f"({args.order} order), {args.schedule}, {args.microbatches} microbatches a replica"
-        f"{', sequence parallel' if args.sequence_parallel else ''}"
-        f"{f', the sequence cut over cp ({args.cp_method})' if args.cp > 1 else ''}"
-        f"{experts}"
+        f"train3d     dp {args.dp} x tp {args.tp} x pp {args.pp}{more} = {where.world_size} "
+        f"ranks ({args.order} order), {args.schedule}, {args.microbatches} microbatches a "
+        f"replica{', sequence parallel' if args.sequence_parallel else ''}{parts}"
         f"{f', ZeRO-{args.zero} over dp' if args.zero else ''}"
         f"{f', recompute {args.recompute}' if args.recompute != 'none' else ''}"
         f"{f', clipped at norm {args.clip}' if args.clip is not None else ''}"
@@ -217,11 +213,14 @@ def _print_bytes_and_memory(args: argparse.Namespace, results: list[dict[str, An
     plan = args.parallel_plan.schedule_value()
     theory = mesh_bytes(_config(args), shape, args.zero, stages_per_rank=plan.stages // args.pp)
     print(f"\nper rank    (bytes sent over all {args.steps} steps; what each rank holds after)")
-    more = [a for a in ("cp", "ep") if getattr(args, a) > 1]
-    axes = ("dp", "tp", "pp", *more)
-    # cp: attention's keys and values; ep: tokens to their experts and back
+    more = [a for a in PART_AXES if getattr(args, a) > 1]
+    axes = (*CORE_AXES, *more)
+    # each part's own traffic (cp: attention's keys and values; ep: tokens to their
+    # experts and back); "dp": the dense gradients' mean, over dp and every part's axis
+    # whose ranks average the gradients and take the same rows (cp's)
     on_more = "".join(f" {f'on {a}':>10}" for a in more)
-    on_dp = "on dp, cp" if args.cp > 1 else "on dp"  # the gradients' mean: over both
+    roles = args.parallel_plan.roles
+    on_dp = "on " + ", ".join(a for a in roles.dense if a not in roles.batch[1:])
     print(
         f"{'rank':>8}    {' '.join(axes):>8}  {'sent on pp':>10} {on_dp:>10}{on_more}  "
         f"{'params':>9} {'grads':>9} {'Adam':>9}"

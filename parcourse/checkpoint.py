@@ -190,15 +190,15 @@ class _Layout:
 
         dim, size = self.dims[id(p)]
         start, end = chunk_bounds(size, self.tp, "chunk")[self.rank]
-        shape = list(t.shape)
-        shape[dim] = size
-        stride = torch.empty(shape, device="meta").stride()
+        whole = list(t.shape)
+        whole[dim] = size
+        stride = torch.empty(whole, device="meta").stride()
         return DTensor.from_local(
             t.narrow(dim, 0, end - start),
             self.device_mesh,
             [Shard(dim)],
             run_check=False,
-            shape=torch.Size(shape),
+            shape=torch.Size(whole),
             stride=stride,
         )
 
@@ -251,10 +251,10 @@ def _dcp_state(
         for name in names[id(p)]:
             out[f"model.{name}"] = layout.view(p, p.data)
             for key, shaped in keys.items():
-                value = state[id(p)].get(key)
-                if value is None:
-                    value = torch.zeros_like(p.data) if shaped else torch.zeros(())
-                out[f"optim.{name}.{key}"] = layout.view(p, value) if shaped else value
+                held = state[id(p)].get(key)
+                if held is None:
+                    held = torch.zeros_like(p.data) if shaped else torch.zeros(())
+                out[f"optim.{name}.{key}"] = layout.view(p, held) if shaped else held
     for name, b in _buffers(model).items():
         if buffers is None or name in buffers:
             out[f"model.{name}"] = b  # loaded in place

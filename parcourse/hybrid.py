@@ -103,10 +103,14 @@ class Hybrid:
     ) -> None:
         config = model.config
         # 1. the plan, checked by the rules the planner and the CLI use, and the roles
-        self.plan = ParallelPlan(
-            **_shape(mesh),
-            **dict(cp_method=cp_method, schedule=schedule, microbatches=microbatches),
-            **dict(chunks=chunks, zero=zero, sequence_parallel=sequence_parallel),
+        self.plan = ParallelPlan.of_shape(
+            _shape(mesh),
+            cp_method=cp_method,
+            schedule=schedule,
+            microbatches=microbatches,
+            chunks=chunks,
+            zero=zero,
+            sequence_parallel=sequence_parallel,
             recompute="full" if recompute else "none",
             order=_order(mesh),
             ranks_per_node=mesh.ranks_per_node,
@@ -183,8 +187,9 @@ class Hybrid:
         stage (as Megatron offsets its seed by 100 a stage) and each replica draws its own
         masks; a tp group's ranks agree where the activation is replicated."""
         mesh, config = self.mesh, model.config
-        self.model = apply_tensor_parallel(
-            copy.deepcopy(model),
+        self.model = copy.deepcopy(model)  # split in place
+        apply_tensor_parallel(
+            self.model,
             gpt_plan(config.experts),
             mesh.group("tp"),
             sequence_parallel=self.sequence_parallel,
@@ -196,7 +201,7 @@ class Hybrid:
             expert_parallel(self.model, self._comm("ep"))
             self.cut_over = {id(p): "ep" for p in expert_parameters(self.model)}
         set_aux_scale(self.model, 1 / self.microbatches)  # as each microbatch's loss is
-        cut = partition(gpt_layers(self.model), self.schedule.stages)
+        cut: list[nn.Module] = list(partition(gpt_layers(self.model), self.schedule.stages))
         self.shard: SequenceShard | None = None
         if mesh.size("cp") > 1:
             self.shard = SequenceShard(mesh.group("cp"), self.plan.cp_method, comm=self._comm("cp"))
@@ -213,12 +218,18 @@ class Hybrid:
         """ZeRO's flat units over the dense replicas, or lesson 02's buckets; the experts'
         gradients over the ranks holding the same experts."""
         expert_comm = self._comm(*self.roles.experts, tag="dp") if self.cut_over else None
-        both = dict(expert_comm=expert_comm, mean_over=self.roles.size("dense"))
-        both["note"] = self._note_grad_bytes
+        mean_over, note = self.roles.size("dense"), self._note_grad_bytes
         if self.zero:
-            zero = self.zero  # 1, 2 or 3 here
             return ShardedStages.for_stages(
-                weights, self.params, self.dense_comm, factory, zero, holds_tied=holds_tied, **both
+                weights,
+                self.params,
+                self.dense_comm,
+                factory,
+                self.zero,
+                holds_tied=holds_tied,
+                expert_comm=expert_comm,
+                mean_over=mean_over,
+                note=note,
             )
         backward = [
             a for a in self.schedule.actions[self.mesh.coordinate("pp")] if a.kind in ("B", "W")
@@ -230,7 +241,9 @@ class Hybrid:
             factory(self.params),
             last_backward={a.stage: (a.stage, a.microbatch) for a in backward},
             bucket_mb=bucket_mb,
-            **both,
+            expert_comm=expert_comm,
+            mean_over=mean_over,
+            note=note,
         )
 
     @classmethod

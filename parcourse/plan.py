@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -97,6 +98,12 @@ class ParallelPlan(PartFields, _Own):
 
     Nothing is checked on construction, so that a wrong plan can be shown with all its
     problems at once: `problems()` says what is wrong, `check()` raises it."""
+
+    @classmethod
+    def of_shape(cls, shape: Mapping[str, int], **fields: Any) -> ParallelPlan:
+        """The plan with these axis sizes (`shape`, as a `Mesh` holds them) and `fields`."""
+        given: dict[str, Any] = {**shape, **fields}
+        return cls(**given)
 
     # -- the mesh it asks for
 

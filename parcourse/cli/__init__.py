@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from typing import Any
 
 from parcourse.cli import (
     allreduce,
@@ -27,7 +28,7 @@ from parcourse.cli.classroom import BuildStudent, Grade
 from parcourse.cli.options import parse_count, parse_size
 
 # The order `--help` lists them in.
-COMMANDS = {
+COMMANDS: dict[str, Any] = {
     "doctor": doctor,
     "allreduce": allreduce,
     "ddp": ddp,

@@ -7,11 +7,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from parcourse.cli.options import mesh_against_launcher, plan_from, plan_options, ranks
 from parcourse.launch import launch
 from parcourse.parts import CORE_AXES, PART_FIELDS
+
+if TYPE_CHECKING:
+    from parcourse.train import TrainSettings
 
 HELP = "train the GPT on real text (the standard library's source) on a 3D mesh"
 
@@ -76,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=1800.0)
 
 
-def _settings(args: argparse.Namespace) -> object:
+def _settings(args: argparse.Namespace) -> TrainSettings:
     from parcourse.train import TrainSettings
 
     return TrainSettings(
@@ -99,10 +102,10 @@ def _settings(args: argparse.Namespace) -> object:
 
 
 def check(args: argparse.Namespace) -> str | None:
-    if isinstance(problem := plan_from(args), str):
-        return problem
+    if isinstance(read := plan_from(args), str):
+        return read
     settings = _settings(args)
-    if problems := settings.problems():  # type: ignore[attr-defined]
+    if problems := settings.problems():
         return "; ".join(problems)
     if problem := mesh_against_launcher(args.parallel_plan):
         return problem
@@ -119,7 +122,7 @@ def check(args: argparse.Namespace) -> str | None:
             rank, step = _kill(args)
         except ValueError:
             return f"--kill takes RANK:STEP (two whole numbers), got {args.kill!r}"
-        world = settings.world_size  # type: ignore[attr-defined]
+        world = settings.world_size
         if not (0 <= rank < world and 0 <= step < args.steps):
             return (
                 f"--kill {args.kill}: the rank must be below {world} and the step below "
@@ -249,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     corpus = build_corpus(args.corpus)
-    where = ranks(argparse.Namespace(world_size=settings.world_size))  # type: ignore[attr-defined]
+    where = ranks(argparse.Namespace(world_size=settings.world_size))
     from parcourse.checkpoint import latest
 
     restarted = _restarted()
@@ -269,11 +272,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     s = settings
     print(
-        f"train       {s.plan.label()} = {where.world_size} ranks; "  # type: ignore[attr-defined]
-        f"GPT {s.layers} blocks, width {s.width}, "  # type: ignore[attr-defined]
-        f"{s.block_size} bytes a sequence, global batch {s.batch}; AdamW, peak lr "  # type: ignore[attr-defined]
+        f"train       {s.plan.label()} = {where.world_size} ranks; "
+        f"GPT {s.layers} blocks, width {s.width}, "
+        f"{s.block_size} bytes a sequence, global batch {s.batch}; AdamW, peak lr "
         f"{s.lr:g}, warm-up {s.warmup}, cosine, clip {s.clip:g}"
-    )  # type: ignore[attr-defined]
+    )
     print(
         f"corpus      {corpus.meta['files']['train']} + {corpus.meta['files']['val']} files "
         f"of Python {corpus.meta['python']}'s standard library, "
@@ -287,10 +290,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"saved       {path}")
     losses = first["history"]
     evals = trained.results[0]["history"]
-    tokens = s.batch * s.block_size  # type: ignore[attr-defined]
+    tokens = s.batch * s.block_size
     print(f"\n{'step':>6} {'lr':>9} {'loss':>8} {'val loss':>9} {'grad norm':>10} {'tokens/s':>9}")
     for mine, ev in zip(losses, evals):
-        if "val_loss" not in ev and mine["step"] % max(1, s.eval_every // 2):  # type: ignore[attr-defined]
+        if "val_loss" not in ev and mine["step"] % max(1, s.eval_every // 2):
             continue
         seconds = max(r["history"][mine["step"]]["seconds"] for r in trained.results)
         val = f"{ev['val_loss']:>9.3f}" if ev.get("val_loss") is not None else f"{'':>9}"
@@ -298,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
             f"{mine['step']:>6} {mine['lr']:>9.2e} {mine['loss']:>8.3f} {val} "
             f"{mine['grad_norm']:>10.3f} {tokens / seconds:>9.0f}"
         )
-    state, config = trained.results[0]["state"], s.config  # type: ignore[attr-defined]
+    state, config = trained.results[0]["state"], s.config
     print(f"\nsample      greedy, after {args.prompt!r}:")
     print(sample(state, config, args.prompt, 160))
     print(f"\nsample      temperature 0.8, after {args.prompt!r}:")

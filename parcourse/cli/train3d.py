@@ -143,10 +143,13 @@ def _one_process(args: argparse.Namespace) -> tuple[list[float], dict[str, objec
     losses = []
     for _ in range(args.steps):
         loss = sum(
-            F.cross_entropy(model(xs).flatten(0, 1), ys.flatten()) / parts
-            for xs, ys in zip(x.chunk(parts), y.chunk(parts))
+            (
+                F.cross_entropy(model(xs).flatten(0, 1), ys.flatten()) / parts
+                for xs, ys in zip(x.chunk(parts), y.chunk(parts))
+            ),
+            start=torch.zeros(()),  # 0.0 + the first: the same bits as sum's 0
         )
-        loss.backward()  # type: ignore[union-attr]
+        loss.backward()
         update_bias(model)
         if args.clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)

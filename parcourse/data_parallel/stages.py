@@ -98,7 +98,8 @@ class BucketedStages:
         self.buckets: dict[int | None, list[Bucket]] = {}
         self._expert_buckets: set[int] = set()
         if mean_over > 1:
-            units: dict[int | None, list[nn.Parameter]] = {**weights.dense, None: weights.tied}
+            units: dict[int | None, list[nn.Parameter]] = dict(weights.dense)
+            units[None] = weights.tied
             self.buckets = {s: make_buckets(ps, bucket_mb) if ps else [] for s, ps in units.items()}
             for s, ps in weights.experts.items():
                 made = make_buckets(ps, bucket_mb) if ps else []

@@ -98,7 +98,7 @@ class BucketedStages:
         self.buckets: dict[int | None, list[Bucket]] = {}
         self._expert_buckets: set[int] = set()
         if mean_over > 1:
-            units: dict[int | None, list[nn.Parameter]] = dict(weights.dense)
+            units: dict[int | None, list[nn.Parameter]] = {s: ps for s, ps in weights.dense.items()}
             units[None] = weights.tied
             self.buckets = {s: make_buckets(ps, bucket_mb) if ps else [] for s, ps in units.items()}
             for s, ps in weights.experts.items():

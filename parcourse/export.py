@@ -1,6 +1,7 @@
-"""The 3D step's whole state, on every rank: what `Hybrid.full_state_dict` returns, the unsplit
-GPT's state dict (the same keys, fp32 values), to compare with one process or to load into
-one. Its sharded twin, the checkpoint every rank writes its own piece of, is
+"""What the 3D step reports: the bytes a rank holds (`memory`, comparable with
+`theory.mesh_bytes` and the planner) and the whole state on every rank (`full_state_dict`:
+the unsplit GPT's state dict, the same keys, fp32 values, to compare with one process or
+to load into one). Its sharded twin, the checkpoint every rank writes its own piece of, is
 `parcourse.checkpoint`."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from parcourse.memory import storage_bytes, tensors_in
 from parcourse.tensor_parallel.state_dict import whole_parameters
 
 if TYPE_CHECKING:
@@ -57,3 +59,20 @@ def _whole_cut(model: Hybrid) -> dict[str, torch.Tensor]:
         dist.all_gather(parts, p.detach().contiguous(), group=model.mesh.group(axis))
         out[name] = torch.cat(parts).cpu()
     return out
+
+
+def memory(model: Hybrid) -> dict[str, int]:
+    """Bytes this rank holds, by category: its parameters, its gradients' peak in the
+    last step (`grad_bytes`), the optimizer's state (under ZeRO-3 with the shards it
+    keeps) and, when traced, the peak of the activations kept for backward (0
+    otherwise). Comparable with `theory.mesh_bytes` and the planner."""
+    optimizer = storage_bytes(tensors_in(list(model.optimizer.state.values())))
+    params = storage_bytes(model.params)  # ZeRO-3's freed weights hold none
+    if model.sharded is not None and model.zero == 3:  # its shards are the weights it keeps
+        params += storage_bytes(u.master for u in model.sharded.units)
+    return {
+        "params": params,
+        "grads": model.grad_bytes,
+        "optimizer": optimizer,
+        "activations": model.runtime.peak_in_flight_bytes,
+    }

@@ -5,20 +5,14 @@
     loss = model.step(tokens, targets)                  # the global batch, every rank
     state = model.full_state_dict()                     # the unsplit model's weights
 
-Built as a list, one part a line, as picotron's and torchtitan's `parallelize`: 1. the
-plan (`ParallelPlan`, checked by the planner's and the CLI's rules) and the ranks' roles
-(`parcourse.roles`); 2. tensor parallelism over tp (the embedding and the head
-vocabulary-parallel, still tied), the experts over ep, the stages (`partition`), each
-sequence over cp; 3. gradient synchronisation over the dense replicas, lesson 02's
-buckets or ZeRO's flat units behind one interface (`BucketedStages`, `ShardedStages`),
-driven at the schedule's moments; 4. the pipeline runtime over pp (any schedule of
-lessons 06-07; it adds the tied weights' gradients over the first and last stage); 5.
-clipping by the global norm, each gradient element counted once.
-
-Every message goes through the group of its axis or role; with a tracer every span and
-counter says its axis (`meta["axis"]`; the dense gradients' is "dp"): `bytes_by_axis`.
-Lesson 09's table of what each group reduces is `parcourse.experiments.hybrid.reductions`,
-the whole state `parcourse.export`.
+Built as a list, one part a line (as picotron's and torchtitan's `parallelize`): 1. the
+plan (`ParallelPlan`) and the ranks' roles (`parcourse.roles`); 2. tp, the experts over
+ep, the stages, each sequence over cp; 3. gradient synchronisation, lesson 02's buckets or
+ZeRO's flat units behind one interface (`BucketedStages`, `ShardedStages`); 4. the
+pipeline runtime over pp (any schedule of lessons 06-07); 5. clipping by the global norm.
+Every message goes through the group of its axis or role, and says its axis on a trace
+(`bytes_by_axis`; the dense gradients' is "dp"). Lesson 09's table of what each group
+reduces is `parcourse.experiments.hybrid.reductions`, the whole state `parcourse.export`.
 """
 
 from __future__ import annotations
@@ -26,7 +20,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -37,11 +31,11 @@ from parcourse.comm import Comm, Network, Topology
 from parcourse.context_parallel import SequenceShard, context_parallel
 from parcourse.context_parallel.attention import Method
 from parcourse.data import shard as shard_rows
-from parcourse.data_parallel.stages import BucketedStages, StageWeights
+from parcourse.data_parallel.stages import BucketedStages, StageWeights, SyncGroups
 from parcourse.experts import expert_parallel, expert_parameters, set_aux_scale, update_bias
-from parcourse.export import full_state_dict
-from parcourse.memory import storage_bytes, tensors_in
-from parcourse.mesh import Layout, Mesh, Order
+from parcourse.export import full_state_dict, memory
+from parcourse.memory import storage_bytes
+from parcourse.mesh import Mesh
 from parcourse.models import GPT, gpt_layers
 from parcourse.parts import inside_actions
 from parcourse.pipeline.partition import partition, tied_weights
@@ -65,18 +59,15 @@ GradientSync = BucketedStages | ShardedStages
 
 class Hybrid:
     """The GPT on a `Mesh`, one per rank, all built alike, from a copy of the model (the
-    one passed stays whole, a one-process reference, as DDP leaves it).
-    `Hybrid.from_plan(model, mesh, plan)` takes a `ParallelPlan` (or its label) instead of
-    the keywords it holds.
+    one passed stays whole, as DDP leaves it); `Hybrid.from_plan` takes a `ParallelPlan`.
 
     `schedule`: a name of `parcourse.pipeline.SCHEDULES`; `microbatches` per replica;
     `chunks`: stages per rank (interleaved 1F1B); `recompute`: checkpoint each stage.
     `optimizer`: this rank's, from its parameters (Adam, lr 1e-3). `zero`: ZeRO's stage
-    over the dense replicas (`parcourse.zero.stages`); without it lesson 02's buckets
-    (`bucket_mb`). `max_norm`: clip by the global norm (`grad_norm` after a step).
-    `link`: a `SimulatedLink` or `Topology`; `compute`: a `SimulatedCompute` (lesson 09).
-    `seed`: dropout's. A `cp` axis cuts every sequence over its ranks (`cp_method`:
-    "ring", "all-gather" or "ulysses"), the gradients averaged over dp and cp together
+    over the dense replicas; without it lesson 02's buckets (`bucket_mb`). `max_norm`:
+    clip by the global norm (`grad_norm`). `link`: a `SimulatedLink` or `Topology`;
+    `compute`: a `SimulatedCompute` (lesson 09); `seed`: dropout's. A `cp` axis cuts every
+    sequence over its ranks (`cp_method`), the gradients averaged over dp and cp
     (Megatron-LM's cp_dp group). An `ep` axis cuts each MoE layer's experts: its ranks
     take their own rows, the dense weights averaged over dp x ep (x cp), each expert over
     the ranks holding the same experts, both divided by every dense replica."""
@@ -103,18 +94,10 @@ class Hybrid:
     ) -> None:
         config = model.config
         # 1. the plan, checked by the rules the planner and the CLI use, and the roles
-        self.plan = ParallelPlan.of_shape(
-            _shape(mesh),
-            cp_method=cp_method,
-            schedule=schedule,
-            microbatches=microbatches,
-            chunks=chunks,
-            zero=zero,
-            sequence_parallel=sequence_parallel,
-            recompute="full" if recompute else "none",
-            order=_order(mesh),
-            ranks_per_node=mesh.ranks_per_node,
-        ).check(config, world=mesh.layout.world_size)
+        fields = dict(cp_method=cp_method, schedule=schedule, microbatches=microbatches)
+        fields.update(chunks=chunks, zero=zero, sequence_parallel=sequence_parallel)
+        self.plan = ParallelPlan.on_mesh(mesh, recompute="full" if recompute else "none", **fields)
+        self.plan.check(config, world=mesh.layout.world_size)
         _check_network(self.plan, mesh, link, compute)
         if max_norm is not None and not max_norm > 0:
             raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
@@ -217,33 +200,16 @@ class Hybrid:
     ) -> GradientSync:
         """ZeRO's flat units over the dense replicas, or lesson 02's buckets; the experts'
         gradients over the ranks holding the same experts."""
-        expert_comm = self._comm(*self.roles.experts, tag="dp") if self.cut_over else None
-        mean_over, note = self.roles.size("dense"), self._note_grad_bytes
+        experts = self._comm(*self.roles.experts, tag="dp") if self.cut_over else None
+        groups = SyncGroups(self.dense_comm, experts, mean_over=self.roles.size("dense"))
         if self.zero:
             return ShardedStages.for_stages(
-                weights,
-                self.params,
-                self.dense_comm,
-                factory,
-                self.zero,
-                holds_tied=holds_tied,
-                expert_comm=expert_comm,
-                mean_over=mean_over,
-                note=note,
+                weights, self.params, groups, factory, self.zero, holds_tied, self._note_grad_bytes
             )
-        backward = [
-            a for a in self.schedule.actions[self.mesh.coordinate("pp")] if a.kind in ("B", "W")
-        ]
+        mine = self.schedule.actions[self.mesh.coordinate("pp")]
+        last = {a.stage: (a.stage, a.microbatch) for a in mine if a.kind in ("B", "W")}
         return BucketedStages(
-            weights,
-            self.params,
-            self.dense_comm,
-            factory(self.params),
-            last_backward={a.stage: (a.stage, a.microbatch) for a in backward},
-            bucket_mb=bucket_mb,
-            expert_comm=expert_comm,
-            mean_over=mean_over,
-            note=note,
+            weights, self.params, groups, factory, last, bucket_mb, self._note_grad_bytes
         )
 
     @classmethod
@@ -277,10 +243,7 @@ class Hybrid:
         """(this rank's replica, how many there are): which rows of each global batch it
         takes, from its coordinates on the batch's axes (dp's, and inside it ep's); the
         ranks of tp, pp and cp in one replica take the same."""
-        index = 0
-        for axis in self.roles.batch:
-            index = index * self.mesh.size(axis) + self.mesh.coordinate(axis)
-        return index, self.replicas
+        return self.roles.index(self.mesh.layout.coordinates(self.mesh.local_rank)), self.replicas
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Cross entropy from this rank's vocabulary shard of the logits, as one process
@@ -354,20 +317,8 @@ class Hybrid:
     # -- what it holds
 
     def memory(self) -> dict[str, int]:
-        """Bytes this rank holds, by category: its parameters, its gradients' peak in the
-        last step (`grad_bytes`), the optimizer's state (under ZeRO-3 with the shards it
-        keeps) and, when traced, the peak of the activations kept for backward (0
-        otherwise). Comparable with `theory.mesh_bytes` and the planner."""
-        optimizer = storage_bytes(tensors_in(list(self.optimizer.state.values())))
-        params = storage_bytes(self.params)  # ZeRO-3's freed weights hold none
-        if self.sharded is not None and self.zero == 3:  # its shards are the weights it keeps
-            params += storage_bytes(u.master for u in self.sharded.units)
-        return {
-            "params": params,
-            "grads": self.grad_bytes,
-            "optimizer": optimizer,
-            "activations": self.runtime.peak_in_flight_bytes,
-        }
+        """Bytes this rank holds, by category (`parcourse.export.memory`)."""
+        return memory(self)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsplit GPT's state dict (same keys, fp32 values), on every rank
@@ -376,16 +327,6 @@ class Hybrid:
 
 
 _PLANNED = ("cp_method", "schedule", "microbatches", "chunks", "sequence_parallel", "zero")
-
-
-def _shape(mesh: Mesh) -> dict[str, int]:
-    return {a: mesh.size(a) for a in ParallelPlan().shape}
-
-
-def _order(mesh: Mesh) -> Order:
-    """The name of the mesh's order of axes (Megatron-LM's where no name fits)."""
-    named = (o for o in get_args(Order) if Layout.of(_shape(mesh), o) == mesh.layout)
-    return next(named, "megatron")
 
 
 def _check_network(

@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from parcourse.mesh import ORDERS, Layout, Order
+from parcourse.mesh import ORDERS, Layout, Mesh, Order
 from parcourse.parts import AXES, PART_AXES, PARTS, PartFields
 from parcourse.pipeline.schedule import SCHEDULES, Schedule, schedule_by_name
 from parcourse.roles import Roles
@@ -104,6 +104,15 @@ class ParallelPlan(PartFields, _Own):
         """The plan with these axis sizes (`shape`, as a `Mesh` holds them) and `fields`."""
         given: dict[str, Any] = {**shape, **fields}
         return cls(**given)
+
+    @classmethod
+    def on_mesh(cls, mesh: Mesh, **fields: Any) -> ParallelPlan:
+        """The plan of a mesh built already: its sizes, its order's name (Megatron-LM's
+        where none fits) and its ranks per node, with `fields`."""
+        shape = {a: mesh.size(a) for a in AXES}
+        named = (o for o in ORDERS if Layout.of(shape, o) == mesh.layout)
+        order = next(named, "megatron")
+        return cls.of_shape(shape, order=order, ranks_per_node=mesh.ranks_per_node, **fields)
 
     # -- the mesh it asks for
 

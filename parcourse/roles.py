@@ -90,6 +90,14 @@ class Roles:
         every part's that takes its own, as ep's). The one meaning of `replicas`."""
         return self.size("batch")
 
+    def index(self, coordinates: dict[str, int]) -> int:
+        """Which of the `replicas` a rank at these mesh coordinates is: the row-major index
+        of its coordinates on the batch's axes (which rows of each batch it takes)."""
+        index = 0
+        for axis in self.batch:
+            index = index * self.sizes.get(axis, 1) + coordinates.get(axis, 0)
+        return index
+
     def label(self, role: str) -> str:
         """'dp-ep-cp': a role's axes as lesson 09's table names them."""
         return "-".join(getattr(self, role))

@@ -18,8 +18,9 @@ moments, for both implementations:
 - `gradients()`: (gradient, the weight it is of) for each gradient this rank holds after
   `finalize`, for clipping; `held()`: the gradients' buffers beyond the weights' own.
 
-What is reduced together (`StageWeights`): each stage's weights, a stage's experts apart
-(another group averages them: `expert_comm`), and the weights several stages share.
+What is reduced together (`StageWeights`): each stage's weights, a stage's experts apart,
+and the weights several stages share; over which groups (`SyncGroups`): the dense
+weights over one, the experts over theirs.
 """
 
 from __future__ import annotations
@@ -70,12 +71,23 @@ class StageWeights:
         return iter(self.dense)
 
 
+@dataclass(frozen=True)
+class SyncGroups:
+    """Who averages what: `comm`'s group the dense weights' gradients, `experts`'s each
+    expert's (the ranks holding the same experts; None without experts cut over ranks),
+    every gradient divided by `mean_over` (all the dense replicas, for both)."""
+
+    comm: Comm
+    experts: Comm | None
+    mean_over: int
+
+
 class BucketedStages:
     """Lesson 02's buckets over a pipeline's stages (`bucket_mb`, 25 as DDP's), averaged
-    over `comm`'s group (the experts' buckets over `expert_comm`'s), every gradient
-    divided by `mean_over` (all the replicas, for both). `last_backward`: {stage: its
-    last (stage, microbatch) backward of the step}; `note`: called once the gradients
-    are whole, before they are reduced (memory accounting)."""
+    over `groups` (`SyncGroups`: the experts' buckets over their own group); `optimizer`
+    builds the optimizer from `params`. `last_backward`: {stage: its last (stage,
+    microbatch) backward of the step}; `note`: called once the gradients are whole,
+    before they are reduced (memory accounting)."""
 
     around: Callable[[Any], AbstractContextManager[None]] | None = None
 
@@ -83,17 +95,15 @@ class BucketedStages:
         self,
         weights: StageWeights,
         params: list[nn.Parameter],
-        comm: Comm,
-        optimizer: torch.optim.Optimizer,
-        *,
-        expert_comm: Comm | None,
+        groups: SyncGroups,
+        optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
         last_backward: dict[int, tuple[int, int]],
-        mean_over: int,
         bucket_mb: float = 25.0,
         note: Callable[[], None] = lambda: None,
     ) -> None:
-        self.params, self.comm, self.expert_comm = params, comm, expert_comm
-        self.optimizer, self.mean_over, self.note = optimizer, mean_over, note
+        self.params, self.comm, self.expert_comm = params, groups.comm, groups.experts
+        self.optimizer, self.mean_over, self.note = optimizer(params), groups.mean_over, note
+        mean_over = groups.mean_over
         self.last_backward = last_backward
         self.buckets: dict[int | None, list[Bucket]] = {}
         self._expert_buckets: set[int] = set()

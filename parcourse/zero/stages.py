@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from parcourse.comm import Comm, Pending
-from parcourse.data_parallel.stages import StageWeights
+from parcourse.data_parallel.stages import StageWeights, SyncGroups
 from parcourse.zero.layout import FlatUnit
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -95,22 +95,21 @@ class ShardedStages:
         cls,
         weights: StageWeights,
         params: list[nn.Parameter],
-        comm: Comm,
+        groups: SyncGroups,
         optimizer: OptimizerFactory,
         stage: Literal[1, 2, 3],
-        *,
-        expert_comm: Comm | None,
-        mean_over: int,
         holds_tied: set[int],
         note: Callable[[], None] = lambda: None,
     ) -> ShardedStages:
         """ZeRO `stage` over a pipeline's stages: a unit for each stage's weights, one
-        for the tied weights, one for each stage's experts (over `expert_comm`'s group);
-        `holds_tied`: the stages that use a tied weight (ZeRO-3 gathers it for them)."""
+        for the tied weights, one for each stage's experts (over their own group, in
+        `groups`); `holds_tied`: the stages that use a tied weight (ZeRO-3 gathers it for
+        them)."""
         keys: list[Any] = [*weights.dense, None, *(("experts", s) for s in weights.experts)]
         lists = [*weights.dense.values(), weights.tied, *weights.experts.values()]
-        comms = [comm] * (len(weights.dense) + 1) + [expert_comm or comm] * len(weights.experts)
-        self = cls(lists, comm, optimizer, stage=stage, comms=comms, mean_over=mean_over)
+        comm, expert_comm = groups.comm, groups.experts or groups.comm
+        comms = [comm] * (len(weights.dense) + 1) + [expert_comm] * len(weights.experts)
+        self = cls(lists, comm, optimizer, stage=stage, comms=comms, mean_over=groups.mean_over)
         made = iter(self.units)  # one for each list that holds a weight, in order
         unit_of = {k: next(made) for k, ps in zip(keys, lists) if ps}
         self.tied_unit = unit_of.pop(None, None)

@@ -30,8 +30,10 @@ def mesh_bytes(
     ranks hold the same weights as dp's replicas do, and ZeRO shards over dp x cp. With
     experts cut over ep, a rank holds 1/ep of them; ep's ranks replicate the rest, so ZeRO
     shards the dense weights over dp x cp x ep and the experts over dp x cp."""
+    from parcourse.roles import Roles
+
+    roles = Roles.from_sizes(shape, zero=zero, config=config)
     tp, pp, ep = shape.get("tp", 1), shape.get("pp", 1), shape.get("ep", 1)
-    dp = shape.get("dp", 1) * shape.get("cp", 1)  # the ranks that share the experts
     held = tp_parameter_bytes(config, tp, ep)
     experts = held["experts"] / pp
     dense: float = held["total"] - held["experts"]  # a float once cut over pp
@@ -41,7 +43,9 @@ def mesh_bytes(
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero}")
     params = dense + experts
-    shard = dense / (dp * ep) + experts / dp  # this rank's rows, under ZeRO
+    # this rank's rows, under ZeRO: the dense weights' over the dense replicas, the
+    # experts' over the ranks that share them (`parcourse.roles`)
+    shard = dense / roles.size("dense") + experts / roles.size("experts")
     optimizer = 2 * (shard if zero else params)
     grads = params if zero < 2 else params / stages_per_rank + shard
     return {"params": shard if zero == 3 else params, "grads": grads, "optimizer": optimizer}

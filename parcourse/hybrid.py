@@ -160,7 +160,7 @@ class Hybrid:
             self._norm_group = mesh.group(*self.roles.norm)
 
     def _comm(self, *axes: str, tag: str | None = None, algorithm: Any = "auto") -> Comm:
-        """The communication of `axes`' group; what it records says `tag` (its axis)."""
+        """`axes`' group's communication; what it records says `tag` (its axis)."""
         traced = self._tracer.tagged(axis=tag or axes[0]) if self._tracer is not None else None
         return Comm(self.mesh.group(*axes), tracer=traced, link=self._link, algorithm=algorithm)
 
@@ -198,10 +198,15 @@ class Hybrid:
         holds_tied: set[int],
         bucket_mb: float,
     ) -> GradientSync:
-        """ZeRO's flat units over the dense replicas, or lesson 02's buckets; the experts'
-        gradients over the ranks holding the same experts."""
-        experts = self._comm(*self.roles.experts, tag="dp") if self.cut_over else None
-        groups = SyncGroups(self.dense_comm, experts, mean_over=self.roles.size("dense"))
+        """ZeRO's flat units over the shard's ranks (the dense replicas, less those it
+        replicates across under HSDP), or lesson 02's buckets over the dense replicas; the
+        experts' gradients over the ranks holding the same experts."""
+        r, zero = self.roles, bool(self.zero)  # ZeRO's slices over the shard (`Roles.shard`)
+        dense, experts = (r.shard, r.expert_shard) if zero else (r.dense, r.experts)
+        comm = self.dense_comm if dense == r.dense else self._comm(*dense, tag="dp")
+        expert_comm = self._comm(*experts, tag="dp") if self.cut_over else None
+        replicate = self._comm(*r.replicate, tag="dp") if zero and r.replicate else None
+        groups = SyncGroups(comm, expert_comm, r.size("dense"), replicate)
         if self.zero:
             return ShardedStages.for_stages(
                 weights, self.params, groups, factory, self.zero, holds_tied, self._note_grad_bytes
@@ -229,8 +234,7 @@ class Hybrid:
         return cls(model, mesh, recompute=plan.recompute == "full", **planned, **kwargs)
 
     def whole_weights(self) -> AbstractContextManager[None]:
-        """Every weight of this rank whole inside the block (ZeRO-3 gathers them over dp,
-        and frees them after): what exports and checkpoints read and write."""
+        """Every weight whole inside the block (ZeRO-3 gathers them): what exports read."""
         return self.sync.whole_weights()
 
     @property
@@ -246,9 +250,8 @@ class Hybrid:
         return self.roles.index(self.mesh.layout.coordinates(self.mesh.local_rank)), self.replicas
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Cross entropy from this rank's vocabulary shard of the logits, as one process
-        computes it from the whole logits; under context parallelism weighed by this
-        rank's share of the sequence, so that the mean over cp is the whole sequence's."""
+        """Cross entropy from this rank's vocabulary shard of the logits, as one process's;
+        under context parallelism weighed by this rank's share of the sequence."""
         if self.tp_comm.size == 1:
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         else:

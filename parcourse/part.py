@@ -21,7 +21,9 @@ class Axis:
     ranks take different rows of the batch, as dp's; `dense`, they hold the same dense
     weights and average their gradients; `experts`, they hold the same experts and
     average theirs; `splits_gradients`, they hold different gradients when the model has
-    weights of this axis (`holds_weights`), so a gradient norm sums over them."""
+    weights of this axis (`holds_weights`), so a gradient norm sums over them; `shards`,
+    ZeRO shards over its ranks (and the parts' axes that average the same weights) and
+    replicates the shards across dp's ranks, as FSDP2's HSDP."""
 
     name: str
     colour: str
@@ -30,6 +32,7 @@ class Axis:
     dense: bool = False
     experts: bool = False
     splits_gradients: bool = False
+    shards: bool = False
     holds_weights: Callable[[GPTConfig], bool] | None = None
 
 

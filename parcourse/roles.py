@@ -14,8 +14,12 @@ The roles, in the order Megatron-LM's `finalize_model_grads` uses them:
   average the dense weights' gradients (ZeRO shards over them);
 - `experts`: dp's, and every part's holding the same experts (cp's): they average each
   expert's gradient (ZeRO shards over them);
+- `shard`, `replicate`: ZeRO's slices are cut over `shard`'s ranks, the dense replicas but
+  dp's where a part's axis shards on its own (`Axis.shards`: HSDP, each slice replicated
+  across `replicate`'s, dp's); otherwise `shard` is `dense` and `replicate` empty; the
+  experts' slices over `expert_shard` (`experts` less `replicate`);
 - `norm`: the ranks whose gradients differ (tp's, pp's, ep's with experts; under ZeRO also
-  `dense`'s, each holding its own slice): they sum the squared gradient norm;
+  `shard`'s, each holding its own slice): they sum the squared gradient norm;
 - `loss`: `dense`'s: they average the replicas' losses.
 
 An axis' roles are its `parcourse.part.Axis` flags; this module names no part's axis. A
@@ -44,6 +48,9 @@ class Roles:
     batch: tuple[str, ...]
     dense: tuple[str, ...]
     experts: tuple[str, ...]
+    shard: tuple[str, ...]
+    replicate: tuple[str, ...]
+    expert_shard: tuple[str, ...]
     norm: tuple[str, ...]
     sizes: dict[str, int]
 
@@ -66,12 +73,18 @@ class Roles:
             return config is None or weights is None or weights(config)
 
         dense = ("dp", *(a for a in used if AXIS[a].dense))
+        experts = ("dp", *(a for a in used if AXIS[a].experts))
         splits = tuple(a for a in used if AXIS[a].splits_gradients and holds(a))
+        replicate = ("dp",) if any(AXIS[a].shards for a in used) else ()
+        shard = tuple(a for a in dense if a not in replicate)
         return cls(
             batch=("dp", *(a for a in used if AXIS[a].batch)),
             dense=dense,
-            experts=("dp", *(a for a in used if AXIS[a].experts)),
-            norm=(*dense, "tp", "pp") if zero else ("tp", "pp", *splits),
+            experts=experts,
+            shard=shard,
+            replicate=replicate,
+            expert_shard=tuple(a for a in experts if a not in replicate),
+            norm=(*shard, "tp", "pp") if zero else ("tp", "pp", *splits),
             sizes=dict(sizes),
         )
 

@@ -75,11 +75,14 @@ class StageWeights:
 class SyncGroups:
     """Who averages what: `comm`'s group the dense weights' gradients, `experts`'s each
     expert's (the ranks holding the same experts; None without experts cut over ranks),
-    every gradient divided by `mean_over` (all the dense replicas, for both)."""
+    every gradient divided by `mean_over` (all the dense replicas, for both). Under
+    hierarchical sharding (HSDP, `Roles.replicate`) ZeRO's groups are the shard's only
+    and `replicate` the group each slice is averaged across (None: none)."""
 
     comm: Comm
     experts: Comm | None
     mean_over: int
+    replicate: Comm | None = None
 
 
 class BucketedStages:

@@ -43,9 +43,10 @@ def mesh_bytes(
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero}")
     params = dense + experts
-    # this rank's rows, under ZeRO: the dense weights' over the dense replicas, the
-    # experts' over the ranks that share them (`parcourse.roles`)
-    shard = dense / roles.size("dense") + experts / roles.size("experts")
+    # this rank's rows, under ZeRO: the dense weights' over the shard's ranks (the dense
+    # replicas, less dp's under HSDP), the experts' over the ranks that share them
+    # (`parcourse.roles`)
+    shard = dense / roles.size("shard") + experts / roles.size("expert_shard")
     optimizer = 2 * (shard if zero else params)
     grads = params if zero < 2 else params / stages_per_rank + shard
     return {"params": shard if zero == 3 else params, "grads": grads, "optimizer": optimizer}

@@ -53,7 +53,9 @@ class ShardedStages:
     (the data-parallel ranks) for the parameters in `units` (lists of trainable
     parameters, each list one unit). `optimizer` builds the optimizer from the shards.
     `comms`: a group for each unit instead (None: `comm`); `mean_over`: what a summed
-    gradient is divided by (None: its unit's group size)."""
+    gradient is divided by (None: its unit's group size); `replicate`: the group across
+    which every slice is also summed after its reduce-scatter (HSDP: the shards replicated
+    over it; None: none)."""
 
     def __init__(
         self,
@@ -63,12 +65,14 @@ class ShardedStages:
         stage: Literal[1, 2, 3] = 1,
         comms: list[Comm] | None = None,
         mean_over: int | None = None,
+        replicate: Comm | None = None,
     ) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
         if comms is not None and len(comms) != len(units):
             raise ValueError(f"{len(comms)} comms for {len(units)} units")
         self.comm, self.stage, self.mean_over = comm, stage, mean_over
+        self.replicate = replicate
         kept = [(params, comms[i] if comms else comm) for i, params in enumerate(units) if params]
         self.units = [
             FlatUnit(i, params, c.rank, c.size, sharded_weights=stage == 3)
@@ -109,7 +113,7 @@ class ShardedStages:
         lists = [*weights.dense.values(), weights.tied, *weights.experts.values()]
         comm, expert_comm = groups.comm, groups.experts or groups.comm
         comms = [comm] * (len(weights.dense) + 1) + [expert_comm] * len(weights.experts)
-        self = cls(lists, comm, optimizer, stage=stage, comms=comms, mean_over=groups.mean_over)
+        self = cls(lists, comm, optimizer, stage, comms, groups.mean_over, groups.replicate)
         made = iter(self.units)  # one for each list that holds a weight, in order
         unit_of = {k: next(made) for k, ps in zip(keys, lists) if ps}
         self.tied_unit = unit_of.pop(None, None)
@@ -225,6 +229,8 @@ class ShardedStages:
         return self._comm[id(unit)]
 
     def _add(self, unit: FlatUnit, part: torch.Tensor) -> None:
+        if self.replicate is not None and self.replicate.size > 1:  # HSDP: the same slice
+            part = self.replicate.all_reduce(part)  # on every replica of the shard group
         part = part.div_(self.mean_over or self.comm_of(unit).size)
         if all(sp.grad is None for sp in unit.shard_params):  # the first: one copy, viewed
             part = part.clone()  # (the reduction's buffer is scratch)

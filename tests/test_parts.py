@@ -22,7 +22,8 @@ from parcourse.zero.stages import ShardedStages
 LIBRARY = Path(__file__).parent.parent / "parcourse"
 # Outside its own package, theory/ and experiments/, a part's axis may be named by the
 # composer (the 3D step, which applies each part by name) and by nothing else.
-ALLOWED = {"hybrid.py"}
+# The planner's pricing of each axis has not moved into its part yet.
+ALLOWED = {"hybrid.py", "planner/predict.py", "planner/search.py"}
 
 
 def _package_of(part: parts.Part) -> Path:

@@ -203,9 +203,9 @@ class Hybrid:
         experts' gradients over the ranks holding the same experts."""
         r, zero = self.roles, bool(self.zero)  # ZeRO's slices over the shard (`Roles.shard`)
         dense, experts = (r.shard, r.expert_shard) if zero else (r.dense, r.experts)
-        comm = self.dense_comm if dense == r.dense else self._comm(*dense, tag="dp")
-        expert_comm = self._comm(*experts, tag="dp") if self.cut_over else None
-        replicate = self._comm(*r.replicate, tag="dp") if zero and r.replicate else None
+        comm = self.dense_comm if dense == r.dense else self._comm(*dense)  # traced as its
+        expert_comm = self._comm(*experts) if self.cut_over else None  # first axis
+        replicate = self._comm(*r.replicate) if zero and r.replicate else None
         groups = SyncGroups(comm, expert_comm, r.size("dense"), replicate)
         if self.zero:
             return ShardedStages.for_stages(

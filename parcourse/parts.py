@@ -32,6 +32,8 @@ from parcourse.experts.part import ExpertFields
 from parcourse.part import Axis, Part
 from parcourse.pipeline.part import PART as pipeline
 from parcourse.tensor_parallel.part import PART as tensor_parallel
+from parcourse.zero.part import PART as hierarchical_sharding
+from parcourse.zero.part import ShardFields
 
 if TYPE_CHECKING:
     from parcourse.plan import ParallelPlan
@@ -39,11 +41,11 @@ if TYPE_CHECKING:
 # The mesh every run has; the plan holds their sizes as its own fields.
 CORE_PARTS = (data_parallel, tensor_parallel, pipeline)
 # What a run may add, in the plan's order of their fields, rules and label words.
-PARTS: tuple[Part, ...] = (context_parallel, experts)
+PARTS: tuple[Part, ...] = (context_parallel, experts, hierarchical_sharding)
 
 
 @dataclass(frozen=True)
-class PartFields(ExpertFields, ContextFields):
+class PartFields(ShardFields, ExpertFields, ContextFields):
     """Every part's fields in the plan (`ParallelPlan` inherits them after its own): one
     base a part."""
 

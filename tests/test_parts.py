@@ -63,8 +63,10 @@ def test_every_axis_declared_once_with_a_colour_of_its_own():
     for order in parts.ORDERS.values():
         assert sorted(order) == sorted(parts.AXES)
     # Megatron-LM's "tp-cp-ep-dp-pp", innermost first, and Llama 3's "[TP, CP, PP, DP]"
-    assert parts.ORDERS["megatron"] == ("pp", "dp", "ep", "cp", "tp")
-    assert parts.ORDERS["llama3"] == ("dp", "pp", "ep", "cp", "tp")
+    # (HSDP's dp_shard just inside dp, as torchtitan's ["pp", "dp_replicate", "dp_shard",
+    # "cp", "tp"])
+    assert parts.ORDERS["megatron"] == ("pp", "dp", "dp_shard", "ep", "cp", "tp")
+    assert parts.ORDERS["llama3"] == ("dp", "pp", "dp_shard", "ep", "cp", "tp")
 
 
 def test_the_plan_holds_every_parts_fields_and_reads_its_words_back():
@@ -73,9 +75,10 @@ def test_the_plan_holds_every_parts_fields_and_reads_its_words_back():
         assert name in fields and fields[name].metadata["help"], name
     for axis in parts.PART_AXES:
         assert fields[axis].default == 1, axis
-    plan = ParallelPlan(dp=2, cp=2, cp_method="ulysses", ep=2, microbatches=2)
+    plan = ParallelPlan(dp=2, cp=2, cp_method="ulysses", ep=2, dp_shard=3, microbatches=2)
     assert ParallelPlan.parse(plan.label()) == plan
-    assert plan.shape == {"dp": 2, "tp": 1, "pp": 1, "cp": 2, "ep": 2} and plan.gpus == 8
+    assert plan.shape == {"dp": 2, "tp": 1, "pp": 1, "cp": 2, "ep": 2, "dp_shard": 3}
+    assert plan.gpus == 24
 
 
 def test_roles_worked_by_hand():
@@ -98,6 +101,12 @@ def test_roles_worked_by_hand():
     # a GPT without experts: ep's ranks hold the same gradients, so the norm skips them
     assert Roles.from_sizes({"ep": 2}, config=GPTConfig()).norm == ("tp", "pp")
     assert ParallelPlan(dp=2, ep=2).replicas == 4 == ParallelPlan(dp=2, ep=2).roles.replicas
+    # HSDP: ZeRO's slices over dp_shard (and the parts' axes averaging the same weights),
+    # replicated across dp; the norm sums each slice once
+    r = Roles.from_sizes({"dp": 2, "dp_shard": 2, "ep": 2}, zero=3, config=moe)
+    assert (r.shard, r.replicate, r.expert_shard) == (("dp_shard", "ep"), ("dp",), ("dp_shard",))
+    assert r.batch == ("dp", "dp_shard", "ep") and r.norm == ("dp_shard", "ep", "tp", "pp")
+    assert Roles.from_sizes({"dp": 2}).shard == ("dp",) == Roles.from_sizes({"dp": 2}).dense
 
 
 def test_both_gradient_syncs_answer_the_same_moments():

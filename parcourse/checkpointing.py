@@ -414,7 +414,7 @@ def recompute_attention(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, CausalSelfAttention):
             core = type(module).attend.__get__(module)  # the class's own, not a wrapped one
-            module.attend = functools.partial(checkpoint, core)  # type: ignore[method-assign]
+            module.attend = functools.partial(checkpoint, core)  # type: ignore[method-assign]  # this instance's alone, on purpose
             changed += 1
     if not changed:
         raise ValueError("recompute_attention: the model has no CausalSelfAttention")

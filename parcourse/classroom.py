@@ -136,13 +136,16 @@ class Grades:
         head = f"{'student':<{width}} " + " ".join(self.exercises) + "  points"
         rows = [head]
         for student, marks in sorted(self.marks.items()):
-            cells = " ".join(
-                f"{'-' if marks[e] is None else int(marks[e]):^{len(e)}}" for e in self.exercises
-            )
+            cells = " ".join(f"{_shown(marks[e]):^{len(e)}}" for e in self.exercises)
             rows.append(
                 f"{student:<{width}} {cells}  {self.points(student):>3}/{len(self.exercises)}"
             )
         return "\n".join(rows)
+
+
+def _shown(mark: bool | None) -> str:
+    """A mark as `Grades.table` shows it: 1, 0, or - (not handed in)."""
+    return "-" if mark is None else str(int(mark))
 
 
 _ASK = """

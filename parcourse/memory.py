@@ -18,11 +18,19 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 CATEGORIES: tuple[str, ...] = ("params", "grads", "optimizer", "activations", "other")
+
+
+@runtime_checkable
+class _HoldsMemory(Protocol):
+    """A model that says which tensors it holds, by category (a sharded model knows
+    better than .parameters() what this rank holds)."""
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]: ...
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
@@ -172,8 +180,7 @@ def live_bytes(
     buffers) that belongs to none of the named categories.
     """
     groups: dict[str, list[torch.Tensor]] = {c: [] for c in CATEGORIES}
-    if model is not None and hasattr(model, "memory_tensors"):
-        # A sharded model knows better than .parameters() what this rank holds.
+    if isinstance(model, _HoldsMemory):
         for category, tensors in model.memory_tensors().items():
             groups[category] = list(tensors)
     elif model is not None:

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+# parcourse.experts imports torch.distributed: a model imports it only when it has experts.
+if TYPE_CHECKING:
+    from parcourse.experts.routing import Score
 
 
 def mlp(
@@ -72,7 +77,7 @@ class GPTConfig:
     tie_weights: bool = True
     experts: int = 0
     top_k: int = 2
-    router: str = "softmax"
+    router: Score = "softmax"
     capacity_factor: float | None = None
     aux_loss: float = 0.01
     z_loss: float = 0.0
@@ -171,7 +176,7 @@ def _moe(config: GPTConfig) -> nn.Module:
         config.aux_loss,
         config.z_loss,
         config.bias_rate,
-    )  # type: ignore[arg-type]
+    )
 
 
 class Block(nn.Module):

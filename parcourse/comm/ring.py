@@ -36,7 +36,7 @@ def ring_steps(rank: int, n: int, phases: Sequence[RingPhase]) -> list[tuple[str
     n = rank, has been through every rank: rank r owns chunk r, as in torch.
     all-gather step s: send chunk (rank - s), receive chunk (rank - s - 1).
     """
-    steps = []
+    steps: list[tuple[str, int, int]] = []
     for phase in phases:
         for s in range(n - 1):
             if phase == "reduce-scatter":

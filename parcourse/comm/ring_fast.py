@@ -154,7 +154,7 @@ def _ring(
     # right, where the message from the left lands, what that is reduced into).
     # Empty segments (a tensor smaller than the world) are None: both sides skip them.
     views = [flat[a:b] if b > a else None for a, b in segments]
-    messages = []
+    messages: list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]] = []
     for sent, received, land in plan:
         segment = views[received]
         if land is None:  # all-gather: lands in place
@@ -181,7 +181,9 @@ def _ring(
                 arrivals.append(None if dest is None else recv([dest], left, posted))
                 posted += 1
             if into is not None:
-                arrivals[i].wait()
+                arrival = arrivals[i]
+                assert arrival is not None  # message i was received into `into`
+                arrival.wait()
                 if acc is not None:
                     reduce_into(acc, into, op)
     settle(wire, sends)

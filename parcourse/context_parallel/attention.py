@@ -29,6 +29,7 @@ import torch.distributed as dist
 from parcourse.comm import Comm
 from parcourse.comm.alltoall import AllToAll
 from parcourse.ranges import chunk_bounds
+from parcourse.trace import SpanKind
 
 Method = Literal["ring", "all-gather", "ulysses"]
 Layout = Literal["contiguous", "zigzag"]
@@ -193,13 +194,9 @@ def _wait(works: list[Any]) -> None:
         w.wait()
 
 
-def _span(comm: Comm, name: str, kind: str, **meta: Any) -> AbstractContextManager[Any]:
+def _span(comm: Comm, name: str, kind: SpanKind, **meta: Any) -> AbstractContextManager[Any]:
     """A span on the Comm's tracer (the ring drawn on a timeline), or nothing."""
-    return (
-        comm.tracer.span(name, kind, **meta)  # type: ignore[arg-type]
-        if comm.tracer is not None
-        else nullcontext()
-    )
+    return comm.tracer.span(name, kind, **meta) if comm.tracer is not None else nullcontext()
 
 
 def _paired(comm: Comm, send: Any, recv: Any) -> list[Any]:

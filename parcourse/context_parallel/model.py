@@ -117,7 +117,7 @@ def context_parallel(layers: list[nn.Module], shard: SequenceShard) -> list[nn.M
     for layer in layers:
         for module in layer.modules():
             if isinstance(module, CausalSelfAttention):
-                module.attend = functools.partial(shard.attend, module)  # type: ignore[method-assign]
+                module.attend = functools.partial(shard.attend, module)  # type: ignore[method-assign]  # this instance's alone, on purpose
             elif isinstance(module, GPTEmbedding):
                 module.positions = shard.positions
     return layers

@@ -88,7 +88,7 @@ def _timed(
     dist.barrier(group=ctx.group)
     t0 = time.perf_counter()
     for _ in range(ops):
-        all_reduce_with(algo, t, ctx, link=link)  # type: ignore[arg-type]
+        all_reduce_with(algo, t, ctx, link=link)  # type: ignore[arg-type]  # callers name algorithms as str; all_reduce_with refuses unknown ones
     if t.is_cuda:
         torch.cuda.synchronize()
     seconds = (time.perf_counter() - t0) / ops

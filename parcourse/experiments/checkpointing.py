@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -48,7 +48,7 @@ def measure_policy(
     layers = chain(n_layers, width)
     params = [p for layer in layers for p in layer.parameters()]
     x = torch.randn(batch, width, generator=torch.Generator().manual_seed(1))
-    seg: int | str = segments if segments is not None else "sqrt"
+    seg: int | Literal["sqrt"] = segments if segments is not None else "sqrt"
     peaks, times = [], []
     with one_thread():
         for _ in range(repeats):
@@ -60,7 +60,7 @@ def measure_policy(
             times.append(time.perf_counter() - start)
             peaks.append(saved.peak)
     one = batch * width * 4  # one layer output, fp32
-    k = segment_count(n_layers, seg) if policy == "sqrt" else None  # type: ignore[arg-type]
+    k = segment_count(n_layers, seg) if policy == "sqrt" else None
     return {
         "n_layers": n_layers,
         "policy": policy,
@@ -84,7 +84,7 @@ def saved_bytes_over_a_step(
     params = [p for layer in layers for p in layer.parameters()]
     x = torch.randn(batch, width, generator=torch.Generator().manual_seed(1))
     one = batch * width * 4
-    curves = {}
+    curves: dict[str, list[tuple[float, float]]] = {}
     for policy in policies:
         for p in params:
             p.grad = None
@@ -153,6 +153,7 @@ def dropout_gradients(
                 else run_layers(chain, x)
             )
             y.sum().backward()
+        assert x.grad is not None  # x requires grad
         grads.append(x.grad)
     return grads[0], grads[1]
 
@@ -188,7 +189,10 @@ def check_backward_exercise(backward: BackwardFn) -> bool:
             layer = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
         x = torch.randn(4, width, generator=g, requires_grad=True)
         layer(x).square().sum().backward()
-        expected = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+        expected = []
+        for t in (x, *layer.parameters()):
+            assert t.grad is not None  # autograd fills every leaf's gradient
+            expected.append(t.grad.clone())
         x.grad = None
         layer.zero_grad(set_to_none=True)
         try:
@@ -205,11 +209,11 @@ def check_backward_exercise(backward: BackwardFn) -> bool:
             return False
         got = [x.grad] + [p.grad for p in layer.parameters()]
         names = ["the input"] + [f"parameter {n}" for n, _ in layer.named_parameters()]
-        for name, e, o in zip(names, expected, got):
+        for name, want, o in zip(names, expected, got):
             if (
                 name == "the input"
                 and o is not None
-                and torch.allclose(o, 2 * e, rtol=1e-5, atol=1e-6)
+                and torch.allclose(o, 2 * want, rtol=1e-5, atol=1e-6)
             ):
                 print(
                     "Not quite: the gradient of the input is twice what it should be. "
@@ -218,7 +222,7 @@ def check_backward_exercise(backward: BackwardFn) -> bool:
                     "and autograd then adds what you return to it."
                 )
                 return False
-            if o is None or not torch.allclose(o, e, rtol=1e-5, atol=1e-6):
+            if o is None or not torch.allclose(o, want, rtol=1e-5, atol=1e-6):
                 print(
                     f"Not quite: the gradient of {name} is "
                     f"{'missing' if o is None else 'wrong'}. Hint: recompute from "

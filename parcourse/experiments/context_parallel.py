@@ -19,6 +19,7 @@ from parcourse.context_parallel import (
     positions,
     shard_sequence,
 )
+from parcourse.context_parallel.attention import Layout, Method
 from parcourse.experiments.exercises import ask
 from parcourse.launch import RankContext
 from parcourse.memory import PeakSavedBytes
@@ -53,8 +54,8 @@ def cp_attention(
     heads: int = 4,
     head_dim: int = 16,
     batch: int = 2,
-    method: str = "ring",
-    layout: str = "zigzag",
+    method: Method = "ring",
+    layout: Layout = "zigzag",
     causal: bool = True,
     dtype: str = "float64",
 ) -> dict[str, Any]:
@@ -78,9 +79,10 @@ def cp_attention(
     rank, size = ctx.rank, ctx.world_size
 
     def mine(t: torch.Tensor) -> torch.Tensor:
-        return shard_sequence(t.detach(), rank, size, layout)  # type: ignore[arg-type]
+        return shard_sequence(t.detach(), rank, size, layout)
 
     local = [mine(t).requires_grad_() for t in (q, k, v)]
+    q_mine, k_mine, v_mine = local
     comm = Comm(ctx.group, tracer=ctx.tracer, algorithm="auto")
     counted = len(ctx.tracer.data().counters)
     spans = len(ctx.tracer.data().spans)
@@ -88,11 +90,13 @@ def cp_attention(
     dist.barrier(group=ctx.group)
     with PeakSavedBytes(exclude=local) as saved:
         out = context_attention(
-            *local,
+            q_mine,
+            k_mine,
+            v_mine,
             ctx.group,
             tokens=tokens,
             method=method,
-            layout=layout,  # type: ignore[arg-type]
+            layout=layout,
             causal=causal,
             comm=comm,
         )
@@ -100,9 +104,10 @@ def cp_attention(
         out.backward(mine(d_out))
     every = [c.value for c in ctx.tracer.data().counters[counted:] if c.name == "bytes_sent"]
     with torch.no_grad():
-        errors = [(out - mine(ref)).abs().max()] + [
-            (a.grad - mine(b.grad)).abs().max() for a, b in zip(local, (q, k, v))
-        ]
+        errors = [(out - mine(ref)).abs().max()]
+        for a, b in zip(local, (q, k, v)):
+            assert a.grad is not None and b.grad is not None  # both backwards reached them
+            errors.append((a.grad - mine(b.grad)).abs().max())
     attend = [s for s in ctx.tracer.data().spans[spans:] if s.name.startswith("attend")]
     return {
         "error": float(max(errors)),
@@ -116,7 +121,7 @@ def cp_attention(
     }
 
 
-def causal_work(ranks: int, layout: str) -> list[int]:
+def causal_work(ranks: int, layout: Layout) -> list[int]:
     """Each rank's share of causal attention's work, in score blocks of (T / 2P)^2
     computed (a block on the diagonal costs a whole one): cut contiguously, rank r's
     queries see r whole slices and its own, 4 (r + 1); zigzag, chunk r sees r + 1 chunks
@@ -226,7 +231,7 @@ def check_merge(fn: MergeFn) -> bool:
 
 
 def cp_training(
-    ctx: RankContext, method: str = "ring", steps: int = 3, tokens: int = 32
+    ctx: RankContext, method: Method = "ring", steps: int = 3, tokens: int = 32
 ) -> dict[str, Any]:
     """The course's GPT trained `steps` Adam steps with each sequence cut over these ranks
     (a mesh of cp = world size, `Hybrid`), and the same in one process: both runs'

@@ -13,12 +13,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parcourse.comm import SimulatedLink, simulated_link
+from parcourse.comm import Algorithm, SimulatedLink, simulated_link
 from parcourse.data import local_regression, regression
+from parcourse.data_parallel.base import GradSyncModule
 from parcourse.data_parallel.bucketed import BucketedDataParallel
 from parcourse.data_parallel.naive import NaiveDataParallel
 from parcourse.experiments.exercises import ask, whole_numbers
-from parcourse.experiments.timing import take_turns
+from parcourse.experiments.timing import Name, take_turns
 from parcourse.launch import RankContext
 from parcourse.models import mlp
 
@@ -35,10 +36,10 @@ def wrap(
     overlap: bool = True,
     link: SimulatedLink | None = None,
     traced: bool = False,
-) -> nn.Module:
+) -> GradSyncModule | nn.parallel.DistributedDataParallel:
     """The model under one of the data-parallel implementations."""
     tracer = ctx.tracer if traced else None
-    algorithm = "ring" if link is not None else "torch"
+    algorithm: Algorithm = "ring" if link is not None else "torch"
     if impl == "naive":
         return NaiveDataParallel(model, ctx.group, algorithm=algorithm, link=link, tracer=tracer)
     if impl == "bucketed":
@@ -139,8 +140,12 @@ def compare_step_times(
 
 
 def alternate_steps(
-    ctx: RankContext, runs: dict[str, tuple[Any, Any]], x: torch.Tensor, y: torch.Tensor, steps: int
-) -> dict[str, list[float]]:
+    ctx: RankContext,
+    runs: Mapping[Name, tuple[Any, Any]],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    steps: int,
+) -> dict[Name, list[float]]:
     """Seconds per training step of each (model, optimizer) on (x, y), taking turns step
     by step (`timing.take_turns`); the first step of each is a warm-up, not returned."""
 
@@ -194,7 +199,10 @@ def one_process_weights(
 
 
 def backward_in_microsteps(
-    module: nn.Module, x: torch.Tensor, y: torch.Tensor, microsteps: int
+    module: GradSyncModule | nn.parallel.DistributedDataParallel,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    microsteps: int,
 ) -> None:
     """Accumulate the gradient of one batch over `microsteps` backward passes; all
     but the last run under the module's no_sync(), so gradients are synchronised once."""
@@ -212,7 +220,11 @@ def accumulated_gradients(
     ddp = wrap(model, impl, ctx, bucket_mb=0.01)
     x, y = local_regression(batch, width, width, ctx.rank, ctx.world_size)
     backward_in_microsteps(ddp, x, y, microsteps)
-    return [p.grad.clone() for p in model.parameters()]
+    grads = []
+    for p in model.parameters():
+        assert p.grad is not None  # every weight of the MLP is on the loss's path
+        grads.append(p.grad.clone())
+    return grads
 
 
 _LAUNCH_CASES = [
@@ -413,10 +425,15 @@ def train_with_rule(
     from parcourse.models import mlp
 
     link = simulated_link(latency_us, bandwidth_gbps)
-    algorithm = "ring" if link is not None else "torch"
+    algorithm: Algorithm = "ring" if link is not None else "torch"
     ctx.tracer.set_status("building the model")
     model = mlp(width, width, width, depth=depth).to(ctx.device)
-    kwargs = {"bucket_mb": bucket_mb, "algorithm": algorithm, "link": link, "tracer": ctx.tracer}
+    kwargs: dict[str, Any] = {
+        "bucket_mb": bucket_mb,
+        "algorithm": algorithm,
+        "link": link,
+        "tracer": ctx.tracer,
+    }
     if rule is None or rule == "library":
         ddp = BucketedDataParallel(model, ctx.group, overlap=rule == "library", **kwargs)
     elif callable(rule):

@@ -5,6 +5,7 @@ parcourse.plots, which these build on)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
@@ -12,6 +13,9 @@ from matplotlib.figure import Figure
 from parcourse import plots
 from parcourse.experiments.pipeline import ScheduleSummary
 from parcourse.trace import Trace
+
+if TYPE_CHECKING:
+    from parcourse.planner import Plans
 
 
 def pipeline_step(
@@ -216,19 +220,15 @@ def mesh_memory(
 
 
 def plan_bars(
-    plans: object, memory_limit: float, top: int = 6, closest: int = 3, title: str = ""
+    plans: Plans, memory_limit: float, top: int = 6, closest: int = 3, title: str = ""
 ) -> Figure:
     """The planner's choices (lesson 09, part 2): the busiest rank's memory by category
     for the `top` fastest configurations that fit and the `closest` that did not, against
     the GPU's memory (a line), beside each fitting one's step split into compute, tp,
     bubble, dp and the optimizer. `plans`: `parcourse.planner.Plans`."""
-    ranked = plans.ranked[:top]  # type: ignore[attr-defined]
+    ranked = plans.ranked[:top]
     out = sorted(
-        (
-            p
-            for p in plans.rejected  # type: ignore[attr-defined]
-            if p.why_not.startswith("out of memory")
-        ),
+        (p for p in plans.rejected if p.why_not.startswith("out of memory")),
         key=lambda p: p.memory[p.busiest]["total"],
     )[:closest]
     fig, (mem_ax, time_ax) = plt.subplots(
@@ -294,7 +294,9 @@ def predicted_vs_measured(rows: dict[str, list[dict[str, dict[str, float]]]]) ->
     predicted total as a black tick. `rows[label]`: `[{"pp", "measured", "predicted"}]`."""
     categories = ("params", "grads", "optimizer", "activations")
     fig, ax = plt.subplots(figsize=(10, 3.2), layout="constrained")
-    x, ticks, labels = 0.0, [], []
+    x = 0.0
+    ticks: list[float] = []
+    labels: list[str] = []
     for per_rank in rows.values():
         for row in per_rank:
             bottom = 0.0

@@ -10,7 +10,8 @@ the other links), on a `Topology`.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 
@@ -62,9 +63,11 @@ def placement_step_times(
         )
         for name, order in PLACEMENTS[axis].items()
     }
-    times = take_turns(
-        ctx.group, {name: lambda _, m=m: m.step(x, y) for name, m in models.items()}, steps
-    )
+
+    def step(model: Hybrid) -> Callable[[int], Any]:
+        return lambda _: model.step(x, y)
+
+    times = take_turns(ctx.group, {name: step(m) for name, m in models.items()}, steps)
     param_bytes = sum(p.numel() * 4 for p in next(iter(models.values())).params)
     return {"times": times, "param_bytes": param_bytes}
 
@@ -144,7 +147,7 @@ def train_on_mesh(
     microbatches: int = 2,
     batch: int = 8,
     sequence_parallel: bool = False,
-    zero: int = 0,
+    zero: Literal[0, 1, 2, 3] = 0,
     link: Topology | None = None,
     traced: bool = False,
 ) -> dict[str, Any]:
@@ -156,14 +159,14 @@ def train_on_mesh(
     from parcourse.hybrid import bytes_by_axis
 
     ctx.tracer.set_status("building the mesh and the model")
-    mesh = Mesh(shape, ctx.group, order=order)  # type: ignore[arg-type]
+    mesh = Mesh(shape, ctx.group, order=order)
     model = Hybrid(
         gpt(LESSON_CONFIG),
         mesh,
         schedule=schedule,
         microbatches=microbatches,
         sequence_parallel=sequence_parallel,
-        zero=zero,  # type: ignore[arg-type]
+        zero=zero,
         optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2),
         link=link,
         tracer=ctx.tracer if traced else None,
@@ -184,11 +187,14 @@ def train_on_mesh(
 
 
 def memory_on_mesh(
-    ctx: RankContext, shape: dict[str, int], zero: int = 0, microbatches: int = 2
+    ctx: RankContext,
+    shape: dict[str, int],
+    zero: Literal[0, 1, 2, 3] = 0,
+    microbatches: int = 2,
 ) -> dict[str, int]:
     """What this rank holds after one step of lesson 09's GPT on `shape`."""
-    mesh = Mesh(shape, ctx.group)  # type: ignore[arg-type]
-    model = Hybrid(gpt(LESSON_CONFIG), mesh, microbatches=microbatches, zero=zero)  # type: ignore[arg-type]
+    mesh = Mesh(shape, ctx.group)
+    model = Hybrid(gpt(LESSON_CONFIG), mesh, microbatches=microbatches, zero=zero)
     batch = shape["dp"] * microbatches
     x, y = progressions(batch, LESSON_CONFIG.block_size, LESSON_CONFIG.vocab)
     model.step(x, y)

@@ -44,7 +44,11 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def _gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     model.zero_grad(set_to_none=True)
     _loss(model, x, y).backward()
-    return parameters_to_vector([p.grad for p in model.parameters()])
+    grads = []
+    for p in model.parameters():
+        assert p.grad is not None  # every weight of the MLP is on the loss's path
+        grads.append(p.grad)
+    return parameters_to_vector(grads)
 
 
 def parameter_server_training(

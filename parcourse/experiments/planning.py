@@ -2,15 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
 from parcourse.experiments.exercises import ask
+from parcourse.plan import Recompute
 from parcourse.planner import Choice, Cluster, Plans, choices, model, plan
+
+
+class _Exercise(TypedDict):
+    model: str
+    seq: int
+    gpu: str
+    gpus: int
+    batch: int
+
+
+class _Fixed(TypedDict):
+    schedule: str
+    zero: int
+    sequence_parallel: bool
+    recompute: Recompute
+
 
 # The exercise's model and cluster: a 13B GPT-style model, 4 nodes of 8 H100s, a global
 # batch of 256 sequences of 4096 tokens; the other knobs fixed as a real run sets them.
-EXERCISE = {"model": "13B", "seq": 4096, "gpu": "h100", "gpus": 32, "batch": 256}
-FIXED = {"schedule": "1f1b", "zero": 1, "sequence_parallel": True, "recompute": "selective"}
+EXERCISE: _Exercise = {"model": "13B", "seq": 4096, "gpu": "h100", "gpus": 32, "batch": 256}
+FIXED: _Fixed = {"schedule": "1f1b", "zero": 1, "sequence_parallel": True, "recompute": "selective"}
 
 
 def exercise_plans() -> tuple[Any, Cluster, Plans]:
@@ -60,7 +77,7 @@ def check_plan(fn: Any) -> bool:
         zero=FIXED["zero"] if dp > 1 else 0,
         sequence_parallel=tp > 1,
         recompute=FIXED["recompute"],
-    )  # type: ignore[arg-type]
+    )
     mine = next((p for p in [*plans.ranked, *plans.rejected] if p.choice == choice), None)
     spans = (
         (

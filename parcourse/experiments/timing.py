@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+Name = TypeVar("Name", bound=Hashable)  # what names a configuration: a str, a tuple
 
 
 @contextmanager
@@ -36,18 +38,18 @@ def one_thread() -> Iterator[None]:
 
 def take_turns(
     group: dist.ProcessGroup | None,
-    steps: Mapping[str, Callable[[int], Any]],
+    steps: Mapping[Name, Callable[[int], Any]],
     rounds: int,
     *,
     warmup: int = 1,
     device: torch.device | None = None,
-) -> dict[str, list[float]]:
+) -> dict[Name, list[float]]:
     """Seconds per call of each named step on this rank, for `rounds` timed rounds.
 
     `steps[name](round)` runs one step of that configuration (the round number lets a
     step choose its batch). The first `warmup` rounds run untimed. On a CUDA `device`
     the clock stops after the GPU has finished."""
-    times: dict[str, list[float]] = {name: [] for name in steps}
+    times: dict[Name, list[float]] = {name: [] for name in steps}
     names = list(steps)
     for i in range(warmup + rounds):
         for name in names if i % 2 == 0 else names[::-1]:

@@ -238,7 +238,7 @@ def compare_steps(
         raise ValueError(
             f"compare_steps runs on CPU ranks (Pool(n, device='cpu')); this rank is on {ctx.device}"
         )
-    mesh = Mesh(shape, ctx.group)  # type: ignore[arg-type]
+    mesh = Mesh(shape, ctx.group)
     ours = Hybrid(
         gpt(config), mesh, schedule=schedule, microbatches=microbatches, zero=zero, optimizer=adam
     )

@@ -1,7 +1,7 @@
 """Lesson 10's experiments: a training run on real text watched as it goes, its
 throughput against the planner, and the data-parallel slice exercise.
 
-    s = lesson_settings(4, steps=150)
+    s = lesson_settings(meshes(4)[0], steps=150)
     run = train_live(pool, s, corpus_dir, "runs/lesson10")   # a loss curve that grows
     measured_against_plan(run, s)                            # tokens/s, measured and predicted
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict
 
 from parcourse.experiments.exercises import ask, whole_numbers
 from parcourse.plan import ParallelPlan
@@ -19,23 +19,31 @@ from parcourse.plots import count
 from parcourse.train import TrainSettings, planned, read_step_status, train_on_corpus
 
 
-def meshes(world_size: int) -> tuple[dict[str, int], dict[str, int]]:
+class LessonShape(TypedDict):
+    """A mesh of the lesson: the sizes of its dp, tp and pp axes."""
+
+    dp: int
+    tp: int
+    pp: int
+
+
+def meshes(world_size: int) -> tuple[LessonShape, LessonShape]:
     """(the mesh the lesson trains on, another it resumes on) for 1-4 ranks: a pipeline
     of 2 stages when the ranks are even, then replicas; tensor parallelism for the
     other, or a pipeline as deep as the ranks when they are odd."""
     if not 1 <= world_size <= 4:
         raise ValueError(f"lesson 10 runs on 1 to 4 ranks, got {world_size}")
     pp = 2 if world_size % 2 == 0 else 1
-    first = {"dp": world_size // pp, "tp": 1, "pp": pp}
+    first: LessonShape = {"dp": world_size // pp, "tp": 1, "pp": pp}
     if world_size == 1:
-        return first, dict(first)
+        return first, first.copy()
     if world_size % 2:
         return first, {"dp": 1, "tp": 1, "pp": world_size}
     pp = 2 if world_size % 4 == 0 else 1
     return first, {"dp": world_size // (2 * pp), "tp": 2, "pp": pp}
 
 
-def lesson_settings(mesh: dict[str, int], steps: int, **changes: Any) -> TrainSettings:
+def lesson_settings(mesh: LessonShape, steps: int, **changes: Any) -> TrainSettings:
     """The lesson's run: a 2-block GPT of width 64 on 64-byte sequences, 24 a batch
     (divisible by every mesh of `meshes` times 2 microbatches), a validation loss a
     few times a run and a checkpoint halfway and at the end."""
@@ -161,15 +169,16 @@ def check_replica_rows(fn: Callable[[int, int, int], Any]) -> bool:
             )
             if not ok:
                 return False
-            rows = [None if p is None else tuple(p) for p in (whole_numbers(a, 2) for a in answers)]
-            if None in rows:
-                bad = rows.index(None)
+            pairs = [whole_numbers(a, 2) for a in answers]
+            if None in pairs:
+                bad = pairs.index(None)
                 print(
                     f"Not quite: {where}, replica {bad} got {answers[bad]!r}: "
                     "return the pair (start, end) of its rows, one contiguous range (a "
                     "DistributedSampler's every-n-th row is not one)."
                 )
                 return False
+            rows = [tuple(p) for p in pairs if p is not None]
             ends = [0] + [end for _, end in rows]
             if [start for start, _ in rows] == ends[:-1] and 0 <= ends[-1] < batch:
                 left = (
@@ -210,6 +219,7 @@ def checkpoint_costs(ctx: Any, s: TrainSettings, root: str, repeats: int) -> dic
     async_save (the caller's blocked time, then the whole), and gathered whole then
     torch.save on rank 0; median seconds of each, and the bytes this rank wrote."""
     import os
+    from concurrent.futures import Future
     from pathlib import Path
 
     import torch
@@ -239,7 +249,9 @@ def checkpoint_costs(ctx: Any, s: TrainSettings, root: str, repeats: int) -> dic
     for k in range(repeats):
         dist.barrier()
         t = time.perf_counter()
-        path = checkpoint.save(model, root, k)
+        saved = checkpoint.save(model, root, k)
+        assert isinstance(saved, Path)  # a blocking save returns the committed directory
+        path = saved
         out["save"].append(time.perf_counter() - t)
         dist.barrier()
         t = time.perf_counter()
@@ -252,6 +264,7 @@ def checkpoint_costs(ctx: Any, s: TrainSettings, root: str, repeats: int) -> dic
             state, checkpoint_id=str(Path(root) / f"async{k}"), process_group=mesh.parent
         )
         out["async_blocked"].append(time.perf_counter() - t)
+        assert isinstance(future, Future)  # DCP's default staging copies at once: one Future
         future.result()
         out["async_total"].append(time.perf_counter() - t)
         dist.barrier()

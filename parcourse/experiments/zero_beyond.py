@@ -27,6 +27,7 @@ from parcourse.launch import RankContext
 from parcourse.models import mlp
 from parcourse.theory import offload_bytes, zero_pp_bytes_across
 from parcourse.zero import bytes_by_placement, shard
+from parcourse.zero.model import Stage
 from parcourse.zero.zeropp import BLOCK, bytes_across_nodes, error_bound
 
 OFFLOADS = ("none", "cpu", "nvme")
@@ -39,7 +40,7 @@ class Beyond:
     size, and the link between nodes (`between_us` latency, `between_GBps`; 0 = no
     simulated link). `dtype` is the compute dtype (the masters stay fp32)."""
 
-    stage: int = 3
+    stage: Stage = 3
     offload: str = "none"
     offload_params: bool = False
     quantized_weights: bool = False
@@ -232,7 +233,7 @@ LINKS = {"none": (0.0, 0.0), "1 ms, 0.1 GB/s": (1000.0, 0.1), "5 ms, 0.02 GB/s":
 
 
 def _panel_settings(
-    stage: int,
+    stage: Stage,
     offload: str,
     offload_params: bool,
     qwz: bool,
@@ -266,7 +267,7 @@ def check_panel(world_size: int, **kwargs: Any) -> None:
 
 def panel_run(
     ctx: RankContext,
-    stage: int = 3,
+    stage: Stage = 3,
     offload: str = "none",
     offload_params: bool = False,
     qwz: bool = False,
@@ -344,6 +345,7 @@ def update_times(
     def copies() -> list[nn.Parameter]:
         out = [nn.Parameter(p.detach().clone()) for p in shards]
         for c, p in zip(out, shards):
+            assert p.grad is not None  # shards are the parameters holding a gradient
             c.grad = p.grad.clone()
         return out
 

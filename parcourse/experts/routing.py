@@ -79,6 +79,9 @@ class Router(nn.Module):
     """Scores tokens (N, C) against `experts` and routes each to its `top_k`; see the
     module's docstring for `score`, `capacity_factor` and `bias_rate`."""
 
+    bias: torch.Tensor  # (E,) buffers, registered in __init__
+    tokens_seen: torch.Tensor  # (E,)
+
     def __init__(
         self,
         d_model: int,

@@ -91,8 +91,10 @@ def run_external(
         torch.set_num_threads(plan.threads)
     tracer = Tracer(rank)
     device = _device(plan)
-    backend = backend_for(dist.group.WORLD, device)  # the group may be the user's own
-    ctx = RankContext(rank, world_size, device, dist.group.WORLD, tracer, backend)
+    group = dist.group.WORLD
+    assert group is not None, "init_external joins the process group first"
+    backend = backend_for(group, device)  # the group may be the user's own
+    ctx = RankContext(rank, world_size, device, group, tracer, backend)
     t0 = time.perf_counter()
     value = fn(ctx, *args, **kwargs)
     rank_s = time.perf_counter() - t0

@@ -35,7 +35,7 @@ class RankProcess:
         return self.status.value.decode("utf-8", "replace")
 
 
-def start_context() -> mp.context.BaseContext:
+def start_context() -> mp.context.ForkServerContext | mp.context.SpawnContext:
     quick_kernel_shutdown()
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")

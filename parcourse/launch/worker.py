@@ -125,6 +125,7 @@ def rank_main(
         )
         return
     group = dist.group.WORLD
+    assert group is not None  # set by init_process_group above
     conn.send(Ready(rank))
     while True:
         try:

@@ -328,9 +328,10 @@ def play(
                 ready = [ready_at(dep, r) for dep in needed[a]]
                 if partner is not None:
                     ready += [ready_at(dep, r) for dep in needed[partner] if dep != a]
-                if any(t is None for t in ready):
+                times = [t for t in ready if t is not None]
+                if len(times) < len(ready):
                     break
-                start = max([rank_free[r], *ready])  # type: ignore[list-item]
+                start = max([rank_free[r], *times])
                 if partner is None:
                     end = start + duration(a)
                     done[a] = rank_free[r] = end

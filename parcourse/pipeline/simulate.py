@@ -25,7 +25,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import Any, TypeVar
 
 from parcourse.pipeline.actions import Action, Deadlock, Schedule, play
 
@@ -57,6 +57,9 @@ def _divide(value: float | Sequence[float], by: int) -> float | Sequence[float]:
     return value / by if isinstance(value, (int, float)) else [v / by for v in value]
 
 
+_Compute = TypeVar("_Compute", bound="SimulatedCompute")
+
+
 @dataclass(frozen=True)
 class SimulatedCompute:
     """Seconds each action lasts, per stage (a number applies to every stage): the one
@@ -84,7 +87,7 @@ class SimulatedCompute:
             raise ValueError("the weight-gradient part of backward cannot exceed backward")
         return {"F": f, "B": b, "W": w, "I": [bi - wi for bi, wi in zip(b, w)]}
 
-    def per_chunk(self, chunks: int) -> Self:
+    def per_chunk(self: _Compute, chunks: int) -> _Compute:
         """These costs (for one rank's layers) cut into `chunks` equal stages: each a
         `chunks`-th (a schedule with several stages per rank)."""
         return dataclasses.replace(
@@ -207,7 +210,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
         timeline.busy[slot.rank] += slot.end - slot.start
         rank_end[slot.rank] = slot.end
     timeline.step_time = max(rank_end, default=0.0)
-    timeline.peak_in_flight = [max(in_flight(acts), default=0) for acts in schedule.actions]
+    timeline.peak_in_flight = [int(max(in_flight(acts), default=0)) for acts in schedule.actions]
     return timeline
 
 

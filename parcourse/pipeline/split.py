@@ -131,7 +131,7 @@ def input_gradient(
         # The output does not depend on the input (the first stage): W is all of it.
         later.output, later.grad = output, grad
         return (torch.zeros_like(input) if input.requires_grad else None), later
-    later.of_node = {_node(w): w for w in weights}
+    later.of_node = {get_gradient_edge(w).node: w for w in weights}  # all require grad
     weight_nodes = set(later.of_node)
     to_weights = _reaching(edges, weight_nodes) - on_input_path
     boundary = {

@@ -54,7 +54,7 @@ from parcourse.tensor_parallel.layers import (
     SequenceChunkEmbedding,
     VocabParallelEmbedding,
 )
-from parcourse.tensor_parallel.random import RNGTracker, TrackedDropout
+from parcourse.tensor_parallel.random import Region, RNGTracker, TrackedDropout
 from parcourse.tensor_parallel.replicated import ReplicatedGradSync
 from parcourse.trace import Tracer
 
@@ -138,11 +138,12 @@ def apply_tensor_parallel(
         if new is module:
             continue
         if style != "replicate":  # a weight tied to one already split shares its shard
+            assert isinstance(new.weight, nn.Parameter)  # the split layers' own
             new.weight = sharded.setdefault(id(module.weight), new.weight)
         _replace(model, name, new)
     for name, module in modules.items():
         if name and type(module) is nn.Dropout:
-            region = (
+            region: Region = (
                 "sharded"
                 if sequence_parallel or _splits_inside(name, modules, styles)
                 else "replicated"
@@ -258,15 +259,14 @@ def _splits_inside(name: str, modules: dict[str, nn.Module], styles: dict[str, S
 def _parallel(
     m: nn.Module, style: Style, comm: TPComm, sequence_parallel: bool, name: str
 ) -> nn.Module:
-    if style == "column":
-        return ColumnParallelLinear(m, comm, sequence_parallel=sequence_parallel, name=name)
-    if style == "row":
-        return RowParallelLinear(m, comm, sequence_parallel=sequence_parallel, name=name)
     if style == "vocab" and isinstance(m, nn.Embedding):
         return VocabParallelEmbedding(m, comm, sequence_parallel=sequence_parallel, name=name)
-    if style == "vocab":
+    if style in ("column", "row", "vocab"):
+        assert isinstance(m, nn.Linear)  # `_check_fits` refused anything else
+        if style == "row":
+            return RowParallelLinear(m, comm, sequence_parallel=sequence_parallel, name=name)
         return ColumnParallelLinear(
-            m, comm, sequence_parallel=sequence_parallel, vocab=True, name=name
+            m, comm, sequence_parallel=sequence_parallel, vocab=style == "vocab", name=name
         )
     if sequence_parallel and type(m) is nn.Embedding:
         return SequenceChunkEmbedding(m, comm, name=name)

@@ -45,7 +45,8 @@ def one_sum() -> Iterator[None]:
     if _held is not None:
         yield
         return
-    _held = syncs = []
+    syncs: list[ReplicatedGradSync] = []
+    _held = syncs
     try:
         try:
             yield
@@ -75,7 +76,10 @@ class ReplicatedGradSync:
         # of accumulating them (the accumulator is looked up, not held: held, it would
         # keep the parameter, and the model, alive through a reference gc cannot see).
         with torch.enable_grad():  # backward runs hooks without it
-            accumulator = p.view_as(p).grad_fn.next_functions[0][0]
+            view = p.view_as(p).grad_fn
+        assert view is not None  # p requires grad
+        accumulator = view.next_functions[0][0]
+        assert accumulator is not None  # p is a leaf: its gradient accumulator
         try:
             torch._C._will_engine_execute_node(accumulator)
         except RuntimeError as e:  # raised for a leaf under torch.autograd.grad only

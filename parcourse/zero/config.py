@@ -35,7 +35,7 @@ from torch import nn
 from parcourse.comm.common import group_info
 from parcourse.zero.infinity import InfinityOptimizer
 from parcourse.zero.mixed_precision import FP16_REFUSED
-from parcourse.zero.model import ZeroModel
+from parcourse.zero.model import Stage, ZeroModel
 from parcourse.zero.sharded_optimizer import guard_shard_state
 from parcourse.zero.stage1 import ZeroStage1
 
@@ -199,7 +199,7 @@ class ZeroEngine:
 class _Checked:
     """What a configuration asks for, every key checked (`check_config`)."""
 
-    stage: int
+    stage: Stage
     dtype: torch.dtype | None
     micro: int | None
     accumulation: int

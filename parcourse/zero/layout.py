@@ -156,14 +156,16 @@ class FlatUnit:
     def pack(self, tensors: Iterable[torch.Tensor | None], parts: torch.Tensor) -> None:
         """Write full-size tensors (one per parameter, None = zeros) into parts (N, width)."""
         tensors = list(tensors)
+        present = [t for t in tensors if t is not None]
         if (
             self.even
             and parts.shape == (self.world_size, self.part_numel)
             and parts.is_contiguous()
-            and all(t is not None and t.dtype == parts.dtype for t in tensors)
+            and len(present) == len(tensors)
+            and all(t.dtype == parts.dtype for t in present)
         ):
             torch.cat(
-                [t.reshape(self.world_size, -1) for t in tensors],  # type: ignore[union-attr]
+                [t.reshape(self.world_size, -1) for t in present],
                 dim=1,
                 out=parts,
             )

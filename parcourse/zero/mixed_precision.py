@@ -153,7 +153,7 @@ class _FrozenCopies:
     def __init__(self, owner: nn.Module, names: list[str], compute_dtype: torch.dtype) -> None:
         self.names, self.dtype = names, compute_dtype
         self.copies: dict[str, tuple[tuple[int, int], nn.Parameter]] = {}
-        self.originals: list[dict[str, nn.Parameter]] = []
+        self.originals: list[dict[str, nn.Parameter | None]] = []
         owner.register_forward_pre_hook(self.swap_in)
         owner.register_forward_hook(self.swap_back, always_call=True)
 

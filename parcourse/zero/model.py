@@ -56,7 +56,7 @@ class ZeroModel(ABC):  # noqa: B024 (abstract only so that the stages register u
     `hpz_partition_size`, `quantized_gradients` and `ranks_per_node` (ZeroStage3).
     """
 
-    def __new__(
+    def __new__(  # type: ignore[misc]  # the stages are ZeroModels by ZeroModel.register, which the type checker cannot see
         cls,
         module: nn.Module,
         stage: Stage,
@@ -71,7 +71,7 @@ class ZeroModel(ABC):  # noqa: B024 (abstract only so that the stages register u
         link: Network | None = None,
         tracer: Tracer | None = None,
         **stage3_options: Any,
-    ) -> ZeroStage1:  # type: ignore[misc]
+    ) -> ZeroStage1:
         if stage not in STAGES:
             raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
         for name in stage3_options:
@@ -112,7 +112,7 @@ def shard(
     prefetch: bool = True,
     algorithm: Algorithm = "auto",
     keep_modules: Iterable[nn.Module] = (),
-    offload_optimizer: str | None = None,
+    offload_optimizer: Literal["cpu", "nvme"] | None = None,
     nvme_path: str | Path | None = None,
     link: Network | None = None,
     tracer: Tracer | None = None,

@@ -92,7 +92,7 @@ def bytes_by_placement(model: _Sharded, optimizer: Any = None) -> dict[str, dict
     if inner is not None:
         groups.setdefault("optimizer", [])
         groups["optimizer"] += list(tensors_in(list(inner.state.values())))
-    out = {p: {} for p in PLACEMENTS}
+    out: dict[str, dict[str, int]] = {p: {} for p in PLACEMENTS}
     for category, tensors in groups.items():
         host = [t for t in tensors if _key(t) in on_host]
         device = [t for t in tensors if _key(t) not in on_host]

@@ -13,7 +13,7 @@ the balance is only as even as the tensor sizes allow.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
@@ -88,6 +88,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         else:
             self._make_local()
 
+    @overload  # as torch.optim.Optimizer.step: a closure's loss comes back
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = closure() if closure is not None else None
         if self.local is not None:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -386,10 +386,10 @@ class ZeroStage1(GradSyncModule):
         own rows, so no rank waits for another. The next forward gathers them."""
         checkpoint.load_full_state_dict(self.module, self.units, state)
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def state_dict(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise RuntimeError(checkpoint.STATE_DICT_REFUSED)
 
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise RuntimeError(checkpoint.LOAD_STATE_DICT_REFUSED)
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:

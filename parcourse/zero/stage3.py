@@ -164,11 +164,12 @@ class ZeroStage3(ZeroStage2):
         if unit.gathered() or unit.gathering is not None:
             return
         started = time.perf_counter_ns()
-        if self._secondary_of(unit) is not None:  # hpZ: from the node's copy, inside it
+        secondary = self._secondary_of(unit)
+        if secondary is not None:  # hpZ: from the node's copy, inside it
             assert self.node_comm is not None
             whole = torch.empty(unit.padded, dtype=unit.full.dtype, device=unit.full.device)
             unit.gathering = (
-                self.node_comm.all_gather(unit.secondary, whole, async_op=True),
+                self.node_comm.all_gather(secondary, whole, async_op=True),
                 started,
                 "node",
             )
@@ -262,7 +263,9 @@ class ZeroStage3(ZeroStage2):
         """Stage 2's, and this rank's share of the weights: the fp32 master itself, or
         its 16-bit copy."""
         memory = super().memory_tensors()
-        memory["params"] += [u.compute_shard for u in self.units]
+        for u in self.units:
+            assert u.compute_shard is not None  # stage 3's units keep one (sharded_weights)
+            memory["params"].append(u.compute_shard)
         memory["params"] += [
             u.secondary
             for u in self.units  # hpZ's copies

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from parcourse.comm import Comm, backend_for, global_rank
+from parcourse.trace import CounterEvent
 
 BLOCK = 256  # elements that share one scale
 
@@ -166,18 +167,18 @@ def node_group(group: dist.ProcessGroup, nodes: Nodes) -> dist.ProcessGroup:
     return made
 
 
-def bytes_across_nodes(counters: Iterable[object], ranks_per_node: int) -> int:
+def bytes_across_nodes(counters: Iterable[CounterEvent], ranks_per_node: int) -> int:
     """Bytes this trace's messages carried between nodes (`bytes_sent` counters, which
     name their global destination)."""
     return int(
         sum(
             c.value
-            for c in counters  # type: ignore[attr-defined]
+            for c in counters
             if c.name == "bytes_sent"
-            and "to" in c.meta  # type: ignore[attr-defined]
+            and "to" in c.meta
             and c.rank // ranks_per_node != c.meta["to"] // ranks_per_node
         )
-    )  # type: ignore[attr-defined]
+    )
 
 
 # --------------------------------------------------------------------- qgZ

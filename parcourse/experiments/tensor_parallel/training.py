@@ -18,7 +18,7 @@ from parcourse.data import progressions
 from parcourse.experiments.timing import take_turns
 from parcourse.launch import RankContext
 from parcourse.memory import SavedActivations, live_bytes
-from parcourse.models import TINY, GPTConfig, gpt
+from parcourse.models import GPT, TINY, GPTConfig, gpt
 from parcourse.tensor_parallel import (
     GPT_PLAN,
     apply_tensor_parallel,
@@ -99,7 +99,7 @@ def train(
         algorithm=algorithm,
         seed=seed,
     )
-    comm = model.head.comm
+    comm = shared_comm(model)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     losses, tracer = [], ctx.tracer
     for step in range(steps):
@@ -151,8 +151,8 @@ def one_process_losses(
 
 
 def torch_tensor_parallel(
-    model: nn.Module, group: dist.ProcessGroup, sequence_parallel: bool = False
-) -> nn.Module:
+    model: GPT, group: dist.ProcessGroup, sequence_parallel: bool = False
+) -> GPT:
     """The GPT split by PyTorch's own tensor parallelism (DTensor `parallelize_module`),
     the same plan as GPT_PLAN: embedding and head split along the vocabulary, qkv and
     mlp.up column-wise, attn.proj and mlp.down row-wise; with sequence parallelism,
@@ -212,6 +212,7 @@ def _step(
     comm: TPComm | None,
 ) -> float:
     if impl == "ours":
+        assert comm is not None  # ours always runs with its TPComm
         loss = vocab_parallel_cross_entropy(model(x), y, comm.group, config.vocab, comm=comm)
         loss.backward()
     else:
@@ -222,7 +223,8 @@ def _step(
             loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.item())
+    value = loss.detach()  # a DTensor under torch's loss_parallel
+    return float(value.full_tensor() if hasattr(value, "full_tensor") else value.item())
 
 
 def step_times(
@@ -237,13 +239,13 @@ def step_times(
     """Seconds per training step (Adam) of ours and of torch's tensor parallelism on the
     same GPT and plan, alternating step by step (the order swaps every step; the first
     step of each is a warm-up). Also each one's losses, which should agree."""
-    runs: dict[str, tuple[nn.Module, torch.optim.Optimizer, TPComm | None]] = {}
+    runs: dict[str, tuple[nn.Module, torch.optim.Optimizer, TPComm | None, Impl]] = {}
     for impl in impls:
         if impl == "ours":
             model = apply_tensor_parallel(
                 gpt(config), GPT_PLAN, ctx.group, sequence_parallel=sequence_parallel
             )
-            comm = model.head.comm
+            comm = shared_comm(model)
         else:
             model, comm = torch_tensor_parallel(gpt(config), ctx.group, sequence_parallel), None
         runs[impl] = (model, torch.optim.Adam(model.parameters(), lr=3e-3), comm, impl)
@@ -268,7 +270,7 @@ def _take_turns(
 
         def run(i: int) -> None:
             x, y = batch_for(i, batch, config)
-            losses[name].append(_step(model, opt, impl, x, y, config, comm))  # type: ignore[arg-type]
+            losses[name].append(_step(model, opt, impl, x, y, config, comm))
 
         return run
 
@@ -294,7 +296,7 @@ def link_step_times(
     """Seconds per training step (Adam) of the GPT split over the group, its collectives
     on the course's ring over each of `links` (a `Comm` with it), the links taking turns
     step by step (the order swaps every step; the first step of each is a warm-up)."""
-    runs = {}
+    runs: dict[str, tuple[nn.Module, torch.optim.Optimizer, TPComm | None, Impl]] = {}
     for name, link in links.items():
         model = apply_tensor_parallel(
             gpt(config), GPT_PLAN, ctx.group, comm=Comm(ctx.group, link=link, algorithm="ring")

@@ -327,10 +327,9 @@ def hidden_traffic(
     (`time.perf_counter()` seconds, one clock for the machine's processes); the weights
     (named as in the whole model, this rank's experts' slice)."""
     from parcourse.comm import SimulatedLink
-    from parcourse.experiments.pipeline import tied_weights
     from parcourse.experts import reduce_gradients
     from parcourse.models import gpt_layers
-    from parcourse.pipeline.partition import partition
+    from parcourse.pipeline.partition import partition, tied_weights
     from parcourse.pipeline.runtime import PipelineRuntime
     from parcourse.pipeline.simulate import SimulatedCompute
 
@@ -376,7 +375,7 @@ def hidden_traffic(
         pipelines[here],
         lm_loss,
         tracer=ctx.tracer,
-        tied=tied_weights(mine, cut),
+        tied=tied_weights(cut),
         turns=turns,
         compute=SimulatedCompute(forward_ms / 1e3, backward_ms / 1e3)
         if forward_ms or backward_ms

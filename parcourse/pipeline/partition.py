@@ -54,7 +54,7 @@ def partition(
     return [nn.Sequential(*layers[a:b]) for a, b in stage_bounds(sizes, stages)]
 
 
-def tied_weights(stages: list[nn.Module]) -> list[dict[int, str]]:
+def tied_weights(stages: Sequence[nn.Module]) -> list[dict[int, str]]:
     """Weights more than one stage uses (the embedding and the head), as PipelineRuntime's
     `tied`: {stage: the weight's name in that stage}."""
     where: dict[int, dict[int, str]] = {}

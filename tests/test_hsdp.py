@@ -107,3 +107,20 @@ def test_hsdps_rule_in_one_sentence():
     plan = ParallelPlan(dp=2, dp_shard=2, zero=3)
     assert plan.problems(world=4) == [] and ParallelPlan.parse(plan.label()) == plan
     assert plan.label() == "dp2 tp1 pp1 1f1b m1 dp_shard2 ZeRO-3" and plan.replicas == 4
+
+
+def test_hsdp_memory_per_rank_beside_the_formula(pool4):
+    """Under ZeRO-1 on dp 2 x dp_shard 2 a rank keeps Adam's moments for 1/dp_shard of the
+    weights, not 1/4: `theory.mesh_bytes` with the shard's size (`Roles.shard`), plus
+    Adam's step counter (4 bytes a tensor it steps)."""
+    from hybrid_fns import memory_after_a_step
+
+    from parcourse.theory import mesh_bytes
+
+    shape = {"dp": 2, "dp_shard": 2}
+    results = pool4.run(memory_after_a_step, shape, 1).results
+    theory = mesh_bytes(CONFIG, shape, 1)
+    assert theory["optimizer"] == mesh_bytes(CONFIG, {"dp": 2}, 1)["optimizer"]
+    for memory, tensors in results:
+        assert memory["params"] == theory["params"]
+        assert memory["optimizer"] == theory["optimizer"] + 4 * tensors

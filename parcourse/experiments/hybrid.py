@@ -72,6 +72,66 @@ def placement_step_times(
     return {"times": times, "param_bytes": param_bytes}
 
 
+# HSDP against ZeRO-3 over every data-parallel rank, on 4 ranks, 2 a node.
+HSDP_MESHES: dict[str, dict[str, int]] = {
+    "ZeRO-3 over dp 4": {"dp": 4},
+    "HSDP: dp 2 x dp_shard 2": {"dp": 2, "dp_shard": 2},
+}
+
+
+def hsdp_against_zero3(
+    ctx: RankContext,
+    topology: Topology,
+    steps: int = 3,
+    *,
+    config: GPTConfig | None = None,
+    batch: int = 8,
+) -> dict[str, Any]:
+    """Why HSDP exists: ZeRO-3 over all four data-parallel ranks (4 ranks, 2 a node, on a
+    two-level `topology`) gathers every stage's weights from ranks on the other node before
+    each action; HSDP (ZeRO-3 over dp_shard's ranks, inside a node, each slice summed
+    across dp's, between nodes) gathers inside the node and sends across it only the
+    slices' all-reduce, once a step. Seconds per step of each, taking turns, and the bytes
+    this rank sent in one traced step of each, across nodes and inside its node (the
+    course's ring counts them message by message)."""
+    from parcourse.trace import Tracer
+
+    config = config or PLACEMENT_CONFIG
+    if ctx.world_size != 4 or topology.ranks_per_node != 2:
+        raise ValueError("hsdp_against_zero3 runs on 4 ranks, 2 a node")
+    x, y = progressions(batch, config.block_size, config.vocab)
+    tracers = {name: Tracer(ctx.rank) for name in HSDP_MESHES}
+
+    def build(name: str, tracer: Tracer | None) -> Hybrid:
+        mesh = Mesh(HSDP_MESHES[name], ctx.group, ranks_per_node=2)
+        return Hybrid(
+            gpt(config),
+            mesh,
+            schedule="gpipe",
+            microbatches=1,
+            zero=3,
+            link=topology,
+            tracer=tracer,
+            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01),
+        )
+
+    def step(model: Hybrid) -> Callable[[int], Any]:
+        return lambda _: model.step(x, y)
+
+    timed = {name: build(name, None) for name in HSDP_MESHES}
+    times = take_turns(ctx.group, {name: step(m) for name, m in timed.items()}, steps)
+    sent: dict[str, dict[str, float]] = {}
+    for name, tracer in tracers.items():
+        build(name, tracer).step(x, y)
+        where = {"across": 0.0, "inside": 0.0}
+        for c in tracer.data().counters:
+            if c.name == "bytes_sent" and "to" in c.meta:
+                crosses = topology.node(c.meta["to"]) != topology.node(ctx.rank)
+                where["across" if crosses else "inside"] += c.value
+        sent[name] = where
+    return {"times": times, "sent": sent}
+
+
 def placement_predictions(
     topology: Topology,
     param_bytes: int,

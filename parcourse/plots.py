@@ -1,9 +1,10 @@
 """Matplotlib figures of what ranks did: timelines, memory, tensors.
 
-Every function returns the Figure and takes an optional Axes, so a lesson can
-put several pictures side by side. One file because the figures share their colours,
-legends and bar helpers; read it by function: timeline, memory (by rank, and
-`placement`, by where bytes live), memory_against_gpus, tensors_before_after, bandwidth.
+Every function returns the Figure (the SubFigure, given an Axes on one) and takes an
+optional Axes, so a lesson can put several pictures side by side. One file because the
+figures share their colours, legends and bar helpers; read it by function: timeline,
+memory (by rank, and `placement`, by where bytes live), memory_against_gpus,
+tensors_before_after, bandwidth.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -18,7 +20,7 @@ import torch
 from matplotlib.artist import Artist
 from matplotlib.axes import Axes
 from matplotlib.backend_bases import RendererBase
-from matplotlib.figure import Figure
+from matplotlib.figure import Figure, SubFigure
 from matplotlib.patches import Patch
 from matplotlib.text import Text
 from matplotlib.transforms import Bbox
@@ -26,6 +28,9 @@ from matplotlib.transforms import Bbox
 from parcourse.memory import CATEGORIES, byte_unit
 from parcourse.parts import AXIS_COLORS
 from parcourse.trace import Span, Trace, with_collective_waits
+
+if TYPE_CHECKING:  # matplotlib >= 3.8
+    from matplotlib.typing import ColorType
 
 # A timeline bar's colour says what the span was: the phase of compute, the collective of
 # communication, else its kind. Legends list them in this order.
@@ -44,9 +49,13 @@ SPAN_COLORS = {
 }
 # Pipeline actions (parcourse.pipeline.schedule): I and W split backward in two.
 ACTION_PHASES = {"F": "forward", "B": "backward", "I": "backward", "W": "backward"}
+# A pipeline's backward kinds apart, whatever the colour: B darker, I darker and dotted,
+# W lighter and hatched (zero-bubble's W's fill the bubble).
+ACTION_SHADES = {"B": 0.65, "I": 0.65, "W": 1.35}
+ACTION_HATCHES = {"I": "..", "W": "\\\\"}
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
 # Legends go right of the plotted area, never over the data.
-LEGEND_OUTSIDE = {
+LEGEND_OUTSIDE: dict[str, Any] = {
     "loc": "upper left",
     "bbox_to_anchor": (1.01, 1.0),
     "borderaxespad": 0.0,
@@ -63,7 +72,7 @@ CATEGORY_COLORS = {
 LABEL_KEYS = ("label", "microbatch", "chunk", "bucket", "stage", "step")
 
 
-def _axes(ax: Axes | None, size: tuple[float, float]) -> tuple[Figure, Axes]:
+def _axes(ax: Axes | None, size: tuple[float, float]) -> tuple[Figure | SubFigure, Axes]:
     if ax is not None:
         return ax.figure, ax
     fig, ax = plt.subplots(figsize=size, layout="constrained")
@@ -81,11 +90,11 @@ def _span_label(meta: Mapping[str, object], label_key: str | None) -> str | None
     return None
 
 
-def _shaded(color: object, factor: float) -> tuple[float, float, float]:
+def _shaded(color: ColorType, factor: float) -> tuple[float, float, float]:
     """`color` darker (factor < 1) or lighter (> 1, towards white)."""
     from matplotlib.colors import to_rgb
 
-    r, g, b = to_rgb(color)  # type: ignore[arg-type]
+    r, g, b = to_rgb(color)
     if factor <= 1:
         return (r * factor, g * factor, b * factor)
     k = factor - 1
@@ -137,6 +146,7 @@ class BarLabels(Artist):
     def draw(self, renderer: RendererBase) -> None:
         self.shown = []
         taken: list[Bbox] = []
+        assert self.axes is not None, "drawn only once added to an Axes"
         to_pixels = self.axes.transData
         for left, width, height, label in self._bars:
             label.set_figure(self.figure)
@@ -197,7 +207,7 @@ def timeline(
     color_by: str | None = None,
     comm_lane: bool = False,
     unit: str = "ms",
-) -> Figure:
+) -> Figure | SubFigure:
     """One row per rank, one bar per span, coloured by what it was (span_color_key):
     forward, backward, optimizer or other compute; all-reduce, reduce-scatter, all-gather
     or other communication; idle.
@@ -210,6 +220,10 @@ def timeline(
     `comm_lane=True` draws communication (and a disk's reads and writes) in a lane of
     its own under each rank's compute, so that overlap (comm during backward) shows. The
     legend sits right of the bars.
+
+    Drawn in steps, one function each: a colour per value of `color_by`
+    (`_value_colors`), the bars (`_draw_spans`), their labels (`BarLabels`), the rows and
+    the time axis (`_rank_axes`), the legend (`_timeline_legend`).
     """
     scale = {"s": 1e9, "ms": 1e6, "us": 1e3}[unit]
     fig, ax = _axes(ax, (11, 0.6 + 0.5 * trace.world_size))
@@ -222,18 +236,7 @@ def timeline(
             else "one rank: nothing to communicate"
         )
         if not any(s.kind != "comm" for s in trace.spans):
-            ax.text(
-                0.5,
-                0.5,
-                "one rank: nothing to communicate",
-                ha="center",
-                va="center",
-                transform=ax.transAxes,
-                fontsize=11,
-            )
-            ax.set_axis_off()
-            if title:
-                ax.set_title(title, loc="left")
+            _nothing_to_communicate(ax, title)
             return fig
         # ... and what it recorded as communication (a collective over itself) is not
         # drawn under a title that says there is none.
@@ -242,32 +245,89 @@ def timeline(
     trace = with_collective_waits(trace)
     t0 = trace.t0_ns
     end = max((s.end_ns for s in trace.spans), default=t0 + 1)
-    span_width = (end - t0) / scale
+    values, color_of = _value_colors(trace, color_by)
+    used, bars = _draw_spans(
+        ax,
+        trace,
+        t0,
+        scale,
+        color_by=color_by,
+        color_of=color_of,
+        comm_lane=comm_lane,
+        label_key=label_key,
+    )
+    labels = BarLabels()
+    for y, left, width, height, text in _visible_parts(bars):
+        labels.add(left, width, y, height, text)
+    ax.add_artist(labels)
+    _rank_axes(ax, trace.world_size, unit, (end - t0) / scale)
+    _timeline_legend(ax, trace, color_by, values, color_of, used)
+    ax.grid(axis="x", alpha=0.3)
+    if title:
+        ax.set_title(title, loc="left")
+    return fig
+
+
+def _nothing_to_communicate(ax: Axes, title: str) -> None:
+    """One rank's timeline of communication alone: a sentence instead of bars."""
+    ax.text(
+        0.5,
+        0.5,
+        "one rank: nothing to communicate",
+        ha="center",
+        va="center",
+        transform=ax.transAxes,
+        fontsize=11,
+    )
+    ax.set_axis_off()
+    if title:
+        ax.set_title(title, loc="left")
+
+
+def _value_colors(trace: Trace, color_by: str | None) -> tuple[list[Any], dict[Any, ColorType]]:
+    """The values of `color_by` in the trace's spans, sorted, and a colour for each (a mesh
+    axis keeps its colour in every figure of the course)."""
     values = (
         sorted({s.meta[color_by] for s in trace.spans if color_by in s.meta}) if color_by else []
     )
     palette = plt.get_cmap("tab10" if len(values) <= 10 else "tab20")
-    color_of = {v: palette(i % palette.N) for i, v in enumerate(values)}
-    if color_by == "axis":  # a mesh axis keeps its colour in every figure of the course
+    color_of: dict[Any, ColorType] = {v: palette(i % palette.N) for i, v in enumerate(values)}
+    if color_by == "axis":
         color_of = {v: AXIS_COLORS.get(v, color_of[v]) for v in values}
-    labels = BarLabels()
+    return values, color_of
+
+
+def _draw_spans(
+    ax: Axes,
+    trace: Trace,
+    t0: int,
+    scale: float,
+    *,
+    color_by: str | None,
+    color_of: Mapping[Any, ColorType],
+    comm_lane: bool,
+    label_key: str | None,
+) -> tuple[set[str], list[tuple[float, float, float, float, str | None]]]:
+    """A bar per span that lasts, time counted from `t0` in units of `scale` ns, parents
+    before the spans nested in them (thinner, on top). Returns the SPAN_COLORS keys drawn
+    (for the legend) and, in drawing order, each bar's (y, left, right, height, label)."""
     used: set[str] = set()
-    bars: list[tuple[float, float, float, float, str | None]] = []  # in drawing order
+    bars: list[tuple[float, float, float, float, str | None]] = []
     for s in sorted(trace.spans, key=lambda s: s.depth):
         if s.end_ns <= s.start_ns:
             continue  # an instant (a message that had arrived): nothing to draw
         height = 0.8 * 0.75**s.depth
-        y = s.rank
+        y: float = s.rank
         if comm_lane:  # data moving (messages, and a disk's reads and writes) below
             height /= 2
             y += 0.2 if s.kind == "comm" or span_color_key(s) == "disk" else -0.2
         left, width = (s.start_ns - t0) / scale, (s.end_ns - s.start_ns) / scale
         # Waiting is no work of any axis or microbatch: always drawn as waiting.
-        color = color_of.get(s.meta.get(color_by)) if color_by and s.kind != "idle" else None
-        key = span_color_key(s) if color is None else ""
+        given = color_of.get(s.meta.get(color_by)) if color_by and s.kind != "idle" else None
+        key = span_color_key(s) if given is None else ""
         if key:
             used.add(key)
-            color = SPAN_COLORS[key]
+        color = SPAN_COLORS[key] if given is None else given
         if key == "idle":  # an outline, hatched: time nothing ran, not a kind of work
             ax.barh(
                 y,
@@ -281,32 +341,42 @@ def timeline(
                 zorder=2 + s.depth,
             )
         else:
-            action = s.meta.get("action")
-            # a pipeline's backward kinds apart, whatever the colour: B darker, I darker
-            # and dotted, W lighter and hatched (zero-bubble's W's fill the bubble)
-            shade = {"B": 0.65, "I": 0.65, "W": 1.35}.get(str(action), 1.0)
+            action = str(s.meta.get("action"))
             ax.barh(
                 y,
                 width,
                 left=left,
                 height=height,
-                color=_shaded(color, shade),
-                hatch={"I": "..", "W": "\\\\"}.get(str(action)),
+                color=_shaded(color, ACTION_SHADES.get(action, 1.0)),
+                hatch=ACTION_HATCHES.get(action),
                 edgecolor="white",
                 linewidth=0.5,
                 zorder=2 + s.depth,
             )
         bars.append((y, left, left + width, height, _span_label(s.meta, label_key)))
-    for y, left, width, height, text in _visible_parts(bars):
-        labels.add(left, width, y, height, text)
-    ax.add_artist(labels)
-    ax.set_yticks(range(trace.world_size), [f"rank {r}" for r in range(trace.world_size)])
-    ax.set_ylim(trace.world_size - 0.5, -0.5)
+    return used, bars
+
+
+def _rank_axes(ax: Axes, world_size: int, unit: str, span_width: float) -> None:
+    """A row per rank, rank 0 on top; time from 0 to the end of the longest timeline that
+    shares this one's time axis (drawn before it), so that none is cut off on the right."""
+    ax.set_yticks(range(world_size), [f"rank {r}" for r in range(world_size)])
+    ax.set_ylim(world_size - 0.5, -0.5)
     ax.set_xlabel(f"time ({unit})")
-    # sharing its time axis with timelines drawn before: the longest one's width for all,
-    # so that none is cut off on the right
     others = [a for a in ax.get_shared_x_axes().get_siblings(ax) if a is not ax and a.has_data()]
     ax.set_xlim(0, max([span_width, *(a.dataLim.x1 for a in others)]) * 1.01 or 1)
+
+
+def _timeline_legend(
+    ax: Axes,
+    trace: Trace,
+    color_by: str | None,
+    values: Sequence[Any],
+    color_of: Mapping[Any, ColorType],
+    used: set[str],
+) -> None:
+    """The legend right of the bars: the values of `color_by`, the SPAN_COLORS drawn, and,
+    coloured by value with several kinds of pipeline action, the shade of each kind."""
     handles = [Patch(color=color_of[v], label=f"{color_by} {v}") for v in values]
     handles += [
         Patch(facecolor="none", edgecolor=c, hatch="////", label="idle (waiting)")
@@ -322,8 +392,8 @@ def timeline(
         names = {"F": "forward", "B": "backward", "I": "input grad.", "W": "weight grad."}
         handles += [
             Patch(
-                facecolor=_shaded("#808080", {"B": 0.65, "I": 0.65, "W": 1.35}.get(a, 1.0)),
-                hatch={"I": "..", "W": "\\\\"}.get(a),
+                facecolor=_shaded("#808080", ACTION_SHADES.get(a, 1.0)),
+                hatch=ACTION_HATCHES.get(a),
                 edgecolor="white",
                 label=f"{a}: {names[a]}",
             )
@@ -331,10 +401,6 @@ def timeline(
         ]
     rows = max(1, (trace.world_size * 3) // 2 + 2)  # entries that fit beside the bars
     ax.legend(handles=handles, frameon=False, ncols=-(-len(handles) // rows) or 1, **LEGEND_OUTSIDE)
-    ax.grid(axis="x", alpha=0.3)
-    if title:
-        ax.set_title(title, loc="left")
-    return fig
 
 
 PLACEMENTS = ("device", "host", "disk")
@@ -347,7 +413,7 @@ def placement(
     ax: Axes | None = None,
     *,
     title: str | None = None,
-) -> Figure:
+) -> Figure | SubFigure:
     """Bytes per parameter by where they live: for each configuration, a bar for the
     device, the host and the disk, stacked by category ({label: {placement: {category:
     bytes}}}, as `zero.bytes_by_placement` gives them). `formulas` (same shape) are drawn
@@ -395,7 +461,9 @@ def _stacked_bar(
 
 def _category_legend(ax: Axes, used: set[str], line: str | None, title: str | None) -> None:
     """The categories drawn, and the dashed line's meaning (`line`, if one is drawn)."""
-    handles = [Patch(color=CATEGORY_COLORS[c], label=c) for c in CATEGORIES if c in used]
+    handles: list[Artist] = [
+        Patch(color=CATEGORY_COLORS[c], label=c) for c in CATEGORIES if c in used
+    ]
     if line:
         handles.append(plt.Line2D([], [], color="black", linestyle="--", label=line))
     ax.legend(handles=handles, **LEGEND_OUTSIDE)
@@ -411,7 +479,7 @@ def memory(
     labels: Sequence[str] | None = None,
     theory: Mapping[str, float] | None = None,
     title: str | None = None,
-) -> Figure:
+) -> Figure | SubFigure:
     """Bytes per rank, stacked by category, at each named memory sample.
 
     Groups of bars, one group per label (e.g. "after forward"), one bar per
@@ -448,7 +516,7 @@ def memory(
                 colors="black",
                 linestyles="--",
                 zorder=5,
-                label="theory" if g == 0 else None,
+                label="theory" if g == 0 else "",
             )
     # Two short lines rather than one long one: side-by-side plots leave little room.
     ax.set_xticks(range(len(labels)), [textwrap.fill(label, 12) for label in labels])
@@ -470,7 +538,7 @@ def memory_against_gpus(
     *,
     gpus: Mapping[str, float] = GPU_MEMORY_GB,
     title: str | None = None,
-) -> Figure:
+) -> Figure | SubFigure:
     """Bytes per rank as one bar per category and their stacked total, beside the memory
     of real GPUs (horizontal lines, in GiB): does it fit? Under a GiB a rank, in the unit
     that fits (a few bytes would read 9.31e-07 GiB), and no GPU is near it to draw."""
@@ -603,7 +671,7 @@ def bandwidth(
     *,
     ceiling: float | None = None,
     title: str | None = None,
-) -> Figure:
+) -> Figure | SubFigure:
     """Bus bandwidth against message size, measured (dots) beside a model (lines).
 
     `measured` maps an algorithm to its busbw in bytes/s at each size; `models`
@@ -653,9 +721,19 @@ def count(n: int, noun: str, plural: str | None = None) -> str:
     return f"{n} {plural or (noun + 'es' if noun.endswith(('ch', 'sh', 's', 'x')) else noun + 's')}"
 
 
+class TurnsRun(TypedDict):
+    """One rank's step as `device_turns` draws it (`experiments.experts.hidden_traffic`'s
+    result): when it started, the turns held ((action kind, start, end)) and the
+    all-to-all waits ((start, end)), in seconds."""
+
+    start: float
+    held: list[tuple[str, float, float]]
+    waits: list[tuple[float, float]]
+
+
 def device_turns(
-    runs: Mapping[str, Mapping[str, object]], ax: Axes | None = None, *, title: str | None = None
-) -> Figure:
+    runs: Mapping[str, TurnsRun], ax: Axes | None = None, *, title: str | None = None
+) -> Figure | SubFigure:
     """One rank's device over one step of each run, beside the all-to-all it waited for:
     for each label (a schedule), a row of the turn held (forward, backward) and under it a
     row of the all-to-all waits, grey where the other thread computed beside them (hidden),
@@ -666,9 +744,9 @@ def device_turns(
     fig, ax = _axes(ax, (10, 1.2 + 1.1 * len(runs)))
     rows, y = [], 0.0
     for label, run in runs.items():
-        t0 = float(run["start"])  # type: ignore[arg-type]
-        held = [(k, s, e) for k, s, e in run["held"] if e > t0]  # type: ignore[attr-defined]
-        waits = [(s, e) for s, e in run["waits"] if e > t0]  # type: ignore[attr-defined]
+        t0 = float(run["start"])
+        held = [(k, s, e) for k, s, e in run["held"] if e > t0]
+        waits = [(s, e) for s, e in run["waits"] if e > t0]
         for phase in {ACTION_PHASES[kind] for kind, _, _ in held}:  # one call a colour
             ax.broken_barh(
                 [

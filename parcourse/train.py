@@ -18,7 +18,7 @@ import re
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,12 @@ import torch.nn.functional as F
 
 from parcourse.models import GPTConfig
 from parcourse.plan import ParallelPlan
+
+if TYPE_CHECKING:
+    from parcourse.checkpoint import PendingSave
+    from parcourse.corpus import Corpus, ShardedLoader
+    from parcourse.hybrid import Hybrid
+    from parcourse.mesh import Mesh
 
 
 @dataclass(frozen=True)
@@ -146,14 +152,66 @@ def train_on_corpus(
     mesh, whatever mesh saved it) and goes on to `steps`. The rank's status names the
     step it is in, so a rank that dies is reported with it. `kill=(rank, step)`: that
     rank kills itself (SIGKILL, as the OOM killer or a lost node would) when it reaches
-    that step: a fault on purpose, for lesson 10 and the tests."""
-    from parcourse import checkpoint
-    from parcourse.corpus import ShardedLoader, open_corpus
+    that step: a fault on purpose, for lesson 10 and the tests.
+
+    In phases, one function each: set up the mesh, the model and the data (`_set_up`),
+    resume from a checkpoint (`_resume`), then every step (`_train_step`) and the
+    checkpoints after some of them (`_Checkpoints`)."""
+    from parcourse.corpus import open_corpus
+
+    corpus = open_corpus(corpus_dir)
+    run = _set_up(ctx, s, corpus)
+    history: list[dict[str, Any]] = []
+    start, resumed_from = 0, None
+    saves = None if out is None else f"{out}/checkpoints"
+    if resume:
+        start, history, resumed_from = _resume(ctx, run, saves, corpus.meta["sha256"])
+    checkpoints = _Checkpoints(ctx, s, run, saves, corpus.meta["sha256"])
+    for step in range(start, s.steps):
+        checkpoints.collect()
+        ctx.tracer.set_status(step_status(step, s.steps, history[-1]["loss"] if history else None))
+        if kill is not None and kill == (ctx.rank, step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        history.append(_train_step(ctx, s, run, step))
+        if saves is not None and (
+            step == s.steps - 1 or (s.save_every and (step + 1) % s.save_every == 0)
+        ):
+            checkpoints.save(step + 1, history)
+    checkpoints.finish()
+    dist.barrier(group=ctx.group)  # rank 0 has committed the last one
+    final = run.model.full_state_dict()
+    return {
+        "history": history,
+        "state": final if ctx.rank == 0 else None,
+        "loader": run.loader.state_dict(),
+        "corpus": corpus.meta["sha256"],
+        "memory": run.model.memory(),
+        "saved": checkpoints.saved,
+        "resumed_from": resumed_from,
+        "started_at": start,
+    }
+
+
+@dataclass
+class _Run:
+    """What a rank trains with: its mesh, its part of the model (with the optimizer), the
+    loader of its replica's rows, and the validation batch (the same on every rank)."""
+
+    mesh: Mesh
+    config: GPTConfig
+    model: Hybrid
+    loader: ShardedLoader
+    val: tuple[torch.Tensor, torch.Tensor]
+
+
+def _set_up(ctx: Any, s: TrainSettings, corpus: Corpus) -> _Run:
+    """The mesh of the plan, the model on it (seeded alike on every rank), the loader of
+    this rank's replica and the validation batch."""
+    from parcourse.corpus import ShardedLoader
     from parcourse.hybrid import Hybrid
     from parcourse.mesh import Mesh
     from parcourse.models import gpt
 
-    corpus = open_corpus(corpus_dir)
     mesh = Mesh(s.plan.shape, ctx.group, order=s.plan.order)
     config = s.config
     s.plan.check(config, s.batch)
@@ -170,91 +228,97 @@ def train_on_corpus(
     loader = ShardedLoader(
         corpus.train, s.block_size, s.batch, replica=replica, replicas=replicas, seed=s.seed
     )
-    val_x, val_y = ShardedLoader(
+    val = ShardedLoader(
         corpus.val if len(corpus.val) > s.block_size * s.eval_batch else corpus.train,
         s.block_size,
         s.eval_batch,
         seed=s.seed + 1,
     ).next()
-    history: list[dict[str, Any]] = []
-    start, resumed_from = 0, None
-    saves = None if out is None else f"{out}/checkpoints"
-    if resume:
-        found = checkpoint.latest(saves) if saves is not None else None
-        if found is None:
-            raise ValueError(f"nothing to resume: no checkpoint under {saves}")
-        ctx.tracer.set_status(f"loading {found}")
-        meta = checkpoint.load(model, found, expect={"corpus": corpus.meta["sha256"]})
-        loader.load_state_dict(meta["extra"]["loader"])
-        start, history, resumed_from = meta["step"], meta["extra"]["history"], str(found)
-    saved: list[str] = []
-    pending: list[Any] = []  # a background save not yet committed
+    return _Run(mesh, config, model, loader, val)
 
-    def finish_pending() -> None:
-        while pending:
-            saved.append(str(pending.pop().result()))
 
-    def save(step: int) -> None:
-        finish_pending()  # one at a time
-        ctx.tracer.set_status(f"saving a checkpoint after step {step}")
-        extra = {
-            "corpus": corpus.meta["sha256"],
-            "loader": loader.state_dict(),
-            "history": list(history),
-            "settings": dataclasses.asdict(s),
-        }
-        done = checkpoint.save(model, saves, step, extra, blocking=not s.async_save)
-        if s.async_save:
-            pending.append(done)
-        else:
-            saved.append(str(done))
+def _resume(
+    ctx: Any, run: _Run, saves: str | None, corpus: str
+) -> tuple[int, list[dict[str, Any]], str]:
+    """The newest checkpoint under `saves` into the model and the loader (refused if it
+    was made on another corpus); returns its step, its history and where it was."""
+    from parcourse import checkpoint
 
-    for step in range(start, s.steps):
-        if pending and pending[0].poll():  # written: committed (rank 0) without waiting
-            saved.append(str(pending.pop().result()))
-        ctx.tracer.set_status(step_status(step, s.steps, history[-1]["loss"] if history else None))
-        if kill is not None and kill == (ctx.rank, step):
-            os.kill(os.getpid(), signal.SIGKILL)
-        lr = learning_rate(step, s)
-        for group in model.optimizer.param_groups:
-            group["lr"] = lr
-        x, y = loader.next()
-        begin = time.perf_counter()
-        loss = model.step(x, y, local=True)
-        seconds = time.perf_counter() - begin
-        # The loss from the last stage to every rank of the pipeline, so that each rank's
-        # history (and the checkpoint's, written by rank 0) has it.
-        shared = torch.tensor([0.0 if loss is None else loss])
-        dist.all_reduce(shared, group=mesh.group("pp"))
-        loss = shared.item()
-        entry = {
-            "step": step,
-            "lr": lr,
-            "loss": loss,
-            "seconds": seconds,
-            "grad_norm": model.grad_norm,
-        }
-        if (step + 1) % s.eval_every == 0 or step == s.steps - 1:
-            state = model.full_state_dict()
-            entry["val_loss"] = _evaluate(state, config, val_x, val_y) if ctx.rank == 0 else None
-        history.append(entry)
-        if saves is not None and (
-            step == s.steps - 1 or (s.save_every and (step + 1) % s.save_every == 0)
-        ):
-            save(step + 1)
-    finish_pending()
-    dist.barrier(group=ctx.group)  # rank 0 has committed the last one
-    final = model.full_state_dict()
-    return {
-        "history": history,
-        "state": final if ctx.rank == 0 else None,
-        "loader": loader.state_dict(),
-        "corpus": corpus.meta["sha256"],
-        "memory": model.memory(),
-        "saved": saved,
-        "resumed_from": resumed_from,
-        "started_at": start,
+    found = checkpoint.latest(saves) if saves is not None else None
+    if found is None:
+        raise ValueError(f"nothing to resume: no checkpoint under {saves}")
+    ctx.tracer.set_status(f"loading {found}")
+    meta = checkpoint.load(run.model, found, expect={"corpus": corpus})
+    run.loader.load_state_dict(meta["extra"]["loader"])
+    return meta["step"], meta["extra"]["history"], str(found)
+
+
+def _train_step(ctx: Any, s: TrainSettings, run: _Run, step: int) -> dict[str, Any]:
+    """One step at its learning rate; its history entry, with the validation loss (rank
+    0's; None elsewhere) every `eval_every` steps and at the last."""
+    lr = learning_rate(step, s)
+    for group in run.model.optimizer.param_groups:
+        group["lr"] = lr
+    x, y = run.loader.next()
+    begin = time.perf_counter()
+    loss = run.model.step(x, y, local=True)
+    seconds = time.perf_counter() - begin
+    # The loss from the last stage to every rank of the pipeline, so that each rank's
+    # history (and the checkpoint's, written by rank 0) has it.
+    shared = torch.tensor([0.0 if loss is None else loss])
+    dist.all_reduce(shared, group=run.mesh.group("pp"))
+    entry = {
+        "step": step,
+        "lr": lr,
+        "loss": shared.item(),
+        "seconds": seconds,
+        "grad_norm": run.model.grad_norm,
     }
+    if (step + 1) % s.eval_every == 0 or step == s.steps - 1:
+        state = run.model.full_state_dict()
+        entry["val_loss"] = _evaluate(state, run.config, *run.val) if ctx.rank == 0 else None
+    return entry
+
+
+class _Checkpoints:
+    """A run's checkpoints under `saves`: written after a step (`save`), in the background
+    with `async_save`, one at a time; `saved` lists those committed, `collect` takes in
+    a background one that has finished without waiting, `finish` waits for it."""
+
+    def __init__(
+        self, ctx: Any, s: TrainSettings, run: _Run, saves: str | None, corpus: str
+    ) -> None:
+        self.ctx, self.s, self.run, self.saves, self.corpus = ctx, s, run, saves, corpus
+        self.saved: list[str] = []
+        self.pending: list[PendingSave] = []  # a background save not yet committed
+
+    def collect(self) -> None:
+        if self.pending and self.pending[0].poll():  # written: committed (rank 0) at once
+            self.saved.append(str(self.pending.pop().result()))
+
+    def finish(self) -> None:
+        while self.pending:
+            self.saved.append(str(self.pending.pop().result()))
+
+    def save(self, step: int, history: list[dict[str, Any]]) -> None:
+        from parcourse import checkpoint
+
+        assert self.saves is not None, "saving needs a directory (`out`)"
+        self.finish()  # one at a time
+        self.ctx.tracer.set_status(f"saving a checkpoint after step {step}")
+        extra = {
+            "corpus": self.corpus,
+            "loader": self.run.loader.state_dict(),
+            "history": list(history),
+            "settings": dataclasses.asdict(self.s),
+        }
+        done = checkpoint.save(
+            self.run.model, self.saves, step, extra, blocking=not self.s.async_save
+        )
+        if isinstance(done, checkpoint.PendingSave):
+            self.pending.append(done)
+        else:
+            self.saved.append(str(done))
 
 
 def step_status(step: int, steps: int, last_loss: float | None) -> str:

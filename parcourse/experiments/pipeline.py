@@ -27,7 +27,7 @@ from parcourse.pipeline.simulate import (
     measured_bubble,
     simulate,
 )
-from parcourse.trace import Span, Trace
+from parcourse.trace import Span, Trace, TraceData
 
 make_schedule = schedule_by_name  # the one registry of names is parcourse.pipeline.schedule's
 
@@ -74,7 +74,9 @@ def model_and_data(
     raise ValueError(f"model must be 'mlp' or 'gpt', got {model!r}")
 
 
-def tied_weights(stages: dict[int, nn.Module], all_stages: list[nn.Module]) -> list[dict[int, str]]:
+def tied_weights(
+    stages: dict[int, nn.Module], all_stages: Sequence[nn.Module]
+) -> list[dict[int, str]]:
     """Weights that more than one stage uses (a GPT's embedding and head), as
     {stage: name in that stage} for PipelineRuntime's `tied`."""
     where: dict[int, dict[int, str]] = {}
@@ -119,6 +121,10 @@ def train(
     weights (named as in the whole model), the losses (on the last stage's rank), the
     last step's spans, the schedule, and the last step's peak in-flight activation bytes
     with the bytes one microbatch holds on each of this rank's stages (when traced).
+
+    In three phases: the model cut into this rank's stages (`_rank_stages`) and a runtime
+    over them, the steps (`_run_steps`), and what the tracer saw in the last one
+    (`_last_step`).
     """
     plan = _schedule(schedule, ctx.world_size)
     per_rank = plan.model_stages // plan.ranks  # a rank's share of the model, in stages
@@ -131,12 +137,7 @@ def train(
     for name in frozen:
         whole.get_parameter(name).requires_grad_(False)
     names = {id(p): n for n, p in whole.named_parameters()}
-    cut = partition(layers, plan.model_stages, by)  # DualPipe: two copies of each stage
-    mine = {
-        s: cut[plan.model_stage(s)].to(ctx.device)
-        for s, r in enumerate(plan.stage_rank)
-        if r == ctx.rank
-    }
+    cut, mine = _rank_stages(ctx, plan, layers, by)
     runtime = PipelineRuntime(
         plan,
         mine,
@@ -150,6 +151,49 @@ def train(
     )
     params = list({id(p): p for m in mine.values() for p in m.parameters()}.values())
     opt = torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
+    losses, spans_before, counters_before = _run_steps(
+        ctx, runtime, opt, x, y, steps=steps, accumulate=accumulate
+    )
+    weights = {names[id(p)]: p.detach().cpu().clone() for p in params}
+    last_step, peak, held = _last_step(ctx.tracer.data(), spans_before, counters_before)
+    return {
+        "weights": weights,
+        "losses": losses,
+        "spans": last_step,
+        "schedule": plan,
+        "peak_in_flight_bytes": peak,
+        "held_per_stage": held,
+    }
+
+
+def _rank_stages(
+    ctx: RankContext, plan: Schedule, layers: Sequence[nn.Module], by: By
+) -> tuple[list[nn.Sequential], dict[int, nn.Module]]:
+    """The layers cut into the model's stages (DualPipe holds two copies of each), and the
+    stages this rank holds in `plan`, on its device."""
+    cut = partition(layers, plan.model_stages, by)
+    mine: dict[int, nn.Module] = {
+        s: cut[plan.model_stage(s)].to(ctx.device)
+        for s, r in enumerate(plan.stage_rank)
+        if r == ctx.rank
+    }
+    return cut, mine
+
+
+def _run_steps(
+    ctx: RankContext,
+    runtime: PipelineRuntime,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    steps: int,
+    accumulate: int,
+) -> tuple[list[float], int, int]:
+    """`steps` optimizer steps, each over `accumulate` runtime steps (the batch cut in as
+    many parts, gradients added up). Returns the losses (on the ranks where microbatches
+    leave), and how many spans and counters the tracer held when the last step began."""
+    plan = runtime.schedule
     first, last = plan.entry_ranks, plan.exit_ranks  # where microbatches enter (DualPipe:
     #                                                  both ends), and where they leave
     losses = []
@@ -170,21 +214,21 @@ def train(
         opt.zero_grad()
         if loss is not None:
             losses.append(loss)
-    weights = {names[id(p)]: p.detach().cpu().clone() for p in params}
-    data = ctx.tracer.data()
+    return losses, spans_before, counters_before
+
+
+def _last_step(
+    data: TraceData, spans_before: int, counters_before: int
+) -> tuple[list[Span], float, dict[int, float]]:
+    """The last step's spans (those after the first `spans_before`), its peak in-flight
+    activation bytes, and the bytes one microbatch holds on each stage (at its first F),
+    from the in-flight counters after the first `counters_before`."""
     last_step = data.spans[spans_before:]
     counts = [c for c in data.counters[counters_before:] if c.name == "in_flight_bytes"]
     held: dict[int, float] = {}  # bytes one microbatch holds on each stage: its first F
     for c in counts:
         held.setdefault(c.meta["stage"], c.value)
-    return {
-        "weights": weights,
-        "losses": losses,
-        "spans": last_step,
-        "schedule": plan,
-        "peak_in_flight_bytes": max((c.meta["now"] for c in counts), default=0.0),
-        "held_per_stage": held,
-    }
+    return last_step, max((c.meta["now"] for c in counts), default=0.0), held
 
 
 def bubble_of(run: Any) -> float:
@@ -241,56 +285,87 @@ def step_times(
         raise ValueError(
             f"step_times runs on CPU ranks (Pool(n, device='cpu')); this rank is on {ctx.device}"
         )
-
-    import torch.distributed.pipelining as pipelining
-
-    from parcourse.memory import PeakSavedBytes
-
-    rank = ctx.rank
     plan = make_schedule(schedule, ctx.world_size, microbatches, chunks)
     x, y = regression_batch(batch, width)
+    ours, ours_params = _our_step(ctx, plan, depth, width, x, y)
+    theirs, theirs_params = _torch_step(ctx, plan, schedule, microbatches, depth, width, x, y)
+    torch_name = f"torch {TORCH_SCHEDULES[schedule]}"
+    runs = {"ours": ours, torch_name: theirs}
+    peaks = _peak_activations(ctx, runs, {"ours": ours_params, torch_name: theirs_params})
+    times = take_turns(
+        ctx.group, {name: _each_round(fn) for name, fn in runs.items()}, steps, warmup=0
+    )  # warmed up above
+    return {"times": times, "peaks": peaks}
+
+
+def _our_step(
+    ctx: RankContext, plan: Schedule, depth: int, width: int, x: torch.Tensor, y: torch.Tensor
+) -> tuple[Callable[[], None], list[nn.Parameter]]:
+    """One SGD step of a deep MLP under `plan` on our runtime, and this rank's weights."""
     first, last = plan.entry_ranks, plan.exit_ranks  # where microbatches enter (DualPipe:
     #                                                  both ends), and where they leave
-    local = [s for s, r in enumerate(plan.stage_rank) if r == rank]
+    local = [s for s, r in enumerate(plan.stage_rank) if r == ctx.rank]
+    cut = partition(deep_mlp(depth, width), plan.stages)
+    stages: dict[int, nn.Module] = {s: cut[s] for s in local}
+    runtime = PipelineRuntime(plan, stages, ctx.group, nn.functional.mse_loss)
+    params = [p for s in local for p in cut[s].parameters()]
+    opt = torch.optim.SGD(params, lr=0.01)
 
-    ours_cut = partition(deep_mlp(depth, width), plan.stages)
-    ours_stages = {s: ours_cut[s] for s in local}
-    ours = PipelineRuntime(plan, ours_stages, ctx.group, nn.functional.mse_loss)
-    ours_params = [p for s in local for p in ours_cut[s].parameters()]
-    ours_opt = torch.optim.SGD(ours_params, lr=0.01)
+    def step() -> None:
+        runtime.step(x if ctx.rank in first else None, y if ctx.rank in last else None)
+        opt.step()
+        opt.zero_grad()
 
-    def ours_step() -> None:
-        ours.step(x if rank in first else None, y if rank in last else None)
-        ours_opt.step()
-        ours_opt.zero_grad()
+    return step, params
 
-    theirs_cut = partition(deep_mlp(depth, width), plan.stages)
-    torch_stages = [
-        pipelining.PipelineStage(theirs_cut[s], s, plan.stages, ctx.device, group=ctx.group)
-        for s in local
+
+def _torch_step(
+    ctx: RankContext,
+    plan: Schedule,
+    schedule: str,
+    microbatches: int,
+    depth: int,
+    width: int,
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> tuple[Callable[[], None], list[nn.Parameter]]:
+    """The same step on torch.distributed.pipelining's counterpart of `schedule` (the same
+    cut of the same MLP, on the same ranks), and this rank's weights."""
+    import torch.distributed.pipelining as pipelining
+
+    first, last = plan.entry_ranks, plan.exit_ranks
+    local = [s for s, r in enumerate(plan.stage_rank) if r == ctx.rank]
+    cut = partition(deep_mlp(depth, width), plan.stages)
+    stages = [
+        pipelining.PipelineStage(cut[s], s, plan.stages, ctx.device, group=ctx.group) for s in local
     ]
     cls = getattr(pipelining, TORCH_SCHEDULES[schedule])
     theirs = cls(
-        torch_stages[0] if len(local) == 1 else torch_stages,
+        stages[0] if len(local) == 1 else stages,
         microbatches,
         loss_fn=nn.functional.mse_loss,
     )
-    theirs_opt = torch.optim.SGD([p for s in local for p in theirs_cut[s].parameters()], lr=0.01)
+    opt = torch.optim.SGD([p for s in local for p in cut[s].parameters()], lr=0.01)
 
-    def theirs_step() -> None:
-        args = (x,) if rank in first else ()
-        kwargs = {"target": y} if rank in last else {}
+    def step() -> None:
+        args = (x,) if ctx.rank in first else ()
+        kwargs = {"target": y} if ctx.rank in last else {}
         theirs.step(*args, **kwargs)
-        theirs_opt.step()
-        theirs_opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
 
-    runs = {"ours": ours_step, f"torch {TORCH_SCHEDULES[schedule]}": theirs_step}
-    weights = {
-        "ours": ours_params,
-        f"torch {TORCH_SCHEDULES[schedule]}": [
-            p for s in local for p in theirs_cut[s].parameters()
-        ],
-    }
+    return step, [p for s in local for p in cut[s].parameters()]
+
+
+def _peak_activations(
+    ctx: RankContext,
+    runs: dict[str, Callable[[], None]],
+    weights: dict[str, list[nn.Parameter]],
+) -> dict[str, int]:
+    """Each run's peak saved-activation bytes over one step (its `weights` excluded),
+    after a step of warm-up."""
+    from parcourse.memory import PeakSavedBytes
+
     peaks: dict[str, int] = {}
     for name, fn in runs.items():
         fn()  # warm-up
@@ -298,10 +373,12 @@ def step_times(
         with PeakSavedBytes(exclude=weights[name]) as saved:  # activations, not weights
             fn()
         peaks[name] = saved.peak
-    times = take_turns(
-        ctx.group, {name: lambda _, fn=fn: fn() for name, fn in runs.items()}, steps, warmup=0
-    )  # warmed up above
-    return {"times": times, "peaks": peaks}
+    return peaks
+
+
+def _each_round(step: Callable[[], None]) -> Callable[[int], None]:
+    """`step` as `take_turns` calls it: given the round's number, which it does not need."""
+    return lambda _: step()
 
 
 def as_trace(timeline: Timeline) -> Trace:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,7 @@ from parcourse.launch import RankContext
 from parcourse.memory import SavedActivations
 from parcourse.models import mlp
 from parcourse.theory import zero_bytes, zero_checked_at
-from parcourse.trace import Trace
+from parcourse.trace import MemorySample, Trace, Tracer
 from parcourse.zero import shard as zero_shard
 from parcourse.zero.layout import FlatUnit, row_chunk
 
@@ -34,7 +34,7 @@ def mlp_for(params: int, depth: int = 4) -> tuple[int, int]:
 
 def memory_by_stage(
     ctx: RankContext,
-    stage: int,
+    stage: Literal[0, 1, 2, 3],
     params: int = 1_000_000,
     depth: int = 4,
     batch: int = 32,
@@ -48,6 +48,9 @@ def memory_by_stage(
     Returns the parameter count, the theory for this rank, the sample at which each
     category is checked against it, and the bytes this rank sent in the second step,
     counted message by message (stages 1-3, whose collectives are the ring's).
+
+    In phases: the model wrapped for its stage (`_wrapped`), a first step that creates
+    Adam's state (`_plain_step`), a second one sampled (`_sampled_step`), the formulas.
     """
     dtype = getattr(torch, mixed_precision) if mixed_precision else None
     if dtype is not None and stage == 0:
@@ -56,54 +59,10 @@ def memory_by_stage(
     ctx.tracer.set_status("building the model")
     model = mlp(width, width, width, depth=depth)
     n_params = sum(p.numel() for p in model.parameters())
-    adam = lambda ps: torch.optim.Adam(ps, lr=1e-3)  # noqa: E731
-    if stage == 0:
-        zmodel: nn.Module = BucketedDataParallel(model, ctx.group, bucket_mb=bucket_mb)
-        opt: Any = adam(zmodel.parameters())
-    else:
-        zmodel, opt = zero_shard(
-            model,
-            adam,
-            stage=stage,
-            group=ctx.group,
-            bucket_mb=bucket_mb,
-            mixed_precision=dtype,
-            tracer=ctx.tracer,
-        )
+    zmodel, opt = _wrapped(ctx, model, stage, bucket_mb, dtype)
     x, y = local_regression(batch, width, width, ctx.rank, ctx.world_size)
-    tracer = ctx.tracer
-    peak: dict[str, Any] = {}
-
-    def sample_in_backward(_: torch.Tensor) -> None:
-        s = tracer.memory("in backward", zmodel, opt, acts)
-        if not peak or s.total > peak["sample"].total:
-            peak["sample"] = s
-
-    for step in range(2):  # the first step creates Adam's state
-        if step == 1:
-            sent_before = tracer.total("bytes_sent")
-        acts = SavedActivations()
-        with acts:
-            loss = nn.functional.mse_loss(zmodel(x), y)
-        if step == 1:
-            tracer.memory("after forward", zmodel, opt, acts)
-            hooks = [
-                p.register_post_accumulate_grad_hook(sample_in_backward) for p in model.parameters()
-            ]
-        loss.backward()
-        opt.step()
-        if step == 1:
-            for h in hooks:
-                h.remove()
-            tracer.memory("after step", zmodel, opt)
-            sent = tracer.total("bytes_sent") - sent_before
-        opt.zero_grad()
-    # Keep only the largest backward sample, relabelled.
-    data = tracer.data()
-    data.memory = [m for m in data.memory if m.label != "in backward"]
-    if peak:
-        s = peak["sample"]
-        data.memory.insert(1, type(s)(s.rank, "peak in backward", s.t_ns, s.bytes, s.cuda))
+    _plain_step(zmodel, opt, x, y)  # the first step creates Adam's state
+    sent = _sampled_step(ctx.tracer, model, zmodel, opt, x, y)
     theory = zero_bytes(n_params, ctx.world_size, stage, dtype or torch.float32)
     # After the step, stage 1 has reduce-scattered its full gradient and keeps its
     # shard, as stage 2 does: W + G + O at that point.
@@ -115,6 +74,74 @@ def memory_by_stage(
         "after_step_total": sum(kept.values()),
         "bytes_sent": sent if stage else None,
     }
+
+
+def _wrapped(
+    ctx: RankContext,
+    model: nn.Module,
+    stage: Literal[0, 1, 2, 3],
+    bucket_mb: float,
+    dtype: torch.dtype | None,
+) -> tuple[nn.Module, Any]:
+    """`model` and its Adam under ZeRO `stage`, or plain data parallelism for stage 0."""
+    adam = lambda ps: torch.optim.Adam(ps, lr=1e-3)  # noqa: E731
+    if stage == 0:
+        zmodel: nn.Module = BucketedDataParallel(model, ctx.group, bucket_mb=bucket_mb)
+        return zmodel, adam(zmodel.parameters())
+    return zero_shard(
+        model,
+        adam,
+        stage=stage,
+        group=ctx.group,
+        bucket_mb=bucket_mb,
+        mixed_precision=dtype,
+        tracer=ctx.tracer,
+    )
+
+
+def _plain_step(zmodel: nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One step, its saved activations counted (as in the sampled step) but not sampled."""
+    acts = SavedActivations()
+    with acts:
+        loss = nn.functional.mse_loss(zmodel(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _sampled_step(
+    tracer: Tracer, model: nn.Module, zmodel: nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor
+) -> float:
+    """One step with memory samples "after forward", "in backward" (after each of
+    `model`'s gradients, of which only the largest stays, relabelled "peak in backward")
+    and "after step"; returns the bytes this rank sent in it."""
+    peak: dict[str, MemorySample] = {}
+
+    def sample_in_backward(_: torch.Tensor) -> None:
+        s = tracer.memory("in backward", zmodel, opt, acts)
+        if not peak or s.total > peak["sample"].total:
+            peak["sample"] = s
+
+    sent_before = tracer.total("bytes_sent")
+    acts = SavedActivations()
+    with acts:
+        loss = nn.functional.mse_loss(zmodel(x), y)
+    tracer.memory("after forward", zmodel, opt, acts)
+    hooks = [p.register_post_accumulate_grad_hook(sample_in_backward) for p in model.parameters()]
+    loss.backward()
+    opt.step()
+    for h in hooks:
+        h.remove()
+    tracer.memory("after step", zmodel, opt)
+    sent = tracer.total("bytes_sent") - sent_before
+    opt.zero_grad()
+    # Keep only the largest backward sample, relabelled.
+    data = tracer.data()
+    data.memory = [m for m in data.memory if m.label != "in backward"]
+    if peak:
+        s = peak["sample"]
+        data.memory.insert(1, type(s)(s.rank, "peak in backward", s.t_ns, s.bytes, s.cuda))
+    return sent
 
 
 def measured_over_formula(run: Any) -> dict[str, tuple[float, float]]:
@@ -155,7 +182,7 @@ def step_times(
     return alternate_steps(ctx, runs, x, y, steps)
 
 
-def _build(cfg: dict[str, Any], model: nn.Module, ctx: RankContext) -> tuple[Any, Any]:
+def _build(cfg: dict[str, Any], model: nn.Sequential, ctx: RankContext) -> tuple[Any, Any]:
     kind = cfg["kind"]
     if kind == "zero":
         return zero_shard(
@@ -222,7 +249,7 @@ def zero3_step(
     params: int = 2_000_000,
     depth: int = 6,
     batch: int = 64,
-    stage: int = 3,
+    stage: Literal[1, 2, 3] = 3,
 ) -> dict[str, Any]:
     """Two traced training steps under ZeRO (stage 3 by default): forward and optimizer
     spans here; backward and one span per all-gather and reduce-scatter of each layer
@@ -293,16 +320,14 @@ def gather_scatter_times(ctx: RankContext, nbytes: int, repeats: int = 5) -> dic
     numel = max(n, nbytes // 4 // n * n)
     whole = torch.ones(numel, device=ctx.device)
     part = torch.ones(numel // n, device=ctx.device)
-    ops = {
-        "torch all_reduce": lambda: dist.all_reduce(whole, group=ctx.group),
-        "torch all_gather": lambda: all_gather_single(whole, part, group=ctx.group),
-        "torch reduce_scatter": lambda: reduce_scatter_single(part, whole, group=ctx.group),
-        "ring all_gather": lambda: ring_all_gather(part, ctx.group, out=whole),
-        "ring reduce_scatter": lambda: ring_reduce_scatter(whole, ctx.group),
+    ops: dict[str, Callable[[int], object]] = {  # each given the round, which it ignores
+        "torch all_reduce": lambda _: dist.all_reduce(whole, group=ctx.group),
+        "torch all_gather": lambda _: all_gather_single(whole, part, group=ctx.group),
+        "torch reduce_scatter": lambda _: reduce_scatter_single(part, whole, group=ctx.group),
+        "ring all_gather": lambda _: ring_all_gather(part, ctx.group, out=whole),
+        "ring reduce_scatter": lambda _: ring_reduce_scatter(whole, ctx.group),
     }
-    times = take_turns(
-        ctx.group, {name: lambda _, op=op: op() for name, op in ops.items()}, repeats, warmup=0
-    )
+    times = take_turns(ctx.group, ops, repeats, warmup=0)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -363,7 +388,12 @@ def check_unpack(
     what an all-gather returned (one row of `parts` per rank), as `ZeroModel` does before
     a layer runs. Checked against the library's own packing. Prints one short verdict."""
     g = torch.Generator().manual_seed(0)
-    for shapes in [[(6, 4)], [(13, 7), (13,), (5, 13), (5,)], [(3, 2), (1, 4)]]:
+    cases: list[list[tuple[int, ...]]] = [
+        [(6, 4)],
+        [(13, 7), (13,), (5, 13), (5,)],
+        [(3, 2), (1, 4)],
+    ]
+    for shapes in cases:
         for world_size in (1, 2, 3, 4):
             params = [nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
             expected = [p.detach().clone() for p in params]

@@ -23,9 +23,10 @@ in `posting`.
 
 One file because each part serves the one `step`: read `PipelineRuntime` top down
 (point to point, shapes agreed once, the step with its overlapped pairs, then the four
-kinds of action), then the helpers at the end that find each stage's neighbours. The
-gradients that ranks add up after the schedule (tied weights, DualPipe's copies) are
-`tied.py`'s; the turns that overlapped pairs take on the device are `comm/turns.py`'s.
+kinds of action), then the helpers at the end: the checks of what the constructor is
+given, each action's simulated seconds, and each stage's neighbours. The gradients that
+ranks add up after the schedule (tied weights, DualPipe's copies) are `tied.py`'s; the
+turns that overlapped pairs take on the device are `comm/turns.py`'s.
 """
 
 from __future__ import annotations
@@ -141,52 +142,24 @@ class PipelineRuntime:
         turns: Turns | None = None,
     ) -> None:
         check(schedule)
-        if turns is not None and paced is not None:
-            raise ValueError(
-                "turns pace simulated compute piece by piece between the waits; "
-                "`paced` collectives are the pacer's: give one or the other"
-            )
-        if turns is not None and schedule.together:
-            shared = [
-                name
-                for name, given in (
-                    ("around", around),
-                    ("on_weight_gradients", on_weight_gradients),
-                    ("together", together),
-                )
-                if given is not None
-            ]
-            if shared:
-                raise ValueError(
-                    f"turns: {schedule.name} runs its overlapped pairs in two "
-                    f"threads, which cannot share {', '.join(shared)} (the whole "
-                    "rank's collectives); run without turns"
-                )
-        if recompute and schedule.splits_backward:
-            raise ValueError(
-                f"recompute=True runs each stage's backward whole; {schedule.name} "
-                "splits it into I and W, so it cannot recompute"
-            )
+        _refuse_combinations(
+            schedule,
+            recompute=recompute,
+            paced=paced,
+            turns=turns,
+            rank_wide={
+                "around": around,
+                "on_weight_gradients": on_weight_gradients,
+                "together": together,
+            },
+        )
         if comm is None:
             comm = Comm(group, tracer=tracer, link=link, algorithm="auto")
         elif link is not None:
             raise ValueError("give the link to the Comm, not to the runtime")
         self.comm = comm
         self.group, self.rank, self.world_size = comm.group, comm.rank, comm.size
-        if schedule.ranks != self.world_size:
-            raise ValueError(
-                f"the schedule is for {schedule.ranks} ranks, the group has {self.world_size}"
-            )
-        mine = {s for s, r in enumerate(schedule.stage_rank) if r == self.rank}
-        if set(stages) != mine:
-            raise ValueError(
-                f"rank {self.rank} holds stages {sorted(mine)} in this schedule, "
-                f"got modules for {sorted(stages)}"
-            )
-        for group in tied:
-            for s, name in group.items():
-                if s in stages:
-                    stages[s].get_parameter(name)  # raises AttributeError naming it if absent
+        _check_stages(schedule, stages, tied, self.rank, self.world_size)
         self.schedule, self.stages, self.loss_fn = schedule, stages, loss_fn
         # (tag, {stage: parameter name}): the weights whose gradients ranks add up.
         self.tied = gradient_groups(schedule, stages, tied)
@@ -199,13 +172,7 @@ class PipelineRuntime:
         # only with simulated compute: padding is what the pacer paces (wired into every
         # collective of `paced`, it would be a call per collective for nothing otherwise)
         self._pacer = Pacer(paced) if compute is not None else None
-        self._seconds = None
-        if compute is not None:  # copies of a stage (DualPipe) cost what the stage costs
-            per = compute.of(schedule.model_stages)
-            self._seconds = {
-                k: [v[schedule.model_stage(t)] for t in range(schedule.stages)]
-                for k, v in per.items()
-            }
+        self._seconds = _simulated_seconds(schedule, compute)
         self.recompute = recompute  # GPipe's own trick: keep a stage's input, not its insides
         # This rank's stage where microbatches enter (None: none), and whether it takes a loss
         self._entry = min(schedule.entry_stages & set(stages), default=None)
@@ -308,7 +275,8 @@ class PipelineRuntime:
         each of this rank's stages' input shape and dtype."""
         # In the order of the routes, so that no rank waits for a shape not yet sent; the
         # sends are waited for at the end (DualPipe's two directions cross).
-        sends, shapes = [], {}
+        sends: list[tuple[Any, torch.Tensor]] = []
+        shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}
         for s in sorted(self.stages, key=lambda t: (_depth(self._before, t), t)):
             before, after = self._before[s], self._after[s]
             if before is None:
@@ -374,7 +342,9 @@ class PipelineRuntime:
         self._prepare(inputs)
         # Each microbatch its own storage: saved for backward (the loss saves its
         # targets), it counts as one microbatch's bytes, not the whole batch's.
-        self._inputs = [c.clone() for c in inputs.chunk(m)] if has_first else []
+        self._inputs = (
+            [c.clone() for c in inputs.chunk(m)] if has_first and inputs is not None else []
+        )
         self._targets = [c.clone() for c in targets.chunk(m)] if has_last else []
         self._local: dict[Message, torch.Tensor] = {}
         self._saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, int]] = {}
@@ -405,8 +375,7 @@ class PipelineRuntime:
             work.wait()
         self._sends.clear()
         self._shared.add_up(self.comm, _tag("T", 0, 0, m, self.schedule.stages))
-        loss = sum(self._losses) if has_last else None
-        return self._whole_loss(loss) if has_last else None
+        return self._whole_loss(sum(self._losses)) if has_last else None
 
     def _act(self, action: Action) -> None:
         """Run one action (holding the rank's turn, with turns), its context around it."""
@@ -516,15 +485,16 @@ class PipelineRuntime:
                 self.schedule, self.rank, backend_for(self.group, self._device)
             )
             self._posts_device = self._device
-        first = inputs[: inputs.shape[0] // m] if self._entry is not None else None
+        entry = self._entry
+        first = inputs[: inputs.shape[0] // m] if entry is not None and inputs is not None else None
         if not self._shapes:
             try:
                 self._shapes = self._agree_on_shapes(first)
             except Exception as e:  # the other ranks may wait for a shape never sent
                 self._failed = f"agreeing on shapes: {type(e).__name__}: {e}"
                 raise
-        elif first is not None:
-            agreed = self._shapes[self._entry][0]
+        elif first is not None and entry is not None:
+            agreed = self._shapes[entry][0]
             if first.shape != agreed:
                 raise ValueError(
                     f"microbatches of shape {tuple(first.shape)}, but this "
@@ -565,14 +535,17 @@ class PipelineRuntime:
         ):
             # Padded inside the span: a collective's paced share counts from its start.
             with self._padded(a):
-                out = {
+                run: dict[str, Callable[[Action, torch.Tensor | None], torch.Tensor | None]]
+                run = {
                     "F": self._forward,
                     "B": self._backward,
                     "I": self._input_gradient,
                     "W": self._weight_gradient,
-                }[a.kind](a, received)
+                }
+                out = run[a.kind](a, received)
         message = outgoing(a, self.schedule)
         if message is not None:
+            assert out is not None, f"{a} made nothing to send"
             self._send(message, out)
 
     def _padded(self, a: Action) -> AbstractContextManager[Any]:
@@ -630,7 +603,7 @@ class PipelineRuntime:
         self._later[(a.stage, a.microbatch)] = (later, held)
         return dx
 
-    def _weight_gradient(self, a: Action, _: None) -> None:
+    def _weight_gradient(self, a: Action, _: torch.Tensor | None) -> None:
         """W: the weights' gradients, accumulated into .grad; then the graph goes."""
         later, held = self._later.pop((a.stage, a.microbatch))
         with self._together() if self._together is not None else nullcontext():
@@ -648,6 +621,71 @@ class PipelineRuntime:
                 stage=action.stage,
                 microbatch=action.microbatch,
             )
+
+
+def _refuse_combinations(
+    schedule: Schedule,
+    *,
+    recompute: bool,
+    paced: Comm | None,
+    turns: Turns | None,
+    rank_wide: dict[str, object | None],
+) -> None:
+    """Raises for the options that cannot go together: turns with a pacer, turns with
+    overlapped pairs and any of `rank_wide` (options whose collectives are the whole
+    rank's, by name), recompute with a schedule that splits its backwards."""
+    if turns is not None and paced is not None:
+        raise ValueError(
+            "turns pace simulated compute piece by piece between the waits; "
+            "`paced` collectives are the pacer's: give one or the other"
+        )
+    if turns is not None and schedule.together:
+        shared = [name for name, given in rank_wide.items() if given is not None]
+        if shared:
+            raise ValueError(
+                f"turns: {schedule.name} runs its overlapped pairs in two "
+                f"threads, which cannot share {', '.join(shared)} (the whole "
+                "rank's collectives); run without turns"
+            )
+    if recompute and schedule.splits_backward:
+        raise ValueError(
+            f"recompute=True runs each stage's backward whole; {schedule.name} "
+            "splits it into I and W, so it cannot recompute"
+        )
+
+
+def _check_stages(
+    schedule: Schedule,
+    stages: dict[int, nn.Module],
+    tied: Sequence[dict[int, str]],
+    rank: int,
+    world_size: int,
+) -> None:
+    """Raises unless the schedule is for `world_size` ranks, `stages` are exactly the
+    stages it puts on `rank`, and every tied weight named is in its stage's module."""
+    if schedule.ranks != world_size:
+        raise ValueError(f"the schedule is for {schedule.ranks} ranks, the group has {world_size}")
+    mine = {s for s, r in enumerate(schedule.stage_rank) if r == rank}
+    if set(stages) != mine:
+        raise ValueError(
+            f"rank {rank} holds stages {sorted(mine)} in this schedule, "
+            f"got modules for {sorted(stages)}"
+        )
+    for names in tied:
+        for s, name in names.items():
+            if s in stages:
+                stages[s].get_parameter(name)  # raises AttributeError naming it if absent
+
+
+def _simulated_seconds(
+    schedule: Schedule, compute: SimulatedCompute | None
+) -> dict[str, list[float]] | None:
+    """Each kind of action's simulated seconds on each stage (None: real compute only).
+    Copies of a stage (DualPipe) cost what the stage costs."""
+    if compute is None:
+        return None
+    per = compute.of(schedule.model_stages)
+    return {k: [v[schedule.model_stage(t)] for t in range(schedule.stages)] for k, v in per.items()}
 
 
 def _neighbours(schedule: Schedule) -> tuple[dict[int, int | None], dict[int, int | None]]:
@@ -671,8 +709,8 @@ def _neighbours(schedule: Schedule) -> tuple[dict[int, int | None], dict[int, in
 
 def _depth(before: dict[int, int | None], stage: int) -> int:
     """How many stages come before `stage` on its route."""
-    depth = 0
-    while before.get(stage) is not None:
-        stage = before[stage]  # type: ignore[assignment]
+    depth, previous = 0, before.get(stage)
+    while previous is not None:
+        previous = before.get(previous)
         depth += 1
     return depth

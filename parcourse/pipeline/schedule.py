@@ -19,7 +19,7 @@ end is the one list of them.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from parcourse import theory
 from parcourse.pipeline.actions import (
@@ -231,11 +231,11 @@ def dualpipe_v(ranks: int, microbatches: int) -> Schedule:
         count: dict[tuple[int, str], int] = {}
         weights: list[Action] = []  # W actions held back, oldest first
 
-        def add(stage: int, kind: str) -> None:
+        def add(stage: int, kind: Kind) -> None:
             key = (stage, "F" if kind == "F" else "B")  # B and I share one counter
             i = count.get(key, 0)
             count[key] = i + 1
-            acts.append(Action(stage, kind, i))  # type: ignore[arg-type]
+            acts.append(Action(stage, kind, i))
             if kind == "I":
                 weights.append(W(stage, i))
 
@@ -279,6 +279,107 @@ def dualpipe_v(ranks: int, microbatches: int) -> Schedule:
     return Schedule("dualpipe-v", m, stage_rank, tuple(tuple(a) for a in per_rank))
 
 
+@dataclass
+class _DualPipeRank:
+    """One rank's actions as DualPipe builds them, phase by phase. Its two directions
+    are numbered by the order it meets them: direction 0 is the one whose entry is
+    nearer (down for the first half of the ranks, up for the second), direction 1 the
+    other. `stage[d]` is its stage in direction d, `offset[d]` the first microbatch that
+    goes that way (0 down, m/2 up); `fwd[d]`/`bwd[d]` count the forwards and backwards
+    it has run each way. `weights` holds the W of every split backward until `weight`
+    runs it (oldest first); `together` collects the forward-beside-backward pairs."""
+
+    stage: tuple[int, int]
+    offset: tuple[int, int]
+    acts: list[Action] = field(default_factory=list)
+    weights: list[Action] = field(default_factory=list)
+    together: list[tuple[Action, Action]] = field(default_factory=list)
+    fwd: list[int] = field(default_factory=lambda: [0, 0])
+    bwd: list[int] = field(default_factory=lambda: [0, 0])
+
+    def forward(self, d: int) -> Action:
+        self.acts.append(F(self.stage[d], self.offset[d] + self.fwd[d]))
+        self.fwd[d] += 1
+        return self.acts[-1]
+
+    def backward(self, d: int, split: bool = False) -> Action:
+        i = self.offset[d] + self.bwd[d]
+        self.bwd[d] += 1
+        self.acts.append(I(self.stage[d], i) if split else B(self.stage[d], i))
+        if split:
+            self.weights.append(W(self.stage[d], i))
+        return self.acts[-1]
+
+    def weight(self) -> None:
+        if self.weights:
+            self.acts.append(self.weights.pop(0))
+
+    def pair(self, f: int, b: int) -> None:
+        """A forward in direction f beside a backward in direction b, to overlap."""
+        self.together.append((self.forward(f), self.backward(b)))
+
+
+def _dualpipe_warm_up(rank: _DualPipeRank, half: int, near: int) -> None:
+    """Steps 1 to 3: forwards from the nearer end, then from both ends, then the first
+    backwards of direction 1, split so their Ws fill the gaps (zero bubble)."""
+    for _ in range((half - near - 1) * 2):  # 1: forwards from the nearer end
+        rank.forward(0)
+    for _ in range(near + 1):  # 2: from both ends
+        rank.forward(0)
+        rank.forward(1)
+    for _ in range(half - near - 1):  # 3: zero bubble
+        rank.backward(1, split=True)
+        rank.weight()
+        rank.forward(1)
+
+
+def _dualpipe_steady_state(
+    rank: _DualPipeRank, half: int, half_m: int, near: int, ranks: int, mid: bool
+) -> None:
+    """Steps 4 and 5: a forward of one direction beside a backward of the other."""
+    for i in range(half_m - ranks + near + 1):  # 4: the steady state, F beside B
+        if i == 0 and mid:  # DeepSeek does not overlap this pair, to shrink the bubble
+            rank.forward(0)
+            rank.backward(1)
+        else:
+            rank.pair(0, 1)
+        rank.pair(1, 0)
+    for _ in range(half - near - 1):  # 5
+        rank.backward(1)
+        rank.pair(1, 0)
+
+
+def _dualpipe_cool_down(rank: _DualPipeRank, half: int, near: int) -> None:
+    """Steps 6 to 8: the remaining backwards, the later half split, and the Ws held."""
+    split = False
+    for i in range(near + 1):  # 6: backwards, the later half split
+        if i == (near + 1) // 2 and near % 2 == 1:
+            split = True
+        rank.backward(1, split)
+        if i == (near + 1) // 2 and near % 2 == 0:
+            split = True
+        rank.backward(0, split)
+    for _ in range(half - near - 1):  # 7
+        rank.weight()
+        rank.backward(0, split=True)
+    while rank.weights:  # 8: the weight gradients still held
+        rank.weight()
+
+
+def _check_dualpipe_sizes(ranks: int, microbatches: int) -> None:
+    _check_sizes(ranks, microbatches)
+    if ranks % 2:
+        raise ValueError(
+            f"DualPipe needs an even number of ranks (its two directions meet "
+            f"in the middle), got {ranks}"
+        )
+    if microbatches < 2 * ranks or microbatches % 2:
+        raise ValueError(
+            f"DualPipe needs an even number of microbatches, at least 2 x ranks "
+            f"= {2 * ranks} (half enter at each end), got {microbatches}"
+        )
+
+
 def dualpipe(ranks: int, microbatches: int) -> Schedule:
     """DualPipe (DeepSeek-V3 technical report, arXiv:2412.19437 sec. 3.2.1; the schedule
     of github.com/deepseek-ai/DualPipe): microbatches enter the pipeline from both ends
@@ -290,95 +391,32 @@ def dualpipe(ranks: int, microbatches: int) -> Schedule:
     each weight's gradient is summed over its two copies (PipelineRuntime does it, as for
     tied weights) and both copies step alike.
 
-    Each rank runs the report's eight steps: forwards from the nearer end, then from
-    both; a steady state in which a forward of one direction runs beside a backward of
-    the other (`together`: DeepSeek overlaps the pair, each one's communication hidden
-    under the other's compute; the course's runtime runs them one after the other, or,
-    given `turns`, at once in two threads taking turns on the rank, so that one's
-    all-to-all runs while the other computes: `PipelineRuntime`); some backwards split
-    into I and W, the Ws filling gaps.
+    Each rank runs the report's eight steps, in three phases: the warm-up (forwards from
+    the nearer end, then from both); the steady state, in which a forward of one
+    direction runs beside a backward of the other (`together`: DeepSeek overlaps the
+    pair, each one's communication hidden under the other's compute; the course's
+    runtime runs them one after the other, or, given `turns`, at once in two threads
+    taking turns on the rank, so that one's all-to-all runs while the other computes:
+    `PipelineRuntime`); and the cool-down. Some backwards split into I and W, the Ws
+    filling gaps.
 
     Needs an even number of ranks and an even number of microbatches, at least 2 x
     ranks (half in each direction, at least one per rank)."""
-    _check_sizes(ranks, microbatches)
+    _check_dualpipe_sizes(ranks, microbatches)
     p, m = ranks, microbatches
-    if p % 2:
-        raise ValueError(
-            f"DualPipe needs an even number of ranks (its two directions meet "
-            f"in the middle), got {p}"
-        )
-    if m < 2 * p or m % 2:
-        raise ValueError(
-            f"DualPipe needs an even number of microbatches, at least 2 x ranks "
-            f"= {2 * p} (half enter at each end), got {m}"
-        )
     half, half_m = p // 2, m // 2
     per_rank, together = [], []
     for r in range(p):
-        mid = r in (half - 1, half)
         near = min(r, p - 1 - r)  # how far this rank is from its nearer end
         a, b = r, 2 * p - 1 - r  # its stage of each copy: down (first half), up
-        # Phase 0 is the direction whose entry is nearer: down for the first half of
-        # the ranks, up for the second.
-        stage = (a, b) if r < half else (b, a)
-        offset = tuple(0 if st < p else half_m for st in stage)
-        fwd, bwd = [0, 0], [0, 0]
-        acts: list[Action] = []
-        weights: list[Action] = []
-
-        def forward(ph: int) -> Action:
-            acts.append(F(stage[ph], offset[ph] + fwd[ph]))
-            fwd[ph] += 1
-            return acts[-1]
-
-        def backward(ph: int, split: bool = False) -> Action:
-            i = offset[ph] + bwd[ph]
-            bwd[ph] += 1
-            acts.append(I(stage[ph], i) if split else B(stage[ph], i))
-            if split:
-                weights.append(W(stage[ph], i))
-            return acts[-1]
-
-        def weight() -> None:
-            if weights:
-                acts.append(weights.pop(0))
-
-        def pair(f: int, b_: int) -> None:
-            together.append((forward(f), backward(b_)))
-
-        for _ in range((half - near - 1) * 2):  # 1: forwards from the nearer end
-            forward(0)
-        for _ in range(near + 1):  # 2: from both ends
-            forward(0)
-            forward(1)
-        for _ in range(half - near - 1):  # 3: zero bubble
-            backward(1, split=True)
-            weight()
-            forward(1)
-        for i in range(half_m - p + near + 1):  # 4: the steady state, F beside B
-            if i == 0 and mid:  # DeepSeek does not overlap this pair, to shrink the bubble
-                forward(0)
-                backward(1)
-            else:
-                pair(0, 1)
-            pair(1, 0)
-        for _ in range(half - near - 1):  # 5
-            backward(1)
-            pair(1, 0)
-        split = False
-        for i in range(near + 1):  # 6: backwards, the later half split
-            if i == (near + 1) // 2 and near % 2 == 1:
-                split = True
-            backward(1, split)
-            if i == (near + 1) // 2 and near % 2 == 0:
-                split = True
-            backward(0, split)
-        for _ in range(half - near - 1):  # 7
-            weight()
-            backward(0, split=True)
-        while weights:  # 8: the weight gradients still held
-            weight()
-        per_rank.append(acts)
+        stage = (a, b) if r < half else (b, a)  # direction 0 first
+        offset = (0 if stage[0] < p else half_m, 0 if stage[1] < p else half_m)
+        rank = _DualPipeRank(stage, offset)
+        _dualpipe_warm_up(rank, half, near)
+        _dualpipe_steady_state(rank, half, half_m, near, p, mid=r in (half - 1, half))
+        _dualpipe_cool_down(rank, half, near)
+        per_rank.append(rank.acts)
+        together += rank.together
     stage_rank = tuple(list(range(p)) + list(reversed(range(p))))
     routes = tuple(tuple(range(p)) if i < half_m else tuple(range(p, 2 * p)) for i in range(m))
     return Schedule(

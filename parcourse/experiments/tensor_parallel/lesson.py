@@ -39,6 +39,7 @@ from parcourse.theory import (
     tp_activation_bytes,
     tp_parameter_bytes,
 )
+from parcourse.trace import Span, Tracer
 
 # --------------------------------------------------------------------------- lesson 05
 
@@ -96,11 +97,13 @@ def split_mlp(
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(1, tokens, d_model, generator=g)
     upstream = torch.randn(1, tokens, d_model, generator=g)  # d loss / d output
-    outputs, grads = [], []
+    outputs: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
     for model in (reference, split):
         leaf = x.clone().requires_grad_()
         y = model(leaf)
         (y * upstream).sum().backward()
+        assert leaf.grad is not None  # a leaf that requires grad, and y depends on it
         outputs.append(y.detach())
         grads.append(leaf.grad)
     events = [e for e in ctx.tracer.data().counters if e.name == "tp_collective"]
@@ -234,7 +237,8 @@ def tp_step(
     Returns per traced step the seconds it took ("step_s", after a barrier) and those
     spent in collectives ("comm_s"); the last step's collectives (as `collectives_in`);
     this rank's parameter bytes and bytes kept for backward, each with its formula;
-    and the losses.
+    and the losses. Each step is `_traced_step`, its spans labelled by
+    `_label_collectives`; the bytes are `_sampled_forward`'s.
     """
     n, tracer = ctx.world_size, ctx.tracer
     tracer.set_status("building the model")
@@ -250,40 +254,23 @@ def tp_step(
     comm = shared_comm(model)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     spans, counters = tracer.data().spans, tracer.data().counters
-    step_s, comm_s, losses, collectives = [], [], [], []
+    step_s: list[float] = []
+    comm_s: list[float] = []
+    losses: list[float] = []
+    collectives: list[Any] = []
     for step in range(steps + 1):
         x, y = batch_for(step, batch, config)
         dist.barrier(group=ctx.group)
         first_span, first_event = len(spans), len(counters)
-        t0 = time.perf_counter()
-        with tracer.span("forward"):
-            logits = model(x)  # (B, T, vocab / N)
-        with tracer.span("loss", label="loss"):
-            loss = vocab_parallel_cross_entropy(logits, y, ctx.group, config.vocab, comm=comm)
-        with tracer.span("backward"):
-            loss.backward()
-        with tracer.span("optimizer"):
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        step_s.append(time.perf_counter() - t0)
-        losses.append(loss.item())
+        seconds, loss = _traced_step(ctx, model, comm, opt, x, y, config.vocab)
+        step_s.append(seconds)
+        losses.append(loss)
         if step == 0:  # the warm-up: not part of the trace
             del spans[first_span:], counters[first_event:]
             continue
-        kept = [s for s in spans[first_span:] if "segment" not in s.meta]  # not the ring's
-        for s in kept:
-            if "where" in s.meta:
-                s.meta["label"] = label_of(s.meta["where"], model)
-        spans[first_span:] = kept
-        comm_s.append(sum(s.duration_s for s in kept if "where" in s.meta))
+        comm_s.append(_label_collectives(spans, first_span, model))
         collectives = collectives_in(counters[first_event:], n)
-    # Bytes per rank: one more forward, sampled, its collectives left out of the trace.
-    first_span, first_event = len(spans), len(counters)
-    acts = SavedActivations()
-    with acts:
-        logits = model(x)  # noqa: F841 - alive while its saved tensors are counted
-    memory = tracer.memory("after forward", model, activations=acts).bytes
-    del spans[first_span:], counters[first_event:]
+    memory = _sampled_forward(tracer, model, x)
     return {
         "step_s": step_s[1:],
         "comm_s": comm_s,
@@ -295,15 +282,65 @@ def tp_step(
     }
 
 
+def _traced_step(
+    ctx: RankContext,
+    model: nn.Module,
+    comm: Any,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    vocab: int,
+) -> tuple[float, float]:
+    """One training step in the spans forward, loss, backward and optimizer; its seconds
+    and its loss."""
+    tracer = ctx.tracer
+    t0 = time.perf_counter()
+    with tracer.span("forward"):
+        logits = model(x)  # (B, T, vocab / N)
+    with tracer.span("loss", label="loss"):
+        loss = vocab_parallel_cross_entropy(logits, y, ctx.group, vocab, comm=comm)
+    with tracer.span("backward"):
+        loss.backward()
+    with tracer.span("optimizer"):
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0, loss.item()
+
+
+def _label_collectives(spans: list[Span], first: int, model: nn.Module) -> float:
+    """The spans from `first` on without the ring's own steps, each collective labelled
+    f, g, loss or grads (`label_of`); returns the seconds spent in collectives."""
+    kept = [s for s in spans[first:] if "segment" not in s.meta]  # not the ring's
+    for s in kept:
+        if "where" in s.meta:
+            s.meta["label"] = label_of(s.meta["where"], model)
+    spans[first:] = kept
+    return sum(s.duration_s for s in kept if "where" in s.meta)
+
+
+def _sampled_forward(tracer: Tracer, model: nn.Module, x: torch.Tensor) -> dict[str, int]:
+    """Bytes per rank: one more forward, sampled ("after forward"), its spans and
+    collectives left out of the trace."""
+    spans, counters = tracer.data().spans, tracer.data().counters
+    first_span, first_event = len(spans), len(counters)
+    acts = SavedActivations()
+    with acts:
+        logits = model(x)  # noqa: F841 - alive while its saved tensors are counted
+    memory = tracer.memory("after forward", model, activations=acts).bytes
+    del spans[first_span:], counters[first_event:]
+    return memory
+
+
 # --------------------------------------------------------------------------- the exercise
 
 
 def _g_in_an_mlp(
     ctx: RankContext, g: type[torch.autograd.Function], d_model: int = 24, seed: int = 0
-) -> dict[str, float]:
+) -> dict[str, float] | dict[str, tuple[int, ...] | str]:
     """Megatron's MLP with the learner's `g` after the row-parallel layer (the library's
     f before the column-parallel one), against one process: the largest difference of
-    the output and the norm of each gradient over one process's."""
+    the output and the norm of each gradient over one process's; {"shape": what g
+    returned} instead when it is no tensor of its input's shape."""
     n = ctx.world_size
     config = GPTConfig(d_model=d_model, n_heads=1)
     reference = _seeded(lambda: MLP(config), seed)
@@ -316,11 +353,12 @@ def _g_in_an_mlp(
     x_ref, x_split = x.clone().requires_grad_(), x.clone().requires_grad_()
     y_ref = reference(x_ref)
     (y_ref * upstream).sum().backward()
+    assert x_ref.grad is not None  # a leaf that requires grad, and y_ref depends on it
     partial = F.linear(F.gelu(up(x_split)), down)  # (B, T, C): this rank's partial sum
     y = g.apply(partial, ctx.group)
     if not isinstance(y, torch.Tensor) or y.shape != y_ref.shape:
         shape = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
-        return {"shape": shape}  # type: ignore[dict-item]
+        return {"shape": shape}
     y = y + reference.down.bias
     (y * upstream).sum().backward()
     ref_down = reference.down.weight.grad.chunk(n, dim=1)[ctx.rank]

@@ -16,7 +16,7 @@ from parcourse.experiments.timing import take_turns
 from parcourse.launch import RankContext
 from parcourse.models import GPTConfig, gpt, gpt_layers
 from parcourse.pipeline.actions import Action
-from parcourse.pipeline.partition import By, partition
+from parcourse.pipeline.partition import By, partition, tied_weights
 from parcourse.pipeline.runtime import PipelineRuntime
 from parcourse.pipeline.schedule import SCHEDULES, Schedule, gpipe, schedule_by_name
 from parcourse.pipeline.simulate import (
@@ -72,18 +72,6 @@ def model_and_data(
 
         return gpt_layers(whole), whole, tokens[:, :-1], tokens[:, 1:], lm_loss
     raise ValueError(f"model must be 'mlp' or 'gpt', got {model!r}")
-
-
-def tied_weights(
-    stages: dict[int, nn.Module], all_stages: Sequence[nn.Module]
-) -> list[dict[int, str]]:
-    """Weights that more than one stage uses (a GPT's embedding and head), as
-    {stage: name in that stage} for PipelineRuntime's `tied`."""
-    where: dict[int, dict[int, str]] = {}
-    for s, module in enumerate(all_stages):
-        for name, p in module.named_parameters():
-            where.setdefault(id(p), {})[s] = name
-    return [group for group in where.values() if len(group) > 1]
 
 
 def train(
@@ -147,7 +135,7 @@ def train(
         compute=compute,
         link=simulated_link(latency_us, bandwidth_gbps),
         recompute=recompute,
-        tied=tied_weights(mine, cut),
+        tied=tied_weights(cut),
     )
     params = list({id(p): p for m in mine.values() for p in m.parameters()}.values())
     opt = torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)

@@ -9,7 +9,7 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ from parcourse.comm import Comm, Turns
 from parcourse.experiments.exercises import ask, whole_numbers
 from parcourse.experiments.timing import one_thread
 from parcourse.experts import MoE, expert_parallel, moe_layers, permute, update_bias
+from parcourse.experts.routing import Routing, Score
 from parcourse.launch import RankContext
 from parcourse.models import GPTConfig, gpt
 from parcourse.pipeline.actions import Action, Schedule
@@ -31,7 +32,7 @@ def routing_example(
     tokens: int = 12,
     experts: int = 8,
     top_k: int = 2,
-    score: str = "softmax",
+    score: Score = "softmax",
     capacity_factor: float | None = None,
     seed: int = 0,
 ) -> dict[str, Any]:
@@ -42,7 +43,7 @@ def routing_example(
         16,
         experts,
         top_k,
-        score=score,  # type: ignore[arg-type]
+        score=score,
         capacity_factor=capacity_factor,
     )
     with torch.no_grad():
@@ -151,7 +152,7 @@ def ep_layer(
     experts: int = 8,
     top_k: int = 2,
     capacity_factor: float | None = None,
-    score: str = "softmax",
+    score: Score = "softmax",
     width: int = 32,
 ) -> dict[str, Any]:
     """One forward and backward of an MoE layer with its experts cut over these ranks,
@@ -168,7 +169,7 @@ def ep_layer(
             width,
             experts,
             top_k,
-            score=score,  # type: ignore[arg-type]
+            score=score,
             capacity_factor=capacity_factor,
         )
 
@@ -179,7 +180,8 @@ def ep_layer(
     ref = whole(ref_x)
     ref.backward(up)
     comm = Comm(ctx.group, tracer=ctx.tracer, algorithm="auto")
-    mine = expert_parallel(layer(), comm)
+    mine = layer()
+    expert_parallel(mine, comm)  # cuts its experts in place
     counted = len(ctx.tracer.data().counters)
     ctx.tracer.set_status(f"{tokens} tokens to {experts} experts")
     dist.barrier(group=ctx.group)
@@ -207,15 +209,16 @@ def imbalance(
     """A small GPT with `experts` experts (top 2) trained `steps` steps in one process on
     the course's counting sequences, balanced by `method` ("none", "aux loss" or "bias"):
     the tokens each expert received at each step (every block's router, summed)."""
-    settings = {
-        "none": {"aux_loss": 0.0},
-        "aux loss": {"aux_loss": 0.05},
-        "bias": {"aux_loss": 0.0, "bias_rate": 0.01},
+    settings = {  # (aux_loss, bias_rate)
+        "none": (0.0, 0.0),
+        "aux loss": (0.05, 0.0),
+        "bias": (0.0, 0.01),
     }
     if method not in settings:
         raise ValueError(f"unknown balancing {method!r}; choose one of {', '.join(settings)}")
     from parcourse.data import progressions
 
+    aux_loss, bias_rate = settings[method]
     config = GPTConfig(
         vocab=64,
         block_size=16,
@@ -224,8 +227,9 @@ def imbalance(
         d_model=32,
         experts=experts,
         top_k=2,
-        **settings[method],
-    )  # type: ignore[arg-type]
+        aux_loss=aux_loss,
+        bias_rate=bias_rate,
+    )
     model = gpt(config, seed=seed)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     x, y = progressions(32, config.block_size, config.vocab)
@@ -236,15 +240,11 @@ def imbalance(
             update_bias(model)
             opt.step()
             opt.zero_grad()
-            per_step.append(
-                [
-                    sum(
-                        int(m.last.counts[e])  # type: ignore[union-attr]
-                        for m in moe_layers(model)
-                    )
-                    for e in range(experts)
-                ]
-            )
+            routings: list[Routing] = []
+            for m in moe_layers(model):
+                assert m.last is not None  # set by the forward above
+                routings.append(m.last)
+            per_step.append([sum(int(r.counts[e]) for r in routings) for e in range(experts)])
     return per_step
 
 
@@ -279,10 +279,11 @@ def ep_training(ctx: RankContext, experts: int = 4, steps: int = 3) -> dict[str,
             F.cross_entropy(one(a).flatten(0, 1), b.flatten()) / ctx.world_size
             for a, b in zip(x.chunk(ctx.world_size), y.chunk(ctx.world_size))
         )
-        loss.backward()  # type: ignore[union-attr]
+        assert isinstance(loss, torch.Tensor)  # a sum of world_size >= 1 losses, never the 0
+        loss.backward()
         opt.step()
         opt.zero_grad()
-        theirs.append(loss.item())  # type: ignore[union-attr]
+        theirs.append(loss.item())
     whole = model.full_state_dict()
     diff = max(float((whole[k] - v).abs().max()) for k, v in one.state_dict().items())
     return {"losses": ours, "one_process": theirs, "weights_diff": diff, "memory": model.memory()}
@@ -358,7 +359,7 @@ def hidden_traffic(
     ctx.tracer.set_status(f"{schedule.name}: building the model")
     whole = gpt(config)
     cut = partition(gpt_layers(whole), schedule.model_stages)
-    mine = {
+    mine: dict[int, nn.Module] = {
         s: cut[schedule.model_stage(s)] for s, r in enumerate(schedule.stage_rank) if r == place
     }
     for module in mine.values():
@@ -411,7 +412,7 @@ def hidden_traffic(
         "steps": per_step,
         "segments": segments_of(turns),
         "start": start,
-        "held": [(h.label.kind, h.start, h.end) for h in turns.held_intervals],
+        "held": [(cast(Action, h.label).kind, h.start, h.end) for h in turns.held_intervals],
         "waits": [(w.start, w.end) for w in turns.waits if w.reason == "all-to-all"],
         "weights": {names[id(p)]: p.detach().clone() for p in params},
     }
@@ -462,11 +463,11 @@ def segments_of(turns: Turns) -> dict[Action, list[float]]:
     """Each action's seconds from a `Turns` record, in `taking_turns`' form: compute (the
     turn held, receives from other stages left out), all-to-all wait, compute, ..."""
     events: dict[Action, list[tuple[float, float, bool]]] = {}
-    for h in turns.held_intervals:
-        events.setdefault(h.label, []).append((h.start, h.end - h.start, True))
+    for h in turns.held_intervals:  # the runtime holds the turn with an Action as its label
+        events.setdefault(cast(Action, h.label), []).append((h.start, h.end - h.start, True))
     for w in turns.waits:
         if w.reason == "all-to-all":
-            events.setdefault(w.label, []).append((w.start, w.end - w.start, False))
+            events.setdefault(cast(Action, w.label), []).append((w.start, w.end - w.start, False))
     out = {}
     for label, seen in events.items():
         parts = [0.0]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
@@ -22,6 +23,7 @@ import torch
 from parcourse.comm import SimulatedLink
 from parcourse.context_parallel import positions
 from parcourse.models import GPTConfig
+from parcourse.pipeline.actions import Schedule
 from parcourse.pipeline.partition import stage_bounds
 from parcourse.pipeline.simulate import Costs, SimulatedCompute, in_flight, simulate
 from parcourse.plan import _schedule
@@ -90,7 +92,7 @@ def stage_layers(config: GPTConfig, choice: Choice) -> list[list[int]]:
 
 def _layer_bytes(
     config: GPTConfig, layer: int, choice: Choice, batch: int, dtype: Dtype, pipelined: bool
-) -> dict[str, float]:
+) -> Mapping[str, float]:
     if dtype == "fp32":
         if choice.recompute == "selective":
             raise ValueError(
@@ -101,7 +103,7 @@ def _layer_bytes(
             config,
             layer,
             choice.tp,
-            batch=batch,  # type: ignore[return-value]
+            batch=batch,
             sequence_parallel=choice.sequence_parallel,
             pipelined=pipelined,
             seq=seq_here(config, choice),
@@ -159,9 +161,9 @@ def predict_memory(
     layers = stage_layers(config, choice)
     batch = global_batch // (choice.replicas * choice.microbatches)
     pipelined = plan.stage_rank[0] != plan.stage_rank[-1]
-    kinds: dict[int, dict[str, float]] = {}  # the blocks are alike: count one of them
+    kinds: dict[int, Mapping[str, float]] = {}  # the blocks are alike: count one of them
 
-    def counted(lay: int) -> dict[str, float]:
+    def counted(lay: int) -> Mapping[str, float]:
         kind = min(lay, 1) if lay <= config.n_layers else lay
         if kind not in kinds:
             kinds[kind] = _layer_bytes(config, lay, choice, batch, dtype, pipelined)
@@ -169,6 +171,31 @@ def predict_memory(
 
     per_stage = [[counted(lay) for lay in ls] for ls in layers]
     params = [sum(b["params"] for b in st) for st in per_stage]
+    held, rebuilt = _held_and_rebuilt(
+        config, choice, layers, per_stage, counted(1), batch, dtype, checkpoint
+    )
+    out = []
+    for rank in range(choice.pp):
+        memory = _weights_on_rank(config, choice, plan, layers, params, rank, dtype)
+        memory["activations"] = _activation_peak(plan.actions[rank], held, rebuilt)
+        memory["total"] = sum(memory.values())
+        out.append(memory)
+    return out
+
+
+def _held_and_rebuilt(
+    config: GPTConfig,
+    choice: Choice,
+    layers: list[list[int]],
+    per_stage: list[list[Mapping[str, float]]],
+    block_bytes: Mapping[str, float],
+    batch: int,
+    dtype: Dtype,
+    checkpoint: Checkpoint,
+) -> tuple[list[float], list[float]]:
+    """The activations each stage keeps for a microbatch in flight, and what its backward
+    rebuilds beside them (nothing but under full recompute: `predict_memory`'s
+    `checkpoint`). `per_stage`: each stage's layers' bytes; `block_bytes`: a block's."""
     held = [sum(b["activations"] for b in st) for st in per_stage]
     rebuilt = [0.0] * len(held)
     if choice.recompute == "full" and checkpoint == "stage":
@@ -184,55 +211,69 @@ def predict_memory(
         held = [x + loss for x, loss in zip(inputs, losses)]
     elif choice.recompute == "full":
         stream = _stage_input_bytes(config, 1, choice, batch, dtype)  # a block's input
-        block = counted(1)["activations"]
+        block = block_bytes["activations"]
         is_block = [[1 <= lay <= config.n_layers for lay in ls] for ls in layers]
         rebuilt = [block - stream if any(bs) else 0.0 for bs in is_block]
         held = [
             sum(stream if b else kept["activations"] for b, kept in zip(bs, st))
             for bs, st in zip(is_block, per_stage)
         ]
-    # the ranks ZeRO shards over: the dense weights over dp x ep x cp (ep's ranks hold
-    # the same ones), each stage's experts, cut over ep, over dp x cp
+    return held, rebuilt
+
+
+def _weights_on_rank(
+    config: GPTConfig,
+    choice: Choice,
+    plan: Schedule,
+    layers: list[list[int]],
+    params: list[float],
+    rank: int,
+    dtype: Dtype,
+) -> dict[str, float]:
+    """Weights, gradients and Adam's state on pipeline rank `rank` as ZeRO's theory counts
+    them (`params`: each stage's fp32 bytes); 16-bit gradient shards as the paper keeps
+    them (2/dp a parameter). ZeRO shards the dense weights over dp x ep x cp (ep's ranks
+    hold the same ones) and each stage's experts, cut over ep, over dp x cp."""
+    mine = [s for s, r in enumerate(plan.stage_rank) if r == rank]
+    pipelined = plan.stage_rank[0] != plan.stage_rank[-1]
     n, z = choice.replicas * choice.cp, choice.zero
     half = torch.float32 if dtype == "fp32" else torch.bfloat16
-    # The tied embedding and head, when the pipeline holds them in two stages: numbers.
-    tied = (
-        math.ceil(config.vocab / choice.tp) * config.d_model
-        if config.tie_weights and plan.stages > 1
-        else 0
-    )
-    out = []
-    for rank in range(choice.pp):
-        mine = [s for s, r in enumerate(plan.stage_rank) if r == rank]
-        p = sum(params[s] for s in mine) / 4  # parameters (numbers) on this rank
-        # Weights, gradients and Adam's state as ZeRO's theory counts them; 16-bit
-        # gradient shards as the paper keeps them (2/dp a parameter).
-        held_experts = (
-            sum(expert_numbers(config, choice, lay) for s in mine for lay in layers[s])
-            if choice.ep > 1
+    p = sum(params[s] for s in mine) / 4  # parameters (numbers) on this rank
+    held_experts = _experts_held(config, choice, layers, mine)
+    memory = zero_bytes(p - held_experts, n, z, half, grad_shard_dtype=half)
+    if held_experts:
+        for key, value in zero_bytes(
+            held_experts, choice.dp * choice.cp, z, half, grad_shard_dtype=half
+        ).items():
+            memory[key] += value
+    if z >= 2 and dtype == "fp32":
+        # The tied embedding and head, when the pipeline holds them in two stages: numbers.
+        tied = (
+            math.ceil(config.vocab / choice.tp) * config.d_model
+            if config.tie_weights and plan.stages > 1
             else 0
         )
-        memory = zero_bytes(p - held_experts, n, z, half, grad_shard_dtype=half)
-        if held_experts:
-            for key, value in zero_bytes(
-                held_experts, choice.dp * choice.cp, z, half, grad_shard_dtype=half
-            ).items():
-                memory[key] += value
-        if z >= 2 and dtype == "fp32":
-            # The course's 3D step (fp32) reduces a stage's gradients at a time: whole
-            # until then (`_zero_2_peak`), where the paper's buckets keep 1/dp of them.
-            memory["grads"] = _zero_2_peak(
-                plan.actions[rank],
-                {s: params[s] / 4 for s in mine},
-                tied,
-                {0, *([plan.stages - 1] if pipelined else [])} & set(mine),
-                {0, plan.stages - 1} & set(mine),
-                n,
-            )
-        memory["activations"] = _activation_peak(plan.actions[rank], held, rebuilt)
-        memory["total"] = sum(memory.values())
-        out.append(memory)
-    return out
+        # The course's 3D step (fp32) reduces a stage's gradients at a time: whole
+        # until then (`_zero_2_peak`), where the paper's buckets keep 1/dp of them.
+        memory["grads"] = _zero_2_peak(
+            plan.actions[rank],
+            {s: params[s] / 4 for s in mine},
+            tied,
+            {0, *([plan.stages - 1] if pipelined else [])} & set(mine),
+            {0, plan.stages - 1} & set(mine),
+            n,
+        )
+    return memory
+
+
+def _experts_held(
+    config: GPTConfig, choice: Choice, layers: list[list[int]], mine: list[int]
+) -> int:
+    """The experts' own numbers a pipeline rank holds of its stages `mine` under ep (0
+    without it: they count as dense weights)."""
+    if choice.ep == 1:
+        return 0
+    return sum(expert_numbers(config, choice, lay) for s in mine for lay in layers[s])
 
 
 def expert_numbers(config: GPTConfig, choice: Choice, layer: int) -> int:

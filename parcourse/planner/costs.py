@@ -12,6 +12,7 @@ on a `Pool`. What the links cost is measured in `links`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from parcourse.models import GPTConfig
@@ -88,8 +89,32 @@ def measure_costs(
 def _costs_alone(
     group: Any, config: GPTConfig, batches: tuple[int, int], repeats: int
 ) -> dict[str, float]:
+    """`measure_costs`' figures, measured in this order: the FLOP rate and a layer's and a
+    stage's fixed costs (`_flop_rate`, `_fixed_costs`), Adam's step (`_adam_costs`), data
+    parallelism's bookkeeping (`_bookkeeping`) and the probe step (`_probe_cpu`)."""
+    from parcourse.models import gpt
+
+    rate, small = _flop_rate(group, config, batches, repeats)
+    fixed = _fixed_costs(group, config, batches[0], rate, small, repeats)
+    weights = [p.detach() for p in gpt(config).parameters()]
+    t_model, adam = _adam_costs(weights, repeats)
+    bucketed, sharded = _bookkeeping(group, config, repeats)
+    # The step alone, its quickest of three takes: a busy moment elsewhere on the machine
+    # slows it as sharing would, and that is what `measure_sharing` is set against
+    return {
+        "flops": rate,
+        "probe_cpu_s": _probe_cpu(group, config, takes=3),
+        **fixed,
+        **adam,
+        "dp_tensor_s": bucketed / len(weights),
+        "zero_tensor_s": max(0.0, sharded - t_model) / len(weights),
+    }
+
+
+def _action_seconds(group: Any, config: GPTConfig, batch: int, repeats: int) -> tuple[float, float]:
+    """Median seconds of an F and of a B of the whole model, one microbatch of `batch`
+    sequences, on `group` (one rank), traced."""
     import statistics
-    import time
 
     import torch
 
@@ -99,38 +124,44 @@ def _costs_alone(
     from parcourse.models import gpt
     from parcourse.trace import Tracer
 
-    def actions(cfg: GPTConfig, batch: int) -> tuple[float, float]:
-        """Median seconds of an F and of a B of the whole model, one microbatch."""
-        tracer = Tracer(0)
-        model = Hybrid(
-            gpt(cfg),
-            Mesh({"dp": 1, "tp": 1, "pp": 1}, group),
-            microbatches=1,
-            tracer=tracer,
-            optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3),
-        )
-        x, y = progressions(batch, cfg.block_size, cfg.vocab)
-        for _ in range(repeats + 1):
-            model.step(x, y)
-        spans = [sp for sp in tracer.data().spans if sp.kind == "compute"]
-        return tuple(
-            statistics.median(
-                sp.duration_s
-                for sp in spans  # type: ignore[return-value]
-                if sp.meta.get("action") == kind
-            )
-            for kind in ("F", "B")
-        )
+    tracer = Tracer(0)
+    model = Hybrid(
+        gpt(config),
+        Mesh({"dp": 1, "tp": 1, "pp": 1}, group),
+        microbatches=1,
+        tracer=tracer,
+        optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3),
+    )
+    x, y = progressions(batch, config.block_size, config.vocab)
+    for _ in range(repeats + 1):
+        model.step(x, y)
+    spans = [sp for sp in tracer.data().spans if sp.kind == "compute"]
+    forward, backward = (
+        statistics.median(sp.duration_s for sp in spans if sp.meta.get("action") == kind)
+        for kind in ("F", "B")
+    )
+    return forward, backward
 
-    def forward_flops(cfg: GPTConfig, batch: int) -> float:
-        return sum(
-            gpt_layer_flops(cfg, lay, batch * cfg.block_size) for lay in range(cfg.n_layers + 2)
-        )
 
+def _forward_flops(config: GPTConfig, batch: int) -> float:
+    """The whole model's forward FLOPs on `batch` sequences."""
+    return sum(
+        gpt_layer_flops(config, lay, batch * config.block_size)
+        for lay in range(config.n_layers + 2)
+    )
+
+
+def _flop_rate(
+    group: Any, config: GPTConfig, batches: tuple[int, int], repeats: int
+) -> tuple[float, tuple[float, float]]:
+    """The FLOP/s a layer's work goes at: the whole model's F and B at two batch sizes,
+    their difference in FLOPs over their difference in seconds (what is fixed cancels);
+    and the F's and B's seconds at the smaller batch."""
     small, large = batches
     tries = []
     for _ in range(3):  # the larger batch must take visibly longer: a busy moment can hide it
-        (f1, b1), (f2, b2) = actions(config, small), actions(config, large)
+        (f1, b1) = _action_seconds(group, config, small, repeats)
+        (f2, b2) = _action_seconds(group, config, large, repeats)
         tries.append(((f2 + b2) - (f1 + b1), (f1, b1), (f2, b2)))
         if tries[-1][0] > 0.1 * (f1 + b1):
             break
@@ -141,49 +172,72 @@ def _costs_alone(
             f"{small} {1e3 * (f1 + b1):.2f} ms, three times over: something else is using "
             "this machine's cores, so its FLOP rate cannot be told apart; measure again later"
         )
-    rate = 3 * (forward_flops(config, large) - forward_flops(config, small)) / extra
+    rate = 3 * (_forward_flops(config, large) - _forward_flops(config, small)) / extra
+    return rate, (f1, b1)
+
+
+def _fixed_costs(
+    group: Any,
+    config: GPTConfig,
+    small: int,
+    rate: float,
+    seconds: tuple[float, float],
+    repeats: int,
+) -> dict[str, float]:
+    """What an F and a B cost beyond their FLOPs at `rate`, split into a cost per layer
+    and one per stage: the model (its F's and B's `seconds` at batch `small`) beside one
+    of one block (or of two, for a model of one)."""
     fixed = {}
     for layers in sorted({1, max(2, config.n_layers)}):
         cfg = dataclasses.replace(config, n_layers=layers)
-        f, b = (f1, b1) if layers == config.n_layers else actions(cfg, small)
-        work = forward_flops(cfg, small) / rate
+        f, b = seconds if layers == config.n_layers else _action_seconds(group, cfg, small, repeats)
+        work = _forward_flops(cfg, small) / rate
         fixed[layers] = (f - work, b - 2 * work)
     (f_one, b_one), (f_many, b_many) = fixed[1], fixed[max(fixed)]
     many = max(fixed) + 2  # layers: the blocks, the embeddings and the head
     per_layer = (max(0.0, (f_many - f_one) / (many - 3)), max(0.0, (b_many - b_one) / (many - 3)))
-
-    def adam(tensors: list[torch.Tensor]) -> float:
-        params = [torch.nn.Parameter(t.clone()) for t in tensors]
-        for p in params:
-            p.grad = torch.randn_like(p)
-        opt = torch.optim.Adam(params, lr=1e-3)
-        times = []
-        for _ in range(3 + 2 * repeats):
-            start = time.perf_counter()
-            opt.step()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times[3:])
-
-    weights = [p.detach() for p in gpt(config).parameters()]
-    numbers = sum(w.numel() for w in weights)
-    t_model, t_flat, t_one = adam(weights), adam([torch.zeros(numbers)]), adam([torch.zeros(1)])
-    per_tensor = max(0.0, (t_model - t_flat) / max(1, len(weights) - 1))
-    bucketed, sharded = _bookkeeping(group, config, repeats)
-    # The step alone, its quickest of three takes: a busy moment elsewhere on the machine
-    # slows it as sharing would, and that is what `measure_sharing` is set against
     return {
-        "flops": rate,
-        "probe_cpu_s": _probe_cpu(group, config, takes=3),
         "forward_layer_s": per_layer[0],
         "backward_layer_s": per_layer[1],
         "forward_stage_s": max(0.0, f_many - many * per_layer[0]),
         "backward_stage_s": max(0.0, b_many - many * per_layer[1]),
+    }
+
+
+def _adam_costs(weights: list[torch.Tensor], repeats: int) -> tuple[float, dict[str, float]]:
+    """torch's Adam over the model's `weights`, over one tensor of as many numbers, and
+    over one number: its step's seconds over the model, and what it costs per step, per
+    tensor and per number (`Overheads`)."""
+    import torch
+
+    numbers = sum(w.numel() for w in weights)
+    t_model = _adam_s(weights, repeats)
+    t_flat, t_one = _adam_s([torch.zeros(numbers)], repeats), _adam_s([torch.zeros(1)], repeats)
+    per_tensor = max(0.0, (t_model - t_flat) / max(1, len(weights) - 1))
+    return t_model, {
         "optimizer_step_s": max(0.0, t_one - per_tensor),
         "optimizer_tensor_s": per_tensor,
         "optimizer_number_s": max(0.0, (t_flat - t_one) / max(1, numbers - 1)),
-        "dp_tensor_s": bucketed / len(weights),
-        "zero_tensor_s": max(0.0, sharded - t_model) / len(weights),
     }
+
+
+def _adam_s(tensors: list[torch.Tensor], repeats: int) -> float:
+    """The median seconds of torch's Adam step over copies of `tensors`, after three."""
+    import statistics
+    import time
+
+    import torch
+
+    params = [torch.nn.Parameter(t.clone()) for t in tensors]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.Adam(params, lr=1e-3)
+    times = []
+    for _ in range(3 + 2 * repeats):
+        start = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[3:])
 
 
 def _bookkeeping(group: Any, config: GPTConfig, repeats: int) -> tuple[float, float]:
@@ -303,11 +357,7 @@ def measure_waits(ctx: Any, config: GPTConfig, steps: int = 4) -> dict[str, Any]
     Seen here: a message and a collective of 2 up to 2.5 times what they cost back to
     back (`measure_links`), a collective of 4 about as much; an all-gather of 4 about
     two thirds of an all-reduce."""
-    import statistics
-    import time
-
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
 
     from parcourse.comm import Comm
@@ -327,36 +377,12 @@ def measure_waits(ctx: Any, config: GPTConfig, steps: int = 4) -> dict[str, Any]
     def layer() -> None:
         net.blocks[0](hidden).sum().backward()
 
-    def per_wait(
-        work: Any, wait: Any, rounds: int, takes: int = steps, members: int | None = None
-    ) -> float:
-        """A wait's processor time after `work`: rounds of work alone and as many with a
-        wait after each, in turn, the first of the two alternating (so a busy moment
-        elsewhere falls on both), the median difference per round; its mean over the
-        ranks that wait (`members`, all by default), clipped at 0 only then."""
-        extra = []
-        for take in range(2 + takes):
-            spent = {}
-            for then in (None, wait) if take % 2 else (wait, None):
-                dist.barrier(group=ctx.group)
-                start = time.process_time()
-                for _ in range(rounds):
-                    work()
-                    if then is not None:
-                        then()
-                spent[then is None] = time.process_time() - start
-            if take >= 2:
-                extra.append((spent[False] - spent[True]) / rounds)
-        total = torch.tensor([statistics.median(extra)])
-        dist.all_reduce(total, group=ctx.group)
-        return max(0.0, total.item() / (members or ctx.world_size))
-
     try:
         out: dict[str, Any] = {"collective_cpu_s": {}, "gather_cpu_s": {}, "scatter_cpu_s": {}}
         if ctx.world_size > 1:
             paired = ctx.world_size - ctx.world_size % 2  # an odd world's last rank waits not
-            out["message_cpu_s"] = per_wait(
-                action, lambda: _round_trip(ctx, flag), 6, 3 * steps, paired
+            out["message_cpu_s"] = _per_wait(
+                ctx, action, lambda: _round_trip(ctx, flag), 6, 3 * steps, paired
             )
         for size in range(2, ctx.world_size + 1):
             if ctx.world_size % size:
@@ -364,15 +390,55 @@ def measure_waits(ctx: Any, config: GPTConfig, steps: int = 4) -> dict[str, Any]
             with _groups_of(ctx, size) as group:
                 comm = Comm(group)
                 whole = torch.zeros(16 * size)
-                waits = {"collective_cpu_s": lambda c=comm: c.all_reduce(flag)}
+                # each called before the next size's group is made
+                waits: dict[str, Callable[[], object]] = {
+                    "collective_cpu_s": lambda: comm.all_reduce(flag)
+                }
                 if config.n_heads % size == 0:  # a size tensor parallelism can take
-                    waits["gather_cpu_s"] = lambda c=comm, w=whole: c.all_gather(flag, w)
-                    waits["scatter_cpu_s"] = lambda c=comm, w=whole: c.reduce_scatter(w)
+                    waits["gather_cpu_s"] = lambda: comm.all_gather(flag, whole)
+                    waits["scatter_cpu_s"] = lambda: comm.reduce_scatter(whole)
                 for key, wait in waits.items():
-                    out[key][size] = per_wait(layer, wait, 8)
+                    out[key][size] = _per_wait(ctx, layer, wait, 8, steps)
         return out
     finally:
         torch.set_num_threads(threads)
+
+
+def _per_wait(
+    ctx: Any,
+    work: Callable[[], object],
+    wait: Callable[[], object],
+    rounds: int,
+    takes: int,
+    members: int | None = None,
+) -> float:
+    """A wait's processor time after `work` (`measure_waits`): `takes` pairs of `rounds`
+    rounds of work alone and as many with a wait after each, in turn, the first of the
+    two alternating (so a busy moment elsewhere falls on both), after two such pairs, the
+    median difference per round; its mean over the ranks that wait (`members`, all by
+    default), clipped at 0 only then."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    extra = []
+    for take in range(2 + takes):
+        spent = {}
+        for then in (None, wait) if take % 2 else (wait, None):
+            dist.barrier(group=ctx.group)
+            start = time.process_time()
+            for _ in range(rounds):
+                work()
+                if then is not None:
+                    then()
+            spent[then is None] = time.process_time() - start
+        if take >= 2:
+            extra.append((spent[False] - spent[True]) / rounds)
+    total = torch.tensor([statistics.median(extra)])
+    dist.all_reduce(total, group=ctx.group)
+    return max(0.0, total.item() / (members or ctx.world_size))
 
 
 __all__ = ["measure_costs", "measure_flops", "measure_sharing", "measure_waits"]

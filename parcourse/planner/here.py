@@ -137,6 +137,11 @@ def scaled(
         )
     flops = model_flops_per_token(config) * global_batch * config.block_size / alone_s
     ov = cluster.overheads
+
+    def paced_or(key: str, measured: dict[int, float]) -> dict[int, float]:
+        """`cluster`'s figures of `key`, those `collectives` gives in their place."""
+        return {**measured, **paced[key]} if key in paced else measured
+
     return dataclasses.replace(
         cluster,
         name="this machine, compute simulated",
@@ -144,7 +149,9 @@ def scaled(
         achievable=1.0,
         compute_simulated=True,
         shared_cpu=1.0,
-        **{key: {**getattr(cluster, key), **by_size} for key, by_size in paced.items()},
+        collective_s=paced_or("collective_s", cluster.collective_s),
+        gather_s=paced_or("gather_s", cluster.gather_s),
+        scatter_s=paced_or("scatter_s", cluster.scatter_s),
         overheads=Overheads(
             optimizer_step_s=ov.optimizer_step_s,
             optimizer_tensor_s=ov.optimizer_tensor_s,

@@ -204,8 +204,8 @@ class Cluster:
             gpus,
             topology.ranks_per_node,
             memory,
-            costs["flops"] if costs is not None else flops,
-            1.0,  # type: ignore[arg-type]
+            flops if flops is not None else (costs or {})["flops"],  # one of them, as checked
+            1.0,
             topology.inside,
             topology.between,
             dict(links["collective_s"]) if links is not None else {},

@@ -48,13 +48,7 @@ def measure_links(
     pipeline's stages do while one of them sends or reduces: a woken receiver waits for a
     core ("loaded": "p2p_s", and "collective_s" for each group size below the world's).
     `loaded_windows` windows of `loaded_window_s` seconds each, their median."""
-    import statistics
-    import time
-
-    import torch
     import torch.distributed as dist
-
-    from parcourse.comm import Comm
 
     out: dict[str, Any] = {
         "collective_s": {},
@@ -64,79 +58,115 @@ def measure_links(
         "collective_cpu_s": {},
         "ring_cpu_s": {},
     }
-
-    def pingpong(n: int) -> tuple[float, float]:
-        """A message's one-way seconds, and a send's and a receive's processor time."""
-        t = torch.zeros(n)
-        dist.barrier(group=ctx.group)
-        start, cpu_start = time.perf_counter(), time.process_time()
-        for _ in range(repeats):
-            _round_trip(ctx, t)
-        return (
-            (time.perf_counter() - start) / repeats / 2,
-            (time.process_time() - cpu_start) / repeats,
-        )
-
-    if ctx.world_size > 1:
-        small, cpu = pingpong(16)
-        mean = torch.tensor([cpu / ctx.world_size])
-        dist.all_reduce(mean, group=ctx.group)
-        out["message_cpu_s"] = mean.item()  # the processor time of a message, both ends
-        large, _ = pingpong(big)
-        out["p2p_s"] = small
-        out["bandwidth_Bps"] = 4 * big / max(large - small, 1e-9)
-    else:
-        out["p2p_s"], out["bandwidth_Bps"] = 0.0, float("inf")
+    out.update(_message_costs(ctx, big, repeats))
     for size in range(2, ctx.world_size + 1):
-        if ctx.world_size % size:
-            continue
-        with _groups_of(ctx, size) as group:
-            t = torch.zeros(16)
-            ring = Comm(group, algorithm="auto")
-            tp = Comm(group)  # torch's, as tensor parallelism calls them
-            whole = torch.zeros(16 * size)
-            for key, reduce in (
-                ("collective_s", lambda: dist.all_reduce(t, group=group)),
-                ("ring_s", lambda: ring.all_reduce(t)),
-                ("gather_s", lambda: tp.all_gather(t, whole)),
-                ("scatter_s", lambda: tp.reduce_scatter(whole)),
-            ):  # scratch
-                for _ in range(3):
-                    reduce()
-                dist.barrier(group=ctx.group)
-                start, cpu_start = time.perf_counter(), time.process_time()
-                for _ in range(repeats):
-                    reduce()
-                out[key][size] = (time.perf_counter() - start) / repeats
-                if key in ("collective_s", "ring_s"):
-                    spent = torch.tensor(
-                        [(time.process_time() - cpu_start) / repeats / ctx.world_size]
-                    )
-                    dist.all_reduce(spent, group=ctx.group)  # a member's processor time
-                    out[key.replace("_s", "_cpu_s")][size] = spent.item()  # the mean
+        if ctx.world_size % size == 0:
+            _collectives_of(ctx, size, repeats, out)
     if ctx.world_size > usable_cpus() and ctx.world_size > 2:
-
-        def median(members: int, op: Any) -> float:
-            return statistics.median(
-                _while_others_compute(ctx, members, op, loaded_window_s)
-                for _ in range(loaded_windows)
-            )
-
-        # ranks 0 and 1: rank 0 carries the flag, rank 1 returns it
-        loaded: dict[str, Any] = {
-            "p2p_s": median(2, lambda go: _round_trip(ctx, go)) / 2,
-            "collective_s": {},
-        }
-        for size in range(2, ctx.world_size):
-            if ctx.world_size % size == 0:
-                with _groups_of(ctx, size, ranks=list(range(size))) as group:  # the sum
-                    loaded["collective_s"][size] = median(  # carries rank 0's flag
-                        size, lambda go, g=group: dist.all_reduce(go, group=g)
-                    )
-        out["loaded"] = loaded
+        out["loaded"] = _loaded(ctx, loaded_window_s, loaded_windows)
     shared: list[Any] = [out]
     dist.broadcast_object_list(shared, src=0, group=ctx.group)
     return shared[0]
+
+
+def _message_costs(ctx: Any, big: int, repeats: int) -> dict[str, float]:
+    """A message's processor time, both ends, over every rank ("message_cpu_s"), its
+    one-way latency ("p2p_s") and the bandwidth of one of `big` numbers ("bandwidth_Bps"),
+    in ping-pong (`_pingpong`); for a world of one, free."""
+    import torch
+    import torch.distributed as dist
+
+    if ctx.world_size == 1:
+        return {"p2p_s": 0.0, "bandwidth_Bps": float("inf")}
+    small, cpu = _pingpong(ctx, 16, repeats)
+    mean = torch.tensor([cpu / ctx.world_size])
+    dist.all_reduce(mean, group=ctx.group)
+    out = {"message_cpu_s": mean.item()}  # the processor time of a message, both ends
+    large, _ = _pingpong(ctx, big, repeats)
+    out["p2p_s"] = small
+    out["bandwidth_Bps"] = 4 * big / max(large - small, 1e-9)
+    return out
+
+
+def _pingpong(ctx: Any, n: int, repeats: int) -> tuple[float, float]:
+    """A message of `n` numbers: its one-way seconds, and a send's and a receive's
+    processor time, over `repeats` round trips between ranks 2k and 2k + 1."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    t = torch.zeros(n)
+    dist.barrier(group=ctx.group)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    for _ in range(repeats):
+        _round_trip(ctx, t)
+    return (
+        (time.perf_counter() - start) / repeats / 2,
+        (time.process_time() - cpu_start) / repeats,
+    )
+
+
+def _collectives_of(ctx: Any, size: int, repeats: int, out: dict[str, Any]) -> None:
+    """Each tiny collective's seconds a call in groups of `size`, every group at once,
+    into `out` under `measure_links`' keys; for torch's all-reduce and the course's ring,
+    a member's processor time too (the mean over the ranks)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from parcourse.comm import Comm
+
+    with _groups_of(ctx, size) as group:
+        t = torch.zeros(16)
+        ring = Comm(group, algorithm="auto")
+        tp = Comm(group)  # torch's, as tensor parallelism calls them
+        whole = torch.zeros(16 * size)
+        for key, reduce in (
+            ("collective_s", lambda: dist.all_reduce(t, group=group)),
+            ("ring_s", lambda: ring.all_reduce(t)),
+            ("gather_s", lambda: tp.all_gather(t, whole)),
+            ("scatter_s", lambda: tp.reduce_scatter(whole)),
+        ):  # scratch
+            for _ in range(3):
+                reduce()
+            dist.barrier(group=ctx.group)
+            start, cpu_start = time.perf_counter(), time.process_time()
+            for _ in range(repeats):
+                reduce()
+            out[key][size] = (time.perf_counter() - start) / repeats
+            if key in ("collective_s", "ring_s"):
+                spent = torch.tensor([(time.process_time() - cpu_start) / repeats / ctx.world_size])
+                dist.all_reduce(spent, group=ctx.group)  # a member's processor time
+                out[key.replace("_s", "_cpu_s")][size] = spent.item()  # the mean
+
+
+def _loaded(ctx: Any, window_s: float, windows: int) -> dict[str, Any]:
+    """A message's latency ("p2p_s") and torch's tiny all-reduce by group size below the
+    world's ("collective_s"), each while the other ranks compute
+    (`_while_others_compute`): the median of `windows` windows of `window_s` seconds."""
+    import statistics
+
+    import torch.distributed as dist
+
+    def median(members: int, op: Any) -> float:
+        return statistics.median(
+            _while_others_compute(ctx, members, op, window_s) for _ in range(windows)
+        )
+
+    # ranks 0 and 1: rank 0 carries the flag, rank 1 returns it
+    loaded: dict[str, Any] = {
+        "p2p_s": median(2, lambda go: _round_trip(ctx, go)) / 2,
+        "collective_s": {},
+    }
+    for size in range(2, ctx.world_size):
+        if ctx.world_size % size == 0:
+            with _groups_of(ctx, size, ranks=list(range(size))) as group:  # the sum
+                loaded["collective_s"][size] = median(  # carries rank 0's flag
+                    size, lambda go, g=group: dist.all_reduce(go, group=g)
+                )
+    return loaded
 
 
 def _round_trip(ctx: Any, tensor: torch.Tensor) -> None:

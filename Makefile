@@ -36,10 +36,12 @@ test: $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 # What .ci/run checks before the tests: ruff's lint (import order included) and its
-# format, over everything but the lessons (their cells are checked by running them).
+# format, over everything but the lessons (their cells are checked by running them), and
+# mypy over the library (pyproject.toml's [tool.mypy]) with no error.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 # The course as a static site in out/site (the lessons executed at their small parameters,
 # the docs, the library's reference): open out/site/index.html.

@@ -54,8 +54,8 @@ class ShardedStages:
     parameters, each list one unit). `optimizer` builds the optimizer from the shards.
     `comms`: a group for each unit instead (None: `comm`); `mean_over`: what a summed
     gradient is divided by (None: its unit's group size); `replicate`: the group across
-    which every slice is also summed after its reduce-scatter (HSDP: the shards replicated
-    over it; None: none)."""
+    which every slice is summed once a step, after the reduce-scatters (HSDP: the shards
+    replicated over it, `sum_replicas`; None: none)."""
 
     def __init__(
         self,
@@ -82,6 +82,7 @@ class ShardedStages:
         self.shard_params = [sp for u in self.units for sp in u.shard_params]
         self.optimizer = optimizer(self.shard_params)
         self._in_flight: list[tuple[FlatUnit, Pending, torch.Tensor]] = []
+        self._slices: dict[int, torch.Tensor] = {}  # each unit's gradient slice, this step
         if stage == 3:
             for unit in self.units:
                 unit.free()
@@ -174,6 +175,17 @@ class ShardedStages:
         elif self.tied_unit is not None:  # the stages' are on their way; after them
             self.reduce(self.tied_unit, async_op=True)  # on the one thread
         self.collect()
+        self.sum_replicas()
+
+    def sum_replicas(self) -> None:
+        """HSDP: each unit's slice, summed over the step's microbatches, summed once more
+        across `replicate`'s ranks (the other copies of the same slice); a no-op without
+        `replicate`."""
+        if self.replicate is not None and self.replicate.size > 1:
+            for unit in self.units:
+                if (part := self._slices.get(id(unit))) is not None:
+                    self.replicate.all_reduce(part)
+        self._slices.clear()
 
     def gradients(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
         """This rank's slices of the gradients, with the weight each is of."""
@@ -229,13 +241,12 @@ class ShardedStages:
         return self._comm[id(unit)]
 
     def _add(self, unit: FlatUnit, part: torch.Tensor) -> None:
-        if self.replicate is not None and self.replicate.size > 1:  # HSDP: the same slice
-            part = self.replicate.all_reduce(part)  # on every replica of the shard group
         part = part.div_(self.mean_over or self.comm_of(unit).size)
         if all(sp.grad is None for sp in unit.shard_params):  # the first: one copy, viewed
             part = part.clone()  # (the reduction's buffer is scratch)
             for i, sp in enumerate(unit.shard_params):
                 sp.grad = unit.shard_of(part, i)
+            self._slices[id(unit)] = part  # what HSDP sums across its replicas
             return
         for i, sp in enumerate(unit.shard_params):
             piece = unit.shard_of(part, i)

@@ -124,3 +124,23 @@ def test_hsdp_memory_per_rank_beside_the_formula(pool4):
     for memory, tensors in results:
         assert memory["params"] == theory["params"]
         assert memory["optimizer"] == theory["optimizer"] + 4 * tensors
+
+
+def test_the_planner_prices_and_searches_hsdp():
+    """On two nodes of H100s the search offers dp_shard (on one node it does not: there is
+    no slow link to keep the gathers off); HSDP's data-parallel seconds are ZeRO-3 over
+    every rank's less the gathers that cross nodes, bought with memory: each rank keeps
+    1/dp_shard of the weights, not 1/dp."""
+    from parcourse.planner import Cluster, model, predict_memory, predict_time
+    from parcourse.planner.search import plan
+
+    config, two_nodes = model("1.3B", 2048), Cluster.preset("h100", 16)
+    assert any(p.choice.dp_shard > 1 for p in plan(config, two_nodes, 64, dtype="bf16").ranked)
+    one_node = Cluster.preset("h100", 8)
+    assert all(p.choice.dp_shard == 1 for p in plan(config, one_node, 64, dtype="bf16").ranked)
+    zero3 = ParallelPlan(dp=16, zero=3, recompute="full")
+    hsdp = ParallelPlan(dp=2, dp_shard=8, zero=3, recompute="full")
+    t0, t1 = (predict_time(config, c, 64, two_nodes, "bf16") for c in (zero3, hsdp))
+    assert t1["dp"] < t0["dp"] and t1["step"] < t0["step"]
+    m0, m1 = (predict_memory(config, c, 64, "bf16")[0] for c in (zero3, hsdp))
+    assert m1["params"] == 2 * m0["params"] and m1["optimizer"] == 2 * m0["optimizer"]

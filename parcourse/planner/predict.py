@@ -28,6 +28,7 @@ import torch
 from parcourse.comm import SimulatedLink
 from parcourse.context_parallel import positions
 from parcourse.models import GPTConfig
+from parcourse.parts import PART_AXES
 from parcourse.pipeline.actions import Schedule
 from parcourse.pipeline.partition import stage_bounds
 from parcourse.pipeline.simulate import Costs, SimulatedCompute, in_flight, simulate
@@ -238,17 +239,19 @@ def _weights_on_rank(
     """Weights, gradients and Adam's state on pipeline rank `rank` as ZeRO's theory counts
     them (`params`: each stage's fp32 bytes); 16-bit gradient shards as the paper keeps
     them (2/dp a parameter). ZeRO shards the dense weights over dp x ep x cp (ep's ranks
-    hold the same ones) and each stage's experts, cut over ep, over dp x cp."""
+    hold the same ones) and each stage's experts, cut over ep, over dp x cp; under HSDP
+    over the shard's ranks only (`Roles.shard`, `Roles.expert_shard`)."""
     mine = [s for s, r in enumerate(plan.stage_rank) if r == rank]
     pipelined = plan.stage_rank[0] != plan.stage_rank[-1]
-    n, z = choice.replicas * choice.cp, choice.zero
+    roles = choice.roles
+    n, z = roles.size("shard"), choice.zero
     half = torch.float32 if dtype == "fp32" else torch.bfloat16
     p = sum(params[s] for s in mine) / 4  # parameters (numbers) on this rank
     held_experts = _experts_held(config, choice, layers, mine)
     memory = zero_bytes(p - held_experts, n, z, half, grad_shard_dtype=half)
     if held_experts:
         for key, value in zero_bytes(
-            held_experts, choice.dp * choice.cp, z, half, grad_shard_dtype=half
+            held_experts, roles.size("expert_shard"), z, half, grad_shard_dtype=half
         ).items():
             memory[key] += value
     if z >= 2 and dtype == "fp32":
@@ -451,7 +454,10 @@ def _step_inputs(
     layers = stage_layers(config, choice)
     batch = global_batch // (choice.replicas * choice.microbatches)
     seq = seq_here(config, choice)
-    dense = dataclasses.replace(choice, dp=choice.replicas * choice.cp, cp=1, ep=1)
+    # ZeRO's and the gradients' groups (`Roles.shard`: the dense replicas, less dp's under
+    # HSDP), priced as data parallelism over them: a choice whose dp is theirs
+    roles, alone = choice.roles, dict[str, Any]((a, 1) for a in PART_AXES)
+    dense = dataclasses.replace(choice, dp=roles.size("shard"), **alone)
     cores = cluster.cores or choice.gpus
     shared = choice.gpus > cores and not cluster.compute_simulated
     if cluster.compute_simulated:
@@ -476,7 +482,7 @@ def _step_inputs(
         batch * seq,
         number,
         dense,
-        dataclasses.replace(choice, dp=choice.dp * choice.cp, cp=1, ep=1),
+        dataclasses.replace(choice, dp=roles.size("expert_shard"), **alone),
         cores,
         shared,
         shared and choice.pp > 1,
@@ -869,6 +875,7 @@ def _settled(
             * choice.tp
             * choice.cp
             * choice.ep
+            * choice.dp_shard
         )
         want = max(1.0, at_once / x.cores)
         if abs(want - slow) < 1e-3 * slow:
@@ -942,7 +949,35 @@ def _dp_step(x: StepInputs, compute: float) -> float:
         dp_s += _reduced(x, x.expert_group, x.experts_on, False, compute)
     if x.dense_group.dp > 1:
         dp_s += cluster.collective_s.get(x.dense_group.dp, 0.0)
-    return dp_s + max(_bookkeeping_on_ranks(x)) * x.at_once
+    return dp_s + _replicated(x, apart) + max(_bookkeeping_on_ranks(x)) * x.at_once
+
+
+def _replicated(x: StepInputs, tied: bool) -> float:
+    """HSDP: each slice summed across dp's ranks once a step, after the schedule
+    (`ShardedStages.sum_replicas`): a ring all-reduce of a rank's slices (its dense
+    weights' bytes over the shard's ranks, its experts' over theirs) over dp's ranks, on
+    the slow link where the data-parallel ranks span nodes, each unit's ring its own cost
+    as measured. 0 without HSDP."""
+    choice, cluster, roles = x.choice, x.cluster, x.choice.roles
+    replicas = roles.size("replicate")
+    if replicas == 1 or not choice.zero:
+        return 0.0
+    shard, experts = roles.size("shard"), roles.size("expert_shard")
+    slices = max(
+        mem["params"]
+        if choice.zero >= 3  # ZeRO-3 holds the slices alone
+        else (mem["params"] - e) / shard + e / experts
+        for mem, e in zip(x.memory, x.experts_on)
+    )
+    spans = roles.size("dense") * choice.tp > cluster.gpus_per_node
+    link = cluster.between if spans else cluster.inside
+    units = x.schedule.stages // choice.pp + tied + (choice.ep > 1)
+    ring = CostModel(link.latency_s, link.bandwidth_Bps).all_reduce_s(
+        "ring",
+        slices,  # type: ignore[arg-type]  # bytes need not be whole; the formula takes any
+        replicas,
+    )
+    return ring + units * cluster.ring_s.get(replicas, 0.0)
 
 
 def _reduced(

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from parcourse.models import GPTConfig
+from parcourse.parts import PART_AXES
 from parcourse.plan import Recompute, Split
 from parcourse.planner.inputs import Choice, Cluster, Dtype, GiB, check_dtype
 from parcourse.planner.predict import predict_memory, predict_time, unpriced
@@ -50,6 +51,7 @@ def choices(
     split: tuple[Split, ...] = ("layers",),
     cp: tuple[int, ...] = (1, 2, 4, 8),
     ep: tuple[int, ...] = (1,),
+    dp_shard: tuple[int, ...] = (1,),
 ) -> list[Choice]:
     """Every factorisation of `gpus` into dp x tp x pp x cp x ep (cp among `cp`: the
     ring; ep among `ep`, for a GPT with experts) with each schedule, number of
@@ -57,7 +59,8 @@ def choices(
     (sequence parallelism only with tp > 1 and cp 1, as the course's step runs it; one
     schedule and one split when pp is 1; ZeRO over the ranks holding the same weights,
     dp x cp x ep > 1, only, stages 2 and 3 only without a pipeline, as DeepSpeed allows
-    them)."""
+    them). `dp_shard`: HSDP's shard sizes, each dividing dp, under ZeRO only (the plan
+    then has dp / dp_shard replicas of each slice)."""
     out = []
     for c, e in itertools.product(cp, ep):
         if c < 1 or e < 1 or gpus % (c * e):
@@ -75,7 +78,7 @@ def choices(
                                 for r in recompute:
                                     out += [
                                         Choice(
-                                            dp,
+                                            dp // s,
                                             tp,
                                             pp,
                                             schedule,
@@ -86,8 +89,11 @@ def choices(
                                             split=how,
                                             cp=c,
                                             ep=e,
+                                            dp_shard=s,
                                         )
                                         for how in (split if pp > 1 else split[:1])
+                                        for s in dp_shard
+                                        if s == 1 or (z and 1 < s < dp and dp % s == 0)
                                     ]
     return out
 
@@ -119,6 +125,8 @@ def plan(
             # what it prices: cp's ring in fp32, ep where there are experts
             cp=(1, 2, 4, 8) if dtype == "fp32" else (1,),
             ep=(1, 2, 4, 8) if config.experts else (1,),
+            # HSDP where there are nodes to keep ZeRO's gathers inside of
+            dp_shard=(1, 2, 4, 8) if cluster.gpus > cluster.gpus_per_node else (1,),
         )
     for choice in candidates:
         item = Planned(choice)
@@ -178,12 +186,11 @@ def format_plans(plans: Plans, top: int = 10) -> str:
     shown = plans.ranked[:top]
     # the labels' own width, so that the numbers line up however long a plan's name
     width = max([13, *(len(p.choice.label()) for p in shown)])
-    # a column for cp's messages and one for ep's where a plan shown uses them
-    cp, ep = (any(getattr(p.choice, a) > 1 for p in shown) for a in ("cp", "ep"))
+    # a column for each part's own messages (a term of the step's) where a plan shown uses it
+    parts = [a for a in PART_AXES if any(getattr(p.choice, a) > 1 and a in p.time for p in shown)]
     lines = [
         f"{'':>3}  {'configuration':<{width}} {'step ms':>10} {'compute':>8} {'tp':>7} "
-        + (f"{'cp':>7} " if cp else "")
-        + (f"{'ep':>7} " if ep else "")
+        + "".join(f"{a:>7} " for a in parts)
         + f"{'bubble':>7} {'dp':>7} {'opt':>6} {'cores':>6} {'tokens/s':>10} {'MFU':>6} "
         f"{'memory (busiest)':>17}"
     ]
@@ -192,8 +199,7 @@ def format_plans(plans: Plans, top: int = 10) -> str:
         lines.append(
             f"{k:>3}  {p.choice.label():<{width}} {1e3 * t['step']:>10.1f} "
             f"{1e3 * t['compute']:>8.1f} {1e3 * t['tp']:>7.1f} "
-            + (f"{1e3 * t.get('cp', 0.0):>7.1f} " if cp else "")
-            + (f"{1e3 * t.get('ep', 0.0):>7.1f} " if ep else "")
+            + "".join(f"{1e3 * t.get(a, 0.0):>7.1f} " for a in parts)
             + f"{1e3 * max(0, t['bubble']):>7.1f} "
             f"{1e3 * t['dp']:>7.1f} {1e3 * t['optimizer']:>6.1f} {1e3 * t['cores']:>6.1f} "
             f"{t['tokens_per_s']:>10.0f} "

@@ -94,7 +94,8 @@ class ParallelPlan(PartFields, _Own):
     "blocks" as Megatron-LM, the blocks evenly with the embeddings on the first stage
     and the head on the last).
     Then every part's fields (`parcourse.parts.PartFields`; what each means is in its
-    package's `part.py`): context parallelism's cp and cp_method, expert parallelism's ep.
+    package's `part.py`): context parallelism's cp and cp_method, expert parallelism's
+    ep, hierarchical sharding's dp_shard (HSDP).
 
     Nothing is checked on construction, so that a wrong plan can be shown with all its
     problems at once: `problems()` says what is wrong, `check()` raises it."""

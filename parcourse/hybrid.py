@@ -146,18 +146,25 @@ class Hybrid:
         self.grad_norm: float | None = None
         self.grad_bytes = 0
         if max_norm is not None:
-            owner = {id(cut[min(g)].get_parameter(g[min(g)])): min(g) for g in tied_groups}
-            copies = [a for a in self.roles.norm if a not in ("tp", "pp")]  # same gradients
-            self._counted = counted_once(
-                self.params,
-                split=set(split_dims(self.model)),
-                on_first_tp=mesh.coordinate("tp") == 0,
-                owner=owner,
-                stages=set(mine),
-                first_copy=bool(zero) or all(mesh.coordinate(a) == 0 for a in copies),
-                own=set(self.cut_over),
-            )
+            self._counted = self._counted_once(cut, set(mine), tied_groups)
             self._norm_group = mesh.group(*self.roles.norm)
+
+    def _counted_once(
+        self, cut: list[nn.Module], mine: set[int], tied_groups: list[dict[int, str]]
+    ) -> list[float]:
+        """`zero.clip.counted_once` for this rank's weights (a tied one on its first stage,
+        a gradient the norm's group holds copies of on its first copy)."""
+        owner = {id(cut[min(g)].get_parameter(g[min(g)])): min(g) for g in tied_groups}
+        copies = [a for a in self.roles.norm if a not in ("tp", "pp")]  # same gradients
+        return counted_once(
+            self.params,
+            split=set(split_dims(self.model)),
+            on_first_tp=self.mesh.coordinate("tp") == 0,
+            owner=owner,
+            stages=mine,
+            first_copy=bool(self.zero) or all(self.mesh.coordinate(a) == 0 for a in copies),
+            own=set(self.cut_over),
+        )
 
     def _comm(self, *axes: str, tag: str | None = None, algorithm: Any = "auto") -> Comm:
         """`axes`' group's communication; what it records says `tag` (its axis)."""
@@ -165,10 +172,9 @@ class Hybrid:
         return Comm(self.mesh.group(*axes), tracer=traced, link=self._link, algorithm=algorithm)
 
     def _parallelise(self, model: GPT, seed: int) -> list[nn.Module]:
-        """A copy of `model` split by tensor parallelism, its experts cut over ep, cut into
-        the schedule's stages, each sequence cut over cp: one call a part. Dropout: each
-        stage (as Megatron offsets its seed by 100 a stage) and each replica draws its own
-        masks; a tp group's ranks agree where the activation is replicated."""
+        """A copy of `model` split over tp, its experts over ep, cut into stages, each
+        sequence over cp: one call a part. Dropout's masks differ by stage (as Megatron's
+        seed, 100 a stage) and replica, and agree over tp where activations are whole."""
         mesh, config = self.mesh, model.config
         self.model = copy.deepcopy(model)  # split in place
         apply_tensor_parallel(
@@ -198,9 +204,8 @@ class Hybrid:
         holds_tied: set[int],
         bucket_mb: float,
     ) -> GradientSync:
-        """ZeRO's flat units over the shard's ranks (the dense replicas, less those it
-        replicates across under HSDP), or lesson 02's buckets over the dense replicas; the
-        experts' gradients over the ranks holding the same experts."""
+        """ZeRO's units over the shard's ranks (`Roles.shard`), or lesson 02's buckets over
+        the dense replicas; the experts' over the ranks holding the same experts."""
         r, zero = self.roles, bool(self.zero)  # ZeRO's slices over the shard (`Roles.shard`)
         dense, experts = (r.shard, r.expert_shard) if zero else (r.dense, r.experts)
         comm = self.dense_comm if dense == r.dense else self._comm(*dense)  # traced as its
@@ -238,16 +243,11 @@ class Hybrid:
         return self.sync.whole_weights()
 
     @property
-    def replicas(self) -> int:
-        """How many ways the batch is cut (`Roles.replicas`: dp x ep)."""
-        return self.roles.replicas
-
-    @property
     def replica(self) -> tuple[int, int]:
         """(this rank's replica, how many there are): which rows of each global batch it
-        takes, from its coordinates on the batch's axes (dp's, and inside it ep's); the
-        ranks of tp, pp and cp in one replica take the same."""
-        return self.roles.index(self.mesh.layout.coordinates(self.mesh.local_rank)), self.replicas
+        takes (`Roles.index`: dp's, dp_shard's, ep's); tp's, pp's and cp's take the same."""
+        where = self.mesh.layout.coordinates(self.mesh.local_rank)
+        return self.roles.index(where), self.roles.replicas
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Cross entropy from this rank's vocabulary shard of the logits, as one process's;
@@ -324,8 +324,7 @@ class Hybrid:
         return memory(self)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The unsplit GPT's state dict (same keys, fp32 values), on every rank
-        (`parcourse.export`)."""
+        """The unsplit GPT's state dict, fp32, on every rank (`parcourse.export`)."""
         return full_state_dict(self)
 
 

@@ -103,6 +103,32 @@ def _ring_plan(
     return segments, tuple(messages), tuple(steps)
 
 
+# One message's tensors: what goes to the right, where the message from the left
+# lands, what that is reduced into (None in all-gather, which lands in place).
+_Message = tuple["torch.Tensor | None", "torch.Tensor | None", "torch.Tensor | None"]
+
+
+def _message_tensors(
+    flat: torch.Tensor,
+    scratch: torch.Tensor,
+    segments: tuple[tuple[int, int], ...],
+    plan: tuple[_Planned, ...],
+) -> list[_Message]:
+    """Every message's tensors, made before the first message is sent: views of `flat`
+    and, where reduce-scatter lands, of `scratch`. Empty segments (a tensor smaller
+    than the world) are None: both sides skip them."""
+    views = [flat[a:b] if b > a else None for a, b in segments]
+    messages: list[_Message] = []
+    for sent, received, land in plan:
+        segment = views[received]
+        if land is None:  # all-gather: lands in place
+            messages.append((views[sent], segment, None))
+        else:  # reduce-scatter: lands in scratch, then is reduced into its segment
+            into = None if segment is None else scratch[land[0] : land[1]]
+            messages.append((views[sent], into, segment))
+    return messages
+
+
 _NO_SPAN = nullcontext()
 
 
@@ -150,18 +176,7 @@ def _ring(
     wire = messenger(group, flat, tracer, link)
     scratch = _scratch(largest, flat.dtype, flat.device) if "reduce-scatter" in phases else flat
     right, left = (rank + 1) % n, (rank - 1) % n
-    # Every message's tensors, made before the first message: (what goes to the
-    # right, where the message from the left lands, what that is reduced into).
-    # Empty segments (a tensor smaller than the world) are None: both sides skip them.
-    views = [flat[a:b] if b > a else None for a, b in segments]
-    messages: list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]] = []
-    for sent, received, land in plan:
-        segment = views[received]
-        if land is None:  # all-gather: lands in place
-            messages.append((views[sent], segment, None))
-        else:  # reduce-scatter: lands in scratch, then is reduced into its segment
-            into = None if segment is None else scratch[land[0] : land[1]]
-            messages.append((views[sent], into, segment))
+    messages = _message_tensors(flat, scratch, segments, plan)
     send, recv = wire.send, wire.recv
     sends, arrivals, posted, last = [], [], 0, len(messages)
     for i, (_, into, acc) in enumerate(messages):

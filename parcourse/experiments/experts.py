@@ -9,7 +9,7 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,9 @@ from parcourse.experts.routing import Routing, Score
 from parcourse.launch import RankContext
 from parcourse.models import GPTConfig, gpt
 from parcourse.pipeline.actions import Action, Schedule
+
+if TYPE_CHECKING:
+    from parcourse.pipeline.runtime import PipelineRuntime
 
 DispatchFn = Callable[[list[list[int]], int, int], Any]
 
@@ -327,18 +330,77 @@ def hidden_traffic(
     action of kind F, B, I or W) and those spent waiting for an all-to-all
     (`time.perf_counter()` seconds, one clock for the machine's processes); the weights
     (named as in the whole model, this rank's experts' slice)."""
+    pp = schedule.ranks
+    if ctx.world_size != 2 * pp:
+        raise ValueError(
+            f"two pipelines of {pp} ranks: run on {2 * pp} ranks, not {ctx.world_size}"
+        )
+    rank = _traffic_rank(
+        ctx,
+        schedule,
+        overlap,
+        config=traffic_config(layers, width, experts),
+        rows=rows,
+        forward_ms=forward_ms,
+        backward_ms=backward_ms,
+        latency_us=latency_us,
+        bandwidth_gbps=bandwidth_gbps,
+        lr=lr,
+    )
+    per_step, start = _timed_steps(ctx, schedule, rank, steps)
+    turns = rank.turns
+    return {
+        "steps": per_step,
+        "segments": segments_of(turns),
+        "start": start,
+        "held": [(cast(Action, h.label).kind, h.start, h.end) for h in turns.held_intervals],
+        "waits": [(w.start, w.end) for w in turns.waits if w.reason == "all-to-all"],
+        "weights": {rank.names[id(p)]: p.detach().clone() for p in rank.params},
+    }
+
+
+@dataclasses.dataclass
+class _TrafficRank:
+    """One rank of `hidden_traffic`, ready to step: its stages' runtime and the turns its
+    actions take, its parameters (each once) and their optimizer, the gradients' group
+    (the same stages in the other pipeline), the whole world's group (for the barrier),
+    each parameter's name in the whole model, and its batch's inputs and targets (None
+    where its stages neither take nor end the batch)."""
+
+    runtime: PipelineRuntime
+    turns: Turns
+    held: nn.ModuleList
+    params: list[nn.Parameter]
+    opt: torch.optim.Optimizer
+    data: Comm
+    everyone: dist.ProcessGroup
+    names: dict[int, str]
+    inputs: torch.Tensor | None
+    targets: torch.Tensor | None
+
+
+def _traffic_rank(
+    ctx: RankContext,
+    schedule: Schedule,
+    overlap: bool,
+    *,
+    config: GPTConfig,
+    rows: int,
+    forward_ms: float,
+    backward_ms: float,
+    latency_us: float,
+    bandwidth_gbps: float,
+    lr: float,
+) -> _TrafficRank:
+    """`hidden_traffic`'s groups, this rank's stages of the GPT with their experts cut
+    over ep, the runtime that runs them and the optimizer, the runtime prepared."""
     from parcourse.comm import SimulatedLink
-    from parcourse.experts import reduce_gradients
     from parcourse.models import gpt_layers
     from parcourse.pipeline.partition import partition, tied_weights
     from parcourse.pipeline.runtime import PipelineRuntime
     from parcourse.pipeline.simulate import SimulatedCompute
 
     pp = schedule.ranks
-    if ctx.world_size != 2 * pp:
-        raise ValueError(
-            f"two pipelines of {pp} ranks: run on {2 * pp} ranks, not {ctx.world_size}"
-        )
     # CPU stages, simulated devices (turns run on CPU): gloo groups whatever the launch's
     pipelines = [
         dist.new_group(list(range(q * pp, (q + 1) * pp)), backend="gloo") for q in range(2)
@@ -355,7 +417,6 @@ def hidden_traffic(
     )
     ep.turns = turns  # the all-to-all hands on the turns the runtime takes
     data = Comm(places[place], algorithm="auto")
-    config = traffic_config(layers, width, experts)
     ctx.tracer.set_status(f"{schedule.name}: building the model")
     whole = gpt(config)
     cut = partition(gpt_layers(whole), schedule.model_stages)
@@ -386,16 +447,26 @@ def hidden_traffic(
     params = list(held.parameters())
     opt = torch.optim.SGD(params, lr=lr)
     x, y = traffic_batch(config, rows * schedule.microbatches, here)
-    runtime.prepare(x if place in schedule.entry_ranks else None)
-    per_step, start = [], 0.0
+    inputs = x if place in schedule.entry_ranks else None
+    targets = y if place in schedule.exit_ranks else None
+    runtime.prepare(inputs)
+    return _TrafficRank(runtime, turns, held, params, opt, data, everyone, names, inputs, targets)
+
+
+def _timed_steps(
+    ctx: RankContext, schedule: Schedule, rank: _TrafficRank, steps: int
+) -> tuple[list[dict[str, float]], float]:
+    """`steps` SGD steps, each timed from a barrier of the whole world: per step the
+    seconds of the step, of the all-to-all waited for and exposed, and of the compute;
+    and when the last step started."""
+    from parcourse.experts import reduce_gradients
+
+    per_step, start, turns = [], 0.0, rank.turns
     for step in range(steps):
         ctx.tracer.set_status(f"{schedule.name}: step {step + 1} of {steps}")
-        dist.barrier(group=everyone)
+        dist.barrier(group=rank.everyone)
         start = time.perf_counter()
-        runtime.step(
-            x if place in schedule.entry_ranks else None,
-            y if place in schedule.exit_ranks else None,
-        )
+        rank.runtime.step(rank.inputs, rank.targets)
         seconds = time.perf_counter() - start
         per_step.append(
             {
@@ -405,17 +476,10 @@ def hidden_traffic(
                 "compute": turns.busy(),
             }
         )
-        reduce_gradients(held, data)
-        opt.step()
-        opt.zero_grad()
-    return {
-        "steps": per_step,
-        "segments": segments_of(turns),
-        "start": start,
-        "held": [(cast(Action, h.label).kind, h.start, h.end) for h in turns.held_intervals],
-        "waits": [(w.start, w.end) for w in turns.waits if w.reason == "all-to-all"],
-        "weights": {names[id(p)]: p.detach().clone() for p in params},
-    }
+        reduce_gradients(rank.held, rank.data)
+        rank.opt.step()
+        rank.opt.zero_grad()
+    return per_step, start
 
 
 def traffic_config(layers: int = 4, width: int = 64, experts: int = 8) -> GPTConfig:

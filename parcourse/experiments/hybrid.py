@@ -320,21 +320,33 @@ def check_coordinates(fn: Any) -> bool:
     return True
 
 
+# A row of `reductions`: (when, what, axis, op, ranks), kept where the group has more than one rank.
+Row = Callable[[str, str, str, str, list[int]], None]
+
+
 def reductions(model: Hybrid) -> list[dict[str, Any]]:
     """What each group of this rank of a `Hybrid` does to the numbers in one step, in the order it
     happens, as this model is built (sequence parallel or not, ZeRO-1 or not,
     clipping or not, the tied weights cut apart or not): rows of {"when", "what",
     "axis", "op", "ranks"} (`ranks`: this rank's group). Lesson 09's table."""
-    sp, zero, roles = model.sequence_parallel, model.sharded is not None, model.roles
-    tp, pp, cp = (model.mesh.ranks(a) for a in ("tp", "pp", "cp"))
-    # the replicas: dp's ranks, and cp's with them when the sequence is cut
-    replicas, dp = roles.label("dense"), model.mesh.ranks(*roles.dense)
     rows = []
 
     def row(when: str, what: str, axis: str, op: str, ranks: list[int]) -> None:
         if len(ranks) > 1:
             rows.append({"when": when, "what": what, "axis": axis, "op": op, "ranks": ranks})
 
+    ep = model.mesh.ranks("ep") if model.cut_over else []
+    _forward_rows(model, ep, row)
+    _backward_rows(model, ep, row)
+    _finalize_rows(model, ep, row)
+    return rows
+
+
+def _forward_rows(model: Hybrid, ep: list[int], row: Row) -> None:
+    """The forward's rows, then the loss's: tp, cp, ep and pp, in the order a microbatch
+    meets them."""
+    sp = model.sequence_parallel
+    tp, pp, cp = (model.mesh.ranks(a) for a in ("tp", "pp", "cp"))
     row(
         "forward",
         "the token embedding's vocabulary shards",
@@ -370,7 +382,6 @@ def reductions(model: Hybrid) -> list[dict[str, Any]]:
             attention,
             cp,
         )
-    ep = model.mesh.ranks("ep") if model.cut_over else []
     row(
         "forward",
         "each MoE layer's tokens to their experts' ranks (after the counts), and the outputs back",
@@ -386,6 +397,15 @@ def reductions(model: Hybrid) -> list[dict[str, Any]]:
         "all-reduce (max, sum)",
         tp,
     )
+
+
+def _backward_rows(model: Hybrid, ep: list[int], row: Row) -> None:
+    """The backward's rows (the forward's groups the other way), then ZeRO-3's gathers
+    and ZeRO-2's reduce-scatters, which run inside the schedule."""
+    sp = model.sequence_parallel
+    tp, pp, cp = (model.mesh.ranks(a) for a in ("tp", "pp", "cp"))
+    # the replicas: dp's ranks, and cp's with them when the sequence is cut
+    replicas, dp = model.roles.label("dense"), model.mesh.ranks(*model.roles.dense)
     row(
         "backward",
         "the column-parallel layers' input gradients (qkv, MLP up)",
@@ -433,6 +453,13 @@ def reductions(model: Hybrid) -> list[dict[str, Any]]:
             "reduce-scatter (mean) into a slice each, while the schedule goes on",
             dp,
         )
+
+
+def _finalize_rows(model: Hybrid, ep: list[int], row: Row) -> None:
+    """After the schedule: the tied weights' sum, the gradients' mean over the replicas
+    (and each expert's over its copies), the norm, the updated slices and the loss."""
+    zero, roles = model.sharded is not None, model.roles
+    replicas, dp = roles.label("dense"), model.mesh.ranks(*roles.dense)
     if model.runtime.tied:
         embedding = next(
             (g for g in model.mesh.layout.embedding_groups() if model.mesh.local_rank in g), []
@@ -486,7 +513,6 @@ def reductions(model: Hybrid) -> list[dict[str, Any]]:
     if zero and model.zero < 3:
         row("after the step", "the updated slices of the parameters", replicas, "all-gather", dp)
     row("report", "the replicas' losses", replicas, "all-reduce (mean)", dp)
-    return rows
 
 
 def reductions_table(rows: list[dict[str, Any]]) -> str:

@@ -93,8 +93,8 @@ MUTATIONS = [
     Mutation(
         "ZeRO's gradient shards averaged over twice the ranks (half a step)",
         "parcourse/zero/stage1.py",
-        "grad = part[:unit.part_numel].div_(self.world_size)",
-        "grad = part[:unit.part_numel].div_(2 * self.world_size)",
+        ".div_(self.world_size)\n            .to(unit.master.device",
+        ".div_(2 * self.world_size)\n            .to(unit.master.device",
         ("tests/test_zero.py", "-k", "mixed_precision_computes"),
     ),
     Mutation(
@@ -127,16 +127,16 @@ MUTATIONS = [
     ),
     Mutation(
         "the planner shards the optimizer only from ZeRO-2",
-        "parcourse/planner/predict.py",
-        '"optimizer": state_bytes * p / (n if z >= 1 else 1)',
-        '"optimizer": state_bytes * p / (n if z >= 2 else 1)',
+        "parcourse/theory/zero.py",
+        '"optimizer": num_params * per["optimizer"] / (n if stage >= 1 else 1)',
+        '"optimizer": num_params * per["optimizer"] / (n if stage >= 2 else 1)',
         ("tests/test_planner.py", "-k", "zero or memory"),
     ),
     Mutation(
         "the 3D step's recompute is priced as its input alone",
         "parcourse/planner/predict.py",
-        "rebuilt = [h - loss - (x if ls[0] > 0 else 0)",
-        "rebuilt = [0 * (h - loss - (x if ls[0] > 0 else 0))",
+        "            h - loss - (x if ls[0] > 0 else 0)\n",
+        "            0 * (h - loss - (x if ls[0] > 0 else 0))\n",
         ("tests/test_planner.py", "-k", "memory or recompute"),
     ),
     Mutation(
@@ -152,6 +152,27 @@ MUTATIONS = [
         "<= 0.025:",
         "<= 0.04:",
         ("tests/test_benchmarks.py", "-k", "interval"),
+    ),
+    Mutation(
+        "Switch's balancing loss over the fraction of tokens, not of assignments",
+        "parcourse/experts/routing.py",
+        "share = counts.to(probs.dtype) / chosen.numel()  # f_e",
+        "share = counts.to(probs.dtype) / chosen.shape[0]  # f_e",
+        ("tests/test_experts.py", "-k", "by_hand"),
+    ),
+    Mutation(
+        "DeepSeek-V3's bias moves towards the busiest expert",
+        "parcourse/experts/routing.py",
+        "torch.sign(load.mean() - load)",
+        "torch.sign(load - load.mean())",
+        ("tests/test_experts.py", "-k", "by_hand"),
+    ),
+    Mutation(
+        "the capacity rounded down instead of up",
+        "parcourse/experts/routing.py",
+        "return math.ceil(factor * tokens * top_k / experts)",
+        "return math.floor(factor * tokens * top_k / experts)",
+        ("tests/test_experts.py", "-k", "by_hand"),
     ),
 ]
 

@@ -339,3 +339,85 @@ def test_taking_turns_and_exposed_waits_by_hand():
     assert apart == pytest.approx(per_rank)
     pairs = len(schedule.together) // 2  # each rank's pairs hide both their waits
     assert hidden == pytest.approx([w - pairs * 1.0 for w in per_rank])
+
+
+# -- the router's formulas against their papers, worked by hand
+
+
+def _router_on(logits: list[list[float]], **kwargs):
+    """A router whose gate gives exactly `logits` (N tokens x E experts): the tokens are
+    the rows of the identity, the gate's weight the logits' transpose."""
+    from parcourse.experts import Router
+
+    n, e = len(logits), len(logits[0])
+    router = Router(n, e, **kwargs)
+    with torch.no_grad():
+        router.gate.weight.copy_(torch.tensor(logits).t())
+    return router, torch.eye(n)
+
+
+def test_switch_balancing_loss_by_hand():
+    """Switch Transformer (Fedus et al. 2021), eq. 4-6: loss = E x sum_e f_e P_e, P_e the
+    mean router probability of expert e, f_e the share it received; with top-k routing the
+    share of the N k assignments (the course's `Routing.aux_loss`). Two tokens, four
+    experts, top 2: token 0 chooses experts 0 and 1, token 1 experts 0 and 2, so f = (2, 1,
+    1, 0) / 4."""
+    import math
+
+    logits = [[3.0, 2.0, 0.0, 0.0], [2.5, 0.0, 1.0, 0.0]]
+    router, x = _router_on(logits, top_k=2)
+    routing = router(x)
+    probs = [[math.exp(v) / sum(math.exp(w) for w in row) for v in row] for row in logits]
+    mean_p = [(probs[0][e] + probs[1][e]) / 2 for e in range(4)]
+    f = [2 / 4, 1 / 4, 1 / 4, 0.0]
+    assert routing.counts.tolist() == [2, 1, 1, 0]
+    aux = float(routing.aux_loss.detach())
+    assert aux == pytest.approx(4 * sum(a * b for a, b in zip(f, mean_p)))
+    # the router z-loss (ST-MoE, eq. 5): the mean of each token's logsumexp squared
+    z = sum(math.log(sum(math.exp(v) for v in row)) ** 2 for row in logits) / 2
+    assert float(routing.z_loss.detach()) == pytest.approx(z)
+
+
+def test_gshard_capacity_by_hand():
+    """GShard (Lepikhin et al. 2020): an expert takes at most ceil(factor x N x k / E)
+    assignments, rounded up; first choices before second ones, each in token order."""
+    from parcourse.experts import capacity, keep_within
+
+    assert capacity(10, 4, 2, 1.0) == 5  # 20 assignments over 4 experts
+    assert capacity(7, 3, 1, 1.25) == 3  # 2.92, rounded up
+    assert capacity(9, 4, 2, 1.0) == 5  # 4.5, rounded up
+    assert capacity(8, 4, 2, None) is None  # dropless
+    # three tokens' (first, second) choices, at most 2 an expert: expert 0's queue holds
+    # tokens 0, 1, 2 (first choices), so token 2's first choice is the one dropped
+    chosen = torch.tensor([[0, 1], [0, 1], [0, 2]])
+    assert keep_within(chosen, 3, 2).tolist() == [[True, True], [True, True], [False, True]]
+    # one an expert: every first choice fits, every second finds its expert full
+    chosen = torch.tensor([[0, 1], [1, 2], [2, 0]])
+    assert keep_within(chosen, 3, 1).tolist() == [[True, False], [True, False], [True, False]]
+
+
+def test_deepseek_v3_bias_by_hand():
+    """DeepSeek-V3 (2024), sec. 2.1.2: after each step each expert's bias moves by the rate
+    towards balance, down for an expert above the mean load and up for one below; over
+    steps the busiest expert gets fewer tokens, while the combine weights stay the
+    unbiased scores'."""
+    from parcourse.experts import Router
+
+    router = Router(4, 4, top_k=1, score="sigmoid", bias_rate=0.1)
+    router.update_bias(torch.tensor([6, 2, 2, 2]))  # mean 3
+    assert router.bias.tolist() == pytest.approx([-0.1, 0.1, 0.1, 0.1])
+    # 16 tokens that all prefer expert 0, some more than others: the bias peels them off
+    # one by one, the most hesitant first
+    logits = [[0.3 + 0.02 * t, 0.2, 0.1, 0.0] for t in range(16)]
+    router, x = _router_on(logits, top_k=1, score="sigmoid", bias_rate=0.01)
+    router.train()
+    loads = []
+    for _ in range(8):
+        routing = router(x)
+        loads.append(int(routing.counts[0]))
+        router.update_bias()
+    assert loads[0] == 16 and loads[-1] < 4, loads
+    assert all(later <= earlier for earlier, later in zip(loads, loads[1:])), loads
+    scores = router.gate(x).sigmoid()
+    weights = scores.gather(1, routing.experts) / scores.gather(1, routing.experts).sum(-1, True)
+    torch.testing.assert_close(routing.weights, weights)  # no bias in the weights

@@ -241,8 +241,8 @@ class Mesh:
         # Every rank is in one group of each axis; only the first and last stages are in
         # an embedding group.
         assert mine is not None or axes == ("embedding",)
-        self._groups[axes] = mine  # type: ignore[assignment]
-        return mine  # type: ignore[return-value]
+        self._groups[axes] = mine  # type: ignore[assignment]  # None: off the embedding
+        return mine  # type: ignore[return-value]  # None only off the embedding stages
 
     # -- what a strategy asks
 

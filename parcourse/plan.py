@@ -318,7 +318,7 @@ class ParallelPlan(PartFields, _Own):
                     f"{', '.join(SCHEDULES)})"
                 )
             i += 1
-        return cls(**fields)  # type: ignore[arg-type]
+        return cls(**fields)  # type: ignore[arg-type]  # each value read for its own field
 
     def __str__(self) -> str:
         return self.label()

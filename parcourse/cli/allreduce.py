@@ -45,7 +45,7 @@ def _traced_then_timed(
     t = torch.ones(
         nbytes // getattr(torch, dtype).itemsize, dtype=getattr(torch, dtype), device=ctx.device
     )
-    all_reduce_with(algo, t, ctx, link=link, traced=True)  # type: ignore[arg-type]
+    all_reduce_with(algo, t, ctx, link=link, traced=True)  # type: ignore[arg-type]  # argparse's choices
     return {
         "bytes_sent": ctx.tracer.total("bytes_sent"),
         "times": time_all_reduce(ctx, [algo], [nbytes], repeats, dtype, link),

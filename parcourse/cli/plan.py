@@ -164,7 +164,7 @@ def _run(args: argparse.Namespace, pool: Pool | None) -> int:
     from parcourse.planner import format_plans, parameters, plan
 
     config, cluster, batch, dtype = _setup(args, pool)
-    plans = plan(config, cluster, batch, dtype=dtype)  # type: ignore[arg-type]
+    plans = plan(config, cluster, batch, dtype=dtype)  # type: ignore[arg-type]  # checked str
     print(
         f"plan        {args.model}: {parameters(config) / 1e9:.3g}B parameters, "
         f"{config.n_layers} layers, width {config.d_model}, {config.n_heads} heads, "
@@ -207,7 +207,7 @@ def _check(
     # Here the search ranks only what the course's step runs (`ParallelPlan.problems`);
     # with the compute simulated, not the parts whose messages run inside an action:
     # padding each action to its compute would hide them (`parts.inside_actions`)
-    ranked = plans.ranked  # type: ignore[attr-defined]
+    ranked = plans.ranked  # type: ignore[attr-defined]  # a `Plans`, passed untyped
     runnable = [p for p in ranked if args.scaled is None or not inside_actions(p.choice)]
     runnable = runnable[: min(3, args.top)]
     if runnable != ranked[: len(runnable)]:

@@ -679,7 +679,7 @@ def _one_collective(op: str, size: float) -> list[TPCollective]:
     """A collective of `op` of `size` bytes, as `tp_link_seconds` takes them."""
     # TPCollective counts a tensor's bytes, whole; these are several tensors' at the
     # dtype's size, which need not be, and the formula takes any number
-    return [(op, "", "", size)]  # type: ignore[list-item]
+    return [(op, "", "", size)]  # type: ignore[list-item]  # a float size: see above
 
 
 @functools.lru_cache(maxsize=4096)
@@ -1031,7 +1031,7 @@ def _dp_seconds(
     ring = CostModel(link.latency_s, link.bandwidth_Bps).all_reduce_s(
         # bytes need not be whole (ZeRO's shards); the ring's formula takes any number
         "ring",
-        weights,  # type: ignore[arg-type]
+        weights,  # type: ignore[arg-type]  # fractional bytes: see above
         choice.dp,
     )
     rings = _dp_rings(choice, stages, tied, exposed=True) * fixed

@@ -293,8 +293,8 @@ class Hybrid:
             p.grad = None
         if loss is None:
             return None
-        mean = torch.tensor([loss / self.roles.size("dense")])
-        dist.all_reduce(mean, group=self.dense_comm.group)  # the replicas' losses, averaged
+        mean = torch.tensor([loss / self.roles.size("loss")])  # the replicas' losses,
+        dist.all_reduce(mean, group=self.mesh.group(*self.roles.loss))  # averaged
         return mean.item()
 
     def finalize_gradients(self) -> None:

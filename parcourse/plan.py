@@ -30,7 +30,6 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -101,19 +100,14 @@ class ParallelPlan(PartFields, _Own):
     problems at once: `problems()` says what is wrong, `check()` raises it."""
 
     @classmethod
-    def of_shape(cls, shape: Mapping[str, int], **fields: Any) -> ParallelPlan:
-        """The plan with these axis sizes (`shape`, as a `Mesh` holds them) and `fields`."""
-        given: dict[str, Any] = {**shape, **fields}
-        return cls(**given)
-
-    @classmethod
     def on_mesh(cls, mesh: Mesh, **fields: Any) -> ParallelPlan:
         """The plan of a mesh built already: its sizes, its order's name (Megatron-LM's
         where none fits) and its ranks per node, with `fields`."""
         shape = {a: mesh.size(a) for a in AXES}
         named = (o for o in ORDERS if Layout.of(shape, o) == mesh.layout)
-        order = next(named, "megatron")
-        return cls.of_shape(shape, order=order, ranks_per_node=mesh.ranks_per_node, **fields)
+        given: dict[str, Any] = {**shape, **fields, "ranks_per_node": mesh.ranks_per_node}
+        given["order"] = next(named, "megatron")
+        return cls(**given)
 
     # -- the mesh it asks for
 
@@ -126,9 +120,10 @@ class ParallelPlan(PartFields, _Own):
     def gpus(self) -> int:
         return math.prod(self.shape.values())
 
-    @property
+    @functools.cached_property
     def roles(self) -> Roles:
-        """Which ranks do what together (`parcourse.roles`)."""
+        """Which ranks do what together (`parcourse.roles`), derived once a plan: a
+        search asks every candidate's many times."""
         return Roles.of(self)
 
     @property

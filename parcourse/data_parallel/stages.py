@@ -25,7 +25,7 @@ weights over one, the experts over theirs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -66,9 +66,6 @@ class StageWeights:
             expert[s] = [p for p in held if id(p) in experts]
         params = {id(p): p for s in sorted(stages) for p in stages[s].parameters()}
         return cls(dense, expert, [p for p in params.values() if id(p) in tied and p.requires_grad])
-
-    def stages(self) -> Iterator[int]:
-        return iter(self.dense)
 
 
 @dataclass(frozen=True)

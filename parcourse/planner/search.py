@@ -52,6 +52,7 @@ def choices(
     cp: tuple[int, ...] = (1, 2, 4, 8),
     ep: tuple[int, ...] = (1,),
     dp_shard: tuple[int, ...] = (1,),
+    node: int | None = None,
 ) -> list[Choice]:
     """Every factorisation of `gpus` into dp x tp x pp x cp x ep (cp among `cp`: the
     ring; ep among `ep`, for a GPT with experts) with each schedule, number of
@@ -60,7 +61,9 @@ def choices(
     schedule and one split when pp is 1; ZeRO over the ranks holding the same weights,
     dp x cp x ep > 1, only, stages 2 and 3 only without a pipeline, as DeepSpeed allows
     them). `dp_shard`: HSDP's shard sizes, each dividing dp, under ZeRO only (the plan
-    then has dp / dp_shard replicas of each slice)."""
+    then has dp / dp_shard replicas of each slice): the widest of them whose ranks (with
+    tp's, cp's and ep's) stay inside one `node` of that many ranks where given, HSDP's
+    point, beside no HSDP."""
     out = []
     for c, e in itertools.product(cp, ep):
         if c < 1 or e < 1 or gpus % (c * e):
@@ -71,6 +74,9 @@ def choices(
                     continue
                 dp = gpus // (c * e * tp * pp)
                 stages = [z for z in zero if z < 2 or pp == 1] if dp * c * e > 1 else [0]
+                fit = [n for n in dp_shard if 1 < n < dp and dp % n == 0]
+                fit = [n for n in fit if node is None or tp * c * e * n <= node]
+                shards = [1, *fit[-1:]]  # HSDP's widest shard that keeps inside a node
                 for schedule in schedules if pp > 1 else schedules[:1]:
                     for m in microbatches:
                         for z in stages:
@@ -92,8 +98,7 @@ def choices(
                                             dp_shard=s,
                                         )
                                         for how in (split if pp > 1 else split[:1])
-                                        for s in dp_shard
-                                        if s == 1 or (z and 1 < s < dp and dp % s == 0)
+                                        for s in (shards if z else [1])
                                     ]
     return out
 
@@ -127,6 +132,7 @@ def plan(
             ep=(1, 2, 4, 8) if config.experts else (1,),
             # HSDP where there are nodes to keep ZeRO's gathers inside of
             dp_shard=(1, 2, 4, 8) if cluster.gpus > cluster.gpus_per_node else (1,),
+            node=cluster.gpus_per_node,
         )
     for choice in candidates:
         item = Planned(choice)

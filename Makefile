@@ -7,7 +7,7 @@ TORCH_VERSION ?= 2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.parcourse-installed
 
-.PHONY: lab test lint install doctor bench clean site
+.PHONY: lab test check lint install doctor bench clean site
 
 install: $(STAMP)
 
@@ -31,9 +31,17 @@ lab: $(STAMP)
 # Several pytest processes, each taking whole files (a module's pools start once, a
 # lesson's cells run in order in one kernel): most of the suite's time is ranks asleep
 # in simulated compute and kernels and browsers starting, not work.
+# Files go costliest first (tests/conftest.py, tests/suite_costs.json); the report in
+# out/suite.xml is what `python benchmarks/suite.py` reads (the slowest items, their share).
 TEST_WORKERS ?= 3
 test: $(STAMP)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		--durations=25 --junitxml=out/suite.xml
+
+# A contributor's quick run, under two minutes on 2 cores: the tests tests/conftest.py's
+# CHECK names (pure functions, hygiene, one small equivalence a strategy).
+check: $(STAMP)
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m check -q
 
 # What .ci/run checks before the tests: ruff's lint (import order included) and its
 # format, over everything but the lessons (their cells are checked by running them), and

@@ -7,5 +7,5 @@ from test_browser import HERE, LESSONS, browser, lab, lesson_in_the_browser  # n
 
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", [p for p in LESSONS if p.stem not in HERE], ids=lambda p: p.stem)
-def test_lesson_in_the_browser(path, lab, browser):  # noqa: F811 - the fixtures above
-    lesson_in_the_browser(path, lab, browser)
+def test_lesson_in_the_browser(path, lab, browser, executed_lessons):  # noqa: F811 - fixtures
+    lesson_in_the_browser(path, lab, browser, executed_lessons)

@@ -6,10 +6,15 @@ its default parameters and compares the cells marked NBVAL_CHECK_OUTPUT.
 
 import json
 import re
+import time
 from pathlib import Path
 
+import cell_limits
+import nbformat
 import papermill
 import pytest
+from cell_limits import SECONDS, limit, too_long
+from nbclient.exceptions import CellTimeoutError
 
 LESSONS = sorted((Path(__file__).parent.parent / "lessons").glob("[0-9][0-9]_*.ipynb"))
 # Small enough to run in seconds on a 2-core machine; the same fields as each parameters
@@ -18,7 +23,6 @@ SMALL = json.loads((Path(__file__).parent.parent / "lessons" / "small_parameters
 # A world size that divides nothing, as a learner may type it into the parameters cell:
 # whatever depends on it (chunks, slices, batches) must be derived, not assumed.
 AWKWARD = {"world_size": 3}
-CELL_TIMEOUT_S = 300
 # A kernel starting beside busy work can take more than papermill's 60 s (seen in CI
 # beside two busy processes): the start is not what these tests check.
 KERNEL_START_S = 300
@@ -39,7 +43,15 @@ def test_there_are_lessons():
 
 def execute(path, out, parameters, then=None):
     """Run the lesson under papermill (with the code `then` as one more cell at its end)
-    and assert no cell failed."""
+    and assert no cell failed; each cell within its limit (tests/cell_limits.py)."""
+    lesson = path.stem
+    index = {c.get("id"): i for i, c in enumerate(code_cells(path))}
+    running: dict = {}
+
+    def cell_limit(cell):  # nbclient asks as each cell starts
+        running.update(cell=index.get(cell.get("id")), since=time.monotonic())
+        return int(limit(lesson, running["cell"], "small"))
+
     if then is not None:
         notebook = json.loads(path.read_text())
         notebook["cells"].append(
@@ -63,11 +75,14 @@ def execute(path, out, parameters, then=None):
                 parameters=parameters,
                 kernel_name="python3",
                 cwd=str(path.parent),
-                execution_timeout=CELL_TIMEOUT_S,
                 progress_bar=False,
                 start_timeout=KERNEL_START_S,
+                timeout_func=cell_limit,
             )
             break
+        except CellTimeoutError:
+            ran = time.monotonic() - running["since"]
+            raise AssertionError(too_long(lesson, running["cell"], "small", ran)) from None
         except RuntimeError as e:
             # Only the kernel's own start is tried again: jupyter_client picks its ports
             # before the kernel binds them, and beside busy work another process took one
@@ -154,6 +169,43 @@ def advertised(path):
     sizes |= {int(k) for k in re.findall(r"\bor (\d+)\b", comment)}
     assert sizes, f"{path.stem}: no world sizes in {comment!r}"
     return sorted(sizes)
+
+
+def test_every_lesson_has_its_cells_measured():
+    """The limits a cell may take (tests/cell_limits.py) come from its measured seconds,
+    one for each code cell, at the small parameters and at the defaults."""
+    for path in LESSONS:
+        cells = len(code_cells(path))
+        measured = SECONDS.get(path.stem, {})
+        for kind in ("small", "defaults"):
+            assert len(measured.get(kind, [])) == cells, (
+                f"{path.stem}: lessons/cell_seconds.json has "
+                f"{len(measured.get(kind, []))} {kind} cells, the lesson {cells}: "
+                f"run python benchmarks/suite.py --cells {path.stem}"
+            )
+
+
+def test_a_cell_past_its_limit_fails_naming_it(tmp_path, monkeypatch):
+    """A hung cell fails at its limit (what it takes times the margin), and the failure
+    says which cell, what it takes and how long it ran."""
+    nb = nbformat.v4.new_notebook(
+        metadata={
+            "kernelspec": {"name": "python3", "language": "python", "display_name": "Python 3"}
+        }
+    )
+    nb.cells = [
+        nbformat.v4.new_code_cell("n = 1", id="p", metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell("import time; time.sleep(60)", id="hang"),
+    ]
+    path = tmp_path / "99_hangs.ipynb"
+    nbformat.write(nb, path)
+    monkeypatch.setitem(cell_limits.SECONDS, "99_hangs", {"small": [0.1, 0.5]})
+    monkeypatch.setattr(cell_limits, "FLOOR_S", 1.0)
+    monkeypatch.setattr(cell_limits, "MARGIN", 4)
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"code cell 1 still running after \d+ s, past"):
+        execute(path, tmp_path / "out.ipynb", {"n": 2})
+    assert time.monotonic() - start < 45, "the limit (2 s) did not stop the cell"
 
 
 def test_every_lesson_says_which_world_sizes_it_runs_at():

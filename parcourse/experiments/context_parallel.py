@@ -26,6 +26,12 @@ from parcourse.memory import PeakSavedBytes
 from parcourse.models import CausalSelfAttention, GPTConfig
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
+# How far the weights of a run over ranks may be from one process's after a few Adam steps
+# (lr 1e-2), in fp64: the order of the additions differs (1e-16 relative), and Adam's
+# division by sqrt(v) + 1e-8 can magnify a near-zero gradient's rounding by lr / 1e-8;
+# measured below 1e-12 at 1 to 4 ranks, so 1e-9 leaves room and still catches any
+# mistake (a wrong scale or a missing reduction moves weights by 1e-3 and more).
+WEIGHTS_TOLERANCE = 1e-9
 
 
 def attention_memory(
@@ -231,11 +237,19 @@ def check_merge(fn: MergeFn) -> bool:
 
 
 def cp_training(
-    ctx: RankContext, method: Method = "ring", steps: int = 3, tokens: int = 32
+    ctx: RankContext,
+    method: Method = "ring",
+    steps: int = 3,
+    tokens: int = 32,
+    dtype: str = "float64",
 ) -> dict[str, Any]:
-    """The course's GPT trained `steps` Adam steps with each sequence cut over these ranks
-    (a mesh of cp = world size, `Hybrid`), and the same in one process: both runs'
-    losses and the largest difference of their weights."""
+    """The course's GPT in `dtype` trained `steps` Adam steps with each sequence cut over
+    these ranks (a mesh of cp = world size, `Hybrid`), and the same in one process: both
+    runs' losses and the largest difference of their weights. fp64 by default: the two
+    runs add the same numbers in another order, and Adam divides each step by
+    sqrt(v) + 1e-8, so a weight whose gradient is near zero moves by up to lr whatever
+    that gradient's rounding; fp32's rounding (1e-7 relative) then shows in the weights
+    at 1e-5 to 1e-4, fp64's (1e-16) below 1e-10 (`WEIGHTS_TOLERANCE`)."""
     import torch.nn.functional as F
 
     from parcourse.data import progressions
@@ -245,13 +259,13 @@ def cp_training(
 
     config = GPTConfig(vocab=64, block_size=tokens, n_layers=2, n_heads=4, d_model=32)
     model = Hybrid(
-        gpt(config),
+        gpt(config).to(DTYPES[dtype]),
         Mesh({"cp": ctx.world_size}, ctx.group),
         cp_method=method,
         microbatches=1,
         optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2),
     )
-    one = gpt(config)
+    one = gpt(config).to(DTYPES[dtype])
     opt = torch.optim.Adam(one.parameters(), lr=1e-2)
     x, y = progressions(8, tokens, config.vocab)
     ours, theirs = [], []

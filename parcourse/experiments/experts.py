@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parcourse.comm import Comm, Turns
+from parcourse.experiments.context_parallel import DTYPES
 from parcourse.experiments.exercises import ask, whole_numbers
 from parcourse.experiments.timing import one_thread
 from parcourse.experts import MoE, expert_parallel, moe_layers, permute, update_bias
@@ -251,11 +252,14 @@ def imbalance(
     return per_step
 
 
-def ep_training(ctx: RankContext, experts: int = 4, steps: int = 3) -> dict[str, Any]:
-    """The course's GPT with `experts` experts in every block trained `steps` Adam steps on
-    a mesh of ep = world size (`Hybrid`: each rank its rows and 1/ep of the experts), and
-    the same microbatches in one process: both runs' losses and the largest difference of
-    their weights."""
+def ep_training(
+    ctx: RankContext, experts: int = 4, steps: int = 3, dtype: str = "float64"
+) -> dict[str, Any]:
+    """The course's GPT in `dtype` with `experts` experts in every block trained `steps`
+    Adam steps on a mesh of ep = world size (`Hybrid`: each rank its rows and 1/ep of the
+    experts), and the same microbatches in one process: both runs' losses and the largest
+    difference of their weights (fp64 by default, for the reason `cp_training` gives; the
+    bar is `WEIGHTS_TOLERANCE`)."""
     from parcourse.data import progressions
     from parcourse.experts import set_aux_scale
     from parcourse.hybrid import Hybrid
@@ -265,12 +269,12 @@ def ep_training(ctx: RankContext, experts: int = 4, steps: int = 3) -> dict[str,
         vocab=64, block_size=16, n_layers=2, n_heads=4, d_model=32, experts=experts, top_k=2
     )
     model = Hybrid(
-        gpt(config),
+        gpt(config).to(DTYPES[dtype]),
         Mesh({"ep": ctx.world_size}, ctx.group),
         microbatches=1,
         optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2),
     )
-    one = gpt(config)
+    one = gpt(config).to(DTYPES[dtype])
     set_aux_scale(one, 1 / ctx.world_size)
     opt = torch.optim.Adam(one.parameters(), lr=1e-2)
     x, y = progressions(4 * ctx.world_size, config.block_size, config.vocab)  # 4 rows a rank

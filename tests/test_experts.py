@@ -188,6 +188,19 @@ def test_ranks_whose_experts_receive_nothing_still_run_backward(pools):
         assert counts == [6, 0, 0, 0] and has_grad
 
 
+def test_lesson_11s_routing_example_counts_before_and_after_the_drops():
+    """What lesson 11 prints: chosen per expert (before the capacity), kept (after, none
+    above the capacity), and the two apart by the assignments dropped."""
+    from parcourse.experiments.experts import routing_example
+
+    dropless = routing_example(12, 8, 2, capacity_factor=None)
+    assert dropless["capacity"] is None and dropless["kept_counts"] == dropless["counts"]
+    r = routing_example(12, 8, 2, capacity_factor=1.0)
+    assert r["capacity"] == 3  # ceil(1.0 x 12 x 2 / 8)
+    assert max(r["kept_counts"]) <= 3 < max(r["counts"])
+    assert sum(r["counts"]) - sum(r["kept_counts"]) == r["dropped"] > 0
+
+
 def test_the_layers_timeline_names_forward_and_backward(pools):
     """`ep_layer`'s trace on 2 ranks, in order on each: the counts, the dispatch, the
     experts and the combine forward, then the combine's backward, the experts' backward

@@ -21,7 +21,7 @@ from parcourse.experiments.context_parallel import DTYPES
 from parcourse.experiments.exercises import ask, whole_numbers
 from parcourse.experiments.timing import one_thread
 from parcourse.experts import MoE, expert_parallel, moe_layers, permute, update_bias
-from parcourse.experts.routing import Routing, Score
+from parcourse.experts.routing import Routing, Score, capacity
 from parcourse.launch import RankContext
 from parcourse.models import GPTConfig, gpt
 from parcourse.pipeline.actions import Action, Schedule
@@ -41,7 +41,9 @@ def routing_example(
     seed: int = 0,
 ) -> dict[str, Any]:
     """One MoE layer's routing of `tokens` random tokens: each token's experts, weights
-    and which were kept (a capacity drops the rest), and the assignments per expert."""
+    and which were kept (a capacity drops the rest), the assignments each expert was
+    chosen for (`counts`, before the drops) and kept (`kept_counts`), and the capacity
+    (the most an expert keeps; None: dropless)."""
     torch.manual_seed(seed)
     layer = MoE(
         16,
@@ -59,6 +61,8 @@ def routing_example(
         "weights": r.weights.tolist(),
         "kept": r.kept.tolist(),
         "counts": r.counts.tolist(),
+        "kept_counts": torch.bincount(r.experts[r.kept], minlength=experts).tolist(),
+        "capacity": capacity(tokens, experts, top_k, capacity_factor),
         "dropped": r.dropped,
     }
 
@@ -162,8 +166,9 @@ def ep_layer(
     """One forward and backward of an MoE layer with its experts cut over these ranks,
     every message through a traced `Comm` (dispatch, experts, combine on the timeline),
     beside the whole layer in this process on this rank's tokens: the largest difference
-    (output, input gradient), the bytes sent forward and backward, the tokens each expert
-    received here, the assignments dropped."""
+    (output, input gradient), the bytes sent forward and backward, the assignments this
+    rank's tokens made to each expert (`chosen`) and those kept and sent (`counts`), the
+    assignments dropped."""
     if experts % ctx.world_size:
         raise ValueError(f"{experts} experts do not divide by {ctx.world_size} ranks")
 
@@ -206,7 +211,8 @@ def ep_layer(
         "error": float(max((out - ref).detach().abs().max(), (here.grad - ref_x.grad).abs().max())),
         "forward": sent,
         "backward": every - sent,
-        "counts": sort.counts,
+        "counts": sort.counts,  # kept, after a capacity's drops
+        "chosen": routing.counts.tolist(),  # before them
         "dropped": routing.dropped,
         "held": list(range(mine.first, mine.first + mine.local_experts)),
     }

@@ -5,6 +5,7 @@ GPT trained with its sequence cut over cp."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -70,7 +71,10 @@ def cp_attention(
     on the run's timeline). This rank's largest difference from one process's
     `scaled_dot_product_attention` (output and the gradients of its q, k, v), the bytes it
     sent forward and backward and its messages, the activations autograd kept for it at
-    the peak, its tokens, and the seconds its ring spent attending."""
+    the peak, its tokens, the seconds (wall clock) its ring spent attending, and the CPU
+    seconds this rank's thread spent in forward (`forward_cpu_s`, `time.thread_time`: the
+    attention's compute; a wait for a message costs none, nor does time spent waiting for
+    a core that other work holds)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     dt = DTYPES[dtype]
@@ -95,6 +99,7 @@ def cp_attention(
     ctx.tracer.set_status(f"{method} attention over {tokens} tokens")
     dist.barrier(group=ctx.group)
     with PeakSavedBytes(exclude=local) as saved:
+        cpu = time.thread_time_ns()
         out = context_attention(
             q_mine,
             k_mine,
@@ -106,6 +111,7 @@ def cp_attention(
             causal=causal,
             comm=comm,
         )
+        cpu = time.thread_time_ns() - cpu
         sent = [c.value for c in ctx.tracer.data().counters[counted:] if c.name == "bytes_sent"]
         out.backward(mine(d_out))
     every = [c.value for c in ctx.tracer.data().counters[counted:] if c.name == "bytes_sent"]
@@ -123,6 +129,7 @@ def cp_attention(
         "saved": saved.peak,
         "tokens": out.shape[2],
         "attend_s": sum(s.end_ns - s.start_ns for s in attend) / 1e9,
+        "forward_cpu_s": cpu / 1e9,
         "blocks": len(attend),
     }
 

@@ -168,7 +168,8 @@ def ep_layer(
     beside the whole layer in this process on this rank's tokens: the largest difference
     (output, input gradient), the bytes sent forward and backward, the assignments this
     rank's tokens made to each expert (`chosen`) and those kept and sent (`counts`), the
-    assignments dropped."""
+    assignments dropped, and the rows the dispatch sent to other ranks (`rows_out`) and
+    the combine sent back to them (`rows_back`)."""
     if experts % ctx.world_size:
         raise ValueError(f"{experts} experts do not divide by {ctx.world_size} ranks")
 
@@ -207,6 +208,9 @@ def ep_layer(
     routing = mine.last
     assert routing is not None and here.grad is not None and ref_x.grad is not None
     sort = permute(routing, experts)
+    everyone: list[Any] = [None] * ctx.world_size  # each rank's kept rows per expert
+    dist.all_gather_object(everyone, sort.counts, group=ctx.group)
+    held = range(mine.first, mine.first + mine.local_experts)
     return {
         "error": float(max((out - ref).detach().abs().max(), (here.grad - ref_x.grad).abs().max())),
         "forward": sent,
@@ -214,7 +218,13 @@ def ep_layer(
         "counts": sort.counts,  # kept, after a capacity's drops
         "chosen": routing.counts.tolist(),  # before them
         "dropped": routing.dropped,
-        "held": list(range(mine.first, mine.first + mine.local_experts)),
+        "held": list(held),
+        # rows the dispatch sends to the other ranks' experts, and rows the combine sends
+        # back from this rank's experts to the other ranks' tokens
+        "rows_out": sum(c for e, c in enumerate(sort.counts) if e not in held),
+        "rows_back": sum(
+            theirs[e] for r, theirs in enumerate(everyone) if r != ctx.rank for e in held
+        ),
     }
 
 

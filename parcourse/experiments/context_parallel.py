@@ -168,7 +168,7 @@ def check_merge(fn: MergeFn) -> bool:
     for scale, what in ((1.0, ""), (60.0, " on scores near 1000, where exp(lse) overflows")):
         given, (want_out, want_lse) = _blocks(scale, seed=1)
         out_a, lse_a, out_b, lse_b = given
-        ok, got = ask(fn, *(t.clone() for t in given))
+        ok, got = ask(fn, *(t.clone() for t in given), hint=_merge_error_hint)
         if not ok:
             return False
         if not (
@@ -195,10 +195,17 @@ def check_merge(fn: MergeFn) -> bool:
 
         if near(out, want_out) and near(lse, want_lse):
             continue
-        if not torch.isfinite(out).all() or not torch.isfinite(lse).all():
+        if (not torch.isfinite(out).all() or not torch.isfinite(lse).all()) and what:
             hint = (
-                f"the result has inf or nan{what}: exp(lse_a) alone overflows. Weigh "
-                "each block by exp(lse_a - lse), where lse = torch.logaddexp(lse_a, lse_b)"
+                f"the result has inf or nan{what} fp32. Weigh each block by "
+                "exp(lse_a - lse), where lse = torch.logaddexp(lse_a, lse_b): neither "
+                "exponent is then above 0"
+            )
+        elif not torch.isfinite(out).all() or not torch.isfinite(lse).all():
+            hint = (
+                "the result has inf or nan on ordinary scores, where nothing overflows: "
+                "look for a log of a negative number or a division by zero. lse = "
+                "torch.logaddexp(lse_a, lse_b); each block's weight exp(lse_a - lse)"
             )
         elif near(out, out_a + out_b):
             hint = (
@@ -238,6 +245,17 @@ def check_merge(fn: MergeFn) -> bool:
         "exp(lse) alone would overflow."
     )
     return True
+
+
+def _merge_error_hint(error: Exception) -> str | None:
+    """What a merge that raised most likely forgot: the weights are one number per
+    query, the outputs have one more dim."""
+    if isinstance(error, RuntimeError) and "must match the size" in str(error):
+        return (
+            "the weights exp(lse_a - lse) have one number per query, (batch, heads, "
+            "queries), the outputs one more dim (head_dim): weigh with weight[..., None]"
+        )
+    return None
 
 
 # --------------------------------------------------------------------------- the GPT

@@ -101,6 +101,12 @@ def check_dispatch(fn: DispatchFn) -> bool:
                 f"{type(got).__name__}." + (" Hint: a missing `return`?" if got is None else "")
             )
             return False
+        if any(isinstance(x, dict) for x in got):
+            print(
+                "Not yet: give each part as a list in order (rows for rank 0, rank 1, ...; "
+                "the assignments' numbers in dispatch order), not a dict."
+            )
+            return False
         counts, order = (whole_numbers(x) for x in got)
         if counts is None or order is None:
             print(

@@ -354,7 +354,10 @@ def _draw_spans(
                 linewidth=0.5,
                 zorder=2 + s.depth,
             )
-        bars.append((y, left, left + width, height, _span_label(s.meta, label_key)))
+        # a wait keeps its collective's label in its metadata; written on it, it would read
+        # as that collective's work
+        label = None if key == "idle" else _span_label(s.meta, label_key)
+        bars.append((y, left, left + width, height, label))
     return used, bars
 
 

@@ -42,6 +42,7 @@ SPAN_COLORS = {
     "all-reduce": "#DD8452",
     "reduce-scatter": "#C44E52",
     "all-gather": "#55A868",
+    "all-to-all": "#B8860B",
     "comm": "#937860",
     "disk": "#DA8BC3",
     "idle": "#BBBBBB",
@@ -53,7 +54,7 @@ ACTION_PHASES = {"F": "forward", "B": "backward", "I": "backward", "W": "backwar
 # W lighter and hatched (zero-bubble's W's fill the bubble).
 ACTION_SHADES = {"B": 0.65, "I": 0.65, "W": 1.35}
 ACTION_HATCHES = {"I": "..", "W": "\\\\"}
-COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
+COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all")
 # Legends go right of the plotted area, never over the data.
 LEGEND_OUTSIDE: dict[str, Any] = {
     "loc": "upper left",
@@ -353,7 +354,10 @@ def _draw_spans(
                 linewidth=0.5,
                 zorder=2 + s.depth,
             )
-        bars.append((y, left, left + width, height, _span_label(s.meta, label_key)))
+        # a wait keeps its collective's label in its metadata; written on it, it would read
+        # as that collective's work
+        label = None if key == "idle" else _span_label(s.meta, label_key)
+        bars.append((y, left, left + width, height, label))
     return used, bars
 
 

@@ -330,8 +330,10 @@ def with_collective_waits(trace: Trace) -> Trace:
     ranks, as tensor parallelism's do) are matched across the group in the order each
     rank ran them (every rank runs its group's collectives in the same order, or the
     run would hang); each is cut at the latest entry into an idle span ("wait for
-    partners") and the communication after it. A group whose ranks traced different
-    numbers of collectives is left as it was (nothing to match reliably).
+    partners") and the communication after it, and the spans nested in it (the steps of
+    the course's ring) start no earlier than that cut (one wholly before it is part of the
+    wait, and left out). A group whose ranks traced different numbers of collectives is
+    left as it was (nothing to match reliably).
     """
     runs: dict[tuple[int, tuple[int, ...]], list[int]] = {}  # (rank, group): span indices
     for i, s in enumerate(trace.spans):
@@ -350,10 +352,22 @@ def with_collective_waits(trace: Trace) -> Trace:
                     cut[i] = last
     if not cut:
         return trace
+    waits = [(trace.spans[i], at) for i, at in cut.items()]
     spans: list[Span] = []
     for i, s in enumerate(trace.spans):
         if i not in cut:
-            spans.append(s)
+            inside = [
+                at
+                for outer, at in waits
+                if outer.rank == s.rank
+                and outer.depth < s.depth
+                and outer.start_ns <= s.start_ns < at
+                and s.end_ns <= outer.end_ns
+            ]
+            if not inside:
+                spans.append(s)
+            elif s.end_ns > max(inside):
+                spans.append(replace(s, start_ns=max(inside)))
             continue
         spans.append(replace(s, name=f"wait for partners ({s.name})", kind="idle", end_ns=cut[i]))
         spans.append(replace(s, start_ns=cut[i]))

@@ -106,3 +106,41 @@ def test_all_gather_and_ulysses_send_the_bytes_theory_counts(pool4, method):
             want["backward"],
             want["messages"],
         ), (rank, r, want)
+
+
+@pytest.mark.parametrize("method", ["ring", "all-gather", "ulysses"])
+def test_each_method_traces_its_work_and_its_waits(pools, method):
+    """What a timeline draws of one forward and backward on 2 ranks: attention's compute
+    forward and backward; the ring's waits idle (hatched) and never under a block's rank
+    (`BLOCK_KEY`, which only compute carries); all-gather's two all-gathers and two
+    reduce-scatters, Ulysses' four all-to-alls each way, each with its group's ranks."""
+    from parcourse.context_parallel import BLOCK_KEY
+    from parcourse.experiments.context_parallel import cp_attention
+
+    run = pools[2].run(cp_attention, 16, 4, 4, 1, method, "zigzag", True, "float32")
+    for rank in range(2):
+        spans = [s for s in run.trace.spans if s.rank == rank]
+        assert all(s.kind == "compute" for s in spans if BLOCK_KEY in s.meta)
+        compute = [s.name for s in spans if s.kind == "compute"]
+        comm = [s.name for s in spans if s.kind == "comm" and s.depth == 0]
+        if method == "ring":
+            assert sum(n.startswith("attend to") for n in compute) == 2
+            assert sum(n.startswith("back through") for n in compute) == 2
+            waits = [s.name for s in spans if s.kind == "idle"]
+            assert "wait for rank 1's K/V" in waits or "wait for rank 0's K/V" in waits
+            assert sum("dK/dV" in n for n in waits) == 2
+        elif method == "all-gather":
+            assert sum(n.startswith("attend to") for n in compute) == 2
+            assert sum(n.startswith("backward") for n in compute) == 1
+            assert comm == [
+                "all-gather K",
+                "all-gather V",
+                "reduce-scatter dV",
+                "reduce-scatter dK",
+            ]
+        else:
+            assert [n.split(":")[0] for n in compute] == ["forward", "backward"]
+            forward = ["q to heads", "k to heads", "v to heads", "out to tokens"]
+            assert comm == forward + [f"{n} grad" for n in reversed(forward)]
+        grouped = [s for s in spans if s.kind == "comm" and s.depth == 0]
+        assert all(s.meta.get("group") == (0, 1) for s in grouped)

@@ -118,3 +118,42 @@ def test_a_missing_return_is_named_as_one(capsys):
         assert check(_none if check is check_unpack else launch_rule) is False
         out = capsys.readouterr().out
         assert "is a return missing?" in out and "raised" not in out, out
+
+
+def test_lesson_11s_checks_name_the_mistake_not_its_symptom(capsys):
+    """The merge: weights not unsqueezed over head_dim (a broadcasting error, answered with
+    the fix), exp(lse) taken alone (overflows only on the large scores, said once), a nan
+    on ordinary scores (no overflow blamed); the dispatch: rows per rank as a dict."""
+    import torch
+
+    from parcourse.experiments.context_parallel import check_merge
+    from parcourse.experiments.experts import check_dispatch, dispatch_plan
+
+    def unsqueeze_forgotten(a, la, b, lb):
+        lse = torch.logaddexp(la, lb)
+        return a * torch.exp(la - lse) + b * torch.exp(lb - lse), lse
+
+    def exp_alone(a, la, b, lb):
+        lse = torch.log(torch.exp(la) + torch.exp(lb))
+        wa, wb = torch.exp(la) / torch.exp(lse), torch.exp(lb) / torch.exp(lse)
+        return a * wa[..., None] + b * wb[..., None], lse
+
+    def log_of_negative(a, la, b, lb):
+        lse = torch.logaddexp(la, lb)
+        return a * torch.log(la - lse)[..., None] + b, lse
+
+    def rows_as_dict(c, e, r):
+        rows, order = dispatch_plan(c, e, r)
+        return dict(enumerate(rows)), order
+
+    for check, wrong, said, not_said in (
+        (check_merge, unsqueeze_forgotten, "weight[..., None]", None),
+        (check_merge, exp_alone, "overflows", None),
+        (check_merge, log_of_negative, "ordinary scores", "overflow fp32"),
+        (check_dispatch, rows_as_dict, "not a dict", "got [0, 1]"),
+    ):
+        assert check(wrong) is False
+        out = capsys.readouterr().out
+        assert said in out and len(out.strip().splitlines()) == 1, (wrong.__name__, out)
+        assert out.count("overflow") <= 1, out
+        assert not_said is None or not_said not in out, (wrong.__name__, out)

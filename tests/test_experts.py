@@ -188,6 +188,41 @@ def test_ranks_whose_experts_receive_nothing_still_run_backward(pools):
         assert counts == [6, 0, 0, 0] and has_grad
 
 
+def test_lesson_11s_routing_example_counts_before_and_after_the_drops():
+    """What lesson 11 prints: chosen per expert (before the capacity), kept (after, none
+    above the capacity), and the two apart by the assignments dropped."""
+    from parcourse.experiments.experts import routing_example
+
+    dropless = routing_example(12, 8, 2, capacity_factor=None)
+    assert dropless["capacity"] is None and dropless["kept_counts"] == dropless["counts"]
+    r = routing_example(12, 8, 2, capacity_factor=1.0)
+    assert r["capacity"] == 3  # ceil(1.0 x 12 x 2 / 8)
+    assert max(r["kept_counts"]) <= 3 < max(r["counts"])
+    assert sum(r["counts"]) - sum(r["kept_counts"]) == r["dropped"] > 0
+
+
+def test_the_layers_timeline_names_forward_and_backward(pools):
+    """`ep_layer`'s trace on 2 ranks, in order on each: the counts, the dispatch, the
+    experts and the combine forward, then the combine's backward, the experts' backward
+    (autograd's, traced by `BackwardSpan`) and the dispatch's; each all-to-all with its
+    group's ranks, so that the wait for a partner is drawn as waiting."""
+    from parcourse.experiments.experts import ep_layer
+
+    run = pools[2].run(ep_layer, 16, 4)
+    for rank in range(2):
+        spans = sorted((s for s in run.trace.spans if s.rank == rank), key=lambda s: s.start_ns)
+        assert [(s.name, s.meta.get("label")) for s in spans] == [
+            ("counts", "counts"),
+            ("dispatch", "dispatch"),
+            ("forward: experts", "experts"),
+            ("combine", "combine"),
+            ("combine grad", "combine grad"),
+            ("backward: experts", "experts"),
+            ("dispatch grad", "dispatch grad"),
+        ]
+        assert all(s.meta["group"] == (0, 1) for s in spans if s.kind == "comm")
+
+
 def test_lesson_11s_dispatch_exercise_names_each_mistake(capsys):
     """The solution passes and matches the library's `permute`; rows per expert, an
     unstable sort and the routing's own order are each named."""

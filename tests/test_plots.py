@@ -295,6 +295,33 @@ def test_a_collective_waiting_for_its_partner_is_drawn_hatched_not_as_its_axis()
     plt.close("all")
 
 
+def test_the_steps_of_a_collective_start_after_its_wait():
+    """The course's ring all-gather nests its steps in the collective's span: rank 0
+    enters at 10 ms, rank 1 at 60; rank 0's first step (10 to 40 ms, all of it waiting)
+    is left out and its second (40 to 62) starts at 60, so nothing covers the wait."""
+    from parcourse.trace import with_collective_waits
+
+    group = {"op": "all-gather", "group": (0, 1)}
+    trace = spans_trace(
+        2,
+        (0, "all-gather K", "comm", 10, 65, 0, group),
+        (0, "all-gather 0", "comm", 10, 40, 1, {"phase": "all-gather"}),
+        (0, "all-gather 1", "comm", 40, 62, 1, {"phase": "all-gather"}),
+        (1, "all-gather K", "comm", 60, 65, 0, group),
+        (1, "all-gather 0", "comm", 60, 64, 1, {"phase": "all-gather"}),
+    )
+    drawn = with_collective_waits(trace)
+    ms = 1_000_000
+    rank0 = sorted((s.name, s.start_ns // ms, s.end_ns // ms) for s in drawn.spans if s.rank == 0)
+    assert rank0 == [
+        ("all-gather 1", 60, 62),
+        ("all-gather K", 60, 65),
+        ("wait for partners (all-gather K)", 10, 60),
+    ]
+    rank1 = sorted((s.name, s.start_ns // ms) for s in drawn.spans if s.rank == 1)
+    assert rank1 == [("all-gather 0", 60), ("all-gather K", 60)]
+
+
 def test_device_turns_draws_the_device_and_the_exposed_waits():
     """Per run, a row of the turn held (forward, backward) and a row of all-to-all waits,
     red only where no compute covered them: here [3, 4] of the wait [2, 4]."""

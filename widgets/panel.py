@@ -250,7 +250,9 @@ class RunPanel:
 
     def _clamped(self) -> list[str]:
         """Sliders clamp what is typed into them, silently: say so when a value sits at
-        a bound it has been moved to since the last run (not again on the next run)."""
+        a bound it has been moved to since the last run (not again on the next run). The
+        kernel sees only the clamped value, dragged there or typed beyond, so the note
+        holds for both."""
         notes = []
         for name, control in self.controls.items():
             low, high = getattr(control, "min", None), getattr(control, "max", None)
@@ -265,13 +267,13 @@ class RunPanel:
             label = control.description or name
             if value == high:
                 notes.append(
-                    f"{label} = {value:g} is the slider's maximum: a larger value "
-                    "typed in is cut to it"
+                    f"{label} = {value:g} is the slider's maximum: it goes no higher, "
+                    "also where a larger value is typed in"
                 )
             elif value == low:
                 notes.append(
-                    f"{label} = {value:g} is the slider's minimum: a smaller value "
-                    "typed in is raised to it"
+                    f"{label} = {value:g} is the slider's minimum: it goes no lower, "
+                    "also where a smaller value is typed in"
                 )
         return notes
 

@@ -98,6 +98,9 @@ class AllToAll(torch.autograd.Function):
 
 
 def _span(comm: Comm, name: str | None) -> AbstractContextManager[None]:
+    """A comm span `name` (also its label on a timeline), with the group's ranks: every
+    rank runs its group's all-to-alls in one order, so a timeline can tell the wait for
+    the last partner to enter one apart (`trace.with_collective_waits`)."""
     if comm.tracer is None or not name:
         return nullcontext()
-    return comm.tracer.span(name, "comm")
+    return comm.tracer.span(name, "comm", op="all-to-all", group=comm.ranks, label=name)

@@ -25,6 +25,7 @@ The 3D step (`Hybrid`) runs it as the mesh's `cp` axis.
 """
 
 from parcourse.context_parallel.attention import (
+    BLOCK_KEY,
     LAYOUTS,
     METHODS,
     block_attention,
@@ -38,6 +39,7 @@ from parcourse.context_parallel.attention import (
 from parcourse.context_parallel.model import SequenceShard, context_parallel
 
 __all__ = [
+    "BLOCK_KEY",
     "LAYOUTS",
     "METHODS",
     "SequenceShard",

@@ -15,10 +15,17 @@ autograd's backward through their transfers (`_AllGather`: summed back to its ow
 parcourse.comm's `AllToAll`: the inverse all-to-all), the forward the only code to read;
 their price is memory: all of K and V (all-gather), the whole sequence's scores for 1/P of the heads
 (Ulysses).
+
+On a traced `Comm`, each method draws its work and its waits: attention's compute (a
+span per block of K/V, its rank under `BLOCK_KEY`, forward and backward), the time spent
+waiting for a message (idle: drawn hatched, never with a block's rank), and the
+collectives (all-gather, reduce-scatter, all-to-all; each with its group, so that a
+timeline tells the wait for the last partner apart, `trace.with_collective_waits`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal
@@ -28,14 +35,19 @@ import torch.distributed as dist
 
 from parcourse.comm import Comm
 from parcourse.comm.alltoall import AllToAll
+from parcourse.comm.messenger import Arrival
 from parcourse.ranges import chunk_bounds
 from parcourse.trace import SpanKind
+from parcourse.trace_backward import BackwardSpan
 
 Method = Literal["ring", "all-gather", "ulysses"]
 Layout = Literal["contiguous", "zigzag"]
 METHODS: tuple[Method, ...] = ("ring", "all-gather", "ulysses")
 LAYOUTS: tuple[Layout, ...] = ("contiguous", "zigzag")
 TOKENS = 2  # the dim of (batch, heads, tokens, head dim) that is cut
+# The span metadata naming whose K/V a span of attention's compute used (a timeline's
+# `color_by`): a rank, not one of the zigzag's 2P chunks.
+BLOCK_KEY = "K/V of rank"
 
 
 # --------------------------------------------------------------------------- the cut
@@ -194,6 +206,24 @@ def _wait(works: list[Any]) -> None:
         w.wait()
 
 
+def _received(comm: Comm, works: list[Any], what: str) -> None:
+    """Wait for `works`, traced as the pipeline's receives are: until the message left
+    its sender (which a messenger knows over a simulated link) waiting for the other
+    rank, an idle span "wait for `what`"; from then on the transfer, a comm span. Over a
+    real link no rank sees when a message left, and all of it is drawn as waiting."""
+    start = time.perf_counter_ns()
+    _wait(works)
+    if comm.tracer is None:
+        return
+    end = time.perf_counter_ns()
+    left = [w.departed for w in works if isinstance(w, Arrival) and w.departed is not None]
+    split = end if not left else min(end, max(start, int(max(left) * 1e9)))
+    if split > start:
+        comm.tracer.add_span(f"wait for {what}", start, split, kind="idle")
+    if end > split:
+        comm.tracer.add_span(f"receive {what}", split, end, kind="comm")
+
+
 def _span(comm: Comm, name: str, kind: SpanKind, **meta: Any) -> AbstractContextManager[Any]:
     """A span on the Comm's tracer (the ring drawn on a timeline), or nothing."""
     return comm.tracer.span(name, kind, **meta) if comm.tracer is not None else nullcontext()
@@ -210,21 +240,29 @@ def _paired(comm: Comm, send: Any, recv: Any) -> list[Any]:
 class _AllGather(torch.autograd.Function):
     """Every rank's x, padded to the longest along the tokens dim, stacked in rank order
     (`Comm.all_gather`); backward: each rank's gradient summed over the ranks and handed
-    to its owner, a reduce-scatter (`Comm.reduce_scatter`)."""
+    to its owner, a reduce-scatter (`Comm.reduce_scatter`). `name` (K or V): the spans'."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, longest: int) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, longest: int, name: str) -> torch.Tensor:
         padded = torch.nn.functional.pad(x, (0, 0, 0, longest - x.shape[TOKENS])).contiguous()
         whole = padded.new_empty(comm.size * padded.numel())
-        comm.all_gather(padded.flatten(), whole)
-        ctx.comm, ctx.tokens, ctx.shape = comm, x.shape[TOKENS], padded.shape
+        with _collective(comm, f"all-gather {name}", "all-gather"):
+            comm.all_gather(padded.flatten(), whole)
+        ctx.comm, ctx.tokens, ctx.shape, ctx.name = comm, x.shape[TOKENS], padded.shape, name
         return whole.view(comm.size, *padded.shape)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         # the ring's reduce-scatter sums in its buffer: a copy, not autograd's gradient
-        mine = ctx.comm.reduce_scatter(grad.flatten().clone()).view(ctx.shape)
-        return mine.narrow(TOKENS, 0, ctx.tokens), None, None
+        with _collective(ctx.comm, f"reduce-scatter d{ctx.name}", "reduce-scatter"):
+            mine = ctx.comm.reduce_scatter(grad.flatten().clone()).view(ctx.shape)
+        return mine.narrow(TOKENS, 0, ctx.tokens), None, None, None
+
+
+def _collective(comm: Comm, name: str, op: str) -> AbstractContextManager[Any]:
+    """A comm span around one collective, with its group's ranks (a timeline draws the
+    wait for the last partner to enter it as waiting)."""
+    return _span(comm, name, "comm", op=op, group=comm.ranks, label=op)
 
 
 # --------------------------------------------------------------------------- the methods
@@ -276,20 +314,25 @@ def context_attention(
     acc: tuple[Any, Any] = (None, None)
     if method == "all-gather":
         lengths = [sum(len(p) for _, p in chunks(r)) for r in range(size)]
-        keys = _AllGather.apply(k, comm, max(lengths))
-        values = _AllGather.apply(v, comm, max(lengths))
+        keys = _AllGather.apply(k, comm, max(lengths), "K")
+        values = _AllGather.apply(v, comm, max(lengths), "V")
+        back = BackwardSpan(comm.tracer, "backward: attention over every rank's K/V", label="bwd")
+        q, keys, values = back.enter(q, keys, values)
         for r in range(size):
-            acc = _attend(
-                acc,
-                q,
-                chunks(rank),
-                keys[r].narrow(TOKENS, 0, lengths[r]),
-                values[r].narrow(TOKENS, 0, lengths[r]),
-                chunks(r),
-                causal,
-                scale,
-            )
-        return acc[0].to(q.dtype)
+            with _span(
+                comm, f"attend to rank {r}'s K/V", "compute", label=f"fwd {r}", **{BLOCK_KEY: r}
+            ):
+                acc = _attend(
+                    acc,
+                    q,
+                    chunks(rank),
+                    keys[r].narrow(TOKENS, 0, lengths[r]),
+                    values[r].narrow(TOKENS, 0, lengths[r]),
+                    chunks(r),
+                    causal,
+                    scale,
+                )
+        return back.leave(acc[0].to(q.dtype))
     if k.shape != v.shape:
         raise ValueError("the ring passes K and V together: they must have one shape")
     return _Ring.apply(q, k, v, comm, cut, causal, scale)
@@ -323,18 +366,18 @@ class _Ring(torch.autograd.Function):
                 pending = _shift(
                     comm, kv, ring.shape(kv, step + 1), ring.left, ring.right, tag=step
                 )
-            with _span(comm, f"attend to rank {source}'s K/V", "compute", chunk=source):
+            with _span(
+                comm,
+                f"attend to rank {source}'s K/V",
+                "compute",
+                label=f"fwd {source}",
+                **{BLOCK_KEY: source},
+            ):
                 acc = _attend(
                     acc, q, ring.chunks(rank), kv[0], kv[1], ring.chunks(source), causal, scale
                 )
-            if pending is not None:
-                with _span(
-                    comm,
-                    f"wait for rank {ring.source(step + 1)}'s K/V",
-                    "comm",
-                    chunk=ring.source(step + 1),
-                ):
-                    _wait(pending[0])
+            if pending is not None:  # waiting, whoever's block it is: no BLOCK_KEY
+                _received(comm, pending[0], f"rank {ring.source(step + 1)}'s K/V")
                 kv = pending[1]
         out, lse = acc
         ctx.save_for_backward(q, k, v, out, lse)
@@ -359,7 +402,13 @@ class _Ring(torch.autograd.Function):
                 pending = _shift(
                     comm, kv, ring.shape(kv, step + 1), ring.left, ring.right, tag=_BACK_KV + step
                 )
-            with _span(comm, f"back through rank {source}'s K/V", "compute", chunk=source):
+            with _span(
+                comm,
+                f"back through rank {source}'s K/V",
+                "compute",
+                label=f"bwd {source}",
+                **{BLOCK_KEY: source},
+            ):
                 _block_gradients(
                     q,
                     ring.chunks(rank),
@@ -374,18 +423,12 @@ class _Ring(torch.autograd.Function):
                     dkv,
                 )
             if size > 1:  # the block's gradient goes on with it; the last hop takes it home
-                with _span(comm, f"pass on rank {source}'s dK/dV", "comm", chunk=source):
-                    works, dkv = _shift(
-                        comm,
-                        dkv,
-                        ring.shape(dkv, step + 1),
-                        ring.left,
-                        ring.right,
-                        tag=_BACK_GRAD + step,
-                    )
-                    _wait(works)
+                works, dkv = _shift(
+                    comm, dkv, ring.shape(dkv, step + 1), ring.left, ring.right, _BACK_GRAD + step
+                )
+                _received(comm, works, f"rank {ring.source(step + 1)}'s dK/dV")
             if pending is not None:
-                _wait(pending[0])
+                _received(comm, pending[0], f"rank {ring.source(step + 1)}'s K/V")
                 kv = pending[1]
         return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None)
 
@@ -474,23 +517,32 @@ def _ulysses(
     lengths = [len(positions(tokens, r, size, layout)) for r in range(size)]
     mine = lengths[rank]
 
-    def to_heads(x: torch.Tensor) -> torch.Tensor:
+    def to_heads(x: torch.Tensor, name: str) -> torch.Tensor:
         """(B, H, mine, D) -> (B, H / P, all tokens in rank order, D)."""
         b, h, _, d = x.shape
         pieces = x.reshape(b, size, h // size, mine, d).permute(1, 3, 0, 2, 4)
         got = AllToAll.apply(
-            pieces.reshape(size * mine, b, h // size, d), comm, [mine] * size, lengths
+            pieces.reshape(size * mine, b, h // size, d),
+            comm,
+            [mine] * size,
+            lengths,
+            f"{name} to heads",
         )
         return got.permute(1, 2, 0, 3)
 
-    qh, kh, vh = to_heads(q), to_heads(k), to_heads(v)
+    qh, kh, vh = to_heads(q, "q"), to_heads(k, "k"), to_heads(v, "v")
     order = torch.cat([positions(tokens, r, size, layout) for r in range(size)])
-    out, _ = block_attention(
-        qh, kh, vh, order if causal else None, order if causal else None, scale
-    )
+    whole = f"the whole sequence, {heads // size} of {heads} heads"
+    grads = BackwardSpan(comm.tracer, f"backward: attention over {whole}", label="bwd")
+    qh, kh, vh = grads.enter(qh, kh, vh)
+    with _span(comm, f"forward: attention over {whole}", "compute", label="fwd"):
+        out, _ = block_attention(
+            qh, kh, vh, order if causal else None, order if causal else None, scale
+        )
+    out = grads.leave(out)
     b, hs, _, d = out.shape
     back = AllToAll.apply(
-        out.permute(2, 0, 1, 3).contiguous(), comm, lengths, [mine] * size
+        out.permute(2, 0, 1, 3).contiguous(), comm, lengths, [mine] * size, "out to tokens"
     )  # (P x mine, B, H / P, D): rank j's heads
     back = back.reshape(size, mine, b, hs, d).permute(2, 0, 3, 1, 4)
     return back.reshape(b, size * hs, mine, d).to(q.dtype)

@@ -5,6 +5,7 @@ GPT trained with its sequence cut over cp."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,6 +27,12 @@ from parcourse.memory import PeakSavedBytes
 from parcourse.models import CausalSelfAttention, GPTConfig
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
+# How far the weights of a run over ranks may be from one process's after a few Adam steps
+# (lr 1e-2), in fp64: the order of the additions differs (1e-16 relative), and Adam's
+# division by sqrt(v) + 1e-8 can magnify a near-zero gradient's rounding by lr / 1e-8;
+# measured below 1e-12 at 1 to 4 ranks, so 1e-9 leaves room and still catches any
+# mistake (a wrong scale or a missing reduction moves weights by 1e-3 and more).
+WEIGHTS_TOLERANCE = 1e-9
 
 
 def attention_memory(
@@ -64,7 +71,10 @@ def cp_attention(
     on the run's timeline). This rank's largest difference from one process's
     `scaled_dot_product_attention` (output and the gradients of its q, k, v), the bytes it
     sent forward and backward and its messages, the activations autograd kept for it at
-    the peak, its tokens, and the seconds its ring spent attending."""
+    the peak, its tokens, the seconds (wall clock) its ring spent attending, and the CPU
+    seconds this rank's thread spent in forward (`forward_cpu_s`, `time.thread_time`: the
+    attention's compute; a wait for a message costs none, nor does time spent waiting for
+    a core that other work holds)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     dt = DTYPES[dtype]
@@ -89,6 +99,7 @@ def cp_attention(
     ctx.tracer.set_status(f"{method} attention over {tokens} tokens")
     dist.barrier(group=ctx.group)
     with PeakSavedBytes(exclude=local) as saved:
+        cpu = time.thread_time_ns()
         out = context_attention(
             q_mine,
             k_mine,
@@ -100,6 +111,7 @@ def cp_attention(
             causal=causal,
             comm=comm,
         )
+        cpu = time.thread_time_ns() - cpu
         sent = [c.value for c in ctx.tracer.data().counters[counted:] if c.name == "bytes_sent"]
         out.backward(mine(d_out))
     every = [c.value for c in ctx.tracer.data().counters[counted:] if c.name == "bytes_sent"]
@@ -117,6 +129,7 @@ def cp_attention(
         "saved": saved.peak,
         "tokens": out.shape[2],
         "attend_s": sum(s.end_ns - s.start_ns for s in attend) / 1e9,
+        "forward_cpu_s": cpu / 1e9,
         "blocks": len(attend),
     }
 
@@ -155,7 +168,7 @@ def check_merge(fn: MergeFn) -> bool:
     for scale, what in ((1.0, ""), (60.0, " on scores near 1000, where exp(lse) overflows")):
         given, (want_out, want_lse) = _blocks(scale, seed=1)
         out_a, lse_a, out_b, lse_b = given
-        ok, got = ask(fn, *(t.clone() for t in given))
+        ok, got = ask(fn, *(t.clone() for t in given), hint=_merge_error_hint)
         if not ok:
             return False
         if not (
@@ -182,10 +195,17 @@ def check_merge(fn: MergeFn) -> bool:
 
         if near(out, want_out) and near(lse, want_lse):
             continue
-        if not torch.isfinite(out).all() or not torch.isfinite(lse).all():
+        if (not torch.isfinite(out).all() or not torch.isfinite(lse).all()) and what:
             hint = (
-                f"the result has inf or nan{what}: exp(lse_a) alone overflows. Weigh "
-                "each block by exp(lse_a - lse), where lse = torch.logaddexp(lse_a, lse_b)"
+                f"the result has inf or nan{what} fp32. Weigh each block by "
+                "exp(lse_a - lse), where lse = torch.logaddexp(lse_a, lse_b): neither "
+                "exponent is then above 0"
+            )
+        elif not torch.isfinite(out).all() or not torch.isfinite(lse).all():
+            hint = (
+                "the result has inf or nan on ordinary scores, where nothing overflows: "
+                "look for a log of a negative number or a division by zero. lse = "
+                "torch.logaddexp(lse_a, lse_b); each block's weight exp(lse_a - lse)"
             )
         elif near(out, out_a + out_b):
             hint = (
@@ -227,15 +247,34 @@ def check_merge(fn: MergeFn) -> bool:
     return True
 
 
+def _merge_error_hint(error: Exception) -> str | None:
+    """What a merge that raised most likely forgot: the weights are one number per
+    query, the outputs have one more dim."""
+    if isinstance(error, RuntimeError) and "must match the size" in str(error):
+        return (
+            "the weights exp(lse_a - lse) have one number per query, (batch, heads, "
+            "queries), the outputs one more dim (head_dim): weigh with weight[..., None]"
+        )
+    return None
+
+
 # --------------------------------------------------------------------------- the GPT
 
 
 def cp_training(
-    ctx: RankContext, method: Method = "ring", steps: int = 3, tokens: int = 32
+    ctx: RankContext,
+    method: Method = "ring",
+    steps: int = 3,
+    tokens: int = 32,
+    dtype: str = "float64",
 ) -> dict[str, Any]:
-    """The course's GPT trained `steps` Adam steps with each sequence cut over these ranks
-    (a mesh of cp = world size, `Hybrid`), and the same in one process: both runs'
-    losses and the largest difference of their weights."""
+    """The course's GPT in `dtype` trained `steps` Adam steps with each sequence cut over
+    these ranks (a mesh of cp = world size, `Hybrid`), and the same in one process: both
+    runs' losses and the largest difference of their weights. fp64 by default: the two
+    runs add the same numbers in another order, and Adam divides each step by
+    sqrt(v) + 1e-8, so a weight whose gradient is near zero moves by up to lr whatever
+    that gradient's rounding; fp32's rounding (1e-7 relative) then shows in the weights
+    at 1e-5 to 1e-4, fp64's (1e-16) below 1e-10 (`WEIGHTS_TOLERANCE`)."""
     import torch.nn.functional as F
 
     from parcourse.data import progressions
@@ -245,13 +284,13 @@ def cp_training(
 
     config = GPTConfig(vocab=64, block_size=tokens, n_layers=2, n_heads=4, d_model=32)
     model = Hybrid(
-        gpt(config),
+        gpt(config).to(DTYPES[dtype]),
         Mesh({"cp": ctx.world_size}, ctx.group),
         cp_method=method,
         microbatches=1,
         optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2),
     )
-    one = gpt(config)
+    one = gpt(config).to(DTYPES[dtype])
     opt = torch.optim.Adam(one.parameters(), lr=1e-2)
     x, y = progressions(8, tokens, config.vocab)
     ours, theirs = [], []

@@ -6,7 +6,7 @@ hint, not as a traceback."""
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from parcourse.launch import LaunchError, Pool, RankError, RankTimeout, Run
@@ -14,24 +14,35 @@ from parcourse.launch import LaunchError, Pool, RankError, RankTimeout, Run
 NOT_WRITTEN = "Not written yet: fill in the function above, then run this cell again."
 
 
-def ask(fn: Callable[..., Any], *args: Any, where: str = "") -> tuple[bool, Any]:
+def ask(
+    fn: Callable[..., Any],
+    *args: Any,
+    where: str = "",
+    hint: Callable[[Exception], str | None] | None = None,
+) -> tuple[bool, Any]:
     """Call the learner's `fn(*args)`: (True, its answer), or (False, None) after printing
     one line: not written yet, or what it raised (`where`: with which inputs, e.g.
-    "with shape (5,), ")."""
+    "with shape (5,), "), and the check's `hint` for that error when it has one."""
     try:
         return True, fn(*args)
     except NotImplementedError:
         print(NOT_WRITTEN)
     except Exception as e:  # noqa: BLE001 - the learner's code: say what, not a traceback
         first = str(e).splitlines()[0] if str(e) else ""
-        print(f"Not yet: {where}your function raised {type(e).__name__}: {first}")
+        said = hint(e) if hint is not None else None
+        print(
+            f"Not yet: {where}your function raised {type(e).__name__}: {first}"
+            + (f". Hint: {said}" if said else "")
+        )
     return False, None
 
 
 def whole_numbers(answer: Any, count: int | None = None) -> list[int] | None:
     """A learner's answer as whole numbers however it is spelt (a list or a tuple of
     Python's, numpy's or torch's integers), `count` of them if given; None when it is not
-    that (a float, a string, no answer)."""
+    that (a float, a string, a dict, no answer)."""
+    if isinstance(answer, Mapping):  # iterating a dict gives its keys, never the answer
+        return None
     try:
         numbers = [operator.index(x) for x in answer]
     except TypeError:

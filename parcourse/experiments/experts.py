@@ -16,11 +16,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from parcourse.comm import Comm, Turns
+from parcourse.comm import Comm, Turns, all_to_all
+from parcourse.experiments.context_parallel import DTYPES
 from parcourse.experiments.exercises import ask, whole_numbers
 from parcourse.experiments.timing import one_thread
 from parcourse.experts import MoE, expert_parallel, moe_layers, permute, update_bias
-from parcourse.experts.routing import Routing, Score
+from parcourse.experts.routing import Routing, Score, capacity
 from parcourse.launch import RankContext
 from parcourse.models import GPTConfig, gpt
 from parcourse.pipeline.actions import Action, Schedule
@@ -40,7 +41,9 @@ def routing_example(
     seed: int = 0,
 ) -> dict[str, Any]:
     """One MoE layer's routing of `tokens` random tokens: each token's experts, weights
-    and which were kept (a capacity drops the rest), and the assignments per expert."""
+    and which were kept (a capacity drops the rest), the assignments each expert was
+    chosen for (`counts`, before the drops) and kept (`kept_counts`), and the capacity
+    (the most an expert keeps; None: dropless)."""
     torch.manual_seed(seed)
     layer = MoE(
         16,
@@ -58,6 +61,8 @@ def routing_example(
         "weights": r.weights.tolist(),
         "kept": r.kept.tolist(),
         "counts": r.counts.tolist(),
+        "kept_counts": torch.bincount(r.experts[r.kept], minlength=experts).tolist(),
+        "capacity": capacity(tokens, experts, top_k, capacity_factor),
         "dropped": r.dropped,
     }
 
@@ -94,6 +99,12 @@ def check_dispatch(fn: DispatchFn) -> bool:
             print(
                 f"Not yet: return two lists, (rows per rank, order); got "
                 f"{type(got).__name__}." + (" Hint: a missing `return`?" if got is None else "")
+            )
+            return False
+        if any(isinstance(x, dict) for x in got):
+            print(
+                "Not yet: give each part as a list in order (rows for rank 0, rank 1, ...; "
+                "the assignments' numbers in dispatch order), not a dict."
             )
             return False
         counts, order = (whole_numbers(x) for x in got)
@@ -161,8 +172,10 @@ def ep_layer(
     """One forward and backward of an MoE layer with its experts cut over these ranks,
     every message through a traced `Comm` (dispatch, experts, combine on the timeline),
     beside the whole layer in this process on this rank's tokens: the largest difference
-    (output, input gradient), the bytes sent forward and backward, the tokens each expert
-    received here, the assignments dropped."""
+    (output, input gradient), the bytes sent forward and backward, the assignments this
+    rank's tokens made to each expert (`chosen`) and those kept and sent (`counts`), the
+    assignments dropped, and the rows the dispatch sent to other ranks (`rows_out`) and
+    the combine sent back to them (`rows_back`)."""
     if experts % ctx.world_size:
         raise ValueError(f"{experts} experts do not divide by {ctx.world_size} ranks")
 
@@ -185,6 +198,11 @@ def ep_layer(
     comm = Comm(ctx.group, tracer=ctx.tracer, algorithm="auto")
     mine = layer()
     expert_parallel(mine, comm)  # cuts its experts in place
+    # the first messages between two ranks set their connection up (tens of ms on gloo):
+    # here, untraced, not on the timeline as the counts' exchange
+    size = ctx.world_size
+    warm = Comm(ctx.group, algorithm=comm.algorithm)
+    all_to_all(warm, torch.zeros(size, dtype=torch.int64), [1] * size, [1] * size)
     counted = len(ctx.tracer.data().counters)
     ctx.tracer.set_status(f"{tokens} tokens to {experts} experts")
     dist.barrier(group=ctx.group)
@@ -196,13 +214,23 @@ def ep_layer(
     routing = mine.last
     assert routing is not None and here.grad is not None and ref_x.grad is not None
     sort = permute(routing, experts)
+    everyone: list[Any] = [None] * ctx.world_size  # each rank's kept rows per expert
+    dist.all_gather_object(everyone, sort.counts, group=ctx.group)
+    held = range(mine.first, mine.first + mine.local_experts)
     return {
         "error": float(max((out - ref).detach().abs().max(), (here.grad - ref_x.grad).abs().max())),
         "forward": sent,
         "backward": every - sent,
-        "counts": sort.counts,
+        "counts": sort.counts,  # kept, after a capacity's drops
+        "chosen": routing.counts.tolist(),  # before them
         "dropped": routing.dropped,
-        "held": list(range(mine.first, mine.first + mine.local_experts)),
+        "held": list(held),
+        # rows the dispatch sends to the other ranks' experts, and rows the combine sends
+        # back from this rank's experts to the other ranks' tokens
+        "rows_out": sum(c for e, c in enumerate(sort.counts) if e not in held),
+        "rows_back": sum(
+            theirs[e] for r, theirs in enumerate(everyone) if r != ctx.rank for e in held
+        ),
     }
 
 
@@ -251,11 +279,14 @@ def imbalance(
     return per_step
 
 
-def ep_training(ctx: RankContext, experts: int = 4, steps: int = 3) -> dict[str, Any]:
-    """The course's GPT with `experts` experts in every block trained `steps` Adam steps on
-    a mesh of ep = world size (`Hybrid`: each rank its rows and 1/ep of the experts), and
-    the same microbatches in one process: both runs' losses and the largest difference of
-    their weights."""
+def ep_training(
+    ctx: RankContext, experts: int = 4, steps: int = 3, dtype: str = "float64"
+) -> dict[str, Any]:
+    """The course's GPT in `dtype` with `experts` experts in every block trained `steps`
+    Adam steps on a mesh of ep = world size (`Hybrid`: each rank its rows and 1/ep of the
+    experts), and the same microbatches in one process: both runs' losses and the largest
+    difference of their weights (fp64 by default, for the reason `cp_training` gives; the
+    bar is `WEIGHTS_TOLERANCE`)."""
     from parcourse.data import progressions
     from parcourse.experts import set_aux_scale
     from parcourse.hybrid import Hybrid
@@ -265,12 +296,12 @@ def ep_training(ctx: RankContext, experts: int = 4, steps: int = 3) -> dict[str,
         vocab=64, block_size=16, n_layers=2, n_heads=4, d_model=32, experts=experts, top_k=2
     )
     model = Hybrid(
-        gpt(config),
+        gpt(config).to(DTYPES[dtype]),
         Mesh({"ep": ctx.world_size}, ctx.group),
         microbatches=1,
         optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2),
     )
-    one = gpt(config)
+    one = gpt(config).to(DTYPES[dtype])
     set_aux_scale(one, 1 / ctx.world_size)
     opt = torch.optim.Adam(one.parameters(), lr=1e-2)
     x, y = progressions(4 * ctx.world_size, config.block_size, config.vocab)  # 4 rows a rank

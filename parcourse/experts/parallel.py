@@ -25,8 +25,8 @@ expert-data-parallel group): its gradient is summed over them, the rest over all
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,8 @@ from torch import nn
 
 from parcourse.comm import AllToAll, Comm, all_to_all
 from parcourse.experts.layer import MoE, expert_parameters, moe_layers, permute, unpermute
+from parcourse.trace import SpanKind
+from parcourse.trace_backward import BackwardSpan
 
 if TYPE_CHECKING:
     from parcourse.experts.routing import Routing
@@ -78,15 +80,24 @@ def run_expert_parallel(m: MoE, flat: torch.Tensor, routing: Routing) -> torch.T
     sort = permute(routing, m.experts)  # every expert's rows, in expert (so rank) order
     sends = [sum(sort.counts[r * held : (r + 1) * held]) for r in range(size)]
     counts = torch.tensor(sort.counts, dtype=torch.int64, device=flat.device)
-    arriving = all_to_all(comm, counts, [held] * size, [held] * size).view(size, held).cpu()
+    with _traced(comm, "counts", "comm", op="all-to-all", group=comm.ranks, label="counts"):
+        arriving = all_to_all(comm, counts, [held] * size, [held] * size).view(size, held).cpu()
     receives = arriving.sum(1).tolist()  # rows from each source
     got = AllToAll.apply(flat[sort.tokens], comm, sends, receives, "dispatch")  # by source
     order = _expert_major(arriving)
-    with comm.tracer.span("experts") if comm.tracer is not None else nullcontext():
-        y = m.experts_batched(got[order], arriving.sum(0).tolist())
+    # the experts' compute on a timeline, forward and (autograd's, later) backward
+    grads = BackwardSpan(comm.tracer, "backward: experts", label="experts")
+    (got,) = grads.enter(got)
+    with _traced(comm, "forward: experts", "compute", label="experts"):
+        y = grads.leave(m.experts_batched(got[order], arriving.sum(0).tolist()))
     back = torch.empty_like(order).scatter_(0, order, torch.arange(len(order)))
     out = AllToAll.apply(y[back], comm, receives, sends, "combine")  # each row home, sorted
     return unpermute(out, sort, routing, flat.shape[0])
+
+
+def _traced(comm: Comm, name: str, kind: SpanKind, **meta: Any) -> AbstractContextManager[Any]:
+    """A span on `comm`'s tracer, or nothing without one."""
+    return comm.tracer.span(name, kind, **meta) if comm.tracer is not None else nullcontext()
 
 
 def _expert_major(arriving: torch.Tensor) -> torch.Tensor:

@@ -102,7 +102,9 @@ class Router(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> Routing:  # x: (N, C)
-        logits = self.gate(x).float()  # (N, E), the router in fp32 whatever the model
+        logits = self.gate(x)  # (N, E), the router in fp32 at least: a bf16 or fp16
+        if logits.dtype in (torch.float16, torch.bfloat16):  # model's ties and rounding
+            logits = logits.float()  # would pick its experts; fp64 stays fp64
         if self.score == "softmax":
             scores = probs = logits.softmax(-1)
         else:

@@ -233,3 +233,13 @@ def paced_actions(ctx, seconds, collectives):
             }
         )
     return out
+
+
+def hierarchical_vs_torch(ctx, ranks_per_node, numel, dtype, op):
+    """The hierarchical all-reduce against torch's, and the bytes this rank sent inside
+    its node and across nodes."""
+    t = make(ctx.rank, numel, dtype)
+    ref = _torch_reference(t, op, ctx.group)
+    out = C.hierarchical_all_reduce(t, ranks_per_node, op, tracer=ctx.tracer)
+    assert out is t
+    return t, ref, C.bytes_by_level(ctx.tracer.data().counters, ctx.rank, ranks_per_node)

@@ -9,6 +9,8 @@
   ring_fast.py: the same ring with segments, cached plans and kept buffers,
   tested equal to it: `ring_all_reduce`, `ring_reduce_scatter`, `ring_all_gather`.
 - naive.py: the parameter server's all-reduce (`naive_all_reduce`).
+- hierarchical.py: `hierarchical_all_reduce`, inside each node, across nodes, inside
+  again (Horovod's hierarchical all-reduce), from the readable ring.
 - messenger.py: send / recv that count bytes, stage CUDA tensors over gloo and
   apply the simulated link (link.py: `SimulatedLink`, and `Topology`, fast inside a
   node and slow between nodes).
@@ -33,6 +35,7 @@ from parcourse.comm.common import (
     group_info,
 )
 from parcourse.comm.communicator import ALGORITHMS, Algorithm, Comm, Pending
+from parcourse.comm.hierarchical import bytes_by_level, hierarchical_all_reduce, node_groups
 from parcourse.comm.link import Network, SimulatedLink, Topology, link_between, simulated_link
 from parcourse.comm.messenger import Arrival, Messenger, messenger
 from parcourse.comm.naive import naive_all_reduce
@@ -56,6 +59,9 @@ __all__ = [
     "Cut",
     "DTYPES",
     "Messenger",
+    "bytes_by_level",
+    "hierarchical_all_reduce",
+    "node_groups",
     "OPS",
     "Op",
     "Pacer",

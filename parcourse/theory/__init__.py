@@ -21,6 +21,8 @@ from parcourse.theory.collectives import (
     bus_bandwidth,
     bytes_sent_per_rank,
     fit_cost_model,
+    flat_ring_bytes_across,
+    hierarchical_bytes,
 )
 from parcourse.theory.context import (
     all_gather_attention_bytes,
@@ -91,6 +93,8 @@ __all__ = [
     "bubble_fraction",
     "bus_bandwidth",
     "bytes_sent_per_rank",
+    "flat_ring_bytes_across",
+    "hierarchical_bytes",
     "checkpoint_extra_forwards",
     "checkpoint_peak_activations",
     "checkpoint_segments",

@@ -43,6 +43,34 @@ def bytes_sent_per_rank(
     return float(sum(bounds[c][1] - bounds[c][0] for c in sent) * itemsize)
 
 
+def hierarchical_bytes(
+    nbytes: int, world_size: int, ranks_per_node: int, rank: int = 0, itemsize: int | None = None
+) -> tuple[float, float]:
+    """Theory: (bytes inside its node, bytes across nodes) one rank sends in a hierarchical
+    all-reduce of `nbytes` (comm/hierarchical.py): 2 (n-1)/n S inside and 2 (k-1)/k S/n
+    across, n ranks a node and k = N / n nodes; exact for uneven chunks given `itemsize`
+    (the node's ring on the whole tensor, the ring across on this rank's chunk of it)."""
+    n, k = ranks_per_node, world_size // ranks_per_node
+    local, node = rank % n, rank // n
+    inside = bytes_sent_per_rank("ring", nbytes, n, local, itemsize=itemsize)
+    if itemsize is None:
+        return inside, bytes_sent_per_rank("ring", nbytes // n, k, node)
+    start, end = chunk_bounds(nbytes // itemsize, n)[local]
+    chunk = (end - start) * itemsize
+    return inside, bytes_sent_per_rank("ring", chunk, k, node, itemsize=itemsize)
+
+
+def flat_ring_bytes_across(
+    nbytes: int, world_size: int, ranks_per_node: int, rank: int = 0, itemsize: int | None = None
+) -> float:
+    """Theory: bytes one rank sends across nodes in the flat ring over `world_size` ranks,
+    n a node: the last rank of each node sends its whole 2 (N-1)/N S to the next node's
+    first, the others none."""
+    if world_size == ranks_per_node or rank % ranks_per_node != ranks_per_node - 1:
+        return 0.0
+    return bytes_sent_per_rank("ring", nbytes, world_size, rank, itemsize=itemsize)
+
+
 @dataclass(frozen=True)
 class CostModel:
     """The alpha-beta model: a message of b bytes arrives alpha + b / beta seconds

@@ -62,6 +62,26 @@ def test_allreduce_prints_bandwidth_and_bytes_against_theory(capsys, algo, world
         assert "rank 0      sent 196608 B (theory 196608 B)" in out
 
 
+def test_allreduce_on_two_levels_prints_bytes_inside_and_across(capsys):
+    """8 ranks, 4 a node, 96 KiB: the hierarchical sends 2 (k-1)/k S/n = 24 KiB across from
+    every rank, the flat ring 2 (N-1)/N S = 168 KiB from one rank a node."""
+    argv = ["allreduce", "--algo", "hierarchical", "--world-size", "8", "--ranks-per-node", "4"]
+    assert main([*argv, "--size", "96KB", "--repeats", "1"]) == 0
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()}
+    assert rows["hierarchical"][2:] == ["24576", "98304", "24576"]
+    assert rows["ring"][2:] == ["172032", "172032", "172032"]
+    for argv, says in [
+        (["--algo", "hierarchical"], "--algo hierarchical needs --ranks-per-node"),
+        (["--world-size", "6", "--ranks-per-node", "4"], "must be >= 1 and divide --world-size 6"),
+    ]:
+        bad = subprocess.run(
+            [sys.executable, "-m", "parcourse", "allreduce", *argv],
+            capture_output=True,
+            text=True,
+        )
+        assert bad.returncode == 2 and says in bad.stderr, bad.stderr
+
+
 def test_help_and_bad_input():
     out = subprocess.run(
         [sys.executable, "-m", "parcourse", "--help"], capture_output=True, text=True, check=True

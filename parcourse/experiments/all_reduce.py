@@ -1,5 +1,6 @@
 """Lesson 01's runs, and what the CLI and benchmarks/collectives.py time: all-reduce by
-ring, parameter server and torch, timed, traced and checked; the ring step exercise."""
+ring, parameter server, hierarchical and torch, timed, traced and checked; the ring step
+exercise."""
 
 from __future__ import annotations
 
@@ -13,8 +14,12 @@ import torch
 import torch.distributed as dist
 
 from parcourse.comm import (
+    Network,
     SimulatedLink,
+    Topology,
+    bytes_by_level,
     chunk_bounds,
+    hierarchical_all_reduce,
     naive_all_reduce,
     ring_all_reduce,
     simulated_link,
@@ -22,10 +27,10 @@ from parcourse.comm import (
 from parcourse.experiments.exercises import run_exercise
 from parcourse.launch import Pool, RankContext
 
-Algo = Literal["ring", "naive", "torch"]
+Algo = Literal["ring", "naive", "torch", "hierarchical"]
 
 
-ALGOS: tuple[str, ...] = ("ring", "naive", "torch")
+ALGOS: tuple[str, ...] = ("ring", "naive", "torch", "hierarchical")
 
 
 def all_reduce_with(
@@ -33,12 +38,17 @@ def all_reduce_with(
     t: torch.Tensor,
     ctx: RankContext,
     *,
-    link: SimulatedLink | None = None,
+    link: Network | None = None,
     traced: bool = False,
 ) -> None:
-    """One all-reduce of `t` with the chosen algorithm (torch's ignores the link)."""
+    """One all-reduce of `t` with the chosen algorithm (torch's ignores the link; the
+    hierarchical one takes its nodes from the link, a `Topology`)."""
     tracer = ctx.tracer if traced else None
-    if algo == "ring":
+    if algo == "hierarchical":
+        if not isinstance(link, Topology):
+            raise ValueError("the hierarchical all-reduce needs nodes: a Topology as its link")
+        hierarchical_all_reduce(t, link.ranks_per_node, tracer=tracer, link=link)
+    elif algo == "ring":
         ring_all_reduce(t, ctx.group, tracer=tracer, link=link)
     elif algo == "naive":
         naive_all_reduce(t, ctx.group, tracer=tracer, link=link)
@@ -79,9 +89,7 @@ def max_batch(world_size: int, dtype: str = "float32") -> int:
     return batch
 
 
-def _timed(
-    ctx: RankContext, algo: str, t: torch.Tensor, ops: int, link: SimulatedLink | None
-) -> float:
+def _timed(ctx: RankContext, algo: str, t: torch.Tensor, ops: int, link: Network | None) -> float:
     """Seconds per all-reduce of `ops` run back to back from ones after a barrier;
     the result is checked afterwards (untimed)."""
     t.fill_(1)
@@ -102,7 +110,7 @@ def time_all_reduce(
     sizes: list[int],
     repeats: int,
     dtype: str = "float32",
-    link: SimulatedLink | None = None,
+    link: Network | None = None,
     batch: int = 1,
 ) -> dict[tuple[str, int], list[float]]:
     """Seconds per all-reduce on this rank, for each (algorithm, size in bytes).
@@ -227,3 +235,20 @@ def check_ring_step(
         f"Correct: after {steps} step{'s' * (steps > 1)} every rank owns its fully reduced chunk."
     )
     return True
+
+
+def over_two_levels(
+    ctx: RankContext, algos: list[str], nbytes: int, dtype: str, repeats: int, network: Topology
+) -> dict[str, object]:
+    """Each algorithm on the two-level network: the bytes this rank sent inside its node
+    and across nodes in one traced all-reduce, then its timed ones (`time_all_reduce`)."""
+    kind = getattr(torch, dtype)
+    levels = {}
+    for algo in algos:
+        t = torch.ones(max(1, nbytes // kind.itemsize), dtype=kind, device=ctx.device)
+        before = len(ctx.tracer.data().counters)
+        all_reduce_with(algo, t, ctx, link=network, traced=True)  # type: ignore[arg-type]  # the CLI's choices
+        sent = ctx.tracer.data().counters[before:]
+        levels[algo] = bytes_by_level(sent, ctx.rank, network.ranks_per_node)
+    times = time_all_reduce(ctx, algos, [nbytes], repeats, dtype, network)
+    return {"levels": levels, "times": times}

@@ -4,6 +4,7 @@ exercise."""
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -252,3 +253,39 @@ def over_two_levels(
         levels[algo] = bytes_by_level(sent, ctx.rank, network.ranks_per_node)
     times = time_all_reduce(ctx, algos, [nbytes], repeats, dtype, network)
     return {"levels": levels, "times": times}
+
+
+def two_levels_table(pool: Pool, ranks_per_node: int, nbytes: int, repeats: int = 3) -> str:
+    """Lesson 01's table: the hierarchical all-reduce beside the flat ring on the two-level
+    network `Topology.of(ranks_per_node)`, each rank's bytes inside its node and across
+    nodes (measured, and the formula's) and the slowest rank's median time."""
+    from parcourse.theory import flat_ring_bytes_across, hierarchical_bytes
+
+    n, world = ranks_per_node, pool.world_size
+    done = pool.run(
+        over_two_levels,
+        ["hierarchical", "ring"],
+        nbytes,
+        "float32",
+        repeats,
+        Topology.of(n),
+    )
+    lines = [
+        f"{world} ranks, {n} a node, {nbytes / 2**20:g} MiB: bytes each rank sent "
+        "in KiB, inside its node / across nodes (the formula's across)"
+    ]
+    for algo in ("hierarchical", "ring"):
+        seconds = statistics.median(
+            max(r["times"][(algo, nbytes)][i] for r in done.results) for i in range(repeats)
+        )
+        if algo == "ring":
+            theory = [flat_ring_bytes_across(nbytes, world, n, r, 4) for r in range(world)]
+        else:
+            theory = [hierarchical_bytes(nbytes, world, n, r, 4)[1] for r in range(world)]
+        levels = [result["levels"][algo] for result in done.results]
+        sent = "  ".join(
+            f"{inside / 1024:.0f}/{across / 1024:.0f} ({theory[rank] / 1024:.0f})"
+            for rank, (inside, across) in enumerate(levels)
+        )
+        lines.append(f"{algo:>12}: {seconds * 1e3:6.1f} ms   {sent}")
+    return "\n".join(lines)

@@ -166,85 +166,103 @@ def check_merge(fn: MergeFn) -> bool:
     blocks at once, on ordinary scores and on scores large enough that exp(lse) overflows
     fp32. Prints one short verdict, naming the mistake when it is a common one."""
     for scale, what in ((1.0, ""), (60.0, " on scores near 1000, where exp(lse) overflows")):
-        given, (want_out, want_lse) = _blocks(scale, seed=1)
-        out_a, lse_a, out_b, lse_b = given
+        given, want = _blocks(scale, seed=1)
         ok, got = ask(fn, *(t.clone() for t in given), hint=_merge_error_hint)
         if not ok:
             return False
-        if not (
-            isinstance(got, tuple | list)
-            and len(got) == 2
-            and all(isinstance(t, torch.Tensor) for t in got)
-        ):
-            print(
-                f"Not yet: return two tensors, (out, lse); got {type(got).__name__}."
-                + (" Hint: a missing `return`?" if got is None else "")
-            )
+        if problem := _merge_shape_problem(got, *want):
+            print(f"Not yet: {problem}")
             return False
         out, lse = got
-        if out.shape != want_out.shape or lse.shape != want_lse.shape:
-            print(
-                f"Not yet: out should keep out_a's shape {tuple(want_out.shape)} and lse "
-                f"lse_a's {tuple(want_lse.shape)}; got {tuple(out.shape)} and "
-                f"{tuple(lse.shape)}."
-            )
-            return False
-
-        def near(x: torch.Tensor, y: torch.Tensor) -> bool:
-            return bool(torch.allclose(x.to(y.dtype), y, rtol=1e-4, atol=1e-5))
-
-        if near(out, want_out) and near(lse, want_lse):
+        if _near(out, want[0]) and _near(lse, want[1]):
             continue
-        if (not torch.isfinite(out).all() or not torch.isfinite(lse).all()) and what:
-            hint = (
-                f"the result has inf or nan{what} fp32. Weigh each block by "
-                "exp(lse_a - lse), where lse = torch.logaddexp(lse_a, lse_b): neither "
-                "exponent is then above 0"
-            )
-        elif not torch.isfinite(out).all() or not torch.isfinite(lse).all():
-            hint = (
-                "the result has inf or nan on ordinary scores, where nothing overflows: "
-                "look for a log of a negative number or a division by zero. lse = "
-                "torch.logaddexp(lse_a, lse_b); each block's weight exp(lse_a - lse)"
-            )
-        elif near(out, out_a + out_b):
-            hint = (
-                "you added the outputs without rescaling: each block's output is "
-                "normalised over its own keys only; weigh it by its share of both "
-                "softmax sums, exp(lse_a - lse)"
-            )
-        elif near(out, (out_a + out_b) / 2):
-            hint = (
-                "you averaged the outputs: a block's weight is its share of both softmax "
-                "sums, exp(lse_a - lse), not one half"
-            )
-        elif near(out, want_out) and near(lse, lse_a + lse_b):
-            hint = (
-                "the output is right; the lse of both is log(exp(lse_a) + exp(lse_b)), "
-                "torch.logaddexp(lse_a, lse_b), not lse_a + lse_b"
-            )
-        elif near(out, want_out) and near(lse, torch.maximum(lse_a, lse_b)):
-            hint = (
-                "the output is right; the lse of both is torch.logaddexp(lse_a, lse_b): "
-                "the larger one alone drops the other block's sum"
-            )
-        elif near(out, want_out):
-            hint = "the output is right, the lse is not: torch.logaddexp(lse_a, lse_b)"
-        else:
-            diff = float((out.to(want_out.dtype) - want_out).abs().max())
-            hint = (
-                f"the merged output differs from attention over both blocks by {diff:.3g}"
-                f"{what}. Hint: lse = torch.logaddexp(lse_a, lse_b); out = out_a x "
-                "exp(lse_a - lse) + out_b x exp(lse_b - lse), the weights per query "
-                "(unsqueeze them over the head dim)"
-            )
-        print(f"Not yet: {hint}.")
+        print(f"Not yet: {_merge_mistake(out, lse, given, want, what)}.")
         return False
     print(
         "Right: the two blocks merge into attention over all their keys, also where "
         "exp(lse) alone would overflow."
     )
     return True
+
+
+def _near(x: torch.Tensor, y: torch.Tensor) -> bool:
+    return bool(torch.allclose(x.to(y.dtype), y, rtol=1e-4, atol=1e-5))
+
+
+def _merge_shape_problem(got: object, want_out: torch.Tensor, want_lse: torch.Tensor) -> str | None:
+    """What is wrong with a merge's result before its values: not two tensors, or not
+    the shapes of out_a and lse_a."""
+    if not (
+        isinstance(got, tuple | list)
+        and len(got) == 2
+        and all(isinstance(t, torch.Tensor) for t in got)
+    ):
+        return f"return two tensors, (out, lse); got {type(got).__name__}." + (
+            " Hint: a missing `return`?" if got is None else ""
+        )
+    out, lse = got
+    if out.shape != want_out.shape or lse.shape != want_lse.shape:
+        return (
+            f"out should keep out_a's shape {tuple(want_out.shape)} and lse "
+            f"lse_a's {tuple(want_lse.shape)}; got {tuple(out.shape)} and "
+            f"{tuple(lse.shape)}."
+        )
+    return None
+
+
+def _merge_mistake(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    given: tuple[torch.Tensor, ...],
+    want: tuple[torch.Tensor, ...],
+    what: str,
+) -> str:
+    """The common mistake a wrong merge's values show, in one sentence."""
+    out_a, lse_a, out_b, lse_b = given
+    want_out, want_lse = want
+    finite = bool(torch.isfinite(out).all() and torch.isfinite(lse).all())
+    if not finite and what:
+        return (
+            f"the result has inf or nan{what} fp32. Weigh each block by "
+            "exp(lse_a - lse), where lse = torch.logaddexp(lse_a, lse_b): neither "
+            "exponent is then above 0"
+        )
+    if not finite:
+        return (
+            "the result has inf or nan on ordinary scores, where nothing overflows: "
+            "look for a log of a negative number or a division by zero. lse = "
+            "torch.logaddexp(lse_a, lse_b); each block's weight exp(lse_a - lse)"
+        )
+    if _near(out, out_a + out_b):
+        return (
+            "you added the outputs without rescaling: each block's output is "
+            "normalised over its own keys only; weigh it by its share of both "
+            "softmax sums, exp(lse_a - lse)"
+        )
+    if _near(out, (out_a + out_b) / 2):
+        return (
+            "you averaged the outputs: a block's weight is its share of both softmax "
+            "sums, exp(lse_a - lse), not one half"
+        )
+    if _near(out, want_out) and _near(lse, lse_a + lse_b):
+        return (
+            "the output is right; the lse of both is log(exp(lse_a) + exp(lse_b)), "
+            "torch.logaddexp(lse_a, lse_b), not lse_a + lse_b"
+        )
+    if _near(out, want_out) and _near(lse, torch.maximum(lse_a, lse_b)):
+        return (
+            "the output is right; the lse of both is torch.logaddexp(lse_a, lse_b): "
+            "the larger one alone drops the other block's sum"
+        )
+    if _near(out, want_out):
+        return "the output is right, the lse is not: torch.logaddexp(lse_a, lse_b)"
+    diff = float((out.to(want_out.dtype) - want_out).abs().max())
+    return (
+        f"the merged output differs from attention over both blocks by {diff:.3g}"
+        f"{what}. Hint: lse = torch.logaddexp(lse_a, lse_b); out = out_a x "
+        "exp(lse_a - lse) + out_b x exp(lse_b - lse), the weights per query "
+        "(unsqueeze them over the head dim)"
+    )
 
 
 def _merge_error_hint(error: Exception) -> str | None:

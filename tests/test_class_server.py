@@ -200,8 +200,20 @@ class Hub:
     def students(self) -> list[psutil.Process]:
         return [p for name in STUDENTS for p in processes_of(name, self.hub_port)]
 
+    def proxies(self) -> list[psutil.Process]:
+        """The hub's proxy, found by its port: where the hub is stopped while it starts
+        the proxy, the proxy is no longer its child."""
+        found = []
+        for p in psutil.process_iter(["cmdline"]):
+            line = " ".join(p.info["cmdline"] or [])
+            if "configurable-http-proxy" in line and f"--port {self.port} " in line:
+                found.append(p)
+        return found
+
     def close(self) -> list[psutil.Process]:
         survivors = kill_tree(self.proc.pid)
+        for proxy in self.proxies():
+            survivors += kill_tree(proxy.pid, grace_s=5)
         survivors += [p for p in self.students() if p not in survivors]
         self.proc.wait(timeout=10)
         self._log.close()

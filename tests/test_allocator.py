@@ -1,16 +1,35 @@
-"""The caching allocator against hand-worked traces: the block layout after each event,
-and torch's out-of-memory message."""
+"""The caching allocator against hand-worked traces (the block layout after each event),
+its replay of recorded steps (the recorder's own byte count at every event), the readers
+of torch.profiler and CUDA snapshots, and torch's out-of-memory message."""
+
+from types import SimpleNamespace
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from parcourse.allocator import (
+    Alloc,
     CachingAllocator,
+    Free,
     KiB,
     MiB,
     OutOfMemoryError,
+    Peak,
+    Trace,
     allocation_size,
+    compare,
+    from_profiler,
+    from_snapshot,
+    measured,
+    memory_over_time,
+    parse_events,
+    record,
+    replay,
     round_size,
 )
+from parcourse.data import progressions
+from parcourse.models import GPTConfig, gpt
 
 
 def A(n):
@@ -226,3 +245,180 @@ def test_before_running_out_the_cache_goes_back_and_the_allocation_is_tried_agai
     a.malloc(14 * MiB)  # 20 + 12 + 14 > 40: the cached segment goes back, then it fits
     assert a.layout() == [("large", [A(5 * MiB), A(15 * MiB)]), ("large", [A(14 * MiB)])]
     assert (a.num_alloc_retries, a.memory_reserved()) == (1, 34 * MiB)
+
+
+# -- replays and traces
+
+
+def test_a_replay_reports_each_event_and_the_fragmentation_at_the_peak():
+    trace = parse_events(
+        """
+        alloc 1 5242880   # 5 MiB: a 20 MiB segment
+        free 1
+        alloc 2 31457280  # 30 MiB: a new segment, or the expandable segment's end grows
+        """
+    )
+    plain, grown = compare(trace)
+    assert plain.allocated == (5 * MiB, 0, 30 * MiB)
+    assert plain.reserved == (20 * MiB, 20 * MiB, 50 * MiB)
+    assert plain.at_peak() == Peak(30 * MiB, 50 * MiB, 20 * MiB, 20 * MiB, 50 * MiB)
+    assert grown.reserved == (20 * MiB, 20 * MiB, 40 * MiB)
+    assert grown.at_peak() == Peak(30 * MiB, 40 * MiB, 10 * MiB, 10 * MiB, 40 * MiB)
+
+
+def test_after_the_setup_the_replay_empties_the_cache_and_measures_the_steps():
+    setup = (Alloc(1, 5 * MiB), Free(1))  # building a model, say: a 20 MiB segment, freed
+    trace = Trace(setup + (Alloc(2, 1000),), start=2)
+    run = replay(trace)
+    assert run.reserved == (20 * MiB, 20 * MiB, SEGMENT)  # the 20 MiB went back first
+    assert run.at_peak() == Peak(1024, SEGMENT, SEGMENT - 1024, SEGMENT - 1024, SEGMENT)
+
+
+def test_measured_marks_where_a_recorded_trace_leaves_its_setup():
+    def train():
+        torch.empty(1000)  # setup: allocated and freed
+        with measured():
+            torch.empty(2000)
+
+    _, trace = record(train)
+    assert trace.events == (Alloc(0, 4000), Free(0), Alloc(1, 8000), Free(1))
+    assert trace.start == 2
+
+
+def test_a_replay_stops_at_an_out_of_memory_error_with_its_message():
+    run = replay(parse_events("alloc 1 5242880\nalloc 2 16777216"), capacity=30 * MiB)
+    assert (run.oom, run.allocated) == (OOM, (5 * MiB,))
+
+
+def test_parse_events_reads_one_event_a_line_and_names_a_bad_line():
+    trace = parse_events("alloc 7 100  # a comment\n\nfree 7\n")
+    assert trace.events == (trace.events[0], Free(7)) and trace.events[0].size == 100
+    with pytest.raises(ValueError, match="line 2"):
+        parse_events("alloc 1 8\nfree\n")
+
+
+SMALL = GPTConfig(vocab=64, block_size=32, n_layers=2, n_heads=4, d_model=64)
+
+
+def _train(steps, microbatch=4):
+    model = gpt(SMALL)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = progressions(microbatch, SMALL.block_size, SMALL.vocab)
+    for _ in range(steps):
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _rounded_live(trace):
+    """Bytes of the live requests rounded to 512 B, after each event (what an allocator
+    that splits every block, as expandable segments do, holds allocated)."""
+    sizes, live, out = {}, 0, []
+    for e in trace.events:
+        if isinstance(e, Free):
+            live -= sizes.pop(e.id)
+        else:
+            sizes[e.id] = round_size(e.size) if e.size else 0
+            live += sizes[e.id]
+        out.append(live)
+    return tuple(out)
+
+
+def test_the_replay_of_a_recorded_step_reproduces_its_bytes_at_every_event():
+    _, trace = record(_train, 2)
+    assert len(trace) > 500 and trace.live is not None
+    plain, grown = compare(trace)
+    assert plain.requested == grown.requested == trace.live  # the profiler's own count
+    assert grown.allocated == _rounded_live(trace)
+    assert all(p >= g for p, g in zip(plain.allocated, grown.allocated))  # unsplit slack
+
+
+def test_frees_of_memory_from_before_the_trace_are_left_out():
+    kept, _ = record(torch.empty, 1000)  # allocated under an earlier profile
+
+    def drop_and_allocate():
+        nonlocal kept
+        kept = None
+        return torch.empty(300)
+
+    _, trace = record(drop_and_allocate)
+    assert trace.untracked_frees == 1
+    assert replay(trace).requested == trace.live == (1200,)
+
+
+def _fake_profile(records):
+    """What from_profiler reads of a torch.profiler run: allocation nodes in the tree."""
+
+    class _ExtraFields_Allocation(SimpleNamespace):  # noqa: N801 (torch's own class name)
+        pass
+
+    total, nodes = 0, []
+    for t, ptr, size in records:
+        total += size
+        fields = _ExtraFields_Allocation(
+            ptr=ptr, alloc_size=size, total_allocated=total, device="cpu"
+        )
+        nodes.append(SimpleNamespace(start_time_ns=t, extra_fields=fields, children=[]))
+    op = SimpleNamespace(start_time_ns=0, extra_fields=None, children=nodes)
+    results = SimpleNamespace(experimental_event_tree=lambda: [op])
+    return SimpleNamespace(profiler=SimpleNamespace(kineto_results=results))
+
+
+def test_the_profiler_reader_follows_the_allocators_count_and_infers_unseen_frees():
+    prof = _fake_profile(
+        [
+            (1, 0xA, 1024),
+            (3, 0xB, 4096),  # counted before the next record, though stamped after it
+            (2, 0xA, -1024),
+            (4, 0xA, 2048),
+            (5, 0xB, 512),  # 0xB again: its free happened on a thread not recorded
+        ]
+    )
+    trace = from_profiler(prof)
+    assert [type(e).__name__ for e in trace.events] == [
+        "Alloc",
+        "Alloc",
+        "Free",
+        "Alloc",
+        "Free",
+        "Alloc",
+    ]
+    assert trace.unseen_frees == 1
+    assert replay(trace).requested == trace.live == (1024, 5120, 4096, 6144, 2048, 2560)
+
+
+def test_a_cuda_snapshot_is_read_with_torchs_reserved_bytes_beside_it():
+    snapshot = {
+        "device_traces": [
+            [
+                {"action": "segment_alloc", "addr": 0, "size": 2 * MiB},
+                {"action": "alloc", "addr": 0, "size": 1000},
+                {"action": "alloc", "addr": 1024, "size": 600},
+                {"action": "free_requested", "addr": 0, "size": 1000},
+                {"action": "free_completed", "addr": 0, "size": 1000},
+                {"action": "free_completed", "addr": 9999, "size": 8},  # from before
+            ]
+        ]
+    }
+    trace = from_snapshot(snapshot)
+    assert [type(e).__name__ for e in trace.events] == ["Alloc", "Alloc", "Free"]
+    assert trace.reserved == (2 * MiB,) * 3 and trace.untracked_frees == 1
+    assert replay(trace).reserved == trace.reserved
+    assert from_snapshot(snapshot, start=2).start == 1  # entry 2 comes after one event
+    with pytest.raises(ValueError, match="device 1"):
+        from_snapshot(snapshot, device=1)
+
+
+def test_memory_over_time_fills_allocated_and_outlines_reserved():
+    trace = parse_events("alloc 1 5242880\nfree 1\nalloc 2 31457280")
+    plain, grown = compare(trace)
+    fig = memory_over_time(plain, expandable=grown, capacity=64 * MiB, device="a 64 MiB GPU")
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == [
+        "allocated",
+        "reserved",
+        "reserved, expandable segments",
+        "a 64 MiB GPU: out of memory",
+    ]
+    assert ax.get_ylabel() == "MiB" and len(ax.collections) == 1  # the filled area

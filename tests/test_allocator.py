@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from parcourse import launch
 from parcourse.allocator import (
     Alloc,
     CachingAllocator,
@@ -407,6 +408,25 @@ def test_a_cuda_snapshot_is_read_with_torchs_reserved_bytes_beside_it():
     assert from_snapshot(snapshot, start=2).start == 1  # entry 2 comes after one event
     with pytest.raises(ValueError, match="device 1"):
         from_snapshot(snapshot, device=1)
+
+
+def test_zero_3_steps_on_two_ranks_replay_exactly_with_and_without_recompute():
+    from parcourse.experiments.allocator import replay_rows, table, zero3_step_trace
+
+    config = GPTConfig(vocab=64, block_size=32, n_layers=2, n_heads=4, d_model=64)
+    plain = launch(zero3_step_trace, 2, microbatch=2, config=config).results
+    recomputed = launch(zero3_step_trace, 2, microbatch=2, recompute=True, config=config).results
+    peaks = {}
+    for trace in plain + recomputed:
+        run = replay(trace)
+        assert run.requested == trace.live and trace.untracked_frees == 0
+        assert 0 < trace.start < len(trace)  # the setup, then the steps
+        peaks.setdefault(id(trace), run.at_peak().allocated)
+    # backward runs each block's forward again: more events, fewer bytes at the peak
+    assert len(recomputed[0]) > len(plain[0])
+    assert peaks[id(recomputed[0])] < peaks[id(plain[0])]
+    rows = replay_rows("ZeRO-3", plain)
+    assert [r.rank for r in rows] == [0, 1] and "ZeRO-3" in table(rows)
 
 
 def test_memory_over_time_fills_allocated_and_outlines_reserved():

@@ -287,8 +287,9 @@ def test_measured_marks_where_a_recorded_trace_leaves_its_setup():
 
 
 def test_a_replay_stops_at_an_out_of_memory_error_with_its_message():
-    run = replay(parse_events("alloc 1 5242880\nalloc 2 16777216"), capacity=30 * MiB)
-    assert (run.oom, run.allocated) == (OOM, (5 * MiB,))
+    trace = parse_events("alloc 1 5242880\nalloc 2 16777216\nalloc 3 1000")
+    run = replay(trace, capacity=30 * MiB)
+    assert (run.oom, run.allocated) == (OOM, (5 * MiB,))  # nothing after it
 
 
 def test_parse_events_reads_one_event_a_line_and_names_a_bad_line():
@@ -414,17 +415,18 @@ def test_zero_3_steps_on_two_ranks_replay_exactly_with_and_without_recompute():
     from parcourse.experiments.allocator import replay_rows, table, zero3_step_trace
 
     config = GPTConfig(vocab=64, block_size=32, n_layers=2, n_heads=4, d_model=64)
-    plain = launch(zero3_step_trace, 2, microbatch=2, config=config).results
-    recomputed = launch(zero3_step_trace, 2, microbatch=2, recompute=True, config=config).results
+    plain = launch(zero3_step_trace, 2, microbatch=8, config=config).results
+    recomputed = launch(zero3_step_trace, 2, microbatch=8, recompute=True, config=config).results
     peaks = {}
     for trace in plain + recomputed:
         run = replay(trace)
         assert run.requested == trace.live and trace.untracked_frees == 0
         assert 0 < trace.start < len(trace)  # the setup, then the steps
         peaks.setdefault(id(trace), run.at_peak().allocated)
-    # backward runs each block's forward again: more events, fewer bytes at the peak
-    assert len(recomputed[0]) > len(plain[0])
-    assert peaks[id(recomputed[0])] < peaks[id(plain[0])]
+    # backward runs each block's forward again: more events (some 440, where the
+    # gloo workers' timing moves a few), a quarter fewer bytes at the peak (3.6 -> 2.6 MB)
+    assert len(recomputed[0]) > len(plain[0]) + 200
+    assert peaks[id(recomputed[0])] < 0.85 * peaks[id(plain[0])]
     rows = replay_rows("ZeRO-3", plain)
     assert [r.rank for r in rows] == [0, 1] and "ZeRO-3" in table(rows)
 

@@ -2,6 +2,7 @@
 its replay of recorded steps (the recorder's own byte count at every event), the readers
 of torch.profiler and CUDA snapshots, and torch's out-of-memory message."""
 
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -210,6 +211,72 @@ def test_expandable_segments_map_small_pages_at_the_end_and_unmap_free_pages():
     b.empty_cache()  # page 1 is wholly free: unmapped; page 0 holds the 5 MiB
     assert b.layout() == [("large", [A(5 * MiB), F_(15 * MiB)])]
     assert b.memory_reserved() == 20 * MiB
+
+
+def _check(a):
+    """What must hold between any two calls: each segment's blocks tile it in address
+    order, no two free (or two unmapped) blocks side by side, the pools' free blocks are
+    exactly the free mapped ones, and the counters are the sums of the blocks."""
+    allocated = requested = mapped = 0
+    free = []
+    for pool in a.pools.values():
+        for segment in pool.segments:
+            assert segment.first.address == segment.address and segment.first.prev is None
+            blocks = list(segment.blocks())
+            assert blocks[-1].end == segment.address + segment.size
+            for b, after in zip(blocks, blocks[1:]):
+                assert after.address == b.end and after.prev is b
+                assert b.allocated or after.allocated or b.mapped != after.mapped
+            assert segment.mapped == sum(b.size for b in blocks if b.mapped)
+            allocated += sum(b.size for b in blocks if b.allocated)
+            requested += sum(b.requested for b in blocks if b.allocated)
+            mapped += segment.mapped
+            free += [b for b in blocks if b.state == "free"]
+        assert all(b in pool for b in free if b.pool is pool)
+    assert sum(len(p) for p in a.pools.values()) == len(free)
+    assert (a.memory_allocated(), a.memory_requested(), a.memory_reserved()) == (
+        allocated,
+        requested,
+        mapped,
+    )
+
+
+@pytest.mark.parametrize("expandable", [False, True], ids=["segments", "expandable"])
+def test_random_traffic_keeps_every_block_in_its_place(expandable):
+    rng = random.Random(0)
+    a = CachingAllocator(expandable_segments=expandable)
+    live = []
+    for i in range(1500):
+        if live and rng.random() < 0.45:
+            a.free(live.pop(rng.randrange(len(live))))
+        elif i % 500 == 499:
+            a.empty_cache()
+        else:
+            big = rng.random() < 0.2
+            live.append(a.malloc(rng.randint(MiB, 40 * MiB) if big else rng.randint(1, MiB)))
+        _check(a)
+    for block in live:
+        a.free(block)
+    a.empty_cache()
+    _check(a)
+    assert a.memory_reserved() == 0 and a.layout() == []
+
+
+def test_expandable_segments_map_a_hole_again_joining_the_free_blocks_on_both_sides():
+    a = CachingAllocator(expandable_segments=True)
+    a.malloc(5 * MiB)
+    big = a.malloc(50 * MiB)  # pages 0-2 mapped: [5, 55) allocated, [55, 60) free
+    a.malloc(4 * MiB)  # best fit: [55, 59)
+    a.free(big)
+    a.empty_cache()  # page 1, [20, 40), is the one whole page inside [5, 55): unmapped
+    assert a.layout() == [
+        ("large", [A(5 * MiB), F_(15 * MiB)]),  # two mapped ranges, as torch's snapshot
+        ("large", [F_(15 * MiB), A(4 * MiB), F_(MiB)]),
+    ]
+    assert a.memory_reserved() == 40 * MiB
+    a.malloc(30 * MiB)  # no free block fits: page 1 mapped again, merged both ways
+    assert a.layout() == [("large", [A(5 * MiB), A(30 * MiB), F_(20 * MiB), A(4 * MiB), F_(MiB)])]
+    assert a.memory_reserved() == 60 * MiB
 
 
 # -- running out

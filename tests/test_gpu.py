@@ -236,3 +236,19 @@ def test_expert_parallelism_on_gpu_ranks_equals_one_process():
     for out, grad, device in launch(_experts_on, 2).results:
         assert device.startswith("cuda")
         assert out < 1e-5 and grad < 1e-5
+
+
+@pytest.mark.parametrize("expandable", [False, True], ids=["segments", "expandable"])
+def test_the_allocators_replay_of_a_gpu_step_reserves_what_torch_reserved(expandable):
+    """The GPT's steps on a GPU, recorded by torch.cuda.memory._record_memory_history and
+    replayed through parcourse.allocator: the most bytes the replay reserves is within 5%
+    of torch.cuda.max_memory_reserved() over the same steps (the model has one stream,
+    no events, addresses of its own), and its allocated peak within 5% of torch's."""
+    from parcourse.allocator import replay
+    from parcourse.experiments.allocator import cuda_step_trace
+
+    step = launch(cuda_step_trace, 1, expandable_segments=expandable).results[0]
+    assert step.expandable_segments == expandable and len(step.trace) > 100
+    run = replay(step.trace, expandable_segments=expandable)
+    assert run.at_peak().max_reserved == pytest.approx(step.max_reserved, rel=0.05)
+    assert run.at_peak().allocated == pytest.approx(step.max_allocated, rel=0.05)

@@ -172,17 +172,27 @@ def grade_notebook(
     import nbformat
     from nbclient import NotebookClient
 
-    nb = nbformat.read(str(path), as_version=4)
     calls = [(e.id, e.check) for e in found]
-    nb.cells.append(nbformat.v4.new_code_cell(_ASK % repr(calls)))
-    NotebookClient(
-        nb,
-        timeout=timeout,
-        kernel_name="python3",
-        allow_errors=True,
-        startup_timeout=300,  # a class's server starts many kernels at once
-        resources={"metadata": {"path": str(path.parent)}},
-    ).execute()
+    for attempt in (1, 2):
+        nb = nbformat.read(str(path), as_version=4)
+        nb.cells.append(nbformat.v4.new_code_cell(_ASK % repr(calls)))
+        try:
+            NotebookClient(
+                nb,
+                timeout=timeout,
+                kernel_name="python3",
+                allow_errors=True,
+                startup_timeout=300,  # a class's server starts many kernels at once
+                resources={"metadata": {"path": str(path.parent)}},
+            ).execute()
+            break
+        except RuntimeError as e:
+            # Only a kernel that never answered its start is started once more:
+            # jupyter_client picks its ports before the kernel binds them, and beside
+            # other work another process can take one in between.
+            started = "Kernel didn't respond" in str(e) or "Kernel died before" in str(e)
+            if attempt == 2 or not started:
+                raise
     errors = [
         f"{o.get('ename')}: {o.get('evalue', '')}"[:200]
         for c in nb.cells[:-1]

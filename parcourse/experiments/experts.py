@@ -20,13 +20,23 @@ from parcourse.comm import Comm, Turns, all_to_all
 from parcourse.experiments.context_parallel import DTYPES
 from parcourse.experiments.exercises import ask, whole_numbers
 from parcourse.experiments.timing import one_thread
-from parcourse.experts import MoE, expert_parallel, moe_layers, permute, update_bias
+from parcourse.experts import (
+    MoE,
+    expert_parallel,
+    expert_parameters,
+    moe_layers,
+    permute,
+    update_bias,
+)
 from parcourse.experts.routing import Routing, Score, capacity
 from parcourse.launch import RankContext
+from parcourse.mesh import Mesh
 from parcourse.models import GPTConfig, gpt
 from parcourse.pipeline.actions import Action, Schedule
+from parcourse.roles import Roles
 
 if TYPE_CHECKING:
+    from parcourse.data_parallel.stages import BucketedStages, StageWeights
     from parcourse.pipeline.runtime import PipelineRuntime
 
 DispatchFn = Callable[[list[list[int]], int, int], Any]
@@ -290,7 +300,6 @@ def ep_training(
     from parcourse.data import progressions
     from parcourse.experts import set_aux_scale
     from parcourse.hybrid import Hybrid
-    from parcourse.mesh import Mesh
 
     config = GPTConfig(
         vocab=64, block_size=16, n_layers=2, n_heads=4, d_model=32, experts=experts, top_k=2
@@ -393,17 +402,16 @@ def hidden_traffic(
 @dataclasses.dataclass
 class _TrafficRank:
     """One rank of `hidden_traffic`, ready to step: its stages' runtime and the turns its
-    actions take, its parameters (each once) and their optimizer, the gradients' group
-    (the same stages in the other pipeline), the whole world's group (for the barrier),
-    each parameter's name in the whole model, and its batch's inputs and targets (None
-    where its stages neither take nor end the batch)."""
+    actions take, its parameters (each once), their gradient synchronisation (lesson 02's
+    buckets over the dense replicas, the experts' over theirs, with the optimizer), the
+    whole world's group (for the barrier), each parameter's name in the whole model, and
+    its batch's inputs and targets (None where its stages neither take nor end the
+    batch)."""
 
     runtime: PipelineRuntime
     turns: Turns
-    held: nn.ModuleList
     params: list[nn.Parameter]
-    opt: torch.optim.Optimizer
-    data: Comm
+    sync: BucketedStages
     everyone: dist.ProcessGroup
     names: dict[int, str]
     inputs: torch.Tensor | None
@@ -426,28 +434,26 @@ def _traffic_rank(
     """`hidden_traffic`'s groups, this rank's stages of the GPT with their experts cut
     over ep, the runtime that runs them and the optimizer, the runtime prepared."""
     from parcourse.comm import SimulatedLink
+    from parcourse.data_parallel.stages import StageWeights
     from parcourse.models import gpt_layers
     from parcourse.pipeline.partition import partition, tied_weights
     from parcourse.pipeline.runtime import PipelineRuntime
     from parcourse.pipeline.simulate import SimulatedCompute
 
     pp = schedule.ranks
-    # CPU stages, simulated devices (turns run on CPU): gloo groups whatever the launch's
-    pipelines = [
-        dist.new_group(list(range(q * pp, (q + 1) * pp)), backend="gloo") for q in range(2)
-    ]
-    places = [dist.new_group([r, r + pp], backend="gloo") for r in range(pp)]
-    everyone = dist.new_group(list(range(ctx.world_size)), backend="gloo")
-    here, place = ctx.rank // pp, ctx.rank % pp
+    # The mesh ep 2 x pp (pp innermost: ranks 0..pp-1 are the first pipeline), its groups
+    # by role: ep's ranks take their own rows and hold the same dense weights.
+    mesh = Mesh({"ep": 2, "pp": pp}, ctx.group, order=("ep", "pp"))
+    roles = Roles.from_sizes({"ep": 2, "pp": pp})
+    here, place = roles.index(mesh.layout.coordinates(mesh.local_rank)), mesh.coordinate("pp")
     turns = Turns()
     ep = Comm(
-        places[place],
+        mesh.group("ep"),
         tracer=ctx.tracer,
         link=SimulatedLink.of(latency_us, bandwidth_gbps),
         algorithm="ring",
     )
     ep.turns = turns  # the all-to-all hands on the turns the runtime takes
-    data = Comm(places[place], algorithm="auto")
     ctx.tracer.set_status(f"{schedule.name}: building the model")
     whole = gpt(config)
     cut = partition(gpt_layers(whole), schedule.model_stages)
@@ -457,6 +463,7 @@ def _traffic_rank(
     for module in mine.values():
         expert_parallel(module, ep)
     names = {id(p): n for n, p in whole.named_parameters()}
+    tied = tied_weights(cut)
 
     def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
@@ -465,10 +472,10 @@ def _traffic_rank(
     runtime = PipelineRuntime(
         plan,
         mine,
-        pipelines[here],
+        mesh.group("pp"),
         lm_loss,
         tracer=ctx.tracer,
-        tied=tied_weights(cut),
+        tied=tied,
         turns=turns,
         compute=SimulatedCompute(forward_ms / 1e3, backward_ms / 1e3)
         if forward_ms or backward_ms
@@ -476,12 +483,31 @@ def _traffic_rank(
     )
     held = nn.ModuleList(mine.values())  # the rank's stages, each parameter once (tied ones)
     params = list(held.parameters())
-    opt = torch.optim.SGD(params, lr=lr)
+    shared = {id(cut[s].get_parameter(name)) for g in tied for s, name in g.items()}
+    experts = {id(p) for p in expert_parameters(held)}
+    sync = _traffic_sync(mesh, roles, StageWeights.of(mine, shared, experts), params, lr)
     x, y = traffic_batch(config, rows * schedule.microbatches, here)
     inputs = x if place in schedule.entry_ranks else None
     targets = y if place in schedule.exit_ranks else None
     runtime.prepare(inputs)
-    return _TrafficRank(runtime, turns, held, params, opt, data, everyone, names, inputs, targets)
+    return _TrafficRank(runtime, turns, params, sync, ctx.group, names, inputs, targets)
+
+
+def _traffic_sync(
+    mesh: Mesh, roles: Roles, weights: StageWeights, params: list[nn.Parameter], lr: float
+) -> BucketedStages:
+    """The 3D step's gradient sync for `hidden_traffic`'s rank (lesson 02's buckets):
+    the dense weights averaged over the dense replicas (`roles.dense`), each expert over
+    the ranks holding the same experts (`roles.experts`), both divided by the dense
+    replicas. Every bucket is launched by `finalize`, after the timed schedule (no stage's
+    last backward starts one), so that a step's seconds are its pipeline's and
+    all-to-alls' alone."""
+    from parcourse.data_parallel.stages import BucketedStages, SyncGroups
+
+    groups = SyncGroups(
+        Comm(mesh.group(*roles.dense)), Comm(mesh.group(*roles.experts)), roles.size("dense")
+    )
+    return BucketedStages(weights, params, groups, lambda ps: torch.optim.SGD(ps, lr=lr), {})
 
 
 def _timed_steps(
@@ -490,8 +516,6 @@ def _timed_steps(
     """`steps` SGD steps, each timed from a barrier of the whole world: per step the
     seconds of the step, of the all-to-all waited for and exposed, and of the compute;
     and when the last step started."""
-    from parcourse.experts import reduce_gradients
-
     per_step, start, turns = [], 0.0, rank.turns
     for step in range(steps):
         ctx.tracer.set_status(f"{schedule.name}: step {step + 1} of {steps}")
@@ -507,9 +531,9 @@ def _timed_steps(
                 "compute": turns.busy(),
             }
         )
-        reduce_gradients(rank.held, rank.data)
-        rank.opt.step()
-        rank.opt.zero_grad()
+        rank.sync.finalize()
+        rank.sync.step()
+        rank.sync.optimizer.zero_grad()
     return per_step, start
 
 

@@ -213,6 +213,67 @@ def test_expandable_segments_map_small_pages_at_the_end_and_unmap_free_pages():
     assert b.memory_reserved() == 20 * MiB
 
 
+def test_expandable_segments_coalesce_what_would_be_separate_segments():
+    """Three 12 MiB requests: three cudaMalloc'ed segments, or three blocks in one range
+    of two 20 MiB pages. Freed, the range's blocks merge into one, which a 30 MiB request
+    fits; the plain segments cannot merge, and a fourth segment is needed."""
+    plain, grown = CachingAllocator(), CachingAllocator(expandable_segments=True)
+    for a in (plain, grown):
+        blocks = [a.malloc(12 * MiB) for _ in range(3)]
+        for b in blocks:
+            a.free(b)
+        a.malloc(30 * MiB)
+    assert plain.layout() == [("large", [F_(12 * MiB)])] * 3 + [("large", [A(30 * MiB)])]
+    assert plain.memory_reserved() == 66 * MiB
+    # 12 in page 0 (8 free), 8 + 4 of page 1 (16 free), 12 of those: [12 12 12 4] in 40 MiB
+    assert grown.layout() == [("large", [A(30 * MiB), F_(10 * MiB)])]
+    assert (grown.memory_reserved(), grown.max_memory_reserved()) == (40 * MiB, 40 * MiB)
+
+
+def test_expandable_best_fit_keeps_the_free_end_for_requests_that_grow():
+    """torch's get_free_block with expandable segments: among blocks that fit, a block
+    followed by unmapped space counts as the size it could grow to, so a 4 MiB request
+    takes a 6 MiB hole before the 5 MiB free end. Plain best fit takes the 5 MiB block,
+    whole (1 MiB would remain: not split in the large pool)."""
+    plain, grown = CachingAllocator(), CachingAllocator(expandable_segments=True)
+    for a in (plain, grown):
+        first = a.malloc(6 * MiB)
+        a.malloc(9 * MiB)  # [6 9 5] in one 20 MiB segment or page
+        a.free(first)
+        a.malloc(4 * MiB)
+    assert plain.layout() == [("large", [F_(6 * MiB), A(9 * MiB), A(5 * MiB)])]
+    assert grown.layout() == [("large", [A(4 * MiB), F_(2 * MiB), A(9 * MiB), F_(5 * MiB)])]
+
+
+@pytest.mark.parametrize(
+    "size, plain, grown",
+    [
+        (512, 2 * MiB, 2 * MiB),  # small pool: a 2 MiB segment, or one 2 MiB page
+        (MiB, 2 * MiB, 2 * MiB),
+        (MiB + 1, 20 * MiB, 20 * MiB),  # large pool: 20 MiB, or one 20 MiB page
+        (10 * MiB, 10 * MiB, 20 * MiB),  # from 10 MiB a segment is the request...
+        (20 * MiB + 1, 22 * MiB, 40 * MiB),  # ...rounded up to 2 MiB; pages: whole pages
+        (41 * MiB, 42 * MiB, 60 * MiB),
+    ],
+)
+def test_new_memory_is_a_segment_rounded_to_2_mib_or_whole_pages(size, plain, grown):
+    for expandable, reserved in ((False, plain), (True, grown)):
+        a = CachingAllocator(expandable_segments=expandable)
+        a.malloc(size)
+        assert a.memory_reserved() == reserved
+
+
+def test_empty_cache_gives_back_an_expandable_segment_with_nothing_mapped():
+    a = CachingAllocator(expandable_segments=True)
+    kept, gone = a.malloc(30 * MiB), a.malloc(20 * MiB)  # 50 MiB in pages 0-2
+    a.free(gone)
+    a.empty_cache()  # [30, 50) free: page 2, [40, 60), unmapped; [30, 40) stays mapped
+    assert a.layout() == [("large", [A(30 * MiB), F_(10 * MiB)])]
+    a.free(kept)
+    a.empty_cache()  # nothing left mapped: the address range itself goes back
+    assert (a.layout(), a.pools["large"].segments, a.memory_reserved()) == ([], [], 0)
+
+
 def _check(a):
     """What must hold between any two calls: each segment's blocks tile it in address
     order, no two free (or two unmapped) blocks side by side, the pools' free blocks are

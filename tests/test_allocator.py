@@ -414,6 +414,22 @@ def test_measured_marks_where_a_recorded_trace_leaves_its_setup():
     assert trace.start == 2
 
 
+def test_a_replay_counts_the_times_the_cache_went_back_before_a_retry():
+    trace = parse_events(
+        """
+        alloc 1 5242880    # 5 MiB and 15 MiB fill a 20 MiB segment (or page)
+        alloc 2 15728640
+        alloc 3 12582912   # a 12 MiB segment, or a second page
+        free 3
+        alloc 4 14680064   # 14 MiB: a new segment only after the 12 MiB one went back
+        """
+    )
+    plain, grown = compare(trace, capacity=40 * MiB)
+    assert (plain.retries, plain.reserved[-1], plain.oom) == (1, 34 * MiB, None)
+    assert (grown.retries, grown.reserved[-1]) == (0, 40 * MiB)  # in the free page
+    assert replay(trace).retries == 0  # no capacity, nothing to give back for
+
+
 def test_a_replay_stops_at_an_out_of_memory_error_with_its_message():
     trace = parse_events("alloc 1 5242880\nalloc 2 16777216\nalloc 3 1000")
     run = replay(trace, capacity=30 * MiB)

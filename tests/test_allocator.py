@@ -588,3 +588,160 @@ def test_memory_over_time_fills_allocated_and_outlines_reserved():
         "a 64 MiB GPU: out of memory",
     ]
     assert ax.get_ylabel() == "MiB" and len(ax.collections) == 1  # the filled area
+
+
+# -- lesson 12: batches that grow, the 3D step's table, the exercise
+
+
+def test_a_batch_that_grows_fragments_plain_segments_and_expandable_ones_merge():
+    """ZeRO-3 steps whose batch grows (2 to 6 sequences a rank): the logits, (B, 128,
+    8192) fp32, pass 10 MiB from 3 sequences on, and each step's fit none of the segments
+    the last step freed. Replayed exactly; expandable segments reserve far less."""
+    from parcourse.experiments.allocator import peak_table, ramp_step_trace, replay_rows
+
+    config = GPTConfig(vocab=8192, block_size=128, n_layers=1, n_heads=2, d_model=64)
+    traces = launch(ramp_step_trace, 2, config=config).results
+    for trace in traces:
+        plain, grown = compare(trace)
+        assert plain.requested == grown.requested == trace.live
+        p, g = plain.at_peak(), grown.at_peak()
+        # measured: some 90-110 MiB reserved but unallocated at the peak against 8,
+        # 170-190 MiB reserved at most against 90
+        assert p.unallocated > 4 * g.unallocated
+        assert p.max_reserved > 1.5 * g.max_reserved
+    table = peak_table(replay_rows("ramp", traces)).splitlines()
+    assert len(table) == 4 and "largest free" in table[0] and "expandable" in table[0]
+
+
+WALK = """\
+alloc 1 102400    | A 100K F 1948K |
+alloc 2 307200    | A 100K A 300K F 1648K |
+alloc 3 51200     | A 100K A 300K A 50K F 1598K |
+alloc 4 204800    | A 100K A 300K A 50K A 200K F 1398K |
+alloc 5 102400    | A 100K A 300K A 50K A 200K A 100K F 1298K |
+free 2            | A 100K F 300K A 50K A 200K A 100K F 1298K |
+free 4            | A 100K F 300K A 50K F 200K A 100K F 1298K |
+alloc 6 153600    | A 100K F 300K A 50K A 150K F 50K A 100K F 1298K |
+free 3            | A 100K F 350K A 150K F 50K A 100K F 1298K |
+free 6            | A 100K F 550K A 100K F 1298K |"""
+
+
+def test_the_exercise_sequence_walks_through_best_fit_and_both_merges():
+    from parcourse.experiments.allocator import EXERCISE_EVENTS, layout_walk, segment_layouts
+
+    trace = parse_events(EXERCISE_EVENTS)
+    assert layout_walk(trace) == WALK
+    layouts = segment_layouts(trace)
+    assert len(layouts) == len(trace) and layouts[-1] == [
+        A(100 * KiB),
+        F_(550 * KiB),
+        A(100 * KiB),
+        F_(1298 * KiB),
+    ]
+
+
+def solution_best_fit(free, size):
+    fitting = [i for i, n in enumerate(free) if n >= size]
+    return min(fitting, key=lambda i: (free[i], i)) if fitting else None
+
+
+def solution_coalesce(blocks, index):
+    lo, hi = index, index + 1
+    if lo > 0 and blocks[lo - 1][0] == "free":
+        lo -= 1
+    if hi < len(blocks) and blocks[hi][0] == "free":
+        hi += 1
+    return [*blocks[:lo], ("free", sum(n for _, n in blocks[lo:hi])), *blocks[hi:]]
+
+
+def _first_fit(free, size):
+    return next((i for i, n in enumerate(free) if n >= size), None)
+
+
+def _worst_fit(free, size):
+    fitting = [i for i, n in enumerate(free) if n >= size]
+    return max(fitting, key=free.__getitem__) if fitting else None
+
+
+def _last_of_equals(free, size):
+    fitting = [i for i, n in enumerate(free) if n >= size]
+    return min(fitting, key=lambda i: (free[i], -i)) if fitting else None
+
+
+def _smallest(free, size):
+    return min(range(len(free)), key=free.__getitem__)
+
+
+def _never_none(free, size):
+    return solution_best_fit(free, size) or 0
+
+
+@pytest.mark.parametrize(
+    "fn, said",
+    [
+        (solution_best_fit, "Correct: the smallest free block that fits"),
+        (_first_fit, "block 0 is the first that fits (first fit)"),
+        (_worst_fit, "the largest block (worst fit)"),
+        (_last_of_equals, "the same size: best fit takes the lowest address"),
+        (_smallest, "block 0 holds only 32K; the request needs 48K"),
+        (_never_none, "no block is large enough, so best fit finds none (None)"),
+        (lambda free, size: "1", "return an index into free (0 to 2) or None"),
+    ],
+)
+def test_the_best_fit_check_names_the_mistake(fn, said, capsys):
+    from parcourse.experiments.allocator import check_best_fit
+
+    assert check_best_fit(fn) is (fn is solution_best_fit)
+    assert said in capsys.readouterr().out
+
+
+def _no_merge(blocks, index):
+    return [("free", n) if i == index else (s, n) for i, (s, n) in enumerate(blocks)]
+
+
+def _left_only(blocks, index):
+    merged = solution_coalesce(blocks[: index + 1], index)
+    return merged + list(blocks[index + 1 :])
+
+
+def _every_free_block(blocks, index):
+    kept = _no_merge(blocks, index)
+    return [b for b in kept if b[0] == "allocated"] + [
+        ("free", sum(n for s, n in kept if s == "free"))
+    ]
+
+
+@pytest.mark.parametrize(
+    "fn, said",
+    [
+        (solution_coalesce, "Correct: a freed block merges with the free blocks right before"),
+        (_no_merge, "next to a free one merges with it into one block"),
+        (_left_only, "merged with the free block before it; the one after it merges too"),
+        (_every_free_block, "only neighbours merge"),
+        (lambda blocks, index: None, "Hint: a missing `return`?"),
+        (lambda blocks, index: [("free", 1)], "not the segment's 2097152"),
+    ],
+)
+def test_the_coalesce_check_names_the_mistake(fn, said, capsys):
+    from parcourse.experiments.allocator import check_coalesce
+
+    assert check_coalesce(fn) is (fn is solution_coalesce)
+    assert said in capsys.readouterr().out
+
+
+def test_the_exercise_cases_are_the_allocators_own_answers():
+    from parcourse.experiments.allocator import (
+        BEST_FIT_CASES,
+        COALESCE_CASES,
+        _best_fit_case,
+        _coalesce_case,
+    )
+
+    answers = [_best_fit_case(case) for case in BEST_FIT_CASES]
+    assert answers[0] == ([300 * KiB, 200 * KiB, 1298 * KiB], 150 * KiB, 1)  # the lesson's
+    assert [want for _, _, want in answers] == [1, 0, 1, 1, None]
+    for free, size, want in answers:
+        assert solution_best_fit(free, size) == want
+    for case in COALESCE_CASES:
+        before, index, after = _coalesce_case(case)
+        assert solution_coalesce(before, index) == after

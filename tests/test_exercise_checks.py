@@ -36,6 +36,7 @@ WRONG = [_raises, _stub, _none, _text, _one, _list_of_one]
 def _checks():
     from parcourse.experiments import (
         all_reduce,
+        allocator,
         checkpointing,
         context_parallel,
         data_parallel,
@@ -65,6 +66,8 @@ def _checks():
         "10 rows": (training.check_replica_rows, False),
         "11 merge": (context_parallel.check_merge, False),
         "11 dispatch": (experts.check_dispatch, False),
+        "12 best fit": (allocator.check_best_fit, False),
+        "12 coalesce": (allocator.check_coalesce, False),
     }
 
 

@@ -43,6 +43,9 @@ def memory_over_time(
     steps = range(len(replay.allocated))
     allocated = [b / div for b in replay.allocated]
     ax.fill_between(steps, allocated, step="post", color=ALLOCATED_COLOR, alpha=0.6, lw=0)
+    # its edge too: a peak a few events wide (the logits and their gradient) is thinner
+    # than a pixel filled, and would look lower than it is
+    ax.step(steps, allocated, where="post", color=ALLOCATED_COLOR, lw=0.6)
     ax.plot([], [], color=ALLOCATED_COLOR, lw=6, alpha=0.6, label="allocated")
     ax.step(
         steps,

@@ -35,7 +35,10 @@ class Replay:
 
     `start`: the trace's first measured event (before it, setup; the cache was emptied
     there); peaks are over the events from it. `oom`: torch's message if an allocation
-    did not fit the capacity, at event `len(allocated)` (the replay stops there)."""
+    did not fit the capacity, at event `len(allocated)` (the replay stops there).
+    `retries`: how often new memory would have passed the capacity and every cached
+    segment went back before trying again (torch's num_alloc_retries: each a device
+    synchronisation, and cudaMalloc again for what was given back)."""
 
     expandable_segments: bool
     allocated: tuple[int, ...]
@@ -45,6 +48,7 @@ class Replay:
     segments: tuple[int, ...]
     start: int = 0
     oom: str | None = None
+    retries: int = 0
 
     @property
     def peak(self) -> int:
@@ -95,7 +99,15 @@ def replay(
             values.append(now)
     allocated, reserved, requested, largest, segments = (tuple(c) for c in counters)
     return Replay(
-        expandable_segments, allocated, reserved, requested, largest, segments, trace.start, oom
+        expandable_segments,
+        allocated,
+        reserved,
+        requested,
+        largest,
+        segments,
+        trace.start,
+        oom,
+        allocator.num_alloc_retries,
     )
 
 

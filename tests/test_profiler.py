@@ -167,3 +167,36 @@ def test_a_job_under_torchrun_profiles_every_rank(tmp_path):
     assert code == 0, stderr[-3000:]
     lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT")]
     assert lines == ["RESULT [True, True] [3, 3]"], stdout
+
+
+def test_the_lessons_step_shows_a_buckets_all_reduce_beside_the_backward():
+    import matplotlib.pyplot as plt
+
+    from parcourse.experiments.profiling import (
+        bucket_window,
+        operator_table,
+        operator_timeline,
+        profile_step,
+    )
+
+    run = profile_step(2)
+    table = operator_table(run, top=8)
+    assert table.splitlines()[0].startswith("operator") and len(table.splitlines()) == 10
+    assert "aten::mm" in table
+    p = run.profiles[0]
+    lo, hi = bucket_window(run, rank=0, bucket=0)
+    (step,) = run.trace.spans_of(rank=0, name="step")
+    assert step.start_ns <= lo < hi
+    backward = [s for s in run.trace.spans_of(rank=0, name="backward") if s.start_ns > lo - 10**9]
+    assert backward, "the step's backward is traced"
+    # inside the step: its backward's matmuls on the main thread, its buckets' all-reduces
+    # on gloo's, all within the step's span
+    in_step = [o for o in p.ops if step.start_ns <= o.start_ns and o.end_ns <= step.end_ns]
+    assert any(o.name == "aten::mm" and o.thread == p.main_thread for o in in_step)
+    assert any(o.name == "gloo:all_reduce" and o.thread != p.main_thread for o in in_step)
+    fig = operator_timeline(run, window=(lo, hi))
+    ticks = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert ticks[:3] == ["course: compute", "course: comm", "torch: main thread"]
+    plt.close(fig)
+    with pytest.raises(ValueError, match="not profiled"):
+        operator_table(type(run)([], run.trace, 0.0, 2, "gloo"))

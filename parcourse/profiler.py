@@ -293,6 +293,9 @@ def _row(a: Any) -> OpAverage:
     )
 
 
+DEVICE_TYPES = {0: "cpu", 1: "cuda"}  # c10::DeviceType's numbers in a memory event
+
+
 def read_events(profile: RankProfile) -> None:
     """Fill `profile`'s ops, memory and threads from its Chrome events (torch's export)."""
     names: dict[int, list[str]] = {}
@@ -310,7 +313,8 @@ def read_events(profile: RankProfile) -> None:
             op = OpEvent(e["name"], str(e.get("cat", "")), e["tid"], start, end - start, shapes)
             profile.ops.append(op)
         elif ph == "i" and e.get("name") == "[memory]":
-            device = "cpu" if args.get("Device Type", 0) == 0 else f"cuda:{args.get('Device Id')}"
+            kind = DEVICE_TYPES.get(args.get("Device Type", 0), "device")
+            device = kind if kind == "cpu" else f"{kind}:{args.get('Device Id')}"
             profile.memory.append(
                 MemoryEvent(
                     profile.course_ns(e["ts"]),

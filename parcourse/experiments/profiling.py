@@ -13,7 +13,7 @@ torch.profiler records: a bucket's `gloo:all_reduce` sits beside the backward's
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,9 @@ from parcourse.data_parallel.bucketed import BucketedDataParallel
 from parcourse.launch import Pool, RankContext, Run, launch
 from parcourse.models import GPTConfig, gpt
 from parcourse.profiler import Profile, RankProfile
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure, SubFigure
 
 # Small enough for a step in a fraction of a second on one core, large enough for
 # several buckets of 1 MB (0.83 M parameters: 3.3 MB of gradients).
@@ -101,8 +104,12 @@ def operator_table(run: Run, rank: int = 0, top: int = 12) -> str:
 
 def bucket_window(run: Run, rank: int = 0, bucket: int = 0, margin: float = 1.0) -> tuple[int, int]:
     """A window (ns on the course's clock) around bucket `bucket`'s all-reduce in the
-    step on `rank`: the all-reduce, and `margin` times its length on each side."""
-    step = [s for s in run.trace.spans_of(rank=rank, name=STEP)]
+    step on `rank`: the all-reduce, and `margin` times its length on each side (at least
+    a millisecond: the course draws a bucket that gloo ran beside the one before it from
+    when that one finished, which can leave it no length)."""
+    if not margin >= 0:
+        raise ValueError(f"margin must be >= 0, got {margin}")
+    step = run.trace.spans_of(rank=rank, name=STEP)
     reduces = [
         s
         for s in run.trace.spans_of(rank=rank, name="all_reduce")
@@ -111,13 +118,13 @@ def bucket_window(run: Run, rank: int = 0, bucket: int = 0, margin: float = 1.0)
     if not reduces:
         raise ValueError(f"rank {rank} traced no all-reduce of bucket {bucket} in its step")
     s = reduces[-1]
-    pad = int((s.end_ns - s.start_ns) * margin)
+    pad = max(int((s.end_ns - s.start_ns) * margin), 1_000_000)
     return s.start_ns - pad, s.end_ns + pad
 
 
 def operator_timeline(
     run: Run, rank: int = 0, window: tuple[int, int] | None = None, **kwargs: Any
-) -> Any:
+) -> Figure | SubFigure:
     """`parcourse.plots.operator_timeline` of `rank` in `run` (the course's spans above,
     torch's operators below), in `window` (default: the step)."""
     from parcourse.plots import operator_timeline as draw

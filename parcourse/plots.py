@@ -814,34 +814,20 @@ def op_color_key(op: OpEvent, phases: Sequence[Span] = ()) -> str:
     return span_color_key(max(inside, key=lambda s: s.depth)) if inside else "compute"
 
 
-def _window_bar(
-    ax: Axes, y: float, left: float, width: float, height: float, key: str, depth: int, edge: float
+def _window_bars(
+    ax: Axes, y: float, bars: Sequence[tuple[float, float]], key: str, depth: int, edge: float
 ) -> None:
-    """One bar of `operator_timeline`: waiting as an outline, hatched; work filled, its
-    edge `edge` points of white (none for torch's many short operators)."""
-    if key == "idle":
-        ax.barh(
-            y,
-            width,
-            left=left,
-            height=height,
-            facecolor="none",
-            hatch="////",
-            edgecolor=SPAN_COLORS["idle"],
-            linewidth=0.5,
-            zorder=2 + depth,
-        )
-    else:
-        ax.barh(
-            y,
-            width,
-            left=left,
-            height=height,
-            color=SPAN_COLORS[key],
-            edgecolor="white",
-            linewidth=edge,
-            zorder=2 + depth,
-        )
+    """The bars ((left, width) each) of one row of `operator_timeline`, one colour and
+    depth, as one collection (a step has thousands of operators): waiting as an outline,
+    hatched; work filled, its edge `edge` points of white (none for torch's many short
+    operators)."""
+    height = 0.8 * 0.75**depth
+    style: dict[str, Any] = (
+        {"facecolor": "none", "hatch": "////", "edgecolor": SPAN_COLORS["idle"], "linewidth": 0.5}
+        if key == "idle"
+        else {"facecolor": SPAN_COLORS[key], "edgecolor": "white", "linewidth": edge}
+    )
+    ax.broken_barh(bars, (y - height / 2, height), zorder=2 + depth, **style)
 
 
 def _op_rows(profile: RankProfile, lo: int, hi: int) -> dict[int, list[tuple[OpEvent, int]]]:
@@ -889,26 +875,31 @@ def operator_timeline(
     used: set[str] = set()
     bars: list[tuple[float, float, float, float, str | None]] = []
 
+    groups: dict[tuple[float, str, int], list[tuple[float, float]]] = {}
+
     def bar(y: float, start: int, end: int, key: str, depth: int, text: str) -> None:
         left, right = (max(start, lo) - lo) / scale, (min(end, hi) - lo) / scale
         if right <= left:
             return
-        height = 0.8 * 0.75**depth
-        _window_bar(ax, y, left, right - left, height, key, depth, 0.5 if y < 2 else 0.0)
+        groups.setdefault((y, key, depth), []).append((left, right - left))
         used.add(key)
-        bars.append((y, left, right, height, None if key == "idle" else text))
+        bars.append((y, left, right, 0.8 * 0.75**depth, None if key == "idle" else text))
 
     phases = [s for s in spans if s.kind == "compute"]
     for s in sorted(spans, key=lambda s: s.depth):
-        y = 1 if s.kind == "comm" else 0
-        bar(y, s.start_ns, s.end_ns, span_color_key(s), s.depth if y == 0 else 0, s.name)
+        comm = s.kind == "comm"  # row 1; compute and waiting in row 0
+        bar(int(comm), s.start_ns, s.end_ns, span_color_key(s), 0 if comm else s.depth, s.name)
     for row, ops in enumerate(rows.values(), start=2):
         for op, depth in ops:
             if depth <= max_depth:
                 key, short = op_color_key(op, phases), op.name.split("::")[-1]
                 bar(row, op.start_ns, op.end_ns, key, depth, short)
+    for (at, key, depth), drawn in groups.items():
+        _window_bars(ax, at, drawn, key, depth, 0.5 if at < 2 else 0.0)
     labels = BarLabels()  # each where its own bar shows, not under the ones nested in it
-    for at, left, width, height, text in _visible_parts(bars):
+    room = 0.02 * (hi - lo) / scale  # a bar narrower has no room for a word
+    wide = [(at, a, b, h, text if b - a > room else None) for at, a, b, h, text in bars]
+    for at, left, width, height, text in _visible_parts(wide):
         labels.add(left, width, at, height, text)
     ax.add_artist(labels)
     names = [

@@ -4,7 +4,8 @@ Every function returns the Figure (the SubFigure, given an Axes on one) and take
 optional Axes, so a lesson can put several pictures side by side. One file because the
 figures share their colours, legends and bar helpers; read it by function: timeline,
 memory (by rank, and `placement`, by where bytes live), memory_against_gpus,
-tensors_before_after, bandwidth.
+tensors_before_after, bandwidth, device_turns, operator_timeline (torch.profiler's
+operators under the course's spans).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from matplotlib.transforms import Bbox
 
 from parcourse.memory import CATEGORIES, byte_unit
 from parcourse.parts import AXIS_COLORS
+from parcourse.profiler import OpEvent, RankProfile
 from parcourse.trace import Span, Trace, with_collective_waits
 
 if TYPE_CHECKING:  # matplotlib >= 3.8
@@ -786,4 +788,138 @@ def device_turns(
     )
     if title:
         ax.set_title(title)
+    return fig
+
+
+# torch's names for a collective, in the words of SPAN_COLORS ("gloo:all_reduce",
+# "c10d::allreduce_", "nccl:all_gather", ...).
+_COLLECTIVE_WORDS = {
+    "allreduce": "all-reduce",
+    "allgather": "all-gather",
+    "reducescatter": "reduce-scatter",
+    "alltoall": "all-to-all",
+}
+_COMM_PREFIXES = ("gloo:", "c10d::", "nccl:", "record_param_comms")
+
+
+def op_color_key(op: OpEvent, phases: Sequence[Span] = ()) -> str:
+    """The entry of SPAN_COLORS a torch operator is drawn in: its collective for
+    communication (gloo's, c10d's, NCCL's), else the phase of the innermost course span
+    among `phases` (forward, backward, optimizer) that contains it, else compute."""
+    name = op.name.lower()
+    if name.startswith(_COMM_PREFIXES):
+        words = name.replace("_", "")
+        return next((c for w, c in _COLLECTIVE_WORDS.items() if w in words), "comm")
+    inside = [s for s in phases if s.start_ns <= op.start_ns and op.end_ns <= s.end_ns]
+    return span_color_key(max(inside, key=lambda s: s.depth)) if inside else "compute"
+
+
+def _window_bars(
+    ax: Axes, y: float, bars: Sequence[tuple[float, float]], key: str, depth: int, edge: float
+) -> None:
+    """The bars ((left, width) each) of one row of `operator_timeline`, one colour and
+    depth, as one collection (a step has thousands of operators): waiting as an outline,
+    hatched; work filled, its edge `edge` points of white (none for torch's many short
+    operators)."""
+    height = 0.8 * 0.75**depth
+    style: dict[str, Any] = (
+        {"facecolor": "none", "hatch": "////", "edgecolor": SPAN_COLORS["idle"], "linewidth": 0.5}
+        if key == "idle"
+        else {"facecolor": SPAN_COLORS[key], "edgecolor": "white", "linewidth": edge}
+    )
+    ax.broken_barh(bars, (y - height / 2, height), zorder=2 + depth, **style)
+
+
+def _op_rows(profile: RankProfile, lo: int, hi: int) -> dict[int, list[tuple[OpEvent, int]]]:
+    """The rank's operators that overlap [lo, hi], by thread (the rank's main thread
+    first), each with its depth: how many of its thread's operators enclose it."""
+    rows: dict[int, list[tuple[OpEvent, int]]] = {profile.main_thread: []}
+    ends: dict[int, list[int]] = {}
+    for op in profile.ops:  # in start order, the enclosing one first
+        stack = ends.setdefault(op.thread, [])
+        while stack and stack[-1] <= op.start_ns:
+            stack.pop()
+        if op.end_ns > lo and op.start_ns < hi:
+            rows.setdefault(op.thread, []).append((op, len(stack)))
+        stack.append(op.end_ns)
+    return {t: ops for t, ops in rows.items() if ops or t == profile.main_thread}
+
+
+def operator_timeline(
+    trace: Trace,
+    profile: RankProfile,
+    ax: Axes | None = None,
+    *,
+    window: tuple[int, int] | None = None,
+    title: str | None = None,
+    max_depth: int = 3,
+    unit: str = "ms",
+) -> Figure | SubFigure:
+    """One rank between `window`'s two times (ns on the course's clock; default all its
+    spans): the course's spans above (compute with waiting hatched, then communication),
+    torch.profiler's operators below, a row per thread that ran one (the main thread
+    first; gloo's workers run the collectives), nested operators thinner, down to
+    `max_depth`. The same clock for both (`parcourse.profiler`), so an operator sits under
+    the span it ran in. Operators are coloured by their collective, else by the course's
+    phase around them (`op_color_key`)."""
+    scale = {"s": 1e9, "ms": 1e6, "us": 1e3}[unit]
+    spans = [s for s in trace.spans if s.rank == profile.rank]
+    if window is None:
+        times = [t for s in spans for t in (s.start_ns, s.end_ns)] or [0, 1]
+        window = (min(times), max(times))
+    lo, hi = window
+    if not hi > lo:
+        raise ValueError(f"window must end after it starts, got {window}")
+    rows = _op_rows(profile, lo, hi)
+    fig, ax = _axes(ax, (11, 1.2 + 0.55 * (2 + len(rows))))
+    used: set[str] = set()
+    bars: list[tuple[float, float, float, float, str | None]] = []
+
+    groups: dict[tuple[float, str, int], list[tuple[float, float]]] = {}
+
+    def bar(y: float, start: int, end: int, key: str, depth: int, text: str) -> None:
+        left, right = (max(start, lo) - lo) / scale, (min(end, hi) - lo) / scale
+        if right <= left:
+            return
+        groups.setdefault((y, key, depth), []).append((left, right - left))
+        used.add(key)
+        bars.append((y, left, right, 0.8 * 0.75**depth, None if key == "idle" else text))
+
+    phases = [s for s in spans if s.kind == "compute"]
+    for s in sorted(spans, key=lambda s: s.depth):
+        comm = s.kind == "comm"  # row 1; compute and waiting in row 0
+        bar(int(comm), s.start_ns, s.end_ns, span_color_key(s), 0 if comm else s.depth, s.name)
+    for row, ops in enumerate(rows.values(), start=2):
+        for op, depth in ops:
+            if depth <= max_depth:
+                key, short = op_color_key(op, phases), op.name.split("::")[-1]
+                bar(row, op.start_ns, op.end_ns, key, depth, short)
+    for (at, key, depth), drawn in groups.items():
+        _window_bars(ax, at, drawn, key, depth, 0.5 if at < 2 else 0.0)
+    labels = BarLabels()  # each where its own bar shows, not under the ones nested in it
+    room = 0.02 * (hi - lo) / scale  # a bar narrower has no room for a word
+    wide = [(at, a, b, h, text if b - a > room else None) for at, a, b, h, text in bars]
+    for at, left, width, height, text in _visible_parts(wide):
+        labels.add(left, width, at, height, text)
+    ax.add_artist(labels)
+    names = [
+        "main thread" if t == profile.main_thread else profile.threads.get(t, f"thread {t}")
+        for t in rows
+    ]
+    ticks = ["course: compute", "course: comm", *(f"torch: {n}" for n in names)]
+    ax.set_yticks(range(len(ticks)), ticks)
+    ax.set_ylim(len(ticks) - 0.5, -0.5)
+    ax.set_xlim(0, (hi - lo) / scale)
+    ax.set_xlabel(f"time ({unit}) from {(lo - trace.t0_ns) / scale:.3g} {unit} into the run")
+    ax.grid(axis="x", alpha=0.3)
+    handles = [
+        Patch(facecolor="none", edgecolor=c, hatch="////", label="idle (waiting)")
+        if k == "idle"
+        else Patch(color=c, label=k)
+        for k, c in SPAN_COLORS.items()
+        if k in used
+    ]
+    ax.legend(handles=handles, frameon=False, **LEGEND_OUTSIDE)
+    default = f"rank {profile.rank}: the course's spans above, torch's operators below"
+    ax.set_title(title or default, loc="left")
     return fig

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import torch
 
     from parcourse.memory import SavedActivations
+    from parcourse.profiler import RankProfile
 
 SpanKind = Literal["compute", "comm", "idle", "other"]
 SPAN_KINDS: tuple[str, ...] = ("compute", "comm", "idle", "other")
@@ -263,9 +264,19 @@ class Trace:
         """The last memory sample named `label` on each rank."""
         return {m.rank: m for m in self.memory if m.label == label}
 
-    def to_chrome(self, path: str | Path) -> Path:
-        """Write a Chrome trace-event file; open it at https://ui.perfetto.dev."""
+    def to_chrome(self, path: str | Path, profiles: Sequence[RankProfile] | None = None) -> Path:
+        """Write a Chrome trace-event file; open it at https://ui.perfetto.dev.
+
+        Without `profiles`, one process with a thread per rank. With them (a profiled
+        run's `Run.profiles`), a process per rank holding the course's spans and
+        torch.profiler's events on one clock (`parcourse.profiler.chrome_events`)."""
         path = Path(path)
+        if profiles:
+            from parcourse.profiler import chrome_events
+
+            document = {"traceEvents": chrome_events(self, profiles), "displayTimeUnit": "ms"}
+            path.write_text(json.dumps(document))
+            return path
         t0 = self.t0_ns
         us = lambda ns: (ns - t0) / 1e3  # noqa: E731
         events: list[dict[str, Any]] = []

@@ -252,3 +252,28 @@ def test_the_allocators_replay_of_a_gpu_step_reserves_what_torch_reserved(expand
     run = replay(step.trace, expandable_segments=expandable)
     assert run.at_peak().max_reserved == pytest.approx(step.max_reserved, rel=0.05)
     assert run.at_peak().allocated == pytest.approx(step.max_allocated, rel=0.05)
+
+
+def _matmul_on_gpu(ctx):
+    a = torch.randn(2048, 2048, device=ctx.device)
+    with ctx.tracer.span("matmul"):
+        a @ a
+        torch.cuda.synchronize()  # the kernel has run when the span ends
+    return str(ctx.device)
+
+
+def test_a_profiled_gpu_run_puts_its_kernels_inside_the_course_spans(tmp_path):
+    """CUDA activity on a GPU rank: torch.profiler's kernels (CUPTI's clock, which kineto
+    converts to the host's wall clock) land inside the course span that launched and
+    waited for them, and the merged file gives the GPU a process of its own."""
+    import json
+
+    run = launch(_matmul_on_gpu, 2, profile=True)
+    for p in run.profiles:
+        (span,) = run.trace.spans_of(rank=p.rank, name="matmul")
+        kernels = [o for o in p.ops if o.category == "kernel"]
+        assert kernels, "CUDA activity recorded"
+        assert any(span.start_ns < k.start_ns and k.end_ns < span.end_ns for k in kernels)
+    events = json.loads(run.to_chrome(tmp_path / "gpu.json").read_text())["traceEvents"]
+    names = [e["args"]["name"] for e in events if e.get("name") == "process_name"]
+    assert "rank 0" in names and any(n.startswith("rank 0: ") for n in names), names

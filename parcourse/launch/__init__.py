@@ -16,6 +16,8 @@ runs" covers torchrun and Slurm. By job:
 - registry.py: the live pools of this process (`limit_pools`, `live_pools`,
   `close_pools`); shared.py: the pools shared by size (`shared_pool`).
 - progress.py: the line that says what every rank is doing while the caller waits.
+- `profile=` (parcourse/profiler.py): each rank under torch.profiler, its `RankProfile`
+  in `Run.profiles`, and `Run.to_chrome` writing it beside the course's spans.
 - cpus.py: the CPUs this process may use (affinity and cgroup quota) and the ranks a
   lesson starts on them (`usable_cpus`, `lesson_ranks`).
 - external.py: under torchrun or Slurm, this process is a rank already.
@@ -36,6 +38,7 @@ from parcourse.launch.pool import DEFAULT_TIMEOUT_S, Pool, launch
 from parcourse.launch.progress import describe_progress
 from parcourse.launch.registry import PoolInfo, close_pools, limit_pools, live_pools
 from parcourse.launch.shared import close_shared_pools, shared_pool
+from parcourse.profiler import Profile, RankProfile
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -44,9 +47,11 @@ __all__ = [
     "LaunchError",
     "Pool",
     "PoolInfo",
+    "Profile",
     "RankContext",
     "RankDied",
     "RankError",
+    "RankProfile",
     "RankTimeout",
     "Run",
     "SerializationError",

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from parcourse.comm.common import backend_for
 from parcourse.launch.plan import Plan, RankContext, Run
-from parcourse.launch.worker import PG_TIMEOUT, to_cpu
+from parcourse.launch.worker import PG_TIMEOUT, profiled, to_cpu
+from parcourse.profiler import Profile
 from parcourse.trace import Trace, Tracer
 
 
@@ -83,9 +84,14 @@ def _device(plan: Plan) -> torch.device:
 
 
 def run_external(
-    plan: Plan, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    plan: Plan,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    profile: Profile | None = None,
 ) -> Run:
-    """Run on this process's rank, then share every rank's result and trace with all."""
+    """Run on this process's rank (under torch.profiler with `profile`), then share every
+    rank's result, trace and profile with all."""
     rank, world_size, _ = external_env() or (0, 1, 0)
     if plan.devices[0] == "cpu":
         torch.set_num_threads(plan.threads)
@@ -96,10 +102,13 @@ def run_external(
     backend = backend_for(group, device)  # the group may be the user's own
     ctx = RankContext(rank, world_size, device, group, tracer, backend)
     t0 = time.perf_counter()
-    value = fn(ctx, *args, **kwargs)
+    if profile is None:
+        value, recorded = fn(ctx, *args, **kwargs), None
+    else:
+        value, recorded = profiled(ctx, profile, fn, args, kwargs)
     rank_s = time.perf_counter() - t0
     gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, (to_cpu(value), tracer.data(), rank_s))
+    dist.all_gather_object(gathered, (to_cpu(value), tracer.data(), rank_s, recorded))
     wall = time.perf_counter() - t0
     return Run(
         [g[0] for g in gathered],
@@ -109,4 +118,5 @@ def run_external(
         backend,
         0.0,
         [g[2] for g in gathered],
+        None if profile is None else [g[3] for g in gathered],
     )

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from parcourse.profiler import Profile, RankProfile
 from parcourse.trace import TraceData
 
 
 @dataclass(frozen=True)
 class Task:
-    """Run `fn(ctx, *args, **kwargs)`, pickled by value (cloudpickle) as `payload`."""
+    """Run `fn(ctx, *args, **kwargs)`, pickled by value (cloudpickle) as `payload`; under
+    torch.profiler when `profile` says what to record."""
 
     payload: bytes
+    profile: Profile | None = None
 
 
 @dataclass(frozen=True)
@@ -34,12 +37,14 @@ class Ready:
 
 @dataclass(frozen=True)
 class Done:
-    """The task returned: its value pickled (on the CPU), the rank's trace, its seconds."""
+    """The task returned: its value pickled (on the CPU), the rank's trace, its seconds,
+    and what torch.profiler recorded (when the task asked for a profile)."""
 
     rank: int
     result: bytes
     trace: TraceData
     seconds: float
+    profile: RankProfile | None = None
 
 
 @dataclass(frozen=True)

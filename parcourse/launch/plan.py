@@ -4,11 +4,13 @@ function gets (`RankContext`) and what a run gives back (`Run`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
+from parcourse.profiler import RankProfile
 from parcourse.trace import Trace, Tracer
 
 Backend = Literal["auto", "gloo", "nccl"]
@@ -77,7 +79,8 @@ class RankContext:
 
 @dataclass
 class Run:
-    """The outcome of one run: per-rank results, the merged trace, timings."""
+    """The outcome of one run: per-rank results, the merged trace, timings, and each
+    rank's torch.profiler profile when the run was profiled (`profile=`), else None."""
 
     results: list[Any]
     trace: Trace
@@ -86,6 +89,12 @@ class Run:
     backend: str
     startup_s: float = 0.0
     rank_s: list[float] = field(default_factory=list)
+    profiles: list[RankProfile] | None = None
+
+    def to_chrome(self, path: str | Path) -> Path:
+        """One Chrome trace-event file for https://ui.perfetto.dev: the course's spans and,
+        for a profiled run, torch's operators of every rank, on one clock."""
+        return self.trace.to_chrome(path, self.profiles)
 
     def __repr__(self) -> str:
         return (

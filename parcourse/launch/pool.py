@@ -49,6 +49,7 @@ from parcourse.launch.processes import (
 )
 from parcourse.launch.progress import LiveStatus, Progress
 from parcourse.launch.worker import PG_TIMEOUT, STATUS_BYTES, rank_main
+from parcourse.profiler import Profile, check_profile
 from parcourse.trace import Trace, TraceData
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Backend", "Device", "Pool", "launch"]
@@ -294,6 +295,7 @@ class Pool:
         *args: Any,
         timeout: float | None | Literal["default"] = "default",
         on_progress: Progress | None = None,
+        profile: bool | Profile = False,
         **kwargs: Any,
     ) -> Run:
         """Run `fn(ctx, *args, **kwargs)` on every rank and wait for all of them.
@@ -303,22 +305,27 @@ class Pool:
         with what each rank is doing (its current span; "done" when finished),
         and while ranks start (`self.starting`). Without one, a run called from
         a notebook cell that lasts more than a few seconds shows a live status
-        line under the cell.
+        line under the cell. `profile` (True, or a `parcourse.profiler.Profile`) runs
+        `fn` under torch.profiler on every rank: `Run.profiles` holds what each
+        recorded, `Run.to_chrome` writes it beside the course's spans.
         """
         __tracebackhide__ = True  # IPython: show the learner's cell and the error
+        options = check_profile(profile)
         if self._external is not None:
-            return run_external(self.plan, fn, args, kwargs)
+            return run_external(self.plan, fn, args, kwargs, options)
         payload = _dumps((fn, args, kwargs), f"the function {getattr(fn, '__name__', fn)!r}")
-        return self.run_payload(payload, timeout, on_progress)
+        return self.run_payload(payload, timeout, on_progress, options)
 
     def run_payload(
         self,
         payload: bytes,
         timeout: float | None | Literal["default"] = "default",
         on_progress: Progress | None = None,
+        profile: Profile | None = None,
     ) -> Run:
         """`run` for a function already pickled (`cloudpickle.dumps((fn, args, kwargs))`)."""
         __tracebackhide__ = True  # IPython: show the learner's cell and the error
+        check_profile(False if profile is None else profile)
         limit = self.timeout if timeout == "default" else timeout
         live = LiveStatus.in_notebook(self) if on_progress is None else None
         try:
@@ -330,7 +337,8 @@ class Pool:
                     if not self.alive:
                         self._kill()
                         startup = self._start(on_progress or live)
-                    return self._dispatch(Task(payload), limit, on_progress or live, startup)
+                    task = Task(payload, profile)
+                    return self._dispatch(task, limit, on_progress or live, startup)
                 except BaseException:
                     self._kill()  # KeyboardInterrupt too: the next run starts fresh ranks
                     raise
@@ -383,6 +391,7 @@ class Pool:
                 raise SerializationError(f"rank {r}'s result cannot be unpickled here: {e}") from e
         parts: list[TraceData] = [done[r].trace for r in range(n)]
         wall = time.perf_counter() - t0 + startup
+        profiles = [done[r].profile for r in range(n)]
         return Run(
             values,
             Trace.merge(n, parts),
@@ -391,6 +400,7 @@ class Pool:
             self.plan.backend,
             startup,
             [done[r].seconds for r in range(n)],
+            [p for p in profiles if p is not None] if task.profile is not None else None,
         )
 
     def _timeout(self, limit: float, pending: set[int]) -> RankTimeout:
@@ -470,22 +480,26 @@ def launch(
     device: Device = "auto",
     timeout: float | None = DEFAULT_TIMEOUT_S,
     threads: int | None = None,
+    profile: bool | Profile = False,
     **kwargs: Any,
 ) -> Run:
     """Start `world_size` ranks, run `fn(ctx, *args, **kwargs)` on each, stop them.
 
-    Raises ValueError for bad arguments and SerializationError for a function
-    that cannot be sent, before any process starts; RankError, RankDied or
-    RankTimeout when the run fails. `Run.wall_s` includes starting the ranks.
+    `profile` (True, or a `parcourse.profiler.Profile`) runs `fn` under torch.profiler
+    on every rank, as `Pool.run` does. Raises ValueError for bad arguments and
+    SerializationError for a function that cannot be sent, before any process starts;
+    RankError, RankDied or RankTimeout when the run fails. `Run.wall_s` includes
+    starting the ranks.
     """
     __tracebackhide__ = True  # IPython: show the learner's cell and the error
     make_plan(world_size, backend, device, threads)
+    options = check_profile(profile)
     if external_env() is not None:
         pool = Pool(world_size, backend=backend, device=device, timeout=timeout, threads=threads)
-        return pool.run(fn, *args, **kwargs)
+        return pool.run(fn, *args, profile=options or False, **kwargs)
     payload = _dumps((fn, args, kwargs), f"the function {getattr(fn, '__name__', fn)!r}")
     with Pool(
         world_size, backend=backend, device=device, timeout=timeout, threads=threads, start=False
     ) as pool:
         pool.counts = False
-        return pool.run_payload(payload)  # starts the ranks, then runs
+        return pool.run_payload(payload, profile=options)  # starts the ranks, then runs

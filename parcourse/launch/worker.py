@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_map
 
 from parcourse.launch.messages import Done, Failed, Ready, Stop, Task, Unpicklable
 from parcourse.launch.plan import Plan, RankContext
+from parcourse.profiler import Profile, RankProfile, Recorder
 from parcourse.trace import TraceData, Tracer
 
 # Generous: the caller's timeout, not the backend's, decides when a run has hung.
@@ -42,12 +43,16 @@ def to_cpu(value: Any) -> Any:
 def run_task(ctx: RankContext, task: Task) -> Done | Failed | Unpicklable:
     """Execute one task on this rank; always returns a message, never raises."""
     t0 = time.perf_counter()
+    profile = None
     try:
         fn, args, kwargs = cloudpickle.loads(task.payload)
         ctx.tracer.set_status(
             f"running {getattr(fn, '__name__', 'the function')}, before its first span"
         )
-        value = fn(ctx, *args, **kwargs)
+        if task.profile is None:
+            value = fn(ctx, *args, **kwargs)
+        else:
+            value, profile = profiled(ctx, task.profile, fn, args, kwargs)
     except BaseException as e:  # noqa: BLE001 - a SystemExit in rank code is an error too
         return Failed(
             ctx.rank,
@@ -64,7 +69,18 @@ def run_task(ctx: RankContext, task: Task) -> Done | Failed | Unpicklable:
             ctx.rank,
             f"rank {ctx.rank} returned a {type(value).__name__} that cannot be pickled: {e}",
         )
-    return Done(ctx.rank, blob, ctx.tracer.data(), time.perf_counter() - t0)
+    return Done(ctx.rank, blob, ctx.tracer.data(), time.perf_counter() - t0, profile)
+
+
+def profiled(
+    ctx: RankContext, options: Profile, fn: Any, args: Any, kwargs: Any
+) -> tuple[Any, RankProfile]:
+    """`fn(ctx, *args, **kwargs)` under torch.profiler: its value and the rank's profile."""
+    recorder = Recorder(options, ctx.rank, ctx.device)
+    with recorder:
+        value = fn(ctx, *args, **kwargs)
+    ctx.tracer.set_status("reading the profile")
+    return value, recorder.result(ctx.tracer.data().spans)
 
 
 def _exit_when_parent_dies(lifeline: Any, stack_file: str) -> None:

@@ -89,9 +89,12 @@ def _this_machine(m: Measured) -> list[str]:
     ]
     if m.world_size > 1:
         lines.append(
-            f"  link      a message {m.p2p_s * 1e6:.0f} us one way, a step of the course's ring "
-            f"{m.ring_step_s * 1e6:.0f} us, {m.link_Bps / 1e9:.2f} GB/s (gloo, loopback: "
-            "the planner's measure_links)"
+            f"  link      gloo: a message {m.p2p_s * 1e6:.0f} us one way, "
+            f"{m.link_Bps / 1e9:.2f} GB/s (loopback: the planner's measure_links)"
+        )
+        lines.append(
+            f"  ring      the course's: {m.ring.alpha_s * 1e6:.0f} us a step, "
+            f"{m.machine().link_Bps / 1e9:.2f} GB/s (alpha and beta fitted to its all-reduces)"
         )
         machine = m.machine()
         lines.append(

@@ -33,7 +33,12 @@ from torch import nn
 
 from parcourse.comm import SimulatedLink
 from parcourse.experiments.timing import one_thread, take_turns
-from parcourse.theory import bytes_sent_per_rank, zero_communication_bytes
+from parcourse.theory import (
+    CostModel,
+    bytes_sent_per_rank,
+    fit_cost_model,
+    zero_communication_bytes,
+)
 from parcourse.theory.roofline import (
     Machine,
     data_parallel_seconds,
@@ -122,17 +127,21 @@ def peak_estimate(path: str | Path = "/proc/cpuinfo") -> PeakEstimate | None:
 # -- this machine, measured
 
 
-def measure_matmul_flops(n: int = 1024, seconds: float = 0.2) -> float:
+def measure_matmul_flops(n: int = 1024, seconds: float = 0.2, windows: int = 5) -> float:
     """FLOP/s of an n x n by n x n fp32 matrix product in this process with one thread
-    (2 n^3 FLOPs a product), over about `seconds` after one untimed."""
+    (2 n^3 FLOPs a product): the median of `windows` windows over about `seconds` in all,
+    after one untimed (a moment of another process's work falls in one window)."""
     with one_thread():
         a, b = torch.randn(n, n), torch.randn(n, n)
         a @ b
-        start, done = time.perf_counter(), 0
-        while time.perf_counter() - start < seconds:
-            a @ b
-            done += 1
-        return 2 * n**3 * done / (time.perf_counter() - start)
+        rates = []
+        for _ in range(windows):
+            start, done = time.perf_counter(), 0
+            while time.perf_counter() - start < seconds / windows:
+                a @ b
+                done += 1
+            rates.append(2 * n**3 * done / (time.perf_counter() - start))
+        return statistics.median(rates)
 
 
 def measure_memory_bandwidth(numbers: int = 1 << 24, repeats: int = 5) -> float:
@@ -150,47 +159,75 @@ def measure_memory_bandwidth(numbers: int = 1 << 24, repeats: int = 5) -> float:
         return 3 * 4 * numbers / best
 
 
+# The all-reduces the ring's cost model is fitted to: 16 KiB (its latency), 1 MiB, 8 MiB
+# (on shared cores a step's latency swings by a millisecond: the largest must take longer)
+RING_SIZES = (1 << 14, 1 << 20, 1 << 23)
+
+
+def measure_ring(
+    ctx: RankContext,
+    link: SimulatedLink | None = None,
+    sizes: tuple[int, ...] = RING_SIZES,
+    repeats: int = 5,
+) -> CostModel:
+    """A rank function: the course's ring all-reduce (`Comm(algorithm="ring")`, what the
+    sweep's strategies send with) timed at each of `sizes` bytes over `link` (None: this
+    machine's loopback), the slowest rank's median of `repeats` after one, and lesson
+    01's alpha-beta model fitted to them (`fit_cost_model`): the link as the ring meets
+    it, its Python, its wake-ups and this machine's copies included. One rank: free."""
+    from parcourse.comm import Comm
+
+    if ctx.world_size == 1:
+        return CostModel(0.0, math.inf)
+    comm = Comm(ctx.group, algorithm="ring", link=link)
+    seconds = []
+    for size in sizes:
+        t = torch.zeros(size // 4)
+        times = []
+        for k in range(repeats + 1):
+            dist.barrier(group=ctx.group)
+            start = time.perf_counter()
+            comm.all_reduce(t)
+            if k:
+                times.append(time.perf_counter() - start)
+        slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=ctx.group)
+        seconds.append(slowest.item())
+    return fit_cost_model("ring", ctx.world_size, sizes, seconds)
+
+
 @dataclass(frozen=True)
 class Measured:
     """This machine as its ranks measured it at once (`measure_here`): a rank's matrix
     multiply (`flops`, the median over the ranks) and the course's GPT's forward and
-    backward (`model_flops`, `planner.measure_flops`), its memory's triad, and gloo's
-    link as `planner.measure_links` finds it: a message's one-way latency (`p2p_s`), a
-    step of the course's ring (`ring_step_s`: its tiny all-reduce's seconds over its
-    2 (N-1) steps), the bandwidth of a large message; with the `peak` estimate."""
+    backward (`model_flops`, `planner.measure_flops`), its memory's triad; gloo's link
+    as `planner.measure_links` finds it (a message's one-way latency `p2p_s`, a large
+    message's bandwidth `link_Bps`), and the course's ring over it (`ring`, alpha and
+    beta fitted to its all-reduces, `measure_ring`); with the `peak` estimate."""
 
     world_size: int
     flops: float
     model_flops: float
     memory_Bps: float
     p2p_s: float
-    ring_step_s: float
     link_Bps: float
+    ring: CostModel
     peak: PeakEstimate | None = None
 
-    def machine(self, link: SimulatedLink | None = None) -> Machine:
-        """The `Machine` the course's ring meets here: the loopback as measured, or a
-        simulated `link` on top of it (their latencies add, and the times a byte takes:
-        the link only adds time, `SimulatedLink`)."""
-        if link is None:
-            return Machine(
-                "this machine", self.flops, self.memory_Bps, self.ring_step_s, self.link_Bps
-            )
-        return Machine(
-            "this machine, simulated link",
-            self.flops,
-            self.memory_Bps,
-            self.ring_step_s + link.latency_s,
-            1 / (1 / link.bandwidth_Bps + 1 / self.link_Bps),
-        )
+    def machine(self) -> Machine:
+        """The `Machine` the course's ring meets here: a rank's matrix multiply, its
+        memory, and the ring's alpha and beta (beta at most gloo's own: where the fit
+        cannot tell a byte's time from the latency's noise, it reads no limit)."""
+        beta = min(self.ring.beta_Bps, self.link_Bps)
+        return Machine("this machine", self.flops, self.memory_Bps, self.ring.alpha_s, beta)
 
 
 def measure_here(ctx: RankContext, model_flops: bool = True) -> dict[str, Any]:
     """A rank function: this rank's matrix multiply and triad (every rank at once, one
     thread each), the course's GPT's FLOP/s (`planner.measure_flops` on lesson 09's GPT;
-    `model_flops=False` skips it) and the link (`planner.measure_links`, its large message
-    4 MiB rather than 1 MiB: on shared cores a 1 MiB message is within the latency's
-    noise)."""
+    `model_flops=False` skips it), gloo's link (`planner.measure_links`, its large
+    message 4 MiB rather than 1 MiB: on shared cores a 1 MiB message is within the
+    latency's noise) and the course's ring over it (`measure_ring`)."""
     from parcourse.experiments.hybrid import LESSON_CONFIG
     from parcourse.planner import measure_flops, measure_links
 
@@ -201,22 +238,21 @@ def measure_here(ctx: RankContext, model_flops: bool = True) -> dict[str, Any]:
         "model_flops": measure_flops(LESSON_CONFIG) if model_flops else 0.0,
     }
     out["links"] = measure_links(ctx, big=1 << 20, repeats=10)
+    out["ring"] = measure_ring(ctx)
     return out
 
 
 def measured_from(results: list[dict[str, Any]], world_size: int) -> Measured:
     """`Measured` from every rank's `measure_here`."""
     links = results[0]["links"]
-    n = world_size
-    ring = links.get("ring_s", {}).get(n, 0.0) / (2 * (n - 1)) if n > 1 else 0.0
     return Measured(
-        n,
+        world_size,
         statistics.median(r["flops"] for r in results),
         statistics.median(r["model_flops"] for r in results),
         statistics.median(r["memory_Bps"] for r in results),
         links["p2p_s"],
-        ring,
         links["bandwidth_Bps"],
+        results[0]["ring"],
         peak_estimate(),
     )
 
@@ -526,16 +562,22 @@ def _sizes_around(config: SweepConfig, threshold: float) -> tuple[int, ...]:
 
 
 def sweep_on_ranks(ctx: RankContext, config: SweepConfig) -> dict[str, Any]:
-    """A rank function: the machine measured (`measure_here`, the ranks' mean FLOP/s, so
-    that every rank centres the sweep on the same threshold), then at each size the
+    """A rank function: the machine measured (the ranks' mean matrix-multiply FLOP/s, so
+    that every rank centres the sweep on the same threshold, and the ring over
+    `config.link`, `measure_ring`), then at each size the
     three steps of `config` taking turns (`take_turns`), and the bytes this rank sent in
     one more of the strategy's steps, counted by the ring, beside the formula's."""
     with one_thread():
-        here = measure_here(ctx, model_flops=False)
-        flops = torch.tensor([here["flops"] / ctx.world_size], dtype=torch.float64)
+        dist.barrier(group=ctx.group)
+        flops = torch.tensor([measure_matmul_flops() / ctx.world_size], dtype=torch.float64)
         dist.all_reduce(flops, group=ctx.group)
-        machine = measured_from([{**here, "flops": flops.item()}], ctx.world_size).machine(
-            config.link
+        ring = measure_ring(ctx, config.link)
+        machine = Machine(
+            f"this machine, {link_label(config.link)}",
+            flops.item(),
+            measure_memory_bandwidth(),
+            ring.alpha_s,
+            ring.beta_Bps,
         )
         counter, n = Tracer(ctx.rank), ctx.world_size
         if config.strategy == "tp":

@@ -58,7 +58,7 @@ from parcourse.planner.predict import (
     stage_compute,
     stage_layers,
 )
-from parcourse.planner.search import Planned, Plans, choices, format_plans, plan
+from parcourse.planner.search import Planned, Plans, bound_of, choices, format_plans, plan
 
 __all__ = [
     "MODELS",
@@ -68,6 +68,7 @@ __all__ = [
     "Overheads",
     "Planned",
     "Plans",
+    "bound_of",
     "choices",
     "format_plans",
     "measure",

@@ -974,7 +974,7 @@ def _replicated(x: StepInputs, tied: bool) -> float:
     units = x.schedule.stages // choice.pp + tied + (choice.ep > 1)
     ring = CostModel(link.latency_s, link.bandwidth_Bps).all_reduce_s(
         "ring",
-        slices,  # type: ignore[arg-type]  # bytes need not be whole; the formula takes any
+        slices,  # bytes need not be whole; the formula takes any
         replicas,
     )
     return ring + units * cluster.ring_s.get(replicas, 0.0)
@@ -1031,7 +1031,7 @@ def _dp_seconds(
     ring = CostModel(link.latency_s, link.bandwidth_Bps).all_reduce_s(
         # bytes need not be whole (ZeRO's shards); the ring's formula takes any number
         "ring",
-        weights,  # type: ignore[arg-type]  # fractional bytes: see above
+        weights,  # fractional bytes: see above
         choice.dp,
     )
     rings = _dp_rings(choice, stages, tied, exposed=True) * fixed

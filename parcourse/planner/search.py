@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from parcourse.models import GPTConfig
 from parcourse.parts import PART_AXES
@@ -179,11 +179,22 @@ def plan(
     return Plans(kept, rejected, global_batch)
 
 
+def bound_of(time: dict[str, float]) -> Literal["compute", "communication"]:
+    """Which bound a predicted step (`predict_time`) is under: "communication" where what
+    it waits for of its messages (tp's collectives, each part's own, cp's ring and ep's
+    all-to-alls, and dp's exposed reduction) takes longer than its compute, else "compute"
+    (the roofline's two lines, `theory.roofline`, for a whole plan). The bubble is idle
+    time, not counted for either: a pipeline's bound is its schedule's."""
+    exposed = time["tp"] + time["dp"] + sum(time.get(a, 0.0) for a in PART_AXES)
+    return "communication" if exposed > time["compute"] else "compute"
+
+
 def format_plans(plans: Plans, top: int = 10) -> str:
     """The ranked table (what `python -m parcourse plan` prints): each configuration's
     predicted step split into compute / tp / (cp's ring and ep's all-to-alls, where a
     plan shown uses them) / bubble / dp / optimizer / waiting for a core,
-    tokens/s, MFU and the busiest pipeline rank's memory; then how many were turned down
+    tokens/s, MFU, the bound it is under (`bound_of`: compute, or comm. where its exposed
+    messages take longer) and the busiest pipeline rank's memory; then how many were turned down
     and why, with the closest that ran out of memory."""
     from collections import Counter
 
@@ -198,7 +209,7 @@ def format_plans(plans: Plans, top: int = 10) -> str:
         f"{'':>3}  {'configuration':<{width}} {'step ms':>10} {'compute':>8} {'tp':>7} "
         + "".join(f"{a:>7} " for a in parts)
         + f"{'bubble':>7} {'dp':>7} {'opt':>6} {'cores':>6} {'tokens/s':>10} {'MFU':>6} "
-        f"{'memory (busiest)':>17}"
+        f"{'bound':>7} {'memory (busiest)':>17}"
     ]
     for k, p in enumerate(shown, 1):
         t, mem = p.time, p.memory[p.busiest]
@@ -210,6 +221,7 @@ def format_plans(plans: Plans, top: int = 10) -> str:
             f"{1e3 * t['dp']:>7.1f} {1e3 * t['optimizer']:>6.1f} {1e3 * t['cores']:>6.1f} "
             f"{t['tokens_per_s']:>10.0f} "
             f"{100 * t['mfu']:>5.1f}% "
+            f"{'comm.' if bound_of(t) == 'communication' else 'compute':>7} "
             f"{format_bytes(mem['total']):>10} (pp {p.busiest})"
         )
     closest = sorted(
@@ -241,4 +253,4 @@ def _kind(why_not: str) -> str:
     return why_not.split(" by ")[0].split(":")[0]
 
 
-__all__ = ["Planned", "Plans", "choices", "format_plans", "plan"]
+__all__ = ["Planned", "Plans", "bound_of", "choices", "format_plans", "plan"]

@@ -7,8 +7,9 @@ and time), zero.py (lessons 03-04), tensor_parallel.py (05: the split GPT's byte
 collectives), pipelines.py (06-07: bubbles, microbatches in flight, each named schedule's
 formula), checkpointing.py (08), mesh.py (09: what a rank of the whole mesh holds), layers.py
 (what one GPT layer computes, moves and holds, which the planner prices), context.py and
-experts.py (11). Every name is importable from here: `from parcourse.theory import
-gpipe_bubble`.
+experts.py (11), roofline.py (12: each strategy's compute beside its communication on a
+machine, and the threshold where they cross). Every name is importable from here:
+`from parcourse.theory import gpipe_bubble`.
 """
 
 from parcourse.theory.checkpointing import (
@@ -64,6 +65,23 @@ from parcourse.theory.pipelines import (
     zero_bubble_h1_formula,
     zero_bubble_h1_peak_in_flight,
 )
+from parcourse.theory.roofline import (
+    STRATEGIES,
+    Machine,
+    Threshold,
+    context_parallel_seconds,
+    cp_threshold,
+    data_parallel_seconds,
+    dp_threshold,
+    ep_min_width,
+    ep_threshold,
+    expert_parallel_seconds,
+    published_machines,
+    tensor_parallel_seconds,
+    thresholds,
+    tp_threshold,
+    zero3_threshold,
+)
 from parcourse.theory.tensor_parallel import (
     TPCollective,
     tp_activation_bytes,
@@ -84,6 +102,21 @@ from parcourse.theory.zero import (
 )
 
 __all__ = [
+    "STRATEGIES",
+    "Machine",
+    "Threshold",
+    "context_parallel_seconds",
+    "cp_threshold",
+    "data_parallel_seconds",
+    "dp_threshold",
+    "ep_min_width",
+    "ep_threshold",
+    "expert_parallel_seconds",
+    "published_machines",
+    "tensor_parallel_seconds",
+    "thresholds",
+    "tp_threshold",
+    "zero3_threshold",
     "CostModel",
     "TPCollective",
     "adam_bytes_per_param",

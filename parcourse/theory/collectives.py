@@ -80,7 +80,7 @@ class CostModel:
     alpha_s: float
     beta_Bps: float
 
-    def all_reduce_s(self, algo: Literal["ring", "naive"], nbytes: int, world_size: int) -> float:
+    def all_reduce_s(self, algo: Literal["ring", "naive"], nbytes: float, world_size: int) -> float:
         """Predicted time of one all-reduce of `nbytes` over `world_size` ranks.
 
         ring: 2(N-1) steps, one after another, each alpha + (S/N) / beta:

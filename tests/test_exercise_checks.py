@@ -45,6 +45,7 @@ def _checks():
         launching,
         pipeline,
         planning,
+        roofline,
         training,
         zero,
         zero_beyond,
@@ -68,6 +69,7 @@ def _checks():
         "11 dispatch": (experts.check_dispatch, False),
         "12 best fit": (allocator.check_best_fit, False),
         "12 coalesce": (allocator.check_coalesce, False),
+        "12 threshold": (roofline.check_dp_threshold, False),
     }
 
 

@@ -621,7 +621,6 @@ def sweep(
     on `world_size` ranks, on `pool` if given (of that size), else on ranks started for
     it, and gather it: at each size the slowest rank's median of each step, rank 0's
     bytes, the roofline's prediction."""
-    from parcourse.experiments.timing import median_of_slowest
     from parcourse.launch import launch
 
     config = config or SweepConfig()
@@ -638,11 +637,20 @@ def sweep(
         if pool is not None
         else launch(sweep_on_ranks, world_size, config)
     )
-    ranks, first = run.results, run.results[0]
+    return gathered(config, run.results)
+
+
+def gathered(config: SweepConfig, results: list[dict[str, Any]]) -> Sweep:
+    """A `Sweep` from every rank's `sweep_on_ranks(ctx, config)` (a panel runs that on
+    its pool): at each size the slowest rank's median of each step, rank 0's bytes, the
+    roofline's prediction."""
+    from parcourse.experiments.timing import median_of_slowest
+
+    first, world_size = results[0], len(results)
     machine, params, pieces = first["machine"], first["params"], first["pieces"]
     rows = []
     for i, size in enumerate(first["sizes"]):
-        at = [r["times"][i] for r in ranks]
+        at = [r["times"][i] for r in results]
         line = _predicted(config, machine, world_size, size, params, pieces)
         rows.append(
             SweepRow(
@@ -758,3 +766,51 @@ def roofline_figure(s: Sweep, ax: Axes | None = None) -> Figure | SubFigure:
     ax.legend(frameon=False, **plots.LEGEND_OUTSIDE)
     ax.grid(alpha=0.3, which="both")
     return figure
+
+
+# -- lesson 12's exercise: data parallelism's threshold from its formula
+
+# (FLOP/s, link bytes/s, ranks, bytes a number): this machine's order, an H100 pair over
+# NVLink, eight over InfiniBand in fp32.
+THRESHOLD_CASES = ((50e9, 1e9, 2, 2), (989e12, 450e9, 8, 2), (989e12, 50e9, 8, 4))
+
+
+def check_dp_threshold(fn: Callable[[float, float, int, int], float]) -> bool:
+    """Lesson 12's exercise: `fn(flops, link_Bps, world_size, bytes_per_number)` returns
+    the tokens a rank at which data parallelism's compute (6 P T FLOPs) equals its ring
+    all-reduce (2 (N-1)/N P b bytes), checked against `theory.dp_threshold` at three
+    machines; prints one verdict, naming the mistake when it is a common one."""
+    from parcourse.experiments.exercises import ask
+    from parcourse.theory import dp_threshold
+
+    for flops, link, n, b in THRESHOLD_CASES:
+        machine = Machine("case", flops, 1e12, 0.0, link)
+        want = dp_threshold(machine, n, bytes_per_number=b)
+        where = f"with flops {flops:g}, link_Bps {link:g}, world_size {n}, bytes {b}, "
+        ok, got = ask(fn, flops, link, n, b, where=where)
+        if not ok:
+            return False
+        if isinstance(got, bool) or not isinstance(got, (int, float)) or not math.isfinite(got):
+            print(f"Not yet: {where}return a number of tokens, not {got!r}")
+            return False
+        if not math.isclose(got, want, rel_tol=1e-6):
+            print(f"Not yet: {where}{_threshold_mistake(got, want, n)}")
+            return False
+    print("Correct: T* = (N-1)/N x b/3 x F/W; the model's size cancels.")
+    return True
+
+
+def _threshold_mistake(got: float, want: float, n: int) -> str:
+    """What a wrong threshold most likely left out, from its ratio to the right one."""
+    ratio = got / want
+    hints = (  # the first that matches: with 2 ranks, (N-1)/N left out also doubles it
+        (n / (n - 1), "the ring sends 2 (N-1)/N of the gradients' bytes, not 2 of them"),
+        (3.0, "compute is 6 P T (forward 2, backward 4), not 2 P T"),
+        (1.5, "compute is 6 P T (forward 2, backward 4), not 4 P T"),
+        (2.0, "the ring sends 2 (N-1)/N P b bytes, not twice that"),
+        (0.5, "the ring sends 2 (N-1)/N P b bytes: a reduce-scatter and an all-gather"),
+    )
+    for r, said in hints:
+        if math.isclose(ratio, r, rel_tol=1e-6):
+            return f"{got:.4g} tokens is {ratio:.3g} x the answer: {said}."
+    return f"{got:.4g} tokens, the formula gives {want:.4g}: solve 6 P T / F = 2 (N-1)/N P b / W."

@@ -27,16 +27,27 @@ the `perf_counter_ns()` read before it and ends before the read after it, every 
 Threads: torch.profiler records the thread that started it and the threads that carry its
 state (gloo's and NCCL's workers: a bucket's `gloo:all_reduce` runs there); a Python
 thread of its own (the course's ring, `algorithm="ring"`) is not recorded.
+
+What torch prints. Each start and stop of a profile prints a line of libkineto's
+("USDT: ... profiler_start"), and a tensor allocated before a memory profile began and
+freed inside it prints c10's "Memory block of unknown size was allocated before the
+profiling started" once a process: both on the process's own stderr, past Python, so that
+in a notebook eight ranks print sixteen lines a cell. While a profile runs, `quiet_torch`
+holds stderr back and prints it again afterwards without those two kinds of line (the
+frees they speak of are counted: `allocator.Trace.unseen_frees`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,7 +66,39 @@ __all__ = [
     "Recorder",
     "check_profile",
     "chrome_events",
+    "quiet_torch",
 ]
+
+# What torch prints at every profile, not about the run (see the module's docstring).
+TORCH_NOISE = re.compile(
+    r"^(USDT:.*profiler_(start|stop)"
+    r"|.*Memory block of unknown size was allocated before the profiling started.*)$"
+)
+
+
+@contextmanager
+def quiet_torch() -> Iterator[None]:
+    """The process's stderr (its file descriptor: C++ writes there too) held in a file
+    while the block runs, then written back without the lines `TORCH_NOISE` matches."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [
+                line
+                for line in held.read().decode("utf-8", "replace").splitlines(keepends=True)
+                if not TORCH_NOISE.match(line.rstrip("\n"))
+            ]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
 
 
 @dataclass(frozen=True)
@@ -206,15 +249,20 @@ class Recorder:
             activities=activities, record_shapes=options.shapes, profile_memory=options.memory
         )
         self._offsets: list[tuple[int, int]] = []
+        self._quiet = quiet_torch()
 
     def __enter__(self) -> Recorder:
+        self._quiet.__enter__()
         self.prof.__enter__()
         self._offsets.append(clock_offset())
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self._offsets.append(clock_offset())
-        self.prof.__exit__(*exc)
+        try:
+            self.prof.__exit__(*exc)
+        finally:
+            self._quiet.__exit__(*exc)
 
     def result(self, spans: Sequence[Span]) -> RankProfile:
         """The profile as plain data; torch's export goes through a temporary file."""

@@ -200,3 +200,37 @@ def test_the_lessons_step_shows_a_buckets_all_reduce_beside_the_backward():
     plt.close(fig)
     with pytest.raises(ValueError, match="not profiled"):
         operator_table(type(run)([], run.trace, 0.0, 2, "gloo"))
+
+
+QUIET_CHILD = """
+import os, sys, torch
+from torch.profiler import ProfilerActivity, profile
+from parcourse.profiler import quiet_torch
+
+before = torch.ones(1000)  # allocated before the profile, freed inside it
+quiet = quiet_torch() if sys.argv[1] == "quiet" else open(os.devnull)
+with quiet, profile(activities=[ProfilerActivity.CPU], profile_memory=True):
+    del before
+    os.write(2, b"a line of the run's own\\n")
+    print("and one from Python", file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_quiet_torch_drops_the_profilers_own_lines_and_keeps_the_rest(quiet):
+    """Without `quiet_torch` a memory profile prints libkineto's start and stop lines and
+    c10's warning about a block allocated before it; with it, only the run's own lines."""
+    import subprocess
+    import sys
+
+    child = subprocess.run(
+        [sys.executable, "-c", QUIET_CHILD, "quiet" if quiet else "loud"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == 0, child.stderr
+    err = child.stderr
+    assert "a line of the run's own" in err and "and one from Python" in err, err
+    noisy = "profiler_start" in err and "Memory block of unknown size" in err
+    assert noisy is not quiet, err

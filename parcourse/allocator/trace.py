@@ -235,7 +235,9 @@ def record(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Trac
     only): its result and its allocation trace."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    from parcourse.profiler import quiet_torch
+
+    with quiet_torch(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn(*args, **kwargs)
     return result, from_profiler(prof)
 

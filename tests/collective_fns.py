@@ -243,3 +243,25 @@ def hierarchical_vs_torch(ctx, ranks_per_node, numel, dtype, op):
     out = C.hierarchical_all_reduce(t, ranks_per_node, op, tracer=ctx.tracer)
     assert out is t
     return t, ref, C.bytes_by_level(ctx.tracer.data().counters, ctx.rank, ranks_per_node)
+
+
+def two_groups_one_tag(ctx):
+    """Two groups of the same two ranks over a simulated link, a message on each with the
+    same peer and tag: group A's posted before group B's and waited after it (a pipeline's
+    early receive beside tensor parallelism's ring). Each must get its own message."""
+    from parcourse.comm.messenger import messenger
+
+    link = C.SimulatedLink.of(latency_us=50)
+    a, b = dist.new_group([0, 1]), dist.new_group([0, 1])
+    wire_a, wire_b = messenger(a, torch.ones(1), link=link), messenger(b, torch.ones(1), link=link)
+    peer, tag = 1 - ctx.rank, 1
+    if ctx.rank == 0:
+        sent_a = wire_a.send([torch.full((64,), 1.0)], peer, tag)
+        wire_b.send([torch.full((64,), 2.0)], peer, tag).wait()
+        sent_a.wait()
+        return None
+    got_a, got_b = torch.zeros(64), torch.zeros(64)
+    arrival_a = wire_a.recv([got_a], peer, tag)
+    wire_b.recv([got_b], peer, tag).wait()
+    arrival_a.wait()
+    return got_a.unique().tolist(), got_b.unique().tolist()

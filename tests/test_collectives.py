@@ -324,3 +324,11 @@ def test_a_paced_action_meets_its_collectives_at_their_share(pool2):
         assert second["starts"][0] >= 0.03 and second["starts"][1] >= 0.06, second
         for action in (first, second):
             assert action["end"] >= 0.09 + action["blocked"], action
+
+
+def test_two_groups_messages_with_one_peer_and_tag_stay_apart(pool2):
+    """Over a simulated link each message goes through a host buffer kept for its peer and
+    tag; two groups (a pipeline's and tensor parallelism's) use the same small tags, so the
+    buffers are kept per group too: one buffer for both gave A's receive B's bytes."""
+    _, (got_a, got_b) = pool2.run(F.two_groups_one_tag).results
+    assert (got_a, got_b) == ([1.0], [2.0])

@@ -12,6 +12,7 @@ when there is nothing to count, stage or slow down, so the plain path
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -24,14 +25,18 @@ STAMP = 8  # bytes of the departure time at the head of a message over a simulat
 _stamped_per_thread = threading.local()
 
 
-def _stamped(way: str, peer: int, tag: int, nbytes: int) -> torch.Tensor:
+def _stamped(group: dist.ProcessGroup, way: str, peer: int, tag: int, nbytes: int) -> torch.Tensor:
     """A host buffer for one message over a simulated link: the departure time,
-    then `nbytes` of payload. Reused by the next message with the same (peer,
-    tag) on this thread, so the message before it must be done by then: each
+    then `nbytes` of payload. Reused by the next message with the same (group,
+    peer, tag) on this thread, so the message before it must be done by then: each
     message of a collective has its own (peer, tag), and a collective returns
-    only when its messages are done. (Fresh memory for every message costs a
-    page fault per page, which would add to the time measured.)"""
-    cache = _stamped_per_thread.__dict__.setdefault("buffers", {})
+    only when its messages are done. The group is part of the key: the groups of a
+    mesh use the same small tags with the same peers (a ring's steps count from 0, a
+    pipeline's messages from 1), and a pipeline's receive posted early waits beside
+    the ring's. (Fresh memory for every message costs a page fault per page, which
+    would add to the time measured.) A group's buffers go with the group."""
+    groups = _stamped_per_thread.__dict__.setdefault("buffers", weakref.WeakKeyDictionary())
+    cache = groups.setdefault(group, {})
     key = (way, peer, tag)
     buf = cache.get(key)
     if buf is None or buf.numel() < STAMP + nbytes:
@@ -99,7 +104,7 @@ class Messenger:
         t = t.contiguous()
         wire = self.wire(peer)
         if wire.link is not None:
-            payload = _stamped("out", peer, tag, t.nbytes)
+            payload = _stamped(self.group, "out", peer, tag, t.nbytes)
             payload[STAMP:].copy_(t.view(-1).view(torch.uint8))
             departed, until = wire.depart(t.nbytes)
             self.sent_until = max(self.sent_until, until)
@@ -115,7 +120,7 @@ class Messenger:
         (dest,) = tensors
         wire = self.wire(peer)
         if wire.link is not None:
-            host = _stamped("in", peer, tag, dest.nbytes)
+            host = _stamped(self.group, "in", peer, tag, dest.nbytes)
         elif self.staged:
             host = torch.empty(dest.shape, dtype=dest.dtype)
         else:

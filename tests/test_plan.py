@@ -457,16 +457,18 @@ def test_plan_refuses_a_sequence_below_one(capsys, seq):
     assert f"--seq must be at least 1, got {seq}" in capsys.readouterr().err
 
 
-def test_fp16_is_refused_where_it_would_train_without_loss_scaling():
-    """fp16 was accepted with no loss scaling: small gradients flush to zero and training
-    stalls without a word. Refused in one line, before any rank starts, pointing at bf16."""
+def test_zero_takes_fp16_as_fsdp2_does_and_refuses_other_dtypes():
+    """fp16 compute is taken (with loss scaling beside it: tests/test_zero.py); a dtype
+    that is not a 16-bit float or fp32 is refused in one line before any rank starts."""
     import torch
     from torch import nn
 
     from parcourse.zero import ZeroModel
+    from parcourse.zero.mixed_precision import check_compute_dtype
 
-    with pytest.raises(ValueError, match="fp16 needs loss scaling .* use bf16"):
-        ZeroModel(nn.Linear(4, 4), stage=2, compute_dtype=torch.float16)
+    assert check_compute_dtype(torch.float16) == torch.float16
+    with pytest.raises(ValueError, match="compute_dtype must be torch.bfloat16, torch.float16"):
+        ZeroModel(nn.Linear(4, 4), stage=2, compute_dtype=torch.float64)
 
 
 def test_hybrid_from_a_plan_refuses_what_the_plan_already_says():

@@ -650,3 +650,78 @@ def offloaded_state_in_the_other_rank(ctx, rows):
         said = str(e)
     engine.optimizer.load_state_dict(mine)
     return said
+
+
+# --- fp16 with loss scaling (torch's GradScaler / ShardedGradScaler over the course's ZeRO)
+
+FP16_SCALER = {"init_scale": 2.0**20, "growth_interval": 2}  # overflows at first: skips
+
+
+def _plant_inf(params, plant, step, rank):
+    """After backward: an inf in the first gradient this rank holds, at `plant` =
+    (step, rank) (a rank's own rows under ZeRO, every row in one process)."""
+    if plant is not None and plant == (step, rank):
+        first = next(p for p in params if p.grad is not None and p.grad.numel())
+        first.grad.view(-1)[0] = float("inf")
+
+
+def fp16_scaled(ctx, stage, steps, scaler="sharded", plant=None):
+    """`steps` SGD steps of ZeRO `stage` with fp16 compute and dynamic loss scaling:
+    torch's ShardedGradScaler over the group ("sharded") or a plain torch.amp.GradScaler
+    ("plain"). `plant`: (step, rank) whose gradient rows get an inf after backward.
+    Returns the masters whole and the scale before each step."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    torch.manual_seed(0)
+    zmodel = zero.ZeroModel(Net(), stage, ctx.group, compute_dtype=torch.float16, bucket_mb=0.0005)
+    opt = torch.optim.SGD(zmodel.parameters(), lr=0.1)
+    if scaler == "sharded":
+        scaling = ShardedGradScaler("cpu", process_group=ctx.group, **FP16_SCALER)
+    else:
+        scaling = torch.amp.GradScaler("cpu", **FP16_SCALER)
+    x, y = local_batch(ctx, 16)
+    scales = []
+    for step in range(steps):
+        scales.append(scaling.get_scale())
+        scaling.scale(nn.functional.mse_loss(zmodel(x), y)).backward()
+        _plant_inf(zmodel.parameters(), plant, step, ctx.rank)
+        scaling.step(opt)
+        scaling.update()
+        opt.zero_grad()
+    return zmodel.full_state_dict(), scales
+
+
+def fp16_scaled_reference(steps, world_size, plant_step=None):
+    """What fp16 with loss scaling means, in one process with a plain GradScaler: fp32
+    masters; each rank's forward and backward of the scaled loss on the masters cast to
+    fp16; the ranks' fp16 gradients summed and divided in fp16 (as ZeRO's reduce-scatter
+    does), then cast to fp32; the scaler unscales, skips on an inf, steps and updates.
+    Returns the masters, the scale before each step and the largest |gradient| seen."""
+    torch.manual_seed(0)
+    master = Net()
+    opt = torch.optim.SGD(master.parameters(), lr=0.1)
+    scaling = torch.amp.GradScaler("cpu", **FP16_SCALER)
+    x, y = data(16)
+    scales, largest = [], 0.0
+    for step in range(steps):
+        scales.append(scaling.get_scale())
+        sums: dict = {}
+        for rank in range(world_size):
+            half = Net().to(torch.float16)
+            half.load_state_dict({k: v.to(torch.float16) for k, v in master.state_dict().items()})
+            xr, yr = shard_rows(x, rank, world_size), shard_rows(y, rank, world_size)
+            loss = nn.functional.mse_loss(half(xr.to(torch.float16)).float(), yr)
+            scaling.scale(loss).backward()
+            for n, p in half.named_parameters():
+                if p.grad is not None:  # Net has a parameter forward never uses
+                    sums[n] = p.grad if n not in sums else sums[n] + p.grad
+        for n, p in master.named_parameters():
+            p.grad = (sums[n] / world_size).float() if n in sums else None
+        _plant_inf(master.parameters(), None if plant_step is None else (plant_step, 0), step, 0)
+        found = [p.grad for p in master.parameters() if p.grad is not None]
+        if all(torch.isfinite(g).all() for g in found):
+            largest = max(largest, max(float(g.abs().max()) for g in found) / scales[-1])
+        scaling.step(opt)
+        scaling.update()
+        opt.zero_grad()
+    return {k: v.detach() for k, v in master.state_dict().items()}, scales, largest

@@ -34,7 +34,6 @@ from torch import nn
 
 from parcourse.comm.common import group_info
 from parcourse.zero.infinity import InfinityOptimizer
-from parcourse.zero.mixed_precision import FP16_REFUSED
 from parcourse.zero.model import Stage, ZeroModel
 from parcourse.zero.sharded_optimizer import guard_shard_state
 from parcourse.zero.stage1 import ZeroStage1
@@ -238,7 +237,11 @@ def check_config(config: dict[str, Any] | str | Path, world_size: int) -> _Check
     if bf16 and fp16:
         raise ValueError("bf16 and fp16 are both enabled: choose one")
     if fp16:
-        raise ValueError(f"fp16.enabled: {FP16_REFUSED}")
+        raise ValueError(
+            "fp16.enabled: this engine does not scale the loss; use bf16, or build "
+            "ZeroModel(model, stage, compute_dtype=torch.float16) and step it through "
+            "torch's ShardedGradScaler(process_group=...)"
+        )
     dtype = torch.bfloat16 if bf16 else None
 
     micro = config.get("train_micro_batch_size_per_gpu")
@@ -296,8 +299,9 @@ def from_config(
     Supported: `zero_optimization` {`stage` 1-3, `reduce_bucket_size` /
     `allgather_bucket_size` (bytes, or "auto": 25 MiB), `overlap_comm` and
     `contiguous_gradients` (always so here: true only)}, `bf16.enabled` (16-bit compute,
-    fp32 masters; `fp16.enabled` is refused: no loss scaling here), `optimizer` {`type`
-    Adam, AdamW or SGD, `params`}, `train_micro_batch_size_per_gpu`,
+    fp32 masters; `fp16.enabled` is refused: the engine does not scale the loss, and
+    `ZeroModel(compute_dtype=torch.float16)` with torch's `ShardedGradScaler` does),
+    `optimizer` {`type` Adam, AdamW or SGD, `params`}, `train_micro_batch_size_per_gpu`,
     `gradient_accumulation_steps`, `train_batch_size` (checked: micro-batch x
     accumulation x ranks; "auto" fills it), `gradient_clipping`;
     beyond stage 3, `offload_optimizer` {`device` none / cpu / nvme, `nvme_path`,

@@ -36,23 +36,29 @@ class _Unit(Protocol):
     def pack_part(self, full: torch.Tensor, part: torch.Tensor) -> None: ...
 
 
-# fp16 without loss scaling trains silently wrong: a gradient below fp16's smallest
-# number (6e-8) is 0 (with a loss scaled by 1e-6, 87% of a GPT's gradient elements were,
-# against 0.15% in bf16), and the course does not scale the loss, so it refuses fp16.
-FP16_REFUSED = (
-    "fp16 needs loss scaling (a gradient below 6e-8 becomes 0 and training "
-    "stalls without a word), which this course does not do: use bf16, the same "
-    "16 bits with fp32's range"
-)
-
-
 def check_compute_dtype(compute_dtype: torch.dtype | None) -> torch.dtype | None:
-    """The compute dtype a model runs in: None (the parameters' own) or bf16."""
-    if compute_dtype == torch.float16:
-        raise ValueError(f"compute_dtype torch.float16: {FP16_REFUSED}")
-    if compute_dtype not in (None, torch.bfloat16, torch.float32):
-        raise ValueError(f"compute_dtype must be torch.bfloat16 or None, got {compute_dtype}")
+    """The compute dtype a model runs in: None (the parameters' own), bf16 or fp16.
+
+    fp16 is taken as FSDP2 takes `param_dtype=torch.float16`: pair it with loss scaling
+    (torch's `ShardedGradScaler`, or `from_config`'s `fp16` section). Without it a
+    gradient below fp16's smallest number (6e-8) is 0: with a loss scaled by 1e-6, 87%
+    of a GPT's gradient elements were, against 0.15% in bf16."""
+    if compute_dtype not in (None, torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(
+            f"compute_dtype must be torch.bfloat16, torch.float16 or None, got {compute_dtype}"
+        )
     return None if compute_dtype == torch.float32 else compute_dtype
+
+
+# A plain torch.amp.GradScaler looks for infs in this rank's gradients only: under ZeRO
+# each rank holds its own rows, so an inf in one rank's rows skips the step there alone.
+STEPS_DISAGREE = (
+    "the optimizer stepped on {stepped} of {world} ranks since the last forward: under "
+    "fp16 a torch.amp.GradScaler skips a step on the rank whose gradient rows hold an "
+    "inf and steps on the others, and the shards no longer belong to one model. Use "
+    "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler(process_group=<the "
+    "model's group>), which agrees across ranks, or from_config's fp16 section"
+)
 
 
 # --------------------------------------------------------------------------- masters

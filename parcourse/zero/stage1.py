@@ -51,6 +51,7 @@ from parcourse.trace import Tracer
 from parcourse.zero.layout import FlatUnit
 from parcourse.zero.misuse import mark_sharded_away
 from parcourse.zero.mixed_precision import (
+    STEPS_DISAGREE,
     check_compute_dtype,
     forward_in,
     frozen_in_compute_dtype,
@@ -212,7 +213,24 @@ class ZeroStage1(GradSyncModule):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.compute_dtype is None:
             return super().forward(*args, **kwargs)
+        if self.compute_dtype == torch.float16:
+            self._check_steps_agree()
         return forward_in(self.compute_dtype, super().forward, args, kwargs)
+
+    def _check_steps_agree(self) -> None:
+        """fp16 skips steps (loss scaling): every rank must have skipped or stepped alike
+        since the last forward, or its rows belong to another model (STEPS_DISAGREE).
+        One all-reduce of one number a forward, under fp16 only."""
+        now = tuple(u.master._version for u in self.units)
+        last, self._versions = getattr(self, "_versions", None), now
+        if last is None or self.world_size == 1:
+            return
+        stepped = torch.tensor([float(now != last)], device=self.units[0].full.device)
+        dist.all_reduce(stepped, group=self.group)
+        if 0 < stepped.item() < self.world_size:
+            raise RuntimeError(
+                STEPS_DISAGREE.format(stepped=int(stepped.item()), world=self.world_size)
+            )
 
     def _comm_span(self, name: str, started: int, unit: FlatUnit) -> None:
         if self.tracer is not None:

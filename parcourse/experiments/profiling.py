@@ -106,7 +106,7 @@ def bucket_window(run: Run, rank: int = 0, bucket: int = 0, margin: float = 1.0)
     """A window (ns on the course's clock) around bucket `bucket`'s all-reduce in the
     step on `rank`: the all-reduce, and `margin` times its length on each side (at least
     a millisecond: the course draws a bucket that gloo ran beside the one before it from
-    when that one finished, which can leave it no length)."""
+    when that one finished, which can leave it no length), cut to the step's span."""
     if not margin >= 0:
         raise ValueError(f"margin must be >= 0, got {margin}")
     step = run.trace.spans_of(rank=rank, name=STEP)
@@ -117,9 +117,9 @@ def bucket_window(run: Run, rank: int = 0, bucket: int = 0, margin: float = 1.0)
     ]
     if not reduces:
         raise ValueError(f"rank {rank} traced no all-reduce of bucket {bucket} in its step")
-    s = reduces[-1]
+    s, within = reduces[-1], step[-1]
     pad = max(int((s.end_ns - s.start_ns) * margin), 1_000_000)
-    return s.start_ns - pad, s.end_ns + pad
+    return max(s.start_ns - pad, within.start_ns), min(s.end_ns + pad, within.end_ns)
 
 
 def operator_timeline(

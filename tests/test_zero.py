@@ -617,7 +617,6 @@ def test_a_ds_config_trains_as_one_process_with_the_same_settings(pools, tmp_pat
         ({"train_batch_size": 32}, r"train_batch_size 32 != .* 4 x .* 2 x 2 ranks = 16"),
         ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, "only you know it"),
         ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "choose one"),
-        ({"fp16": {"enabled": True}}, "fp16.enabled: this engine does not scale.*Scaler"),
         ({"zero_optimization": {"stage": 0}}, "plain data parallelism"),
     ],
 )
@@ -686,3 +685,85 @@ def test_a_plain_grad_scaler_that_skips_on_one_rank_only_is_an_error(pools, stag
     model. The next forward says so and names ShardedGradScaler."""
     with pytest.raises(RankError, match=r"stepped on 1 of 2 ranks.*ShardedGradScaler"):
         pools[2].run(Z.fp16_scaled, stage, 5, "plain", (3, 1))
+
+
+def test_the_loss_scale_follows_deepspeeds_rules_by_hand():
+    """DeepSpeed's DynamicLossScaler.update_scale, worked by hand: hysteresis 2 lets one
+    overflow pass (the step is still skipped) and halves at the second; the scale doubles
+    once `window` steps have passed since the last overflow without one (here 2), and the
+    hysteresis is refilled then; never below min_loss_scale, and an overflow there is an
+    error; a static scale never moves and an overflow under it is an error."""
+    from parcourse.zero import LossScale
+
+    s = LossScale(scale=2.0**4, window=2, hysteresis=2, min_scale=2.0)
+    seen = []
+    for overflow in [True, True, False, False, False, True, True, True]:
+        s.update(overflow)
+        seen.append((s.scale, s.hysteresis_left))
+    assert seen == [
+        (16.0, 1),  # one overflow passes: hysteresis 2 -> 1
+        (8.0, 1),  # the second halves
+        (8.0, 1),  # stable 0
+        (8.0, 1),  # stable 1
+        (16.0, 2),  # stable 2 = window: doubled, hysteresis refilled
+        (16.0, 1),
+        (8.0, 1),
+        (4.0, 1),
+    ]
+    low = LossScale(scale=2.0, hysteresis=1, min_scale=2.0)
+    with pytest.raises(FloatingPointError, match="smallest loss scale"):
+        low.update(True)
+    fixed = LossScale(scale=128.0, dynamic=False)
+    fixed.update(False)
+    assert fixed.scale == 128.0
+    with pytest.raises(FloatingPointError, match="static loss scale 128"):
+        fixed.update(True)
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"enabled": True, "loss_scale": -1}, "fp16.loss_scale must be 0"),
+        ({"enabled": True, "initial_scale_power": 100}, "initial_scale_power must be"),
+        ({"enabled": True, "loss_scale_window": 0}, "window must be a whole number"),
+        ({"enabled": True, "fp16_master_weights_and_grads": True}, "unknown key fp16"),
+        ({"enabled": "auto"}, "fp16.enabled 'auto'"),
+    ],
+)
+def test_a_bad_fp16_section_is_refused_in_one_line(section, message):
+    with pytest.raises(ValueError, match=message):
+        from parcourse.zero import check_config
+
+        check_config({"zero_optimization": {"stage": 2}, "fp16": section}, 2)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_engines_fp16_equals_one_process_with_grad_scaler(pools, world_size, stage):
+    """from_config's fp16 section (initial_scale_power 20, loss_scale_window 1,
+    hysteresis 1) against one process (Z.fp16_scaled_reference, tolerance as in the
+    ShardedGradScaler test above). Unplanted, every growth here is followed by an
+    overflow, where DeepSpeed's rules and torch's GradScaler(growth_interval=2) agree:
+    the engine equals the loop with GradScaler. With an inf planted in one rank's rows
+    (skipped on every rank, and counted) two growths come in a row, where the two differ
+    (DeepSpeed doubles again one step later; GradScaler waits two): the engine equals the
+    loop with DeepSpeed's rules (Z.DeepSpeedRules)."""
+    plain, scales, largest = Z.fp16_scaled_reference(STEPS_FP16, world_size)
+    k = next(i for i in range(1, STEPS_FP16 - 1) if scales[i + 1] >= scales[i])
+    rules = Z.DeepSpeedRules(scale=2.0**20, window=1, hysteresis=1)
+    planted, planted_scales, _ = Z.fp16_scaled_reference(
+        STEPS_FP16, world_size, plant_step=k, scaling=rules
+    )
+    bound = 0.0 if world_size == 2 else 2 * STEPS_FP16 * 0.1 * 2**-10 * largest
+    for plant, expected, expected_scales in (
+        (None, plain, scales),
+        ((k, world_size - 1), planted, planted_scales),
+    ):
+        run = pools[world_size].run(Z.fp16_engine, stage, STEPS_FP16, plant)
+        skipped = sum(1 for a, b in zip(expected_scales, expected_scales[1:]) if b < a)
+        for weights, got_scales, got_skipped in run.results:
+            assert got_scales == expected_scales, (plant, got_scales, expected_scales)
+            assert got_skipped == skipped, (plant, got_skipped, skipped)
+            for name, value in expected.items():
+                off = float((weights[name] - value).abs().max())
+                assert off <= bound, (plant, name, off, bound)

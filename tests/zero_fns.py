@@ -669,7 +669,7 @@ def fp16_scaled(ctx, stage, steps, scaler="sharded", plant=None):
     """`steps` SGD steps of ZeRO `stage` with fp16 compute and dynamic loss scaling:
     torch's ShardedGradScaler over the group ("sharded") or a plain torch.amp.GradScaler
     ("plain"). `plant`: (step, rank) whose gradient rows get an inf after backward.
-    Returns the masters whole and the scale before each step."""
+    Returns the masters whole and the scale before each step and after the last."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     torch.manual_seed(0)
@@ -688,19 +688,46 @@ def fp16_scaled(ctx, stage, steps, scaler="sharded", plant=None):
         scaling.step(opt)
         scaling.update()
         opt.zero_grad()
-    return zmodel.full_state_dict(), scales
+    return zmodel.full_state_dict(), [*scales, scaling.get_scale()]
 
 
-def fp16_scaled_reference(steps, world_size, plant_step=None):
+class DeepSpeedRules:
+    """torch.amp.GradScaler's interface on a `zero.LossScale` (DeepSpeed's rules, worked
+    by hand in tests/test_zero.py), for one process's loop."""
+
+    def __init__(self, **kwargs):
+        self.rules, self.found = zero.LossScale(**kwargs), False
+
+    def get_scale(self):
+        return self.rules.scale
+
+    def scale(self, loss):
+        return loss * self.rules.scale
+
+    def step(self, opt):
+        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        self.found = not all(torch.isfinite(g).all() for g in grads)
+        if not self.found:
+            for g in grads:
+                g.div_(self.rules.scale)
+            opt.step()
+
+    def update(self):
+        self.rules.update(self.found)
+
+
+def fp16_scaled_reference(steps, world_size, plant_step=None, scaling=None):
     """What fp16 with loss scaling means, in one process with a plain GradScaler: fp32
     masters; each rank's forward and backward of the scaled loss on the masters cast to
     fp16; the ranks' fp16 gradients summed and divided in fp16 (as ZeRO's reduce-scatter
     does), then cast to fp32; the scaler unscales, skips on an inf, steps and updates.
-    Returns the masters, the scale before each step and the largest |gradient| seen."""
+    Returns the masters, the scale before each step and after the last, and the largest
+    |gradient| seen.
+    `scaling`: another scaler with GradScaler's interface (DeepSpeedRules)."""
     torch.manual_seed(0)
     master = Net()
     opt = torch.optim.SGD(master.parameters(), lr=0.1)
-    scaling = torch.amp.GradScaler("cpu", **FP16_SCALER)
+    scaling = scaling or torch.amp.GradScaler("cpu", **FP16_SCALER)
     x, y = data(16)
     scales, largest = [], 0.0
     for step in range(steps):
@@ -724,4 +751,28 @@ def fp16_scaled_reference(steps, world_size, plant_step=None):
         scaling.step(opt)
         scaling.update()
         opt.zero_grad()
+    scales.append(scaling.get_scale())
     return {k: v.detach() for k, v in master.state_dict().items()}, scales, largest
+
+
+def fp16_engine(ctx, stage, steps, plant=None, **fp16):
+    """`steps` steps of `zero.from_config`'s engine with DeepSpeed's fp16 section (SGD,
+    lr 0.1); `plant` as in `fp16_scaled`. The masters whole, the scale before each step
+    and after the last, and the steps skipped."""
+    section = {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 1}
+    config = {
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 500},
+        "fp16": {**section, "hysteresis": 1, **fp16},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    }
+    torch.manual_seed(0)
+    engine = zero.from_config(Net(), config, ctx.group)
+    x, y = local_batch(ctx, 16)
+    scales = []
+    for step in range(steps):
+        scales.append(engine.loss_scale.scale)
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        _plant_inf(engine.module.parameters(), plant, step, ctx.rank)
+        engine.step()
+    scales.append(engine.loss_scale.scale)
+    return engine.module.full_state_dict(), scales, engine.skipped_steps

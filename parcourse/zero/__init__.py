@@ -4,12 +4,13 @@ Read in this order: layout.py (which rows each rank keeps), stage1.py, stage2.py
 stage3.py (each adds to the one before), then mixed_precision.py, state_dict.py,
 clip.py; model.py holds the entry points, sharded_optimizer.py the optimizer's half.
 Beyond stage 3: offload.py (ZeRO-Offload), infinity.py (ZeRO-Infinity), zeropp.py
-(ZeRO++); config.py reads a DeepSpeed config.
+(ZeRO++); config.py reads a DeepSpeed config, loss_scale.py its fp16 section.
 """
 
 from parcourse.zero.config import ZeroEngine, check_config, from_config
 from parcourse.zero.infinity import InfinityOptimizer
 from parcourse.zero.layout import FlatUnit, row_chunk
+from parcourse.zero.loss_scale import LossScale
 from parcourse.zero.model import ShardedOptimizer, ZeroModel, shard
 from parcourse.zero.offload import bytes_by_placement
 from parcourse.zero.optimizer import ZeroOptimizer
@@ -20,6 +21,7 @@ from parcourse.zero.stage3 import ZeroStage3
 __all__ = [
     "FlatUnit",
     "InfinityOptimizer",
+    "LossScale",
     "ShardedOptimizer",
     "ZeroEngine",
     "ZeroModel",

@@ -34,6 +34,7 @@ from torch import nn
 
 from parcourse.comm.common import group_info
 from parcourse.zero.infinity import InfinityOptimizer
+from parcourse.zero.loss_scale import LossScale, check_fp16_section, found_inf
 from parcourse.zero.model import Stage, ZeroModel
 from parcourse.zero.sharded_optimizer import guard_shard_state
 from parcourse.zero.stage1 import ZeroStage1
@@ -153,9 +154,15 @@ class ZeroEngine:
     """What `from_config` returns: the sharded model (`module`, a `ZeroModel`), its
     optimizer (`optimizer`, a torch optimizer over the shards), and DeepSpeed's loop:
     `engine(x)` runs the model, `engine.backward(loss)` scales the loss by 1 /
-    `accumulation_steps` and keeps gradients local (`no_sync`) until the last
-    micro-batch of a step, `engine.step()` clips (`gradient_clipping`, by the global
-    norm) and steps at that boundary only, and zeroes the gradients after."""
+    `accumulation_steps` (and by the loss scale under fp16) and keeps gradients local
+    (`no_sync`) until the last micro-batch of a step, `engine.step()` clips
+    (`gradient_clipping`, by the global norm) and steps at that boundary only, and zeroes
+    the gradients after.
+
+    Under fp16 (`loss_scale`, a `LossScale`), `step()` first asks every rank whether its
+    gradient rows hold an inf or a nan: if any does, the step is skipped on every rank
+    (`skipped_steps` counts them); else the gradients are divided by the scale before
+    clipping. Then the scale changes by DeepSpeed's rules (loss_scale.py)."""
 
     def __init__(
         self,
@@ -165,11 +172,14 @@ class ZeroEngine:
         micro_batch: int | None,
         accumulation_steps: int,
         clipping: float | None,
+        loss_scale: LossScale | None = None,
     ) -> None:
         self.module, self.optimizer = module, optimizer
         self.micro_batch, self.accumulation_steps = micro_batch, accumulation_steps
         self.clipping = clipping
+        self.loss_scale = loss_scale
         self.micro_steps = 0
+        self.skipped_steps = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -179,14 +189,30 @@ class ZeroEngine:
 
     def backward(self, loss: torch.Tensor) -> None:
         quiet = not self.is_gradient_accumulation_boundary()
+        scale = self.loss_scale.scale if self.loss_scale is not None else 1.0
         with self.module.no_sync() if quiet else nullcontext():
-            (loss / self.accumulation_steps).backward()
+            (loss * (scale / self.accumulation_steps)).backward()
         self.micro_steps += 1
 
     def step(self) -> bool:
-        """Step at the end of an accumulation; True when it did."""
+        """Step at the end of an accumulation; True there (a step skipped for an overflow
+        included: `skipped_steps`)."""
         if self.micro_steps % self.accumulation_steps:
             return False
+        if self.loss_scale is not None:
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            device = self.module.units[0].full.device
+            overflow = found_inf(params, self.module.group, device)
+            if overflow:
+                self.skipped_steps += 1
+            else:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.div_(self.loss_scale.scale)
+            self.loss_scale.update(overflow)
+            if overflow:
+                self.optimizer.zero_grad(set_to_none=True)
+                return True
         if self.clipping is not None:
             self.module.clip_grad_norm_(self.clipping)
         self.optimizer.step()
@@ -207,6 +233,7 @@ class _Checked:
     params: dict[str, Any]
     options: dict[str, Any]
     bucket_mb: float
+    loss_scale: LossScale | None = None
 
 
 def check_config(config: dict[str, Any] | str | Path, world_size: int) -> _Checked:
@@ -233,16 +260,10 @@ def check_config(config: dict[str, Any] | str | Path, world_size: int) -> _Check
                 f"zero_optimization.{key} false: this course always overlaps "
                 "communication and keeps gradients in contiguous units"
             )
-    bf16, fp16 = _flag(config.get("bf16"), "bf16"), _flag(config.get("fp16"), "fp16")
+    bf16, fp16 = _flag(config.get("bf16"), "bf16"), check_fp16_section(config.get("fp16"))
     if bf16 and fp16:
         raise ValueError("bf16 and fp16 are both enabled: choose one")
-    if fp16:
-        raise ValueError(
-            "fp16.enabled: this engine does not scale the loss; use bf16, or build "
-            "ZeroModel(model, stage, compute_dtype=torch.float16) and step it through "
-            "torch's ShardedGradScaler(process_group=...)"
-        )
-    dtype = torch.bfloat16 if bf16 else None
+    dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else None
 
     micro = config.get("train_micro_batch_size_per_gpu")
     accumulation = config.get("gradient_accumulation_steps", 1)
@@ -288,6 +309,7 @@ def check_config(config: dict[str, Any] | str | Path, world_size: int) -> _Check
         params,
         _beyond_stage_3(zero, stage),
         _bucket_mb(zero),
+        fp16,
     )
 
 
@@ -299,8 +321,9 @@ def from_config(
     Supported: `zero_optimization` {`stage` 1-3, `reduce_bucket_size` /
     `allgather_bucket_size` (bytes, or "auto": 25 MiB), `overlap_comm` and
     `contiguous_gradients` (always so here: true only)}, `bf16.enabled` (16-bit compute,
-    fp32 masters; `fp16.enabled` is refused: the engine does not scale the loss, and
-    `ZeroModel(compute_dtype=torch.float16)` with torch's `ShardedGradScaler` does),
+    fp32 masters), `fp16` {`enabled`, `loss_scale` (0: dynamic), `initial_scale_power`,
+    `loss_scale_window`, `hysteresis`, `consecutive_hysteresis`, `min_loss_scale`}
+    (16-bit compute with DeepSpeed's loss scaling: loss_scale.py),
     `optimizer` {`type` Adam, AdamW or SGD, `params`}, `train_micro_batch_size_per_gpu`,
     `gradient_accumulation_steps`, `train_batch_size` (checked: micro-batch x
     accumulation x ranks; "auto" fills it), `gradient_clipping`;
@@ -331,6 +354,7 @@ def from_config(
     return ZeroEngine(
         module,
         optimizer,
+        loss_scale=c.loss_scale,
         micro_batch=micro,
         accumulation_steps=accumulation,
         clipping=float(clipping) if clipping is not None else None,

@@ -767,3 +767,22 @@ def test_the_engines_fp16_equals_one_process_with_grad_scaler(pools, world_size,
             for name, value in expected.items():
                 off = float((weights[name] - value).abs().max())
                 assert off <= bound, (plant, name, off, bound)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fp16_without_a_scaler_trains_as_a_16_bit_reference(pools, stage):
+    """What a course's FSDP suite checks in fp16 (no loss scaler: its gradients are far
+    above fp16's smallest number): ZeRO with fp16 compute and fp32 norms, 2 ranks on
+    half the batch each, against one process computing in fp16 on the whole batch, after
+    each of 3 SGD steps, within the suite's own tolerance (atol = rtol = 1e-4). The
+    difference is where fp16 rounds: ZeRO rounds each half's gradient and their sum,
+    the reference the whole batch's, about eps x |gradient| (1e-3 relative) times lr."""
+    expected = Z.fp16_unscaled_reference(3)
+    for after in pools[2].run(Z.fp16_unscaled, stage, 3).results:
+        for step, (got, want) in enumerate(zip(after, expected)):
+            for name, value in want.items():
+                assert torch.allclose(got[name], value, atol=1e-4, rtol=1e-4), (
+                    step,
+                    name,
+                    float((got[name] - value).abs().max()),
+                )

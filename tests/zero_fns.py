@@ -776,3 +776,81 @@ def fp16_engine(ctx, stage, steps, plant=None, **fp16):
         engine.step()
     scales.append(engine.loss_scale.scale)
     return engine.module.full_state_dict(), scales, engine.skipped_steps
+
+
+class NormedToy(nn.Module):
+    """Embedding, RMSNorm, Linear layers and a head, the last token's logits: the model a
+    course's FSDP suite trains in fp16 beside one process. Its norms run in fp32."""
+
+    def __init__(self, vocab=100, d_model=64, d_ff=128):
+        super().__init__()
+        torch.manual_seed(42)
+        self.embedding = nn.Embedding(vocab, d_model)
+        self.norm1, self.norm2 = nn.RMSNorm(d_model), nn.RMSNorm(d_ff)
+        self.linear1, self.linear2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
+        self.lm_head = nn.Linear(d_model, vocab)
+
+    def forward(self, ids):
+        x = self.norm1(self.embedding(ids))
+        x = self.norm2(torch.relu(self.linear1(x)))
+        return self.lm_head(self.linear2(x))[:, -1, :].float()
+
+
+def toy_batches(steps, batch=20, seq=8, vocab=100):
+    torch.manual_seed(123)
+    ids, labels = torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch,))
+    out = []
+    for step in range(steps):
+        out.append((ids, labels))
+        torch.manual_seed(42 + step)
+        perm = torch.randperm(batch)
+        ids, labels = ids[perm], labels[perm]
+    return out
+
+
+def fp16_unscaled(ctx, stage, steps):
+    """fp16 compute with no loss scaling, norms kept in fp32, SGD lr 0.01 on this rank's
+    half of each batch: the masters after every step."""
+    model = NormedToy()
+    zmodel = zero.ZeroModel(
+        model,
+        stage,
+        ctx.group,
+        compute_dtype=torch.float16,
+        keep_modules=[model.norm1, model.norm2],
+    )
+    opt = torch.optim.SGD(zmodel.parameters(), lr=0.01)
+    after = []
+    for ids, labels in toy_batches(steps):
+        opt.zero_grad(set_to_none=True)
+        ids, labels = (
+            shard_rows(ids, ctx.rank, ctx.world_size),
+            shard_rows(labels, ctx.rank, ctx.world_size),
+        )
+        nn.functional.cross_entropy(zmodel(ids), labels).backward()
+        opt.step()
+        after.append(zmodel.full_state_dict())
+    return after
+
+
+def fp16_unscaled_reference(steps):
+    """One process, the whole batch: the Linear and Embedding weights cast to fp16 for
+    forward and backward, the norms in fp32 (their inputs cast up, outputs down), fp32
+    masters stepped by SGD lr 0.01. The masters after every step."""
+    master = NormedToy()
+    opt = torch.optim.SGD(master.parameters(), lr=0.01)
+    after = []
+    for ids, labels in toy_batches(steps):
+        half = NormedToy()
+        half.load_state_dict(master.state_dict())
+        for m in (half.embedding, half.linear1, half.linear2, half.lm_head):
+            m.to(torch.float16)
+        for m in (half.norm1, half.norm2):
+            m.register_forward_pre_hook(lambda m, args: (args[0].float(),))
+            m.register_forward_hook(lambda m, args, out: out.to(torch.float16))
+        nn.functional.cross_entropy(half(ids), labels).backward()
+        for p, q in zip(master.parameters(), half.parameters()):
+            p.grad = q.grad.float()
+        opt.step()
+        after.append({k: v.detach().clone() for k, v in master.state_dict().items()})
+    return after

@@ -634,10 +634,12 @@ def open_lesson(page, lab: Lab, name: str, lesson: str, log: Progress) -> None:
 
 
 # The lessons run here; tests/test_browser_rest.py runs the others, so that `make test`'s
-# processes run the two halves side by side. About as long each (2 cores, seconds): 07 83,
-# 05 31, 02 24, 10 20, 00 16 here; 04 56, 09 33, 06 30, 03 19, 08 17, 01 17 there.
+# processes run the two halves side by side. About as long each (seconds in CI, beside the
+# rest of the suite): 07 167, 11 74, 05 48, 10 45, 02 35, 00 32 here; 12 87, 08 75, 04 72,
+# 09 72, 06 39, 01 30, 03 25 there.
 HERE = {
     "07_1f1b_and_beyond",
+    "11_long_context_and_experts",
     "05_tensor_parallel",
     "02_data_parallel",
     "10_training_for_real",

@@ -216,3 +216,28 @@ def test_classroom_benchmark_measures_a_lesson_and_doctor_reads_it(tmp_path):
     ), done.stdout
     text, _ = class_sizing(2, peaks, {"cpus": 4, "memory_gib": 64, "ports": 28000})
     assert "a class of 2: 4 CPUs" in text and text.endswith("enough")
+
+
+def test_low_precision_benchmark_prints_loss_and_bytes_for_each_precision(tmp_path):
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "low_precision.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--steps", "5", "--corpus", str(tmp_path / "corpus")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = {}
+    for line in done.stdout.splitlines():
+        for name in ("fp32", "bf16", "fp16 + scaler", "fp16, no scaler", "fp8"):
+            if line.startswith(name + " ") or line.startswith(name + "\t"):
+                rows[name] = line[len(name) :].split()
+    assert set(rows) == {"fp32", "bf16", "fp16 + scaler", "fp16, no scaler", "fp8"}, done.stdout
+    for name, (loss, ratio, skipped, sent, formula) in rows.items():
+        assert math.isfinite(float(loss)) and float(ratio) > 0 and int(skipped) >= 0
+        sent, formula = int(sent.replace(",", "")), int(formula.replace(",", ""))
+        # the messages carry padding rows and a used-flag a parameter beyond the formula
+        assert formula <= sent <= 1.01 * formula, (name, sent, formula)
+    # 16-bit messages: half of fp32's, but for the flags and padding rows
+    half = int(rows["bf16"][3].replace(",", "")) / int(rows["fp32"][3].replace(",", ""))
+    assert 0.5 <= half <= 0.51, half

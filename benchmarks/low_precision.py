@@ -1,0 +1,123 @@
+"""Training in fewer bits: the course's GPT on the corpus under ZeRO-2, once per precision,
+its final loss against fp32's and the bytes each rank sends a step.
+
+    python benchmarks/low_precision.py [--world-size 2] [--steps 60] [--corpus runs/corpus]
+
+Precisions: fp32; bf16 compute (fp32 masters); fp16 compute with torch's ShardedGradScaler
+over the group; fp16 with no scaler; FP8 (`parcourse.fp8.convert_to_float8`: every
+Linear's products on e4m3 / e5m2 operands, fp32 elsewhere). The same seed, data and Adam
+for each; bytes counted message by message by the course's ring (`tracer.total`),
+against the formula 2 (N-1)/N x P x the message's bytes an element (ZeRO-2 sends what
+data parallelism does). FP8 here changes the compute only: its messages are fp32 (an FP8
+all-gather or gradient all-reduce is not built yet). There is no GPU here: no step times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from parcourse import fp8, zero  # noqa: E402
+from parcourse.corpus import ShardedLoader, build_corpus, open_corpus  # noqa: E402
+from parcourse.launch import Pool, RankContext  # noqa: E402
+from parcourse.models import GPTConfig, gpt  # noqa: E402
+
+PRECISIONS = ("fp32", "bf16", "fp16 + scaler", "fp16, no scaler", "fp8")
+MESSAGE_BYTES = {"fp32": 4, "bf16": 2, "fp16 + scaler": 2, "fp16, no scaler": 2, "fp8": 4}
+CONFIG = GPTConfig(vocab=256, block_size=64, n_layers=2, n_heads=4, d_model=64)
+BATCH = 16
+
+
+def train(ctx: RankContext, corpus_dir: str, precision: str, steps: int) -> dict[str, Any]:
+    """`steps` Adam steps of the GPT under ZeRO-2 in `precision`; this rank's losses, the
+    bytes it sent a step, its parameter count, and the steps a scaler skipped."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    torch.manual_seed(0)
+    model = gpt(CONFIG)
+    if precision == "fp8":
+        fp8.convert_to_float8(model)
+    dtype = {"bf16": torch.bfloat16}.get(precision, torch.float16 if "fp16" in precision else None)
+    norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
+    zmodel = zero.ZeroModel(
+        model, 2, ctx.group, compute_dtype=dtype, keep_modules=norms, tracer=ctx.tracer
+    )
+    opt = torch.optim.Adam(zmodel.parameters(), lr=3e-3)
+    scaler = (
+        ShardedGradScaler("cpu", process_group=ctx.group) if precision == "fp16 + scaler" else None
+    )
+    loader = ShardedLoader(
+        open_corpus(corpus_dir).train,
+        CONFIG.block_size,
+        BATCH,
+        replica=ctx.rank,
+        replicas=ctx.world_size,
+    )
+    losses, skipped, sent = [], 0, 0.0
+    for _ in range(steps):
+        x, y = loader.next()
+        before = ctx.tracer.total("bytes_sent")
+        loss = nn.functional.cross_entropy(zmodel(x).flatten(0, 1).float(), y.flatten())
+        if scaler is not None:
+            scale = scaler.get_scale()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            skipped += scaler.get_scale() < scale
+        else:
+            loss.backward()
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        sent = ctx.tracer.total("bytes_sent") - before
+        losses.append(loss.item())
+    params = sum(p.numel() for p in model.parameters())
+    return {"losses": losses, "sent": sent, "params": params, "skipped": skipped}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--corpus", default=str(REPO / "runs" / "corpus"))
+    args = p.parse_args()
+    if args.world_size < 2 or args.steps < 5:
+        p.error("--world-size must be at least 2 and --steps at least 5")
+    corpus = build_corpus(args.corpus)
+    n = args.world_size
+    print(
+        f"GPT {CONFIG.n_layers} x {CONFIG.d_model} (vocab {CONFIG.vocab}), ZeRO-2 over {n} "
+        f"ranks, the corpus, {args.steps} Adam steps; loss: mean of the last 5 steps"
+    )
+    print(
+        f"{'precision':<16}{'loss':>8}{'vs fp32':>9}{'skipped':>9}"
+        f"{'bytes sent / step':>19}{'formula':>11}"
+    )
+    fp32_loss = None
+    with Pool(n) as pool:
+        for precision in PRECISIONS:
+            results = pool.run(train, str(corpus.directory), precision, args.steps).results
+            r = results[0]
+            loss = statistics.fmean(r["losses"][-5:])
+            fp32_loss = loss if fp32_loss is None else fp32_loss
+            formula = 2 * (n - 1) / n * r["params"] * MESSAGE_BYTES[precision]
+            print(
+                f"{precision:<16}{loss:>8.3f}{loss / fp32_loss:>9.3f}{r['skipped']:>9}"
+                f"{r['sent']:>19,.0f}{formula:>11,.0f}"
+            )
+    print(
+        "(bytes of rank 0 in its last step; the formula counts parameters only, the "
+        "messages also carry padding rows and one used-flag a parameter)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -786,3 +786,18 @@ def test_fp16_without_a_scaler_trains_as_a_16_bit_reference(pools, stage):
                     name,
                     float((got[name] - value).abs().max()),
                 )
+
+
+def test_the_engines_fp16_unscales_before_it_clips(pools):
+    """gradient_clipping under fp16: the engine divides the gradients by the scale, then
+    clips them by the global norm, as torch's loop does with GradScaler.unscale_ before
+    clip_grad_norm_ (0.05 is below every step's norm here: each step clips)."""
+    expected, scales, largest = Z.fp16_scaled_reference(STEPS_FP16, 2, max_norm=0.05)
+    unclipped, _, _ = Z.fp16_scaled_reference(STEPS_FP16, 2)
+    moved = max(float((expected[k] - unclipped[k]).abs().max()) for k in expected)
+    assert moved > 1e-3, "the clip changed nothing: choose a smaller max_norm"
+    for weights, got_scales, _ in pools[2].run(Z.fp16_engine, 3, STEPS_FP16, None, 0.05).results:
+        assert got_scales == scales
+        for name, value in expected.items():
+            # fp32's own rounding of the norm and of the clipped update, over the steps
+            assert torch.allclose(weights[name], value, rtol=1e-5, atol=1e-6), name

@@ -716,14 +716,15 @@ class DeepSpeedRules:
         self.rules.update(self.found)
 
 
-def fp16_scaled_reference(steps, world_size, plant_step=None, scaling=None):
+def fp16_scaled_reference(steps, world_size, plant_step=None, scaling=None, max_norm=None):
     """What fp16 with loss scaling means, in one process with a plain GradScaler: fp32
     masters; each rank's forward and backward of the scaled loss on the masters cast to
     fp16; the ranks' fp16 gradients summed and divided in fp16 (as ZeRO's reduce-scatter
     does), then cast to fp32; the scaler unscales, skips on an inf, steps and updates.
     Returns the masters, the scale before each step and after the last, and the largest
     |gradient| seen.
-    `scaling`: another scaler with GradScaler's interface (DeepSpeedRules)."""
+    `scaling`: another scaler with GradScaler's interface (DeepSpeedRules); `max_norm`:
+    clip the unscaled gradients to it (GradScaler only)."""
     torch.manual_seed(0)
     master = Net()
     opt = torch.optim.SGD(master.parameters(), lr=0.1)
@@ -748,6 +749,9 @@ def fp16_scaled_reference(steps, world_size, plant_step=None, scaling=None):
         found = [p.grad for p in master.parameters() if p.grad is not None]
         if all(torch.isfinite(g).all() for g in found):
             largest = max(largest, max(float(g.abs().max()) for g in found) / scales[-1])
+        if max_norm is not None:  # unscale first, then clip: GradScaler's documented order
+            scaling.unscale_(opt)
+            nn.utils.clip_grad_norm_(master.parameters(), max_norm)
         scaling.step(opt)
         scaling.update()
         opt.zero_grad()
@@ -755,7 +759,7 @@ def fp16_scaled_reference(steps, world_size, plant_step=None, scaling=None):
     return {k: v.detach() for k, v in master.state_dict().items()}, scales, largest
 
 
-def fp16_engine(ctx, stage, steps, plant=None, **fp16):
+def fp16_engine(ctx, stage, steps, plant=None, clipping=None, **fp16):
     """`steps` steps of `zero.from_config`'s engine with DeepSpeed's fp16 section (SGD,
     lr 0.1); `plant` as in `fp16_scaled`. The masters whole, the scale before each step
     and after the last, and the steps skipped."""
@@ -765,6 +769,8 @@ def fp16_engine(ctx, stage, steps, plant=None, **fp16):
         "fp16": {**section, "hysteresis": 1, **fp16},
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
     }
+    if clipping is not None:
+        config["gradient_clipping"] = clipping
     torch.manual_seed(0)
     engine = zero.from_config(Net(), config, ctx.group)
     x, y = local_batch(ctx, 16)

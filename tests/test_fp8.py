@@ -130,7 +130,7 @@ def test_a_model_converted_to_fp8_trains_beside_fp32():
             opt.zero_grad()
             loss.backward()
             opt.step()
-        losses[name] = float(nn.functional.mse_loss(model(x), y))
+        losses[name] = nn.functional.mse_loss(model(x), y).item()
     converted = fp8.convert_to_float8(mlp())
     assert all(isinstance(m, fp8.Float8Linear) for m in (converted[0], converted[2]))
     assert losses["fp8"] == pytest.approx(losses["fp32"], rel=0.1), losses

@@ -200,19 +200,16 @@ class ZeroEngine:
         if self.micro_steps % self.accumulation_steps:
             return False
         if self.loss_scale is not None:
-            params = [p for p in self.module.parameters() if p.requires_grad]
-            device = self.module.units[0].full.device
-            overflow = found_inf(params, self.module.group, device)
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            overflow = found_inf(grads, self.module.group, self.module.units[0].full.device)
             if overflow:
                 self.skipped_steps += 1
-            else:
-                for p in params:
-                    if p.grad is not None:
-                        p.grad.div_(self.loss_scale.scale)
-            self.loss_scale.update(overflow)
-            if overflow:
+                self.loss_scale.update(True)
                 self.optimizer.zero_grad(set_to_none=True)
                 return True
+            for g in grads:
+                g.div_(self.loss_scale.scale)
+            self.loss_scale.update(False)
         if self.clipping is not None:
             self.module.clip_grad_norm_(self.clipping)
         self.optimizer.step()

@@ -148,16 +148,11 @@ def check_fp16_section(section: Any) -> LossScale | None:
 
 
 def found_inf(
-    params: Iterable[torch.Tensor], group: dist.ProcessGroup | None, device: torch.device
+    grads: Iterable[torch.Tensor], group: dist.ProcessGroup | None, device: torch.device
 ) -> bool:
-    """Whether any rank's gradients of `params` hold an inf or a nan: each rank looks at
-    its own, and one all-reduce (MAX) of the flag, on `device` (the group's), tells every
-    rank the same."""
-    grads = [p.grad for p in params if p.grad is not None]
-    flag = torch.zeros(1, device=device)
-    for g in grads:
-        if not torch.isfinite(g).all():
-            flag.fill_(1.0)
-            break
+    """Whether any rank's `grads` hold an inf or a nan: each rank looks at its own, and one
+    all-reduce (MAX) of the flag, on `device` (the group's), tells every rank the same."""
+    mine = any(not torch.isfinite(g).all() for g in grads)
+    flag = torch.tensor([float(mine)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())

@@ -185,8 +185,9 @@ class AmaxHistory:
 
 @dataclass(frozen=True)
 class Recipe:
-    """How `Float8Linear` scales: `granularity` and `block` for inputs and weights (the
-    output's gradient is scaled tensorwise, or by rows under "row" and "block")."""
+    """How `Float8Linear` scales: `granularity` and `block` for its inputs and the
+    output's gradient; its weight's blocks are square (`block`'s larger side), as
+    DeepSeek-V3's 1 x 128 activations beside 128 x 128 weights."""
 
     granularity: Granularity = "tensor"
     block: tuple[int, int] = (1, 128)
@@ -214,12 +215,9 @@ class _Float8Matmuls(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         xq, wq = ctx.saved_tensors
         recipe = ctx.recipe
-        g = grad.reshape(-1, grad.shape[-1]).float()
-        gq = _fp8(g, "e5m2", Recipe("tensor") if recipe.granularity == "tensor" else recipe)
-        # dX = dY W (each row of dY through its own scale, as torchao's rowwise recipe)
-        grad_x = (gq @ wq).reshape(ctx.shape)
-        # dW = dY^T X: here the sums run over the tokens
-        grad_w = gq.t() @ xq
+        gq = _fp8(grad.reshape(-1, grad.shape[-1]).float(), "e5m2", recipe)
+        grad_x = (gq @ wq).reshape(ctx.shape)  # dX = dY W
+        grad_w = gq.t() @ xq  # dW = dY^T X: the sums run over the tokens
         return grad_x, grad_w, None
 
 

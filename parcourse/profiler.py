@@ -249,9 +249,9 @@ class Recorder:
             activities=activities, record_shapes=options.shapes, profile_memory=options.memory
         )
         self._offsets: list[tuple[int, int]] = []
-        self._quiet = quiet_torch()
 
     def __enter__(self) -> Recorder:
+        self._quiet = quiet_torch()
         self._quiet.__enter__()
         self.prof.__enter__()
         self._offsets.append(clock_offset())

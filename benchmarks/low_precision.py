@@ -31,8 +31,14 @@ from parcourse.corpus import ShardedLoader, build_corpus, open_corpus  # noqa: E
 from parcourse.launch import Pool, RankContext  # noqa: E402
 from parcourse.models import GPTConfig, gpt  # noqa: E402
 
-PRECISIONS = ("fp32", "bf16", "fp16 + scaler", "fp16, no scaler", "fp8")
-MESSAGE_BYTES = {"fp32": 4, "bf16": 2, "fp16 + scaler": 2, "fp16, no scaler": 2, "fp8": 4}
+# each precision's compute dtype under ZeRO (None: the fp32 parameters'): its messages'
+PRECISIONS: dict[str, torch.dtype | None] = {
+    "fp32": None,
+    "bf16": torch.bfloat16,
+    "fp16 + scaler": torch.float16,
+    "fp16, no scaler": torch.float16,
+    "fp8": None,
+}
 CONFIG = GPTConfig(vocab=256, block_size=64, n_layers=2, n_heads=4, d_model=64)
 BATCH = 16
 
@@ -46,7 +52,7 @@ def train(ctx: RankContext, corpus_dir: str, precision: str, steps: int) -> dict
     model = gpt(CONFIG)
     if precision == "fp8":
         fp8.convert_to_float8(model)
-    dtype = {"bf16": torch.bfloat16}.get(precision, torch.float16 if "fp16" in precision else None)
+    dtype = PRECISIONS[precision]
     norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
     zmodel = zero.ZeroModel(
         model, 2, ctx.group, compute_dtype=dtype, keep_modules=norms, tracer=ctx.tracer
@@ -108,7 +114,8 @@ def main() -> None:
             r = results[0]
             loss = statistics.fmean(r["losses"][-5:])
             fp32_loss = loss if fp32_loss is None else fp32_loss
-            formula = 2 * (n - 1) / n * r["params"] * MESSAGE_BYTES[precision]
+            each = (PRECISIONS[precision] or torch.float32).itemsize
+            formula = 2 * (n - 1) / n * r["params"] * each
             print(
                 f"{precision:<16}{loss:>8.3f}{loss / fp32_loss:>9.3f}{r['skipped']:>9}"
                 f"{r['sent']:>19,.0f}{formula:>11,.0f}"

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +33,7 @@ from torch import nn
 
 from parcourse.comm import Algorithm, Comm, Pending, SimulatedLink
 from parcourse.data_parallel.base import GradSyncModule
+from parcourse.data_parallel.compress import GradBucket
 from parcourse.trace import Tracer
 
 
@@ -48,7 +51,7 @@ class Bucket:
     buffer: torch.Tensor
     ready: set[int] = field(default_factory=set)
     launched_ns: int = 0
-    done: Pending | None = None
+    done: Pending | _HookResult | None = None
 
     @property
     def nbytes(self) -> int:
@@ -68,8 +71,9 @@ class Bucket:
         return self.buffer
 
     def unpack(self, world_size: int) -> None:
-        """The summed buffer back into the gradients, averaged over `world_size` ranks; a
-        parameter no rank used keeps no gradient, as in one process."""
+        """The summed buffer back into the gradients, averaged over `world_size` ranks (1:
+        a communication hook averaged them already); a parameter no rank used keeps no
+        gradient, as in one process."""
         grads = self.buffer[: self.numel]
         counts = self.buffer[self.numel :].tolist()  # one read (one GPU sync), not one per flag
         for count, p, offset in zip(counts, self.params, self.offsets):
@@ -140,6 +144,27 @@ class BucketedDataParallel(GradSyncModule):
         self.buckets = make_buckets(self.sync_params, bucket_mb)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0  # the next bucket to launch: buckets start in order
+        self._comm_hook: tuple[Any, Callable[[Any, GradBucket], Any]] | None = None
+        self._synced = False  # a backward has synchronized: too late for a hook
+
+    def register_comm_hook(self, state: Any, hook: Callable[[Any, GradBucket], Any]) -> None:
+        """As DDP's: each bucket's all-reduce becomes `hook(state, bucket)`, which returns a
+        future (torch's, or the course's `Pending`) of the bucket's gradients **averaged**
+        over the group (`bucket.buffer()`'s shape). torch's own hooks run unchanged
+        (`default_hooks.bf16_compress_hook`, `powerSGD_hook.powerSGD_hook`); the course's
+        are in `data_parallel.compress`. Once, before the first backward. The used-flags
+        (a parameter no rank used keeps no gradient) go in one all-reduce of their own at
+        the end of backward."""
+        if self._comm_hook is not None:
+            raise RuntimeError("register_comm_hook can only be called once (as DDP's)")
+        if self._synced:
+            raise RuntimeError(
+                "register_comm_hook must be called before the first backward: the "
+                "buckets already synchronized once without it"
+            )
+        if not callable(hook):
+            raise TypeError(f"hook must be callable as hook(state, bucket), got {hook!r}")
+        self._comm_hook = (state, hook)
 
     # -- backward: gradients arrive
 
@@ -156,7 +181,15 @@ class BucketedDataParallel(GradSyncModule):
     def _launch(self, bucket: Bucket) -> None:
         bucket.pack()
         bucket.launched_ns = time.perf_counter_ns()
-        bucket.done = self._start_all_reduce(bucket.buffer)
+        if self._comm_hook is None:
+            bucket.done = self._start_all_reduce(bucket.buffer)
+        else:
+            state, hook = self._comm_hook
+            last = bucket.index == len(self.buckets) - 1
+            grads = bucket.buffer[: bucket.numel]
+            bucket.done = _HookResult(
+                hook(state, GradBucket(bucket.index, grads, bucket.params, last))
+            )
         self._next = bucket.index + 1
 
     def _start_all_reduce(self, buffer: torch.Tensor) -> Pending:
@@ -172,6 +205,9 @@ class BucketedDataParallel(GradSyncModule):
             self._launch(bucket)  # when overlap is off
         wait_start = time.perf_counter_ns()
         before = 0  # when the bucket before finished
+        self._synced = True
+        if self._comm_hook is not None:
+            self._finish_hooked()
         for bucket in self.buckets:
             assert bucket.done is not None
             bucket.done.result()
@@ -190,7 +226,7 @@ class BucketedDataParallel(GradSyncModule):
                     launched_ns=bucket.launched_ns,
                 )
             before = bucket.done.finished_ns
-            bucket.unpack(self.world_size)
+            bucket.unpack(self.world_size if self._comm_hook is None else 1)
             bucket.ready.clear()
             bucket.done = None
         if self.tracer is not None:
@@ -198,3 +234,50 @@ class BucketedDataParallel(GradSyncModule):
                 "wait for buckets", wait_start, time.perf_counter_ns(), kind="idle"
             )
         self._next = 0
+
+    def _finish_hooked(self) -> None:
+        """Each hook's averaged gradients into its bucket, then every bucket's used-flags
+        summed in one all-reduce."""
+        for bucket in self.buckets:
+            assert bucket.done is not None
+            out = bucket.done.result()
+            grads = bucket.buffer[: bucket.numel]
+            if not isinstance(out, torch.Tensor) or out.numel() != bucket.numel:
+                raise RuntimeError(
+                    f"a communication hook must give the bucket's {bucket.numel} averaged "
+                    f"gradients as one flat tensor, got {type(out).__name__} "
+                    f"{tuple(getattr(out, 'shape', ()))}"
+                )
+            if out.data_ptr() != grads.data_ptr():
+                grads.copy_(out.reshape(-1))
+        flags = torch.cat([b.buffer[b.numel :] for b in self.buckets])
+        self.comm.all_reduce(flags)
+        at = 0
+        for b in self.buckets:
+            n = len(b.params)
+            b.buffer[b.numel :].copy_(flags[at : at + n])
+            at += n
+
+
+class _HookResult:
+    """A hook's future as the buckets wait on it: `result()` its tensor, `finished_ns`
+    when the wait for it ended."""
+
+    def __init__(self, future: Any) -> None:
+        if not hasattr(future, "wait"):
+            raise TypeError(
+                f"a communication hook must return a future (with wait()), got "
+                f"{type(future).__name__}"
+            )
+        self._future = future
+        self._out: torch.Tensor | None = None
+        self.finished_ns = 0
+
+    def result(self) -> torch.Tensor:
+        if self._out is None:
+            value = self._future.wait()
+            # torch's futures of a collective hold a list of tensors; a hook's, one tensor
+            self._out = value[0] if isinstance(value, list) else value
+            self.finished_ns = time.perf_counter_ns()
+        assert self._out is not None
+        return self._out

@@ -403,3 +403,41 @@ def test_a_configuration_is_checked_before_any_rank_starts():
         check_config(good, 3)
     with pytest.raises(ValueError, match="unknown key 'zero_optimisation'"):
         check_config({"zero_optimisation": {"stage": 2}}, 4)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fp8_all_gather_halves_bf16_to_the_byte(pools, world_size):
+    """One all-gather of each unit of Wide, message by message through the ring: bf16
+    sends 2 bytes a value to each of the N - 1 others, FP8 one, plus a 4-byte scale a
+    parameter."""
+    fp8 = pools[world_size].run(B.fp8_gather, 1, True, torch.bfloat16).results
+    bf16 = pools[world_size].run(B.fp8_gather, 1, False, torch.bfloat16).results
+    n = world_size
+    for (got, sizes, *_), (half, *_) in zip(fp8, bf16):
+        for sent, bf16_sent, (part, params) in zip(got, half, sizes):
+            assert bf16_sent == (n - 1) * 2 * part
+            assert sent == (n - 1) * (part + 4 * params)
+            assert sent - (n - 1) * 4 * params == bf16_sent // 2
+
+
+def test_fp8_all_gather_trains_within_its_bound(pools):
+    """Forward computes with the weights as e4m3 holds them: each within 2**-4 of its
+    master (half of e4m3's eps of 2**-3), or, below e4m3's smallest normal after the
+    shard's scale, half its subnormal spacing (2**-10 / the scale, the scale at least
+    448 / max|master|). Five SGD steps of Wide then stay within 2% of plain SGD's loss
+    at every step: 2**-4 noise on each weight, not a bias, does not build up."""
+    plain = plain_sgd_shard_losses(5, 4)
+    for rank, (_, _, seen, masters, losses) in enumerate(
+        pools[4].run(B.fp8_gather, 5, True).results
+    ):
+        floor = 2**-10 * masters.abs().max() / 448
+        bound = torch.clamp(masters.abs() * 2**-4, min=floor) * (1 + 1e-6)
+        assert ((seen - masters).abs() <= bound).all()
+        assert not torch.equal(seen, masters)  # it did round
+        for got, want in zip(losses, plain[rank], strict=True):
+            assert abs(got - want) <= 0.02 * want, (rank, got, want)
+
+
+def test_fp8_all_gather_and_int8_weights_are_refused_together(pools):
+    with pytest.raises(RankError, match="choose one"):
+        pools[2].run(B.fp8_gather_with_int8)

@@ -274,3 +274,40 @@ def node_groups_twice(ctx):
         for _ in range(2)
     ]
     return made[0].node_comm.group is made[1].node_comm.group
+
+
+def fp8_gather(ctx, steps, fp8_all_gather, compute_dtype=None, lr=0.05):
+    """Wide under ZeRO-3 with or without the FP8 all-gather: the bytes this rank sends
+    for one gather of each unit (by the course's ring, counted message by message), each
+    unit's part and parameter count, the weights forward saw against the masters, and the
+    losses of `steps` SGD steps."""
+    from parcourse.trace import Tracer
+
+    tracer = Tracer(ctx.rank)
+    model = Wide()
+    seen = []
+    zmodel, opt = zero.shard(
+        model,
+        lambda ps: torch.optim.SGD(ps, lr=lr),
+        stage=3,
+        group=ctx.group,
+        tracer=tracer,
+        algorithm="ring",
+        mixed_precision=compute_dtype,
+        fp8_all_gather=fp8_all_gather,
+    )
+    gathers = []
+    for unit in zmodel.units:
+        before = tracer.total("bytes_sent")
+        zmodel._wait_gather(unit)
+        gathers.append(tracer.total("bytes_sent") - before)
+        unit.free()
+    model.up.register_forward_pre_hook(lambda m, a: seen.append(m.weight.detach().clone()))
+    masters = zmodel.full_state_dict()["up.weight"]
+    losses = Z.fit(zmodel, opt, *wide_batch(ctx, 32), steps)
+    sizes = [(u.part_numel, len(u.params)) for u in zmodel.units]
+    return gathers, sizes, seen[0].float(), masters, losses
+
+
+def fp8_gather_with_int8(ctx):
+    zero.ZeroModel(Wide(), 3, ctx.group, quantized_weights=True, fp8_all_gather=True)

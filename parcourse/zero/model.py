@@ -36,6 +36,7 @@ STAGES: dict[int, type[ZeroStage1]] = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStag
 STAGE3_ONLY = (
     "offload_params",
     "quantized_weights",
+    "fp8_all_gather",
     "hpz_partition_size",
     "quantized_gradients",
     "ranks_per_node",
@@ -52,7 +53,7 @@ class ZeroModel(ABC):  # noqa: B024 (abstract only so that the stages register u
     `isinstance(m, ZeroModel)` holds for all three. Use it like the module; build the
     optimizer from its `parameters()`. The options are `ZeroStage1`'s; `prefetch`
     (start the next module's gather early) is stage 3's, and stages 1-2 ignore it.
-    Stage 3 alone takes `offload_params` and ZeRO++'s `quantized_weights`,
+    Stage 3 alone takes `offload_params`, `fp8_all_gather` and ZeRO++'s `quantized_weights`,
     `hpz_partition_size`, `quantized_gradients` and `ranks_per_node` (ZeroStage3).
     """
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parcourse import fp8
 from parcourse.comm import Algorithm, Comm, Pending
 from parcourse.comm.link import Network
 from parcourse.memory import tensors_in
@@ -38,8 +39,8 @@ from parcourse.zero.stage2 import ZeroStage2
 
 class ZeroStage3(ZeroStage2):
     """`ZeroStage3(module, group=None, *, prefetch=True, offload_params=False,
-    quantized_weights=False, hpz_partition_size=None, quantized_gradients=False,
-    ranks_per_node=None, ...)`, the arguments of `ZeroStage1` and these;
+    quantized_weights=False, fp8_all_gather=False, hpz_partition_size=None,
+    quantized_gradients=False, ranks_per_node=None, ...)`, the arguments of `ZeroStage1` and these;
     `ZeroModel(module, stage=3)` builds one.
 
     - `prefetch`: start the next module's gather early.
@@ -50,6 +51,12 @@ class ZeroStage3(ZeroStage2):
       the k ranks of a node), `quantized_gradients` (qgZ: the reduce-scatter as two
       quantized all-to-alls, inside then across nodes). `ranks_per_node` says where the
       nodes are (consecutive global ranks); it defaults to hpZ's k, or one node.
+    - `fp8_all_gather=True` (torchtitan's float8 all-gather of FSDP's weights): the
+      weights travel as e4m3, one byte an element, with one fp32 scale a parameter a
+      rank (its shard's amax on e4m3's largest, 448), in the same message; the values are
+      half of bf16's bytes to the byte, the scales 4 bytes a parameter. Forward and
+      backward compute with the weights as FP8 holds them (at most 2**-4 of each from
+      the master, `fp8.error_bound`); the masters and the gradients stay as they were.
     """
 
     stage = 3
@@ -68,6 +75,7 @@ class ZeroStage3(ZeroStage2):
         offload_optimizer: OffloadTarget = None,
         offload_params: bool = False,
         quantized_weights: bool = False,
+        fp8_all_gather: bool = False,
         hpz_partition_size: int | None = None,
         quantized_gradients: bool = False,
         ranks_per_node: int | None = None,
@@ -92,7 +100,13 @@ class ZeroStage3(ZeroStage2):
             tracer=tracer,
         )
         self.prefetch = prefetch
+        if quantized_weights and fp8_all_gather:
+            raise ValueError(
+                "quantized_weights (int8) and fp8_all_gather are two ways of sending "
+                "the weights: choose one"
+            )
         self.quantized_weights = bool(quantized_weights)
+        self.fp8_all_gather = bool(fp8_all_gather)
         self.quantized_gradients = bool(quantized_gradients)
         if ranks_per_node is not None and not (hpz_partition_size or quantized_gradients):
             raise ValueError(
@@ -181,6 +195,13 @@ class ZeroStage3(ZeroStage2):
                 self.world_size * message.numel(), dtype=torch.uint8, device=message.device
             )
             unit.gathering = (self.comm.all_gather(message, whole, async_op=True), started, "int8")
+        elif self.fp8_all_gather:  # e4m3 and a scale a parameter
+            part, _ = unit.gather_buffers()
+            message = fp8_message(unit, part)
+            whole = torch.empty(
+                self.world_size * message.numel(), dtype=torch.uint8, device=message.device
+            )
+            unit.gathering = (self.comm.all_gather(message, whole, async_op=True), started, "fp8")
         else:
             unit.gathering = (
                 self.comm.all_gather(*unit.gather_buffers(), async_op=True),
@@ -207,6 +228,8 @@ class ZeroStage3(ZeroStage2):
                 whole = torch.stack(
                     [zeropp.decode(m, unit.part_numel)[0] for m in whole.view(self.world_size, n)]
                 ).to(unit.full.dtype)
+            elif kind == "fp8":
+                whole = fp8_read(unit, whole.view(self.world_size, -1)).to(unit.full.dtype)
             unit.fill(whole)
             if keep_secondary and self.node_comm is not None and kind != "node":
                 k = self.node_comm.size  # this rank's 1/k of the node's copy
@@ -272,3 +295,43 @@ class ZeroStage3(ZeroStage2):
             if u.secondary is not None
         ]
         return memory
+
+
+# --------------------------------------------------------------------- FP8 all-gather
+
+
+def _segments(unit: FlatUnit) -> list[tuple[int, int]]:
+    """(start, end) of each parameter's chunk in a rank's part."""
+    return [(o, o + n) for o, n in zip(unit.part_offsets, unit.chunk_numels)]
+
+
+def fp8_message(unit: FlatUnit, part: torch.Tensor) -> torch.Tensor:
+    """This rank's part as one uint8 message: [e4m3 values (part_numel) | fp32 scales,
+    one a parameter], each parameter's chunk scaled by its own amax (`fp8.scale_for`)."""
+    flat = part.reshape(-1).float()
+    amax = torch.stack(
+        [flat[a:b].abs().amax() if b > a else flat.new_zeros(()) for a, b in _segments(unit)]
+    )
+    scales = fp8.scale_for(amax, "e4m3")
+    each = torch.ones_like(flat)
+    for (a, b), scale in zip(_segments(unit), scales):
+        each[a:b] = scale
+    largest = torch.finfo(torch.float8_e4m3fn).max
+    values = (flat * each).clamp_(-largest, largest).to(torch.float8_e4m3fn)
+    return torch.cat([values.view(torch.uint8), scales.view(torch.uint8)])
+
+
+def fp8_read(unit: FlatUnit, messages: torch.Tensor) -> torch.Tensor:
+    """Every rank's part in fp32, (N, part_numel), from the N messages `fp8_message` made."""
+    n = unit.part_numel
+    values = messages[:, :n].contiguous().view(torch.float8_e4m3fn).float()
+    scales = messages[:, n:].contiguous().view(torch.float32)  # (N, parameters)
+    each = torch.ones_like(values)
+    for i, (a, b) in enumerate(_segments(unit)):
+        each[:, a:b] = scales[:, i : i + 1]
+    return values / each
+
+
+def fp8_gather_bytes(unit: FlatUnit) -> int:
+    """Bytes one rank's FP8 all-gather message holds: a byte a value, 4 a parameter."""
+    return unit.part_numel + 4 * len(unit.params)

@@ -228,7 +228,7 @@ def test_low_precision_benchmark_prints_loss_and_bytes_for_each_precision(tmp_pa
     )
     assert done.returncode == 0, done.stderr
     rows = {}
-    for line in done.stdout.splitlines():
+    for line in done.stdout.split("Wire formats")[0].splitlines():
         for name in ("fp32", "bf16", "fp16 + scaler", "fp16, no scaler", "fp8"):
             if line.startswith(name + " ") or line.startswith(name + "\t"):
                 rows[name] = line[len(name) :].split()
@@ -241,3 +241,23 @@ def test_low_precision_benchmark_prints_loss_and_bytes_for_each_precision(tmp_pa
     # 16-bit messages: half of fp32's, but for the flags and padding rows
     half = int(rows["bf16"][3].replace(",", "")) / int(rows["fp32"][3].replace(",", ""))
     assert 0.5 <= half <= 0.51, half
+    # the wire formats: each hook's bytes, counted message by message, are its formula's
+    table = done.stdout.split("Wire formats")[1]
+    wires = {}
+    for line in table.splitlines():
+        for name in ("fp32", "bf16", "e4m3", "PowerSGD r=4", "ZeRO-3 bf16, FP8 gather"):
+            if line.startswith(name + " "):
+                wires[name] = line[len(name) :].split()
+        if line.startswith("ZeRO-3 bf16 "):
+            wires["ZeRO-3 bf16"] = line[len("ZeRO-3 bf16") :].split()
+    assert len(wires) == 6, table
+    for name in ("fp32", "bf16", "e4m3", "PowerSGD r=4"):
+        loss, ratio, error, sent, formula = wires[name]
+        assert math.isfinite(float(loss)), name
+        assert sent == formula, (name, sent, formula)
+        if name != "fp32":
+            assert 0 < float(error) < 0.5, (name, error)
+    e4m3 = int(wires["e4m3"][3].replace(",", "")) / int(wires["fp32"][3].replace(",", ""))
+    assert e4m3 < 0.27, e4m3  # (1 + 4/128) / 4 and the flags
+    zero3 = [int(wires[k][3].replace(",", "")) for k in ("ZeRO-3 bf16", "ZeRO-3 bf16, FP8 gather")]
+    assert zero3[1] < zero3[0], zero3

@@ -793,8 +793,12 @@ def test_links_under_load_price_a_pipelines_hops(pool8):
     cluster = Cluster.this_machine(8, flops=1e9, links=links, cores=2)
     assert cluster.loaded_p2p_s == loaded["p2p_s"]
     assert cluster.message_cpu_s == links["message_cpu_s"]
+    # 50 ms more than measured, whatever the load on this machine made the measurement
     slow = dataclasses.replace(
-        cluster, loaded_p2p_s=0.05, loaded_collective_s={2: 0.05}, message_cpu_s=0.05
+        cluster,
+        loaded_p2p_s=loaded["p2p_s"] + 0.05,
+        loaded_collective_s={n: s + 0.05 for n, s in cluster.loaded_collective_s.items()},
+        message_cpu_s=cluster.message_cpu_s + 0.05,
     )
     for choice, priced in ((Choice(2, 2, 2, "1f1b", 2), True), (Choice(4, 2, 1, "1f1b", 1), False)):
         a, b = (predict_time(CONFIG, choice, BATCH, c) for c in (cluster, slow))

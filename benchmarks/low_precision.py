@@ -25,153 +25,20 @@ import argparse
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from parcourse import fp8, zero  # noqa: E402
-from parcourse.comm import Comm  # noqa: E402
-from parcourse.corpus import ShardedLoader, build_corpus, open_corpus  # noqa: E402
-from parcourse.data_parallel import BucketedDataParallel  # noqa: E402
-from parcourse.data_parallel import compress as C  # noqa: E402
-from parcourse.launch import Pool, RankContext  # noqa: E402
-from parcourse.models import GPTConfig, gpt  # noqa: E402
-
-# each precision's compute dtype under ZeRO (None: the fp32 parameters'): its messages'
-PRECISIONS: dict[str, torch.dtype | None] = {
-    "fp32": None,
-    "bf16": torch.bfloat16,
-    "fp16 + scaler": torch.float16,
-    "fp16, no scaler": torch.float16,
-    "fp8": None,
-}
-CONFIG = GPTConfig(vocab=256, block_size=64, n_layers=2, n_heads=4, d_model=64)
-BATCH = 16
-
-
-def train(ctx: RankContext, corpus_dir: str, precision: str, steps: int) -> dict[str, Any]:
-    """`steps` Adam steps of the GPT under ZeRO-2 in `precision`; this rank's losses, the
-    bytes it sent a step, its parameter count, and the steps a scaler skipped."""
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-    torch.manual_seed(0)
-    model = gpt(CONFIG)
-    if precision == "fp8":
-        fp8.convert_to_float8(model)
-    dtype = PRECISIONS[precision]
-    norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
-    zmodel = zero.ZeroModel(
-        model, 2, ctx.group, compute_dtype=dtype, keep_modules=norms, tracer=ctx.tracer
-    )
-    opt = torch.optim.Adam(zmodel.parameters(), lr=3e-3)
-    scaler = (
-        ShardedGradScaler("cpu", process_group=ctx.group) if precision == "fp16 + scaler" else None
-    )
-    loader = ShardedLoader(
-        open_corpus(corpus_dir).train,
-        CONFIG.block_size,
-        BATCH,
-        replica=ctx.rank,
-        replicas=ctx.world_size,
-    )
-    losses, skipped, sent = [], 0, 0.0
-    for _ in range(steps):
-        x, y = loader.next()
-        before = ctx.tracer.total("bytes_sent")
-        loss = nn.functional.cross_entropy(zmodel(x).flatten(0, 1).float(), y.flatten())
-        if scaler is not None:
-            scale = scaler.get_scale()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            skipped += scaler.get_scale() < scale
-        else:
-            loss.backward()
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-        sent = ctx.tracer.total("bytes_sent") - before
-        losses.append(loss.item())
-    params = sum(p.numel() for p in model.parameters())
-    return {"losses": losses, "sent": sent, "params": params, "skipped": skipped}
-
-
-WIRES = ("fp32", "bf16", "e4m3", "PowerSGD r=4", "ZeRO-3 bf16", "ZeRO-3 bf16, FP8 gather")
-POWERSGD_RANK, POWERSGD_START = 4, 10  # start: at most steps - 2, for a short run
-
-
-def train_wire(ctx: RankContext, corpus_dir: str, wire: str, steps: int) -> dict[str, Any]:
-    """`steps` Adam steps of the GPT with gradients (or ZeRO-3's weights) sent as `wire`;
-    this rank's losses, the bytes it sent in the last step, each step's gradient error, and
-    the formula's bytes a rank."""
-    torch.manual_seed(0)
-    model = gpt(CONFIG)
-    n = ctx.world_size
-    measured = None
-    formula = float("nan")
-    if wire.startswith("ZeRO-3"):
-        norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
-        net: nn.Module = zero.ZeroModel(
-            model,
-            3,
-            ctx.group,
-            compute_dtype=torch.bfloat16,
-            keep_modules=norms,
-            tracer=ctx.tracer,
-            fp8_all_gather="FP8" in wire,
-        )
-    else:
-        ddp = BucketedDataParallel(model, ctx.group, algorithm="ring", tracer=ctx.tracer)
-        ddp.comm.tracer = ctx.tracer  # its ring's messages (and the used-flags') counted too
-        comm = Comm(ctx.group, algorithm="ring", tracer=ctx.tracer)
-        flags = sum(len(b.params) for b in ddp.buckets)
-        numels = [b.numel for b in ddp.buckets]
-        if wire == "fp32":
-            formula = sum(C.wire_bytes(k + len(b.params), n) for k, b in zip(numels, ddp.buckets))
-        else:
-            if wire.startswith("PowerSGD"):
-                start = min(POWERSGD_START, steps - 2)
-                state: Any = C.PowerSGDState(
-                    comm, matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=start
-                )
-                hook: Any = C.powerSGD_hook
-                formula = sum(
-                    C.powersgd_bytes([p.shape for p in b.params], n, POWERSGD_RANK)
-                    for b in ddp.buckets
-                )
-            else:
-                state, hook = C.LowPrecision(comm, wire), C.low_precision_hook
-                formula = sum(C.wire_bytes(k, n, wire) for k in numels)
-            formula += C.wire_bytes(flags, n)  # the used-flags' own all-reduce
-            measured = C.Measured(state, hook, ctx.group)
-            ddp.register_comm_hook(measured, C.measured_hook)
-        formula /= n
-        net = ddp
-    opt = torch.optim.Adam(net.parameters(), lr=3e-3)
-    loader = ShardedLoader(
-        open_corpus(corpus_dir).train,
-        CONFIG.block_size,
-        BATCH,
-        replica=ctx.rank,
-        replicas=ctx.world_size,
-    )
-    losses, sent = [], 0.0
-    for _ in range(steps):
-        x, y = loader.next()
-        before = ctx.tracer.total("bytes_sent")
-        loss = nn.functional.cross_entropy(net(x).flatten(0, 1).float(), y.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sent = ctx.tracer.total("bytes_sent") - before
-        losses.append(loss.item())
-    errors = measured.errors if measured is not None else []
-    if wire.startswith("PowerSGD"):  # the steps it compressed
-        errors = errors[min(POWERSGD_START, steps - 2) :]
-    return {"losses": losses, "sent": sent, "errors": errors, "formula": formula}
+from parcourse.corpus import build_corpus  # noqa: E402
+from parcourse.experiments.low_precision import (  # noqa: E402
+    CONFIG,
+    PRECISIONS,
+    WIRES,
+    sent_formula,
+    train,
+    train_wire,
+)
+from parcourse.launch import Pool  # noqa: E402
 
 
 def wires(pool: Pool, corpus: str, steps: int) -> None:
@@ -228,8 +95,7 @@ def main() -> None:
             r = results[0]
             loss = statistics.fmean(r["losses"][-5:])
             fp32_loss = loss if fp32_loss is None else fp32_loss
-            each = (PRECISIONS[precision] or torch.float32).itemsize
-            formula = 2 * (n - 1) / n * r["params"] * each
+            formula = sent_formula(r["params"], n, precision)
             print(
                 f"{precision:<16}{loss:>8.3f}{loss / fp32_loss:>9.3f}{r['skipped']:>9}"
                 f"{r['sent']:>19,.0f}{formula:>11,.0f}"

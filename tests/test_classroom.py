@@ -21,6 +21,18 @@ def _source(cell):
     return "".join(cell["source"])
 
 
+def at_small(notebook, name):
+    """The notebook's parameters cell set to the lesson's small parameters (as a student
+    may set their own): the values CI runs it at."""
+    small = json.loads((LESSONS / "small_parameters.json").read_text())[Path(name).stem]
+    cell = next(c for c in notebook["cells"] if "parameters" in c["metadata"].get("tags", []))
+    text = _source(cell)
+    for key, value in small.items():
+        text, found = re.subn(rf"^{key} = .*$", f"{key} = {value!r}", text, flags=re.M)
+        assert found == 1, (name, key)
+    cell["source"] = text
+
+
 def solved(notebook):
     """The student notebook with each stub replaced by its lesson's solution (the
     solution's names turned into the stub's): what a class that solved every exercise
@@ -112,6 +124,8 @@ def test_the_grader_gives_the_solutions_full_marks_the_stubs_none(build, tmp_pat
                 r"raise NotImplementedError", "return param.flatten()", _source(cell)
             )
     hand_in = {"ada": solved({"_lesson": lesson, "_student": student}), "bob": student, "cy": wrong}
+    for notebook in hand_in.values():  # each ran at the lesson's small parameters, in seconds
+        at_small(notebook, name)
     submissions, only = tmp_path / "submissions", tmp_path / "lessons"
     for who, notebook in hand_in.items():
         (submissions / who).mkdir(parents=True)
@@ -119,18 +133,20 @@ def test_the_grader_gives_the_solutions_full_marks_the_stubs_none(build, tmp_pat
     only.mkdir()
     shutil.copy(LESSONS / name, only / name)
     grades = grade(submissions, only)
-    assert grades.exercises == ["03 my_rows"]
+    both = ["03 my_update", "03 my_rows"]
+    assert grades.exercises == both
     assert grades.marks == {
-        "ada": {"03 my_rows": True},
-        "bob": {"03 my_rows": False},
-        "cy": {"03 my_rows": False},
+        "ada": dict.fromkeys(both, True),
+        "bob": dict.fromkeys(both, False),
+        "cy": dict.fromkeys(both, False),
     }
     assert not grades.errors, grades.errors  # Run All ran to the end, unsolved too
     assert grades.said[("bob", "03 my_rows")].startswith("Not written yet")
     assert grades.said[("cy", "03 my_rows")].startswith("Not quite")  # the check's hint
+    assert grades.said[("cy", "03 my_update")].startswith("Not yet")  # its NameError, named
     table = grades.table()  # what `python -m parcourse grade` prints, with the hints
-    assert re.search(r"^ada\s+1\s+1/1$", table, re.M), table
-    assert re.search(r"^bob\s+0\s+0/1$", table, re.M), table
+    assert re.search(r"^ada\s+1\s+1\s+2/2$", table, re.M), table
+    assert re.search(r"^bob\s+0\s+0\s+0/2$", table, re.M), table
 
 
 def test_solved_builds_replace_every_stub():

@@ -261,3 +261,17 @@ def test_low_precision_benchmark_prints_loss_and_bytes_for_each_precision(tmp_pa
     assert e4m3 < 0.27, e4m3  # (1 + 4/128) / 4 and the flags
     zero3 = [int(wires[k][3].replace(",", "")) for k in ("ZeRO-3 bf16", "ZeRO-3 bf16, FP8 gather")]
     assert zero3[1] < zero3[0], zero3
+
+
+def test_the_cs336_runner_refuses_a_folder_that_is_not_the_suite(tmp_path):
+    """benchmarks/cs336_systems.py needs a checkout of the assignment (not on PyPI, so CI
+    has none): anything else is named in one line before anything is installed or run."""
+    script = SCRIPT.parent / "cs336_systems.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--suite", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done
+    assert "is not a checkout of CS336's assignment 2: no cs336-basics" in done.stderr

@@ -173,6 +173,22 @@ def outlier_errors(seed: int = 0) -> dict[str, dict[str, float]]:
     return out
 
 
+def _loader(ctx: RankContext, corpus_dir: str) -> ShardedLoader:
+    """This rank's batches of the corpus: the same for every precision and wire format."""
+    return ShardedLoader(
+        open_corpus(corpus_dir).train,
+        CONFIG.block_size,
+        BATCH,
+        replica=ctx.rank,
+        replicas=ctx.world_size,
+    )
+
+
+def _norms(model: nn.Module) -> list[nn.Module]:
+    """The LayerNorms, which ZeRO keeps whole and in fp32 (`keep_modules`)."""
+    return [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
+
+
 def train(ctx: RankContext, corpus_dir: str, precision: str, steps: int) -> dict[str, Any]:
     """`steps` Adam steps of the GPT under ZeRO-2 in `precision`; this rank's losses, the
     bytes it sent a step, its parameter count, the steps a scaler skipped (how many, and
@@ -184,21 +200,14 @@ def train(ctx: RankContext, corpus_dir: str, precision: str, steps: int) -> dict
     if precision == "fp8":
         fp8.convert_to_float8(model)
     dtype = PRECISIONS[precision]
-    norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
     zmodel = zero.ZeroModel(
-        model, 2, ctx.group, compute_dtype=dtype, keep_modules=norms, tracer=ctx.tracer
+        model, 2, ctx.group, compute_dtype=dtype, keep_modules=_norms(model), tracer=ctx.tracer
     )
     opt = torch.optim.Adam(zmodel.parameters(), lr=3e-3)
     scaler = (
         ShardedGradScaler("cpu", process_group=ctx.group) if precision == "fp16 + scaler" else None
     )
-    loader = ShardedLoader(
-        open_corpus(corpus_dir).train,
-        CONFIG.block_size,
-        BATCH,
-        replica=ctx.rank,
-        replicas=ctx.world_size,
-    )
+    loader = _loader(ctx, corpus_dir)
     losses, skipped, scales, sent = [], [], [], 0.0
     for step in range(1, steps + 1):
         x, y = loader.next()
@@ -248,13 +257,12 @@ def train_wire(ctx: RankContext, corpus_dir: str, wire: str, steps: int) -> dict
     measured = None
     formula = float("nan")
     if wire.startswith("ZeRO-3"):
-        norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
         net: nn.Module = zero.ZeroModel(
             model,
             3,
             ctx.group,
             compute_dtype=torch.bfloat16,
-            keep_modules=norms,
+            keep_modules=_norms(model),
             tracer=ctx.tracer,
             fp8_all_gather="FP8" in wire,
         )
@@ -286,13 +294,7 @@ def train_wire(ctx: RankContext, corpus_dir: str, wire: str, steps: int) -> dict
         formula /= n
         net = ddp
     opt = torch.optim.Adam(net.parameters(), lr=3e-3)
-    loader = ShardedLoader(
-        open_corpus(corpus_dir).train,
-        CONFIG.block_size,
-        BATCH,
-        replica=ctx.rank,
-        replicas=ctx.world_size,
-    )
+    loader = _loader(ctx, corpus_dir)
     losses, sent = [], 0.0
     for _ in range(steps):
         x, y = loader.next()

@@ -22,7 +22,7 @@ def test_the_formats_are_torchs():
 
 
 def test_shares_below_a_format_and_what_a_scale_moves():
-    values = torch.tensor([1e-9, 1e-6, 1e-3])
+    values = torch.tensor([1e-9, 1e-6, 1e-3, 0.0])  # an exact 0 is no format's loss
     assert lp.below(values, "fp16") == pytest.approx((1 / 3, 1 / 3))  # 0, subnormal, normal
     assert lp.below(values, "fp16", 2.0**16) == (0.0, 0.0)  # 6.6e-5 is normal
     assert lp.below(values, "bf16") == (0.0, 0.0)  # fp32's range
@@ -85,6 +85,11 @@ def no_backoff(scale, good_steps, flags, interval):
     return take, scale if not take else new, good
 
 
+def halves_once_a_rank(scale, good_steps, flags, interval):
+    take, new, good = right(scale, good_steps, flags, interval)
+    return take, scale * 0.5 ** sum(flags) if not take else new, good
+
+
 def grows_a_step_late(scale, good_steps, flags, interval):
     if any(flags):
         return False, scale * 0.5, 0
@@ -100,6 +105,7 @@ def grows_a_step_late(scale, good_steps, flags, interval):
         (no_reset_after_growth, "after growing, the count of good steps starts again at 0"),
         (count_kept_after_inf, "an inf starts the count of good steps again at 0"),
         (no_backoff, "after an inf the scale backs off: times 0.5"),
+        (halves_once_a_rank, "halve the scale once, however many ranks found an inf"),
         (grows_a_step_late, "good step number 3 in a row grows the scale"),
     ],
 )

@@ -136,10 +136,11 @@ def gradient_magnitudes(corpus_dir: str, seed: int = 0) -> torch.Tensor:
 
 
 def below(magnitudes: torch.Tensor, name: str, scale: float = 1.0) -> tuple[float, float]:
-    """The shares of `magnitudes x scale` that `name` flushes to zero (below half its
-    smallest subnormal) and that land among its subnormals (fewer significant bits)."""
+    """Of the nonzero `magnitudes x scale`, the shares that `name` flushes to zero (below
+    half its smallest subnormal) and that land among its subnormals (fewer significant
+    bits). Exact zeros are left out: no format loses them."""
     f = format_facts(name)
-    v = magnitudes.double() * scale
+    v = magnitudes[magnitudes != 0].double() * scale
     zero_share = (v < f["smallest"] / 2).double().mean().item()
     sub_share = ((v >= f["smallest"] / 2) & (v < f["smallest_normal"])).double().mean().item()
     return zero_share, sub_share
@@ -335,7 +336,8 @@ def draw_losses(
 
 
 # The exercise: a dynamic loss scaler's update, as torch.amp.GradScaler's (growth 2,
-# backoff 0.5) over ranks as ShardedGradScaler's (the flag all-reduced with MAX).
+# backoff 0.5) over ranks as ShardedGradScaler's (the flags all-reduced, a sum: non-zero
+# on every rank when any rank found an inf).
 GROWTH, BACKOFF = 2.0, 0.5
 # found-inf flags of four ranks, step by step: one rank alone, two at once, runs of clean
 # steps long enough to grow, and growth right after a back-off.
@@ -358,10 +360,11 @@ SCALER_STEPS: list[list[bool]] = [
 
 def _reference_update(scale: float, good: int, flags: Sequence[bool], interval: int):
     """torch's own update (`torch._amp_update_scale_`, what GradScaler.update runs) with
-    found_inf the MAX of the ranks' flags: (step taken, scale, good steps)."""
+    found_inf the sum of the ranks' flags, as ShardedGradScaler all-reduces them:
+    (step taken, scale, good steps)."""
     s = torch.tensor(float(scale))
     tracker = torch.tensor(int(good), dtype=torch.int32)
-    found = torch.tensor(float(any(flags)))
+    found = torch.tensor(float(sum(flags)))
     torch._amp_update_scale_(s, tracker, found, GROWTH, BACKOFF, interval)
     return not any(flags), s.item(), int(tracker.item())
 
@@ -425,10 +428,12 @@ def _hint(
             who = f"rank {found[0]}" if len(found) == 1 else f"ranks {', '.join(found)}"
             return (
                 f"{who} found an inf: every rank skips (ShardedGradScaler all-reduces "
-                "the flag with MAX), or the ranks' weights part ways."
+                "the flags, a sum), or the ranks' weights part ways."
             )
-        return "skip exactly when some rank found an inf."
+        return "take_step is True (the step is taken) unless some rank found an inf."
     if any(flags):
+        if got[1] == scale * BACKOFF ** sum(flags) and sum(flags) > 1:
+            return "halve the scale once, however many ranks found an inf."
         if got[1] != scale * BACKOFF:
             return f"after an inf the scale backs off: times {BACKOFF}."
         return "an inf starts the count of good steps again at 0."

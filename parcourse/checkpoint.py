@@ -15,7 +15,8 @@ piece sits in the whole tensor, so a load on another mesh reads the pieces it ne
 and nothing else: resharding is DCP's, by offsets.
 
 What is saved, under the unsplit model's names:
-- `model.<name>`: every weight (a tied weight under each of its names);
+- `model.<name>`: every weight (a tied weight under each of its names; under mixed
+  precision the fp32 masters, not the 16-bit copy the stages compute with);
 - `optim.<name>.<key>`: the optimizer's state per weight, in the weight's layout
   (Adam's `exp_avg`, `exp_avg_sq`; `step` whole). Under ZeRO the state lives in flat
   slices over dp; it is gathered into each weight's shape before saving and cut into
@@ -23,8 +24,9 @@ What is saved, under the unsplit model's names:
 - `rng`: one rank's CPU generator, set on every rank at load (the course's GPT has no
   dropout; the data order is the loader's own seed and position, kept in `extra`);
 - `parcourse.json`: the step, the model's config, the mesh it was saved on, the names of
-  the optimizer's state and what the caller put in `extra` (the loader's position, the
-  corpus' hash, the settings).
+  the optimizer's state, an fp16 loss scaler's state (`ShardedGradScaler.state_dict()`)
+  and what the caller put in `extra` (the loader's position, the corpus' hash, the
+  settings).
 
 A checkpoint is written into a hidden directory beside its final one and committed by
 a rename once every rank has written (`os.replace`, atomic on one file system): a run
@@ -311,6 +313,8 @@ def _save(
         ),
         "state": keys,
         "extra": extra or {},
+        # fp16's loss scaler: its scale and growth count, as a torch loop saves them
+        "scaler": scaler.state_dict() if (scaler := model.precision.scaler) is not None else None,
     }
     if not blocking:
         if model.zero == 3:  # its weights are freed when this returns: DCP gets copies
@@ -407,8 +411,9 @@ def load(
     model: Hybrid, path: str | os.PathLike, expect: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """Load the checkpoint at `path` into `model`, whatever mesh it was saved on (a
-    collective over the model's mesh): weights, the optimizer's state (into ZeRO's slices
-    if this model shards it) and the CPU generator. Refuses one of another model or,
+    collective over the model's mesh): weights (the fp32 masters under mixed precision),
+    the optimizer's state (into ZeRO's slices if this model shards it), the loss
+    scaler's state if both have one, and the CPU generator. Refuses one of another model or,
     with `expect`, other `extra` values. Returns its metadata (`step`, `extra`, ...)."""
     with model.whole_weights():  # ZeRO-3: loaded whole, each replica's slice taken,
         return _load(model, path, expect)  # then freed
@@ -434,6 +439,8 @@ def _load(model: Hybrid, path: str | os.PathLike, expect: dict[str, Any] | None)
         why = problem(path) or f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
         raise ValueError(f"cannot load the checkpoint {path}: {why}") from None
     torch.set_rng_state(state["rng"])
+    if model.precision.scaler is not None and meta.get("scaler"):
+        model.precision.scaler.load_state_dict(meta["scaler"])
     names = _names(model)
     from torch.distributed.tensor import DTensor
 

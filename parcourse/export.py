@@ -62,14 +62,20 @@ def _whole_cut(model: Hybrid) -> dict[str, torch.Tensor]:
 
 
 def memory(model: Hybrid) -> dict[str, int]:
-    """Bytes this rank holds, by category: its parameters, its gradients' peak in the
-    last step (`grad_bytes`), the optimizer's state (under ZeRO-3 with the shards it
-    keeps) and, when traced, the peak of the activations kept for backward (0
-    otherwise). Comparable with `theory.mesh_bytes` and the planner."""
+    """Bytes this rank holds, by category: its parameters (under ZeRO-3 with the shards
+    it keeps), its gradients' peak in the last step (`grad_bytes`), the optimizer's
+    state (under mixed precision with the fp32 masters) and, when traced, the peak of
+    the activations kept for backward (0 otherwise). Comparable with
+    `theory.mesh_bytes` and the planner."""
     optimizer = storage_bytes(tensors_in(list(model.optimizer.state.values())))
     params = storage_bytes(model.params)  # ZeRO-3's freed weights hold none
-    if model.sharded is not None and model.zero == 3:  # its shards are the weights it keeps
-        params += storage_bytes(u.master for u in model.sharded.units)
+    units = model.sharded.units if model.sharded is not None else []
+    if model.precision.compute_dtype is not None:  # fp32 masters: the optimizer's (ZeRO's 12 of
+        optimizer += storage_bytes(u.master for u in units)  # 2 + 2 + 12 bytes)
+        if model.zero == 3:  # the 16-bit slices it gathers from
+            params += storage_bytes(u.compute_shard for u in units if u.compute_shard is not None)
+    elif model.zero == 3:  # its shards are the weights it keeps
+        params += storage_bytes(u.master for u in units)
     return {
         "params": params,
         "grads": model.grad_bytes,

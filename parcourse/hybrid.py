@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from parcourse.comm import Comm, Network, Topology
+from parcourse.comm import Comm, Network
 from parcourse.context_parallel import SequenceShard, context_parallel
 from parcourse.context_parallel.attention import Method
 from parcourse.data import shard as shard_rows
@@ -37,7 +37,7 @@ from parcourse.export import full_state_dict, memory
 from parcourse.memory import storage_bytes
 from parcourse.mesh import Mesh
 from parcourse.models import GPT, gpt_layers
-from parcourse.parts import inside_actions
+from parcourse.parts import check_simulation
 from parcourse.pipeline.partition import partition, tied_weights
 from parcourse.pipeline.runtime import PipelineRuntime
 from parcourse.pipeline.simulate import SimulatedCompute
@@ -51,6 +51,7 @@ from parcourse.tensor_parallel.state_dict import split_dims
 from parcourse.trace import Tracer, bytes_by_axis
 from parcourse.zero.clip import clip_counted_, counted_once
 from parcourse.zero.stages import ShardedStages
+from parcourse.zero.step_precision import StepPrecision
 
 __all__ = ["Hybrid", "bytes_by_axis"]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -70,7 +71,12 @@ class Hybrid:
     sequence over its ranks (`cp_method`), the gradients averaged over dp and cp
     (Megatron-LM's cp_dp group). An `ep` axis cuts each MoE layer's experts: its ranks
     take their own rows, the dense weights averaged over dp x ep (x cp), each expert over
-    the ranks holding the same experts, both divided by every dense replica."""
+    the ranks holding the same experts, both divided by every dense replica.
+
+    `compute_dtype` (bf16, fp16; with `zero`): 16-bit compute, messages and gradients,
+    fp32 masters in ZeRO's slices, the loss in fp32; `scaler` (fp16): torch's
+    `ShardedGradScaler` over the mesh, called at the step's moments (`precision`, a
+    `StepPrecision`: its `skipped_steps` counts the skips)."""
 
     def __init__(
         self,
@@ -91,6 +97,8 @@ class Hybrid:
         tracer: Tracer | None = None,
         seed: int = 0,
         bucket_mb: float = 25.0,
+        compute_dtype: torch.dtype | None = None,
+        scaler: Any = None,
     ) -> None:
         config = model.config
         # 1. the plan, checked by the rules the planner and the CLI use, and the roles
@@ -98,9 +106,10 @@ class Hybrid:
         fields.update(chunks=chunks, zero=zero, sequence_parallel=sequence_parallel)
         self.plan = ParallelPlan.on_mesh(mesh, recompute="full" if recompute else "none", **fields)
         self.plan.check(config, world=mesh.layout.world_size)
-        _check_network(self.plan, mesh, link, compute)
+        check_simulation(self.plan, mesh, link, compute)
         if max_norm is not None and not max_norm > 0:
             raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
+        self.precision = StepPrecision(compute_dtype, scaler, zero, mesh.parent)
         self.mesh, self.config, self.microbatches, self.zero = mesh, config, microbatches, zero
         self.sequence_parallel, self.max_norm = sequence_parallel, max_norm
         self.roles, self.schedule = Roles.of(self.plan, config), self.plan.schedule_value()
@@ -124,6 +133,7 @@ class Hybrid:
             holds_tied={s for g in tied_groups for s in g if s in mine},
             bucket_mb=bucket_mb,
         )
+        self.precision.cast_frozen(mine.values(), self.params)  # frozen: 16-bit copies
         self.sharded = self.sync if isinstance(self.sync, ShardedStages) else None
         self.optimizer = self.sync.optimizer
         # 4. the pipeline; simulated compute pads each action, tp's collectives on top
@@ -213,9 +223,8 @@ class Hybrid:
         replicate = self._comm(*r.replicate) if zero and r.replicate else None
         groups = SyncGroups(comm, expert_comm, r.size("dense"), replicate)
         if self.zero:
-            return ShardedStages.for_stages(
-                weights, self.params, groups, factory, self.zero, holds_tied, self._note_grad_bytes
-            )
+            args = (self.zero, holds_tied, self._note_grad_bytes, self.precision.compute_dtype)
+            return ShardedStages.for_stages(weights, self.params, groups, factory, *args)
         mine = self.schedule.actions[self.mesh.coordinate("pp")]
         last = {a.stage: (a.stage, a.microbatch) for a in mine if a.kind in ("B", "W")}
         return BucketedStages(
@@ -253,11 +262,13 @@ class Hybrid:
         """Cross entropy from this rank's vocabulary shard of the logits, as one process's;
         under context parallelism weighed by this rank's share of the sequence."""
         if self.tp_comm.size == 1:
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        else:
+            wide = logits.to(torch.promote_types(logits.dtype, torch.float32))  # 16-bit:
+            loss = F.cross_entropy(wide.flatten(0, 1), targets.flatten())  # in fp32
+        else:  # and there too
             loss = vocab_parallel_cross_entropy(
                 logits, targets, self.tp_comm.group, self.config.vocab, comm=self.tp_comm
             )
+        loss = self.precision.loss(loss)  # fp16: every gradient scaled up with the loss
         return loss if self.shard is None else loss * self.shard.loss_scale()
 
     # -- one training step
@@ -284,16 +295,17 @@ class Hybrid:
         if self.shard is not None:  # this rank's tokens of each sequence
             x, y = self.shard.cut_batch(x, y, inputs.shape[1], self.config.block_size)
         self.grad_bytes = 0
+        scale = self.precision.scale()
         loss = self.runtime.step(x, y)  # and the tied weights' gradients added up
         self.finalize_gradients()
         for module in self.runtime.stages.values():  # experts' balancing bias, from every
             update_bias(module, self.dense_comm)  # replica's token counts (before the step)
-        self.sync.step()
+        self.precision.step(self.sync.step, self.optimizer)
         for p in self.params:
             p.grad = None
         if loss is None:
             return None
-        mean = torch.tensor([loss / self.roles.size("loss")])  # the replicas' losses,
+        mean = torch.tensor([loss / scale / self.roles.size("loss")])  # the replicas' losses,
         dist.all_reduce(mean, group=self.mesh.group(*self.roles.loss))  # averaged
         return mean.item()
 
@@ -305,8 +317,11 @@ class Hybrid:
         1. the dense replicas' mean (`sync.finalize`: the buckets still to go, or ZeRO's
         reduce-scatters), the experts' over their own group; 2. with `max_norm`, the
         global norm over the norm's group (`Roles.norm`) and every gradient scaled by
-        min(1, max_norm / norm), as `torch.nn.utils.clip_grad_norm_` in one process."""
+        min(1, max_norm / norm), as `torch.nn.utils.clip_grad_norm_` in one process.
+        Between the two, with a `scaler`: its `unscale_`, as a loop unscales before
+        `clip_grad_norm_` (a norm of inf: the step will be skipped)."""
         self.sync.finalize()
+        self.precision.unscale(self.optimizer)
         if self.max_norm is not None:
             counted = {id(p): bool(w) for p, w in zip(self.params, self._counted)}
             grads = [(g, counted[id(p)]) for g, p in self.sync.gradients()]
@@ -329,21 +344,3 @@ class Hybrid:
 
 
 _PLANNED = ("cp_method", "schedule", "microbatches", "chunks", "sequence_parallel", "zero")
-
-
-def _check_network(
-    plan: ParallelPlan, mesh: Mesh, link: Network | None, compute: SimulatedCompute | None
-) -> None:
-    """Refuse a simulated network of another node size, and simulated compute where a
-    part's messages run inside an action (they would be padded away as compute)."""
-    if isinstance(link, Topology) and mesh.ranks_per_node not in (None, link.ranks_per_node):
-        raise ValueError(
-            f"the mesh says {mesh.ranks_per_node} ranks per node, the "
-            f"simulated network {link.ranks_per_node}"
-        )
-    for part in inside_actions(plan) if compute is not None else []:
-        raise ValueError(
-            "simulated compute pads each action with tp's collectives on top; "
-            f"{part.inside} would be padded away as compute: run {part.axes[0].name} with "
-            "its compute real"
-        )

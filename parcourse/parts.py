@@ -36,6 +36,9 @@ from parcourse.zero.part import PART as hierarchical_sharding
 from parcourse.zero.part import ShardFields
 
 if TYPE_CHECKING:
+    from parcourse.comm import Network
+    from parcourse.mesh import Mesh
+    from parcourse.pipeline.simulate import SimulatedCompute
     from parcourse.plan import ParallelPlan
 
 # The mesh every run has; the plan holds their sizes as its own fields.
@@ -75,3 +78,23 @@ def inside_actions(plan: ParallelPlan) -> list[Part]:
     pipeline action: simulated compute, which pads each action to a set time, would hide
     them (`Hybrid(compute=)` refuses them)."""
     return [p for p in PARTS if p.inside and any(getattr(plan, a.name) > 1 for a in p.axes)]
+
+
+def check_simulation(
+    plan: ParallelPlan, mesh: Mesh, link: Network | None, compute: SimulatedCompute | None
+) -> None:
+    """Refuse a simulated network of another node size, and simulated compute where a
+    part's messages run inside an action (they would be padded away as compute)."""
+    from parcourse.comm import Topology
+
+    if isinstance(link, Topology) and mesh.ranks_per_node not in (None, link.ranks_per_node):
+        raise ValueError(
+            f"the mesh says {mesh.ranks_per_node} ranks per node, the "
+            f"simulated network {link.ranks_per_node}"
+        )
+    for part in inside_actions(plan) if compute is not None else []:
+        raise ValueError(
+            "simulated compute pads each action with tp's collectives on top; "
+            f"{part.inside} would be padded away as compute: run {part.axes[0].name} with "
+            "its compute real"
+        )

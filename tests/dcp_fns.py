@@ -96,3 +96,38 @@ def freeze_after_zero(ctx):
     model = model_on(ctx, {"dp": 2, "pp": 2}, zero=1)
     model.model.get_parameter("pos_emb.weight").requires_grad_(False)
     model.step(*batch(0))
+
+
+def fp16_model_on(ctx, shape, zero):
+    """The GPT computing in fp16 with ZeRO's fp32 masters, stepped through torch's
+    ShardedGradScaler over every rank (AdamW, as `model_on`)."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    scaler = ShardedGradScaler(  # grows within a short run
+        "cpu", process_group=ctx.group, init_scale=2.0**20, growth_interval=2
+    )
+    return Hybrid(
+        gpt(CONFIG, seed=0),
+        Mesh(shape, ctx.group),
+        microbatches=2,
+        zero=zero,
+        max_norm=1.0,
+        optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+        compute_dtype=torch.float16,
+        scaler=scaler,
+    )
+
+
+def fp16_run(ctx, shape, root, steps, zero, save_at=None, resume=False):
+    """fp16 with a loss scaler: `steps` steps, saving after `save_at` of them; or resumed
+    from the newest checkpoint under `root`. The scale before each step, the losses and
+    the masters whole."""
+    model = fp16_model_on(ctx, shape, zero)
+    start = load(model, latest(root))["step"] if resume else 0
+    scales, losses = [], []
+    for step in range(start, steps):
+        if step == save_at:
+            save(model, root, step)
+        scales.append(model.precision.scale())
+        losses.append(model.step(*batch(step)))
+    return scales, losses, model.full_state_dict()

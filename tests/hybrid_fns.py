@@ -88,13 +88,18 @@ def reductions(ctx, shape, config=CONFIG, **kwargs):
     return reductions(Hybrid(gpt(config), Mesh(shape, ctx.group), **kwargs))
 
 
-def dp_bytes_by_zero(ctx, shape, zero, microbatches):
+def dp_bytes_by_zero(ctx, shape, zero, microbatches, **kwargs):
     """Bytes this rank sent over dp in one traced step, and its units' padded sizes
     (the stages' first, the tied weights' last)."""
     from parcourse.hybrid import bytes_by_axis
 
     model = Hybrid(
-        gpt(CONFIG), Mesh(shape, ctx.group), microbatches=microbatches, zero=zero, tracer=ctx.tracer
+        gpt(CONFIG),
+        Mesh(shape, ctx.group),
+        microbatches=microbatches,
+        zero=zero,
+        tracer=ctx.tracer,
+        **kwargs,
     )
     x, y = progressions(BATCH, CONFIG.block_size, CONFIG.vocab)
     model.step(x, y)
@@ -213,12 +218,13 @@ def bad_sizes(ctx):
     return said
 
 
-def memory_by_zero(ctx, zero):
+def memory_by_zero(ctx, zero, **kwargs):
     """What this rank holds after one step on dp 2 x pp 2 under ZeRO `zero`: its memory by
     category, and Adam's state alone."""
     from parcourse.memory import storage_bytes, tensors_in
 
-    model = Hybrid(gpt(CONFIG), Mesh({"dp": 2, "pp": 2}, ctx.group), microbatches=2, zero=zero)
+    mesh = Mesh({"dp": 2, "pp": 2}, ctx.group)
+    model = Hybrid(gpt(CONFIG), mesh, microbatches=2, zero=zero, **kwargs)
     x, y = progressions(BATCH, CONFIG.block_size, CONFIG.vocab)
     model.step(x, y)
     memory = model.memory()
@@ -276,3 +282,133 @@ def train_fp64(ctx, *args, **kwargs):
         return train(ctx, *args, **kwargs)
     finally:
         torch.set_default_dtype(before)
+
+
+# --- fp16 with loss scaling in the 3D step (torch's ShardedGradScaler over every rank)
+
+FP16_SCALER = {"init_scale": 2.0**20, "growth_interval": 2}  # overflows at first: skips
+FP16_LR = 0.1
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=FP16_LR)
+
+
+def train_fp16(ctx, shape, steps, plant=None, microbatches=2, **kwargs):
+    """`steps` SGD steps of the GPT on a mesh of `shape` computing in fp16, stepped through
+    torch's ShardedGradScaler over every rank. `plant`: (step, rank) whose first weight's
+    gradient gets an inf in backward. Returns the fp32 masters whole, the scale before
+    each step and after the last, the steps skipped and the losses."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    mesh = Mesh(shape, ctx.group)
+    scaler = ShardedGradScaler("cpu", process_group=ctx.group, **FP16_SCALER)
+    kwargs.setdefault("zero", 1)
+    model = Hybrid(
+        gpt(CONFIG),
+        mesh,
+        microbatches=microbatches,
+        optimizer=_sgd,
+        compute_dtype=torch.float16,
+        scaler=scaler,
+        **kwargs,
+    )
+    now = {"step": -1}
+    if plant is not None and plant[1] == ctx.rank:
+        model.params[0].register_hook(lambda g: _inf_at(g) if now["step"] == plant[0] else g)
+    x, y = progressions(BATCH, CONFIG.block_size, CONFIG.vocab)
+    scales, losses = [], []
+    for step in range(steps):
+        now["step"] = step
+        scales.append(scaler.get_scale())
+        losses.append(model.step(x, y))
+    skipped = model.precision.skipped_steps
+    return model.full_state_dict(), [*scales, scaler.get_scale()], skipped, losses
+
+
+def _inf_at(grad):
+    grad = grad.clone()
+    grad.view(-1)[0] = float("inf")
+    return grad
+
+
+def one_process_fp16(
+    steps, replicas, microbatches=2, plant_step=None, add_in="fp16", tied=None, max_norm=None
+):
+    """What fp16 with loss scaling means in one process, with a plain torch.amp.GradScaler:
+    fp32 masters; each replica's microbatches run forward and backward on the masters
+    cast to fp16 (the loss in fp32, scaled); the replicas' fp16 gradients summed and
+    divided in fp16, as a reduce-scatter does, then cast to fp32; the scaler unscales,
+    (clips to `max_norm`,) skips on an inf, steps and updates.
+    `add_in`: where the microbatches' gradients are added up: "fp16" (in .grad, before
+    the reduction: ZeRO-1) or "fp32" (each microbatch's reduced, then added in fp32:
+    ZeRO-2 and 3, as FSDP2 adds its sharded gradients in the weights' dtype); `tied`:
+    a weight added in fp16 whatever `add_in` says (the tied embedding across stages,
+    which the pipeline adds up after the schedule). Returns the masters, the scale
+    before each step and after the last, the largest unscaled |gradient| and the losses."""
+    import copy
+
+    master = gpt(CONFIG)
+    opt = _sgd(master.parameters())
+    scaler = torch.amp.GradScaler("cpu", **FP16_SCALER)
+    x, y = progressions(BATCH, CONFIG.block_size, CONFIG.vocab)
+    rows = list(zip(x.chunk(replicas), y.chunk(replicas)))  # replica r's rows
+    scales, largest, losses = [], 0.0, []
+    for step in range(steps):
+        scales.append(scaler.get_scale())
+        grads: dict = {}  # name -> [microbatch][replica] fp16 gradient
+        total = 0.0
+        half = copy.deepcopy(master).half()
+        for m in range(microbatches):
+            for xr, yr in rows:
+                xs, ys = xr.chunk(microbatches)[m], yr.chunk(microbatches)[m]
+                loss = F.cross_entropy(half(xs).float().flatten(0, 1), ys.flatten())
+                scaler.scale(loss / microbatches).backward()
+                total += loss.item() / (replicas * microbatches)
+                for n, p in half.named_parameters():
+                    grads.setdefault(n, []).append(p.grad)
+                half.zero_grad()
+        for n, p in master.named_parameters():
+            each = grads[n]  # microbatch-major: m * replicas + r
+            if add_in == "fp16" or n == tied:
+                per_replica = [sum(each[r::replicas]) for r in range(replicas)]
+                p.grad = (sum(per_replica) / replicas).float()
+            else:
+                reduced = [
+                    sum(each[m * replicas : (m + 1) * replicas]) / replicas
+                    for m in range(microbatches)
+                ]
+                p.grad = sum(g.float() for g in reduced)
+        if plant_step == step:
+            next(master.parameters()).grad.view(-1)[0] = float("inf")
+        found = [p.grad for p in master.parameters()]
+        if all(torch.isfinite(g).all() for g in found):
+            largest = max(largest, max(float(g.abs().max()) for g in found) / scales[-1])
+        scaler.unscale_(opt)  # then clip: GradScaler's documented order
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(master.parameters(), max_norm)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        losses.append(total)
+    scales.append(scaler.get_scale())
+    return {k: v.detach() for k, v in master.state_dict().items()}, scales, largest, losses
+
+
+def fp16_refusals(ctx):
+    """What the 3D step says to mixed precision it cannot keep: each message."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    mesh = Mesh({"dp": 2}, ctx.group)
+    tries = [
+        {"compute_dtype": torch.float16},  # no ZeRO: no masters
+        {"zero": 1, "compute_dtype": torch.bfloat16, "scaler": ShardedGradScaler("cpu")},
+        {"zero": 1, "compute_dtype": torch.float16, "scaler": torch.amp.GradScaler("cpu")},
+    ]
+    said = []
+    for kwargs in tries:
+        try:
+            Hybrid(gpt(CONFIG), mesh, microbatches=2, **kwargs)
+        except ValueError as e:
+            said.append(str(e))
+    return said

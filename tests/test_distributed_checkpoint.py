@@ -168,3 +168,23 @@ def test_experts_cut_over_ep_resume_on_another_cut(tmp_path, pool4):
         assert close(run.results[0][2], weights), shape
     state = full_state_dict(latest(root))
     assert state["blocks.0.mlp.up_weight"].shape == (4, 24, 96)
+
+
+def test_fp16_with_a_loss_scaler_resumes_as_uninterrupted(tmp_path, pool4):
+    """Mixed precision from construction to reload: fp16 compute under ZeRO-3 with its
+    fp32 masters and torch's ShardedGradScaler, saved after 3 of 7 steps (the scaler has
+    backed off three times by then) and resumed under ZeRO-2, whose sums are ZeRO-3's
+    (each microbatch reduced, the slices added in fp32): the checkpoint holds the fp32
+    masters and the scaler's state, so the resumed run's scales, losses and weights are
+    the uninterrupted run's, exactly."""
+    from dcp_fns import fp16_run
+
+    root = str(tmp_path / "fp16")
+    whole = pool4.run(fp16_run, SAVED_ON, root, 7, 3, save_at=3).results
+    resumed = pool4.run(fp16_run, SAVED_ON, root, 7, 2, resume=True).results
+    for (scales, losses, weights), (got_scales, got_losses, got) in zip(whole, resumed):
+        assert scales[0] > scales[3] and got_scales == scales[3:], (scales, got_scales)
+        assert got_losses == losses[3:]
+        assert weights.keys() == got.keys()
+        for name, value in weights.items():
+            assert value.dtype == torch.float32 and torch.equal(got[name], value), name

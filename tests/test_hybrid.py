@@ -16,6 +16,7 @@ from hybrid_fns import (
     EXPERTS,
     bad_sizes,
     dropout_masks,
+    fp16_refusals,
     one_process,
     one_process_by_microbatch,
     thawed_after_hybrid,
@@ -693,3 +694,106 @@ def test_reductions_with_experts_name_ep_and_the_experts_copies(pool4):
     assert by["finalize 1", "dp-ep"]["ranks"] == [0, 1, 2, 3]
     assert by["finalize 1", "dp"]["ranks"] == [0, 2]
     assert by["finalize 2", "tp-pp-ep"]["ranks"] == [0, 1]
+
+
+# --- fp16 with loss scaling: torch's ShardedGradScaler over every rank of the mesh
+
+FP16_STEPS = 8
+
+
+@pytest.mark.parametrize(
+    "shape,zero,kwargs",
+    [
+        ({"dp": 2}, 2, {}),
+        ({"dp": 2, "pp": 2}, 1, {}),
+        ({"dp": 2, "tp": 2}, 3, {}),
+        ({"dp": 2, "tp": 2, "pp": 2}, 2, {"max_norm": CLIP}),
+    ],
+    ids=["dp2-zero2", "dp2xpp2-zero1", "dp2xtp2-zero3", "dp2xtp2xpp2-zero2-clip"],
+)
+def test_fp16_in_3d_with_a_sharded_grad_scaler_equals_one_process_with_grad_scaler(
+    request, pools, shape, zero, kwargs
+):
+    """fp16 compute with fp32 masters in ZeRO's slices, stepped through torch's
+    ShardedGradScaler over every rank, against one process's loop with a plain
+    torch.amp.GradScaler (hybrid_fns.one_process_fp16): the same scale before every step
+    (the first steps overflow and are skipped, two good steps grow it), the same steps
+    skipped, and an inf planted in one rank's gradient (the last rank's: a tp or pp rank
+    whose slices the others never see) skips the step on every rank.
+
+    Where the gradients are added matters in fp16, and the reference adds them where
+    the 3D step does: ZeRO-1 adds a replica's microbatches in fp16 (.grad) and reduces
+    once; ZeRO-2 and 3 reduce each microbatch and add the slices in fp32 (as FSDP2 adds
+    its sharded gradients in the weights' dtype), except the tied embedding across
+    stages, which the pipeline adds up in fp16 after the schedule. (Measured: a reference
+    adding in the other place overflows at another step, and the scale sequences part.)
+
+    Tolerance: what is left is the order of the sums (tp's split products, the tied
+    weight's two stages): each gradient off by at most fp16's eps x |gradient|, an update
+    by lr x that; over the steps at most steps x lr x eps x the largest gradient, doubled
+    (measured: 2e-5 against a bound of 2e-4). A wrong slice or a step taken on one rank
+    only is off by the weights' own size."""
+    from hybrid_fns import FP16_LR, one_process_fp16, train_fp16
+
+    world = math.prod(shape.values())
+    pool = pools[world] if world in pools else request.getfixturevalue(f"pool{world}")
+    reference = {
+        "replicas": shape["dp"],
+        "add_in": "fp16" if zero == 1 else "fp32",
+        "tied": "tok_emb.weight" if shape.get("pp", 1) > 1 and zero > 1 else None,
+        "max_norm": kwargs.get("max_norm"),
+    }
+    plain, scales, largest, losses = one_process_fp16(FP16_STEPS, **reference)
+    k = next(i for i in range(1, FP16_STEPS - 1) if scales[i + 1] >= scales[i])  # it steps
+    planted = one_process_fp16(FP16_STEPS, plant_step=k, **reference)
+    assert planted[1][k + 1] == scales[k + 1] / 2 and scales[0] > scales[-1]
+    bound = 2 * FP16_STEPS * FP16_LR * 2**-10 * largest
+    for plant, (want, want_scales, _, want_losses) in (
+        (None, (plain, scales, largest, losses)),
+        ((k, world - 1), planted),
+    ):
+        run = pool.run(train_fp16, shape, FP16_STEPS, plant, zero=zero, **kwargs)
+        skipped = sum(1 for a, b in zip(want_scales, want_scales[1:]) if b < a)
+        for weights, got_scales, got_skipped, got_losses in run.results:
+            assert got_scales == want_scales, (plant, got_scales, want_scales)
+            assert got_skipped == skipped, (plant, got_skipped, skipped)
+            for name, value in want.items():
+                assert weights[name].dtype == torch.float32, name  # the masters
+                off = float((weights[name] - value).abs().max())
+                assert off <= bound, (plant, name, off, bound)
+            if got_losses[0] is not None:
+                assert got_losses == pytest.approx(want_losses, rel=1e-3)  # fp16 logits
+        # the masters, not their fp16 copy: most of them fall between fp16's numbers
+        w = run.results[0][0]["blocks.0.mlp.up.weight"]
+        assert (w.half().float() != w).float().mean() > 0.5
+
+
+def test_mixed_precision_the_3d_step_cannot_keep_is_refused_in_one_line(pools):
+    said = pools[2].run(fp16_refusals).results[0]
+    assert len(said) == 3, said
+    assert "keeps fp32 masters in ZeRO's slices: add zero=1" in said[0]
+    assert "in torch.bfloat16 nothing underflows" in said[1]
+    assert "GradScaler finds an inf in this rank's gradients only" in said[2]
+    assert "ShardedGradScaler(process_group=" in said[2]
+
+
+def test_fp16_holds_two_bytes_a_weight_and_sends_half(pool4):
+    """ZeRO's 2 + 2 + 12 under fp16 in a pipeline: the weights a stage computes with are
+    half fp32's bytes (whole under ZeRO-1, a slice under ZeRO-3); the fp32 masters, this
+    rank's slice (half the stage's weights at dp 2), join Adam's state as the
+    optimizer's; dp's messages (reduce-scatters and all-gathers) are half fp32's bytes."""
+    from hybrid_fns import dp_bytes_by_zero, memory_by_zero
+
+    half = {"compute_dtype": torch.float16}
+    for zero in (1, 3):
+        fp32, fp16 = (pool4.run(memory_by_zero, zero, **kw).results for kw in ({}, half))
+        for full, mixed in zip(fp32, fp16):
+            assert 2 * mixed["params"] == full["params"]
+            assert mixed["adam"] == full["adam"]
+            masters = full["params"] // (2 if zero == 1 else 1)  # this rank's fp32 rows
+            assert mixed["optimizer"] == mixed["adam"] + masters
+        shape = {"dp": 2, "pp": 2}
+        sent32 = pool4.run(dp_bytes_by_zero, shape, zero, 2).results
+        sent16 = pool4.run(dp_bytes_by_zero, shape, zero, 2, **half).results
+        for (a, *_), (b, *_) in zip(sent32, sent16):
+            assert 2 * b == a

@@ -161,8 +161,8 @@ class BucketedStages:
                 bucket.done = None
                 bucket.unpack(self.mean_over)
 
-    def step(self) -> None:
-        self.optimizer.step()
+    def step(self, optimizer_step: Callable[[], Any] | None = None) -> None:
+        (optimizer_step or self.optimizer.step)()
 
     def gradients(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
         return [(p.grad, p) for p in self.params if p.grad is not None]

@@ -55,7 +55,9 @@ class ShardedStages:
     `comms`: a group for each unit instead (None: `comm`); `mean_over`: what a summed
     gradient is divided by (None: its unit's group size); `replicate`: the group across
     which every slice is summed once a step, after the reduce-scatters (HSDP: the shards
-    replicated over it, `sum_replicas`; None: none)."""
+    replicated over it, `sum_replicas`; None: none). `compute_dtype` (bf16, fp16): the
+    weights, their gradients and the messages 16-bit, the optimizer's shards fp32
+    masters, each slice's gradient cast to fp32 once reduced (mixed_precision.py)."""
 
     def __init__(
         self,
@@ -66,16 +68,19 @@ class ShardedStages:
         comms: list[Comm] | None = None,
         mean_over: int | None = None,
         replicate: Comm | None = None,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
         if comms is not None and len(comms) != len(units):
             raise ValueError(f"{len(comms)} comms for {len(units)} units")
         self.comm, self.stage, self.mean_over = comm, stage, mean_over
-        self.replicate = replicate
+        self.replicate, self.compute_dtype = replicate, compute_dtype
         kept = [(params, comms[i] if comms else comm) for i, params in enumerate(units) if params]
         self.units = [
-            FlatUnit(i, params, c.rank, c.size, sharded_weights=stage == 3)
+            FlatUnit(
+                i, params, c.rank, c.size, compute_dtype=compute_dtype, sharded_weights=stage == 3
+            )
             for i, (params, c) in enumerate(kept)
         ]
         self._comm = {id(u): c for u, (_, c) in zip(self.units, kept)}
@@ -105,6 +110,7 @@ class ShardedStages:
         stage: Literal[1, 2, 3],
         holds_tied: set[int],
         note: Callable[[], None] = lambda: None,
+        compute_dtype: torch.dtype | None = None,
     ) -> ShardedStages:
         """ZeRO `stage` over a pipeline's stages: a unit for each stage's weights, one
         for the tied weights, one for each stage's experts (over their own group, in
@@ -114,7 +120,9 @@ class ShardedStages:
         lists = [*weights.dense.values(), weights.tied, *weights.experts.values()]
         comm, expert_comm = groups.comm, groups.experts or groups.comm
         comms = [comm] * (len(weights.dense) + 1) + [expert_comm] * len(weights.experts)
-        self = cls(lists, comm, optimizer, stage, comms, groups.mean_over, groups.replicate)
+        self = cls(
+            lists, comm, optimizer, stage, comms, groups.mean_over, groups.replicate, compute_dtype
+        )
         made = iter(self.units)  # one for each list that holds a weight, in order
         unit_of = {k: next(made) for k, ps in zip(keys, lists) if ps}
         self.tied_unit = unit_of.pop(None, None)
@@ -202,8 +210,41 @@ class ShardedStages:
 
     def whole_weights(self) -> AbstractContextManager[None]:
         """Every weight whole inside the block (ZeRO-3 gathers them, and frees them
-        after); a no-op under ZeRO-1 and 2, whose weights are always whole."""
+        after); a no-op under ZeRO-1 and 2, whose weights are always whole. Under mixed
+        precision the weights are the fp32 masters instead (`_masters_whole`)."""
+        if self.compute_dtype is not None:
+            return self._masters_whole()
         return self._gathered(self.units if self.stage == 3 else [])
+
+    @contextlib.contextmanager
+    def _masters_whole(self) -> Iterator[None]:
+        """Every weight whole as its masters hold it (fp32, each unit's slices
+        all-gathered over its group), in place of the 16-bit copy the stages compute
+        with: what an export reads and a checkpoint writes. What is written into them
+        inside the block (a load) reaches the masters by `load_weights`; after it, the
+        16-bit weights are cast again from the masters."""
+        self.collect()
+        held = []
+        with torch.no_grad():
+            for unit in self.units:
+                whole = torch.empty(unit.padded, dtype=unit.dtype, device=unit.full.device)
+                self.comm_of(unit).all_gather(unit.master_part(), whole)
+                flat = torch.empty(unit.numel, dtype=unit.dtype, device=unit.full.device)
+                unit.unpack(whole.view(unit.world_size, unit.part_numel), into=flat)
+                held.append((unit, flat, [p.data for p in unit.params]))
+                for p, offset, size, shape in zip(
+                    unit.params, unit.full_offsets, unit.numels, unit.shapes
+                ):
+                    p.data = flat[offset : offset + size].view(shape)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for unit, flat, views in held:
+                    for p, view in zip(unit.params, views):
+                        p.data = view
+                    if unit.gathered():  # ZeRO-1 and 2: whole, cast from the masters
+                        unit.full.copy_(flat)
 
     @contextlib.contextmanager
     def _gathered(self, units: list[FlatUnit]) -> Iterator[None]:
@@ -241,7 +282,7 @@ class ShardedStages:
         return self._comm[id(unit)]
 
     def _add(self, unit: FlatUnit, part: torch.Tensor) -> None:
-        part = part.div_(self.mean_over or self.comm_of(unit).size)
+        part = part.div_(self.mean_over or self.comm_of(unit).size).to(unit.dtype)
         if all(sp.grad is None for sp in unit.shard_params):  # the first: one copy, viewed
             part = part.clone()  # (the reduction's buffer is scratch)
             for i, sp in enumerate(unit.shard_params):
@@ -280,11 +321,12 @@ class ShardedStages:
     # -- the step
 
     @torch.no_grad()
-    def step(self) -> None:
-        """Step this rank's shards; under ZeRO-1 and 2 all-gather the stepped rows into
-        the weights (under ZeRO-3 the next use gathers them)."""
+    def step(self, optimizer_step: Callable[[], Any] | None = None) -> None:
+        """Step this rank's shards (by `optimizer_step`, e.g. a loss scaler's, if given);
+        under ZeRO-1 and 2 all-gather the stepped rows into the weights (under ZeRO-3 the
+        next use gathers them)."""
         self.collect()
-        self.optimizer.step()
+        (optimizer_step or self.optimizer.step)()
         self.optimizer.zero_grad(set_to_none=True)
         if self.stage == 3:
             return

@@ -5,6 +5,8 @@ stage3.py (each adds to the one before), then mixed_precision.py, state_dict.py,
 clip.py; model.py holds the entry points, sharded_optimizer.py the optimizer's half.
 Beyond stage 3: offload.py (ZeRO-Offload), infinity.py (ZeRO-Infinity), zeropp.py
 (ZeRO++); config.py reads a DeepSpeed config, loss_scale.py its fp16 section.
+For the 3D step: stages.py (ZeRO driven by a pipeline's schedule), step_precision.py
+(its compute dtype and torch's ShardedGradScaler at the step's moments).
 """
 
 from parcourse.zero.config import ZeroEngine, check_config, from_config

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import typing
 from collections.abc import Sequence
@@ -152,6 +153,15 @@ def plan_options(
     p.set_defaults(plan_defaults=defaults, plan_fields=tuple(fields))
 
 
+def _launchers_node() -> int | None:
+    """Under torchrun across several nodes, the ranks each node holds (its local world
+    size: torchrun numbers a node's ranks one after another); None on one node or none."""
+    local, external = os.environ.get("LOCAL_WORLD_SIZE"), external_env()
+    if external is None or local is None or int(local) >= external[1]:
+        return None
+    return int(local)
+
+
 def plan_from(args: argparse.Namespace) -> ParallelPlan | str:
     """The plan the flags (or `--plan`) give, also set on `args` field by field (so
     `args.dp` is the plan's dp); a message if they cannot be read or disagree."""
@@ -179,6 +189,8 @@ def plan_from(args: argparse.Namespace) -> ParallelPlan | str:
             )
     else:
         plan = dataclasses.replace(defaults, **given)
+    if "ranks_per_node" in args.plan_fields and plan.ranks_per_node is None:
+        plan = dataclasses.replace(plan, ranks_per_node=_launchers_node())
     for f in args.plan_fields:
         setattr(args, f, getattr(plan, f))
     args.parallel_plan = plan

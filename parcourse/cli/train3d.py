@@ -178,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
         f", backend {trained.backend}"
     )
     print(f"plan        {args.parallel_plan.label()}")
+    if plan.ranks_per_node is not None:
+        _print_nodes(plan)
     moe = f", MLPs of {config.experts} experts (top {config.top_k})" if config.experts else ""
     print(
         f"model       GPT, {config.n_layers} blocks, d_model {config.d_model}, "
@@ -203,6 +205,20 @@ def run(args: argparse.Namespace) -> int:
             f"{len(times)} after the first, slowest rank)"
         )
     return 0
+
+
+def _print_nodes(plan: ParallelPlan) -> None:
+    """Which axes' groups cross the nodes (consecutive `ranks_per_node` ranks a node)."""
+    from parcourse.mesh import Layout
+
+    layout, per = Layout.of(plan.shape, plan.order), plan.ranks_per_node
+    axes = [a for a in AXES if plan.shape.get(a, 1) > 1]
+    across = [a for a in axes if any(layout.crosses_nodes(r, [a], per) for r in range(plan.gpus))]
+    inside = [a for a in axes if a not in across]
+    print(
+        f"nodes       {plan.gpus // (per or 1)} of {per} ranks; inside a node: "
+        f"{', '.join(inside) or 'none'}; across nodes: {', '.join(across) or 'none'}"
+    )
 
 
 def _print_bytes_and_memory(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:

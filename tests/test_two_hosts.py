@@ -85,3 +85,18 @@ def test_train3d_with_tp_inside_a_host_and_dp_across_equals_one_process(hosts):
         assert float(ours) == pytest.approx(float(one), rel=1e-4)
     diff = re.search(r"largest difference from one process after 3 steps: (\S+)", said)
     assert diff is not None and float(diff.group(1)) < 1e-4, said
+
+
+def test_an_agent_not_told_its_address_fails_naming_the_fix(hosts):
+    """Without --local-addr the workers are told to meet at the rendezvous host's name,
+    which resolves here but not on the other host: the workers there fail within
+    seconds naming the store they cannot reach and --local-addr, instead of waiting out
+    the store's timeout. (The first host's workers wait for them: killed at the
+    deadline.)"""
+    done = hosts.torchrun(
+        ["-m", "parcourse", "doctor"], nproc_per_node=2, timeout=40, local_addr=False
+    )
+    failed = [d for d in done if d.returncode not in (0, None)]
+    assert failed, [d.returncode for d in done]
+    assert "cannot reach torchrun's store at MASTER_ADDR" in failed[0].stderr
+    assert "give each agent --local-addr" in failed[0].stderr

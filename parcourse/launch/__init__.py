@@ -21,6 +21,8 @@ runs" covers torchrun and Slurm. By job:
 - cpus.py: the CPUs this process may use (affinity and cgroup quota) and the ranks a
   lesson starts on them (`usable_cpus`, `lesson_ranks`).
 - external.py: under torchrun or Slurm, this process is a rank already.
+- hosts.py: several hosts on one Linux machine (network namespaces, root), a torchrun
+  agent in each, for running the course across a real, rate-limited link.
 """
 
 from parcourse.launch.cpus import lesson_ranks, usable_cpus

@@ -45,6 +45,7 @@ def init_external(plan: Plan) -> None:
         # (--max-restarts) the new workers would read the dead ones' addresses from it:
         # gloo's "connectFullMesh failed ... Connection refused" (pytorch/pytorch#135712).
         # Each attempt gets keys of its own.
+        _check_reachable(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
         store = dist.TCPStore(
             os.environ["MASTER_ADDR"],
             int(os.environ["MASTER_PORT"]),
@@ -67,6 +68,31 @@ def init_external(plan: Plan) -> None:
     # We created it, so we tear it down: a gloo group still alive at interpreter exit
     # aborts the process ("terminate called without an active exception").
     atexit.register(_destroy_group)
+
+
+def _check_reachable(host: str, port: int, seconds: float = 10.0) -> None:
+    """torchrun's agent store is up before its workers start: if this worker cannot reach
+    it, say why now rather than wait out the store's timeout. Across nodes it is most
+    often the rendezvous host's name, which resolves where it is but not here."""
+    import socket
+
+    deadline, why = time.monotonic() + seconds, ""
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, port), timeout=2).close()
+            return
+        except OSError as e:
+            why = f"{type(e).__name__}: {e}"
+            time.sleep(0.2)
+    try:
+        where = socket.gethostbyname(host)
+    except OSError:
+        where = "nothing"
+    raise RuntimeError(
+        f"this rank cannot reach torchrun's store at MASTER_ADDR {host} (resolves to "
+        f"{where}), port {port}: {why}. On several nodes give each agent --local-addr "
+        "<its own address>, reachable from the others (docs/multi_node.md)"
+    )
 
 
 def _destroy_group() -> None:

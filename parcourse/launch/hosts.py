@@ -181,9 +181,11 @@ class Hosts:
         timeout: float = 300.0,
         port: int = 29400,
         options: Sequence[str] = (),
+        local_addr: bool = True,
     ) -> list[Done]:
         """One torchrun agent a host, meeting at the first host by c10d rendezvous, each
         running `argv` (e.g. ["-m", "parcourse", "doctor"]) on `nproc_per_node` workers.
+        `local_addr=False`: the agents not told their addresses (what a learner forgets).
         Waits at most `timeout` seconds for all; what is still running then is killed
         (its `returncode` None)."""
         jobs = []
@@ -193,8 +195,8 @@ class Hosts:
                 "--nnodes", str(len(self.hosts)), "--nproc-per-node", str(nproc_per_node),
                 "--rdzv-backend", "c10d", "--rdzv-id", self.tag,
                 "--rdzv-endpoint", f"{self.hosts[0].address}:{port}",
-                "--rdzv-conf", f"is_host={int(i == 0)}", "--local-addr", h.address,
-                *options, *argv,
+                "--rdzv-conf", f"is_host={int(i == 0)}",
+                *(["--local-addr", h.address] if local_addr else []), *options, *argv,
             ]  # fmt: skip
             jobs.append(self.start(i, agent))
         return self.wait(jobs, timeout)

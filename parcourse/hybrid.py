@@ -133,7 +133,7 @@ class Hybrid:
             holds_tied={s for g in tied_groups for s in g if s in mine},
             bucket_mb=bucket_mb,
         )
-        self.precision.cast_frozen(mine.values(), self.params)  # frozen: 16-bit copies
+        self.precision.cast_frozen(mine.values(), [p for p in self.params if p.requires_grad])
         self.sharded = self.sync if isinstance(self.sync, ShardedStages) else None
         self.optimizer = self.sync.optimizer
         # 4. the pipeline; simulated compute pads each action, tp's collectives on top
@@ -295,7 +295,8 @@ class Hybrid:
         if self.shard is not None:  # this rank's tokens of each sequence
             x, y = self.shard.cut_batch(x, y, inputs.shape[1], self.config.block_size)
         self.grad_bytes = 0
-        scale = self.precision.scale()
+        scale = self.precision.scale()  # the balancing losses scaled as the loss is
+        set_aux_scale(self.model, scale / self.microbatches)
         loss = self.runtime.step(x, y)  # and the tied weights' gradients added up
         self.finalize_gradients()
         for module in self.runtime.stages.values():  # experts' balancing bias, from every

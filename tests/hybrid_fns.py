@@ -412,3 +412,23 @@ def fp16_refusals(ctx):
         except ValueError as e:
             said.append(str(e))
     return said
+
+
+def fp16_frozen(ctx, steps=3):
+    """fp16 under ZeRO-1 on dp 2 with the position embedding frozen before building: the
+    losses, and the frozen weight and one trained weight before and after."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    model = gpt(CONFIG)
+    model.pos_emb.weight.requires_grad_(False)
+    scaler = ShardedGradScaler("cpu", process_group=ctx.group, init_scale=2.0**10)
+    hybrid = Hybrid(
+        model, Mesh({"dp": 2}, ctx.group), microbatches=2, zero=1, optimizer=_sgd,
+        compute_dtype=torch.float16, scaler=scaler,
+    )  # fmt: skip
+    before = hybrid.full_state_dict()
+    x, y = progressions(BATCH, CONFIG.block_size, CONFIG.vocab)
+    losses = [hybrid.step(x, y) for _ in range(steps)]
+    after = hybrid.full_state_dict()
+    names = ("pos_emb.weight", "blocks.0.mlp.up.weight")
+    return losses, [(before[n], after[n]) for n in names]

@@ -797,3 +797,15 @@ def test_fp16_holds_two_bytes_a_weight_and_sends_half(pool4):
         sent16 = pool4.run(dp_bytes_by_zero, shape, zero, 2, **half).results
         for (a, *_), (b, *_) in zip(sent32, sent16):
             assert 2 * b == a
+
+
+def test_fp16_with_a_frozen_weight_trains_the_others(pools):
+    """A weight frozen before building stays out of ZeRO's units, in fp32; under fp16
+    each forward runs on a 16-bit copy of it (without one the fp32 weight meets fp16
+    activations and the step fails): it stays as it was, and the others train."""
+    from hybrid_fns import fp16_frozen
+
+    for losses, ((frozen0, frozen1), (up0, up1)) in pools[2].run(fp16_frozen).results:
+        assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
+        assert frozen1.dtype == torch.float32 and torch.equal(frozen0, frozen1)
+        assert not torch.equal(up0, up1)

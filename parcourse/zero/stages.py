@@ -222,7 +222,7 @@ class ShardedStages:
         all-gathered over its group), in place of the 16-bit copy the stages compute
         with: what an export reads and a checkpoint writes. What is written into them
         inside the block (a load) reaches the masters by `load_weights`; after it, the
-        16-bit weights are cast again from the masters."""
+        16-bit weights (ZeRO-1 and 2) are cast from what the block left in them."""
         self.collect()
         held = []
         with torch.no_grad():

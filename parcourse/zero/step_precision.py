@@ -14,7 +14,10 @@ those calls at the step's moments:
 
 `check` refuses in one line what the step cannot keep: a compute dtype without ZeRO's
 fp32 masters, a scaler under bf16 or fp32, a plain `torch.amp.GradScaler` (its infs
-this rank's only), a `ShardedGradScaler` over fewer ranks than the mesh.
+this rank's only), a `ShardedGradScaler` over other ranks than the mesh's. A disabled
+scaler (`enabled=False`, or one made for "cuda" where there is none) is no scaler, as in
+a torch loop. The balancing losses of MoE layers are scaled with the loss
+(`Hybrid.step`), as Megatron-LM's `MoEAuxLossAutoScaler` is.
 """
 
 from __future__ import annotations
@@ -36,14 +39,17 @@ class StepPrecision:
     def __init__(
         self, compute_dtype: torch.dtype | None, scaler: Any, zero: int, group: Any
     ) -> None:
+        if scaler is not None and not scaler.is_enabled():  # GradScaler(enabled=False):
+            scaler = None  # a no-op, as in a torch loop
         self.compute_dtype = check(compute_dtype, scaler, zero, group)
         self.scaler, self.skipped_steps = scaler, 0
         if scaler is not None:  # its scale made on every rank: the stages that take no
             scaler.scale(torch.zeros(())).detach()  # loss never scale one themselves
 
     def cast_frozen(self, modules: Iterable[nn.Module], trainable: list[nn.Parameter]) -> None:
-        """The weights of `modules` outside ZeRO's units (frozen ones) run forward on a
-        copy in the compute dtype, as under `ZeroModel`."""
+        """The weights of `modules` other than `trainable` (ZeRO's units' weights, in the
+        compute dtype already): frozen ones, which run forward on a copy in the compute
+        dtype, as under `ZeroModel`."""
         if self.compute_dtype is None:
             return
         for module in modules:
@@ -101,10 +107,12 @@ def check(
         )
     world = dist.group.WORLD
     covered = set(dist.get_process_group_ranks(scaler.process_group or world))
-    missing = sorted(set(dist.get_process_group_ranks(group or world)) - covered)
-    if missing:
+    mesh = set(dist.get_process_group_ranks(group or world))
+    if covered != mesh:
+        missing, extra = sorted(mesh - covered), sorted(covered - mesh)
         raise ValueError(
-            f"the ShardedGradScaler's group leaves out ranks {missing} of the mesh: an inf "
-            "there would skip the step there alone; give it the mesh's group (mesh.parent)"
+            f"the ShardedGradScaler's group is not the mesh's (it leaves out ranks {missing}, "
+            f"takes in ranks {extra}): an inf would skip the step on some ranks only, or "
+            "the all-reduce wait for ranks not stepping; give it the mesh's group (mesh.parent)"
         )
     return compute_dtype

@@ -2,6 +2,11 @@ import json
 import os
 from pathlib import Path
 
+# A run's limit guards a hang, not this machine's speed: the suite runs beside other
+# work (three pytest processes on two cores, and whatever else), where a lesson's run
+# that takes 5 s quiet has taken 57 s. The kernels nbval and papermill start inherit it.
+os.environ.setdefault("PARCOURSE_TIMEOUT", "300")
+
 import matplotlib
 import pytest
 from cell_limits import limit, too_long

@@ -472,3 +472,22 @@ def test_messages_between_caller_and_ranks_pickle_by_name():
     ):
         assert pickle.loads(pickle.dumps(message)) == message
     assert Failed(2, 7, "ValueError", "bad", "tb", TraceData(2)).summary == "ValueError: bad"
+
+
+def test_the_default_timeout_reads_parcourse_timeout():
+    """PARCOURSE_TIMEOUT sets a run's default limit (the suite sets 300: a hang guard on a
+    loaded machine); a value that is not a positive number is refused, naming it."""
+    import subprocess
+    import sys
+
+    code = "from parcourse.launch import DEFAULT_TIMEOUT_S as t; print(t)"
+
+    def with_value(value):
+        env = {**os.environ, "PARCOURSE_TIMEOUT": value}
+        return subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        )
+
+    assert with_value("7").stdout.strip() == "7.0"
+    bad = with_value("soon")
+    assert bad.returncode != 0 and "PARCOURSE_TIMEOUT must be a number of seconds" in bad.stderr

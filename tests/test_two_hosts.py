@@ -63,7 +63,7 @@ def test_hosts_reach_each_other_by_address_and_go_even_on_failure():
 def test_doctor_across_two_hosts(hosts):
     """`python -m parcourse doctor` under one agent a host: a 4-rank all_reduce across
     the hosts (2 ranks each)."""
-    done = hosts.torchrun(["-m", "parcourse", "doctor"], nproc_per_node=2, timeout=150)
+    done = hosts.torchrun(["-m", "parcourse", "doctor"], nproc_per_node=2, timeout=300)
     assert all(d.returncode == 0 for d in done), [d.stderr[-2000:] for d in done]
     said = "".join(d.stdout for d in done)
     assert "all_reduce  4 ranks under an external launcher, backend gloo: OK" in said
@@ -76,7 +76,7 @@ def test_train3d_with_tp_inside_a_host_and_dp_across_equals_one_process(hosts):
     losses and weights are one process's (to fp32's order of sums, as tests/test_hybrid.py:
     rtol 1e-4; the weights within 1e-4)."""
     argv = ["-m", "parcourse", "train3d", "--dp", "2", "--tp", "2", "--pp", "1", "--steps", "3"]
-    done = hosts.torchrun(argv, nproc_per_node=2, timeout=240)
+    done = hosts.torchrun(argv, nproc_per_node=2, timeout=400)
     assert all(d.returncode == 0 for d in done), [d.stderr[-2000:] for d in done]
     said = "".join(d.stdout for d in done)
     assert "dp2 tp2 pp1 1f1b m2 2/node" in said
@@ -91,10 +91,14 @@ def test_an_agent_not_told_its_address_fails_naming_the_fix(hosts):
     """Without --local-addr the workers are told to meet at the rendezvous host's name,
     which resolves here but not on the other host: the workers there fail within
     seconds naming the store they cannot reach and --local-addr, instead of waiting out
-    the store's timeout. (The first host's workers wait for them: killed at the
-    deadline.)"""
+    the store's timeout. (The first host's workers wait for them: killed once the
+    other host's agent has failed.)"""
     done = hosts.torchrun(
-        ["-m", "parcourse", "doctor"], nproc_per_node=2, timeout=40, local_addr=False
+        ["-m", "parcourse", "doctor"],
+        nproc_per_node=2,
+        timeout=240,
+        local_addr=False,
+        first_failure=True,
     )
     failed = [d for d in done if d.returncode not in (0, None)]
     assert failed, [d.returncode for d in done]

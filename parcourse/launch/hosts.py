@@ -25,9 +25,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import IO
 
 # The subnet the hosts' addresses are on, inside their namespaces only.
 SUBNET = "10.77.0"
@@ -94,6 +96,7 @@ class Hosts:
             Host(f"{self.tag}h{i}", f"{self.tag}v{i}", f"{SUBNET}.{i + 1}") for i in range(n)
         ]
         self._running: list[subprocess.Popen[str]] = []
+        self._output: dict[int, tuple[IO[str], IO[str]]] = {}
 
     # -- up and down
 
@@ -144,6 +147,10 @@ class Hosts:
             if job.poll() is None:
                 _kill_group(job)
         self._running.clear()
+        for files in self._output.values():
+            for f in files:
+                f.close()
+        self._output.clear()
         for ns in [h.namespace for h in self.hosts] + [self.switch]:
             pids = _ip("netns", "pids", ns, check=False).stdout.split()
             for pid in pids:
@@ -163,15 +170,20 @@ class Hosts:
         h = self.hosts[host]
         full = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
         full.update(GLOO_SOCKET_IFNAME=h.interface, OMP_NUM_THREADS="1", **(env or {}))
+        # Output to files, not pipes: a job that writes more than a pipe holds while
+        # nobody reads would stop there. Closed by `wait` or `close`.
+        out = tempfile.TemporaryFile("w+")  # noqa: SIM115
+        err = tempfile.TemporaryFile("w+")  # noqa: SIM115
         job = subprocess.Popen(
             ["ip", "netns", "exec", h.namespace, *argv],
             env=full,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stdout=out,
+            stderr=err,
             text=True,
             start_new_session=True,
         )
         self._running.append(job)
+        self._output[id(job)] = (out, err)
         return job
 
     def torchrun(
@@ -182,12 +194,12 @@ class Hosts:
         port: int = 29400,
         options: Sequence[str] = (),
         local_addr: bool = True,
+        first_failure: bool = False,
     ) -> list[Done]:
         """One torchrun agent a host, meeting at the first host by c10d rendezvous, each
         running `argv` (e.g. ["-m", "parcourse", "doctor"]) on `nproc_per_node` workers.
         `local_addr=False`: the agents not told their addresses (what a learner forgets).
-        Waits at most `timeout` seconds for all; what is still running then is killed
-        (its `returncode` None)."""
+        Waits as `wait` does."""
         jobs = []
         for i, h in enumerate(self.hosts):
             agent = [
@@ -199,20 +211,32 @@ class Hosts:
                 *(["--local-addr", h.address] if local_addr else []), *options, *argv,
             ]  # fmt: skip
             jobs.append(self.start(i, agent))
-        return self.wait(jobs, timeout)
+        return self.wait(jobs, timeout, first_failure)
 
-    def wait(self, jobs: list[subprocess.Popen[str]], timeout: float) -> list[Done]:
-        """Each job's output, waiting at most `timeout` seconds in all."""
+    def wait(
+        self, jobs: list[subprocess.Popen[str]], timeout: float, first_failure: bool = False
+    ) -> list[Done]:
+        """Each job's output (job i ran on host i), waiting at most `timeout` seconds in
+        all, or with `first_failure` until one job fails; what still runs then is killed
+        (its `returncode` None)."""
         deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            codes = [job.poll() for job in jobs]
+            if all(c is not None for c in codes) or (first_failure and any(codes)):
+                break
+            time.sleep(0.1)
         done = []
         for h, job in zip(self.hosts, jobs):
-            try:
-                out, err = job.communicate(timeout=max(0.1, deadline - time.monotonic()))
-                done.append(Done(h, job.returncode, out, err))
-            except subprocess.TimeoutExpired:
+            code = job.poll()
+            if code is None:
                 _kill_group(job)
-                out, err = job.communicate()
-                done.append(Done(h, None, out, err))
+            out, err = self._output.pop(id(job))
+            texts = []
+            for f in (out, err):
+                f.seek(0)
+                texts.append(f.read())
+                f.close()
+            done.append(Done(h, code, *texts))
         return done
 
 

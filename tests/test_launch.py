@@ -480,7 +480,7 @@ def test_the_default_timeout_reads_parcourse_timeout():
     import subprocess
     import sys
 
-    code = "from parcourse.launch import DEFAULT_TIMEOUT_S as t; print(t)"
+    code = "from parcourse import Pool; print(Pool(2, start=False).timeout)"
 
     def with_value(value):
         env = {**os.environ, "PARCOURSE_TIMEOUT": value}

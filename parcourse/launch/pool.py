@@ -55,11 +55,14 @@ from parcourse.trace import Trace, TraceData
 __all__ = ["DEFAULT_TIMEOUT_S", "Backend", "Device", "Pool", "launch"]
 
 
-def _default_timeout() -> float:
-    """A run's limit unless told otherwise: 60 s, or PARCOURSE_TIMEOUT seconds (a machine
-    known to be slow or loaded: the test suite beside other work sets 300, so that the
-    limit guards a hang and not the machine's speed)."""
-    given = os.environ.get("PARCOURSE_TIMEOUT", "60")
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def default_timeout() -> float:
+    """What `timeout="default"` means: 60 s, or PARCOURSE_TIMEOUT seconds where that is
+    set (a machine known to be slow or loaded: the test suite beside other work sets
+    300, so that the limit guards a hang and not the machine's speed)."""
+    given = os.environ.get("PARCOURSE_TIMEOUT", str(DEFAULT_TIMEOUT_S))
     try:
         seconds = float(given)
     except ValueError:
@@ -67,9 +70,6 @@ def _default_timeout() -> float:
     if not seconds > 0:
         raise ValueError(f"PARCOURSE_TIMEOUT must be a number of seconds > 0, got {given!r}")
     return seconds
-
-
-DEFAULT_TIMEOUT_S = _default_timeout()
 # After one rank fails, how long the others get to report before they are killed.
 # Ranks blocked in a collective on the failed rank would otherwise wait forever.
 _GRACE_S = 0.5
@@ -94,6 +94,8 @@ class Pool:
     stops every rank. `start=False` leaves starting the ranks to the first run,
     whose `on_progress` then reports the start too. `live_pools()` lists the
     pools of this process that hold ranks, `limit_pools(n)` caps them.
+    `timeout`: each run's limit in seconds (None: none); "default" is 60 s, or
+    PARCOURSE_TIMEOUT seconds where that is set (`default_timeout`).
     """
 
     def __init__(
@@ -102,13 +104,13 @@ class Pool:
         *,
         backend: Backend = "auto",
         device: Device = "auto",
-        timeout: float | None = DEFAULT_TIMEOUT_S,
+        timeout: float | None | Literal["default"] = "default",
         threads: int | None = None,
         start: bool = True,
     ) -> None:
         self.plan: Plan = make_plan(world_size, backend, device, threads)
         self.world_size = world_size
-        self.timeout = timeout
+        self.timeout = default_timeout() if timeout == "default" else timeout
         self._external = external_env()
         if self._external is not None and self._external[1] != world_size:
             raise ValueError(
@@ -493,7 +495,7 @@ def launch(
     *args: Any,
     backend: Backend = "auto",
     device: Device = "auto",
-    timeout: float | None = DEFAULT_TIMEOUT_S,
+    timeout: float | None | Literal["default"] = "default",
     threads: int | None = None,
     profile: bool | Profile = False,
     **kwargs: Any,

@@ -70,6 +70,8 @@ def default_timeout() -> float:
     if not seconds > 0:
         raise ValueError(f"PARCOURSE_TIMEOUT must be a number of seconds > 0, got {given!r}")
     return seconds
+
+
 # After one rank fails, how long the others get to report before they are killed.
 # Ranks blocked in a collective on the failed rank would otherwise wait forever.
 _GRACE_S = 0.5

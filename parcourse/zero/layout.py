@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import math
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,10 +109,8 @@ class FlatUnit:
                 self.master = self.full
             else:
                 self.master = own_master(self, given, self.host)
-            for p, offset, size, shape in zip(
-                self.params, self.full_offsets, self.numels, self.shapes
-            ):
-                p.data = self.full[offset : offset + size].view(shape)
+            for p, view in zip(self.params, self.views(self.full)):
+                p.data = view
         # Stage 3 gathers a 16-bit copy of the master every time: keep one.
         self.compute_shard = compute_copy(self) if self.sharded_weights else None
         self.shard_params = [
@@ -232,6 +230,25 @@ class FlatUnit:
                     self.part_offsets[i] + self.local_rows[i] * rn : self.part_offsets[i] + c * rn
                 ].zero_()
         return into
+
+    def gathered_masters(
+        self, all_gather: Callable[[torch.Tensor, torch.Tensor], Any]
+    ) -> torch.Tensor:
+        """Every rank's masters (fp32), the weights one after another, unpadded:
+        `all_gather(part, whole)` writes every rank's part into `whole`, in rank order."""
+        part = self.master_part()
+        whole = torch.empty(self.padded, dtype=part.dtype, device=part.device)
+        all_gather(part, whole)
+        full = torch.empty(self.numel, dtype=part.dtype, device=part.device)
+        self.unpack(whole.view(self.world_size, self.part_numel), into=full)
+        return full
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each weight's view into `flat` (its weights one after another, unpadded)."""
+        return [
+            flat[offset : offset + size].view(shape)
+            for offset, size, shape in zip(self.full_offsets, self.numels, self.shapes)
+        ]
 
     # -- what is gathered
 

@@ -227,15 +227,10 @@ class ShardedStages:
         held = []
         with torch.no_grad():
             for unit in self.units:
-                whole = torch.empty(unit.padded, dtype=unit.dtype, device=unit.full.device)
-                self.comm_of(unit).all_gather(unit.master_part(), whole)
-                flat = torch.empty(unit.numel, dtype=unit.dtype, device=unit.full.device)
-                unit.unpack(whole.view(unit.world_size, unit.part_numel), into=flat)
+                flat = unit.gathered_masters(self.comm_of(unit).all_gather)
                 held.append((unit, flat, [p.data for p in unit.params]))
-                for p, offset, size, shape in zip(
-                    unit.params, unit.full_offsets, unit.numels, unit.shapes
-                ):
-                    p.data = flat[offset : offset + size].view(shape)
+                for p, view in zip(unit.params, unit.views(flat)):
+                    p.data = view
         try:
             yield
         finally:
@@ -282,16 +277,16 @@ class ShardedStages:
         return self._comm[id(unit)]
 
     def _add(self, unit: FlatUnit, part: torch.Tensor) -> None:
-        part = part.div_(self.mean_over or self.comm_of(unit).size).to(unit.dtype)
+        part = part.div_(self.mean_over or self.comm_of(unit).size)
         if all(sp.grad is None for sp in unit.shard_params):  # the first: one copy, viewed
-            part = part.clone()  # (the reduction's buffer is scratch)
-            for i, sp in enumerate(unit.shard_params):
+            part = part.to(unit.dtype, copy=True)  # (the reduction's buffer is scratch;
+            for i, sp in enumerate(unit.shard_params):  # fp32 under mixed precision)
                 sp.grad = unit.shard_of(part, i)
             self._slices[id(unit)] = part  # what HSDP sums across its replicas
             return
         for i, sp in enumerate(unit.shard_params):
             piece = unit.shard_of(part, i)
-            sp.grad = piece.clone() if sp.grad is None else sp.grad.add_(piece)
+            sp.grad = piece.to(unit.dtype, copy=True) if sp.grad is None else sp.grad.add_(piece)
 
     def collect(self) -> None:
         """Wait for every reduce-scatter in flight, in the order they started."""

@@ -43,20 +43,15 @@ def full_state_dict(
     """The unsharded weights (gathered fp32 masters) and buffers, on every rank."""
     sharded = {id(p) for u in units for p in u.params}
     names = _names(module)
-    world_size = dist.get_world_size(group)
     state = {
         k: v.detach().clone()
         for k, v in module.state_dict(keep_vars=True).items()
         if id(v) not in sharded
     }
     for unit in units:
-        part = unit.master_part()
-        whole = torch.empty(unit.padded, dtype=part.dtype, device=part.device)
-        all_gather_single(whole, part, group=group)
-        full = torch.empty(unit.numel, dtype=part.dtype, device=part.device)
-        unit.unpack(whole.view(world_size, unit.part_numel), into=full)
-        for p, offset, size, shape in zip(unit.params, unit.full_offsets, unit.numels, unit.shapes):
-            state[names[id(p)]] = full[offset : offset + size].view(shape).clone()
+        full = unit.gathered_masters(lambda part, out: all_gather_single(out, part, group=group))
+        for p, view in zip(unit.params, unit.views(full)):
+            state[names[id(p)]] = view.clone()
     for name, p in module.named_parameters(remove_duplicate=False):
         if name not in state:  # the second name of a tied parameter
             state[name] = state[names[id(p)]]

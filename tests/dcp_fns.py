@@ -16,7 +16,7 @@ def batch(step, config=CONFIG):
     return data[:, :-1], data[:, 1:]
 
 
-def model_on(ctx, shape, zero=0, schedule="1f1b", config=CONFIG):
+def model_on(ctx, shape, zero=0, schedule="1f1b", config=CONFIG, **kwargs):
     mesh = Mesh(shape, ctx.group) if ctx is not None else None
     return Hybrid(
         gpt(config, seed=0),
@@ -26,6 +26,7 @@ def model_on(ctx, shape, zero=0, schedule="1f1b", config=CONFIG):
         zero=zero,
         max_norm=1.0,
         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+        **kwargs,
     )
 
 
@@ -106,16 +107,7 @@ def fp16_model_on(ctx, shape, zero):
     scaler = ShardedGradScaler(  # grows within a short run
         "cpu", process_group=ctx.group, init_scale=2.0**20, growth_interval=2
     )
-    return Hybrid(
-        gpt(CONFIG, seed=0),
-        Mesh(shape, ctx.group),
-        microbatches=2,
-        zero=zero,
-        max_norm=1.0,
-        optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
-        compute_dtype=torch.float16,
-        scaler=scaler,
-    )
+    return model_on(ctx, shape, zero, compute_dtype=torch.float16, scaler=scaler)
 
 
 def fp16_run(ctx, shape, root, steps, zero, save_at=None, resume=False):

@@ -33,7 +33,16 @@ from parcourse.comm.common import backend_for, global_rank, group_info
 from parcourse.parts import AXES, ORDERS
 
 # `ORDERS` (the registry's): outermost first. Axes a shape leaves out have size 1.
-__all__ = ["AXES", "ORDERS", "Layout", "Mesh", "Order", "check_ranks_per_node", "nodes_of"]
+__all__ = [
+    "AXES",
+    "ORDERS",
+    "Layout",
+    "Mesh",
+    "Order",
+    "check_ranks_per_node",
+    "nodes_of",
+    "order_axes",
+]
 Order = Literal["megatron", "llama3"]
 
 
@@ -61,27 +70,22 @@ class Layout:
     @classmethod
     def of(cls, shape: Mapping[str, int], order: Order | Sequence[str] = "megatron") -> Layout:
         """`Layout.of({"dp": 2, "tp": 2, "pp": 2})`: the shape's axes placed by `order`
-        ("megatron", "llama3", or the axes outermost first); axes it leaves out have size 1."""
-        if isinstance(order, str):
-            if order not in ORDERS:
-                raise ValueError(
-                    f"unknown order {order!r}; choose {', '.join(ORDERS)} or give "
-                    "the axes outermost first"
-                )
-            names = ORDERS[order]
-        else:
-            names = tuple(order)
+        ("megatron", "llama3", or the axes outermost first, as a sequence or one string
+        "tp,dp"); axes it leaves out have size 1."""
+        names = order_axes(order)
         unknown = [a for a in shape if a not in AXES]
         if unknown:
             raise ValueError(
                 f"unknown axis {', '.join(map(repr, unknown))}; the axes are {', '.join(AXES)}"
             )
-        missing = [a for a in shape if a not in names]
+        missing = [a for a, size in shape.items() if a not in names and size > 1]
         if missing:
             raise ValueError(f"the order {names} has no place for {', '.join(missing)}")
         # dp, tp and pp are always there (size 1 when the shape leaves them out): every
-        # strategy may ask for its group.
-        names = tuple(a for a in ("pp", "dp", "tp") if a not in names) + names
+        # strategy may ask for its group; so are the shape's other axes of size 1 an
+        # order leaves out (outermost, where they change no rank's place).
+        ones = [a for a in ("pp", "dp", "tp", *shape) if a not in names]
+        names = tuple(dict.fromkeys(ones)) + names
         return cls(tuple(names), tuple(shape.get(a, 1) for a in names))
 
     @property
@@ -150,6 +154,21 @@ class Layout:
     def as_tensor(self) -> torch.Tensor:
         """The ranks as a tensor of these sizes (what `DeviceMesh` takes as `mesh`)."""
         return torch.arange(self.world_size).view(*self.sizes)
+
+
+def order_axes(order: str | Sequence[str]) -> tuple[str, ...]:
+    """The axes of `order` outermost first: a named order's ("megatron", "llama3"), or
+    the axes themselves ("tp,dp" or ("tp", "dp"))."""
+    if isinstance(order, str):
+        if order in ORDERS:
+            return ORDERS[order]
+        if "," not in order:
+            raise ValueError(
+                f"unknown order {order!r}; choose {', '.join(ORDERS)} or give "
+                "the axes outermost first (e.g. tp,dp)"
+            )
+        order = [a.strip() for a in order.split(",")]
+    return tuple(order)
 
 
 def nodes_of(group: Sequence[int], ranks_per_node: int | None) -> set[int]:

@@ -30,10 +30,11 @@ from __future__ import annotations
 import functools
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from parcourse.mesh import ORDERS, Layout, Mesh, Order
+from parcourse.mesh import ORDERS, Layout, Mesh, Order, order_axes
 from parcourse.parts import AXES, PART_AXES, PARTS, PartFields
 from parcourse.pipeline.schedule import SCHEDULES, Schedule, schedule_by_name
 from parcourse.roles import Roles
@@ -77,7 +78,10 @@ class _Own:
         "what backward recomputes (full: each stage keeps only its input)", "none"
     )
     split: Split = _help("how layers are cut into stages", "layers")
-    order: Order = _help("the mesh's order of axes", "megatron")
+    order: Order | str = _help(
+        "the mesh's order of axes: megatron, llama3, or the axes outermost first (tp,dp)",
+        "megatron",
+    )
     ranks_per_node: int | None = _help("consecutive ranks that share a node", None)
 
 
@@ -101,12 +105,12 @@ class ParallelPlan(PartFields, _Own):
 
     @classmethod
     def on_mesh(cls, mesh: Mesh, **fields: Any) -> ParallelPlan:
-        """The plan of a mesh built already: its sizes, its order's name (Megatron-LM's
-        where none fits) and its ranks per node, with `fields`."""
+        """The plan of a mesh built already: its sizes, its order (a named one's where
+        one fits, else its axes outermost first) and its ranks per node, with `fields`."""
         shape = {a: mesh.size(a) for a in AXES}
         named = (o for o in ORDERS if Layout.of(shape, o) == mesh.layout)
         given: dict[str, Any] = {**shape, **fields, "ranks_per_node": mesh.ranks_per_node}
-        given["order"] = next(named, "megatron")
+        given["order"] = next(named, ",".join(mesh.layout.axes))
         return cls(**given)
 
     # -- the mesh it asks for
@@ -168,8 +172,8 @@ class ParallelPlan(PartFields, _Own):
             out.append(f"{self._sizes()} is {self.gpus} ranks, not the {world} there are")
         if self.ranks_per_node is not None and self.gpus % self.ranks_per_node:
             out.append(f"{self.ranks_per_node} ranks per node do not divide the {self.gpus} ranks")
-        if self.order not in ORDERS:
-            out.append(f"unknown order {self.order!r}; choose one of {', '.join(ORDERS)}")
+        if why := _order_problem(self.order, self.shape):
+            out.append(why)
         if config is not None and config.n_heads % self.tp:
             out.append(f"tp {self.tp} does not divide the {config.n_heads} heads")
         if config is not None and self.sequence_parallel and config.block_size % self.tp:
@@ -321,3 +325,23 @@ class ParallelPlan(PartFields, _Own):
 
 def _whole(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _order_problem(order: str, shape: Mapping[str, int]) -> str | None:
+    """Why `order` cannot lay out `shape` (None: it can): a named order, or every axis
+    of the mesh once, outermost first."""
+    if not isinstance(order, str):
+        return f"the order must be a name or axes joined by commas, got {order!r}"
+    try:
+        axes = order_axes(order)
+    except ValueError as e:
+        return str(e)
+    unknown = [a for a in axes if a not in AXES]
+    if unknown:
+        return f"the order {order!r} names {', '.join(unknown)}; the axes are {', '.join(AXES)}"
+    if len(set(axes)) < len(axes):
+        return f"the order {order!r} names an axis twice"
+    missing = [a for a, size in shape.items() if size > 1 and a not in axes]
+    if missing:
+        return f"the order {order!r} has no place for {', '.join(missing)}"
+    return None

@@ -38,8 +38,17 @@ RULES = [
         None,
         None,
         True,  # type: ignore[arg-type]
-        "unknown order 'zigzag'; choose one of megatron, llama3",
+        "unknown order 'zigzag'; choose megatron, llama3 or give the axes outermost first "
+        "(e.g. tp,dp)",
     ),
+    (
+        ParallelPlan(dp=2, tp=2, order="tp,pp"),
+        None,
+        None,
+        False,
+        "the order 'tp,pp' has no place for dp",
+    ),
+    (ParallelPlan(order="tp,tp,dp"), None, None, False, "the order 'tp,tp,dp' names an axis twice"),
     (ParallelPlan(tp=8), None, None, True, "tp 8 does not divide the 4 heads"),
     (ParallelPlan(tp=4, sequence_parallel=True), None, None, True, None),  # 16 tokens: fine
     (
@@ -347,6 +356,7 @@ def test_a_plan_of_other_ranks_than_the_cluster_has_is_refused():
         ParallelPlan(
             pp=4, schedule="zb-h1", microbatches=4, zero=2, split="blocks", recompute="selective"
         ),
+        ParallelPlan(dp=2, tp=2, order="tp,dp", ranks_per_node=2),
     ],
 )
 def test_a_label_reads_back_as_its_plan(plan):
@@ -378,6 +388,22 @@ def test_train3d_runs_a_plan_given_as_a_label(capsys):
     assert main(["train3d", "--plan", label, "--steps", "2", "--layers", "6"]) == 0
     out = capsys.readouterr().out
     assert f"plan        {label}" in out
+    lines = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    for _, ours, one in lines[:2]:
+        assert float(ours) == pytest.approx(float(one), rel=1e-4)
+
+
+def test_train3d_with_an_order_of_its_own_puts_tp_across_the_nodes(capsys):
+    """--order tp,dp (tp outermost): tp's groups are [0 2] [1 3], across nodes of 2, and
+    dp's [0 1] [2 3] inside; the run still equals one process (rtol 1e-4: fp32's order
+    of sums)."""
+    from parcourse.cli import main
+
+    argv = ["train3d", "--dp", "2", "--tp", "2", "--pp", "1", "--order", "tp,dp"]
+    assert main([*argv, "--ranks-per-node", "2", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "plan        dp2 tp2 pp1 1f1b m2 order tp,dp 2/node" in out
+    assert "inside a node: dp; across nodes: tp" in out
     lines = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
     for _, ours, one in lines[:2]:
         assert float(ours) == pytest.approx(float(one), rel=1e-4)

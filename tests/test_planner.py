@@ -1148,3 +1148,18 @@ def test_context_parallelism_is_priced_as_the_ring_runs_it():
     assert {c.cp for c in with_cp} == {2, 4, 8}
     assert all(not c.problems(CONFIG, BATCH, world=8, step=True) for c in with_cp)
     assert all(Choice.parse(c.label()) == c for c in with_cp)
+
+
+def test_the_planner_prices_each_axis_on_the_link_the_plans_order_gives_it():
+    """2 GPUs a node: Megatron-LM's order keeps tp inside a node and sends dp across;
+    the order tp,dp does the opposite, so tp's collectives pay the slow link and dp's
+    reduction the fast one. Under Llama 3's order (dp outermost) dp2 x pp2 puts pp inside
+    and dp across, where Megatron-LM's puts dp inside."""
+    cluster = dataclasses.replace(Cluster.preset("h100", gpus=4), gpus_per_node=2)
+    big = GPTConfig(vocab=512, block_size=256, n_layers=4, n_heads=8, d_model=512)
+    inside = predict_time(big, Choice(dp=2, tp=2, microbatches=2), 16, cluster)
+    across = predict_time(big, Choice(dp=2, tp=2, microbatches=2, order="tp,dp"), 16, cluster)
+    assert across["tp"] > 5 * inside["tp"] and across["dp"] < inside["dp"] / 5
+    megatron = predict_time(big, Choice(dp=2, pp=2, microbatches=2), 16, cluster)
+    llama3 = predict_time(big, Choice(dp=2, pp=2, microbatches=2, order="llama3"), 16, cluster)
+    assert llama3["dp"] > 5 * megatron["dp"]

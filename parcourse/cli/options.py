@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from parcourse.launch import external_env
+from parcourse.mesh import ORDERS
 from parcourse.pipeline.schedule import SCHEDULES
 from parcourse.plan import ZERO_STAGES, ParallelPlan
 
@@ -143,6 +144,8 @@ def plan_options(
             if name == "schedule"
             else ZERO_STAGES
             if name == "zero"
+            else (*ORDERS, "a,b,..")
+            if name == "order"
             else None
         )
         if choices is not None:

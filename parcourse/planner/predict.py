@@ -27,6 +27,7 @@ import torch
 
 from parcourse.comm import SimulatedLink
 from parcourse.context_parallel import positions
+from parcourse.mesh import Layout
 from parcourse.models import GPTConfig
 from parcourse.parts import PART_AXES
 from parcourse.pipeline.actions import Schedule
@@ -498,21 +499,20 @@ def _step_inputs(
 
 
 def _group_link(cluster: Cluster, choice: Choice, axis: str) -> SimulatedLink:
-    """The slow link if a group of `axis` spans nodes under Megatron-LM's order (tp
-    innermost, then cp, ep, dp, pp outermost), else the fast one."""
-    inner = {
-        "tp": choice.tp,
-        "cp": choice.tp * choice.cp,
-        "ep": choice.tp * choice.cp * choice.ep,
-        "dp": choice.tp * choice.cp * choice.ep * choice.dp,
-        "pp": choice.gpus,
-    }[axis]
-    size = {"tp": choice.tp, "cp": choice.cp, "ep": choice.ep, "dp": choice.dp, "pp": choice.pp}[
-        axis
-    ]
-    if size == 1:
-        return cluster.inside
-    return cluster.inside if inner <= cluster.gpus_per_node else cluster.between
+    """The slow link if a group of `axis` spans nodes under the plan's order (Megatron-
+    LM's by default: tp innermost, then cp, ep, dp, pp outermost), else the fast one."""
+    return cluster.between if _spans_nodes(cluster, choice, axis) else cluster.inside
+
+
+def _spans_nodes(cluster: Cluster, choice: Choice, axis: str) -> bool:
+    """Whether a group of `axis` spans nodes of `cluster.gpus_per_node` consecutive
+    ranks: a group of s ranks `stride` apart (the sizes of the axes inside it) lies in
+    one node where its span, s x stride, divides a node, and crosses otherwise."""
+    layout = Layout.of(choice.shape, choice.order)
+    if layout.size(axis) == 1 or choice.gpus <= cluster.gpus_per_node:
+        return False
+    inner = math.prod(layout.sizes[layout.axes.index(axis) :])
+    return cluster.gpus_per_node % inner != 0
 
 
 def predict_time(
@@ -969,8 +969,8 @@ def _replicated(x: StepInputs, tied: bool) -> float:
         else (mem["params"] - e) / shard + e / experts
         for mem, e in zip(x.memory, x.experts_on)
     )
-    spans = roles.size("dense") * choice.tp > cluster.gpus_per_node
-    link = cluster.between if spans else cluster.inside
+    # the replicas' ring spans nodes where the dense group (shards and replicas) does
+    link = _group_link(cluster, dataclasses.replace(x.dense_group, dp=roles.size("dense")), "dp")
     units = x.schedule.stages // choice.pp + tied + (choice.ep > 1)
     ring = CostModel(link.latency_s, link.bandwidth_Bps).all_reduce_s(
         "ring",

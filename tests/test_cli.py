@@ -171,3 +171,27 @@ def test_a_mesh_that_is_not_the_launchers_size_is_refused_before_training(
         "the mesh dp 2 x tp 1 x pp 2 needs 4 ranks, but the launcher started 2"
         in capsys.readouterr().err
     )
+
+
+def test_dp_minus_one_takes_what_the_launchers_world_leaves(monkeypatch):
+    """`--dp -1` (torchtitan's convention, what an elastic job needs): dp is the
+    launcher's world over the other axes; refused in one line without a launcher, or
+    where the world does not divide."""
+    from parcourse.cli import build_parser
+    from parcourse.cli.options import plan_from
+
+    def plan(*argv: str):
+        return plan_from(build_parser().parse_args(["train", "--dp", "-1", *argv]))
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    assert plan("--pp", "2") == (
+        "--dp -1 takes dp from the launcher's world (torchrun, Slurm); give dp here"
+    )
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    assert plan("--pp", "2").dp == 3
+    assert plan("--pp", "1").dp == 6
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert plan("--pp", "2") == "--dp -1: the launcher's 3 ranks do not divide by the other axes' 2"

@@ -491,3 +491,21 @@ def test_the_default_timeout_reads_parcourse_timeout():
     assert with_value("7").stdout.strip() == "7.0"
     bad = with_value("soon")
     assert bad.returncode != 0 and "PARCOURSE_TIMEOUT must be a number of seconds" in bad.stderr
+
+
+def test_a_peer_gone_mid_collective_is_named_by_its_address():
+    """gloo's words for a peer gone (a host lost, under torchrun) read as one sentence
+    naming the peer and what an elastic job does; other errors are left as they are."""
+    from parcourse.launch.external import peer_lost
+
+    said = peer_lost(
+        3,
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+        "[10.77.0.2]:45743: Connection reset by peer. This is typically caused by ...",
+    )
+    assert said is not None and said.startswith("rank 3 lost its peer at 10.77.0.2 mid-collect")
+    assert "(gloo: Read error [10.77.0.2]:45743: Connection reset by peer)" in said
+    assert "--nnodes 1:2" in said
+    closed = peer_lost(0, "[pair.cc:553] Connection closed by peer [10.0.0.9]:24980. Check")
+    assert closed is not None and "its peer at 10.0.0.9" in closed
+    assert peer_lost(0, "CUDA out of memory") is None

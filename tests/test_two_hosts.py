@@ -6,8 +6,11 @@ Every test leaves no namespace and no process behind, a failing one included."""
 import re
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
+import torch
 
 from parcourse.launch.hosts import Hosts, leftovers, why_not
 
@@ -104,3 +107,54 @@ def test_an_agent_not_told_its_address_fails_naming_the_fix(hosts):
     assert failed, [d.returncode for d in done]
     assert "cannot reach torchrun's store at MASTER_ADDR" in failed[0].stderr
     assert "give each agent --local-addr" in failed[0].stderr
+
+
+def test_a_lost_host_and_the_run_resharded_onto_the_host_left(hosts, tmp_path):
+    """An elastic job (`--nnodes 1:2 --max-restarts 1`, `train --dp -1`: dp is what the
+    world leaves) on both hosts, dp 4; once the checkpoint after step 40 is committed,
+    every process of the second host is killed, as a machine that loses power. The first
+    host's workers fail naming the host they lost, its agent starts them again, the
+    rendezvous closes with the one host left, and `train` resumes on dp 2 from the newest
+    checkpoint, resharded: nothing committed is lost, and the final weights are those of a
+    run resumed by hand from that checkpoint on dp 2 (the same mesh and reductions: equal
+    to fp32's last bit, within 1e-6)."""
+    import shutil
+
+    from parcourse.checkpoint import full_state_dict
+    from parcourse.cli import main
+    from parcourse.corpus import build_corpus
+
+    corpus = str(build_corpus(tmp_path / "corpus").directory)
+    out = tmp_path / "run"
+    # 240 short steps: the run goes on well past the first checkpoint when the host goes
+    settings = ["--pp", "1", "--steps", "240", "--eval-every", "240", "--save-every", "40"]
+    settings += ["--batch", "8", "--corpus", corpus]
+    argv = ["-m", "parcourse", "train", "--dp", "-1", *settings, "--out", str(out)]
+    jobs = hosts.agents(
+        argv,
+        nnodes="1:2",
+        options=["--max-restarts", "1"],
+        rdzv_conf="last_call_timeout=1,join_timeout=120",
+    )
+    first = out / "checkpoints" / "step-00000040"
+    deadline = time.monotonic() + 240
+    while not first.exists() and time.monotonic() < deadline and jobs[0].poll() is None:
+        time.sleep(0.05)
+    assert first.exists(), hosts.wait(jobs, 1)
+    hosts.lose(1)
+    done = hosts.wait(jobs[:1], timeout=300)[0]
+    assert done.returncode == 0, done.stderr[-4000:]
+    resumed = re.search(r"resumed     from (\S+), after step (\d+)", done.stdout)
+    assert resumed is not None, done.stdout + done.stderr[-3000:]
+    assert int(resumed.group(2)) >= 40
+    assert "train       dp2 tp1 pp1" in done.stdout, done.stdout
+    assert "lost its peer at 10.77.0.2 mid-collective" in done.stderr, done.stderr[-4000:]
+    # the same checkpoint resumed by hand on one host's two ranks, no failure
+    again = tmp_path / "again"
+    shutil.copytree(resumed.group(1), again / "checkpoints" / Path(resumed.group(1)).name)
+    assert main(["train", "--dp", "2", *settings, "--out", str(again), "--resume"]) == 0
+    ours = full_state_dict(out / "checkpoints" / "step-00000240")
+    theirs = full_state_dict(again / "checkpoints" / "step-00000240")
+    assert ours.keys() == theirs.keys()
+    for name, tensor in ours.items():
+        torch.testing.assert_close(tensor, theirs[name], rtol=0, atol=1e-6, msg=name)

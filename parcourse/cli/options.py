@@ -131,6 +131,8 @@ def plan_options(
         kind, default = hints[name], getattr(defaults, name)
         flag = f"--{name.replace('_', '-')}"
         what = f"{helps[name]} ({default})"  # what the field means, from the plan
+        if name == "dp":
+            what += "; -1: what the launcher's world leaves (an elastic job's)"
         if kind is bool:
             p.add_argument(flag, action="store_true", default=None, help=what)
             continue
@@ -165,6 +167,21 @@ def _launchers_node() -> int | None:
     return int(local)
 
 
+def _dp_from_the_launcher(plan: ParallelPlan) -> int | str:
+    """dp -1 (torchtitan's convention): the ranks the launcher started, over the other
+    axes' product; what an elastic job (`torchrun --nnodes 1:2`) needs to fit whatever
+    world a restart brings. A message where it cannot be read."""
+    external = external_env()
+    if external is None:
+        return "--dp -1 takes dp from the launcher's world (torchrun, Slurm); give dp here"
+    others = dataclasses.replace(plan, dp=1).gpus
+    if external[1] % others:
+        return (
+            f"--dp -1: the launcher's {external[1]} ranks do not divide by the other axes' {others}"
+        )
+    return external[1] // others
+
+
 def plan_from(args: argparse.Namespace) -> ParallelPlan | str:
     """The plan the flags (or `--plan`) give, also set on `args` field by field (so
     `args.dp` is the plan's dp); a message if they cannot be read or disagree."""
@@ -192,6 +209,11 @@ def plan_from(args: argparse.Namespace) -> ParallelPlan | str:
             )
     else:
         plan = dataclasses.replace(defaults, **given)
+    if plan.dp == -1:
+        found = _dp_from_the_launcher(plan)
+        if isinstance(found, str):
+            return found
+        plan = dataclasses.replace(plan, dp=found)
     if "ranks_per_node" in args.plan_fields and plan.ranks_per_node is None:
         plan = dataclasses.replace(plan, ranks_per_node=_launchers_node())
     for f in args.plan_fields:

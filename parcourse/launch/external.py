@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -109,6 +110,33 @@ def _device(plan: Plan) -> torch.device:
     return device
 
 
+class PeerLost(RuntimeError):
+    """A rank's peer went away mid-collective: its process, its host or the link to it."""
+
+
+# gloo's words for a peer gone: "Connection reset by peer", "Connection closed by peer
+# [10.0.0.2]:41234", "Read error [10.0.0.2]:41234: Connection reset by peer"
+_GONE = re.compile(r"(?:Connection (?:reset|closed) by peer|Read error|Write error)")
+_PEER = re.compile(r"\[([^\]]+)\]:\d+")
+
+
+def peer_lost(rank: int, error: str) -> str | None:
+    """The sentence a learner reads when `error` says a peer went away (None: it does
+    not): the peer's address, and what an elastic job does next."""
+    gone = _GONE.search(error)
+    if gone is None:
+        return None
+    said = error[gone.start() :].split(". ")[0]
+    peer = _PEER.search(said)
+    where = f"its peer at {peer.group(1)}" if peer else "a peer"
+    return (
+        f"rank {rank} lost {where} mid-collective (gloo: {said}): "
+        "that rank's process, its host or the link to it is gone. An elastic job "
+        "(torchrun --nnodes 1:2 --max-restarts 1) starts the ranks left again, and "
+        "`train` resumes from its newest checkpoint"
+    )
+
+
 def run_external(
     plan: Plan,
     fn: Callable[..., Any],
@@ -128,10 +156,15 @@ def run_external(
     backend = backend_for(group, device)  # the group may be the user's own
     ctx = RankContext(rank, world_size, device, group, tracer, backend)
     t0 = time.perf_counter()
-    if profile is None:
-        value, recorded = fn(ctx, *args, **kwargs), None
-    else:
-        value, recorded = profiled(ctx, profile, fn, args, kwargs)
+    try:
+        if profile is None:
+            value, recorded = fn(ctx, *args, **kwargs), None
+        else:
+            value, recorded = profiled(ctx, profile, fn, args, kwargs)
+    except RuntimeError as e:
+        if lost := peer_lost(rank, str(e)):
+            raise PeerLost(lost) from e
+        raise
     rank_s = time.perf_counter() - t0
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, (to_cpu(value), tracer.data(), rank_s, recorded))

@@ -97,6 +97,7 @@ class Hosts:
         ]
         self._running: list[subprocess.Popen[str]] = []
         self._output: dict[int, tuple[IO[str], IO[str]]] = {}
+        self._host_of: dict[int, int] = {}  # a job's host, by the job's id
 
     # -- up and down
 
@@ -152,12 +153,7 @@ class Hosts:
                 f.close()
         self._output.clear()
         for ns in [h.namespace for h in self.hosts] + [self.switch]:
-            pids = _ip("netns", "pids", ns, check=False).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
+            _kill_namespace(ns)
             _ip("netns", "del", ns, check=False)
 
     # -- running things in them
@@ -184,6 +180,7 @@ class Hosts:
         )
         self._running.append(job)
         self._output[id(job)] = (out, err)
+        self._host_of[id(job)] = host
         return job
 
     def torchrun(
@@ -195,23 +192,54 @@ class Hosts:
         options: Sequence[str] = (),
         local_addr: bool = True,
         first_failure: bool = False,
+        nnodes: str | None = None,
+        rdzv_conf: str = "",
     ) -> list[Done]:
         """One torchrun agent a host, meeting at the first host by c10d rendezvous, each
         running `argv` (e.g. ["-m", "parcourse", "doctor"]) on `nproc_per_node` workers.
         `local_addr=False`: the agents not told their addresses (what a learner forgets).
-        Waits as `wait` does."""
+        `nnodes`: torchrun's (every host by default; "1:2" an elastic job), `rdzv_conf`
+        more of the rendezvous' settings ("last_call_timeout=2"). Waits as `wait`
+        does."""
+        return self.wait(
+            self.agents(argv, nproc_per_node, port, options, local_addr, nnodes, rdzv_conf),
+            timeout,
+            first_failure,
+        )
+
+    def agents(
+        self,
+        argv: Sequence[str],
+        nproc_per_node: int = 2,
+        port: int = 29400,
+        options: Sequence[str] = (),
+        local_addr: bool = True,
+        nnodes: str | None = None,
+        rdzv_conf: str = "",
+    ) -> list[subprocess.Popen[str]]:
+        """The agents of `torchrun`, started and not waited for (job i on host i)."""
         jobs = []
         for i, h in enumerate(self.hosts):
+            conf = ",".join(c for c in (f"is_host={int(i == 0)}", rdzv_conf) if c)
             agent = [
                 sys.executable, "-m", "torch.distributed.run",
-                "--nnodes", str(len(self.hosts)), "--nproc-per-node", str(nproc_per_node),
+                "--nnodes", nnodes or str(len(self.hosts)),
+                "--nproc-per-node", str(nproc_per_node),
                 "--rdzv-backend", "c10d", "--rdzv-id", self.tag,
-                "--rdzv-endpoint", f"{self.hosts[0].address}:{port}",
-                "--rdzv-conf", f"is_host={int(i == 0)}",
+                "--rdzv-endpoint", f"{self.hosts[0].address}:{port}", "--rdzv-conf", conf,
                 *(["--local-addr", h.address] if local_addr else []), *options, *argv,
             ]  # fmt: skip
             jobs.append(self.start(i, agent))
-        return self.wait(jobs, timeout, first_failure)
+        return jobs
+
+    def lose(self, host: int) -> None:
+        """Every process in host `host` killed (SIGKILL), as a machine that loses power:
+        torchrun's workers run in sessions of their own, so killing an agent's process
+        group alone would leave them running."""
+        _kill_namespace(self.hosts[host].namespace)
+        for job in self._running:
+            if job.poll() is None and self._host_of[id(job)] == host:
+                _kill_group(job)
 
     def wait(
         self, jobs: list[subprocess.Popen[str]], timeout: float, first_failure: bool = False
@@ -238,6 +266,14 @@ class Hosts:
                 f.close()
             done.append(Done(h, code, *texts))
         return done
+
+
+def _kill_namespace(namespace: str) -> None:
+    for pid in _ip("netns", "pids", namespace, check=False).stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
 
 
 def _kill_group(job: subprocess.Popen[str]) -> None:

@@ -18,6 +18,7 @@ import argparse
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -35,6 +36,104 @@ def all_reduce_ms(hosts: Hosts, algo: str, size: str, repeats: int) -> float:
     return float(found.group(1))
 
 
+# The model of the inside-vs-across runs: big enough that tp's activations weigh on a
+# 100 Mbit/s link, small enough for 4 ranks on 2 cores.
+MODEL = {"layers": 4, "width": 128, "heads": 4, "block_size": 64, "batch": 16}
+STEPS = 6
+ORDERS = {"inside": "megatron", "across": "tp,dp"}  # tp innermost; tp outermost
+
+
+def train3d_step(hosts: Hosts, order: str) -> tuple[float, float]:
+    """dp 2 x tp 2 across the hosts in `order`: the median step time `train3d` prints
+    (ms, the slowest rank's) and the bytes rank 0 sent on dp a step (counted by it)."""
+    argv = ["-m", "parcourse", "train3d", "--dp", "2", "--tp", "2", "--pp", "1"]
+    argv += ["--order", order, "--steps", str(STEPS)]
+    argv += [f"--{k.replace('_', '-')}={v}" for k, v in MODEL.items()]
+    done = hosts.torchrun(argv, nproc_per_node=2, timeout=600)
+    said = "".join(d.stdout for d in done)
+    step = re.search(r"^step time\s+([\d.]+) ms", said, re.M)
+    dp = re.search(r"^\s+0\s+0\s+0\s+0\s+\S+ \S+\s+([\d.]+) (B|KiB|MiB)", said, re.M)
+    if any(d.returncode != 0 for d in done) or step is None or dp is None:
+        raise RuntimeError("train3d failed across the hosts:\n" + done[0].stderr[-3000:])
+    sent = float(dp.group(1)) * {"B": 1, "KiB": 1024, "MiB": 1024**2}[dp.group(2)]
+    return float(step.group(1)), round(sent / STEPS)
+
+
+def predicted(order: str, rate_mbit: float | None, flops: float) -> float:
+    """The planner's step (ms) for the same plan on this machine's 2 cores, the link
+    between the hosts at `rate_mbit` (None: unlimited) shared by the host's 2 ranks (the
+    planner gives each rank a link of its own, as a node's GPUs have a network card each:
+    here each gets half the host's), the loopback inside a host free."""
+    from parcourse.comm import SimulatedLink, Topology
+    from parcourse.planner import Choice, Cluster, predict_time
+
+    per_rank = rate_mbit * 1e6 / 8 / 2 if rate_mbit else float("inf")
+    topology = Topology(2, SimulatedLink(), SimulatedLink(0.0, per_rank))
+    cluster = Cluster.this_machine(4, flops=flops, topology=topology, cores=2)
+    choice = Choice(dp=2, tp=2, microbatches=2, order=order, ranks_per_node=2)
+    return 1e3 * predict_time(_config(), choice, MODEL["batch"], cluster)["step"]
+
+
+def tp_bytes() -> int:
+    """Bytes a rank sends on tp a step: every collective of `tp_collectives`, 2
+    microbatches, each all-reduced tensor sent once on a ring of 2."""
+    from parcourse.theory import tp_collectives
+
+    micro = MODEL["batch"] // (2 * 2)
+    return 2 * sum(c[3] for c in tp_collectives(_config(), micro, MODEL["block_size"], 2))
+
+
+def _config() -> Any:
+    from parcourse.models import GPTConfig
+
+    return GPTConfig(
+        vocab=64,
+        block_size=MODEL["block_size"],
+        n_layers=MODEL["layers"],
+        n_heads=MODEL["heads"],
+        d_model=MODEL["width"],
+    )
+
+
+def inside_against_across(rates: list[float]) -> None:
+    """tp inside a host against tp across, on an unlimited link and at each rate: the
+    step measured, and the planner's. The planner's own step for this machine is not
+    calibrated here (its gloo and optimizer costs are measured by `benchmarks/
+    planner.py`, not on these hosts): what is held against it is what the link adds,
+    so its step is the unlimited link's measured step plus the planner's cost of the
+    link (its step at the rate less its step unlimited)."""
+    from parcourse.planner.costs import measure_flops
+
+    flops = measure_flops(_config(), batch=MODEL["batch"] // 4)
+    links: list[float | None] = [None, *rates]
+    measured = {}
+    for rate in links:
+        with Hosts(2, rate_mbit=rate) as hosts:
+            for where, order in ORDERS.items():
+                measured[rate, where] = train3d_step(hosts, order)
+    print(
+        f"\ndp 2 x tp 2 across 2 hosts x 2 ranks, GPT {MODEL['layers']} blocks, d_model "
+        f"{MODEL['width']}, {MODEL['block_size']} tokens, batch {MODEL['batch']}, "
+        f"2 microbatches, {STEPS} steps (the median after the first)\n"
+    )
+    print(
+        f"{'link':>12} {'tp':>7} {'across a step':>14} {'step':>9} {'link adds':>10} "
+        f"{'planner':>9} {'ratio':>6}"
+    )
+    for rate in links:
+        for where, order in ORDERS.items():
+            ms, dp = measured[rate, where]
+            # what each host sends across a step: both its ranks' dp or tp bytes
+            crossing = 2 * (dp if where == "inside" else tp_bytes())
+            base = measured[None, where][0]
+            want = base + predicted(order, rate, flops) - predicted(order, None, flops)
+            name = f"{rate:g} Mb/s" if rate else "unlimited"
+            print(
+                f"{name:>12} {where:>7} {crossing / 2**20:>10.1f} MiB {ms:>6.0f} ms "
+                f"{ms - base:>7.0f} ms {want:>6.0f} ms {ms / want:>6.2f}"
+            )
+
+
 def size_bytes(size: str) -> int:
     m = re.fullmatch(r"(\d+)(KB|MB|GB)", size.upper())
     if m is None:
@@ -47,28 +146,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rates", type=float, nargs="+", default=[1000.0, 100.0], help="Mbit/s")
     p.add_argument("--size", default="64MB")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--only", choices=["allreduce", "tp"], help="one of the two tables")
     args = p.parse_args(argv)
     if why := why_not():
         print(f"two_hosts: {why}", file=sys.stderr)
         return 2
-    n, size = 4, size_bytes(args.size)
+    if args.only != "tp":
+        all_reduce_table(args.rates, args.size, args.repeats)
+    if args.only != "allreduce":
+        inside_against_across(args.rates)
+    return 0
+
+
+def all_reduce_table(rates: list[float], size_text: str, repeats: int) -> None:
+    n, size = 4, size_bytes(size_text)
     crossing = 2 * (n - 1) / n * size  # bytes each host sends across
-    print(f"all-reduce of {args.size} float32, 2 hosts x 2 ranks, the link a tbf queue\n")
+    print(f"all-reduce of {size_text} float32, 2 hosts x 2 ranks, the link a tbf queue\n")
     print(
         f"{'link':>12} {'algorithm':>10} {'time':>10} {'busbw':>11} {'of the link':>12}"
         f" {'against torch':>14}"
     )
-    for rate in args.rates:
+    for rate in rates:
         link = rate * 1e6 / 8  # bytes/s
         with Hosts(2, rate_mbit=rate) as hosts:
-            times = {a: all_reduce_ms(hosts, a, args.size, args.repeats) for a in ("torch", "ring")}
+            times = {a: all_reduce_ms(hosts, a, size_text, repeats) for a in ("torch", "ring")}
         for algo, ms in times.items():
             busbw = crossing / (ms / 1e3)
             print(
                 f"{rate:>7g} Mb/s {algo:>10} {ms:>7.1f} ms {busbw / 1e6:>6.1f} MB/s "
                 f"{busbw / link:>11.1%} {times['torch'] / ms:>13.2f}x"
             )
-    return 0
 
 
 if __name__ == "__main__":

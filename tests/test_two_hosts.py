@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from parcourse.launch.hosts import Hosts, leftovers, why_not
+from parcourse.launch.slurm import Slurm
+from parcourse.launch.slurm import why_not as slurm_why_not
 
 pytestmark = pytest.mark.skipif(why_not() is not None, reason=str(why_not()))
 
@@ -158,3 +160,28 @@ def test_a_lost_host_and_the_run_resharded_onto_the_host_left(hosts, tmp_path):
     assert ours.keys() == theirs.keys()
     for name, tensor in ours.items():
         torch.testing.assert_close(tensor, theirs[name], rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.skipif(slurm_why_not() is not None, reason=str(slurm_why_not()))
+def test_srun_across_two_hosts_runs_the_course_as_slurm_places_it(hosts):
+    """Debian's Slurm on the hosts (slurmctld on the first, a slurmd on each):
+    `srun -N 2 --ntasks-per-node 2` starts `allreduce` across them, the course reading
+    SLURM_PROCID and SLURM_NTASKS, every rank sending the ring's bytes; and `train3d`,
+    which reads 2 ranks a node from SLURM_NTASKS_PER_NODE (tp inside a host, dp across),
+    equal to one process (rtol 1e-4, as above)."""
+    with Slurm(hosts) as slurm:
+        env = {"MASTER_ADDR": hosts.hosts[0].address, "MASTER_PORT": "29500"}
+        argv = [sys.executable, "-m", "parcourse", "allreduce", "--size", "1MB"]
+        done = slurm.srun(argv, nodes=2, tasks_per_node=2, timeout=240, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "all-reduce  ring, 4 ranks, backend gloo" in done.stdout
+        assert done.stdout.count("sent 1572864 B (theory 1572864 B)") == 4, done.stdout
+        argv = [sys.executable, "-m", "parcourse", "train3d", "--dp", "2", "--tp", "2"]
+        argv += ["--pp", "1", "--steps", "3"]
+        done = slurm.srun(argv, nodes=2, tasks_per_node=2, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "inside a node: tp; across nodes: dp" in done.stdout, done.stdout
+        diff = re.search(r"largest difference from one process after 3 steps: (\S+)", done.stdout)
+        assert diff is not None and float(diff.group(1)) < 1e-4, done.stdout
+    assert not slurm.directory.exists()  # its files gone, and its daemons
+    assert subprocess.run(["pgrep", "-f", str(slurm.conf)], capture_output=True).returncode == 1

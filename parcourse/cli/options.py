@@ -159,10 +159,12 @@ def plan_options(
 
 
 def _launchers_node() -> int | None:
-    """Under torchrun across several nodes, the ranks each node holds (its local world
-    size: torchrun numbers a node's ranks one after another); None on one node or none."""
-    local, external = os.environ.get("LOCAL_WORLD_SIZE"), external_env()
-    if external is None or local is None or int(local) >= external[1]:
+    """Under torchrun or Slurm across several nodes, the ranks each node holds (torchrun's
+    local world size, Slurm's tasks per node: each numbers a node's ranks one after
+    another, Slurm by its default block distribution); None on one node or none."""
+    env, external = os.environ, external_env()
+    local = env.get("LOCAL_WORLD_SIZE") or env.get("SLURM_NTASKS_PER_NODE")
+    if external is None or local is None or not local.isdigit() or int(local) >= external[1]:
         return None
     return int(local)
 

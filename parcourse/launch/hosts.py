@@ -49,7 +49,9 @@ def why_not() -> str | None:
 
 @dataclass(frozen=True)
 class Host:
-    """One host: its namespace, the interface that leads out of it, its address."""
+    """One host: its namespace, the interface that leads out of it (eth0 on every host,
+    as a cluster's nodes name theirs alike, so one `GLOO_SOCKET_IFNAME` serves all: what
+    Slurm's tasks, started with srun's environment, need), its address."""
 
     namespace: str
     interface: str
@@ -92,9 +94,7 @@ class Hosts:
         self.tag = tag or f"pc{os.getpid() % 100000}"
         self.rate_mbit = rate_mbit
         self.switch = f"{self.tag}sw"
-        self.hosts = [
-            Host(f"{self.tag}h{i}", f"{self.tag}v{i}", f"{SUBNET}.{i + 1}") for i in range(n)
-        ]
+        self.hosts = [Host(f"{self.tag}h{i}", "eth0", f"{SUBNET}.{i + 1}") for i in range(n)]
         self._running: list[subprocess.Popen[str]] = []
         self._output: dict[int, tuple[IO[str], IO[str]]] = {}
         self._host_of: dict[int, int] = {}  # a job's host, by the job's id

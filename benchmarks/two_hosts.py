@@ -22,6 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from parcourse.experiments.hosts import HOSTS_MODEL, train3d_on_hosts  # noqa: E402
 from parcourse.launch.hosts import Hosts, why_not  # noqa: E402
 
 
@@ -36,27 +37,15 @@ def all_reduce_ms(hosts: Hosts, algo: str, size: str, repeats: int) -> float:
     return float(found.group(1))
 
 
-# The model of the inside-vs-across runs: big enough that tp's activations weigh on a
-# 100 Mbit/s link, small enough for 4 ranks on 2 cores.
-MODEL = {"layers": 4, "width": 128, "heads": 4, "block_size": 64, "batch": 16}
+MODEL = HOSTS_MODEL  # tp's activations three times dp's gradients
 STEPS = 6
 ORDERS = {"inside": "megatron", "across": "tp,dp"}  # tp innermost; tp outermost
 
 
 def train3d_step(hosts: Hosts, order: str) -> tuple[float, float]:
-    """dp 2 x tp 2 across the hosts in `order`: the median step time `train3d` prints
-    (ms, the slowest rank's) and the bytes rank 0 sent on dp a step (counted by it)."""
-    argv = ["-m", "parcourse", "train3d", "--dp", "2", "--tp", "2", "--pp", "1"]
-    argv += ["--order", order, "--steps", str(STEPS)]
-    argv += [f"--{k.replace('_', '-')}={v}" for k, v in MODEL.items()]
-    done = hosts.torchrun(argv, nproc_per_node=2, timeout=600)
-    said = "".join(d.stdout for d in done)
-    step = re.search(r"^step time\s+([\d.]+) ms", said, re.M)
-    dp = re.search(r"^\s+0\s+0\s+0\s+0\s+\S+ \S+\s+([\d.]+) (B|KiB|MiB)", said, re.M)
-    if any(d.returncode != 0 for d in done) or step is None or dp is None:
-        raise RuntimeError("train3d failed across the hosts:\n" + done[0].stderr[-3000:])
-    sent = float(dp.group(1)) * {"B": 1, "KiB": 1024, "MiB": 1024**2}[dp.group(2)]
-    return float(step.group(1)), round(sent / STEPS)
+    """dp 2 x tp 2 across the hosts in `order`: the median step (ms) and the bytes rank
+    0 sent on dp a step."""
+    return train3d_on_hosts(hosts, {"dp": 2, "tp": 2}, order, STEPS, MODEL)
 
 
 def predicted(order: str, rate_mbit: float | None, flops: float) -> float:

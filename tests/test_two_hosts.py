@@ -185,3 +185,17 @@ def test_srun_across_two_hosts_runs_the_course_as_slurm_places_it(hosts):
         assert diff is not None and float(diff.group(1)) < 1e-4, done.stdout
     assert not slurm.directory.exists()  # its files gone, and its daemons
     assert subprocess.run(["pgrep", "-f", str(slurm.conf)], capture_output=True).returncode == 1
+
+
+def test_lesson_09s_placements_run_on_the_real_link():
+    """Lesson 09's cell on real hosts (`placements_on_hosts`): the four placements, each
+    a train3d run across two hosts, a step time each; at 5 Mbit/s with the model of
+    lesson 09's simulated placements, dp's gradients outweigh the activations, so the
+    placement that keeps dp inside a host is the faster (by far more than the noise)."""
+    from parcourse.experiments.hosts import placements_on_hosts
+
+    small = {"layers": 2, "width": 64, "heads": 4, "block_size": 16, "batch": 8}
+    real = placements_on_hosts(5.0, steps=2, model=small)
+    assert list(real) == ["tp", "pp"]
+    assert list(real["pp"]) == ["pp inside a node", "pp across nodes"]
+    assert real["pp"]["pp across nodes"] < real["pp"]["pp inside a node"] / 2, real

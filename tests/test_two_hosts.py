@@ -122,7 +122,7 @@ def test_a_lost_host_and_the_run_resharded_onto_the_host_left(hosts, tmp_path):
     to fp32's last bit, within 1e-6)."""
     import shutil
 
-    from parcourse.checkpoint import full_state_dict
+    from parcourse.checkpoint import full_state_dict, read_meta
     from parcourse.cli import main
     from parcourse.corpus import build_corpus
 
@@ -136,13 +136,17 @@ def test_a_lost_host_and_the_run_resharded_onto_the_host_left(hosts, tmp_path):
         argv,
         nnodes="1:2",
         options=["--max-restarts", "1"],
-        rdzv_conf="last_call_timeout=1,join_timeout=120",
+        # each round closes 20 s after its first host joined: the first round must hold
+        # both hosts even when the second agent starts late on a loaded machine (a round
+        # closed with one host would start the job on dp 2, then grow it)
+        rdzv_conf="last_call_timeout=20,join_timeout=120",
     )
     first = out / "checkpoints" / "step-00000040"
     deadline = time.monotonic() + 240
     while not first.exists() and time.monotonic() < deadline and jobs[0].poll() is None:
         time.sleep(0.05)
     assert first.exists(), hosts.wait(jobs, 1)
+    assert read_meta(first)["plan"] == "dp4 tp1 pp1 1f1b m2"  # both hosts were in it
     hosts.lose(1)
     done = hosts.wait(jobs[:1], timeout=300)[0]
     assert done.returncode == 0, done.stderr[-4000:]

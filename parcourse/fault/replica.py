@@ -146,7 +146,7 @@ class FaultTolerant:
         self.group, self.group_name = None, None
 
     def _join(self, q: Quorum) -> None:
-        options = dist.ProcessGroupGloo._Options()
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._timeout = datetime.timedelta(seconds=self.timeout)
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
         store = dist.PrefixStore(q.group, self.store)

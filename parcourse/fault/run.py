@@ -137,7 +137,7 @@ def run_replicas(
             p.start()
         theirs.close()
         procs[replica] = _Process(replica, incarnation, p, mine)
-        events.append(Event("started", replica, incarnation, time.time(), int(p.pid)))
+        events.append(Event("started", replica, incarnation, time.time(), p.pid or 0))
 
     lighthouse = Lighthouse(
         store,

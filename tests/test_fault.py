@@ -143,3 +143,21 @@ def test_a_replica_that_raises_names_itself():
     with pytest.raises(RankError, match="bad rows") as info:
         run_replicas(train_replica, 2, F.make, broken, 4)
     assert info.value.rank == 1
+
+
+def test_the_rows_of_a_step_are_those_of_the_loader_read_in_order():
+    # a healed replica reads step k's rows without reading the k before: across epochs,
+    # in any order
+    import numpy as np
+
+    from parcourse.corpus import ShardedLoader
+    from parcourse.fault.gpt import rows_at
+
+    tokens = (np.arange(1000) % 251).astype(np.uint16)
+    reading = ShardedLoader(tokens, 8, 6, replica=1, replicas=3, seed=2)
+    jumping = ShardedLoader(tokens, 8, 6, replica=1, replicas=3, seed=2)
+    assert reading.batches_per_epoch == 20
+    in_order = [reading.next() for _ in range(45)]
+    for step in [0, 44, 3, 21, 20, 19, 40, 1]:
+        x, y = rows_at(jumping, step)
+        assert torch.equal(x, in_order[step][0]) and torch.equal(y, in_order[step][1]), step

@@ -47,6 +47,7 @@ class ReplicaContext:
         """SIGKILL this process at a step in `kill_at`, or at "heal" when it is about to
         send its state (as the OOM killer or a lost node would: no goodbye)."""
         if step in self.kill_at:
+            self.store.set(f"killed/{self.replica}/{self.incarnation}", repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -70,6 +71,7 @@ class FaultRun:
     results: dict[int, Any]
     rounds: list[Quorum]
     events: list[Event] = field(default_factory=list)
+    killed_at: dict[int, float] = field(default_factory=dict)  # replica -> time.time()
 
     def deaths(self) -> list[Event]:
         return [e for e in self.events if e.kind == "died"]
@@ -164,7 +166,12 @@ def run_replicas(
     if lighthouse.error is not None:
         raise lighthouse.error
     results = {r: p.result[1] for r, p in procs.items() if p.result and p.result[0] == "ok"}
-    return FaultRun(results, lighthouse.rounds, events)
+    killed_at = {
+        e.replica: float(store.get(key))
+        for e in events
+        if e.kind == "died" and store.check([key := f"killed/{e.replica}/{e.incarnation}"])
+    }
+    return FaultRun(results, lighthouse.rounds, events, killed_at)
 
 
 def _supervise(

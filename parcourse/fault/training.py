@@ -32,13 +32,17 @@ def train_replica(
     make: Make,
     batch: Batch,
     steps: int,
-    loss_fn: LossFn = mse,
+    loss_fn: LossFn | None = None,  # None: mean squared error
     bucket_mb: float = 25.0,
     timeout: float = 10.0,
+    lr: Callable[[int], float] | None = None,
+    clip: float | None = None,
 ) -> dict[str, Any]:
     """`steps` committed steps on this replica; its history (one entry a committed step:
     the loss, the quorum's members, when it committed), the quorums, transfers and broken
-    all-reduces it saw, and its final weights and optimizer state."""
+    all-reduces it saw, and its final weights and optimizer state. `lr(step)`: the
+    learning rate of each step; `clip`: the averaged gradients' norm is clipped to it
+    (the same on every replica, as the gradients are)."""
     model, optimizer = make()
     ft = FaultTolerant(
         model,
@@ -61,10 +65,15 @@ def train_replica(
             break
         step = ft.step
         x, y = batch(step, ctx.replica)
-        loss = loss_fn(model, x, y)
+        loss = (loss_fn or mse)(model, x, y)
         loss.backward()
         ctx.maybe_die(step)  # a fault on purpose: mid-step, after backward
+        if lr is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = lr(step)  # applied at the commit, in the next start_step
         if ft.sync():
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             trained = {"step": step, "loss": loss.item(), "members": q.members, "at": time.time()}
     ft.finish()
     return {

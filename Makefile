@@ -7,7 +7,7 @@ TORCH_VERSION ?= 2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.parcourse-installed
 
-.PHONY: lab test check lint install doctor bench clean site
+.PHONY: lab test check lint install doctor bench bench-fault clean site
 
 install: $(STAMP)
 
@@ -61,6 +61,11 @@ doctor: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/launch.py
+
+# A replica lost mid-run: the course's per-step recovery, torchft's, torchrun's restart.
+bench-fault: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[fault]"
+	$(PY) benchmarks/fault_tolerance.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache build dist

@@ -161,3 +161,21 @@ def test_the_rows_of_a_step_are_those_of_the_loader_read_in_order():
     for step in [0, 44, 3, 21, 20, 19, 40, 1]:
         x, y = rows_at(jumping, step)
         assert torch.equal(x, in_order[step][0]) and torch.equal(y, in_order[step][1]), step
+
+
+def test_train_fault_tolerant_goes_on_through_a_killed_replica(capsys, tmp_path):
+    from parcourse.cli import main
+
+    corpus = str(tmp_path / "corpus")
+    argv = ["train", "--fault-tolerant", "--plan", "dp2 tp1 pp1", "--steps", "6"]
+    assert main([*argv, "--eval-every", "6", "--kill", "1:3", "--corpus", corpus]) == 0
+    out = capsys.readouterr().out
+    assert "died        replica 1 (exit -9); a new one started" in out
+    assert "healed      replica 1 from 0" in out and "val loss" in out
+    for wrong, says in (
+        (["--dp", "2", "--pp", "2"], "--fault-tolerant trains dp's replicas only"),
+        (["--plan", "dp2 tp1 pp1", "--out", str(tmp_path / "run")], "keeps no checkpoint"),
+    ):
+        with pytest.raises(SystemExit) as refused:
+            main(["train", "--fault-tolerant", *wrong])
+        assert refused.value.code == 2 and says in capsys.readouterr().err

@@ -75,6 +75,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a fault on purpose: that rank kills itself (SIGKILL) when it "
         "reaches that step (not again after a restart)",
     )
+    p.add_argument(
+        "--fault-tolerant",
+        action="store_true",
+        help="dp's replicas under a quorum a step (lesson 13): a replica killed by --kill "
+        "is dropped, the step retried by the others, a new one healed from a live peer; "
+        "dp only (tp, pp, cp, ep 1, no ZeRO)",
+    )
     p.add_argument("--prompt", default="def ", help="the start of the sampled text")
     p.add_argument("--timeout", type=float, default=1800.0)
 
@@ -111,6 +118,8 @@ def check(args: argparse.Namespace) -> str | None:
         return problem
     if args.clip <= 0:
         return f"--clip must be positive, got {args.clip}"
+    if args.fault_tolerant and (problem := _fault_tolerant_problem(args, settings)):
+        return problem
     if (args.resume or args.save_every) and args.out is None:
         return "--resume and --save-every need --out (the run's directory)"
     if args.save_every < 0:
@@ -191,6 +200,20 @@ def _resumable(args: argparse.Namespace, settings: Any) -> str | None:
     return None
 
 
+def _fault_tolerant_problem(args: argparse.Namespace, s: TrainSettings) -> str | None:
+    plan = s.plan
+    if plan.gpus != plan.dp or plan.zero or s.experts:
+        return (
+            f"--fault-tolerant trains dp's replicas only, one process each: give --plan "
+            f"'dp{plan.dp} tp1 pp1' (not {plan.label()}), no --zero, no --experts"
+        )
+    if args.out is not None or args.resume:
+        return "--fault-tolerant keeps no checkpoint: a new replica heals from a peer (no --out)"
+    if os.environ.get("WORLD_SIZE") is not None:
+        return "--fault-tolerant starts its replicas itself: run it without torchrun"
+    return None
+
+
 def _kill(args: argparse.Namespace) -> tuple[int, int]:
     rank, step = args.kill.split(":")
     return int(rank), int(step)
@@ -252,6 +275,8 @@ def run(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     corpus = build_corpus(args.corpus)
+    if args.fault_tolerant:
+        return _run_fault_tolerant(args, settings, str(corpus.directory))
     where = ranks(argparse.Namespace(world_size=settings.world_size))
     from parcourse.checkpoint import latest
 
@@ -306,4 +331,38 @@ def run(args: argparse.Namespace) -> int:
     print(sample(state, config, args.prompt, 160))
     print(f"\nsample      temperature 0.8, after {args.prompt!r}:")
     print(sample(state, config, args.prompt, 160, temperature=0.8))
+    return 0
+
+
+def _run_fault_tolerant(args: argparse.Namespace, s: TrainSettings, corpus: str) -> int:
+    """dp's replicas under `parcourse.fault`'s coordinator: the quorum of each round, then
+    the losses of replica 0's committed steps and its validation loss."""
+    from parcourse.fault import run_replicas
+    from parcourse.fault.gpt import train_gpt_replica
+
+    kill = [_kill(args)] if args.kill is not None else []
+    run = run_replicas(
+        train_gpt_replica, s.plan.dp, s, corpus, kill=kill, replace=True, timeout=args.timeout
+    )
+    print(
+        f"train       {s.plan.dp} fault-tolerant replicas; GPT {s.layers} blocks, width {s.width}"
+    )
+    for e in run.deaths():
+        print(f"died        replica {e.replica} (exit {e.exitcode}); a new one started")
+    print(f"\n{'round':>6} {'members':<14} {'commit':<7} {'step':>5}  heal")
+    for q in run.rounds:
+        heal = ", ".join(f"{t} <- {src}" for t, src in q.heal.items())
+        commit = "yes" if q.commit else "no"
+        print(f"{q.round:>6} {str(q.members):<14} {commit:<7} {q.step:>5}  {heal}")
+    first = run.results[min(run.results)]
+    for h in first["healed"]:
+        print(
+            f"healed      replica {h['target']} from {h['source']}: "
+            f"{h['nbytes'] / 2**20:.2f} MiB in {h['seconds'] * 1e3:.0f} ms"
+        )
+    print(f"\n{'step':>6} {'loss':>8} {'members':<14}")
+    for h in first["history"]:
+        if h["step"] % max(1, s.eval_every // 2) == 0 or h["step"] == s.steps - 1:
+            print(f"{h['step']:>6} {h['loss']:>8.3f} {h['members']}")
+    print(f"\nval loss    {first['val_loss']:.3f} (replica {min(run.results)}'s final weights)")
     return 0

@@ -13,6 +13,8 @@ def make(opt="adamw"):
     model = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5))
     if opt == "sgd":
         return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if opt == "sgd-plain":
+        return model, torch.optim.SGD(model.parameters(), lr=0.05)
     return model, torch.optim.AdamW(model.parameters(), lr=0.01)
 
 
@@ -75,3 +77,52 @@ def sharded(ctx):
     except ValueError as e:
         return str(e)
     return None
+
+
+def local(ctx, kind, every, steps):
+    """Each rank a replica on its own rows, meeting every `every` steps (LocalSGD or
+    DiLoCo; inner SGD for LocalSGD, AdamW for DiLoCo)."""
+    from parcourse.fault import DiLoCo, LocalSGD
+
+    model, opt = make("sgd-plain" if kind == "local" else "adamw")
+    sync = (LocalSGD if kind == "local" else DiLoCo)(model, ctx.group, every)
+    for step in range(steps):
+        x, y = batch(step, ctx.rank)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        sync.step()
+    return {
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "bytes": sync.bytes_sent,
+    }
+
+
+def local_reference(kind, every, steps, replicas):
+    """The same in one process: the replicas' copies side by side, the meeting by hand
+    (DiLoCo's outer step written out: Nesterov momentum, v = m v + g, w0 -= lr (g + m v))."""
+    copies = [make("sgd-plain" if kind == "local" else "adamw") for _ in range(replicas)]
+    start = [p.detach().clone() for p in copies[0][0].parameters()]
+    velocity = [torch.zeros_like(w) for w in start]
+    for step in range(steps):
+        for r, (model, opt) in enumerate(copies):
+            x, y = batch(step, r)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        if (step + 1) % every:
+            continue
+        params = [list(m.parameters()) for m, _ in copies]
+        with torch.no_grad():
+            for i in range(len(start)):
+                mean = sum(ps[i] for ps in params) / replicas
+                if kind == "local":
+                    new = mean
+                else:
+                    g = start[i] - mean
+                    velocity[i] = 0.9 * velocity[i] + g
+                    start[i] = start[i] - 0.7 * (g + 0.9 * velocity[i])
+                    new = start[i]
+                for ps in params:
+                    ps[i].copy_(new)
+    return copies[0][0].state_dict()

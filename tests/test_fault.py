@@ -35,7 +35,7 @@ def assert_none_left(run):
 
 @pytest.mark.parametrize("replicas", [2, 4])
 def test_without_a_fault_it_is_bucketed_data_parallel_bitwise(pools, replicas):
-    # 0.0005 MB: the 183 parameters' gradients in two buckets, as BucketedDataParallel
+    # 0.0005 MB: the 174 parameters' gradients in two buckets, as BucketedDataParallel
     # cuts them
     run = run_replicas(train_replica, replicas, F.make, F.batch, 6, bucket_mb=0.0005)
     dp = pools[replicas].run(F.bucketed, 6, 0.0005).results
@@ -83,7 +83,7 @@ def test_a_new_replica_heals_from_a_live_peer_to_the_same_bits():
     new = run.results[2]
     assert new["incarnation"] == 1
     (healed,) = new["healed"]
-    assert healed["source"] == 0 and healed["target"] == 2 and healed["nbytes"] > 3 * 183 * 4
+    assert healed["source"] == 0 and healed["target"] == 2 and healed["nbytes"] > 3 * 174 * 4
     assert [h["step"] for h in new["history"]] == list(range(3, 8))
     assert_bitwise_alike(run)
     first = run.results[0]["optimizer"]["state"]
@@ -179,3 +179,33 @@ def test_train_fault_tolerant_goes_on_through_a_killed_replica(capsys, tmp_path)
         with pytest.raises(SystemExit) as refused:
             main(["train", "--fault-tolerant", *wrong])
         assert refused.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_local_sgd_meeting_every_step_is_bsp(pools, world_size):
+    # plain SGD: the mean of w - lr g_r is w - lr mean(g_r), up to the order of additions
+    results = pools[world_size].run(F.local, "local", 1, 5).results
+    expected = F.one_process(5, lambda step: range(world_size), lambda: F.make("sgd-plain"))
+    for r in results:
+        for name, value in expected.items():
+            torch.testing.assert_close(r["state"][name], value, **TOL)
+
+
+@pytest.mark.parametrize("kind", ["local", "diloco"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_local_sgd_and_diloco_against_a_hand_written_reference(pools, kind, world_size):
+    # 7 steps meeting every 3: two meetings, and one step after the last (replicas apart)
+    results = pools[world_size].run(F.local, kind, 3, 7).results
+    ahead = F.local_reference(kind, 3, 7, world_size)
+    params = 174 * 4  # bytes of the weights: 7 x 13 + 13 + 13 x 5 + 5 in fp32
+    for r in results:
+        assert r["bytes"] == 2 * params  # one all-reduce of the weights a meeting
+    for name, value in ahead.items():
+        torch.testing.assert_close(results[0]["state"][name], value, **TOL)
+
+
+def test_local_sgd_refuses_meeting_never():
+    from parcourse.fault import LocalSGD
+
+    with pytest.raises(ValueError, match="every must be at least 1 step, got 0"):
+        LocalSGD(torch.nn.Linear(2, 2), None, 0)

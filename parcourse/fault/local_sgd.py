@@ -22,6 +22,7 @@ algorithms over any process group, so that lesson 13 can set them beside BSP."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -60,7 +61,7 @@ class LocalSGD:
         buffers = [b for b in self.model.buffers() if b.is_floating_point()]
         return params + buffers
 
-    def _average(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+    def _average(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """The mean over the group of `tensors`, flat, in one all-reduce."""
         flat = torch.cat([t.detach().reshape(-1) for t in tensors])
         dist.all_reduce(flat, group=self.group)

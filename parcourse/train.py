@@ -121,12 +121,11 @@ def learning_rate(step: int, s: TrainSettings) -> float:
     progress = min(1.0, (step - s.warmup) / span)
     return s.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (s.lr - s.min_lr)
 
-    """The mean cross-entropy of whole weights `state` on the batch (x, y)."""
-
 
 def evaluate(
     state: dict[str, torch.Tensor], config: GPTConfig, x: torch.Tensor, y: torch.Tensor
 ) -> float:
+    """The mean cross-entropy of whole weights `state` on the batch (x, y)."""
     from parcourse.models import gpt
 
     model = gpt(config)

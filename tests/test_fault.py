@@ -171,7 +171,9 @@ def test_train_fault_tolerant_goes_on_through_a_killed_replica(capsys, tmp_path)
     assert main([*argv, "--eval-every", "6", "--kill", "1:3", "--corpus", corpus]) == 0
     out = capsys.readouterr().out
     assert "died        replica 1 (exit -9); a new one started" in out
-    assert "healed      replica 1 from 0" in out and "val loss" in out
+    # the run goes on to its last step whether or not the replacement (started at once,
+    # a new Python) joins before the end: the heal itself is tested above, with min_replicas
+    assert "\n     5 " in out and "val loss" in out
     for wrong, says in (
         (["--dp", "2", "--pp", "2"], "--fault-tolerant trains dp's replicas only"),
         (["--plan", "dp2 tp1 pp1", "--out", str(tmp_path / "run")], "keeps no checkpoint"),
